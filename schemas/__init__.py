@@ -1,0 +1,60 @@
+"""Every event spikeguard moves, its JSON encoding and the topic names.
+
+>>> from spikeguard.schemas import StepEvent, encode, decode
+>>> event = StepEvent(run_id="r1", step=3, loss=float("nan"))
+>>> decode(encode(event), StepEvent).loss
+nan
+"""
+
+from spikeguard.schemas.codec import (
+    MAX_MESSAGE_BYTES,
+    decode,
+    decode_any,
+    encode,
+    json_schemas,
+)
+from spikeguard.schemas.events import (
+    SCHEMA_VERSION,
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    AnomalyType,
+    BatchStats,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    HealthLevel,
+    StepEvent,
+    Urgency,
+    Verdict,
+)
+from spikeguard.schemas.ids import action_id, decision_id, incident_id
+from spikeguard.schemas.topics import TOPICS, Topics
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "SCHEMA_VERSION",
+    "TOPICS",
+    "Ack",
+    "AckStatus",
+    "Action",
+    "ActionKind",
+    "AnomalyType",
+    "BatchStats",
+    "CheckpointEvent",
+    "DeadLetter",
+    "Decision",
+    "HealthLevel",
+    "StepEvent",
+    "Topics",
+    "Urgency",
+    "Verdict",
+    "action_id",
+    "decision_id",
+    "decode",
+    "decode_any",
+    "encode",
+    "incident_id",
+    "json_schemas",
+]

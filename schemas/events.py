@@ -1,0 +1,248 @@
+"""Pydantic v2 models of every record on the bus.
+
+Non-finite floats are the point of this system and JSON has none, so they
+travel as the strings "NaN", "Infinity", "-Infinity" and parse back to floats
+(``ser_json_inf_nan="strings"``). Every record carries ``schema_version``;
+a reader refuses versions it does not know rather than guess at them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+# A run id becomes a Kafka key and a metric label value: keep it short and printable.
+RunId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s\x00-\x1f]+$")]
+Step = Annotated[int, Field(ge=0)]
+# Small free-form maps (signals, action parameters) keep scalar values only.
+Scalar = Union[float, int, str, bool, None]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore",  # a newer writer's extra fields do not break an older reader
+        frozen=True,
+        ser_json_inf_nan="strings",
+        use_enum_values=False,
+    )
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class AnomalyType(str, Enum):
+    """What went wrong. Ordered loosely from most to least urgent."""
+
+    NONE = "none"
+    NON_FINITE = "non_finite"
+    EXTREME_LOSS = "extreme_loss"
+    GRADIENT_EXPLOSION = "gradient_explosion"
+    LOSS_SPIKE = "loss_spike"
+    DIVERGENCE = "divergence"
+    OSCILLATION = "oscillation"
+    LR_OUT_OF_BOUNDS = "lr_out_of_bounds"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+    BAD_BATCH = "bad_batch"
+    ML_OUTLIER = "ml_outlier"
+    # Predictor warnings: preventive, never a rollback on their own.
+    INSTABILITY_WARNING = "instability_warning"
+    STALLED = "stalled"
+    LR_TOO_HIGH = "lr_too_high"
+
+
+class HealthLevel(str, Enum):
+    EXCELLENT = "excellent"
+    GOOD = "good"
+    WARNING = "warning"
+    CONCERNING = "concerning"
+    CRITICAL = "critical"
+
+
+class Urgency(str, Enum):
+    NONE = "none"
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    CRITICAL = "critical"
+
+
+class ActionKind(str, Enum):
+    ROLLBACK = "rollback"  # params: target_step, checkpoint_id
+    SKIP_BATCHES = "skip_batches"  # params: start, end (global batch indices, end exclusive)
+    SET_LR = "set_lr"  # params: lr
+    SCALE_LR = "scale_lr"  # params: factor
+    RESTORE_LR = "restore_lr"  # params: factor (towards the base LR)
+    CLIP = "clip"  # params: max_norm, or mode="adaptive", z
+    CHECKPOINT = "checkpoint"  # params: healthy
+    STOP = "stop"  # params: reason
+    REDUCE_BATCH_SIZE = "reduce_batch_size"  # params: factor; user handler
+    SET_EPS = "set_eps"  # params: eps; user handler
+    ALERT = "alert"  # params: severity; informational
+
+
+class AckStatus(str, Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # this action_id was applied before
+    REJECTED = "rejected"  # bad or missing signature, or not for this run
+    UNHANDLED = "unhandled"  # no handler for this kind
+    FAILED = "failed"  # the handler raised
+
+
+class BatchStats(BaseModel):
+    """Optional statistics of the batch that produced a step."""
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings", extra="ignore")
+
+    size: int = Field(0, ge=0)
+    nan_inputs: int = Field(0, ge=0)
+    inf_inputs: int = Field(0, ge=0)
+    outliers: int = Field(0, ge=0, description="inputs beyond the outlier threshold")
+    max_label_fraction: float | None = Field(
+        None, ge=0.0, le=1.0, description="share of the most frequent label"
+    )
+
+
+class StepEvent(_Event):
+    """One optimizer step of one rank of one run, as the trainer saw it."""
+
+    run_id: RunId
+    step: Step
+    rank: int = Field(0, ge=0)
+    time: float = Field(default_factory=time.time, description="unix seconds")
+    loss: float
+    grad_norm: float | None = Field(None, description="total L2 norm before clipping")
+    lr: float | None = None
+    loss_scale: float | None = Field(None, description="fp16 GradScaler scale, if any")
+    update_norm: float | None = Field(None, description="L2 norm of the parameter update")
+    param_norm: float | None = None
+    top_grad_norms: dict[str, float] = Field(
+        default_factory=dict, description="largest per-layer gradient norms"
+    )
+    nonfinite_grads: int = Field(0, ge=0, description="gradient elements that were NaN/Inf")
+    update_skipped: bool = Field(False, description="the trainer skipped this update itself")
+    batch_index: int | None = Field(None, ge=0, description="global data position")
+    batch: BatchStats | None = None
+
+    @property
+    def finite(self) -> bool:
+        """True when loss and gradient norm are both finite (or absent)."""
+        return math.isfinite(self.loss) and (
+            self.grad_norm is None or math.isfinite(self.grad_norm)
+        )
+
+
+class Verdict(_Event):
+    """One detector's judgement of one step."""
+
+    run_id: RunId
+    step: Step
+    detector: str = Field(min_length=1, max_length=64)
+    is_anomaly: bool
+    type: AnomalyType = AnomalyType.NONE
+    confidence: float = Field(0.0, ge=0.0, le=1.0)
+    critical: bool = Field(False, description="decides on its own, whatever the others say")
+    rules: list[str] = Field(default_factory=list, description="names of what fired")
+    message: str = ""
+    signals: dict[str, Scalar] = Field(default_factory=dict)
+    # Predictor fields: the early warning.
+    instability_probability: float | None = Field(None, ge=0.0, le=1.0)
+    horizon_steps: int | None = Field(None, ge=1)
+    health: HealthLevel | None = None
+
+
+class Decision(_Event):
+    """Fusion's one decision for one (run_id, step)."""
+
+    decision_id: str
+    run_id: RunId
+    step: Step
+    is_anomaly: bool
+    type: AnomalyType = AnomalyType.NONE
+    confidence: float = Field(0.0, ge=0.0, le=1.0)
+    urgency: Urgency = Urgency.NONE
+    recommendation: str = ""
+    preventive: bool = Field(False, description="an early warning, not an anomaly")
+    incident_id: str | None = None
+    incident_onset_step: int | None = Field(None, ge=0)
+    detectors: dict[str, float] = Field(
+        default_factory=dict, description="confidence of each detector that spoke"
+    )
+    missing: list[str] = Field(default_factory=list, description="detectors that did not speak")
+    rules: list[str] = Field(default_factory=list)
+    signals: dict[str, Scalar] = Field(default_factory=dict)
+
+
+class Action(_Event):
+    """A command for the trainers of one run, applied at ``apply_at_step``."""
+
+    action_id: str
+    run_id: RunId
+    kind: ActionKind
+    apply_at_step: Step = Field(description="every rank applies it at this step")
+    params: dict[str, Scalar] = Field(default_factory=dict)
+    decision_id: str | None = None
+    incident_id: str | None = None
+    reason: str = ""
+    signature: str | None = Field(None, description="hex HMAC-SHA256, see actuators.signing")
+
+
+class Ack(_Event):
+    """A trainer's answer to an action."""
+
+    run_id: RunId
+    action_id: str
+    kind: ActionKind
+    status: AckStatus
+    step: Step = Field(description="the step at which it was applied or refused")
+    rank: int = Field(0, ge=0)
+    result: str = ""
+    time: float = Field(default_factory=time.time)
+
+
+class CheckpointEvent(_Event):
+    """A checkpoint the trainer wrote."""
+
+    run_id: RunId
+    step: Step
+    checkpoint_id: str
+    path: str = ""
+    healthy: bool = Field(description="the run was healthy when it was taken")
+    batch_index: int | None = Field(None, ge=0)
+    reason: Literal["periodic", "on_demand", "emergency", "final"] = "periodic"
+    time: float = Field(default_factory=time.time)
+
+
+class DeadLetter(_Event):
+    """A record a consumer could not process, with the reason."""
+
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    key: str | None = None
+    value: str = Field(description="the record as text (undecodable bytes escaped), truncated")
+    value_bytes: int = Field(0, ge=0, description="the record's full size")
+    error: str = Field(description="the exception class")
+    reason: str
+    consumer: str = ""
+    time: float = Field(default_factory=time.time)
+
+    @field_validator("value")
+    @classmethod
+    def _truncate(cls, value: str) -> str:
+        return value if len(value) <= 4096 else value[:4096] + "…"
+
+
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    StepEvent,
+    Verdict,
+    Decision,
+    Action,
+    Ack,
+    CheckpointEvent,
+    DeadLetter,
+)

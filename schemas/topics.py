@@ -1,0 +1,56 @@
+"""Topic names: ``{prefix}{name}``; a replay runs the pipeline under another prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "spikeguard."
+TOPICS = ("steps", "verdicts", "decisions", "actions", "acks", "checkpoints", "dlq")
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The full topic names under one prefix.
+
+    >>> Topics().steps
+    'spikeguard.steps'
+    >>> Topics("replay.").decisions
+    'replay.decisions'
+    """
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def steps(self) -> str:
+        return self.prefix + "steps"
+
+    @property
+    def verdicts(self) -> str:
+        return self.prefix + "verdicts"
+
+    @property
+    def decisions(self) -> str:
+        return self.prefix + "decisions"
+
+    @property
+    def actions(self) -> str:
+        return self.prefix + "actions"
+
+    @property
+    def acks(self) -> str:
+        return self.prefix + "acks"
+
+    @property
+    def checkpoints(self) -> str:
+        return self.prefix + "checkpoints"
+
+    @property
+    def dlq(self) -> str:
+        return self.prefix + "dlq"
+
+    def all(self) -> list[str]:
+        return [self.prefix + name for name in TOPICS]
+
+    def state(self, component: str) -> str:
+        """The compacted topic holding a component's state snapshots."""
+        return f"{self.prefix}state.{component}"

@@ -1,0 +1,233 @@
+#!/usr/bin/env bash
+# A local single-node Apache Kafka 4.x broker (KRaft, no Docker) for the tests.
+#
+#   scripts/kafka_local.sh start    # fetch the jars once, format fresh storage, start, wait until ready
+#   scripts/kafka_local.sh status   # exit 0 when a broker answers on the port
+#   scripts/kafka_local.sh stop     # SIGTERM, then SIGKILL after a timeout; no-op when not running
+#
+# The broker jars come from Maven Central through scripts/kafka/pom.xml into
+# a cache outside the clone ($SPIKEGUARD_CACHE/kafka/lib, ~/.m2 keeps the
+# downloads); each start wipes the data directory so a test run begins empty.
+#
+# Environment:
+#   SPIKEGUARD_KAFKA_PORT             client port (default 9092)
+#   SPIKEGUARD_KAFKA_CONTROLLER_PORT  KRaft controller port (default 9093)
+#   SPIKEGUARD_KAFKA_HEAP             JVM heap flags (default "-Xms256m -Xmx512m")
+#   SPIKEGUARD_KAFKA_START_TIMEOUT    seconds to wait for the broker (default 90)
+#   SPIKEGUARD_KAFKA_STOP_TIMEOUT     seconds between SIGTERM and SIGKILL (default 30)
+#   SPIKEGUARD_CACHE                  cache root (default ~/.cache/spikeguard)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+kdir="$here/kafka"
+cache="${SPIKEGUARD_CACHE:-$HOME/.cache/spikeguard}"
+lib="$cache/kafka/lib"
+host=127.0.0.1
+port="${SPIKEGUARD_KAFKA_PORT:-9092}"
+cport="${SPIKEGUARD_KAFKA_CONTROLLER_PORT:-9093}"
+heap="${SPIKEGUARD_KAFKA_HEAP:--Xms256m -Xmx512m}"
+start_timeout="${SPIKEGUARD_KAFKA_START_TIMEOUT:-90}"
+stop_timeout="${SPIKEGUARD_KAFKA_STOP_TIMEOUT:-30}"
+run="$cache/kafka/run-$port"
+pidfile="$run/kafka.pid"
+logs="$run/logs"
+
+say() { echo "kafka_local: $*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# The venv's python, when it has kafka-python, checks readiness with a real client.
+python=""
+for candidate in "${SPIKEGUARD_PYTHON:-}" "$cache/venv/bin/python"; do
+  if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" -c "import kafka" 2>/dev/null; then
+    python="$candidate"
+    break
+  fi
+done
+
+tcp_open() { (exec 3<>"/dev/tcp/$host/$1") 2>/dev/null; }
+
+# Exit 0 when a broker on $port serves clients within $1 seconds.
+probe() {
+  if [ -n "$python" ]; then
+    "$python" "$kdir/ready.py" "$host:$port" "$1" 2>/dev/null
+  else
+    tcp_open "$port"
+  fi
+}
+
+our_pid() {
+  local pid
+  pid="$(cat "$pidfile" 2>/dev/null || true)"
+  [ -n "$pid" ] && grep -qa "kafka.Kafka" "/proc/$pid/cmdline" 2>/dev/null && echo "$pid"
+}
+
+java_opts() {
+  # shellcheck disable=SC2206  # the heap flags are meant to split
+  local opts=($heap -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
+    -Djava.awt.headless=true "-Dlog4j2.configurationFile=$kdir/log4j2.properties"
+    "-Dkafka.logs.dir=$logs" -cp "$lib/*")
+  printf '%s\n' "${opts[@]}"
+}
+
+fetch_jars() {
+  local want
+  want="$(sha256sum "$kdir/pom.xml" | cut -d' ' -f1)"
+  if [ "$(cat "$lib/.pom.sha256" 2>/dev/null || true)" = "$want" ]; then
+    return
+  fi
+  command -v mvn >/dev/null || die "mvn not found (Maven fetches the broker jars)"
+  command -v java >/dev/null || die "java not found (the broker needs Java 17+)"
+  say "fetching the broker jars into $lib (once)"
+  rm -rf "$lib.tmp"
+  mvn -B -q -f "$kdir/pom.xml" dependency:copy-dependencies \
+    -DoutputDirectory="$lib.tmp" >&2 || die "mvn could not fetch the broker jars"
+  rm -rf "$kdir/target" "$lib"
+  mv "$lib.tmp" "$lib"
+  echo "$want" > "$lib/.pom.sha256"
+}
+
+write_config() {
+  cat > "$run/server.properties" <<EOF
+# Written by scripts/kafka_local.sh: one KRaft node for tests, on $host only.
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=$host:$cport
+listeners=PLAINTEXT://$host:$port,CONTROLLER://$host:$cport
+advertised.listeners=PLAINTEXT://$host:$port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$run/data
+
+num.partitions=4
+default.replication.factor=1
+min.insync.replicas=1
+auto.create.topics.enable=true
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+
+# Fast group changes: no initial delay, and tests may use short sessions.
+group.initial.rebalance.delay.ms=0
+group.min.session.timeout.ms=1000
+
+# Small segments and little housekeeping; the data dir is wiped on each start.
+log.segment.bytes=16777216
+log.retention.hours=24
+log.retention.check.interval.ms=60000
+num.network.threads=2
+num.io.threads=4
+num.recovery.threads.per.data.dir=1
+EOF
+}
+
+start() {
+  local pid
+  if pid="$(our_pid)"; then
+    probe "$start_timeout" || die "broker pid $pid runs but does not answer on $host:$port (see $logs/server.log)"
+    say "already running (pid $pid) at $host:$port"
+    return 0
+  fi
+  if tcp_open "$port"; then
+    if probe 10; then
+      say "a broker is already running at $host:$port (not started by this script)"
+      return 0
+    fi
+    die "port $port is in use by something that is not a Kafka broker"
+  fi
+  tcp_open "$cport" && die "controller port $cport is in use (set SPIKEGUARD_KAFKA_CONTROLLER_PORT)"
+
+  fetch_jars
+  local t0=$SECONDS
+  rm -rf "$run"
+  mkdir -p "$run/data" "$logs"
+  write_config
+  local opts cluster_id
+  mapfile -t opts < <(java_opts)
+  cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>>"$logs/stdout.log")" \
+    || die "StorageTool random-uuid failed: $(tail -n 20 "$logs/stdout.log")"
+  java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
+    -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
+    || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
+  setsid nohup java "${opts[@]}" kafka.Kafka "$run/server.properties" \
+    >>"$logs/stdout.log" 2>&1 < /dev/null &
+  pid=$!
+  echo "$pid" > "$pidfile"
+  say "started pid $pid, waiting for $host:$port (up to ${start_timeout}s)"
+
+  local deadline=$((SECONDS + start_timeout))
+  while true; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      fail_start "the broker exited"
+    fi
+    if probe 5; then
+      break
+    fi
+    [ "$SECONDS" -lt "$deadline" ] || fail_start "not ready after ${start_timeout}s"
+    sleep 0.5
+  done
+  [ -n "$python" ] || say "note: checked the TCP port only (no venv with kafka-python at $cache/venv)"
+  say "ready at $host:$port (pid $pid) in $((SECONDS - t0))s; logs in $logs"
+}
+
+fail_start() {
+  say "error: $1"
+  for f in "$logs/server.log" "$logs/stdout.log"; do
+    [ -s "$f" ] || continue
+    say "--- tail of $f"
+    tail -n 40 "$f" >&2
+  done
+  stop >/dev/null 2>&1 || true
+  exit 1
+}
+
+stop() {
+  local pid
+  if ! pid="$(our_pid)"; then
+    rm -f "$pidfile"
+    if tcp_open "$port"; then
+      say "something answers on $host:$port but was not started by this script; left alone"
+      return 1
+    fi
+    say "not running"
+    return 0
+  fi
+  kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + stop_timeout))
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+    sleep 0.2
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    say "pid $pid still running after ${stop_timeout}s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+  fi
+  rm -f "$pidfile"
+  say "stopped (pid $pid)"
+}
+
+status() {
+  local pid
+  pid="$(our_pid || true)"
+  if tcp_open "$port" && probe 5; then
+    say "running at $host:$port${pid:+ (pid $pid)}"
+    return 0
+  fi
+  if [ -n "$pid" ]; then
+    say "pid $pid runs but does not answer on $host:$port yet"
+  else
+    say "not running"
+  fi
+  return 1
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

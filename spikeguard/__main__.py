@@ -1,0 +1,5 @@
+import sys
+
+from spikeguard.cli import main
+
+sys.exit(main())

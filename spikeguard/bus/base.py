@@ -1,0 +1,134 @@
+"""The one seam between spikeguard and its transport.
+
+Producers publish bytes with a key and headers; consumers join a group,
+poll batches and commit what they polled. Detectors, fusion and policy never
+see which engine runs them: the worker loop is the only caller of this API.
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One message as a consumer sees it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp_ms: int = 0
+    # Decoded events, shared by every consumer of the same in-process record so
+    # that four detectors decode a step once (see schemas.codec); not part of equality.
+    cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def key_text(self) -> str | None:
+        return None if self.key is None else self.key.decode("utf-8", "replace")
+
+
+TopicPartition = tuple[str, int]
+# Called with the partitions gained (on_assign) or about to be lost (on_revoke),
+# before any record of a gained partition is returned by poll.
+RebalanceCallback = Callable[[set[TopicPartition]], None]
+
+
+def as_key(key: str | bytes | None) -> bytes | None:
+    return key.encode() if isinstance(key, str) else key
+
+
+def partition_for(key: bytes | None, partitions: int, fallback: int = 0) -> int:
+    """Stable key -> partition mapping (the same in every process and run)."""
+    if key is None:
+        return fallback % partitions
+    return zlib.crc32(key) % partitions
+
+
+class Producer(ABC):
+    @abstractmethod
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        """Queue one record. Delivery is confirmed by :meth:`flush`."""
+
+    @abstractmethod
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every queued record is acknowledged; raise DeliveryError if one was not."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class Consumer(ABC):
+    @abstractmethod
+    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
+        """Up to ``max_records`` records, waiting at most ``timeout`` seconds for the first."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Commit the group's offsets: everything polled so far is done."""
+
+    @abstractmethod
+    def assignment(self) -> set[TopicPartition]:
+        """The partitions this member owns right now."""
+
+    @abstractmethod
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Read ``partition`` from ``offset`` on (used to resume from a state snapshot)."""
+
+    def close(self) -> None:
+        """Leave the group; uncommitted records go to the next owner."""
+
+
+class Bus(ABC):
+    """A transport: topics with partitions, keyed records, consumer groups."""
+
+    engine: str = "?"
+
+    @abstractmethod
+    def producer(self) -> Producer: ...
+
+    @abstractmethod
+    def consumer(
+        self,
+        group: str,
+        topics: Iterable[str],
+        *,
+        from_beginning: bool = True,
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> Consumer:
+        """A member of ``group`` reading ``topics``.
+
+        A group with no committed offset starts at the beginning of each
+        partition (``from_beginning``) or at its end.
+        """
+
+    @abstractmethod
+    def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
+        """Create the topics that do not exist yet."""
+
+    @abstractmethod
+    def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        """Every record of ``topic`` up to its current end, outside any group."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Bus":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

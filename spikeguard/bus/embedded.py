@@ -1,0 +1,382 @@
+"""The in-process bus: topics, partitions, consumer groups, all in one process.
+
+It is the engine spikeguard runs on by default, not a test double: the same
+delivery rules as Kafka (per-key order within a partition, committed group
+offsets, partitions split among a group's members), thread-safe, with an
+optional directory that records every topic so a run can be replayed later.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+from spikeguard.bus.base import (
+    Bus,
+    Consumer,
+    Headers,
+    Producer,
+    RebalanceCallback,
+    Record,
+    TopicPartition,
+    as_key,
+    partition_for,
+)
+
+
+class _Topic:
+    def __init__(self, name: str, partitions: int, compacted: bool) -> None:
+        self.name = name
+        # A compacted topic replaces an older record of the same key by None,
+        # so memory stays bounded for state snapshots; offsets never move.
+        self.logs: list[list[Record | None]] = [[] for _ in range(partitions)]
+        self.compacted = compacted
+        self.latest: dict[tuple[int, bytes | None], int] = {}
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.members: dict[int, "EmbeddedConsumer"] = {}
+        self.committed: dict[TopicPartition, int] = {}
+        self.generation = 0
+
+
+class EmbeddedBus(Bus):
+    """In-process topics. ``data_dir`` records every record (and group offsets) to disk."""
+
+    engine = "embedded"
+
+    def __init__(self, partitions: int = 4, data_dir: str | os.PathLike | None = None) -> None:
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        self.partitions = partitions
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self._cond = threading.Condition()
+        self._topics: dict[str, _Topic] = {}
+        self._groups: dict[str, _Group] = {}
+        self._member_ids = itertools.count()
+        self._files: dict[TopicPartition, object] = {}
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    # -- topics ---------------------------------------------------------------
+    def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
+        with self._cond:
+            for name in topics:
+                self._topic(name, compacted)
+
+    def _topic(self, name: str, compacted: bool = False) -> _Topic:
+        topic = self._topics.get(name)
+        if topic is None:
+            if not name or "/" in name or name.startswith("_"):
+                raise ValueError(f"invalid topic name {name!r}")
+            topic = self._topics[name] = _Topic(name, self.partitions, compacted)
+            self._cond.notify_all()  # consumers waiting on a missing topic re-check
+            for group in self._groups.values():
+                group.generation += 1
+        return topic
+
+    def topics(self) -> list[str]:
+        with self._cond:
+            return sorted(self._topics)
+
+    def _append(self, topic_name: str, key: bytes | None, value: bytes, headers: Headers) -> None:
+        with self._cond:
+            topic = self._topic(topic_name)
+            partition = partition_for(key, self.partitions)
+            log = topic.logs[partition]
+            record = Record(
+                topic_name,
+                partition,
+                len(log),
+                key,
+                value,
+                tuple((str(k), bytes(v)) for k, v in headers),
+                int(time.time() * 1000),
+            )
+            if topic.compacted:
+                previous = topic.latest.get((partition, key))
+                if previous is not None:
+                    log[previous] = None
+                topic.latest[(partition, key)] = record.offset
+            log.append(record)
+            if self.data_dir is not None:
+                self._persist(record)
+            self._cond.notify_all()
+
+    def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        with self._cond:
+            found = self._topics.get(topic)
+            if found is None:
+                return []
+            return [r for log in found.logs for r in log if r is not None]
+
+    # -- clients --------------------------------------------------------------
+    def producer(self) -> Producer:
+        return EmbeddedProducer(self)
+
+    def consumer(
+        self,
+        group: str,
+        topics: Iterable[str],
+        *,
+        from_beginning: bool = True,
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> "EmbeddedConsumer":
+        return EmbeddedConsumer(self, group, list(topics), from_beginning, on_assign, on_revoke)
+
+    def close(self) -> None:
+        with self._cond:
+            for handle in self._files.values():
+                handle.close()  # type: ignore[attr-defined]
+            self._files.clear()
+
+    # -- groups (called under self._cond) -------------------------------------
+    def _join(self, consumer: "EmbeddedConsumer") -> int:
+        member = next(self._member_ids)
+        group = self._groups.setdefault(consumer.group, _Group())
+        group.members[member] = consumer
+        group.generation += 1
+        self._cond.notify_all()
+        return member
+
+    def _leave(self, consumer: "EmbeddedConsumer") -> None:
+        group = self._groups.get(consumer.group)
+        if group and group.members.pop(consumer.member, None) is not None:
+            group.generation += 1
+            self._cond.notify_all()
+
+    def _assignment(self, group_name: str, member: int) -> set[TopicPartition]:
+        """Range-style assignment: each topic's partitions split over its subscribers."""
+        group = self._groups[group_name]
+        mine: set[TopicPartition] = set()
+        subscribed = sorted({t for c in group.members.values() for t in c.topics})
+        for topic in subscribed:
+            if topic not in self._topics:
+                continue
+            members = sorted(m for m, c in group.members.items() if topic in c.topics)
+            for partition in range(self.partitions):
+                if members[partition % len(members)] == member:
+                    mine.add((topic, partition))
+        return mine
+
+    # -- persistence ----------------------------------------------------------
+    def _persist(self, record: Record) -> None:
+        tp = (record.topic, record.partition)
+        handle = self._files.get(tp)
+        if handle is None:
+            path = self.data_dir / record.topic / f"{record.partition}.jsonl"  # type: ignore[operator]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self._files[tp] = open(path, "a", encoding="utf-8")
+        line = {"o": record.offset, "t": record.timestamp_ms}
+        if record.key is not None:
+            line["k"] = base64.b64encode(record.key).decode()
+        try:
+            line["v"] = record.value.decode("utf-8")  # type: ignore[union-attr]
+        except UnicodeDecodeError:
+            line["vb"] = base64.b64encode(record.value).decode()  # type: ignore[arg-type]
+        if record.headers:
+            line["h"] = [[k, base64.b64encode(v).decode()] for k, v in record.headers]
+        handle.write(json.dumps(line) + "\n")  # type: ignore[attr-defined]
+
+    def _flush_files(self) -> None:
+        with self._cond:
+            for handle in self._files.values():
+                handle.flush()  # type: ignore[attr-defined]
+
+    def _save_offsets(self, group_name: str) -> None:
+        if self.data_dir is None:
+            return
+        group = self._groups[group_name]
+        path = self.data_dir / "_groups" / f"{group_name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([[t, p, o] for (t, p), o in sorted(group.committed.items())]))
+        os.replace(tmp, path)
+
+    def _load(self) -> None:
+        assert self.data_dir is not None
+        for topic_dir in sorted(p for p in self.data_dir.iterdir() if p.is_dir()):
+            if topic_dir.name == "_groups":
+                for offsets in topic_dir.glob("*.json"):
+                    group = self._groups.setdefault(offsets.stem, _Group())
+                    for t, p, o in json.loads(offsets.read_text()):
+                        group.committed[(t, p)] = o
+                continue
+            topic = self._topic(topic_dir.name)
+            for log_file in sorted(topic_dir.glob("*.jsonl")):
+                partition = int(log_file.stem)
+                if partition >= self.partitions:
+                    raise ValueError(
+                        f"{log_file} has partition {partition}; open this directory "
+                        f"with partitions >= {partition + 1}"
+                    )
+                with open(log_file, encoding="utf-8") as handle:
+                    for number, text in enumerate(handle, 1):
+                        if not text.strip():
+                            continue
+                        try:
+                            line = json.loads(text)
+                        except ValueError:
+                            # A torn last line from a crash: everything before it stands.
+                            break
+                        value = (
+                            line["v"].encode() if "v" in line else base64.b64decode(line["vb"])
+                        )
+                        key = base64.b64decode(line["k"]) if "k" in line else None
+                        headers = tuple((k, base64.b64decode(v)) for k, v in line.get("h", ()))
+                        log = topic.logs[partition]
+                        log.append(
+                            Record(topic.name, partition, len(log), key, value, headers, line["t"])
+                        )
+
+
+class EmbeddedProducer(Producer):
+    def __init__(self, bus: EmbeddedBus) -> None:
+        self._bus = bus
+
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"value must be bytes, got {type(value).__name__}")
+        self._bus._append(topic, as_key(key), bytes(value), headers or ())
+
+    def flush(self, timeout: float | None = None) -> None:
+        # Appends are synchronous: acknowledged once publish returns.
+        if self._bus.data_dir is not None:
+            self._bus._flush_files()
+
+    def close(self) -> None:
+        self.flush()
+
+
+class EmbeddedConsumer(Consumer):
+    def __init__(
+        self,
+        bus: EmbeddedBus,
+        group: str,
+        topics: list[str],
+        from_beginning: bool,
+        on_assign: RebalanceCallback | None,
+        on_revoke: RebalanceCallback | None,
+    ) -> None:
+        if not group:
+            raise ValueError("a consumer needs a group name")
+        self._bus = bus
+        self.group = group
+        self.topics = topics
+        self._from_beginning = from_beginning
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+        self._owned: set[TopicPartition] = set()
+        self._positions: dict[TopicPartition, int] = {}
+        self._generation = -1
+        self._next = 0  # round-robin start, so one busy partition cannot starve the others
+        self._closed = False
+        with bus._cond:
+            self.member = bus._join(self)
+
+    def _rebalance(self) -> None:
+        """Adopt the group's current assignment (callbacks run outside the lock)."""
+        bus = self._bus
+        while True:
+            with bus._cond:
+                group = bus._groups[self.group]
+                if self._generation == group.generation:
+                    return
+                self._generation = group.generation
+                wanted = bus._assignment(self.group, self.member)
+                lost = self._owned - wanted
+                gained = wanted - self._owned
+                self._owned = wanted
+                for tp in lost:
+                    self._positions.pop(tp, None)
+                for tp in gained:
+                    start = group.committed.get(tp)
+                    if start is None:
+                        start = 0 if self._from_beginning else len(bus._topics[tp[0]].logs[tp[1]])
+                    self._positions[tp] = start
+            if lost and self._on_revoke:
+                self._on_revoke(lost)
+            if gained and self._on_assign:
+                self._on_assign(gained)
+
+    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
+        if self._closed:
+            raise RuntimeError("poll on a closed consumer")
+        deadline = time.monotonic() + max(0.0, timeout)
+        bus = self._bus
+        while True:
+            self._rebalance()
+            with bus._cond:
+                if self._generation == bus._groups[self.group].generation:
+                    batch = self._take(max_records)
+                    if batch:
+                        return batch
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return []
+                    bus._cond.wait(remaining)
+
+    def _take(self, max_records: int) -> list[Record]:
+        owned = sorted(self._owned)
+        batch: list[Record] = []
+        if not owned:
+            return batch
+        start = self._next % len(owned)
+        self._next += 1
+        for tp in owned[start:] + owned[:start]:
+            log = self._bus._topics[tp[0]].logs[tp[1]]
+            position = self._positions[tp]
+            while position < len(log) and len(batch) < max_records:
+                record = log[position]
+                position += 1
+                if record is not None:
+                    batch.append(record)
+            self._positions[tp] = position
+            if len(batch) >= max_records:
+                break
+        return batch
+
+    def commit(self) -> None:
+        bus = self._bus
+        with bus._cond:
+            group = bus._groups[self.group]
+            current = bus._assignment(self.group, self.member)
+            # Only partitions this member still owns: after a rebalance the new
+            # owner's progress must not be overwritten by a stale member.
+            for tp in self._owned & current:
+                group.committed[tp] = self._positions[tp]
+            bus._save_offsets(self.group)
+
+    def assignment(self) -> set[TopicPartition]:
+        self._rebalance()
+        return set(self._owned)
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        tp = (topic, partition)
+        if tp not in self._owned:
+            raise ValueError(f"seek on {topic}[{partition}], which this consumer does not own")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        self._positions[tp] = offset
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._bus._cond:
+            self._bus._leave(self)

@@ -1,0 +1,39 @@
+"""The package's exceptions: one root, narrow subclasses where callers must tell them apart."""
+
+from __future__ import annotations
+
+
+class SpikeguardError(Exception):
+    """Root of every error spikeguard raises on purpose."""
+
+
+class ConfigError(SpikeguardError, ValueError):
+    """A setting is missing or invalid; the message names the field."""
+
+
+class SchemaError(SpikeguardError, ValueError):
+    """A message could not be decoded into an event; the message says why."""
+
+
+class MalformedMessage(SchemaError):
+    """Not JSON, not an object, or a field of the wrong type or range."""
+
+
+class UnknownSchemaVersion(SchemaError):
+    """A record written by a newer (or unknown) version of spikeguard."""
+
+
+class MessageTooLarge(SchemaError):
+    """A message over the size limit; refused before parsing."""
+
+
+class BusError(SpikeguardError):
+    """The bus could not publish, poll or commit."""
+
+
+class DeliveryError(BusError):
+    """The broker did not acknowledge a published record."""
+
+
+class ActionRejected(SpikeguardError):
+    """An action failed its signature check or names an impossible step."""
