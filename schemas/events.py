@@ -13,15 +13,27 @@ import time
 from enum import Enum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
 
 # A run id becomes a Kafka key and a metric label value: keep it short and printable.
 RunId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s\x00-\x1f]+$")]
 Step = Annotated[int, Field(ge=0)]
+# A rollback makes a run repeat step numbers; the epoch (number of rollbacks
+# applied so far) tells a re-run step from a late duplicate of the original.
+Epoch = Annotated[int, Field(ge=0, description="rollbacks applied before this record")]
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _non_finite_from_text(value: object) -> object:
+    # In a free-form map a float has no declared type to coerce to, so the
+    # strings JSON carries non-finite floats as are turned back here.
+    return _NON_FINITE.get(value, value) if isinstance(value, str) else value
+
+
 # Small free-form maps (signals, action parameters) keep scalar values only.
-Scalar = Union[float, int, str, bool, None]
+Scalar = Annotated[Union[float, int, str, bool, None], BeforeValidator(_non_finite_from_text)]
 
 
 class _Event(BaseModel):
@@ -112,6 +124,7 @@ class StepEvent(_Event):
 
     run_id: RunId
     step: Step
+    epoch: Epoch = 0
     rank: int = Field(0, ge=0)
     time: float = Field(default_factory=time.time, description="unix seconds")
     loss: float
@@ -141,6 +154,7 @@ class Verdict(_Event):
 
     run_id: RunId
     step: Step
+    epoch: Epoch = 0
     detector: str = Field(min_length=1, max_length=64)
     is_anomaly: bool
     type: AnomalyType = AnomalyType.NONE
@@ -161,6 +175,7 @@ class Decision(_Event):
     decision_id: str
     run_id: RunId
     step: Step
+    epoch: Epoch = 0
     is_anomaly: bool
     type: AnomalyType = AnomalyType.NONE
     confidence: float = Field(0.0, ge=0.0, le=1.0)
@@ -209,6 +224,7 @@ class CheckpointEvent(_Event):
 
     run_id: RunId
     step: Step
+    epoch: Epoch = 0
     checkpoint_id: str
     path: str = ""
     healthy: bool = Field(description="the run was healthy when it was taken")

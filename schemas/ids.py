@@ -10,13 +10,13 @@ def _digest(*parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def decision_id(run_id: str, step: int) -> str:
-    """One decision per (run, step): its id depends on nothing else."""
-    return "d-" + _digest("decision", run_id, step)
+def decision_id(run_id: str, step: int, epoch: int = 0) -> str:
+    """One decision per (run, epoch, step): its id depends on nothing else."""
+    return "d-" + _digest("decision", run_id, epoch, step)
 
 
-def incident_id(run_id: str, onset_step: int) -> str:
-    return "i-" + _digest("incident", run_id, onset_step)
+def incident_id(run_id: str, onset_step: int, epoch: int = 0) -> str:
+    return "i-" + _digest("incident", run_id, epoch, onset_step)
 
 
 def action_id(decision_or_incident: str, kind: str, ordinal: int = 0) -> str:

@@ -60,8 +60,15 @@ class Producer(ABC):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
+        *,
+        event: object | None = None,
     ) -> None:
-        """Queue one record. Delivery is confirmed by :meth:`flush`."""
+        """Queue one record. Delivery is confirmed by :meth:`flush`.
+
+        ``event`` is the already-decoded (immutable) event that ``value``
+        encodes; an in-process engine hands it to consumers so they need not
+        decode it again. Engines that cross a process boundary ignore it.
+        """
 
     @abstractmethod
     def flush(self, timeout: float | None = None) -> None:

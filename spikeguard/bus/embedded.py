@@ -64,7 +64,8 @@ class EmbeddedBus(Bus):
         self._files: dict[TopicPartition, object] = {}
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            self._load()
+            with self._cond:
+                self._load()
 
     # -- topics ---------------------------------------------------------------
     def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
@@ -87,7 +88,14 @@ class EmbeddedBus(Bus):
         with self._cond:
             return sorted(self._topics)
 
-    def _append(self, topic_name: str, key: bytes | None, value: bytes, headers: Headers) -> None:
+    def _append(
+        self,
+        topic_name: str,
+        key: bytes | None,
+        value: bytes,
+        headers: Headers,
+        event: object | None = None,
+    ) -> None:
         with self._cond:
             topic = self._topic(topic_name)
             partition = partition_for(key, self.partitions)
@@ -101,6 +109,8 @@ class EmbeddedBus(Bus):
                 tuple((str(k), bytes(v)) for k, v in headers),
                 int(time.time() * 1000),
             )
+            if event is not None:
+                record.cache[type(event)] = event
             if topic.compacted:
                 previous = topic.latest.get((partition, key))
                 if previous is not None:
@@ -249,10 +259,12 @@ class EmbeddedProducer(Producer):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
+        *,
+        event: object | None = None,
     ) -> None:
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append(topic, as_key(key), bytes(value), headers or ())
+        self._bus._append(topic, as_key(key), bytes(value), headers or (), event)
 
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.
