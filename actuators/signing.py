@@ -1,8 +1,10 @@
 """HMAC-SHA256 signatures on actions, so a trainer obeys only its actuator.
 
 The signed payload is the action's canonical JSON without the signature
-field: sorted keys, no spaces, non-finite floats as strings. Signing twice
-gives the same signature, so a replayed action keeps its id and signature.
+field: sorted keys, no spaces (non-finite floats as Python's NaN/Infinity
+tokens; the payload is hashed, never parsed). Signing twice gives the same
+signature, so a replayed action keeps its id and signature, and it verifies
+after an encode/decode round trip.
 """
 
 from __future__ import annotations

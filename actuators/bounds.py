@@ -1,0 +1,158 @@
+"""Parameter bounds: every change the policy asks for stays within its limits.
+
+The policy never knows absolute values it did not set: the learning rate is
+tracked as a *cumulative factor* of the base LR the trainer's guard recorded
+at start (1.0 = untouched). Decreases never take it below ``min_lr_factor``,
+restores never above 1.0.
+
+A rollback restores the guard's state from the checkpoint, LR multiplier
+included, so the factor in effect after a rollback is the one at the
+checkpoint's step: :class:`LrFactor` keeps a short log of (step, factor) to
+answer :meth:`LrFactor.at` and truncates it when the timeline is rewound.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# The log of LR changes is short in practice (one entry per change); this cap
+# keeps it bounded on any run: the oldest entries fold into the baseline.
+MAX_LR_LOG = 256
+_EPS = 1e-12
+
+
+def effective_decrease(current: float, factor: float, floor: float) -> float:
+    """The factor keeping ``current * factor`` >= ``floor`` (1.0: already at the floor)."""
+    if current <= floor * (1 + 1e-9):
+        return 1.0
+    return max(factor, floor / current)
+
+
+def effective_increase(current: float, factor: float, ceiling: float = 1.0) -> float:
+    """The factor keeping ``current * factor`` <= ``ceiling`` (1.0: already at the ceiling)."""
+    if current >= ceiling * (1 - 1e-9):
+        return 1.0
+    return min(factor, ceiling / current)
+
+
+class LrFactor:
+    """The cumulative LR factor the policy has applied, with its history by step."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self.baseline = 1.0  # factor in effect before the first logged entry
+        self.log: list[tuple[int, float]] = []  # (step from which it holds, factor), step-sorted
+
+    @property
+    def current(self) -> float:
+        return self.log[-1][1] if self.log else self.baseline
+
+    def at(self, step: int) -> float:
+        """The factor in effect at ``step`` (a change applied at step s holds for s and later)."""
+        factor = self.baseline
+        for when, value in self.log:
+            if when > step:
+                break
+            factor = value
+        return factor
+
+    def set(self, step: int, factor: float) -> None:
+        """``factor`` holds from ``step`` on (later entries belonged to an abandoned timeline)."""
+        factor = min(1.0, max(self.floor, factor))
+        if abs(factor - 1.0) < 1e-9:
+            factor = 1.0
+        self.log = [(s, f) for s, f in self.log if s < step]
+        self.log.append((step, factor))
+        while len(self.log) > MAX_LR_LOG:
+            self.baseline = self.log.pop(0)[1]
+
+    def decrease(self, step: int, factor: float) -> float | None:
+        """Lower the LR by ``factor`` (bounded); the factor to send, or None at the floor."""
+        applied = effective_decrease(self.current, factor, self.floor)
+        if applied >= 1.0:
+            return None
+        self.set(step, self.current * applied)
+        return applied
+
+    def restore(self, step: int, factor: float) -> float | None:
+        """Raise the LR by ``factor`` towards the base; the factor to send, or None at the base."""
+        applied = effective_increase(self.current, factor)
+        if applied <= 1.0:
+            return None
+        self.set(step, self.current * applied)
+        return applied
+
+    def rewind(self, target_step: int) -> float:
+        """The timeline goes back to ``target_step``: forget later changes; the factor then."""
+        self.log = [(s, f) for s, f in self.log if s <= target_step]
+        return self.current
+
+    def forget_before(self, step: int) -> None:
+        """Fold entries before ``step`` (no checkpoint there any more) into the baseline."""
+        while len(self.log) > 1 and self.log[1][0] <= step:
+            self.log.pop(0)
+        if self.log and self.log[0][0] <= step:
+            self.baseline = self.log.pop(0)[1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline, "log": [[s, f] for s, f in self.log]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.baseline = float(state["baseline"])
+        self.log = [(int(s), float(f)) for s, f in state["log"]]
+
+
+class ClipNorm:
+    """The clipping the policy asked for: None until it first enables clipping."""
+
+    def __init__(self, initial: float, tighten: float, low: float, high: float) -> None:
+        self.initial, self.tighten_factor, self.low, self.high = initial, tighten, low, high
+        self.norm: float | None = None
+
+    def enable_or_tighten(self, floor: float | None = None) -> float | None:
+        """Enable at ``initial`` or tighten a notch (not below floor/low); None if unchanged."""
+        low = max(self.low, floor or 0.0)
+        if self.norm is None:
+            new = min(self.high, max(self.low, self.initial))
+        else:
+            new = max(low, self.norm * self.tighten_factor)
+            if new >= self.norm - _EPS:
+                return None
+        self.norm = new
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norm": self.norm}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norm = None if state["norm"] is None else float(state["norm"])
+
+
+class BatchSizeFactor:
+    """Cumulative batch-size factor relative to the start, never below ``floor``."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self.current = 1.0
+
+    def decrease(self, factor: float) -> float | None:
+        applied = effective_decrease(self.current, factor, self.floor)
+        if applied >= 1.0:
+            return None
+        self.current *= applied
+        return applied
+
+
+class Eps:
+    """The optimizer's eps as the policy set it: only raised, never above ``high``."""
+
+    def __init__(self, initial: float, high: float) -> None:
+        self.value, self.high = initial, high
+
+    def increase(self, factor: float) -> float | None:
+        new = min(self.high, self.value * factor)
+        if not math.isfinite(new) or new <= self.value * (1 + 1e-9):
+            return None
+        self.value = new
+        return new

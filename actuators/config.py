@@ -1,0 +1,183 @@
+"""Settings of the recovery policy: which strategy answers which anomaly, and every number it uses.
+
+The defaults are the ``medium`` preset (see :mod:`spikeguard.actuators.presets`).
+Steps here are *observed* steps: decisions the policy handled in order, so a
+re-run after a rollback counts again (that is training time spent).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from spikeguard.schemas import AnomalyType
+
+A = AnomalyType
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- timing -----------------------------------------------------------
+    apply_lag_steps: int = Field(
+        1, ge=0, le=1000, description="actions apply at decision.step + this (every rank alike)"
+    )
+
+    # --- which anomaly type gets which strategy ------------------------------
+    critical_types: tuple[AnomalyType, ...] = Field(
+        (A.NON_FINITE, A.EXTREME_LOSS),
+        description="act at once: roll back, skip, lower the LR, clip",
+    )
+    explosion_types: tuple[AnomalyType, ...] = Field(
+        (A.GRADIENT_EXPLOSION, A.LOSS_SCALE_COLLAPSE),
+        description="lower the LR and clip at once; roll back if a loss anomaly follows",
+    )
+    spike_types: tuple[AnomalyType, ...] = Field(
+        (A.LOSS_SPIKE, A.BAD_BATCH),
+        description="judged after spike_patience_steps: roll back if still anomalous, else watch",
+    )
+    slow_types: tuple[AnomalyType, ...] = Field(
+        (A.DIVERGENCE, A.OSCILLATION),
+        description="lower the LR step by step, emergency checkpoint, roll back if it continues",
+    )
+    preventive_types: tuple[AnomalyType, ...] = Field(
+        (A.INSTABILITY_WARNING, A.STALLED, A.LR_TOO_HIGH),
+        description="early warnings: checkpoint / gentle clipping only, rate-limited",
+    )
+    loss_types: tuple[AnomalyType, ...] = Field(
+        (A.LOSS_SPIKE, A.NON_FINITE, A.EXTREME_LOSS),
+        description="loss anomalies: after a gradient explosion in the same incident -> roll back",
+    )
+    # Any other anomalous type (ml_outlier, lr_out_of_bounds, none) gets one ALERT per incident.
+
+    # --- patience ---------------------------------------------------------------
+    spike_patience_steps: int = Field(
+        3, ge=1, le=1000, description="a spike still anomalous this many steps later is rolled back"
+    )
+    recovery_grace_steps: int = Field(
+        5, ge=0, le=10_000,
+        description="after a recovery, the incident's anomalies trigger nothing for this long",
+    )
+    divergence_step_interval_steps: int = Field(
+        25, ge=1, le=100_000, description="steps between two LR steps of a slow divergence"
+    )
+    divergence_max_lr_steps: int = Field(
+        3, ge=1, le=50, description="LR steps before a continuing divergence is rolled back"
+    )
+
+    # --- learning rate (factors relative to the base LR the guard recorded) ------
+    lr_decrease_factor_critical: float = Field(
+        0.5, gt=0.0, lt=1.0, description="non-finite / extreme loss"
+    )
+    lr_decrease_factor_explosion: float = Field(
+        0.4, gt=0.0, lt=1.0, description="gradient explosion"
+    )
+    lr_decrease_factor_spike: float = Field(0.5, gt=0.0, lt=1.0, description="non-recovering spike")
+    lr_step_factor_divergence: float = Field(0.8, gt=0.0, lt=1.0, description="one divergence step")
+    min_lr_factor: float = Field(
+        0.05, gt=0.0, le=1.0, description="the LR never goes below base LR x this"
+    )
+    lr_restore_factor: float = Field(
+        1.25, gt=1.0, le=10.0, description="one restore step multiplies the LR by this (cap: base)"
+    )
+    lr_restore_healthy_steps: int = Field(
+        200, ge=1, le=1_000_000, description="healthy steps in a row before one restore step"
+    )
+    rollback_restores_lr: bool = Field(
+        True,
+        description="a rollback resets the guard's LR multiplier to the checkpoint's (the guard "
+        "restores its state from the checkpoint); False for a guard whose multiplier survives "
+        "rollbacks. The SCALE_LR sent after a rollback is relative to the LR the guard then has",
+    )
+
+    # --- gradient clipping --------------------------------------------------------
+    clip_mode: Literal["max_norm", "adaptive"] = Field(
+        "max_norm", description='CLIP params: {"max_norm": x} or {"mode": "adaptive", "z": z}'
+    )
+    clip_norm_initial: float = Field(
+        1.0, gt=0.0, description="max_norm when clipping is first enabled"
+    )
+    clip_tighten_factor: float = Field(
+        0.5, gt=0.0, lt=1.0, description="tightening multiplies max_norm by this"
+    )
+    min_clip_norm: float = Field(0.1, gt=0.0, description="max_norm never goes below this")
+    max_clip_norm: float = Field(10.0, gt=0.0, description="max_norm never goes above this")
+    adaptive_clip_z: float = Field(4.0, gt=0.0, le=100.0, description="z of adaptive clipping")
+    preventive_clip: bool = Field(
+        True,
+        description="a warning may enable clipping, or tighten it one notch "
+        "(never below clip_norm_initial x clip_tighten_factor)",
+    )
+
+    # --- optional user-handled knobs (REDUCE_BATCH_SIZE, SET_EPS) -----------------
+    batch_size_actions: bool = Field(False, description="rollbacks also reduce the batch size")
+    batch_size_decrease_factor: float = Field(0.5, gt=0.0, lt=1.0, description="one reduction")
+    min_batch_size_factor: float = Field(
+        0.25, gt=0.0, le=1.0, description="floor, relative to the start"
+    )
+    eps_actions: bool = Field(False, description="non-finite / loss-scale trouble raises Adam eps")
+    eps_initial: float = Field(1e-8, gt=0.0, description="the optimizer's eps at start")
+    eps_increase_factor: float = Field(10.0, gt=1.0, description="one increase multiplies eps")
+    max_eps: float = Field(1e-5, gt=0.0, description="eps never goes above this")
+
+    # --- rollback target and skipped data -------------------------------------------
+    rollback_min_steps_before_onset: int = Field(
+        100, ge=0, description="the target checkpoint is at least this many steps before onset"
+    )
+    skip_extra_batches: int = Field(
+        200, ge=0, description="batches skipped beyond the rewound window (PaLM: 200-500 in all)"
+    )
+    max_checkpoints: int = Field(32, ge=1, le=10_000, description="healthy checkpoints remembered")
+
+    # --- escalation --------------------------------------------------------------
+    max_rollbacks_per_incident: int = Field(
+        1, ge=1, le=100, description="recoveries per incident; one more stops the run"
+    )
+    rollback_window_steps: int = Field(2000, ge=1, description="window of the rollback count")
+    max_rollbacks_in_window: int = Field(
+        3, ge=1, le=100, description="rollbacks allowed within the window; one more stops the run"
+    )
+    rollback_ack_timeout_steps: int = Field(
+        100, ge=1, description="a rollback not acknowledged this many steps later raises an alert"
+    )
+
+    # --- warnings and bookkeeping -----------------------------------------------------
+    preventive_min_interval_steps: int = Field(
+        100, ge=1, description="at most one preventive checkpoint per this many steps"
+    )
+    incident_gap_steps: int = Field(
+        20, ge=1, description="without incident_id: anomalies this close share an incident"
+    )
+    max_incidents: int = Field(16, ge=1, le=10_000, description="incidents remembered")
+    seen_window_steps: int = Field(
+        1000, ge=1, description="decision ids remembered for duplicate detection (in steps)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        groups = {
+            "critical_types": self.critical_types,
+            "explosion_types": self.explosion_types,
+            "spike_types": self.spike_types,
+            "slow_types": self.slow_types,
+            "preventive_types": self.preventive_types,
+        }
+        owner: dict[AnomalyType, str] = {}
+        for name, types in groups.items():
+            for kind in types:
+                if kind in owner:
+                    raise ValueError(f"{kind.value} is in both {owner[kind]} and {name}")
+                owner[kind] = name
+        if not self.min_clip_norm <= self.clip_norm_initial <= self.max_clip_norm:
+            raise ValueError("clip_norm_initial must lie within [min_clip_norm, max_clip_norm]")
+        if self.eps_initial > self.max_eps:
+            raise ValueError("eps_initial must not exceed max_eps")
+        return self
+
+    def strategy_of(self, kind: AnomalyType) -> str:
+        """'critical', 'explosion', 'spike', 'slow', 'preventive' or 'notice'."""
+        for name in ("critical", "explosion", "spike", "slow", "preventive"):
+            if kind in getattr(self, f"{name}_types"):
+                return name
+        return "notice"

@@ -1,0 +1,341 @@
+"""The recovery policy: decisions, checkpoints and acks in; actions out. Pure, one per run.
+
+Strategies (``PolicyConfig`` maps anomaly types to them; all numbers are settings):
+
+============  ==============================================================
+critical      at once: ROLLBACK, SKIP_BATCHES, SCALE_LR (x0.5), CLIP
+explosion     at once: SCALE_LR (x0.4), CLIP; a loss anomaly in the same
+              incident (before or after) -> rollback as above
+spike         judged ``spike_patience_steps`` later: still anomalous ->
+              ROLLBACK, SKIP_BATCHES, SCALE_LR (x0.5); healthy again -> watch:
+              CHECKPOINT (on_demand) + ALERT (info)
+slow          CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
+              ``divergence_step_interval_steps`` while it goes on; after
+              ``divergence_max_lr_steps`` steps -> rollback
+preventive    rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
+notice        (other types) one ALERT (warning) per incident
+healthy       after ``lr_restore_healthy_steps`` in a row: RESTORE_LR (x1.25)
+============  ==============================================================
+
+A rollback needs a healthy checkpoint at least ``rollback_min_steps_before_onset``
+before the incident's onset; without one the policy lowers the LR, skips
+batches ahead and says so (ALERT). One recovery per incident, a bounded
+number per window (:mod:`escalation`); one more stops the run.
+
+Ordering. Fusion emits one decision per step, in step order; within an
+*epoch* a decision is new only if its step is past the last one handled
+(duplicates and late arrivals produce nothing). A rollback issued at decision
+step s to target t opens epoch e+1 when its APPLIED ack arrives: the re-run
+repeats steps t+1.. with the same decision ids, and they are handled as new
+observations (action ids carry the epoch, so they differ from the first
+run's). Decisions for steps after s from the abandoned timeline (the trainer
+ran on until it applied the rollback) are ignored, before and after the ack.
+Re-run decisions that arrive before the ack count as duplicates (the ack goes
+straight to the actuator while decisions pass detectors and fusion, so it is
+normally first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from spikeguard.actuators.config import PolicyConfig
+from spikeguard.actuators.escalation import add_escalation
+from spikeguard.actuators.incidents import Incident, IncidentBook
+from spikeguard.actuators.plan import Plan
+from spikeguard.actuators.recovery import Recovery, RollbackRecord
+from spikeguard.errors import ConfigError, SpikeguardError
+from spikeguard.schemas import (
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    Decision,
+)
+
+__all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
+
+MAX_ACK_RECORDS = 256
+_FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
+_UNSETTLED = ("pending", "timed_out")
+
+
+class ForeignRunError(SpikeguardError, ValueError):
+    """An event for another run reached this run's policy (the stage routes by run_id)."""
+
+
+class RecoveryPolicy:
+    def __init__(self, config: PolicyConfig | None = None, run_id: str | None = None) -> None:
+        if not run_id:
+            raise ConfigError("RecoveryPolicy needs a run_id")
+        self.config = config or PolicyConfig()
+        self.run_id = run_id
+        cfg = self.config
+        self.recovery = Recovery(cfg)
+        self.incidents = IncidentBook(run_id, cfg.max_incidents, cfg.incident_gap_steps)
+        self.epoch = 0  # rollbacks applied so far
+        self.high_water = -1  # newest step handled in this epoch
+        self.tick = 0  # decisions handled, across epochs: the policy's clock
+        self.seen: OrderedDict[str, int] = OrderedDict()  # decision id -> step, this epoch
+        self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
+        self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at
+        self.healthy_streak = 0
+        self.last_preventive_tick: int | None = None
+        self.stopped = False
+        self.acks: OrderedDict[str, str] = OrderedDict()  # action id -> last status seen
+        self.counts = {"duplicate": 0, "late": 0, "abandoned": 0}
+
+    # --- inputs -------------------------------------------------------------------------
+    def on_decision(self, decision: Decision) -> list[Action]:
+        self._check_run(decision.run_id)
+        if self.stopped:
+            return []
+        plan = Plan(
+            self.run_id, decision.decision_id, self.epoch,
+            decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
+        )
+        if not self._admit(decision, plan):
+            return plan.actions()  # empty, or the alert of an unacknowledged rollback
+        if self._judge_spike(plan, decision):
+            return plan.actions()
+        if decision.preventive or decision.type in self.config.preventive_types:
+            self._preventive(plan, decision)
+        elif decision.is_anomaly:
+            self._anomaly(plan, decision)
+        else:
+            self._healthy(plan, decision)
+        return plan.actions()
+
+    def on_checkpoint(self, event: CheckpointEvent) -> list[Action]:
+        self._check_run(event.run_id)
+        self.recovery.book.add(event)
+        if (oldest := self.recovery.book.oldest_step) is not None:
+            self.recovery.lr.forget_before(oldest)
+        return []
+
+    def on_ack(self, ack: Ack) -> list[Action]:
+        self._check_run(ack.run_id)
+        if self.stopped:
+            return []
+        previous = self.acks.get(ack.action_id)
+        self.acks[ack.action_id] = ack.status.value
+        self.acks.move_to_end(ack.action_id)
+        while len(self.acks) > MAX_ACK_RECORDS:
+            self.acks.popitem(last=False)
+        plan = Plan(self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps)
+        record = self.recovery.record_of(ack.action_id)
+        if record is not None:
+            self._rollback_ack(plan, record, ack)
+        elif (
+            ack.status in _FAILED
+            and previous not in {s.value for s in _FAILED}
+            and ack.kind not in (ActionKind.ALERT, ActionKind.STOP)
+        ):
+            plan.alert("warning", f"{ack.kind.value} action {ack.action_id} {ack.status.value} "
+                       f"at step {ack.step}: {ack.result or 'no detail'}")
+        return plan.actions()
+
+    # --- ordering, duplicates, epochs ------------------------------------------------------
+    def _admit(self, d: Decision, plan: Plan) -> bool:
+        """True when ``d`` is a new observation of the current timeline."""
+        pending = self.recovery.pending()
+        if pending is not None and d.step > pending.issue_step:
+            if d.step - pending.issue_step <= self.config.rollback_ack_timeout_steps:
+                self.counts["abandoned"] += 1  # the trainer runs on until it applies the rollback
+                self.high_water = max(self.high_water, d.step)
+                return False
+            pending.status = "timed_out"
+            plan.alert("warning", f"rollback {pending.action_id} (decision step "
+                       f"{pending.issue_step}) not acknowledged {d.step - pending.issue_step} "
+                       "steps later; handling decisions again")
+        if self.tail is not None and self.tail[0] < d.step <= self.tail[1]:
+            self.counts["abandoned"] += 1
+            return False
+        self.tail = None  # the re-run has begun (or gone past the abandoned steps)
+        if d.step <= self.high_water:
+            self.counts["duplicate" if d.decision_id in self.seen else "late"] += 1
+            return False
+        self.high_water = d.step
+        self.seen[d.decision_id] = d.step
+        oldest = d.step - self.config.seen_window_steps
+        while self.seen and next(iter(self.seen.values())) < oldest:
+            self.seen.popitem(last=False)
+        self.tick += 1
+        return True
+
+    def _rollback_ack(self, plan: Plan, record: RollbackRecord, ack: Ack) -> None:
+        target = f"rollback to {record.checkpoint_id} (step {record.target_step})"
+        # Only APPLIED counts: the guard also answers DUPLICATE for a redelivered copy of an
+        # action that is still pending, so DUPLICATE says nothing about the rollback having run.
+        if ack.status is AckStatus.APPLIED and record.status in _UNSETTLED:
+            self.recovery.applied(record)
+            self.epoch += 1
+            self.high_water = record.target_step
+            self.seen.clear()
+            self.tail = [record.issue_step, max(record.issue_step, ack.step)]
+            self.pending_spike = None
+            self.healthy_streak = 0
+            self.incidents.rewind()
+        elif ack.status in _FAILED and record.status in _UNSETTLED:
+            self.recovery.failed(record)
+            record.alerted = True
+            plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
+                       "not retried, a further need stops the run")
+        elif ack.status in _FAILED and record.status == "applied" and not record.alerted:
+            record.alerted = True
+            plan.alert("critical", f"{target} applied on one rank but {ack.status.value} "
+                       f"on rank {ack.rank}: ranks disagree")
+
+    # --- strategies --------------------------------------------------------------------------
+    def _anomaly(self, plan: Plan, d: Decision) -> None:
+        cfg, rec = self.config, self.recovery
+        self.healthy_streak = 0
+        inc = self.incidents.get(d, self.tick)
+        strategy = cfg.strategy_of(d.type)
+        is_loss = d.type in cfg.loss_types
+        what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
+        grace = inc.in_grace(self.tick, cfg.recovery_grace_steps)
+        if is_loss and inc.explosion_handled and not grace:
+            self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
+                          f"{what} after a gradient explosion in the same incident")
+        elif strategy == "critical" and not grace:
+            self._recover(plan, d, inc, cfg.lr_decrease_factor_critical, True, f"critical {what}")
+            if d.type is AnomalyType.NON_FINITE and not self.stopped:
+                rec.raise_eps(plan, f"critical {what}")
+        elif strategy == "explosion" and not grace:
+            if inc.loss_seen:
+                self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
+                              f"{what} with the loss already following")
+            elif not inc.explosion_handled:
+                inc.explosion_handled = True
+                rec.lower_lr(plan, cfg.lr_decrease_factor_explosion, what)
+                rec.tighten_clip(plan, what, resend=True)
+                if d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
+                    rec.raise_eps(plan, what)
+        elif strategy == "spike" and not grace and self.pending_spike is None:
+            self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
+                                  "judge_at": d.step + cfg.spike_patience_steps}
+        elif strategy == "slow" and not grace:
+            self._slow(plan, d, inc, what)
+        elif strategy == "notice" and not inc.noticed:
+            inc.noticed = True
+            plan.alert("warning", f"{what}: watching, no action",
+                       f"{what}: no recovery strategy for this type")
+        inc.loss_seen = inc.loss_seen or is_loss
+
+    def _slow(self, plan: Plan, d: Decision, inc: Incident, what: str) -> None:
+        cfg, rec = self.config, self.recovery
+        if inc.divergence_lr_steps == 0:
+            plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, 
+                     f"{what}: emergency checkpoint")
+            rec.lower_lr(plan, cfg.lr_step_factor_divergence, f"{what}: LR step 1")
+        elif self.tick - (inc.last_divergence_tick or 0) < cfg.divergence_step_interval_steps:
+            return
+        elif inc.divergence_lr_steps >= cfg.divergence_max_lr_steps or not rec.lower_lr(
+            plan, cfg.lr_step_factor_divergence, f"{what}: LR step {inc.divergence_lr_steps + 1}"
+        ):
+            self._recover(plan, d, inc, cfg.lr_step_factor_divergence, False,
+                          f"{what} continues after {inc.divergence_lr_steps} LR steps")
+            return
+        inc.divergence_lr_steps += 1
+        inc.last_divergence_tick = self.tick
+
+    def _judge_spike(self, plan: Plan, d: Decision) -> bool:
+        """Judge a pending spike once its patience ran out; True if it was rolled back."""
+        p = self.pending_spike
+        if p is None or d.step < p["judge_at"]:
+            return False
+        self.pending_spike = None
+        cfg = self.config
+        steps = d.step - p["start"]
+        if d.is_anomaly and cfg.strategy_of(d.type) == "critical":
+            return False  # the critical strategy recovers, with clipping
+        if d.is_anomaly and not d.preventive:
+            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.tick)
+            self.healthy_streak = 0
+            self._recover(plan, d, inc, cfg.lr_decrease_factor_spike, False,
+                          f"loss spike at step {p['start']} still anomalous {steps} steps later "
+                          f"({d.type.value} at step {d.step})")
+            return True
+        why = f"loss spike at step {p['start']} recovered within {steps} steps"
+        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+                 f"{why}: checkpoint the recovered state")
+        plan.alert("info", f"{why}; watching", f"{why}: watch only")
+        return False
+
+    def _preventive(self, plan: Plan, d: Decision) -> None:
+        cfg = self.config
+        self.healthy_streak = 0
+        last = self.last_preventive_tick
+        if last is not None and self.tick - last < cfg.preventive_min_interval_steps:
+            return
+        self.last_preventive_tick = self.tick
+        what = f"warning {d.type.value} at step {d.step}"
+        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+                 f"{what}: checkpoint now (the trainer decides whether it is healthy)")
+        if d.type is AnomalyType.STALLED:
+            plan.alert("info", f"{what}: training looks stalled", what)
+        elif cfg.preventive_clip:
+            floor = cfg.clip_norm_initial * cfg.clip_tighten_factor  # one notch at most
+            self.recovery.tighten_clip(plan, what, floor=floor)
+
+    def _healthy(self, plan: Plan, d: Decision) -> None:
+        self.healthy_streak += 1
+        if self.healthy_streak >= self.config.lr_restore_healthy_steps:
+            why = f"{self.healthy_streak} healthy steps up to step {d.step}"
+            if self.recovery.restore_lr(plan, why):
+                self.healthy_streak = 0
+
+    def _recover(
+        self, plan: Plan, d: Decision, inc: Incident, lr_factor: float, tighten: bool, why: str
+    ) -> None:
+        """Roll back (or fall back) — unless that would be one recovery too many: then stop."""
+        self.pending_spike = None
+        self.healthy_streak = 0
+        too_many = self.recovery.ledger.escalation_reason(inc, self.tick)
+        if too_many is not None:
+            add_escalation(plan, too_many)
+            self.stopped = True
+            return
+        self.recovery.recover(plan, d, inc, self.tick, lr_factor, tighten, why)
+
+    # --- state ----------------------------------------------------------------------------------
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise ForeignRunError(f"event for run {run_id!r} reached the policy of {self.run_id!r}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "epoch": self.epoch,
+            "high_water": self.high_water,
+            "tick": self.tick,
+            "seen": [[k, v] for k, v in self.seen.items()],
+            "tail": self.tail,
+            "pending_spike": self.pending_spike,
+            "healthy_streak": self.healthy_streak,
+            "last_preventive_tick": self.last_preventive_tick,
+            "stopped": self.stopped,
+            "acks": [[k, v] for k, v in self.acks.items()],
+            "counts": dict(self.counts),
+            "recovery": self.recovery.state_dict(),
+            "incidents": self.incidents.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["run_id"] != self.run_id:
+            raise ForeignRunError(
+                f"state of {state['run_id']!r} loaded into the policy of {self.run_id!r}"
+            )
+        self.epoch, self.high_water, self.tick = state["epoch"], state["high_water"], state["tick"]
+        self.seen = OrderedDict((k, v) for k, v in state["seen"])
+        self.tail, self.pending_spike = state["tail"], state["pending_spike"]
+        self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]
+        self.last_preventive_tick = state["last_preventive_tick"]
+        self.acks = OrderedDict((k, v) for k, v in state["acks"])
+        self.counts = dict(state["counts"])
+        self.recovery.load_state_dict(state["recovery"])
+        self.incidents.load_state_dict(state["incidents"])

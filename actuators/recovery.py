@@ -1,0 +1,240 @@
+"""The parameter side of the policy: rollbacks, LR, clipping — always within bounds.
+
+:class:`Recovery` owns what the policy has changed (LR factor, clip norm,
+batch size, eps), the checkpoints it may roll back to and the rollbacks it
+issued; it appends actions to a :class:`Plan`. Which strategy runs when is
+the policy's business (:mod:`spikeguard.actuators.policy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from spikeguard.actuators.bounds import BatchSizeFactor, ClipNorm, Eps, LrFactor
+from spikeguard.actuators.checkpoints import Checkpoint, CheckpointBook
+from spikeguard.actuators.config import PolicyConfig
+from spikeguard.actuators.escalation import RollbackLedger
+from spikeguard.actuators.incidents import Incident
+from spikeguard.actuators.plan import Plan
+from spikeguard.schemas import ActionKind, Decision
+
+MAX_ROLLBACK_RECORDS = 8
+
+
+@dataclass
+class RollbackRecord:
+    """A rollback the policy issued, until its acks settle it."""
+
+    action_id: str
+    incident: str
+    issue_step: int  # the decision step it answered
+    apply_at_step: int
+    target_step: int
+    checkpoint_id: str
+    status: str = "pending"  # pending | applied | failed | timed_out
+    lr_before: dict[str, Any] = field(default_factory=dict)  # LrFactor state before the rollback
+    lr_scale: float = 1.0  # the SCALE_LR sent with it (1.0: none)
+    # Checkpoints of the abandoned timeline, forgotten when it was issued (put back if it fails).
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    alerted: bool = False
+
+
+class Recovery:
+    def __init__(self, config: PolicyConfig) -> None:
+        cfg = self.config = config
+        self.lr = LrFactor(cfg.min_lr_factor)
+        self.clip = ClipNorm(
+            cfg.clip_norm_initial, cfg.clip_tighten_factor, cfg.min_clip_norm, cfg.max_clip_norm
+        )
+        self.batch = BatchSizeFactor(cfg.min_batch_size_factor)
+        self.eps = Eps(cfg.eps_initial, cfg.max_eps)
+        self.book = CheckpointBook(cfg.max_checkpoints)
+        self.ledger = RollbackLedger(cfg)
+        self.rollbacks: list[RollbackRecord] = []
+
+    # --- single knobs -------------------------------------------------------------
+    def lower_lr(self, plan: Plan, factor: float, why: str) -> bool:
+        applied = self.lr.decrease(plan.apply_at_step, factor)
+        if applied is None:
+            return False
+        plan.add(
+            ActionKind.SCALE_LR,
+            {"factor": applied},
+            f"{why}: LR x{applied:.4g} (now {self.lr.current:.4g} of base, "
+            f"floor {self.lr.floor:g})",
+        )
+        return True
+
+    def restore_lr(self, plan: Plan, why: str) -> bool:
+        applied = self.lr.restore(plan.apply_at_step, self.config.lr_restore_factor)
+        if applied is None:
+            return False
+        plan.add(
+            ActionKind.RESTORE_LR,
+            {"factor": applied},
+            f"{why}: LR x{applied:.4g} (now {self.lr.current:.4g} of base)",
+        )
+        return True
+
+    def clip_params(self) -> dict[str, Any]:
+        if self.config.clip_mode == "adaptive":
+            return {"mode": "adaptive", "z": self.config.adaptive_clip_z}
+        return {"max_norm": self.clip.norm}
+
+    def tighten_clip(
+        self,
+        plan: Plan,
+        why: str,
+        floor: float | None = None,
+        resend: bool = False,
+        tighten: bool = True,
+    ) -> bool:
+        """Enable clipping or tighten it one notch; ``resend`` re-sends an unchanged setting."""
+        changed = tighten and self.clip.enable_or_tighten(floor) is not None
+        if changed or (resend and self.clip.norm is not None):
+            plan.add(ActionKind.CLIP, self.clip_params(), f"{why}: clip {self.clip_params()}")
+        return changed
+
+    def raise_eps(self, plan: Plan, why: str) -> None:
+        if self.config.eps_actions and (eps := self.eps.increase(self.config.eps_increase_factor)):
+            plan.add(ActionKind.SET_EPS, {"eps": eps}, f"{why}: optimizer eps -> {eps:g}")
+
+    def reduce_batch(self, plan: Plan, why: str) -> None:
+        cfg = self.config
+        if cfg.batch_size_actions and (f := self.batch.decrease(cfg.batch_size_decrease_factor)):
+            plan.add(ActionKind.REDUCE_BATCH_SIZE, {"factor": f}, f"{why}: batch size x{f:.4g}")
+
+    # --- the recovery itself ---------------------------------------------------------------
+    def recover(
+        self, plan: Plan, decision: Decision, incident: Incident, tick: int,
+        lr_factor: float, tighten: bool, why: str,
+    ) -> RollbackRecord | None:
+        """Roll back (or fall back to LR + skip ahead); the record when a rollback was issued."""
+        cfg = self.config
+        incident.recoveries += 1
+        incident.last_recovery_tick = tick
+        onset = min(incident.onset_step, decision.step)
+        target = self.book.target(onset, cfg.rollback_min_steps_before_onset)
+        if target is None:
+            self._fall_back(plan, decision, onset, lr_factor, tighten, why)
+            return None
+        return self._roll_back(plan, decision, incident, tick, target, lr_factor, tighten, why)
+
+    def _roll_back(
+        self, plan: Plan, decision: Decision, incident: Incident, tick: int,
+        target: Checkpoint, lr_factor: float, tighten: bool, why: str,
+    ) -> RollbackRecord:
+        cfg, t, s = self.config, target.step, decision.step
+        rollback_id = plan.add(
+            ActionKind.ROLLBACK,
+            {"target_step": t, "checkpoint_id": target.checkpoint_id},
+            f"{why}: roll back to healthy checkpoint {target.checkpoint_id} at step {t} "
+            f"(>= {cfg.rollback_min_steps_before_onset} steps before onset {incident.onset_step})",
+        )
+        plan.add(
+            ActionKind.SKIP_BATCHES,
+            {"from_step": t + 1, "to_step": s, "extra": cfg.skip_extra_batches},
+            f"{why}: skip the batches of steps {t + 1}..{s} that led into it, "
+            f"plus {cfg.skip_extra_batches} more",
+        )
+        # After the rollback the LR is the lower of the one just before and the checkpoint's
+        # times the strategy's factor: an incident's decreases do not compound across its rollback.
+        # The factor sent is relative to the LR the guard has right after the rollback.
+        lr_before, pre = self.lr.state_dict(), self.lr.current
+        at_target = self.lr.rewind(t)
+        desired = max(self.lr.floor, min(pre, at_target * lr_factor))
+        self.lr.set(t + 1, desired)  # from the re-run's first step on
+        scale = desired / (at_target if cfg.rollback_restores_lr else pre)
+        if scale < 1 - 1e-9:
+            plan.add(
+                ActionKind.SCALE_LR,
+                {"factor": scale},
+                f"{why}: after the rollback LR x{scale:.4g} (now {desired:.4g} of base)",
+            )
+        else:
+            scale = 1.0
+        # The rollback may also revert the clipping the guard had: send it again, tighter if asked.
+        self.tighten_clip(plan, why, resend=True, tighten=tighten)
+        self.reduce_batch(plan, why)
+        dropped = self.book.drop_after(t)
+        self.ledger.record(tick)
+        record = RollbackRecord(
+            action_id=rollback_id,
+            incident=incident.key,
+            issue_step=s,
+            apply_at_step=plan.apply_at_step,
+            target_step=t,
+            checkpoint_id=target.checkpoint_id,
+            lr_before=lr_before,
+            lr_scale=scale,
+            dropped=[asdict(c) for c in dropped],
+        )
+        self.rollbacks.append(record)
+        del self.rollbacks[: max(0, len(self.rollbacks) - MAX_ROLLBACK_RECORDS)]
+        return record
+
+    def _fall_back(
+        self, plan: Plan, decision: Decision, onset: int, lr_factor: float, tighten: bool, why: str
+    ) -> None:
+        cfg, s = self.config, decision.step
+        newest = self.book.healthy[-1].step if self.book.healthy else None
+        missing = (
+            f"no healthy checkpoint at least {cfg.rollback_min_steps_before_onset} steps "
+            f"before onset {onset} (newest healthy: {'none' if newest is None else newest})"
+        )
+        self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
+        plan.add(
+            ActionKind.SKIP_BATCHES,
+            {"from_step": s, "to_step": s, "extra": cfg.skip_extra_batches},
+            f"{why}; {missing}: batches already consumed cannot be skipped without a rollback, "
+            f"so skip the next {cfg.skip_extra_batches} batches ahead instead",
+        )
+        if tighten:
+            self.tighten_clip(plan, why)
+        message = f"{missing}; fell back to LR reduction and skipping ahead"
+        plan.alert("warning", message, f"{why}; {missing}")
+
+    # --- acks of rollbacks -------------------------------------------------------------------
+    def record_of(self, action_id: str) -> RollbackRecord | None:
+        return next((r for r in self.rollbacks if r.action_id == action_id), None)
+
+    def pending(self) -> RollbackRecord | None:
+        return next((r for r in reversed(self.rollbacks) if r.status == "pending"), None)
+
+    def applied(self, record: RollbackRecord) -> None:
+        record.status = "applied"
+        self.book.drop_after(record.target_step)  # old-timeline checkpoints that came in since
+        if (oldest := self.book.oldest_step) is not None:
+            self.lr.forget_before(oldest)
+
+    def failed(self, record: RollbackRecord) -> None:
+        """Undo the bookkeeping of a rollback that did not happen (its SCALE_LR did)."""
+        record.status = "failed"
+        self.lr.load_state_dict(record.lr_before)
+        if record.lr_scale < 1.0:
+            self.lr.set(record.apply_at_step, self.lr.current * record.lr_scale)
+        dropped = [Checkpoint(**c) for c in record.dropped]
+        self.book.put_back(dropped, except_id=record.checkpoint_id)
+        self.book.discard(record.checkpoint_id)
+
+    # --- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr.state_dict(),
+            "clip_norm": self.clip.norm,
+            "batch_factor": self.batch.current,
+            "eps": self.eps.value,
+            "book": self.book.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "rollbacks": [asdict(r) for r in self.rollbacks],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr.load_state_dict(state["lr"])
+        self.clip.norm = state["clip_norm"]
+        self.batch.current = float(state["batch_factor"])
+        self.eps.value = float(state["eps"])
+        self.book.load_state_dict(state["book"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.rollbacks = [RollbackRecord(**r) for r in state["rollbacks"]]
