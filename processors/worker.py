@@ -179,11 +179,8 @@ class Worker:
     def _publish(self, outputs: list[Output]) -> None:
         if not outputs:
             return
-        publish = self._producer.publish
-        per_topic: Counter[str] = Counter()
-        for topic, event in outputs:
-            publish(topic, encode(event), key=event.run_id, event=event)  # type: ignore[attr-defined]
-            per_topic[topic] += 1
+        self._producer.publish_events(outputs)
+        per_topic = Counter(topic for topic, _ in outputs)
         for topic, count in per_topic.items():
             self.metrics.records_out.labels(self.stage.name, topic).inc(count)
         observe_outputs(self.metrics, outputs)
@@ -204,7 +201,7 @@ class Worker:
         letter = dead_letter(record, exc, self.group)
         log.warning("%s: %s[%d]@%d to the DLQ: %s", self.group, record.topic, record.partition,
                     record.offset, letter.reason)
-        self._producer.publish(self.dlq_topic, encode(letter), key=record.key, event=letter)
+        self._producer.publish(self.dlq_topic, encode(letter), key=record.key)
         self.metrics.dead_letters.labels(self.stage.name, letter.error).inc()
 
     # -- state ----------------------------------------------------------------

@@ -9,30 +9,69 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from spikeguard.schemas.codec import encode
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Headers = Sequence[tuple[str, bytes]]
 
 
-@dataclass(frozen=True, slots=True)
 class Record:
-    """One message as a consumer sees it."""
+    """One message as a consumer sees it.
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp_ms: int = 0
-    # Decoded events, shared by every consumer of the same in-process record so
-    # that four detectors decode a step once (see schemas.codec); not part of equality.
-    cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    ``cache`` holds decoded events, shared by every consumer of the same
+    in-process record so that four detectors decode a step once. An
+    in-process record published as an event encodes its ``value`` only when
+    somebody asks for the bytes.
+    """
+
+    __slots__ = ("topic", "partition", "offset", "key", "_value", "headers", "timestamp_ms", "cache")
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        headers: tuple[tuple[str, bytes], ...] = (),
+        timestamp_ms: int = 0,
+        cache: dict | None = None,
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.key = key
+        self._value = value
+        self.headers = headers
+        self.timestamp_ms = timestamp_ms
+        self.cache = {} if cache is None else cache
+
+    @property
+    def value(self) -> bytes | None:
+        if self._value is None and self.cache:
+            self._value = encode(next(iter(self.cache.values())))
+        return self._value
 
     @property
     def key_text(self) -> str | None:
         return None if self.key is None else self.key.decode("utf-8", "replace")
+
+    def _fields(self) -> tuple:
+        return (self.topic, self.partition, self.offset, self.key, self.value, self.headers)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Record) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash((self.topic, self.partition, self.offset))
+
+    def __repr__(self) -> str:
+        return (f"Record({self.topic!r}, partition={self.partition}, offset={self.offset}, "
+                f"key={self.key!r}, value={self.value!r:.80})")
 
 
 TopicPartition = tuple[str, int]
@@ -60,15 +99,17 @@ class Producer(ABC):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
-        *,
-        event: object | None = None,
     ) -> None:
-        """Queue one record. Delivery is confirmed by :meth:`flush`.
+        """Queue one record. Delivery is confirmed by :meth:`flush`."""
 
-        ``event`` is the already-decoded (immutable) event that ``value``
-        encodes; an in-process engine hands it to consumers so they need not
-        decode it again. Engines that cross a process boundary ignore it.
+    def publish_events(self, events: Iterable[tuple[str, "BaseModel"]]) -> None:
+        """Queue ``(topic, event)`` pairs, each keyed by its ``run_id``, JSON-encoded.
+
+        An in-process engine overrides this to hand the (immutable) event
+        itself to its consumers, so they need not decode it again.
         """
+        for topic, event in events:
+            self.publish(topic, encode(event), key=event.run_id)  # type: ignore[attr-defined]
 
     @abstractmethod
     def flush(self, timeout: float | None = None) -> None:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from pydantic import BaseModel
+
 from spikeguard.bus.base import (
     Bus,
     Consumer,
@@ -90,35 +92,33 @@ class EmbeddedBus(Bus):
 
     def _append(
         self,
-        topic_name: str,
-        key: bytes | None,
-        value: bytes,
-        headers: Headers,
-        event: object | None = None,
+        items: Iterable[tuple[str, bytes | None, bytes | None, Headers, object | None]],
     ) -> None:
+        """Append (topic, key, value, headers, event) records under one lock."""
+        now_ms = int(time.time() * 1000)
         with self._cond:
-            topic = self._topic(topic_name)
-            partition = partition_for(key, self.partitions)
-            log = topic.logs[partition]
-            record = Record(
-                topic_name,
-                partition,
-                len(log),
-                key,
-                value,
-                tuple((str(k), bytes(v)) for k, v in headers),
-                int(time.time() * 1000),
-            )
-            if event is not None:
-                record.cache[type(event)] = event
-            if topic.compacted:
-                previous = topic.latest.get((partition, key))
-                if previous is not None:
-                    log[previous] = None
-                topic.latest[(partition, key)] = record.offset
-            log.append(record)
-            if self.data_dir is not None:
-                self._persist(record)
+            for topic_name, key, value, headers, event in items:
+                topic = self._topics.get(topic_name) or self._topic(topic_name)
+                partition = partition_for(key, self.partitions)
+                log = topic.logs[partition]
+                record = Record(
+                    topic_name,
+                    partition,
+                    len(log),
+                    key,
+                    value,
+                    tuple((str(k), bytes(v)) for k, v in headers) if headers else (),
+                    now_ms,
+                    None if event is None else {type(event): event},
+                )
+                if topic.compacted:
+                    previous = topic.latest.get((partition, key))
+                    if previous is not None:
+                        log[previous] = None
+                    topic.latest[(partition, key)] = record.offset
+                log.append(record)
+                if self.data_dir is not None:
+                    self._persist(record)
             self._cond.notify_all()
 
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
@@ -259,12 +259,18 @@ class EmbeddedProducer(Producer):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
-        *,
-        event: object | None = None,
     ) -> None:
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append(topic, as_key(key), bytes(value), headers or (), event)
+        self._bus._append([(topic, as_key(key), bytes(value), headers or (), None)])
+
+    def publish_events(self, events: Iterable[tuple[str, BaseModel]]) -> None:
+        # The event object travels as is (it is frozen); its bytes are made
+        # only if somebody reads them (persistence, a DLQ letter, a test).
+        self._bus._append(
+            (topic, event.run_id.encode(), None, (), event)  # type: ignore[attr-defined]
+            for topic, event in events
+        )
 
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.
