@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what it needs (the venv
+# outside the clone, the Kafka jars through Maven), starts the local broker
+# unless one is already up, runs pytest, and stops the broker it started.
+#   scripts/test.sh [pytest args...]
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+venv="$(bash scripts/env.sh)"
+started=0
+if ! bash scripts/kafka_local.sh status >/dev/null 2>&1; then
+  bash scripts/kafka_local.sh start
+  started=1
+fi
+cleanup() { if [ "$started" = 1 ]; then bash scripts/kafka_local.sh stop || true; fi; }
+trap cleanup EXIT
+# Integration tests must not skip silently when the broker is missing.
+export SPIKEGUARD_REQUIRE_KAFKA=1
+export SPIKEGUARD_PYTHON="$venv/bin/python"
+"$venv/bin/python" -m pytest "$@"

@@ -1,0 +1,38 @@
+"""Flags every command that talks to the bus shares: connection and --set overrides."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spikeguard.settings import Settings
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (flags > SPIKEGUARD_* env > defaults)")
+    group.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT",
+        help="Kafka brokers; default: $SPIKEGUARD_BOOTSTRAP_SERVERS, else the embedded bus",
+    )
+    group.add_argument("--topic-prefix", metavar="PREFIX", help="topic name prefix")
+    group.add_argument(
+        "--set",
+        action="append",
+        metavar="NAME=VALUE",
+        help="any setting by dotted name, e.g. fusion.threshold=0.5 (repeatable)",
+    )
+
+
+def settings_from(args: argparse.Namespace, **extra: object) -> "Settings":
+    # Imported here: building the parser must not import every detector (and torch).
+    from spikeguard.settings import load_settings, parse_assignments
+
+    overrides: dict[str, object] = parse_assignments(getattr(args, "set", None))
+    if getattr(args, "bootstrap_servers", None):
+        overrides["bootstrap_servers"] = args.bootstrap_servers
+    if getattr(args, "topic_prefix", None):
+        overrides["topic_prefix"] = args.topic_prefix
+    overrides.update({k: v for k, v in extra.items() if v is not None})
+    return load_settings(overrides)

@@ -1,0 +1,76 @@
+"""``spikeguard worker NAME``: run one component (or ``all``) until stopped.
+
+Against Kafka (``--bootstrap-servers`` / ``$SPIKEGUARD_BOOTSTRAP_SERVERS``) each
+component is its own process, scaled out by running more of them: they share
+the consumer group and split the partitions. SIGTERM or Ctrl-C stops it after
+it saves its state and commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from spikeguard.cli._common import add_settings_flags, settings_from
+from spikeguard.components import COMPONENTS
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "worker",
+        help="run a pipeline component (statistical, rules, ml, predictor, fusion, actuator, all)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=[*COMPONENTS, "all"], help="the component to run")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    add_settings_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spikeguard.components import build_stage
+    from spikeguard.metrics import default_metrics
+    from spikeguard.processors.worker import Worker
+    from spikeguard.runtime import make_bus
+    from spikeguard.schemas import Topics
+
+    settings = settings_from(args, metrics_port=args.metrics_port)
+    if settings.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port)
+    bus = make_bus(settings)
+    topics = Topics(settings.topic_prefix)
+    bus.create_topics(topics.all())
+    names = COMPONENTS if args.name == "all" else (args.name,)
+    workers = [
+        Worker(bus, build_stage(name, settings, topics), metrics=default_metrics(),
+               snapshot_interval_s=settings.snapshot_interval_s)
+        for name in names
+    ]
+    stopping = threading.Event()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("signal %d: stopping", signum)
+        stopping.set()
+        for worker in workers:
+            worker.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    threads = [threading.Thread(target=w.run, name=w.stage.name) for w in workers]
+    for thread in threads:
+        thread.start()
+    print(f"spikeguard worker: {', '.join(names)} on {settings.engine} "
+          f"({settings.bootstrap_servers or 'in-process'}), prefix {settings.topic_prefix!r}",
+          flush=True)
+    while any(t.is_alive() for t in threads):
+        for thread in threads:
+            thread.join(timeout=0.5)
+    bus.close()
+    return 0

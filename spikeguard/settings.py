@@ -1,0 +1,139 @@
+"""Settings: flags, then SPIKEGUARD_* environment variables, then defaults.
+
+Top-level fields map to ``SPIKEGUARD_<FIELD>`` (``SPIKEGUARD_BOOTSTRAP_SERVERS``);
+a component's fields to ``SPIKEGUARD_<COMPONENT>__<FIELD>``
+(``SPIKEGUARD_FUSION__THRESHOLD=0.5``). Flags use dotted names
+(``--set fusion.threshold=0.5``). Every component carries its own documented
+config model; an invalid value raises :class:`ConfigError` naming the field and
+where the value came from. Secrets are ``SecretStr``: never in reprs or logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from spikeguard.actuators.policy import PolicyConfig
+from spikeguard.errors import ConfigError
+from spikeguard.processors.detectors import CONFIGS
+from spikeguard.processors.fusion import FusionConfig
+
+ENV_PREFIX = "SPIKEGUARD_"
+StatisticalConfig, RulesConfig, MLConfig, PredictorConfig = (
+    CONFIGS["statistical"],
+    CONFIGS["rules"],
+    CONFIGS["ml"],
+    CONFIGS["predictor"],
+)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: str | None = Field(
+        None, description="Kafka brokers (host:port,...); unset = the embedded bus"
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="Kafka security protocol"
+    )
+    sasl_mechanism: str | None = Field(None, description="e.g. PLAIN, SCRAM-SHA-512")
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = Field(None, description="never logged")
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    client_id: str = Field("spikeguard", min_length=1)
+    topic_prefix: str = Field("spikeguard.", description="replays run under another prefix")
+    partitions: int = Field(4, ge=1, le=1024, description="partitions of new topics")
+    data_dir: str | None = Field(
+        None, description="embedded bus: record every topic here so the run can be replayed"
+    )
+    signing_key: SecretStr | None = Field(
+        None, description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones"
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers)"
+    )
+    snapshot_interval_s: float = Field(
+        2.0, gt=0, description="how often a worker snapshots its state and commits offsets"
+    )
+
+    statistical: StatisticalConfig = Field(default_factory=StatisticalConfig)  # type: ignore[valid-type]
+    rules: RulesConfig = Field(default_factory=RulesConfig)  # type: ignore[valid-type]
+    ml: MLConfig = Field(default_factory=MLConfig)  # type: ignore[valid-type]
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)  # type: ignore[valid-type]
+    fusion: FusionConfig = Field(default_factory=FusionConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @property
+    def engine(self) -> str:
+        return "kafka" if self.bootstrap_servers else "embedded"
+
+
+_SECTIONS = ("statistical", "rules", "ml", "predictor", "fusion", "policy")
+
+
+def _parse(value: str) -> Any:
+    """Environment values are text; JSON lists/objects/numbers are read as such."""
+    text = value.strip()
+    if text[:1] in "[{":
+        try:
+            return json.loads(text)
+        except ValueError:
+            return value
+    return value
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Defaults, overlaid by ``SPIKEGUARD_*`` variables, overlaid by ``overrides`` (dotted keys)."""
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    fields = set(Settings.model_fields)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name.startswith(ENV_PREFIX + "TEST_"):
+            continue
+        dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+        if dotted.split(".")[0] not in fields:
+            continue  # other SPIKEGUARD_* variables (scripts, tests) are not settings
+        _set(tree, dotted, _parse(value))
+        origin[dotted] = f"environment variable {name}"
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        _set(tree, dotted, value)
+        origin[dotted] = f"flag {dotted}"
+    try:
+        return Settings.model_validate(tree)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors(include_url=False):
+            where = ".".join(str(p) for p in error["loc"])
+            source = origin.get(where, "default")
+            problems.append(f"{where} ({source}): {error['msg']}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+def parse_assignments(items: list[str] | None) -> dict[str, str]:
+    """``["fusion.threshold=0.5", ...]`` from repeated ``--set`` flags."""
+    result: dict[str, str] = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--set expects NAME=VALUE, got {item!r}")
+        result[name.strip()] = _parse(value)
+    return result

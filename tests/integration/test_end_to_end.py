@@ -1,0 +1,117 @@
+"""The whole loop with a real torch model: spike -> decision -> action -> applied -> ack.
+
+The same test runs on the embedded bus (all components as threads of this
+process) and on a real Kafka broker (all components in a separate
+``spikeguard worker all`` process, as in production).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from spikeguard.producers import Guard
+from spikeguard.producers.config import GuardConfig
+from spikeguard.runtime import Runtime, open_runtime
+from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, Topics, decode
+from spikeguard.settings import load_settings
+
+STEPS = 260
+BAD_BATCHES = range(150, 158)  # global batch indices whose labels are garbage
+
+
+def make_problem(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096, 8, generator=generator)
+    w = torch.randn(8, 1, generator=generator)
+    y = x @ w + 0.1 * torch.randn(4096, 1, generator=generator)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
+
+
+def train(bus, topics, tmp_path, run_id):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = GuardConfig(checkpoint_dir=str(tmp_path / run_id), checkpoint_every=20, keep_checkpoints=8,
+                         lockstep=True, lockstep_timeout=30.0, data_seed=0)
+    guard = Guard(model, optimizer, run_id=run_id, config=config, bus=bus, topics=topics)
+    corrupted = 0
+    for x, y in guard.data(make_problem(), epochs=10, max_steps=STEPS):
+        if guard.loader.last_index in BAD_BATCHES:
+            y = y * 40.0 + 25.0  # a corrupted batch: a real, persistent loss spike
+            corrupted += 1
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss)
+    guard.close()
+    return guard, corrupted
+
+
+def read(bus, topic, model, run_id):
+    events = [decode(r.value, model) for r in bus.read_all(topic)]
+    return [e for e in events if e.run_id == run_id]
+
+
+def check_the_loop_closed(bus, topics, guard, corrupted, run_id):
+    decisions = read(bus, topics.decisions, Decision, run_id)
+    onset = BAD_BATCHES[0]  # one batch per step, no rollback before it: batch index == step
+    at_onset = [d for d in decisions if d.step == onset and d.epoch == 0]
+    assert at_onset and at_onset[0].is_anomaly, "the spike's first step got no anomalous decision"
+    actions = read(bus, topics.actions, Action, run_id)
+    kinds = {a.kind for a in actions}
+    assert ActionKind.ROLLBACK in kinds and ActionKind.SCALE_LR in kinds, kinds
+    acks = read(bus, topics.acks, Ack, run_id)
+    applied = {a.kind for a in acks if a.status is AckStatus.APPLIED}
+    assert {ActionKind.ROLLBACK, ActionKind.SCALE_LR} <= applied, acks
+    assert guard.epoch >= 1  # the trainer really rolled back
+    # The skip window kept the bad batches out of the re-run: fewer corrupted steps
+    # than the window holds would be seen twice.
+    assert corrupted < 2 * len(BAD_BATCHES)
+    assert guard.lr.effective() < 0.05  # the guard scales the LR around optimizer.step()
+
+
+def test_embedded_loop(tmp_path):
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}."
+    settings = load_settings({"topic_prefix": prefix}, env={})
+    with open_runtime(settings) as runtime:
+        guard, corrupted = train(runtime.bus, runtime.topics, tmp_path, "embedded-run")
+        check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "embedded-run")
+
+
+@pytest.mark.kafka
+def test_kafka_loop(tmp_path, kafka_bootstrap):
+    from spikeguard.bus.kafka import KafkaBus
+
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}."
+    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "spikeguard", "worker", "all", "--topic-prefix", prefix],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "spikeguard worker:" not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        bus = KafkaBus(kafka_bootstrap)
+        topics = Topics(prefix)
+        guard, corrupted = train(bus, topics, tmp_path, "kafka-run")
+        time.sleep(1.0)  # the last acks reach the broker
+        check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
+        bus.close()
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    assert worker.returncode == 0, log.read_text()

@@ -1,0 +1,126 @@
+"""The backtest contract, replay and report, through the real CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from spikeguard.cli import build_parser, main
+from spikeguard.processors.backtest import backtest_events
+from spikeguard.runtime import open_runtime
+from spikeguard.schemas import StepEvent, encode
+from spikeguard.settings import load_settings
+
+
+def healthy_loss(step: int) -> float:
+    # A decaying loss with a small deterministic wiggle.
+    return 3.0 * (step + 10) ** -0.3 * (1 + 0.01 * math.sin(step * 1.7))
+
+
+def write_csv(path, steps=600, nan_at=400, spike_at=250):
+    lines = ["step,loss"]
+    for step in range(steps):
+        loss = healthy_loss(step)
+        if step == nan_at:
+            lines.append(f"{step},nan")
+            continue
+        if spike_at <= step < spike_at + 6:
+            loss *= 8
+        lines.append(f"{step},{loss!r}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_backtest_writes_a_decision_line_for_every_anomaly_deterministically(tmp_path, capsys):
+    source = tmp_path / "run.csv"
+    write_csv(source)
+    outputs = []
+    for name in ("a.jsonl", "b.jsonl"):
+        assert main(["backtest", str(source), "--out", str(tmp_path / name)]) == 0
+        outputs.append((tmp_path / name).read_text())
+    assert outputs[0] == outputs[1]
+    lines = [json.loads(line) for line in outputs[0].splitlines()]
+    for line in lines:
+        assert {"run_id", "step", "is_anomaly", "type", "confidence", "urgency"} <= set(line)
+    anomalous = {line["step"]: line for line in lines if line["is_anomaly"]}
+    assert anomalous[400]["type"] == "non_finite" and anomalous[400]["urgency"] == "critical"
+    assert 250 in anomalous
+    assert "steps/s" in capsys.readouterr().err
+
+
+def test_backtest_reads_jsonl_step_events(tmp_path):
+    source = tmp_path / "run.jsonl"
+    events = [StepEvent(run_id="j", step=s, loss=healthy_loss(s)) for s in range(300)]
+    events[200] = StepEvent(run_id="j", step=200, loss=math.inf)
+    source.write_bytes(b"\n".join(encode(e) for e in events) + b"\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["backtest", str(source), "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert any(l["step"] == 200 and l["type"] == "non_finite" and l["run_id"] == "j" for l in lines)
+
+
+def test_backtest_names_the_bad_line_of_a_broken_file(tmp_path, capsys):
+    source = tmp_path / "bad.csv"
+    source.write_text("step,loss\n0,1.0\n1,abc\n")
+    assert main(["backtest", str(source), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.csv" in err and "3" in err  # the file and the line
+
+
+def test_replay_rejudges_a_recorded_embedded_run_and_report_summarises_it(tmp_path, capsys):
+    record = tmp_path / "recorded"
+    settings = load_settings({"data_dir": str(record)}, env={})
+    events = [StepEvent(run_id="rec", step=s, loss=healthy_loss(s)) for s in range(400)]
+    events[300] = StepEvent(run_id="rec", step=300, loss=math.nan)
+    with open_runtime(settings) as runtime:
+        producer = runtime.bus.producer()
+        for event in events:
+            producer.publish(runtime.topics.steps, encode(event), key="rec")
+        producer.flush()
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if len(runtime.bus.read_all(runtime.topics.decisions)) >= 400:
+                break
+            time.sleep(0.1)
+    capsys.readouterr()
+    assert main(["replay", "--data-dir", str(record), "--out", str(tmp_path / "re.jsonl")]) == 0
+    said = capsys.readouterr().out
+    assert "replayed 400 steps of 1 run(s)" in said
+    assert "new 0, gone 0, type changed 0" in said  # same settings, same judgement
+    rejudged = [json.loads(l) for l in (tmp_path / "re.jsonl").read_text().splitlines()]
+    assert any(l["step"] == 300 and l["type"] == "non_finite" for l in rejudged)
+    expected = [d for d in backtest_events(events) if d.is_anomaly]
+    assert [(l["step"], l["type"]) for l in rejudged if l["is_anomaly"]] == [
+        (d.step, d.type.value) for d in expected
+    ]
+
+    assert main(["report", "--data-dir", str(record), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    incidents = report["runs"]["rec"]["incidents"]
+    assert any(i["onset_step"] == 300 and i["type"] == "non_finite" for i in incidents)
+
+
+def command_names():
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return sorted(action.choices)
+
+
+def test_every_command_has_help(capsys):
+    names = command_names()
+    assert {"backtest", "simulate", "evaluate", "demo", "worker", "replay", "report",
+            "presets", "schemas"} <= set(names)
+    for name in names:
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args([name, "--help"])
+        assert done.value.code == 0
+        assert f"usage: spikeguard {name}" in capsys.readouterr().out, name
+
+
+def test_the_console_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "spikeguard", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "backtest" in done.stdout
