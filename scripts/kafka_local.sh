@@ -79,7 +79,7 @@ fetch_jars() {
   command -v java >/dev/null || die "java not found (the broker needs Java 17+)"
   say "fetching the broker jars into $lib (once)"
   rm -rf "$lib.tmp"
-  mvn -B -q -f "$kdir/pom.xml" dependency:copy-dependencies \
+  mvn -B -q -Dstyle.color=never -f "$kdir/pom.xml" dependency:copy-dependencies \
     -DoutputDirectory="$lib.tmp" >&2 || die "mvn could not fetch the broker jars"
   rm -rf "$kdir/target" "$lib"
   mv "$lib.tmp" "$lib"
@@ -148,26 +148,31 @@ start() {
   write_config
   local opts cluster_id
   mapfile -t opts < <(java_opts)
-  cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>>"$logs/stdout.log")" \
-    || die "StorageTool random-uuid failed: $(tail -n 20 "$logs/stdout.log")"
+  cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>&1)" \
+    || die "StorageTool random-uuid failed: $cluster_id"
+  cluster_id="$(tail -n 1 <<<"$cluster_id")"
   java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
     -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
     || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
-  setsid nohup java "${opts[@]}" kafka.Kafka "$run/server.properties" \
-    >>"$logs/stdout.log" 2>&1 < /dev/null &
-  pid=$!
-  echo "$pid" > "$pidfile"
+  # The broker gets its own session (a Ctrl-C or the end of the calling job
+  # does not reach it) and writes its own pid: setsid may fork, so $! is not it.
+  setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "$pidfile" \
+    java "${opts[@]}" kafka.Kafka "$run/server.properties" >>"$logs/stdout.log" 2>&1 < /dev/null &
+  pid=""
+  for _ in $(seq 50); do
+    pid="$(cat "$pidfile" 2>/dev/null || true)"
+    [ -n "$pid" ] && break
+    sleep 0.1
+  done
+  [ -n "$pid" ] || fail_start "the broker did not start"
   say "started pid $pid, waiting for $host:$port (up to ${start_timeout}s)"
 
-  local deadline=$((SECONDS + start_timeout))
+  local deadline=$((SECONDS + start_timeout)) left
   while true; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      fail_start "the broker exited"
-    fi
-    if probe 5; then
-      break
-    fi
-    [ "$SECONDS" -lt "$deadline" ] || fail_start "not ready after ${start_timeout}s"
+    kill -0 "$pid" 2>/dev/null || fail_start "the broker exited"
+    left=$((deadline - SECONDS))
+    [ "$left" -gt 0 ] || fail_start "not ready after ${start_timeout}s"
+    probe "$((left < 5 ? left : 5))" && break
     sleep 0.5
   done
   [ -n "$python" ] || say "note: checked the TCP port only (no venv with kafka-python at $cache/venv)"

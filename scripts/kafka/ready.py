@@ -22,12 +22,13 @@ def ready(bootstrap: str, timeout: float) -> bool:
     last: object = None
     while time.monotonic() < deadline:
         admin = None
+        left_ms = max(200, int((deadline - time.monotonic()) * 1000))
         try:
             admin = KafkaAdminClient(
                 bootstrap_servers=bootstrap,
                 client_id="spikeguard-ready",
-                bootstrap_timeout_ms=2000,
-                request_timeout_ms=5000,
+                bootstrap_timeout_ms=min(2000, left_ms),
+                request_timeout_ms=min(5000, left_ms),
                 reconnect_backoff_max_ms=500,
             )
             if not admin.describe_cluster().get("brokers"):

@@ -1,0 +1,298 @@
+"""The Kafka engine of the bus, on kafka-python (>= 3.0.11).
+
+Nothing here touches the network in ``__init__``: :class:`KafkaBus` only
+holds settings, and each client connects when :meth:`KafkaBus.producer`,
+:meth:`KafkaBus.consumer`, :meth:`KafkaBus.create_topics` or
+:meth:`KafkaBus.read_all` asks for one. Security settings (SASL, SSL) go to
+every client; the SASL password never appears in a repr or a log line.
+
+Partitioning is Kafka's own (murmur2 of the key, as every Kafka client
+does), not :func:`spikeguard.bus.base.partition_for`: what the engines share
+is that one key always lands in one partition.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from pydantic import SecretStr
+
+from spikeguard.bus.base import Bus, Consumer, Headers, Producer, RebalanceCallback, Record, as_key
+from spikeguard.errors import BusError, DeliveryError
+
+__all__ = ["KafkaBus"]
+
+
+class _Masked(str):
+    """The SASL password as kafka-python needs it (a str), shown as stars.
+
+    kafka-python logs client configurations at DEBUG level; this keeps the
+    secret out of those lines.
+    """
+
+    def __repr__(self) -> str:
+        return "'**********'"
+
+
+def _record(r: Any) -> Record:
+    return Record(
+        topic=r.topic,
+        partition=r.partition,
+        offset=r.offset,
+        key=r.key,
+        value=r.value,
+        headers=tuple((k, v if v is not None else b"") for k, v in (r.headers or ())),
+        timestamp_ms=r.timestamp if r.timestamp is not None and r.timestamp >= 0 else 0,
+    )
+
+
+class _KafkaProducer(Producer):
+    """Idempotent producer; ``flush`` reports every send that failed."""
+
+    def __init__(self, config: dict[str, Any]):
+        self._producer = KafkaProducer(**config, enable_idempotence=True, acks="all", linger_ms=5)
+        self._pending: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def publish(self, topic: str, value: bytes, key: str | bytes | None = None, headers: Headers | None = None) -> None:
+        try:
+            future = self._producer.send(
+                topic, value=value, key=as_key(key), headers=[(k, bytes(v)) for k, v in headers or ()]
+            )
+        except KafkaError as exc:
+            raise DeliveryError(f"could not publish to topic {topic!r}: {exc!r}") from exc
+        with self._lock:
+            self._pending.append((topic, future))
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._producer.flush(timeout=timeout)
+        except KafkaError:
+            pass  # the futures below say which records are missing
+        failed: dict[str, tuple[int, str]] = {}
+        for topic, future in pending:
+            # Wait on each future too: kafka-python's flush() can return while a
+            # batch it split (MESSAGE_TOO_LARGE) is still being retried.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.get(timeout=left)
+                continue
+            except Exception as exc:  # noqa: BLE001 - any failure is a lost record
+                why = repr(exc)
+            count, first = failed.get(topic, (0, why))
+            failed[topic] = (count + 1, first)
+        if failed:
+            detail = "; ".join(f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items())
+            raise DeliveryError(f"the broker did not acknowledge {detail}")
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._producer.close()
+
+
+class _Listener(ConsumerRebalanceListener):
+    """Turns kafka-python's rebalance calls (on its IO thread) into the bus callbacks."""
+
+    def __init__(self, owner: "_KafkaConsumer"):
+        self._owner = owner
+
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        lost = {(tp.topic, tp.partition) for tp in revoked}
+        if lost and self._owner.on_revoke is not None:
+            self._owner.on_revoke(lost)
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        gained = {(tp.topic, tp.partition) for tp in assigned}
+        if gained and self._owner.on_assign is not None:
+            self._owner.on_assign(gained)
+
+
+class _KafkaConsumer(Consumer):
+    """A group member; commits only when told to, and only what it polled."""
+
+    def __init__(self, config: dict[str, Any], topics: list[str], on_assign: RebalanceCallback | None,
+                 on_revoke: RebalanceCallback | None):
+        self.on_assign, self.on_revoke = on_assign, on_revoke
+        self._consumer = KafkaConsumer(**config)
+        try:
+            self._consumer.subscribe(topics=topics, listener=_Listener(self))
+            # Learn the topics' partitions before the first join: a group leader
+            # that joins without them assigns nothing, and kafka-python may not
+            # notice until its next periodic metadata refresh (metadata_max_age_ms).
+            for topic in topics:
+                self._consumer.partitions_for_topic(topic)
+        except BaseException:
+            self._consumer.close(autocommit=False)
+            raise
+
+    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
+        try:
+            batches = self._consumer.poll(timeout_ms=max(0, int(timeout * 1000)), max_records=max_records)
+        except KafkaError as exc:
+            if exc.__cause__ is not None and not isinstance(exc.__cause__, KafkaError):
+                raise exc.__cause__  # a rebalance callback failed: its own error, as on the embedded bus
+            raise BusError(f"poll failed: {exc!r}") from exc
+        return [_record(r) for records in batches.values() for r in records]
+
+    def commit(self) -> None:
+        try:
+            self._consumer.commit()
+        except KafkaError as exc:
+            raise BusError(f"commit failed (the records will be delivered again): {exc!r}") from exc
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Only on an owned partition (ValueError otherwise), e.g. from ``on_assign``."""
+        self._consumer.seek(TopicPartition(topic, partition), offset)
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+class KafkaBus(Bus):
+    """A Kafka cluster as the bus.
+
+    Args:
+        bootstrap_servers: ``host:port`` (or several, comma-separated or a list).
+        client_id: Name the broker logs for these clients.
+        security_protocol: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
+        sasl_mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ... (SASL only).
+        sasl_username / sasl_password: SASL credentials; the password is a SecretStr.
+        ssl_cafile / ssl_certfile / ssl_keyfile: PEM files for SSL.
+        partitions / replication_factor: Of the topics :meth:`create_topics` makes.
+        consumer_options: Further kafka-python consumer settings (e.g. shorter
+            ``session_timeout_ms`` / ``heartbeat_interval_ms`` in tests).
+    """
+
+    engine = "kafka"
+
+    def __init__(
+        self,
+        bootstrap_servers: str | list[str],
+        *,
+        client_id: str = "spikeguard",
+        security_protocol: str = "PLAINTEXT",
+        sasl_mechanism: str | None = None,
+        sasl_username: str | None = None,
+        sasl_password: SecretStr | None = None,
+        ssl_cafile: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        partitions: int = 4,
+        replication_factor: int = 1,
+        consumer_options: Mapping[str, Any] | None = None,
+    ):
+        if isinstance(sasl_password, str):
+            sasl_password = SecretStr(sasl_password)
+        self.bootstrap_servers = bootstrap_servers
+        self.client_id = client_id
+        self.security_protocol = security_protocol
+        self.sasl_mechanism = sasl_mechanism
+        self.sasl_username = sasl_username
+        self.sasl_password = sasl_password
+        self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile = ssl_cafile, ssl_certfile, ssl_keyfile
+        self.partitions = partitions
+        self.replication_factor = replication_factor
+        self.consumer_options = dict(consumer_options or {})
+
+    def __repr__(self) -> str:
+        return (f"KafkaBus(bootstrap_servers={self.bootstrap_servers!r}, client_id={self.client_id!r}, "
+                f"security_protocol={self.security_protocol!r}, sasl_mechanism={self.sasl_mechanism!r})")
+
+    def _config(self) -> dict[str, Any]:
+        """Connection and security settings shared by every client."""
+        config: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism is not None:
+            config["sasl_mechanism"] = self.sasl_mechanism
+            config["sasl_plain_username"] = self.sasl_username
+            if self.sasl_password is not None:
+                config["sasl_plain_password"] = _Masked(self.sasl_password.get_secret_value())
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
+        return config
+
+    def _connect(self, what: str, factory: Any, *args: Any) -> Any:
+        try:
+            return factory(*args)
+        except KafkaError as exc:
+            raise BusError(f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc!r}") from exc
+
+    def producer(self) -> Producer:
+        return self._connect("producer", _KafkaProducer, self._config())
+
+    def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
+                 on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:
+        config = {
+            **self._config(),
+            **self.consumer_options,
+            "group_id": group,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest" if from_beginning else "latest",
+        }
+        return self._connect("consumer", _KafkaConsumer, config, list(topics), on_assign, on_revoke)
+
+    def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
+        names = list(dict.fromkeys(topics))
+        admin = self._connect("admin client", lambda: KafkaAdminClient(**self._config()))
+        try:
+            missing = [t for t in names if t not in set(admin.list_topics())]
+            if not missing:
+                return
+            configs = {"cleanup.policy": "compact"} if compacted else {}
+            spec = {t: {"num_partitions": self.partitions, "replication_factor": self.replication_factor,
+                        "configs": configs} for t in missing}
+            result = admin.create_topics(spec, raise_errors=False)
+            errors = {t["name"]: t.get("error_message") or t["error_code"] for t in result["topics"]
+                      if t["error_code"] not in (0, TopicAlreadyExistsError.errno)}
+            if errors:
+                raise BusError(f"could not create topics: {errors}")
+            admin.wait_for_topics(missing, timeout_ms=30_000)
+        except KafkaError as exc:
+            raise BusError(f"could not create topics {names}: {exc!r}") from exc
+        finally:
+            admin.close()
+
+    def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        deadline = time.monotonic() + timeout
+        config = {**self._config(), "group_id": None, "enable_auto_commit": False,
+                  "allow_auto_create_topics": False, "auto_offset_reset": "earliest"}
+        consumer = self._connect("reader", lambda: KafkaConsumer(**config))
+        try:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+            if not tps:
+                return []
+            consumer.assign(tps)
+            consumer.seek_to_beginning()
+            end = consumer.end_offsets(tps, timeout_ms=int(timeout * 1000))
+            records: list[Record] = []
+            while True:
+                left = deadline - time.monotonic()
+                wait_ms = max(1, int(left * 1000))
+                behind = [tp for tp in tps if (consumer.position(tp, timeout_ms=wait_ms) or 0) < end[tp]]
+                if not behind:
+                    break
+                if left <= 0:
+                    raise BusError(f"read_all({topic!r}) did not reach the end offsets {end} within {timeout}s")
+                for tp, batch in consumer.poll(timeout_ms=int(min(left, 0.5) * 1000), max_records=10_000).items():
+                    records.extend(_record(r) for r in batch if r.offset < end[tp])
+            return sorted(records, key=lambda r: (r.partition, r.offset))
+        except KafkaError as exc:
+            raise BusError(f"read_all({topic!r}) failed: {exc!r}") from exc
+        finally:
+            consumer.close(autocommit=False)

@@ -1,0 +1,60 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _broker_problem(bootstrap: str, timeout: float = 5.0) -> str | None:
+    """Why no Kafka broker serves clients at ``bootstrap``, or None when one does."""
+    from kafka import KafkaAdminClient
+
+    host, _, port = bootstrap.split(",")[0].strip().rpartition(":")
+    try:  # a closed port answers at once; the client would retry until its timeout
+        socket.create_connection((host or "127.0.0.1", int(port or 9092)), timeout=timeout).close()
+    except (OSError, ValueError) as exc:
+        return repr(exc)
+    admin = None
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap,
+            client_id="spikeguard-tests-probe",
+            bootstrap_timeout_ms=int(timeout * 1000),
+            request_timeout_ms=int(timeout * 1000),
+        )
+        if not admin.describe_cluster().get("brokers"):
+            return "the cluster reports no broker"
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable"
+        return repr(exc)
+    finally:
+        if admin is not None:
+            admin.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    """Address of the test broker (``SPIKEGUARD_TEST_BOOTSTRAP``, default 127.0.0.1:9092).
+
+    Without a reachable broker the test is skipped, except in CI (``CI`` set)
+    or with ``SPIKEGUARD_REQUIRE_KAFKA=1``, where it fails: there a skipped
+    Kafka test would hide a broken setup.
+    """
+    bootstrap = os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP", "127.0.0.1:9092")
+    problem = _broker_problem(bootstrap)
+    if problem is not None:
+        message = (
+            f"no Kafka broker reachable at {bootstrap} ({problem}); "
+            "start one with `scripts/kafka_local.sh start` (or point SPIKEGUARD_TEST_BOOTSTRAP at one)"
+        )
+        if _truthy("CI") or os.environ.get("SPIKEGUARD_REQUIRE_KAFKA") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return bootstrap
