@@ -30,6 +30,9 @@ class CheckpointBook:
         self.newest_step: int | None = None  # of any checkpoint, healthy or not
 
     def add(self, event: CheckpointEvent) -> None:
+        if event.deleted:  # rotated out on the trainer's disk: it cannot be restored any more
+            self.discard(event.checkpoint_id)
+            return
         newest = self.newest_step
         self.newest_step = event.step if newest is None else max(newest, event.step)
         if not event.healthy:

@@ -230,6 +230,9 @@ class CheckpointEvent(_Event):
     healthy: bool = Field(description="the run was healthy when it was taken")
     batch_index: int | None = Field(None, ge=0)
     reason: Literal["periodic", "on_demand", "emergency", "final"] = "periodic"
+    deleted: bool = Field(
+        False, description="the trainer has removed this checkpoint: no longer a rollback target"
+    )
     time: float = Field(default_factory=time.time)
 
 
