@@ -1,0 +1,172 @@
+"""Actions in the trainer: refuse, deduplicate, schedule, apply, answer.
+
+Every action gets exactly one Ack: REJECTED (bad/missing signature when a key
+is set), DUPLICATE (its id was applied before — across rollbacks and
+restarts, see ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or
+SET_EPS without a registered handler), FAILED (bad parameters, no checkpoint
+to roll back to, a handler raised) or APPLIED with what was done. An action
+is due at its ``apply_at_step``; one that arrives later is applied at the next
+step and its ack says it was late. Actions that follow a ROLLBACK of the same
+decision are due at once (the rollback moved the step counter back).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import SecretStr
+
+from spikeguard.actuators.signing import verify_action
+from spikeguard.errors import SpikeguardError
+from spikeguard.schemas import AckStatus, Action, ActionKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spikeguard.producers.guard import Guard
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Action, "Guard"], "str | None"]
+
+# Kinds that mean "the run is in trouble": checkpoints after them are unhealthy
+# until a healthy stretch has passed.
+ANOMALY_KINDS = frozenset({ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionKind.SCALE_LR,
+                           ActionKind.SET_LR, ActionKind.CLIP, ActionKind.STOP,
+                           ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+
+
+class ActionFailed(SpikeguardError):
+    """An action could not be applied; the message goes into the FAILED ack."""
+
+
+@dataclass
+class Outcome:
+    action: Action
+    status: AckStatus
+    step: int
+    result: str = ""
+
+
+class ActionQueue:
+    """Pending actions of one run, in arrival order, filtered and deduplicated."""
+
+    def __init__(self, ledger: Any, signing_key: SecretStr | None = None) -> None:
+        self.ledger = ledger
+        self.signing_key = signing_key
+        self.pending: list[Action] = []
+        self.urgent_decisions: set[str] = set()  # decisions whose rollback was applied
+
+    def receive(self, action: Action, step: int) -> Outcome | None:
+        """Queue ``action``, or the outcome to ack right away (refused or duplicate)."""
+        if self.signing_key is not None and not verify_action(action, self.signing_key):
+            why = "unsigned" if not action.signature else "bad signature"
+            return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
+        if action.action_id in self.ledger:
+            return Outcome(action, AckStatus.DUPLICATE, step, "already applied")
+        if any(p.action_id == action.action_id for p in self.pending):
+            return Outcome(action, AckStatus.DUPLICATE, step, "already pending")
+        self.pending.append(action)
+        return None
+
+    def due(self, step: int) -> list[Action]:
+        """Remove and return the actions to apply at ``step`` (stable, by apply_at_step)."""
+        ready = [a for a in self.pending
+                 if a.apply_at_step <= step or (a.decision_id in self.urgent_decisions)]
+        if ready:
+            ids = {a.action_id for a in ready}
+            self.pending = [a for a in self.pending if a.action_id not in ids]
+        return sorted(ready, key=lambda a: a.apply_at_step)
+
+
+def apply_action(guard: "Guard", action: Action, step: int) -> Outcome | None:
+    """Apply one due action; None when the ack comes later (a checkpoint taken at step end)."""
+    late = f"late (due at step {action.apply_at_step}); " if action.apply_at_step < step and \
+        action.decision_id not in guard.actions.urgent_decisions else ""
+    handler = guard.handlers.get(action.kind)
+    try:
+        if action.kind in HANDLER_ONLY:
+            if handler is None:
+                return Outcome(action, AckStatus.UNHANDLED, step,
+                               f"no handler registered for {action.kind.value}")
+            result = handler(action, guard) or "handled"
+            return Outcome(action, AckStatus.APPLIED, step, late + str(result))
+        result = _builtin(guard, action, step)
+        if handler is not None:
+            extra = handler(action, guard)
+            result = f"{result}; handler: {extra}" if extra else result
+    except (ActionFailed, ValueError, KeyError, TypeError) as exc:
+        return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a user handler must not kill training
+        log.exception("spikeguard: applying %s failed", action.kind.value)
+        return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
+    if result is None:
+        return None
+    return Outcome(action, AckStatus.APPLIED, step, late + result)
+
+
+def _num(params: dict, name: str, positive: bool = True) -> float:
+    if name not in params:
+        raise ActionFailed(f"missing parameter {name!r}")
+    value = params[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ActionFailed(f"parameter {name!r} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ActionFailed(f"parameter {name!r} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _int(params: dict, name: str, default: int | None = None) -> int:
+    value = params.get(name, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ActionFailed(f"parameter {name!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _builtin(guard: "Guard", action: Action, step: int) -> str | None:
+    p, kind = action.params, action.kind
+    if kind is ActionKind.ROLLBACK:
+        result = guard.rollback(_int(p, "target_step"), p.get("checkpoint_id"))  # type: ignore[arg-type]
+        if action.decision_id:
+            guard.actions.urgent_decisions.add(action.decision_id)
+        return result
+    if kind is ActionKind.SKIP_BATCHES:
+        return guard.skip_steps(_int(p, "from_step"), _int(p, "to_step"), _int(p, "extra", 0),
+                                after_rollback=action.decision_id in guard.actions.urgent_decisions)
+    if kind is ActionKind.SCALE_LR:
+        return f"lr scaled by {_num(p, 'factor'):g} -> {guard.lr.scale_by(_num(p, 'factor')):.3g}"
+    if kind is ActionKind.SET_LR:
+        return f"lr set to {guard.lr.set(_num(p, 'lr')):.3g}"
+    if kind is ActionKind.RESTORE_LR:
+        return f"lr restored towards base -> {guard.lr.restore(_num(p, 'factor')):.3g}"
+    if kind is ActionKind.CLIP:
+        if p.get("mode") == "adaptive":
+            return f"adaptive clipping at z={guard.clipper.set_adaptive(_num(p, 'z')):g}"
+        return f"clipping at max_norm={guard.clipper.set_fixed(_num(p, 'max_norm')):g}"
+    if kind is ActionKind.CHECKPOINT:
+        reason = str(p.get("reason", "on_demand"))
+        guard.request_checkpoint(action, "emergency" if reason == "emergency" else "on_demand")
+        return None
+    if kind is ActionKind.STOP:
+        guard.request_stop(str(p.get("reason", action.reason or "stop action")))
+        return "stopping"
+    if kind is ActionKind.ALERT:
+        log.warning("spikeguard alert (%s): %s", p.get("severity", "info"), p.get("message", action.reason))
+        return "alert logged"
+    raise ActionFailed(f"unknown action kind {kind!r}")  # pragma: no cover
+
+
+def set_optimizer_eps(action: Action, guard: "Guard") -> str:
+    """A ready-made SET_EPS handler for optimizers with an ``eps`` (Adam, AdamW, ...).
+
+    Register it with ``guard.on(ActionKind.SET_EPS, set_optimizer_eps)``.
+    """
+    eps = _num(action.params, "eps")
+    groups = [g for g in guard.optimizer.param_groups if "eps" in g]
+    if not groups:
+        raise ActionFailed("the optimizer has no eps")
+    for g in groups:
+        g["eps"] = eps
+    return f"eps set to {eps:g} on {len(groups)} param group(s)"

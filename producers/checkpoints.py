@@ -1,0 +1,134 @@
+"""Checkpoints on disk: atomic, rotated, loadable with ``weights_only=True``.
+
+A file's name says everything rotation needs — epoch, step, healthy or not,
+id — so there is no index file to get out of step with the files after a
+crash. Rotation keeps the newest ``keep`` checkpoints and, always, the
+newest healthy one: a burst of checkpoints taken during an incident can never
+push the last good state out. "Newest" is (epoch, step): every checkpoint of
+epoch e+1 (after a rollback) is newer than every one of epoch e.
+
+With several ranks, rank 0 writes the full checkpoint and every other rank a
+small companion file with its own RNG state (``...-<id>.rank<r>.pt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spikeguard.producers.atomic import atomic_write, remove_stale_temps
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-e(\d+)-s(\d+)-([hu])-(c-[0-9a-f]+)(?:\.rank(\d+))?\.pt$")
+
+
+def checkpoint_id(run_id: str, step: int, epoch: int = 0) -> str:
+    """The same (run, epoch, step) always names the same checkpoint."""
+    text = "\x1f".join(("checkpoint", run_id, str(epoch), str(step)))
+    return "c-" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    checkpoint_id: str
+    step: int
+    epoch: int
+    healthy: bool
+    path: Path
+    rank: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.epoch, self.step)
+
+
+class CheckpointStore:
+    """The checkpoints of one run (as one rank sees them) in one directory."""
+
+    def __init__(self, directory: str | os.PathLike, run_id: str, keep: int = 3, rank: int = 0) -> None:
+        self.directory = Path(directory)
+        self.run_id = run_id
+        self.keep = keep
+        self.rank = rank
+        self.directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.directory)
+
+    # -- listing --------------------------------------------------------------
+    def list(self, rank: int | None = None) -> list[CheckpointInfo]:
+        """This rank's checkpoints (or ``rank``'s), newest first."""
+        rank = self.rank if rank is None else rank
+        found = []
+        for path in self.directory.iterdir():
+            m = _NAME.match(path.name)
+            if not m:
+                continue
+            file_rank = int(m.group(5)) if m.group(5) is not None else 0
+            if file_rank != rank:
+                continue
+            found.append(CheckpointInfo(m.group(4), int(m.group(2)), int(m.group(1)),
+                                        m.group(3) == "h", path, file_rank))
+        return sorted(found, key=lambda c: c.order, reverse=True)
+
+    def newest(self) -> CheckpointInfo | None:
+        found = self.list(0)
+        return found[0] if found else None
+
+    def find(self, checkpoint_id: str) -> CheckpointInfo | None:
+        return next((c for c in self.list(0) if c.checkpoint_id == checkpoint_id), None)
+
+    def newest_healthy(self, max_step: int | None = None) -> CheckpointInfo | None:
+        for c in self.list(0):
+            if c.healthy and (max_step is None or c.step <= max_step):
+                return c
+        return None
+
+    # -- writing --------------------------------------------------------------
+    def save(self, payload: dict[str, Any], *, step: int, epoch: int, healthy: bool) -> CheckpointInfo:
+        """Write ``payload`` atomically (this rank's file), then rotate."""
+        cid = checkpoint_id(self.run_id, step, epoch)
+        suffix = f".rank{self.rank}.pt" if self.rank else ".pt"
+        name = f"ckpt-e{epoch:05d}-s{step:010d}-{'h' if healthy else 'u'}-{cid}{suffix}"
+        path = self.directory / name
+        body = dict(payload, format=FORMAT, checkpoint_id=cid, step=step, epoch=epoch,
+                    healthy=healthy, run_id=self.run_id)
+        atomic_write(path, lambda handle: torch.save(body, handle))
+        info = CheckpointInfo(cid, step, epoch, healthy, path, self.rank)
+        for other in self.list():
+            # The same step saved again with the other health flag: one file per id.
+            if other.checkpoint_id == cid and other.path != path:
+                other.path.unlink(missing_ok=True)
+        self.rotate()
+        return info
+
+    def rotate(self) -> list[CheckpointInfo]:
+        """Delete all but the newest ``keep`` and the newest healthy; returns what went."""
+        found = self.list()
+        keep = set(c.path for c in found[: self.keep])
+        healthy = next((c for c in found if c.healthy), None)
+        if healthy is not None:
+            keep.add(healthy.path)
+        removed = [c for c in found if c.path not in keep]
+        for c in removed:
+            c.path.unlink(missing_ok=True)
+        return removed
+
+    # -- reading --------------------------------------------------------------
+    def load(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The checkpoint's payload, plus this rank's companion file under ``"rank_state"``."""
+        body = torch.load(info.path, map_location="cpu", weights_only=True)
+        if body.get("format") != FORMAT:
+            raise ValueError(f"{info.path}: unknown checkpoint format {body.get('format')!r}")
+        if self.rank:
+            companion = next((c for c in self.list() if c.checkpoint_id == info.checkpoint_id), None)
+            if companion is not None:
+                body["rank_state"] = torch.load(companion.path, map_location="cpu", weights_only=True)
+        return body

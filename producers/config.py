@@ -1,0 +1,86 @@
+"""The trainer guard's settings (``SPIKEGUARD_GUARD__<FIELD>``).
+
+Runtime objects (the model, the optimizer, the bus) are passed to the Guard
+itself, never stored here: this is only what a user would put in a file.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class GuardConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint_dir: str | None = Field(
+        None,
+        description="where checkpoints and the applied-action ledger live; "
+        "None means ./spikeguard-checkpoints/<run_id>",
+    )
+    checkpoint_every: int = Field(
+        50, ge=0, description="steps between periodic checkpoints; 0 = only on demand"
+    )
+    keep_checkpoints: int = Field(
+        3, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one"
+    )
+    resume: bool = Field(
+        True, description="start from the newest checkpoint of this run_id if there is one"
+    )
+    top_k_layers: int = Field(
+        5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
+    )
+    param_norm: bool = Field(False, description="also report the total parameter norm")
+    skip_nonfinite: bool = Field(
+        True, description="skip the optimizer update at once on a non-finite loss or gradient"
+    )
+    incident_window: int = Field(
+        10, ge=0, description="checkpoints within this many steps of a non-finite value are unhealthy"
+    )
+    healthy_stretch: int = Field(
+        25,
+        ge=0,
+        description="finite steps needed after an anomaly action before checkpoints count as healthy",
+    )
+    clip_beta: float = Field(
+        0.98, gt=0.0, lt=1.0, description="EMA decay of the gradient-norm baseline (adaptive clipping)"
+    )
+    clip_warmup: int = Field(
+        25, ge=1, description="gradient norms observed before adaptive clipping may clip"
+    )
+    clip_track_z: float = Field(
+        6.0,
+        gt=0.0,
+        description="norms above mean + this many std teach the baseline only up to that bound",
+    )
+    queue_size: int = Field(
+        10_000, ge=1, description="events buffered for the bus; beyond it the oldest are dropped"
+    )
+    flush_timeout: float = Field(
+        5.0, ge=0.0, description="seconds close() waits for buffered events to go out"
+    )
+    signing_key: SecretStr | None = Field(
+        None, description="HMAC key; when set, unsigned or badly signed actions are refused"
+    )
+    publish_all_ranks: bool = Field(
+        False, description="every rank publishes StepEvents (default: rank 0 only)"
+    )
+    lockstep: bool = Field(
+        False,
+        description="wait after each step until the pipeline has decided it (reproducible "
+        "demos and tests; blocks training, never use it for real runs)",
+    )
+    lockstep_timeout: float = Field(
+        10.0, gt=0.0, description="longest wait for one step's decision in lockstep mode"
+    )
+    lockstep_settle: float = Field(
+        0.05, ge=0.0, description="lockstep: how long an anomalous decision's actions are awaited"
+    )
+    data_seed: int | None = Field(
+        None, description="seed of the data order; None takes torch.initial_seed()"
+    )
+    history_steps: int = Field(
+        4096, ge=16, description="recent steps whose batch index is remembered (for skips)"
+    )
+    max_applied_ids: int = Field(
+        10_000, ge=16, description="applied action ids remembered (oldest forgotten first)"
+    )

@@ -1,0 +1,136 @@
+"""The demo's training run: a small character-level MLP language model.
+
+The text is the source of a standard-library module (it ships with Python:
+nothing to download). The model sees a one-hot window of ``context``
+characters and predicts the next one. Faults are injected by the training
+loop, by *global batch index* (so a guard that skips those batches is rid
+of them) or, for the LR blow-up, once (so a rollback undoes it):
+
+- ``spike``: a few batches with inputs scaled x10^4 (a corrupted batch);
+- ``nan``: a few batches poisoned with NaN inputs;
+- ``divergence``: the learning rate is multiplied by 400, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+FAULTS = ("none", "spike", "nan", "divergence")
+
+
+def corpus() -> str:
+    """A few hundred kB of Python source from the standard library."""
+    text = Path(argparse.__file__).read_text(encoding="utf-8")
+    return "".join(c if 32 <= ord(c) < 127 or c == "\n" else " " for c in text)
+
+
+class CharWindows(Dataset):
+    """(window of ``context`` char ids, next char id) at every position."""
+
+    def __init__(self, ids: torch.Tensor, context: int, vocab: int) -> None:
+        self.ids, self.context, self.vocab = ids, context, vocab
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.context
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i:i + self.context], self.ids[i + self.context]
+
+    def collate(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One-hot inputs for the whole batch at once (floats, so a fault can scale them)."""
+        windows = torch.stack([w for w, _ in items])
+        x = nn.functional.one_hot(windows, self.vocab).float().reshape(len(items), -1)
+        return x, torch.stack([t for _, t in items])
+
+
+class CharMLP(nn.Module):
+    def __init__(self, context: int, vocab: int, hidden: int = 96) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(context * vocab, hidden), nn.GELU(),
+                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, vocab))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class DemoSetup:
+    steps: int = 300
+    batch_size: int = 64
+    context: int = 8
+    hidden: int = 96
+    lr: float = 8e-3
+    fault_step: int = 100  # where (in steps / batch indices) the fault strikes
+    fault_batches: int = 3
+    lr_blowup: float = 400.0
+    spike_scale: float = 1e4
+    eval_size: int = 2048
+
+
+@dataclass
+class Problem:
+    model: CharMLP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: DataLoader
+    eval_x: torch.Tensor
+    eval_y: torch.Tensor
+
+
+def build(seed: int, setup: DemoSetup) -> Problem:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    text = corpus()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(len(ids) * 0.9)
+    vocab = len(chars)
+    train = CharWindows(ids[:split], setup.context, vocab)
+    held = CharWindows(ids[split:], setup.context, vocab)
+    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[: setup.eval_size]
+    eval_x, eval_y = held.collate([held[int(i)] for i in pick])
+    model = CharMLP(setup.context, vocab, setup.hidden)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
+
+    def cosine(step: int) -> float:  # warm-up, then cosine down to 10 %
+        if step < 10:
+            return (step + 1) / 10
+        t = min(1.0, step / setup.steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
+    loader = DataLoader(train, batch_size=setup.batch_size, shuffle=True, drop_last=True,
+                        collate_fn=train.collate)
+    return Problem(model, optimizer, scheduler, loader, eval_x, eval_y)
+
+
+def evaluate(problem: Problem) -> float:
+    with torch.no_grad():
+        logits = problem.model(problem.eval_x)
+        return float(nn.functional.cross_entropy(logits, problem.eval_y))
+
+
+def inject(fault: str, batch_index: int | None, x: torch.Tensor, setup: DemoSetup) -> torch.Tensor:
+    """The batch as the faulty run sees it (``spike`` and ``nan`` faults live in the data)."""
+    if batch_index is None or not setup.fault_step <= batch_index < setup.fault_step + setup.fault_batches:
+        return x
+    if fault == "spike":
+        return x * setup.spike_scale
+    if fault == "nan":
+        return torch.full_like(x, float("nan"))
+    return x
+
+
+def blow_up_lr(problem: Problem, factor: float) -> None:
+    """The ``divergence`` fault: a persistent LR blow-up, in the optimizer and the schedule."""
+    for group in problem.optimizer.param_groups:
+        group["lr"] *= factor
+    problem.scheduler.base_lrs = [lr * factor for lr in problem.scheduler.base_lrs]

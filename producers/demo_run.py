@@ -1,0 +1,167 @@
+"""One demo training, with or without the guard, and what came of it.
+
+The guarded run goes through the whole pipeline (detectors, fusion, policy)
+on the runtime's bus in lockstep mode, so one seed gives one result; the
+unguarded run is the same loop with the same data order and no guard.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.data import GuardedLoader
+from spikeguard.producers.demo_model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject
+from spikeguard.producers.guard import Guard
+from spikeguard.schemas import Decision, decode
+
+Progress = Callable[[int, int, float], None]
+
+# The policy's defaults are sized for runs of many thousand steps; the demo has 300.
+DEMO_SETTINGS = {
+    "policy.rollback_min_steps_before_onset": 20,
+    "policy.skip_extra_batches": 40,
+    "policy.lr_restore_healthy_steps": 10,
+    "policy.lr_restore_factor": 1.5,
+    "policy.clip_mode": "adaptive",
+    "policy.divergence_step_interval_steps": 10,
+    "policy.preventive_min_interval_steps": 50,
+}
+
+
+@dataclass
+class DemoOutcome:
+    fault: str
+    guarded: bool
+    seed: int
+    steps: int
+    final_eval_loss: float
+    incidents: int = 0
+    rollbacks: int = 0
+    skipped_batches: int = 0
+    skipped_updates: int = 0
+    nonfinite_updates: int = 0  # optimizer updates applied with a non-finite gradient
+    actions_applied: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, epoch, loss)
+    detections: list[tuple[int, int, str]] = field(default_factory=list)  # (step, epoch, type)
+    actions: list[dict] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        out = asdict(self)
+        for bulky in ("losses", "detections", "actions"):
+            out.pop(bulky)
+        return out
+
+
+def _count_nonfinite_updates(optimizer: torch.optim.Optimizer, tally: Counter) -> None:
+    def hook(opt: torch.optim.Optimizer, *_: Any) -> None:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+            tally["nonfinite"] += 1
+    optimizer.register_step_pre_hook(hook)
+
+
+def _train_step(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    problem.optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(problem.model(x), y)
+    loss.backward()
+    return loss
+
+
+def run_demo(fault: str = "spike", seed: int = 0, guarded: bool = True, setup: DemoSetup | None = None,
+             runtime: Any = None, progress: Progress | None = None,
+             config: GuardConfig | None = None) -> DemoOutcome:
+    setup = setup or DemoSetup()
+    torch.set_num_threads(1)
+    problem = build(seed, setup)
+    tally: Counter = Counter()
+    _count_nonfinite_updates(problem.optimizer, tally)
+    started = time.monotonic()
+    if guarded:
+        outcome = _guarded(problem, fault, seed, setup, runtime, progress, tally, config)
+    else:
+        outcome = _unguarded(problem, fault, seed, setup, progress, tally)
+    outcome.final_eval_loss = evaluate(problem)
+    outcome.nonfinite_updates = tally["nonfinite"]
+    outcome.seconds = round(time.monotonic() - started, 2)
+    return outcome
+
+
+def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
+               progress: Progress | None, tally: Counter) -> DemoOutcome:
+    outcome = DemoOutcome(fault, False, seed, 0, math.nan)
+    loader = GuardedLoader(problem.loader, seed=seed)  # the same deterministic order as the guard's
+    step = 0
+    while step < setup.steps:
+        for x, y in loader:
+            if fault == "divergence" and step == setup.fault_step:
+                blow_up_lr(problem, setup.lr_blowup)
+            loss = _train_step(problem, inject(fault, loader.last_index, x, setup), y)
+            problem.optimizer.step()
+            problem.scheduler.step()
+            outcome.losses.append((step, 0, float(loss.detach())))
+            step += 1
+            if progress:
+                progress(step, setup.steps, float(loss.detach()))
+            if step >= setup.steps:
+                break
+    outcome.steps = step
+    return outcome
+
+
+def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime: Any,
+             progress: Progress | None, tally: Counter, config: GuardConfig | None) -> DemoOutcome:
+    outcome = DemoOutcome(fault, True, seed, 0, math.nan)
+    owned = runtime is None
+    if owned:
+        from spikeguard.runtime import open_runtime
+        from spikeguard.settings import load_settings
+
+        runtime = open_runtime(load_settings(DEMO_SETTINGS))
+    workdir = tempfile.mkdtemp(prefix="spikeguard-demo-")
+    run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
+    cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
+                                resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
+    guard = Guard(problem.model, problem.optimizer, problem.scheduler, run_id=run_id,
+                  bus=runtime.bus, topics=runtime.topics, config=cfg)
+    blown = False
+    try:
+        data = guard.data(problem.loader, max_steps=setup.steps)
+        while guard.step_count < setup.steps and not guard.should_stop:
+            for x, y in data:
+                if fault == "divergence" and guard.step_count == setup.fault_step and not blown:
+                    blow_up_lr(problem, setup.lr_blowup)  # once: a rollback undoes it
+                    blown = True
+                step, epoch = guard.step_count, guard.epoch
+                loss = _train_step(problem, inject(fault, data.last_index, x, setup), y)
+                guard.step(loss)
+                outcome.losses.append((step, epoch, float(loss.detach())))
+                if progress:
+                    progress(guard.step_count, setup.steps, float(loss.detach()))
+    finally:
+        guard.close()
+        decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        if owned:
+            runtime.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    mine = [d for d in decisions if d.run_id == run_id and d.is_anomaly and not d.preventive]
+    outcome.detections = [(d.step, d.epoch, d.type.value) for d in mine]
+    outcome.incidents = len({d.incident_id or d.decision_id for d in mine})
+    outcome.steps = guard.step_count
+    outcome.rollbacks = guard.counters["rollbacks"]
+    outcome.skipped_updates = guard.counters["skipped_updates"]
+    ranges = guard.loader.skip_ranges if guard.loader is not None else []
+    outcome.skipped_batches = sum(b - a + 1 for a, b in ranges)
+    outcome.actions = list(guard.applied)
+    outcome.actions_applied = dict(Counter(a["kind"] for a in guard.applied if a["status"] == "applied"))
+    return outcome

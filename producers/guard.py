@@ -1,0 +1,321 @@
+"""The Guard: what a plain PyTorch loop adds to be kept alive through spikes.
+
+    guard = Guard(model, optimizer, scheduler, run_id="my-run")
+    for x, y in guard.data(loader):            # was: for x, y in loader
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        guard.step(loss)                         # was: optimizer.step(); scheduler.step()
+    guard.close()
+
+Each ``step`` computes the step's statistics with one device-to-host transfer,
+applies the actions due at this step (before this step's update), skips the
+update at once when the loss or gradient is non-finite, publishes the
+StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
+due. Step numbers count ``step`` calls; a checkpoint "at step s" holds the
+state before step s runs. After a rollback to s the step counter is s again
+and the epoch (rollbacks applied so far) one higher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spikeguard.producers import snapshot
+from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Handler, Outcome, apply_action
+from spikeguard.producers.checkpoints import CheckpointStore
+from spikeguard.producers.clipping import GradClipper
+from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.data import GuardedLoader
+from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.health import HealthTracker
+from spikeguard.producers.inbox import ActionInbox
+from spikeguard.producers.ledger import SIDECAR, ActionLedger
+from spikeguard.producers.lockstep import DecisionWaiter
+from spikeguard.producers.lr import LRControl
+from spikeguard.producers.publisher import BackgroundPublisher
+from spikeguard.producers.recovery import RecoveryMixin
+from spikeguard.producers.stats import GradStats
+from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, CheckpointEvent, StepEvent, Topics
+
+log = logging.getLogger(__name__)
+
+
+class Guard(RecoveryMixin):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                 *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
+                 topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
+                 connect: bool = True) -> None:
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
+        self.sync = RankSync(process_group)
+        self.rank = self.sync.rank
+        self._runtime = None
+        settings = None
+        if bus is None and connect and (self.rank == 0 or (config is not None and config.publish_all_ranks)):
+            from spikeguard.runtime import open_runtime  # embedded pipeline threads, or Kafka
+
+            self._runtime = open_runtime()
+            bus, topics, settings = self._runtime.bus, topics or self._runtime.topics, self._runtime.settings
+        self.config = cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        directory = Path(cfg.checkpoint_dir or Path("spikeguard-checkpoints") / self.run_id)
+        self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
+        self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
+        self.actions = ActionQueue(self.ledger, cfg.signing_key or getattr(settings, "signing_key", None))
+        self.handlers: dict[ActionKind, Handler] = {}
+        self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
+        self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
+        self.lr = LRControl(optimizer, scheduler)
+        self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
+        self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
+        self.step_count = 0
+        self.epoch = 0
+        self.should_stop = False
+        self.stop_reason: str | None = None
+        self.loader: GuardedLoader | None = None
+        self.max_steps: int | None = None
+        self.counters = dict(steps=0, updates=0, skipped_updates=0, rollbacks=0, checkpoints=0,
+                             actions_applied=0, acks=0)
+        self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
+        self.resumed_from = None
+        self._data_state: dict | None = None
+        self._history: OrderedDict[int, int] = OrderedDict()  # step -> batch index
+        self._old_history: dict[int, int] = {}  # the same, as it was before the last rollback
+        self._checkpoint_requests: list[tuple[Action, str]] = []
+        self._resolved = 0
+        self._started = False
+        self._closed = False
+        self.bus, self.topics = bus, topics or Topics()
+        self.publisher = self.inbox = self.waiter = None
+        if bus is not None:
+            t = self.topics
+            bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
+            self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
+                                                 threaded=not cfg.lockstep)
+            if self.rank == 0:
+                self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
+                if cfg.lockstep:
+                    self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
+        if cfg.resume:
+            self.resume()
+
+    # -- the user's API ------------------------------------------------------
+    def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None) -> GuardedLoader:
+        """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order."""
+        self.max_steps = max_steps if max_steps is not None else self.max_steps
+        if self.loader is None or self.loader.loader is not loader:
+            self.loader = GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
+                                        stop_when=self._done, before_batch=self._start)
+            if self._data_state is not None:
+                self.loader.load_state_dict(self._data_state)
+                self._data_state = None
+        elif epochs is not None:
+            self.loader.epochs = epochs
+        return self.loader
+
+    def on(self, kind: ActionKind | str, handler: Handler) -> None:
+        """Register ``handler(action, guard) -> result text`` for an action kind."""
+        self.handlers[ActionKind(kind)] = handler
+
+    def step(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
+        """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied."""
+        self._start()
+        step = self.step_count
+        self._collect(step)
+        due = self.actions.due(step) if self.rank == 0 else []
+        stats, grads = self.stats.compute(loss, batch, self._tail(bool(due)))
+        extra = list(stats.extra)
+        loss_scale = extra.pop(0) if self._scaling() else None
+        nonfinite = extra[0] > 0 if self.sync.enabled else not stats.finite
+        if (extra[1] > 0) if self.sync.enabled else bool(due):
+            if self.sync.enabled:
+                sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
+                due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
+            if self._apply(due, step):  # rolled back or stopped: this step's update is void
+                self._zero_grads()
+                self._maybe_checkpoint(requests_only=True)
+                self._finish_actions()
+                return False
+        skip = nonfinite and self.config.skip_nonfinite
+        self._publish_step(step, stats, skip, loss_scale)
+        if skip:
+            self._zero_grads()
+            self.counters["skipped_updates"] += 1
+            if self.scaler is not None:
+                self.scaler.update()
+        else:
+            if stats.grad_norm is not None:
+                self.clipper.clip(grads, stats.grad_norm)
+            if self.scaler is not None:
+                self.lr.step(lambda: self.scaler.step(self.optimizer))
+                self.scaler.update()
+            else:
+                self.lr.step(self.optimizer.step)
+            self.counters["updates"] += 1
+            if stats.grad_norm is not None:
+                self.clipper.observe(stats.grad_norm)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.health.observe(step, not nonfinite)
+        if self.loader is not None and self.loader.last_index is not None:
+            self._history[step] = self.loader.last_index
+            while len(self._history) > self.config.history_steps:
+                self._history.popitem(last=False)
+        self.step_count += 1
+        self.counters["steps"] += 1
+        self._maybe_checkpoint()
+        self._finish_actions()
+        if self.waiter is not None:
+            self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
+        return not skip
+
+    def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
+        """Save now (state before step ``step_count``) and publish the CheckpointEvent."""
+        healthy = self.health.healthy(self.step_count) and reason != "emergency"
+        info = self.store.save(snapshot.capture(self), step=self.step_count, epoch=self.epoch,
+                               healthy=healthy)
+        self.counters["checkpoints"] += 1
+        event = CheckpointEvent(run_id=self.run_id, step=self.step_count, epoch=self.epoch,
+                                checkpoint_id=info.checkpoint_id, path=str(info.path), healthy=healthy,
+                                batch_index=self.data_state()["position"], reason=reason)
+        if self.publisher is not None and self.rank == 0:
+            self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
+        self._persist_ledger()
+        return event
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._persist_ledger()
+        for part in (self.waiter, self.inbox):
+            if part is not None:
+                part.close()
+        if self.publisher is not None:
+            self.publisher.close(self.config.flush_timeout)
+        if self._runtime is not None:
+            self._runtime.close()
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what actions call ---------------------------------------------------
+    def request_checkpoint(self, action: Action, reason: str) -> None:
+        self._checkpoint_requests.append((action, reason))
+
+    def request_stop(self, reason: str) -> None:
+        self.should_stop, self.stop_reason = True, reason
+
+    # -- internals ------------------------------------------------------------
+    def _done(self) -> bool:
+        return self.should_stop or (self.max_steps is not None and self.step_count >= self.max_steps)
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            if self.store.newest() is None:
+                self.checkpoint("periodic")  # a rollback target before anything can go wrong
+
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def _tail(self, due: bool):
+        if not (self.sync.enabled or self._scaling()):
+            return None
+
+        def tail(nonfinite: torch.Tensor) -> torch.Tensor:
+            parts = [self.scaler._scale.float().reshape(1).to(nonfinite.device)] if self._scaling() else []
+            if self.sync.enabled:
+                parts.append(self.sync.flags(nonfinite, due).to(nonfinite.device))
+            return torch.cat(parts)
+        return tail
+
+    def _collect(self, step: int) -> None:
+        if self.inbox is None:
+            return
+        if self.waiter is not None:
+            self.inbox.poll_now(0.0)
+        for action in self.inbox.take():
+            outcome = self.actions.receive(action, step)
+            if outcome is not None:
+                self._ack(outcome)
+                self.inbox.resolved(1)
+
+    def _apply(self, due: list[Action], step: int) -> bool:
+        interrupted = False
+        for action in due:
+            if self.rank == 0 and action.action_id in self.ledger:
+                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
+            else:
+                outcome = apply_action(self, action, self.step_count)
+                self.ledger.record(action.action_id)
+            applied = outcome is None or outcome.status is AckStatus.APPLIED
+            if applied and action.kind in ANOMALY_KINDS:
+                self.health.on_anomaly()
+            if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
+                interrupted = True
+            if outcome is not None:
+                self._ack(outcome)
+            self._resolved += 1
+        return interrupted
+
+    def _maybe_checkpoint(self, requests_only: bool = False) -> None:
+        requests, self._checkpoint_requests = self._checkpoint_requests, []
+        every = self.config.checkpoint_every
+        periodic = not requests_only and every > 0 and self.step_count % every == 0
+        if not (requests or periodic):
+            return
+        reasons = [r for _, r in requests]
+        reason = "emergency" if "emergency" in reasons else "on_demand" if reasons else "periodic"
+        try:
+            event = self.checkpoint(reason)
+            result, status = f"checkpoint {event.checkpoint_id} at step {event.step}", AckStatus.APPLIED
+        except Exception as exc:  # noqa: BLE001 - a full disk must not kill training
+            log.exception("spikeguard: checkpoint failed")
+            result, status = f"checkpoint failed: {exc!r}", AckStatus.FAILED
+        for action, _ in requests:
+            self._ack(Outcome(action, status, self.step_count, result))
+
+    def _finish_actions(self) -> None:
+        if self._resolved:
+            self._persist_ledger()
+            if self.inbox is not None:
+                self.inbox.resolved(self._resolved)
+            self._resolved = 0
+
+    def _ack(self, outcome: Outcome) -> None:
+        a = outcome.action
+        self.applied.append({"step": outcome.step, "epoch": self.epoch, "kind": a.kind.value,
+                             "status": outcome.status.value, "result": outcome.result,
+                             "action_id": a.action_id})
+        if outcome.status is AckStatus.APPLIED:
+            self.counters["actions_applied"] += 1
+        self.counters["acks"] += 1
+        if self.publisher is not None and self.rank == 0:
+            self.publisher.submit(self.topics.acks, Ack, dict(
+                run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
+                step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
+
+    def _publish_step(self, step: int, stats: Any, skipped: bool, loss_scale: float | None) -> None:
+        if self.publisher is None or not (self.rank == 0 or self.config.publish_all_ranks):
+            return
+        self.publisher.submit(self.topics.steps, StepEvent, dict(
+            run_id=self.run_id, step=step, epoch=self.epoch, rank=self.rank, time=time.time(),
+            loss=stats.loss, grad_norm=stats.grad_norm, lr=self.lr.effective(), loss_scale=loss_scale,
+            param_norm=stats.param_norm, top_grad_norms=stats.top_grad_norms,
+            nonfinite_grads=stats.nonfinite_grads, update_skipped=skipped,
+            batch_index=self.loader.last_index if self.loader is not None else None, batch=stats.batch))
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,112 @@
+"""Receives this run's actions from the bus, off the training thread.
+
+A background thread polls the actions topic (consumer group unique per run
+and rank) and hands this run's actions to the training thread through a
+deque; the training thread only ever looks at that deque. Offsets are
+committed only when every action handed over has been resolved (applied,
+refused or found a duplicate, and the ledger persisted), so a crash
+re-delivers rather than loses — and the ledger makes re-delivery harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from spikeguard.bus import Bus
+from spikeguard.errors import SchemaError
+from spikeguard.schemas import Action, Topics, decode
+
+log = logging.getLogger(__name__)
+
+
+def group_name(run_id: str, rank: int) -> str:
+    return f"spikeguard-guard.{run_id}.r{rank}"
+
+
+class ActionInbox:
+    def __init__(self, bus: Bus, topics: Topics, run_id: str, rank: int = 0,
+                 threaded: bool = True, poll_timeout: float = 0.05) -> None:
+        self.run_id = run_id
+        self.topic = topics.actions
+        self.poll_timeout = poll_timeout
+        bus.create_topics([self.topic])
+        self._consumer = bus.consumer(group_name(run_id, rank), [self.topic], from_beginning=True)
+        self._ready: deque[Action] = deque()
+        self._lock = threading.Lock()  # the consumer is used by one thread at a time
+        # Each counter is written by one thread only, so the training thread never waits on a lock.
+        self._handed = 0  # actions handed to the training thread (inbox thread)
+        self._resolved = 0  # of those, resolved for good (training thread)
+        self._uncommitted = False
+        self.malformed = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name=f"spikeguard-inbox-{run_id}",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- training thread ------------------------------------------------------
+    def take(self) -> list[Action]:
+        """Every action received since the last call (they now count as outstanding)."""
+        out = []
+        while self._ready:
+            out.append(self._ready.popleft())
+        return out
+
+    def poll_now(self, timeout: float = 0.0) -> None:
+        """Poll in the calling thread (lockstep mode, where no inbox thread runs)."""
+        self._poll(timeout)
+
+    def resolved(self, count: int = 1) -> None:
+        """``count`` actions are done for good (their result is in the ledger)."""
+        self._resolved += count
+        if self._thread is None:
+            self._maybe_commit()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        with self._lock:
+            self._maybe_commit()
+            self._consumer.close()
+
+    # -- inbox thread ---------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll(self.poll_timeout)
+            except Exception as exc:  # noqa: BLE001 - a bus hiccup must not kill the guard
+                log.warning("spikeguard action inbox: poll failed: %r", exc)
+                self._stop.wait(1.0)
+
+    def _poll(self, timeout: float) -> None:
+        with self._lock:
+            records = self._consumer.poll(max_records=500, timeout=timeout)
+            for record in records:
+                if record.key_text not in (None, self.run_id):
+                    continue
+                try:
+                    action = record.cache.get(Action) or decode(record.value, Action)
+                except SchemaError as exc:
+                    self.malformed += 1
+                    log.warning("spikeguard: undecodable action at %s[%d]@%d: %s",
+                                record.topic, record.partition, record.offset, exc)
+                    continue
+                if action.run_id != self.run_id:
+                    continue
+                self._handed += 1
+                self._ready.append(action)
+            if records:
+                self._uncommitted = True
+            self._maybe_commit()
+
+    def _maybe_commit(self) -> None:
+        if self._uncommitted and self._resolved >= self._handed:
+            try:
+                self._consumer.commit()
+                self._uncommitted = False
+            except Exception as exc:  # noqa: BLE001
+                log.warning("spikeguard action inbox: commit failed: %r", exc)

@@ -1,0 +1,70 @@
+"""The guard's memory of what it has done, which no rollback may undo.
+
+Every action id is applied once. The set of applied ids travels inside every
+checkpoint, and — so that a crash between two checkpoints cannot make a
+restarted trainer apply an action twice — also in a small sidecar file in the
+checkpoint directory, rewritten atomically after every step that resolved an
+action. The sidecar carries the other facts a restart must not forget: the
+rollback epoch, the data ranges to skip, and the settings actions changed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from spikeguard.producers.atomic import atomic_write_bytes
+
+SIDECAR = "spikeguard-ledger.json"
+
+
+class ActionLedger:
+    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000) -> None:
+        self.path = Path(path) if path is not None else None
+        self.max_ids = max_ids
+        self._applied: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, action_id: str) -> bool:
+        return action_id in self._applied
+
+    def __len__(self) -> int:
+        return len(self._applied)
+
+    def record(self, action_id: str) -> None:
+        self._applied[action_id] = None
+        self._applied.move_to_end(action_id)
+        while len(self._applied) > self.max_ids:  # bounded: forget the oldest
+            self._applied.popitem(last=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": list(self._applied)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Merge (never replace): what was applied stays applied."""
+        for action_id in state.get("applied", ()):
+            if action_id not in self._applied:
+                self.record(action_id)
+
+    def persist(self, extra: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        body = dict(extra, applied=list(self._applied))
+        atomic_write_bytes(self.path, json.dumps(body, default=_json_default).encode())
+
+    def read(self) -> dict[str, Any] | None:
+        """The sidecar's content (and its ids merged in), or None when there is none."""
+        if self.path is None or not self.path.exists():
+            return None
+        body = json.loads(self.path.read_text())
+        self.load_state_dict(body)
+        return body
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):  # pragma: no cover - json allows it
+        return value
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

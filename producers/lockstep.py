@@ -1,0 +1,68 @@
+"""Lockstep mode: wait until the pipeline has decided the step just taken.
+
+Only for reproducible demos and tests — it blocks training, which a real run
+must never do. After publishing step s the guard waits for the Decision of
+(epoch, s); when that decision is anomalous it also waits (briefly) for the
+actions derived from it, so the action lands at the same step on every run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+
+from spikeguard.bus import Bus
+from spikeguard.errors import SchemaError
+from spikeguard.schemas import Decision, Topics, decode
+
+
+class DecisionWaiter:
+    def __init__(self, bus: Bus, topics: Topics, run_id: str, timeout: float = 10.0) -> None:
+        self.run_id = run_id
+        self.timeout = timeout
+        bus.create_topics([topics.decisions])
+        self._consumer = bus.consumer(f"spikeguard-lockstep.{run_id}.{uuid.uuid4().hex[:8]}",
+                                      [topics.decisions], from_beginning=True)
+        self._seen: dict[tuple[int, int], Decision] = {}
+        self._order: deque[tuple[int, int]] = deque()
+        self.timeouts = 0
+
+    def wait(self, epoch: int, step: int) -> Decision | None:
+        """The decision of (epoch, step), or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        key = (epoch, step)
+        while key not in self._seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.timeouts += 1
+                return None
+            for record in self._consumer.poll(max_records=500, timeout=min(remaining, 0.5)):
+                try:
+                    decision = record.cache.get(Decision) or decode(record.value, Decision)
+                except SchemaError:
+                    continue
+                if decision.run_id == self.run_id:
+                    self._remember((decision.epoch, decision.step), decision)
+        return self._seen[key]
+
+    def follow(self, inbox, epoch: int, step: int, settle: float) -> None:
+        """Wait for (epoch, step)'s decision; if anomalous, briefly for the actions it causes."""
+        decision = self.wait(epoch, step)
+        if decision is None or not (decision.is_anomaly or decision.preventive):
+            return
+        deadline = time.monotonic() + settle  # the actions derived from it follow within moments
+        while time.monotonic() < deadline:
+            inbox.poll_now(0.005)
+            if any(a.decision_id == decision.decision_id for a in list(inbox._ready)):
+                inbox.poll_now(0.005)  # and their siblings, published right after
+                return
+
+    def _remember(self, key: tuple[int, int], decision: Decision) -> None:
+        self._seen[key] = decision
+        self._order.append(key)
+        while len(self._order) > 4096:
+            self._seen.pop(self._order.popleft(), None)
+
+    def close(self) -> None:
+        self._consumer.close()

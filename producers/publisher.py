@@ -1,0 +1,132 @@
+"""Sends the trainer's events from a background thread; training never waits.
+
+Step events go into a bounded queue: when the bus is slow or away, the oldest
+are dropped (and counted) rather than the trainer blocked. Acks and
+checkpoint events are rarer and matter more, so they have their own queue
+that is sent first and dropped from only if it, too, overflows.
+
+The training thread hands over plain field dicts; building and encoding the
+pydantic model happens on the sender thread (tens of microseconds a step
+that the training loop does not pay).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+from pydantic import BaseModel
+
+from spikeguard.bus import Producer
+from spikeguard.schemas import encode
+
+log = logging.getLogger(__name__)
+
+Item = tuple[str, "type[BaseModel] | None", Any]  # topic, model to build (None: already built), fields/event
+
+
+class BackgroundPublisher:
+    """A bounded, drop-oldest, background sender of events keyed by ``run_id``."""
+
+    def __init__(self, producer: Producer, key: str, queue_size: int = 10_000,
+                 interval: float = 0.02, threaded: bool = True) -> None:
+        self.producer = producer
+        self.key = key
+        self.queue_size = queue_size
+        self.interval = interval
+        self.dropped = 0  # events thrown away because the queue was full
+        self.failed = 0  # events the bus refused (logged)
+        self.sent = 0
+        self._steps: deque[Item] = deque()
+        self._control: deque[Item] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pass_event = "event" in inspect.signature(producer.publish).parameters
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name=f"spikeguard-publisher-{key}",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- training thread ------------------------------------------------------
+    def submit(self, topic: str, model: type[BaseModel] | None, fields: Any, *,
+               droppable: bool = True) -> None:
+        """Queue one event (``model(**fields)``, or ``fields`` itself when model is None)."""
+        queue = self._steps if droppable else self._control
+        with self._lock:
+            if len(queue) >= self.queue_size:
+                queue.popleft()
+                self.dropped += 1
+            queue.append((topic, model, fields))
+            self._idle.clear()
+        if self._thread is None:
+            self._drain()
+        elif not droppable:
+            self._wake.set()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far went out; False on timeout."""
+        if self._thread is None:
+            self._drain()
+            return True
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.flush(timeout)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        pending = len(self._steps) + len(self._control)
+        if pending:
+            self.dropped += pending
+            log.warning("spikeguard publisher closed with %d unsent events", pending)
+
+    # -- sender thread --------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            self._drain()
+
+    def _next(self) -> Item | None:
+        with self._lock:
+            if self._control:
+                return self._control.popleft()
+            if self._steps:
+                return self._steps.popleft()
+            return None
+
+    def _drain(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                break
+            topic, model, fields = item
+            try:
+                event = fields if model is None else model(**fields)
+                if self._pass_event:
+                    self.producer.publish(topic, encode(event), key=self.key, event=event)
+                else:
+                    self.producer.publish(topic, encode(event), key=self.key)
+                self.sent += 1
+            except Exception as exc:  # noqa: BLE001 - the bus must never kill training
+                self.failed += 1
+                if self.failed <= 5 or self.failed % 1000 == 0:
+                    log.warning("spikeguard could not publish to %s (%d failures): %r",
+                                topic, self.failed, exc)
+        try:
+            self.producer.flush(timeout=5.0)
+        except Exception as exc:  # noqa: BLE001
+            self.failed += 1
+            log.warning("spikeguard producer flush failed: %r", exc)
+        with self._lock:
+            if not self._steps and not self._control:
+                self._idle.set()

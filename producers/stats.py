@@ -1,0 +1,149 @@
+"""Per-step statistics at the cost of one device-to-host transfer.
+
+Everything is computed on the device the gradients live on: per-parameter
+norms with ``torch._foreach_norm`` (one fused kernel per dtype/device group),
+stacked, reduced, the top-k picked, the optional batch statistics appended;
+then a single ``tolist()`` brings the whole vector to the host. No
+per-parameter ``.item()``: each one would be a synchronisation.
+
+Counting the non-finite gradient *elements* needs one kernel per parameter,
+so it only runs when the total norm already says something is non-finite:
+a healthy step never pays for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float | None
+    top_grad_norms: dict[str, float] = field(default_factory=dict)
+    nonfinite_grads: int = 0
+    param_norm: float | None = None
+    batch: dict | None = None
+    extra: list[float] = field(default_factory=list)
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+
+
+class GradStats:
+    """Computes :class:`StepStats` for a fixed set of named parameters."""
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], top_k: int = 5,
+                 param_norm: bool = False) -> None:
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.top_k = top_k
+        self.param_norm = param_norm
+
+    def grads(self) -> tuple[list[str], list[torch.Tensor]]:
+        names, grads = [], []
+        for name, p in zip(self.names, self.params):
+            if p.grad is not None:
+                names.append(name)
+                grads.append(p.grad)
+        return names, grads
+
+    def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
+                tail: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                ) -> tuple[StepStats, list[torch.Tensor]]:
+        """Statistics of the gradients as they are now, and the gradient list (for clipping).
+
+        ``tail(nonfinite)`` gets a device flag (1.0 when the loss or the total norm is
+        non-finite) and returns a 1-D tensor to append to the same transfer (e.g. the
+        flags all-reduced across ranks, the loss scale); it comes back in ``StepStats.extra``.
+        """
+        names, grads = self.grads()
+        parts: list[torch.Tensor] = []
+        device = grads[0].device if grads else torch.device("cpu")
+        loss_t = loss.detach().reshape(()).float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        parts.append(loss_t.to(device).reshape(1))
+        k = min(self.top_k, len(grads))
+        total = None
+        if grads:
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            total = torch.linalg.vector_norm(norms)
+            parts.append(total.reshape(1))
+            if k:
+                values, index = torch.topk(norms, k)
+                parts += [values, index.float()]
+        if self.param_norm and self.params:
+            pnorms = torch.stack([n.float() for n in torch._foreach_norm([p.detach() for p in self.params])])
+            parts.append(torch.linalg.vector_norm(pnorms).reshape(1))
+        n_batch = 0
+        if batch is not None:
+            batch_parts = batch_statistics(batch)
+            n_batch = len(batch_parts)
+            parts += [t.to(device).float().reshape(1) for t in batch_parts]
+        if tail is not None:
+            bad = ~torch.isfinite(parts[0][0])
+            if total is not None:
+                bad = bad | ~torch.isfinite(total)
+            extra = tail(bad.float())
+            if extra is not None:
+                parts.append(extra.to(device).float().reshape(-1))
+        values_list = torch.cat(parts).tolist()  # the one device-to-host transfer
+
+        it = iter(values_list)
+        loss_v = next(it)
+        grad_norm = next(it) if grads else None
+        top: dict[str, float] = {}
+        if grads and k:
+            vals = [next(it) for _ in range(k)]
+            idx = [int(next(it)) for _ in range(k)]
+            top = {names[i]: v for i, v in zip(idx, vals)}
+        pnorm = next(it) if self.param_norm and self.params else None
+        bstats = None
+        if n_batch:
+            size, nan_in, inf_in, outliers, max_frac = (next(it) for _ in range(5))
+            bstats = {"size": int(size), "nan_inputs": int(nan_in), "inf_inputs": int(inf_in),
+                      "outliers": int(outliers),
+                      "max_label_fraction": None if max_frac < 0 else min(1.0, max(0.0, max_frac))}
+        rest = list(it)
+        nonfinite = 0
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            nonfinite = count_nonfinite(grads)  # rare path: a second transfer is fine here
+        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, rest), grads
+
+
+def count_nonfinite(tensors: Sequence[torch.Tensor]) -> int:
+    if not tensors:
+        return 0
+    return int(torch.stack([(~torch.isfinite(t)).sum() for t in tensors]).sum().item())
+
+
+def batch_statistics(batch: Sequence, outlier_z: float = 6.0) -> list[torch.Tensor]:
+    """size, NaN inputs, Inf inputs, outliers, share of the most frequent label (-1: none).
+
+    ``batch`` is ``(inputs, labels)`` or ``(inputs,)``; integer labels give the
+    label share, floating inputs the NaN/Inf/outlier counts. All on device.
+    """
+    inputs = batch[0]
+    labels = batch[1] if len(batch) > 1 else None
+    size = torch.tensor(float(inputs.shape[0] if inputs.dim() else 1))
+    if inputs.is_floating_point():
+        x = inputs.detach()
+        nan_in = torch.isnan(x).sum()
+        inf_in = torch.isinf(x).sum()
+        finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x)).float()
+        mean, std = finite.mean(), finite.std() if finite.numel() > 1 else torch.tensor(0.0)
+        outliers = ((finite - mean).abs() > outlier_z * std.clamp_min(1e-12)).sum()
+    else:
+        nan_in = inf_in = outliers = torch.tensor(0.0)
+    if labels is not None and not labels.is_floating_point() and labels.numel():
+        flat = labels.detach().reshape(-1).long()
+        counts = torch.bincount(flat - flat.min())
+        max_frac = counts.max().float() / flat.numel()
+    else:
+        max_frac = torch.tensor(-1.0)
+    return [size, nan_in.float(), inf_in.float(), outliers.float(), max_frac]

@@ -1,0 +1,79 @@
+"""Helpers of the producers tests: a tiny real model, real data, actions on a bare bus."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from spikeguard.actuators.signing import sign_action
+from spikeguard.producers import Guard, GuardConfig
+from spikeguard.schemas import Ack, Action, ActionKind, Topics, decode, encode
+
+_ids = itertools.count()
+
+
+class Tiny:
+    """A small regression problem: model, optimizer, loader (64 batches of 8)."""
+
+    def __init__(self, seed: int = 0, n: int = 512, batch_size: int = 8, lr: float = 1e-2) -> None:
+        torch.manual_seed(seed)
+        self.x = torch.randn(n, 6)
+        self.y = self.x @ torch.randn(6, 1) + 0.05 * torch.randn(n, 1)
+        self.loader = DataLoader(TensorDataset(self.x, self.y), batch_size=batch_size, shuffle=True)
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def make_guard(tiny: Tiny, bus, tmp_path, run_id: str = "r1", **config) -> Guard:
+    defaults = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=False)
+    return Guard(tiny.model, tiny.optimizer, run_id=run_id, bus=bus,
+                 config=GuardConfig(**{**defaults, **config}))
+
+
+def action(kind: ActionKind, at: int, run_id: str = "r1", key: str | None = None,
+           decision_id: str | None = None, **params) -> Action:
+    a = Action(action_id=f"a-test-{next(_ids)}", run_id=run_id, kind=kind, apply_at_step=at,
+               params=params, decision_id=decision_id)
+    return sign_action(a, key) if key else a
+
+
+def send(bus, *actions: Action, guard: Guard | None = None) -> None:
+    """Publish ``actions``; with ``guard``, wait until its inbox has received those of its run."""
+    producer = bus.producer()
+    before = guard.inbox._handed if guard is not None else 0
+    for a in actions:
+        producer.publish(Topics().actions, encode(a), key=a.run_id)
+    if guard is not None:
+        mine = sum(a.run_id == guard.run_id for a in actions)
+        deadline = time.monotonic() + 10
+        while guard.inbox._handed < before + mine and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert guard.inbox._handed >= before + mine, "the guard's inbox did not receive the actions"
+
+
+def acks(bus) -> list[Ack]:
+    return [decode(r.value, Ack) for r in bus.read_all(Topics().acks)]
+
+
+def train(guard: Guard, tiny: Tiny, steps: int, on_step=None) -> None:
+    """Run until the guard's step counter reaches ``steps``, whatever rollbacks happen."""
+    data = guard.data(tiny.loader, max_steps=steps)
+    while guard.step_count < steps and not guard.should_stop:
+        for batch in data:
+            if on_step:
+                on_step(guard, data, batch)
+            guard.step(tiny.loss(batch))
+    guard.publisher.flush(5.0) if guard.publisher else None

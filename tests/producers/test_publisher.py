@@ -1,0 +1,75 @@
+"""The background publisher: never blocks training, drops the oldest, counts what it dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from spikeguard.bus import EmbeddedBus
+from spikeguard.producers import BackgroundPublisher
+from spikeguard.schemas import Ack, AckStatus, ActionKind, StepEvent, Topics, decode
+
+
+class GatedProducer:
+    """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
+
+    def __init__(self, bus):
+        self.inner = bus.producer()
+        self.gate = threading.Event()
+
+    def publish(self, topic, value, key=None, headers=None):
+        self.gate.wait()
+        self.inner.publish(topic, value, key=key, headers=headers)
+
+    def flush(self, timeout=None):
+        self.inner.flush(timeout)
+
+
+def _step(i):
+    return dict(run_id="p", step=i, loss=1.0)
+
+
+def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away():
+    bus, t = EmbeddedBus(), Topics()
+    producer = GatedProducer(bus)
+    pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
+    pub.submit(t.steps, StepEvent, _step(0))
+    time.sleep(0.05)  # the sender thread now hangs on the first record
+    started = time.perf_counter()
+    for i in range(1, 100):
+        pub.submit(t.steps, StepEvent, _step(i))
+    per_call = (time.perf_counter() - started) / 99
+    assert per_call < 1e-3
+    assert pub.dropped == 89  # 99 queued into 10 places
+    producer.gate.set()
+    assert pub.flush(5.0)
+    pub.close()
+    steps = [decode(r.value, StepEvent).step for r in bus.read_all(t.steps)]
+    assert steps == [0] + list(range(90, 100))  # the newest survive
+    assert pub.sent == 11 and pub.failed == 0
+
+
+def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first():
+    bus, t = EmbeddedBus(), Topics()
+    producer = GatedProducer(bus)
+    pub = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001)
+    for i in range(50):
+        pub.submit(t.steps, StepEvent, _step(i))
+    pub.submit(t.acks, Ack, dict(run_id="p", action_id="a-1", kind=ActionKind.CLIP,
+                                 status=AckStatus.APPLIED, step=3), droppable=False)
+    producer.gate.set()
+    pub.close()
+    assert [decode(r.value, Ack).action_id for r in bus.read_all(t.acks)] == ["a-1"]
+    assert len(bus.read_all(t.steps)) <= 6
+
+
+def test_a_failing_bus_is_counted_not_raised():
+    class Broken:
+        def publish(self, *a, **k):
+            raise ConnectionError("broker away")
+
+        def flush(self, timeout=None):
+            pass
+    pub = BackgroundPublisher(Broken(), "p", threaded=False)
+    pub.submit(Topics().steps, StepEvent, _step(0))
+    assert pub.failed == 1 and pub.sent == 0
