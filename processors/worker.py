@@ -17,11 +17,12 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
+from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
 from spikeguard.metrics import Metrics, default_metrics, observe_inputs, observe_outputs
 from spikeguard.processors.stage import Output, Stage
 from spikeguard.processors.state_store import StateStore
-from spikeguard.schemas import DeadLetter, decode, encode
+from spikeguard.schemas import decode, encode
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -33,21 +34,6 @@ def decode_record(record: Record, model: type[M]) -> M:
     if cached is None:
         cached = record.cache[model] = decode(record.value, model)  # type: ignore[arg-type]
     return cached
-
-
-def dead_letter(record: Record, exc: BaseException, consumer: str) -> DeadLetter:
-    value = record.value or b""
-    return DeadLetter(
-        source_topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        key=record.key_text,
-        value=value.decode("utf-8", "backslashreplace"),
-        value_bytes=len(value),
-        error=type(exc).__name__,
-        reason=str(exc) or repr(exc),
-        consumer=consumer,
-    )
 
 
 class Worker:

@@ -55,6 +55,8 @@ class CheckpointStore:
     """The checkpoints of one run (as one rank sees them) in one directory."""
 
     def __init__(self, directory: str | os.PathLike, run_id: str, keep: int = 3, rank: int = 0) -> None:
+        #: What the last save rotated out (the guard tells the actuator).
+        self.removed: list[CheckpointInfo] = []
         self.directory = Path(directory)
         self.run_id = run_id
         self.keep = keep
@@ -106,7 +108,7 @@ class CheckpointStore:
             # The same step saved again with the other health flag: one file per id.
             if other.checkpoint_id == cid and other.path != path:
                 other.path.unlink(missing_ok=True)
-        self.rotate()
+        self.removed = self.rotate()
         return info
 
     def rotate(self) -> list[CheckpointInfo]:

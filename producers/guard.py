@@ -188,6 +188,11 @@ class Guard(RecoveryMixin):
                                 batch_index=self.data_state()["position"], reason=reason)
         if self.publisher is not None and self.rank == 0:
             self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
+            for gone in self.store.removed:  # no longer a rollback target: say so
+                self.publisher.submit(self.topics.checkpoints, None, CheckpointEvent(
+                    run_id=self.run_id, step=gone.step, epoch=gone.epoch,
+                    checkpoint_id=gone.checkpoint_id, path=str(gone.path), healthy=gone.healthy,
+                    deleted=True), droppable=False)
         self._persist_ledger()
         return event
 

@@ -15,8 +15,9 @@ import threading
 from collections import deque
 
 from spikeguard.bus import Bus
+from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
-from spikeguard.schemas import Action, Topics, decode
+from spikeguard.schemas import Action, Topics, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,11 @@ class ActionInbox:
         self.run_id = run_id
         self.topic = topics.actions
         self.poll_timeout = poll_timeout
-        bus.create_topics([self.topic])
-        self._consumer = bus.consumer(group_name(run_id, rank), [self.topic], from_beginning=True)
+        self.dlq_topic = topics.dlq
+        bus.create_topics([self.topic, self.dlq_topic])
+        self.group = group_name(run_id, rank)
+        self._consumer = bus.consumer(self.group, [self.topic], from_beginning=True)
+        self._producer = bus.producer()  # for dead letters only
         self._ready: deque[Action] = deque()
         self._lock = threading.Lock()  # the consumer is used by one thread at a time
         # Each counter is written by one thread only, so the training thread never waits on a lock.
@@ -72,6 +76,7 @@ class ActionInbox:
         with self._lock:
             self._maybe_commit()
             self._consumer.close()
+        self._producer.close()
 
     # -- inbox thread ---------------------------------------------------------
     def _run(self) -> None:
@@ -94,6 +99,7 @@ class ActionInbox:
                     self.malformed += 1
                     log.warning("spikeguard: undecodable action at %s[%d]@%d: %s",
                                 record.topic, record.partition, record.offset, exc)
+                    self._dead_letter(record, exc)
                     continue
                 if action.run_id != self.run_id:
                     continue
@@ -102,6 +108,14 @@ class ActionInbox:
             if records:
                 self._uncommitted = True
             self._maybe_commit()
+
+    def _dead_letter(self, record, exc: Exception) -> None:
+        try:
+            self._producer.publish(self.dlq_topic, encode(dead_letter(record, exc, self.group)),
+                                   key=record.key)
+            self._producer.flush(5.0)
+        except Exception as failure:  # noqa: BLE001 - training goes on; the log keeps it
+            log.error("spikeguard: could not send a dead letter: %r", failure)
 
     def _maybe_commit(self) -> None:
         if self._uncommitted and self._resolved >= self._handed:

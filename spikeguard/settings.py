@@ -20,6 +20,7 @@ from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.errors import ConfigError
 from spikeguard.processors.detectors import CONFIGS
 from spikeguard.processors.fusion import FusionConfig
+from spikeguard.producers.config import GuardConfig
 
 ENV_PREFIX = "SPIKEGUARD_"
 StatisticalConfig, RulesConfig, MLConfig, PredictorConfig = (
@@ -67,13 +68,11 @@ class Settings(BaseModel):
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)  # type: ignore[valid-type]
     fusion: FusionConfig = Field(default_factory=FusionConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @property
     def engine(self) -> str:
         return "kafka" if self.bootstrap_servers else "embedded"
-
-
-_SECTIONS = ("statistical", "rules", "ml", "predictor", "fusion", "policy")
 
 
 def _parse(value: str) -> Any:

@@ -16,7 +16,11 @@ import json
 import math
 import sys
 
-from spikeguard.producers.demo_model import FAULTS, DemoSetup
+# Kept here, not imported: importing spikeguard.producers loads torch, and
+# building the CLI parser (every command's --help) must stay cheap.
+# tests/producers/test_demo_cli.py checks they match producers.demo_model.
+FAULTS = ("none", "spike", "nan", "divergence")
+DEFAULT_STEPS = 300
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault", choices=FAULTS, default="spike", help="what goes wrong (default: spike)")
     parser.add_argument("--seed", type=int, default=0, help="one seed, one result (default 0)")
-    parser.add_argument("--steps", type=int, default=DemoSetup.steps, help="training steps (default 300)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--no-guard", action="store_true", help="train unprotected")
     parser.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
     parser.add_argument("--plot", default="spikeguard-demo.png", metavar="PNG",
@@ -46,6 +50,7 @@ def _progress_bar(step: int, total: int, loss: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from spikeguard.producers.demo_model import DemoSetup
     from spikeguard.producers.demo_run import run_demo
     from spikeguard.producers.plot import loss_plot
 

@@ -43,3 +43,11 @@ def test_plot_handles_nan_and_rollbacks(tmp_path):
     losses += [(s, 1, 2.6 - s * 0.01) for s in range(40, 80)]
     loss_plot(str(tmp_path / "x.png"), losses, anomalies=[50], actions=[51, 40], rollbacks=[(51, 40)])
     assert (tmp_path / "x.png").stat().st_size > 100
+
+
+def test_the_cli_constants_match_the_demo_model():
+    from spikeguard.cli import demo as demo_cli
+    from spikeguard.producers import demo_model
+
+    assert tuple(demo_cli.FAULTS) == tuple(demo_model.FAULTS)
+    assert demo_cli.DEFAULT_STEPS == demo_model.DemoSetup.steps
