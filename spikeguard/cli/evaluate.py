@@ -1,0 +1,242 @@
+"""``spikeguard evaluate``: score the pipeline and two baselines on labelled runs.
+
+By default the runs are the synthetic suite (every scenario x ``--seeds``;
+``--scenario`` filters); ``--files`` scores labelled CSV/JSONL files instead
+(files without a label column count as clean runs). For each system it
+prints, per scenario and overall: recall, precision (per alarm episode), F1,
+false alarms per 10k clean steps, median detection delay and the predictor's
+median lead time; then whether the pipeline meets the targets. Definitions:
+``spikeguard.processors.evaluation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+from spikeguard.cli._common import add_settings_flags, settings_from
+from spikeguard.processors.baselines import BASELINES, flag_run
+from spikeguard.processors.evaluation import (
+    EvaluationConfig,
+    Mark,
+    RunScore,
+    marks_from_decisions,
+    score_run,
+    summarize,
+)
+from spikeguard.processors.runfile import StepLabel, read_steps
+from spikeguard.processors.simulate import SCENARIOS, default_suite
+
+SYSTEMS = {
+    "pipeline": "spikeguard pipeline (all detectors + fusion, via backtest)",
+    "naive": "baseline (a): naive z-score > 2.5 / jump > 50 % / slope over the last 20 losses",
+    "six_sigma": "baseline (b): loss or grad norm > mean + 6 sd of the previous 128 values",
+}
+OVERALL, CLEAN = "overall", "clean runs"
+_MAX_FILE_ROWS = 20
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="score the pipeline and two baselines on labelled runs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3],
+                        help="seeds of the synthetic suite (default 0 1 2 3)")
+    parser.add_argument("--scenario", nargs="+", choices=sorted(SCENARIOS), metavar="NAME",
+                        help="only these scenarios: " + ", ".join(SCENARIOS))
+    parser.add_argument("--files", nargs="+", metavar="FILE",
+                        help="labelled CSV/JSONL runs instead of the synthetic suite")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
+                        help="what to score (default: all three)")
+    parser.add_argument("--loss-only", action="store_true",
+                        help="drop grad_norm, lr and update_norm (as in most real logs); "
+                             "non-finite labels on a finite loss are dropped too")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when the pipeline misses a target")
+    add_settings_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args) if "pipeline" in args.systems else None
+    config = EvaluationConfig()
+    scores: dict[str, dict[str, list[RunScore]]] = {name: {} for name in args.systems}
+    seconds: Counter[str] = Counter()
+    total = 0
+    for group, events, labels in _runs(args):
+        if args.loss_only:
+            events, labels = loss_only(events, labels)
+        steps = [e.step for e in events]
+        total += len(steps)
+        for name in args.systems:
+            started = time.perf_counter()
+            marks = system_marks(name, events, settings)
+            seconds[name] += time.perf_counter() - started
+            scores[name].setdefault(group, []).append(score_run(steps, labels, marks, config, group))
+    report = build_report(scores)
+    timing = ", ".join(
+        f"{n} {s:.1f} s ({total / max(s, 1e-9):,.0f} steps/s)" for n, s in seconds.items()
+    )
+    print(f"evaluate: {total:,} steps; {timing}", file=sys.stderr)
+    if args.json:
+        report["inputs"] = {"files": args.files, "seeds": None if args.files else args.seeds,
+                            "scenarios": args.scenario, "loss_only": args.loss_only,
+                            "steps": total, "config": config.model_dump()}
+        report["timing_seconds"] = dict(seconds)
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(report))
+    failed = [t for t in report.get("targets", []) if not t["ok"]]
+    return 1 if args.check and failed else 0
+
+
+def system_marks(name: str, events, settings=None) -> list[Mark]:
+    """One mark per step of one run, from the pipeline or a baseline."""
+    if name == "pipeline":
+        from spikeguard.processors.backtest import backtest_events
+
+        return marks_from_decisions(backtest_events(events, settings))
+    return flag_run(BASELINES[name](), events)
+
+
+def loss_only(events, labels):
+    """The run as a loss-only log would record it."""
+    keep = {"grad_norm": None, "lr": None, "update_norm": None}
+    stripped = [e.model_copy(update=keep) for e in events]
+    if labels is not None:
+        labels = [
+            StepLabel(False, "") if lab.kind == "non_finite" and math.isfinite(e.loss) else lab
+            for e, lab in zip(events, labels)
+        ]
+    return stripped, labels
+
+
+def _runs(args) -> Iterator[tuple[str, list, list | None]]:
+    if args.files:
+        by_file = len(args.files) <= _MAX_FILE_ROWS
+        for path in args.files:
+            events, labels = read_steps(path)
+            group = Path(path).stem if by_file else "files"
+            runs: dict[str, list[int]] = {}  # a file may hold several runs: score each alone
+            for i, event in enumerate(events):
+                runs.setdefault(event.run_id, []).append(i)
+            for index in runs.values():
+                yield group, [events[i] for i in index], labels and [labels[i] for i in index]
+        return
+    for item in default_suite(args.seeds, args.scenario):
+        labelled = item.generate()
+        yield item.scenario, labelled.events, labelled.labels
+
+
+def build_report(scores: dict[str, dict[str, list[RunScore]]]) -> dict:
+    """Per system: a summary per group, of the clean runs, and overall; then the targets."""
+    report: dict = {"systems": {}}
+    for name, groups in scores.items():
+        rows = {group: summarize(runs).as_dict() for group, runs in groups.items()}
+        every = [score for runs in groups.values() for score in runs]
+        clean = [score for score in every if not score.episodes]
+        if clean and len(clean) < len(every):
+            rows[CLEAN] = summarize(clean).as_dict()
+        rows[OVERALL] = summarize(every).as_dict()
+        report["systems"][name] = {"title": SYSTEMS[name], "rows": rows}
+    if "pipeline" in scores:
+        report["targets"] = targets(report["systems"])
+    return report
+
+
+def targets(systems: dict) -> list[dict]:
+    """The issue's targets for the pipeline, each with whether it is met.
+
+    Recall and precision apply only when there are labelled episodes. "F1 above a baseline" also holds when
+    both are perfect (1.0), as nothing can be above that.
+    """
+    rows = systems["pipeline"]["rows"]
+    overall = rows[OVERALL]
+    kinds = overall["by_kind"]
+    checks = []
+
+    def check(name: str, value, ok: bool) -> None:
+        checks.append({"target": name, "value": value, "ok": bool(ok)})
+
+    if overall["episodes"]:  # (clean runs alone: only the false-alarm target applies)
+        check("recall >= 0.95 overall", overall["recall"], overall["recall"] >= 0.95)
+        precision = overall["precision"]
+        check("precision >= 0.9 overall", precision, (precision or 0) >= 0.9)
+    if "non_finite" in kinds:
+        value = kinds["non_finite"]["recall"]
+        check("recall = 1.0 on non_finite (same step)", value, value == 1.0)
+    clean = rows.get(CLEAN, overall)
+    fa = clean["false_alarms_per_10k"]
+    check("false alarms <= 0.5 per 10k steps of clean runs", fa, fa is not None and fa <= 0.5)
+    for kind in ("sudden_spike", "grad_explosion"):
+        if kind in kinds:
+            delay = kinds[kind]["median_delay"]
+            check(f"median delay <= 1 step ({kind})", delay, delay is not None and delay <= 1)
+    for baseline in ("naive", "six_sigma"):
+        if baseline not in systems:
+            continue
+        theirs = systems[baseline]["rows"]
+        worse = [
+            group for group, row in rows.items()
+            if group != CLEAN and theirs.get(group, {}).get("f1") is not None
+            and (row["f1"] is None or row["f1"] <= theirs[group]["f1"])
+            and not row["f1"] == theirs[group]["f1"] == 1.0
+        ]
+        check(f"F1 above {baseline} on every scenario and overall", worse or "all", not worse)
+    return checks
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+COLUMNS = (
+    ("runs", "runs", 0), ("steps", "steps", 0), ("episodes", "episodes", 0),
+    ("recall", "recall", 3), ("precision", "precision", 3), ("f1", "F1", 3),
+    ("false_alarms_per_10k", "FA/10k clean", 2), ("median_delay", "med delay", 1),
+    ("median_lead", "med lead", 1), ("false_warnings_per_10k", "warn-for-nothing/10k", 2),
+)
+
+
+def render(report: dict) -> str:
+    """Aligned text tables, one per system, then the targets."""
+    out: list[str] = []
+    for name, system in report["systems"].items():
+        rows = system["rows"]
+        width = max(len("scenario"), *map(len, rows))
+        table = [["scenario"] + [title for _, title, _ in COLUMNS]]
+        for group, row in rows.items():
+            table.append([group] + [_fmt(row[key], d) for key, _, d in COLUMNS])
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        widths[0] = width
+        out.append(f"\n== {name}: {system['title']}")
+        for i, r in enumerate(table):
+            if i and r[0] in (CLEAN, OVERALL) and table[i - 1][0] not in (CLEAN, OVERALL):
+                out.append("-" * (sum(widths) + 2 * len(widths)))
+            out.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in
+                                 enumerate(zip(r, widths))))
+        kinds = rows[OVERALL]["by_kind"]
+        if kinds:
+            parts = [f"{k} {v['detected']}/{v['episodes']} (delay {_fmt(v['median_delay'], 1)})"
+                     for k, v in kinds.items()]
+            out.append("recall by kind: " + "; ".join(parts))
+    if "targets" in report:
+        out.append("\n== targets (pipeline)")
+        for t in report["targets"]:
+            value = t["value"] if isinstance(t["value"], (str, list)) else _fmt(t["value"], 3)
+            out.append(f"  [{'ok' if t['ok'] else 'MISS'}] {t['target']}: {value}")
+    return "\n".join(out)
