@@ -10,7 +10,9 @@ them (deadlines pushed out of reach) and decides the rest at the end.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import gc
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
@@ -33,6 +35,22 @@ def offline(settings: Settings) -> Settings:
     return settings.model_copy(update={"fusion": fusion})
 
 
+@contextmanager
+def fewer_gc_passes(threshold: int = 50_000) -> Iterator[None]:
+    """Raise the young-generation GC threshold for an allocation-heavy stretch.
+
+    Every hop allocates a few small objects that die young; with CPython's
+    default threshold (700) the collector runs every few steps and walks the
+    whole young heap, which measured ~35% of backtest time.
+    """
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], threshold), old[1], old[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def run_offline(
     inputs: Sequence[tuple[str, BaseModel]],
     settings: Settings,
@@ -41,6 +59,17 @@ def run_offline(
     metrics: Metrics | None = None,
 ) -> dict[str, list[BaseModel]]:
     """Publish ``inputs`` (topic, event), run ``components`` until idle, read ``outputs``."""
+    with fewer_gc_passes():
+        return _run_offline(inputs, settings, components, outputs, metrics)
+
+
+def _run_offline(
+    inputs: Sequence[tuple[str, BaseModel]],
+    settings: Settings,
+    components: Sequence[str],
+    outputs: dict[str, type[BaseModel]],
+    metrics: Metrics | None,
+) -> dict[str, list[BaseModel]]:
     from spikeguard.components import build_stage
 
     settings = offline(settings)

@@ -1,0 +1,72 @@
+"""What fusion says about each anomaly type: base urgency and recommendation.
+
+Kept apart from :mod:`.fusion` so the table reads as a table. A recommendation
+is a comma-separated list of action kinds (the ``ActionKind`` values) in the
+order the recovery policy would apply them; the policy decides the parameters.
+"""
+
+from __future__ import annotations
+
+from spikeguard.schemas import AnomalyType, Urgency
+
+# Which detector's view of the type wins when several flag the same step.
+DEFAULT_PRECEDENCE = ("rules", "statistical", "ml")
+
+# The predictor's early warnings: preventive decisions, never rollbacks.
+WARNING_TYPES = frozenset(
+    {AnomalyType.INSTABILITY_WARNING, AnomalyType.STALLED, AnomalyType.LR_TOO_HIGH}
+)
+
+# Types that are critical whatever detector reports them.
+CRITICAL_TYPES = frozenset(
+    {AnomalyType.NON_FINITE, AnomalyType.EXTREME_LOSS}
+)
+
+BASE_URGENCY: dict[AnomalyType, Urgency] = {
+    AnomalyType.NON_FINITE: Urgency.CRITICAL,
+    AnomalyType.EXTREME_LOSS: Urgency.CRITICAL,
+    AnomalyType.GRADIENT_EXPLOSION: Urgency.HIGH,
+    AnomalyType.LOSS_SPIKE: Urgency.HIGH,
+    AnomalyType.DIVERGENCE: Urgency.HIGH,
+    AnomalyType.LOSS_SCALE_COLLAPSE: Urgency.HIGH,
+    AnomalyType.OSCILLATION: Urgency.MEDIUM,
+    AnomalyType.LR_OUT_OF_BOUNDS: Urgency.MEDIUM,
+    AnomalyType.BAD_BATCH: Urgency.MEDIUM,
+    AnomalyType.ML_OUTLIER: Urgency.LOW,
+    AnomalyType.INSTABILITY_WARNING: Urgency.LOW,
+    AnomalyType.STALLED: Urgency.LOW,
+    AnomalyType.LR_TOO_HIGH: Urgency.LOW,
+    AnomalyType.NONE: Urgency.NONE,
+}
+
+RECOMMENDATIONS: dict[AnomalyType, str] = {
+    AnomalyType.NON_FINITE: "rollback,skip_batches,scale_lr",
+    AnomalyType.EXTREME_LOSS: "rollback,skip_batches,scale_lr",
+    AnomalyType.GRADIENT_EXPLOSION: "rollback,skip_batches,scale_lr,clip",
+    AnomalyType.LOSS_SPIKE: "rollback,skip_batches",
+    AnomalyType.DIVERGENCE: "rollback,scale_lr",
+    AnomalyType.OSCILLATION: "scale_lr,clip",
+    AnomalyType.LOSS_SCALE_COLLAPSE: "rollback,alert",
+    AnomalyType.LR_OUT_OF_BOUNDS: "restore_lr,alert",
+    AnomalyType.BAD_BATCH: "skip_batches",
+    AnomalyType.ML_OUTLIER: "checkpoint,alert",
+    # Preventive: never a rollback.
+    AnomalyType.INSTABILITY_WARNING: "checkpoint,clip",
+    AnomalyType.LR_TOO_HIGH: "checkpoint,scale_lr",
+    AnomalyType.STALLED: "alert",
+    AnomalyType.NONE: "",
+}
+
+_LEVELS = (Urgency.NONE, Urgency.LOW, Urgency.MEDIUM, Urgency.HIGH, Urgency.CRITICAL)
+
+
+def urgency(kind: AnomalyType, confidence: float, critical: bool, low_confidence: float) -> Urgency:
+    """Critical verdicts are critical; otherwise the type's level, one lower when unsure."""
+    if critical:
+        return Urgency.CRITICAL
+    level = BASE_URGENCY.get(kind, Urgency.MEDIUM)
+    if level == Urgency.CRITICAL:  # a critical type reported without the critical flag
+        level = Urgency.HIGH
+    if confidence < low_confidence and level not in (Urgency.NONE, Urgency.LOW):
+        level = _LEVELS[_LEVELS.index(level) - 1]
+    return level

@@ -1,0 +1,199 @@
+"""Rules detector: hard limits that need no statistics to be sure.
+
+Each rule names itself in the verdict (``rules``); several may fire at once and
+the verdict's type is the most urgent one's. Non-finite values, an extreme
+loss and an exploding gradient norm are *critical*: fusion acts on them alone.
+The references the ratio rules compare with (recent median loss, gradient norm
+and peak loss scale) learn only from steps on which no rule fired, so a bad
+step never raises the bar for the next one.
+
+>>> from spikeguard.schemas import StepEvent
+>>> rules = RulesDetector()
+>>> v = rules.update(StepEvent(run_id="r", step=0, loss=float("nan"), time=0.0))
+>>> v.critical, v.rules
+(True, ['loss_non_finite'])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.robust_stats import RollingMedian
+from spikeguard.schemas import AnomalyType, StepEvent, Verdict
+
+
+class RulesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_loss: float = Field(1e4, gt=0.0, description="a loss above this is extreme, whatever came before")
+    extreme_loss_ratio: float = Field(
+        10.0, gt=1.0, description="a loss this many times its recent median is extreme"
+    )
+    max_grad_norm: float = Field(1e4, gt=0.0, description="a gradient norm above this is an explosion")
+    grad_norm_ratio: float = Field(
+        14.0, gt=1.0,
+        description="a gradient norm this many times its recent median is an explosion "
+        "(healthy runs show isolated jumps up to ~x8, exploding ones x20 and more)",
+    )
+    reference_window: int = Field(32, ge=3, le=1024, description="steps in the recent medians")
+    min_history: int = Field(8, ge=1, description="healthy steps before the ratio rules apply")
+    lr_min: float = Field(0.0, description="a learning rate below this is out of bounds (0 is allowed)")
+    lr_max: float = Field(10.0, gt=0.0, description="a learning rate above this is out of bounds")
+    lr_jump_ratio: float = Field(
+        10.0, gt=1.0, description="a learning rate this many times the previous one is out of bounds"
+    )
+    min_loss_scale: float = Field(
+        1.0, gt=0.0, description="an fp16 loss scale below this has collapsed"
+    )
+    loss_scale_halvings: int = Field(
+        8, ge=1, description="a loss scale this many halvings below its recent peak has collapsed"
+    )
+    loss_scale_window: int = Field(100, ge=2, le=4096, description="steps over which the peak is taken")
+    loss_scale_warmup: int = Field(
+        20, ge=0,
+        description="steps with a loss scale before the halving rule applies (scalers calibrate first)",
+    )
+    max_outlier_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="a batch with more outliers per input than this is anomalous"
+    )
+    max_label_fraction: float = Field(
+        0.95, gt=0.0, le=1.0, description="a batch whose most frequent label has more than this share"
+    )
+    min_batch_size: int = Field(8, ge=1, description="smaller batches are not judged on outliers or labels")
+
+
+# rule name -> (type, confidence, critical); the order is the precedence of the type.
+RULES: dict[str, tuple[AnomalyType, float, bool]] = {
+    "loss_non_finite": (AnomalyType.NON_FINITE, 1.0, True),
+    "grad_norm_non_finite": (AnomalyType.NON_FINITE, 1.0, True),
+    "non_finite_gradients": (AnomalyType.NON_FINITE, 1.0, True),
+    "loss_above_max": (AnomalyType.EXTREME_LOSS, 1.0, True),
+    "loss_ratio": (AnomalyType.EXTREME_LOSS, 0.95, True),
+    "grad_norm_above_max": (AnomalyType.GRADIENT_EXPLOSION, 1.0, True),
+    "grad_norm_ratio": (AnomalyType.GRADIENT_EXPLOSION, 0.95, True),
+    "loss_scale_collapse": (AnomalyType.LOSS_SCALE_COLLAPSE, 0.8, False),
+    "lr_non_finite": (AnomalyType.LR_OUT_OF_BOUNDS, 0.9, False),
+    "lr_out_of_bounds": (AnomalyType.LR_OUT_OF_BOUNDS, 0.8, False),
+    "lr_jump": (AnomalyType.LR_OUT_OF_BOUNDS, 0.7, False),
+    "batch_non_finite_inputs": (AnomalyType.BAD_BATCH, 0.9, False),
+    "batch_outliers": (AnomalyType.BAD_BATCH, 0.7, False),
+    "batch_label_imbalance": (AnomalyType.BAD_BATCH, 0.65, False),
+}
+_ORDER = {name: i for i, name in enumerate(RULES)}
+
+
+class RulesDetector(Detector):
+    name: ClassVar[str] = "rules"
+
+    def __init__(self, config: RulesConfig | None = None) -> None:
+        self.config = config or RulesConfig()
+        window = self.config.reference_window
+        self._loss = RollingMedian(window)
+        self._grad = RollingMedian(window)
+        self._scales = RollingMedian(self.config.loss_scale_window)  # recent log2 scales (for the peak)
+        self._scale_seen = 0
+        self._lr = math.nan
+
+    def update(self, event: StepEvent) -> Verdict:
+        cfg = self.config
+        fired: list[str] = []
+        signals: dict[str, float] = {}
+        loss, grad = event.loss, event.grad_norm
+        loss_ok = math.isfinite(loss)
+        grad_ok = grad is None or math.isfinite(grad)
+        if not loss_ok:
+            fired.append("loss_non_finite")
+        if not grad_ok:
+            fired.append("grad_norm_non_finite")
+        if event.nonfinite_grads:
+            fired.append("non_finite_gradients")
+            signals["nonfinite_grads"] = event.nonfinite_grads
+        if loss_ok:
+            if loss > cfg.max_loss:
+                fired.append("loss_above_max")
+            ref = self._loss.get() if len(self._loss) >= cfg.min_history else math.nan
+            if ref > 0.0 and loss >= cfg.extreme_loss_ratio * ref:
+                fired.append("loss_ratio")
+                signals["loss_ratio"] = round(loss / ref, 3)
+        if grad is not None and grad_ok:
+            if grad > cfg.max_grad_norm:
+                fired.append("grad_norm_above_max")
+            ref = self._grad.get() if len(self._grad) >= cfg.min_history else math.nan
+            if ref > 0.0 and grad >= cfg.grad_norm_ratio * ref:
+                fired.append("grad_norm_ratio")
+                signals["grad_norm_ratio"] = round(grad / ref, 3)
+        if event.lr is not None:
+            self._check_lr(event.lr, fired)
+        if event.loss_scale is not None:
+            self._check_loss_scale(event.loss_scale, fired)
+        if event.batch is not None:
+            self._check_batch(event, fired)
+        if not fired:
+            if loss_ok:
+                self._loss.update(loss)
+            if grad is not None:
+                self._grad.update(grad)
+            return Verdict(
+                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                is_anomaly=False,
+            )
+        fired.sort(key=_ORDER.__getitem__)
+        kind, confidence, critical = RULES[fired[0]]
+        return Verdict(
+            run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+            is_anomaly=True, type=kind, confidence=confidence, critical=critical,
+            rules=fired, signals=signals, message=", ".join(fired),
+        )
+
+    def _check_lr(self, lr: float, fired: list[str]) -> None:
+        cfg = self.config
+        if not math.isfinite(lr):
+            fired.append("lr_non_finite")
+            return
+        if lr < cfg.lr_min or lr > cfg.lr_max:
+            fired.append("lr_out_of_bounds")
+        prev = self._lr
+        if prev > 0.0 and lr >= cfg.lr_jump_ratio * prev:
+            fired.append("lr_jump")
+        self._lr = lr  # the schedule moves on either way; a jump is reported once
+
+    def _check_loss_scale(self, scale: float, fired: list[str]) -> None:
+        cfg = self.config
+        if not (scale >= cfg.min_loss_scale) or not math.isfinite(scale):
+            fired.append("loss_scale_collapse")
+            return
+        log2 = math.log2(scale)
+        self._scale_seen += 1
+        if self._scale_seen > cfg.loss_scale_warmup and len(self._scales):
+            if self._scales.max() - log2 >= cfg.loss_scale_halvings:
+                fired.append("loss_scale_collapse")
+        self._scales.update(log2)
+
+    def _check_batch(self, event: StepEvent, fired: list[str]) -> None:
+        cfg = self.config
+        batch = event.batch
+        assert batch is not None
+        if batch.nan_inputs or batch.inf_inputs:
+            fired.append("batch_non_finite_inputs")
+        if batch.size >= cfg.min_batch_size:
+            if batch.outliers > cfg.max_outlier_fraction * batch.size:
+                fired.append("batch_outliers")
+            if batch.max_label_fraction is not None and batch.max_label_fraction > cfg.max_label_fraction:
+                fired.append("batch_label_imbalance")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss": self._loss.state_dict(), "grad_norm": self._grad.state_dict(),
+            "scales": self._scales.state_dict(), "scale_seen": self._scale_seen, "lr": self._lr,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loss.load_state_dict(state["loss"])
+        self._grad.load_state_dict(state["grad_norm"])
+        self._scales.load_state_dict(state["scales"])
+        self._scale_seen = int(state["scale_seen"])
+        self._lr = float(state["lr"])

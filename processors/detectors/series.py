@@ -1,0 +1,281 @@
+"""Online robust monitor of one positive training signal (loss or gradient norm) in log space.
+
+Three tests on ``y = log(x)``, all one-sided towards "worse" where that is right:
+
+* **spike** — the point's distance above the rolling median of the last
+  ``level_window`` accepted points, in units of the robust noise scale. The
+  median is taken *before* the point joins it, so the point is never part of
+  the baseline it is compared with. A jump that heals at the next step is
+  what healthy runs do (batch-induced one-step jumps of up to ~x2 and ~18
+  noise units are common in real LLM logs), so a moderate jump is only a
+  *candidate*; it is confirmed once the signal has stayed up by ``retain`` of
+  the jump for ``confirm_steps`` steps (sooner if the follow-up is itself
+  ``z_confirm`` out). A jump beyond ``z_instant`` noise units or
+  ``instant_jump`` in log units is flagged at once (delay 0).
+* **divergence** — a slow climb, Page-Hinkley style: a slow EMA of accepted
+  points rises above its own running minimum (which forgets slowly) by more
+  than ``div_min`` in log units and more than ``div_z`` noise units of the
+  EMA. The trend of healthy training is downward, so only a rise counts; a
+  spike's fading tail does not (the level restarts when a spike ends).
+* **oscillation** — the signal swings ever wider: a short EWMA of the
+  detrended first differences (each difference minus the local slope, so a
+  fast benign descent or a steady climb does not count) grows to
+  ``osc_level`` times its long-run level. Each difference is clipped, so one
+  spike (up, then down) cannot make an oscillation.
+
+Flagged points (and candidates) teach nothing, so a spike cannot drag the
+baseline up; the noise scale also stops learning while deviations are wide.
+A non-finite value is never passed in (the detector skips it), so it cannot
+poison anything. All state is O(``level_window``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from spikeguard.processors.robust_stats import RollingMedian
+
+# Result codes of SeriesMonitor.update.
+OK, CANDIDATE, SPIKE, DIVERGENCE, OSCILLATION, WARMUP = range(6)
+_MAD_TO_SIGMA = math.sqrt(math.pi) / 2.0  # E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
+
+
+class SeriesMonitor:
+    """One signal's state. Parameters are plain floats (see StatisticalConfig for meanings)."""
+
+    __slots__ = (
+        # parameters
+        "level_window", "warmup", "scale_alpha", "min_scale", "z_spike", "min_jump", "z_instant",
+        "instant_jump", "retain", "confirm_steps", "z_confirm", "z_exit", "div_alpha", "div_forget",
+        "div_z", "div_min", "osc_alpha", "osc_ref_alpha", "osc_level", "calm_level", "relearn_after",
+        # learned state
+        "_med", "_smean", "_sn", "_level_sigma", "_last", "_level", "_floor", "_ln",
+        "_vprev", "_slope", "_vshort", "_vref", "_vn", "_pending", "_age", "_run", "_run_kind", "_n",
+    )
+
+    def __init__(
+        self, *, level_window: int, warmup: int, scale_alpha: float, min_scale: float,
+        z_spike: float, min_jump: float, z_instant: float, instant_jump: float, retain: float,
+        confirm_steps: int, z_confirm: float,
+        z_exit: float, div_alpha: float, div_forget: float, div_z: float, div_min: float,
+        osc_alpha: float, osc_ref_alpha: float, osc_level: float, calm_level: float,
+        relearn_after: int,
+    ) -> None:
+        self.level_window = level_window
+        self.warmup = warmup
+        self.scale_alpha = scale_alpha
+        self.min_scale = min_scale
+        self.z_spike = z_spike
+        self.min_jump = min_jump
+        self.z_instant = z_instant
+        self.instant_jump = instant_jump
+        self.retain = retain
+        self.confirm_steps = confirm_steps
+        self.z_confirm = z_confirm
+        self.z_exit = z_exit
+        self.div_alpha = div_alpha
+        self.div_forget = div_forget
+        self.div_z = div_z
+        self.div_min = div_min
+        self.osc_alpha = osc_alpha
+        self.osc_ref_alpha = osc_ref_alpha
+        self.osc_level = osc_level
+        self.calm_level = calm_level
+        self.relearn_after = relearn_after
+        self._med = RollingMedian(level_window)
+        # noise of the slow level, per unit of noise of the signal
+        self._level_sigma = math.sqrt(div_alpha / (2.0 - div_alpha))
+        self._smean = 0.0
+        self._sn = 0
+        self.reset()
+
+    def reset(self, keep_scale: bool = False) -> None:
+        self._med.clear()
+        if not keep_scale:
+            self._smean = 0.0  # EW mean |first difference| of accepted points, outliers clipped
+            self._sn = 0
+        self._last = math.nan  # last accepted value
+        self._level = math.nan  # slow EMA of accepted values
+        self._ln = 0  # points in it since it (re)started
+        self._floor = math.nan  # its running minimum, forgetting slowly
+        self._vprev = math.nan  # previous value seen by the oscillation test
+        self._slope = 0.0  # EWMA of first differences (local slope)
+        self._vshort = 0.0  # short EWMA of |difference - slope|
+        self._vref = 0.0  # its long-run level
+        self._vn = 0  # differences seen by the oscillation test
+        self._pending = 0.0  # jump of a spike candidate awaiting confirmation (0: none)
+        self._age = 0  # steps it has stayed up so far
+        self._run = 0  # consecutive flagged points
+        self._run_kind = OK
+        self._n = 0  # accepted points
+
+    def sigma(self) -> float:
+        """The robust noise scale in log units (floored at ``min_scale``)."""
+        s = self._smean * _MAD_TO_SIGMA
+        return s if s > self.min_scale else self.min_scale
+
+    def update(self, y: float) -> tuple[int, float, float]:
+        """Judge ``y`` (finite, log space), then learn it unless flagged.
+
+        Returns ``(code, z, jump)``: z is the standardised distance above the
+        baseline (or the divergence / oscillation statistic for those codes),
+        jump the distance in log units.
+        """
+        if self._n < self.warmup:
+            self._learn(y, self._volatility(y))
+            return WARMUP, 0.0, 0.0
+        osc = self._volatility(y)  # every point counts here (clipped), spikes included
+        sig = self._smean * _MAD_TO_SIGMA
+        if sig < self.min_scale:
+            sig = self.min_scale
+        r = y - self._med.get()
+        z = r / sig
+        pending = self._pending
+        self._pending = 0.0
+        # A spike already confirmed: stays flagged until it has come down.
+        if self._run_kind == SPIKE:
+            if z >= self.z_exit and r >= 0.5 * self.min_jump:
+                return self._flag(SPIKE, z, r)
+            self._run = 0
+            self._run_kind = OK
+            # The spike's slowly fading tail is not a new climb: the slow level
+            # starts afresh from here (a climb from here on is still caught).
+            self._level = math.nan
+            self._ln = 0
+        elif pending > 0.0:
+            # A candidate is confirmed when it has not healed: still up by
+            # ``retain`` of its jump for ``confirm_steps`` steps, or at once
+            # when the follow-up is itself far out.
+            if z >= self.z_exit and r >= self.retain * pending and r >= self.min_jump:
+                self._age += 1
+                if (self._age >= self.confirm_steps or z >= self.z_confirm
+                        or z >= self.z_instant or r >= self.instant_jump):
+                    return self._flag(SPIKE, z, r)
+                self._pending = pending
+                return CANDIDATE, z, r
+        self._age = 0
+        if z >= self.z_spike and r >= self.min_jump:
+            if z >= self.z_instant or r >= self.instant_jump:
+                return self._flag(SPIKE, z, r)
+            self._pending = r
+            return CANDIDATE, z, r
+        # Oscillation and divergence: slower evidence, from points that are not spikes.
+        if osc >= self.osc_level:
+            return self._flag(OSCILLATION, osc, r)
+        level = self._level
+        if self._ln >= self.warmup:
+            level += self.div_alpha * (y - level)
+            rise = level - self._floor
+            level_sigma = sig * self._level_sigma
+            if rise >= self.div_min and rise >= self.div_z * level_sigma:
+                self._level = level  # a climb is followed, or the rise would be frozen
+                return self._flag(DIVERGENCE, rise / level_sigma, rise)
+        if self._run_kind != OK:
+            self._run = 0
+            self._run_kind = OK
+        self._learn(y, osc)
+        return OK, z, r
+
+    def _flag(self, code: int, z: float, r: float) -> tuple[int, float, float]:
+        self._run += 1
+        self._run_kind = code
+        if self._run >= self.relearn_after:
+            # Flagged for so long that this is the new normal (or nobody is
+            # acting on the alarms): start over from here rather than alarm forever.
+            self.reset(keep_scale=True)
+        return code, z, r
+
+    def _volatility(self, y: float) -> float:
+        """Short-run over long-run detrended swing size (about 1 for steady noise)."""
+        prev = self._vprev
+        self._vprev = y
+        if prev != prev:
+            return 1.0
+        d = y - prev
+        a = self.osc_alpha
+        dev = abs(d - self._slope)
+        self._slope += a * (d - self._slope)
+        self._vn += 1
+        ref = self._vref
+        if self._vn <= 1:  # the first difference seeds both averages
+            self._vref = self._vshort = dev if dev > 0.0 else 1e-12
+            return 1.0
+        cap = 5.0 * (ref if ref > self.min_scale else self.min_scale)
+        if dev > cap:
+            dev = cap
+        self._vshort += a * (dev - self._vshort)
+        ratio = self._vshort / (ref if ref > self.min_scale else self.min_scale)
+        # The long-run level is a running mean at first, then an EWMA that
+        # learns fully while calm and only slowly while swings are wide, so a
+        # growing oscillation stands out while a lasting change of the noise
+        # level is eventually accepted.
+        rate = 1.0 / self._vn
+        if rate < self.osc_ref_alpha:
+            rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
+        self._vref = ref + rate * (dev - ref)
+        return ratio
+
+    def _learn(self, y: float, osc: float) -> None:
+        last = self._last
+        # Wide swings mean oscillation may be building: do not learn them as noise
+        # (during warm-up everything is learned: there is no noise level yet).
+        if last == last and (osc < self.calm_level or self._n < self.warmup):
+            # EW mean of |difference|, a running mean until 1/scale_alpha points;
+            # a difference beyond 4x the mean counts as 4x (one outlier moves it little).
+            a = abs(y - last)
+            m = self._smean
+            if self._sn and a > 4.0 * m:
+                a = 4.0 * m
+            self._sn += 1
+            rate = 1.0 / self._sn
+            if rate < self.scale_alpha:
+                rate = self.scale_alpha
+            self._smean = m + rate * (a - m)
+        self._last = y
+        self._med.update(y)
+        self._n += 1
+        # The slow level: a running mean at first, then an EWMA. Its best
+        # (lowest) value follows it until ``warmup`` points are in, so that
+        # one lucky low point cannot set the bar.
+        ln = self._ln = self._ln + 1
+        level = self._level
+        rate = 1.0 / ln
+        if rate < self.div_alpha:
+            rate = self.div_alpha
+        level = y if ln == 1 else level + rate * (y - level)
+        self._level = level
+        floor = self._floor
+        if ln <= self.warmup or level < floor:
+            self._floor = level
+        else:
+            self._floor = floor + self.div_forget * (level - floor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "med": self._med.state_dict(), "scale_mean": self._smean, "scale_n": self._sn,
+            "last": self._last, "level": self._level, "floor": self._floor,
+            "vprev": self._vprev, "slope": self._slope, "vshort": self._vshort, "vref": self._vref,
+            "vn": self._vn,
+            "pending": self._pending, "age": self._age,
+            "run": self._run, "run_kind": self._run_kind, "n": self._n, "ln": self._ln,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._med.load_state_dict(state["med"])
+        self._smean = float(state["scale_mean"])
+        self._sn = int(state["scale_n"])
+        self._last = float(state["last"])
+        self._level = float(state["level"])
+        self._floor = float(state["floor"])
+        self._vprev = float(state["vprev"])
+        self._slope = float(state["slope"])
+        self._vshort = float(state["vshort"])
+        self._vref = float(state["vref"])
+        self._vn = int(state["vn"])
+        self._pending = float(state["pending"])
+        self._age = int(state["age"])
+        self._run = int(state["run"])
+        self._run_kind = int(state["run_kind"])
+        self._n = int(state["n"])
+        self._ln = int(state["ln"])

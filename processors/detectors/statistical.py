@@ -1,0 +1,203 @@
+"""Statistical detector: robust online statistics of the loss and the gradient norm.
+
+Both signals are watched in log space (training noise is multiplicative and
+the loss falls by orders of magnitude) by a :class:`SeriesMonitor` each:
+sudden spikes against a rolling median, slow divergence against the running
+best level, growing oscillation from two-sided deviations. A drop of the loss
+is never an anomaly. A non-finite value is reported (critical) and skipped,
+so it cannot poison the statistics of the steps after it.
+
+>>> from spikeguard.schemas import StepEvent
+>>> det = StatisticalDetector()
+>>> verdicts = [det.update(StepEvent(run_id="r", step=i, loss=3.0 + 0.01 * (i % 3), time=0.0))
+...             for i in range(100)]
+>>> any(v.is_anomaly for v in verdicts)
+False
+>>> det.update(StepEvent(run_id="r", step=100, loss=30.0, time=0.0)).type.value
+'loss_spike'
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.detectors.series import (
+    CANDIDATE, DIVERGENCE, OSCILLATION, SPIKE, SeriesMonitor,
+)
+from spikeguard.schemas import AnomalyType, StepEvent, Verdict
+
+_LOG2 = math.log(2.0)
+
+
+class SeriesConfig(BaseModel):
+    """Thresholds of one monitored signal; z values are in units of its robust noise scale."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level_window: int = Field(16, ge=3, le=1024, description="points in the rolling median baseline")
+    warmup: int = Field(30, ge=2, description="accepted points before anything is flagged")
+    scale_alpha: float = Field(
+        1 / 64, gt=0.0, le=1.0, description="EW weight of the noise scale (mean |first difference|)"
+    )
+    min_scale: float = Field(
+        0.004, gt=0.0, description="floor of the noise scale in log units (0.004 = 0.4%)"
+    )
+    z_spike: float = Field(
+        6.0, gt=0.0, description="a point this far above the baseline is a spike candidate"
+    )
+    min_jump: float = Field(
+        0.05, ge=0.0, description="and at least this far in log units (0.05 = +5%)"
+    )
+    z_instant: float = Field(
+        24.0, gt=0.0,
+        description="a jump this far up is flagged at once (real healthy one-step jumps reach ~18)",
+    )
+    instant_jump: float = Field(
+        math.log(2.5), ge=0.0,
+        description="a jump this far up in log units is flagged at once (x2.5; real blips reach x2)",
+    )
+    retain: float = Field(
+        0.65, ge=0.0, le=1.0,
+        description="a candidate is confirmed while the signal stays up by this share of its jump",
+    )
+    confirm_steps: int = Field(2, ge=1, le=16, description="steps it must stay up to be confirmed")
+    z_confirm: float = Field(
+        14.0, gt=0.0, description="a follow-up this far up confirms at once (delay 1)"
+    )
+    z_exit: float = Field(
+        3.0, gt=0.0, description="a confirmed spike lasts while the signal stays this far up"
+    )
+    div_alpha: float = Field(1 / 32, gt=0.0, le=1.0, description="EW weight of the slow level (divergence)")
+    div_forget: float = Field(
+        1 / 400, ge=0.0, le=1.0, description="rate at which the running best level forgets (per step)"
+    )
+    div_z: float = Field(
+        8.0, gt=0.0, description="a rise of the slow level above its best, in its own noise units"
+    )
+    div_min: float = Field(0.08, ge=0.0, description="and in log units (0.08 = +8%)")
+    osc_alpha: float = Field(1 / 16, gt=0.0, le=1.0, description="EW weight of the short-run swing size")
+    osc_ref_alpha: float = Field(
+        1 / 256, gt=0.0, le=1.0, description="EW weight of the long-run swing size (learns while calm)"
+    )
+    osc_level: float = Field(
+        4.0, gt=1.0, description="short-run over long-run swing size that is an oscillation (1 = steady)"
+    )
+    calm_level: float = Field(
+        1.5, gt=1.0,
+        description="while the swing ratio is above this, the noise scale stops learning and the "
+        "long-run swing size learns 8x slower (a growing oscillation must not become the new normal)",
+    )
+    relearn_after: int = Field(
+        500, ge=1, description="after this many consecutive flagged points the baseline starts over"
+    )
+
+    def monitor(self) -> SeriesMonitor:
+        return SeriesMonitor(**self.model_dump())
+
+
+class StatisticalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: SeriesConfig = Field(default_factory=SeriesConfig, description="thresholds for the loss")
+    grad_norm: SeriesConfig = Field(
+        default_factory=lambda: SeriesConfig(
+            min_scale=0.02, min_jump=_LOG2, z_instant=100.0, instant_jump=math.log(14.0),
+            retain=0.75, z_confirm=100.0, div_min=1.0,
+        ),
+        description="thresholds for the gradient norm (spikier than the loss: larger jumps needed)",
+    )
+    watch_grad_norm: bool = Field(True, description="also monitor the gradient norm when events carry it")
+    min_value: float = Field(
+        1e-12, gt=0.0, description="values below this are clipped to it before taking the log"
+    )
+
+
+_TYPES = {
+    SPIKE: AnomalyType.LOSS_SPIKE,
+    DIVERGENCE: AnomalyType.DIVERGENCE,
+    OSCILLATION: AnomalyType.OSCILLATION,
+}
+_NAMES = {SPIKE: "spike", DIVERGENCE: "divergence", OSCILLATION: "oscillation"}
+
+
+def _threshold(cfg: SeriesConfig, code: int) -> float:
+    return {SPIKE: cfg.z_exit, DIVERGENCE: cfg.div_z, OSCILLATION: cfg.osc_level}[code]
+
+
+def _confidence(z: float, threshold: float) -> float:
+    """0.6 at the threshold, rising to 1.0 at twice the threshold."""
+    c = 0.6 + 0.4 * (z - threshold) / threshold
+    return 1.0 if c > 1.0 else (0.6 if c < 0.6 else c)
+
+
+class StatisticalDetector(Detector):
+    name: ClassVar[str] = "statistical"
+
+    def __init__(self, config: StatisticalConfig | None = None) -> None:
+        self.config = config or StatisticalConfig()
+        self._loss = self.config.loss.monitor()
+        self._grad = self.config.grad_norm.monitor()
+        self._watch_grad = self.config.watch_grad_norm
+        self._floor = self.config.min_value
+        # Per signal and result code: (verdict type, rule name, statistic at which confidence is 0.6).
+        self._meaning = {
+            (signal, code): (kind, f"{signal}_{_NAMES[code]}", _threshold(cfg, code))
+            for signal, cfg in (("loss", self.config.loss), ("grad_norm", self.config.grad_norm))
+            for code, kind in _TYPES.items()
+        }
+        self._meaning["grad_norm", SPIKE] = (
+            AnomalyType.GRADIENT_EXPLOSION, "grad_norm_spike", self.config.grad_norm.z_exit
+        )
+
+    def update(self, event: StepEvent) -> Verdict:
+        loss = event.loss
+        grad = event.grad_norm if self._watch_grad else None
+        if not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
+            # Reported, and skipped: a NaN never reaches the statistics.
+            what, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad)
+            return Verdict(
+                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                is_anomaly=True, type=AnomalyType.NON_FINITE, confidence=1.0, critical=True,
+                rules=[f"{what}_non_finite"], message=f"{what} is {value}",
+            )
+        floor = self._floor
+        code, z, jump = self._loss.update(math.log(loss if loss > floor else floor))
+        signal = "loss"
+        if grad is not None:
+            gcode, gz, gjump = self._grad.update(math.log(grad if grad > floor else floor))
+            # The loss speaks first; the gradient norm when the loss has nothing to say.
+            if gcode in _TYPES and code not in _TYPES:
+                code, z, jump, signal = gcode, gz, gjump, "grad_norm"
+        if code not in _TYPES:
+            if code == CANDIDATE:  # suspicious, not (yet) an anomaly: said, not acted upon
+                return Verdict(
+                    run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                    is_anomaly=False, confidence=0.3, signals={"z": round(z, 3), "jump": round(jump, 4)},
+                    message=f"{signal} jumped; waiting to see whether it heals",
+                )
+            return Verdict(
+                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                is_anomaly=False,
+            )
+        kind, rule, threshold = self._meaning[signal, code]
+        return Verdict(
+            run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+            is_anomaly=True, type=kind, confidence=_confidence(z, threshold),
+            rules=[rule], signals={"z": round(z, 3), "jump": round(jump, 4)},
+            message=f"{rule}: {z:.1f} noise units, x{math.exp(jump):.2f}",
+        )
+
+    def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
+        update = self.update
+        return [update(event) for event in events]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": self._loss.state_dict(), "grad_norm": self._grad.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loss.load_state_dict(state["loss"])
+        self._grad.load_state_dict(state["grad_norm"])

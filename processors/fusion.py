@@ -1,0 +1,255 @@
+"""Fusion: the verdicts of one (run, epoch, step) become exactly one decision.
+
+A step is decided when every expected detector has spoken, or when a deadline
+passes (``deadline_seconds`` after its first verdict, or ``deadline_steps``
+behind the run's newest step, or the pending set is full); the decision lists
+the detectors that were ``missing``. Decisions leave in step order. A verdict
+for a step already decided is dropped and counted (``late_verdicts``), so a
+late verdict never produces a second, contradictory decision; a repeated
+verdict (at-least-once delivery) is ignored (``duplicate_verdicts``).
+
+Scoring is a weighted noisy-OR of the anomalous verdicts, ``1 - prod(1 - w c)``:
+one sure detector is enough, agreeing detectors reinforce each other, and a
+silent or healthy detector does not dilute the others (a weighted average
+would: with weights 0.3/0.4/0.3 and threshold 0.6 a NaN flagged by rules alone
+scores 0.3 and passes). A *critical* verdict (non-finite values, extreme loss,
+gradient explosion) decides alone and at once: the step, and every pending
+step before it, is decided when it arrives.
+
+The predictor's warnings never make an anomaly: alone they give a
+``preventive`` decision of low urgency whose recommendation has no rollback.
+Consecutive anomalous steps form an incident until the run has been healthy
+for ``incident_gap_steps`` steps; a rollback (a new epoch) closes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.processors.decision_table import (
+    CRITICAL_TYPES, DEFAULT_PRECEDENCE, RECOMMENDATIONS, WARNING_TYPES, urgency,
+)
+from spikeguard.schemas import AnomalyType, Decision, Urgency, Verdict
+from spikeguard.schemas.ids import decision_id, incident_id
+
+
+class FusionConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    expected: list[str] = Field(
+        default_factory=lambda: ["statistical", "rules", "ml", "predictor"],
+        description="detectors whose verdicts a step waits for",
+    )
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"rules": 1.0, "statistical": 1.0, "ml": 0.5},
+        description="reliability of each detector's anomaly verdicts in [0, 1] (noisy-OR weights)",
+    )
+    default_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of a detector not in weights")
+    threshold: float = Field(
+        0.55, gt=0.0, le=1.0, description="fused score at which a step is anomalous"
+    )
+    precedence: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PRECEDENCE),
+        description="whose anomaly type wins when several detectors flag a step",
+    )
+    preventive_detectors: list[str] = Field(
+        default_factory=lambda: ["predictor"],
+        description="detectors whose warnings are preventive only (never an anomaly)",
+    )
+    warning_confidence: float = Field(
+        0.5, ge=0.0, le=1.0, description="a preventive warning needs at least this confidence"
+    )
+    low_confidence: float = Field(
+        0.7, ge=0.0, le=1.0, description="below this fused confidence the urgency is one level lower"
+    )
+    deadline_seconds: float = Field(
+        5.0, gt=0.0, description="a step waits at most this long after its first verdict"
+    )
+    deadline_steps: int = Field(
+        64, ge=0, description="a step waits while the run's newest step is less than this far ahead"
+    )
+    max_pending: int = Field(
+        1024, ge=1, description="at most this many undecided steps per run (the oldest go first)"
+    )
+    incident_gap_steps: int = Field(
+        20, ge=1, description="healthy steps that close an incident"
+    )
+
+
+class _Pending:
+    __slots__ = ("verdicts", "since")
+
+    def __init__(self, since: float) -> None:
+        self.verdicts: dict[str, Verdict] = {}
+        self.since = since
+
+
+class Fusion:
+    def __init__(self, config: FusionConfig | None = None, *, run_id: str) -> None:
+        self.config = config or FusionConfig()
+        self.run_id = run_id
+        self._expected = frozenset(self.config.expected)
+        self._rank = {name: i for i, name in enumerate(self.config.precedence)}
+        self._preventive = frozenset(self.config.preventive_detectors)
+        self.late_verdicts = 0
+        self.stale_verdicts = 0  # from an epoch older than the newest seen
+        self.duplicate_verdicts = 0
+        self._reset_epoch(0)
+
+    def _reset_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._pending: dict[int, _Pending] = {}
+        self._heap: list[int] = []
+        self._decided = -1  # last decided step of this epoch
+        self._newest = -1
+        self._onset: int | None = None  # open incident's first step
+        self._last_anomaly = -1
+
+    # -- input ---------------------------------------------------------------
+    def add(self, verdict: Verdict, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        if verdict.epoch != self._epoch:
+            if verdict.epoch < self._epoch:
+                self.stale_verdicts += 1
+                return out
+            out = self.flush()  # the old epoch's steps are decided with what they have
+            self._reset_epoch(verdict.epoch)
+        step = verdict.step
+        if step <= self._decided:
+            self.late_verdicts += 1
+            return out
+        pending = self._pending.get(step)
+        if pending is None:
+            pending = self._pending[step] = _Pending(now)
+            heapq.heappush(self._heap, step)
+        if verdict.detector in pending.verdicts:
+            self.duplicate_verdicts += 1
+            return out
+        pending.verdicts[verdict.detector] = verdict
+        if step > self._newest:
+            self._newest = step
+        if verdict.critical and verdict.is_anomaly:  # decides alone, at once, earlier steps first
+            while self._heap and self._heap[0] <= step:
+                out.append(self._decide(heapq.heappop(self._heap)))
+        out.extend(self._release(now))
+        return out
+
+    def tick(self, now: float) -> list[Decision]:
+        """Decide the steps whose time deadline has passed."""
+        return self._release(now)
+
+    def flush(self) -> list[Decision]:
+        """End of input: decide every pending step now."""
+        out = []
+        while self._heap:
+            out.append(self._decide(heapq.heappop(self._heap)))
+        return out
+
+    def _release(self, now: float) -> list[Decision]:
+        cfg = self.config
+        out = []
+        heap, pending = self._heap, self._pending
+        while heap:
+            step = heap[0]
+            p = pending[step]
+            if not (
+                self._expected.issubset(p.verdicts)
+                or now - p.since >= cfg.deadline_seconds
+                or self._newest - step >= cfg.deadline_steps
+                or len(heap) > cfg.max_pending
+            ):
+                break
+            heapq.heappop(heap)
+            out.append(self._decide(step))
+        return out
+
+    # -- judgement -----------------------------------------------------------
+    def _decide(self, step: int) -> Decision:
+        cfg = self.config
+        verdicts = self._pending.pop(step).verdicts
+        self._decided = step
+        anomalous, warnings = [], []
+        miss = 1.0
+        for name, v in verdicts.items():
+            if not v.is_anomaly:
+                continue
+            if name in self._preventive or v.type in WARNING_TYPES:
+                if v.confidence >= cfg.warning_confidence:
+                    warnings.append(v)
+                continue
+            anomalous.append(v)
+            miss *= 1.0 - cfg.weights.get(name, cfg.default_weight) * v.confidence
+        score = 1.0 - miss
+        critical = [v for v in anomalous if v.critical or v.type in CRITICAL_TYPES]
+        common: dict[str, Any] = dict(
+            decision_id=decision_id(self.run_id, step, self._epoch),
+            run_id=self.run_id, step=step, epoch=self._epoch,
+            detectors={name: v.confidence for name, v in verdicts.items()},
+            missing=[name for name in cfg.expected if name not in verdicts],
+        )
+        if critical or score >= cfg.threshold:
+            top = min(critical or anomalous, key=self._priority)
+            confidence = max(score, top.confidence) if critical else score
+            if self._onset is None or step - self._last_anomaly > cfg.incident_gap_steps:
+                self._onset = step
+            self._last_anomaly = step
+            rules: list[str] = []
+            for v in sorted(anomalous, key=self._priority):
+                rules.extend(r for r in v.rules if r not in rules)
+            return Decision(
+                **common, is_anomaly=True, type=top.type, confidence=min(1.0, confidence),
+                urgency=urgency(top.type, confidence, bool(critical), cfg.low_confidence),
+                recommendation=RECOMMENDATIONS.get(top.type, ""),
+                incident_id=incident_id(self.run_id, self._onset, self._epoch),
+                incident_onset_step=self._onset, rules=rules,
+                signals={**top.signals, "score": round(score, 4), "by": top.detector},
+            )
+        if self._onset is not None and step - self._last_anomaly > cfg.incident_gap_steps:
+            self._onset = None
+        if warnings:
+            top = max(warnings, key=lambda v: v.confidence)
+            kind = top.type if top.type in WARNING_TYPES else AnomalyType.INSTABILITY_WARNING
+            return Decision(
+                **common, is_anomaly=False, preventive=True, type=kind,
+                confidence=top.confidence, urgency=Urgency.LOW,
+                recommendation=RECOMMENDATIONS[kind], rules=list(top.rules),
+                signals={**top.signals, "by": top.detector},
+            )
+        return Decision(**common, is_anomaly=False, confidence=score)
+
+    def _priority(self, v: Verdict) -> tuple[int, int, float]:
+        return (not v.critical, self._rank.get(v.detector, len(self._rank)), -v.confidence)
+
+    # -- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch, "decided": self._decided, "newest": self._newest,
+            "onset": self._onset, "last_anomaly": self._last_anomaly,
+            "late_verdicts": self.late_verdicts, "stale_verdicts": self.stale_verdicts,
+            "duplicate_verdicts": self.duplicate_verdicts,
+            "pending": [
+                {"step": step, "since": p.since,
+                 "verdicts": [v.model_dump(mode="json") for v in p.verdicts.values()]}
+                for step, p in sorted(self._pending.items())
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._reset_epoch(int(state["epoch"]))
+        self._decided = int(state["decided"])
+        self._newest = int(state["newest"])
+        self._onset = None if state["onset"] is None else int(state["onset"])
+        self._last_anomaly = int(state["last_anomaly"])
+        self.late_verdicts = int(state["late_verdicts"])
+        self.stale_verdicts = int(state["stale_verdicts"])
+        self.duplicate_verdicts = int(state["duplicate_verdicts"])
+        for item in state["pending"]:
+            p = self._pending[int(item["step"])] = _Pending(float(item["since"]))
+            for raw in item["verdicts"]:
+                v = Verdict.model_validate(raw)
+                p.verdicts[v.detector] = v
+            self._heap.append(int(item["step"]))
+        heapq.heapify(self._heap)

@@ -1,0 +1,84 @@
+"""Running window statistics with ``update``/``get``, in the style of river's ``stats``.
+
+Small, bounded and cheap (plain floats, no numpy): the detectors call them on
+every step, so an update costs about a microsecond. Round-trips through
+``state_dict()`` / ``load_state_dict()`` as JSON types. (The exponentially
+weighted pieces live inline in :mod:`.detectors.series`, where they are hot.)
+
+>>> med = RollingMedian(3)
+>>> for x in (1.0, 10.0, 2.0, 3.0):
+...     med.update(x)
+>>> med.get(), med.max(), med.values()
+(3.0, 10.0, [10.0, 2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from typing import Any
+
+
+class RollingMedian:
+    """Median (and max) of the last ``window`` values: a ring plus a sorted copy."""
+
+    __slots__ = ("window", "_ring", "_sorted", "_pos")
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.window = window
+        self._ring: list[float] = []
+        self._sorted: list[float] = []
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def update(self, x: float) -> None:
+        ring = self._ring
+        if len(ring) < self.window:
+            ring.append(x)
+        else:
+            old = ring[self._pos]
+            ring[self._pos] = x
+            self._pos = (self._pos + 1) % self.window
+            del self._sorted[bisect_left(self._sorted, old)]
+        insort(self._sorted, x)
+
+    def get(self) -> float:
+        """The median; NaN while empty."""
+        s = self._sorted
+        n = len(s)
+        if n == 0:
+            return math.nan
+        h = n >> 1
+        return s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
+
+    def max(self) -> float:
+        """Largest value in the window; NaN while empty."""
+        return self._sorted[-1] if self._sorted else math.nan
+
+    def last(self) -> float:
+        """The value added most recently; NaN while empty."""
+        ring = self._ring
+        if not ring:
+            return math.nan
+        return ring[-1] if len(ring) < self.window else ring[self._pos - 1]
+
+    def values(self) -> list[float]:
+        """Oldest first."""
+        return self._ring[self._pos :] + self._ring[: self._pos]
+
+    def clear(self) -> None:
+        self._ring = []
+        self._sorted = []
+        self._pos = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": self.values()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clear()
+        for x in state["values"][-self.window :]:
+            self.update(float(x))

@@ -1,0 +1,228 @@
+"""Fusion: joining verdicts into one decision per step (table-driven where it can be)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from spikeguard.processors.decision_table import RECOMMENDATIONS
+from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.schemas import AnomalyType as T
+from spikeguard.schemas import Decision, Urgency, Verdict
+from spikeguard.schemas.ids import decision_id, incident_id
+
+ALL = ("statistical", "rules", "ml", "predictor")
+
+
+def v(detector: str, step: int, kind: T | None = None, conf: float = 0.9, critical: bool = False,
+      epoch: int = 0, run_id: str = "r") -> Verdict:
+    """A verdict: anomalous of ``kind`` when a kind is given, else healthy."""
+    if kind is None:
+        return Verdict(run_id=run_id, step=step, epoch=epoch, detector=detector, is_anomaly=False)
+    return Verdict(run_id=run_id, step=step, epoch=epoch, detector=detector, is_anomaly=True, type=kind,
+                   confidence=conf, critical=critical, rules=[f"{detector}_{kind.value}"],
+                   signals={"z": 1.0})
+
+
+def healthy_step(step: int, but: dict[str, Verdict] | None = None, epoch: int = 0) -> list[Verdict]:
+    but = but or {}
+    return [but.get(d) or v(d, step, epoch=epoch) for d in ALL]
+
+
+def feed(fusion: Fusion, verdicts, now: float = 0.0) -> list[Decision]:
+    out: list[Decision] = []
+    for verdict in verdicts:
+        out += fusion.add(verdict, now)
+    return out
+
+
+def test_a_step_is_decided_when_every_detector_has_spoken() -> None:
+    f = Fusion(run_id="r")
+    verdicts = healthy_step(0)
+    assert feed(f, verdicts[:3]) == []
+    [d] = feed(f, verdicts[3:])
+    assert (d.step, d.is_anomaly, d.missing, d.urgency) == (0, False, [], Urgency.NONE)
+    assert d.decision_id == decision_id("r", 0) and set(d.detectors) == set(ALL)
+
+
+@pytest.mark.parametrize("how", ["steps", "time", "cap"])
+def test_deadlines_decide_with_what_there_is_and_list_the_missing(how: str) -> None:
+    cfg = FusionConfig(deadline_steps=5, deadline_seconds=2.0, max_pending=3 if how == "cap" else 100)
+    if how != "steps":
+        cfg = cfg.model_copy(update={"deadline_steps": 10**6})
+    f = Fusion(cfg, run_id="r")
+    out = []
+    for step in range(4 if how != "steps" else 6):
+        out += feed(f, [x for x in healthy_step(step) if x.detector != "ml"], now=0.0)
+    if how == "time":
+        assert out == [] and f.tick(1.9) == []
+        out = f.tick(2.0)
+    assert out and out[0].step == 0 and out[0].missing == ["ml"]
+    assert [d.step for d in out] == list(range(len(out)))
+
+
+def test_a_critical_verdict_decides_alone_and_at_once() -> None:
+    f = Fusion(run_id="r")
+    feed(f, [v("statistical", 0), v("ml", 0)])  # step 0: still waiting for two detectors
+    out = feed(f, [v("statistical", 1), v("ml", 1), v("predictor", 1),
+                   v("rules", 1, T.NON_FINITE, conf=1.0, critical=True)])
+    assert [d.step for d in out] == [0, 1]  # the earlier step goes first, with what it had
+    assert out[0].missing == ["rules", "predictor"] and not out[0].is_anomaly
+    d = out[1]
+    assert d.is_anomaly and d.type == T.NON_FINITE and d.urgency == Urgency.CRITICAL
+    assert d.confidence == 1.0 and d.missing == [] and d.rules == ["rules_non_finite"]
+
+
+def test_the_naive_average_trap() -> None:
+    """Weights 0.3/0.4/0.3 and threshold 0.6: a NaN flagged by rules alone scores 0.3 and passes."""
+    weights = {"rules": 0.3, "statistical": 0.4, "ml": 0.3}
+    votes = {"rules": 1.0, "statistical": 0.0, "ml": 0.0}  # only rules saw the NaN (others skip it)
+    naive = sum(weights[d] * votes[d] for d in weights) / sum(weights.values())
+    assert naive < 0.6  # the naive fusion would let it through
+    cfg = FusionConfig(weights=weights, threshold=0.6)
+    f = Fusion(cfg, run_id="r")
+    nan = v("rules", 0, T.NON_FINITE, conf=1.0, critical=True)
+    [d] = feed(f, [v("statistical", 0), v("ml", 0), nan])
+    assert d.is_anomaly and d.type == T.NON_FINITE
+
+
+@pytest.mark.parametrize(
+    "verdicts, kind, anomaly",
+    [
+        ({"statistical": (T.LOSS_SPIKE, 0.9)}, T.LOSS_SPIKE, True),  # one sure detector is enough
+        ({"rules": (T.LR_OUT_OF_BOUNDS, 0.8), "statistical": (T.LOSS_SPIKE, 0.9)}, T.LR_OUT_OF_BOUNDS, True),
+        ({"ml": (T.ML_OUTLIER, 0.9), "statistical": (T.OSCILLATION, 0.7)}, T.OSCILLATION, True),
+        ({"ml": (T.ML_OUTLIER, 0.9)}, T.NONE, False),  # ml alone is not enough (weight 0.5)
+        ({"ml": (T.ML_OUTLIER, 0.9), "statistical": (T.LOSS_SPIKE, 0.2)}, T.LOSS_SPIKE, True),  # together
+    ],
+)
+def test_scoring_and_type_precedence(verdicts, kind, anomaly) -> None:
+    f = Fusion(run_id="r")
+    but = {d: v(d, 0, k, conf=c) for d, (k, c) in verdicts.items()}
+    [d] = feed(f, healthy_step(0, but))
+    assert d.is_anomaly is anomaly and d.type == kind
+    if anomaly:
+        assert d.signals["by"] in verdicts and d.incident_id is not None
+
+
+@pytest.mark.parametrize(
+    "kind, conf, critical, urgency",
+    [
+        (T.NON_FINITE, 1.0, True, Urgency.CRITICAL),
+        (T.GRADIENT_EXPLOSION, 0.95, True, Urgency.CRITICAL),
+        (T.GRADIENT_EXPLOSION, 0.9, False, Urgency.HIGH),
+        (T.EXTREME_LOSS, 0.9, False, Urgency.CRITICAL),  # a critical type is critical from anyone
+        (T.LOSS_SPIKE, 0.95, False, Urgency.HIGH),
+        (T.LOSS_SPIKE, 0.6, False, Urgency.MEDIUM),  # unsure: one level lower
+        (T.DIVERGENCE, 0.8, False, Urgency.HIGH),
+        (T.OSCILLATION, 0.8, False, Urgency.MEDIUM),
+        (T.LR_OUT_OF_BOUNDS, 0.8, False, Urgency.MEDIUM),
+        (T.BAD_BATCH, 0.65, False, Urgency.LOW),
+        (T.LOSS_SCALE_COLLAPSE, 0.8, False, Urgency.HIGH),
+    ],
+)
+def test_urgency_and_recommendation(kind, conf, critical, urgency) -> None:
+    f = Fusion(run_id="r")
+    [d] = feed(f, healthy_step(0, {"rules": v("rules", 0, kind, conf=conf, critical=critical)}))
+    assert d.is_anomaly and d.urgency == urgency and d.recommendation == RECOMMENDATIONS[kind]
+    assert not d.preventive
+
+
+@pytest.mark.parametrize("kind", [T.INSTABILITY_WARNING, T.LR_TOO_HIGH, T.STALLED])
+def test_predictor_warnings_are_preventive_and_never_roll_back(kind: T) -> None:
+    f = Fusion(run_id="r")
+    [d] = feed(f, healthy_step(0, {"predictor": v("predictor", 0, kind, conf=0.99)}))
+    assert d.preventive and not d.is_anomaly and d.type == kind and d.urgency == Urgency.LOW
+    assert "rollback" not in d.recommendation and d.incident_id is None
+    # with a real anomaly at the same step, the anomaly decides
+    [d] = feed(f, healthy_step(1, {"predictor": v("predictor", 1, kind, conf=0.99),
+                                   "statistical": v("statistical", 1, T.LOSS_SPIKE)}))
+    assert d.is_anomaly and not d.preventive and d.type == T.LOSS_SPIKE
+    # a weak warning is not worth a decision
+    [d] = feed(f, healthy_step(2, {"predictor": v("predictor", 2, kind, conf=0.2)}))
+    assert not d.preventive
+
+
+def test_incidents_group_consecutive_anomalies() -> None:
+    f = Fusion(FusionConfig(incident_gap_steps=5), run_id="r")
+    bad = {3, 4, 7, 20, 21}
+    out = []
+    for step in range(25):
+        but = {"statistical": v("statistical", step, T.LOSS_SPIKE)} if step in bad else None
+        out += feed(f, healthy_step(step, but))
+    ids = {d.step: (d.incident_id, d.incident_onset_step) for d in out if d.is_anomaly}
+    assert ids[3] == ids[4] == ids[7] == (incident_id("r", 3), 3)  # gaps of <= 5 healthy steps
+    assert ids[20] == ids[21] == (incident_id("r", 20), 20)  # 12 healthy steps closed the first
+    assert all(d.incident_id is None for d in out if not d.is_anomaly)
+
+
+def test_duplicates_are_ignored_and_late_verdicts_dropped_and_counted() -> None:
+    f = Fusion(run_id="r")
+    s0 = healthy_step(0, {"statistical": v("statistical", 0, T.LOSS_SPIKE)})
+    out = feed(f, [s0[0], s0[0], v("statistical", 0)])  # redelivery, and a contradicting copy
+    assert out == [] and f.duplicate_verdicts == 2
+    [d] = feed(f, s0[1:])
+    assert d.is_anomaly
+    assert feed(f, s0 + [v("ml", 0, T.ML_OUTLIER)]) == []  # after the decision: no second one
+    assert f.late_verdicts == 5
+
+
+def test_out_of_order_arrival_still_decides_in_step_order() -> None:
+    rng = random.Random(0)
+    verdicts = [x for step in range(40) for x in healthy_step(step)]
+    rng.shuffle(verdicts)
+    f = Fusion(FusionConfig(deadline_steps=10**6), run_id="r")
+    out = feed(f, verdicts) + f.flush()
+    assert [d.step for d in out] == list(range(40)) and all(d.missing == [] for d in out)
+
+
+def test_epochs_restart_steps_and_stale_verdicts_are_dropped() -> None:
+    f = Fusion(run_id="r")
+    out = feed(f, healthy_step(10) + healthy_step(11)[:2])  # step 11 still pending at the rollback
+    out += feed(f, healthy_step(5, epoch=1))  # the re-run after a rollback to step 5
+    assert [(d.epoch, d.step) for d in out] == [(0, 10), (0, 11), (1, 5)]
+    assert out[1].missing == ["ml", "predictor"]
+    assert out[2].decision_id == decision_id("r", 5, 1) != decision_id("r", 5, 0)
+    assert feed(f, healthy_step(11)) == [] and f.stale_verdicts == 4 and f.late_verdicts == 0
+
+
+def test_state_round_trip_mid_stream_gives_identical_decisions() -> None:
+    rng = random.Random(1)
+    verdicts = []
+    for step in range(200):
+        but = {}
+        if rng.random() < 0.1:
+            but["statistical"] = v("statistical", step, T.LOSS_SPIKE, conf=rng.uniform(0.5, 1))
+        if rng.random() < 0.05:
+            but["rules"] = v("rules", step, T.NON_FINITE, conf=1.0, critical=True)
+        step_verdicts = healthy_step(step, but)
+        if rng.random() < 0.1:
+            step_verdicts.pop(rng.randrange(4))  # a detector that never spoke
+        verdicts += step_verdicts
+    rng.shuffle(verdicts[300:360])  # some disorder
+    cfg = FusionConfig(deadline_steps=8)
+    ref = Fusion(cfg, run_id="r")
+    expected = [d for i, x in enumerate(verdicts) for d in ref.add(x, float(i))] + ref.flush()
+    a = Fusion(cfg, run_id="r")
+    got = [d for i, x in enumerate(verdicts[:333]) for d in a.add(x, float(i))]
+    b = Fusion(cfg, run_id="r")
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    got += [d for i, x in enumerate(verdicts[333:], start=333) for d in b.add(x, float(i))] + b.flush()
+    assert got == expected and len(got) == 200
+    assert [d.step for d in got] == list(range(200))
+
+
+def test_pending_state_is_bounded() -> None:
+    f = Fusion(FusionConfig(max_pending=16, deadline_steps=10**6, deadline_seconds=1e9), run_id="r")
+    out = feed(f, [v("statistical", step) for step in range(1000)])
+    assert len(out) >= 1000 - 16 and len(f.state_dict()["pending"]) <= 16
+
+
+def test_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="threshold"):
+        FusionConfig(threshold=0.0)
+    with pytest.raises(ValidationError, match="incident_gap_steps"):
+        FusionConfig(incident_gap_steps=0)
