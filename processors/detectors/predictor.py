@@ -1,0 +1,272 @@
+"""The early-warning detector: trouble ahead, before the loss shows it.
+
+Every step gets ``instability_probability`` — a logistic score of leading
+signals (a rising gradient norm, growing updates, rising volatility, a loss
+creeping up, an alternating loss) read as "chance of instability within the
+next ``horizon_steps``" — and a ``health`` level. It *warns*
+(``is_anomaly=True``) in three cases, each its own type:
+
+- ``INSTABILITY_WARNING``: the probability crossed ``warn_probability``; the
+  warning lasts until it falls ``hysteresis`` below (one episode, not a flicker);
+- ``LR_TOO_HIGH``: the learning rate jumped ``lr_jump_factor``-fold in one
+  step to a rate the run never had (schedules never do that after warm-up;
+  restoring an LR after a cut or a warm restart does not count), or the
+  effective step ``lr * grad_norm`` grew
+  ``lr_growth_factor``-fold over its ~100-step baseline while the loss stopped
+  falling and turned rough — too high a rate for the current gradient scale;
+- ``STALLED``: the loss level has not improved by ``stall_min_delta`` for
+  ``stall_steps`` steps (said once, then again after each further
+  ``stall_steps``; a stall is not urgent and repeating it is noise).
+
+The weights are hand-set, not learned: each term is a dead zone (a little
+beyond what healthy runs show) plus a slope. With the defaults the 75 real
+NanoGPT logs (310k steps) and the simulator's healthy runs raise no instability
+or LR warning, while the simulator's grad-norm climbs before an explosion are
+warned 13 times in 16, a median 16 steps ahead, and its LR raised before an
+oscillation 8 times in 22, 10-29 steps ahead. A non-finite step is a warning
+with probability 1 and health critical. Fusion turns warnings into preventive
+decisions, never rollbacks. Pure and bounded: O(1) state, a small JSON dict.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.features import FeatureConfig, Features, RollingFeatures
+from spikeguard.schemas import AnomalyType, HealthLevel, StepEvent, Verdict
+
+
+class PredictorConfig(BaseModel):
+    """Defaults: dead zones sit a little above the most the 75 real NanoGPT logs and the
+    simulator's healthy runs show (their highest probability was 0.27); slopes make a
+    clear precursor cross ``warn_probability`` within a few steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    features: FeatureConfig = Field(default_factory=FeatureConfig, description="rolling features")
+    horizon_steps: int = Field(50, ge=1, description="k: the probability is about the next k steps")
+    bias: float = Field(-4.0, description="logit with every signal inside its dead zone (p ~ 2%)")
+    grad_dead: float = Field(
+        2.5, ge=0.0, description="rising grad-norm trend (noise s.d.) that healthy runs reach"
+    )
+    grad_weight: float = Field(1.5, ge=0.0, description="logit per s.d. of grad trend beyond it")
+    update_dead: float = Field(
+        1.0, ge=0.0, description="growing update-size trend (noise s.d.) that healthy runs reach"
+    )
+    update_weight: float = Field(
+        1.5, ge=0.0, description="logit per s.d. of update-size trend beyond it"
+    )
+    vol_dead: float = Field(0.4, ge=0.0, description="log volatility ratio healthy runs reach")
+    vol_weight: float = Field(8.0, ge=0.0, description="logit per unit of log volatility beyond it")
+    trend_dead: float = Field(1.2, ge=0.0, description="rising-loss trend healthy runs reach")
+    trend_weight: float = Field(2.0, ge=0.0, description="logit per s.d. of rising loss beyond it")
+    osc_dead: float = Field(
+        0.45, ge=0.0, description="oscillation (-lag-1 autocorrelation) healthy runs reach"
+    )
+    osc_weight: float = Field(10.0, ge=0.0, description="logit per unit of oscillation beyond it")
+    warn_probability: float = Field(0.7, gt=0.0, lt=1.0, description="warn at this probability")
+    hysteresis: float = Field(0.2, ge=0.0, lt=1.0, description="stop warning this much below it")
+    health_bounds: tuple[float, float, float, float] = Field(
+        (0.1, 0.3, 0.7, 0.9),
+        description="upper probability bounds of excellent, good, warning, concerning",
+    )
+    stall_steps: int = Field(
+        2000, ge=10, description="steps without improvement that make a stall (real runs: none)"
+    )
+    stall_min_delta: float = Field(
+        0.002, ge=0.0, description="relative drop of the loss level that counts as improvement"
+    )
+    lr_jump_factor: float = Field(
+        1.5, gt=1.0, description="a one-step LR rise to a rate never seen is LR_TOO_HIGH; inf: off"
+    )
+    lr_growth_factor: float = Field(
+        3.0, gt=1.0, description="growth of lr*grad_norm over its ~100-step baseline that ..."
+    )
+    lr_min_roughness: float = Field(
+        1.0, ge=0.0, description="... with this roughness (volatility+oscillation logit): too high"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PredictorConfig:
+        bounds = self.health_bounds
+        if list(bounds) != sorted(bounds) or not (0.0 < bounds[0] and bounds[-1] < 1.0):
+            raise ValueError("health_bounds must be increasing, inside (0, 1)")
+        if self.hysteresis >= self.warn_probability:
+            raise ValueError("hysteresis must be below warn_probability (or a warning never ends)")
+        return self
+
+
+_HEALTH = (HealthLevel.EXCELLENT, HealthLevel.GOOD, HealthLevel.WARNING, HealthLevel.CONCERNING)
+_RANK = {h: i for i, h in enumerate(_HEALTH + (HealthLevel.CRITICAL,))}
+
+
+def _at_least(health: HealthLevel, floor: HealthLevel) -> HealthLevel:
+    return health if _RANK[health] >= _RANK[floor] else floor
+
+
+class PredictorDetector(Detector):
+    name: ClassVar[str] = "predictor"
+
+    def __init__(self, config: PredictorConfig | None = None) -> None:
+        self.config = config or PredictorConfig()
+        self._features = RollingFeatures(self.config.features)
+        self._epoch = 0
+        self._warning = False  # inside an instability episode
+        self._lr_warning = False  # inside a sustained LR-too-high episode
+        self._prev_lr: float | None = None
+        self._max_lr = 0.0  # highest LR seen in the run
+        self._best = math.inf  # best loss level so far
+        self._improved_at: int | None = None  # step of the last improvement (or re-arm)
+
+    # -- judging -------------------------------------------------------------
+    def probability(self, f: Features) -> tuple[float, float]:
+        """(instability probability, roughness logit term) from one step's features."""
+        c = self.config
+        rough = c.vol_weight * max(0.0, f.volatility - c.vol_dead) + c.osc_weight * max(
+            0.0, f.oscillation - c.osc_dead
+        )
+        logit = (
+            c.bias
+            + rough
+            + c.grad_weight * max(0.0, f.grad_trend - c.grad_dead)
+            + c.update_weight * max(0.0, f.update_trend - c.update_dead)
+            + c.trend_weight * max(0.0, f.loss_trend - c.trend_dead)
+        )
+        return 1.0 / (1.0 + math.exp(-min(max(logit, -60.0), 60.0))), rough
+
+    def update(self, event: StepEvent) -> Verdict:
+        c = self.config
+        if event.epoch != self._epoch:
+            if event.epoch < self._epoch:  # a late duplicate from before a rollback: no news
+                return self._verdict(event, AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD,
+                                     {"stale": 1})
+            self._epoch, self._warning, self._lr_warning = event.epoch, False, False
+            self._improved_at = self._prev_lr = None  # the re-run starts its own clocks
+            self._features.restart()
+        if not event.finite:  # the instability is here: say so, learn nothing
+            self._warning = True
+            return self._verdict(event, AnomalyType.INSTABILITY_WARNING, 1.0, 1.0,
+                                 HealthLevel.CRITICAL, {"non_finite": 1}, ["non_finite"])
+        f = self._features.update_event(event)
+        stalled = self._stalled(event.step)
+        lr, prev_lr, max_lr = event.lr, self._prev_lr, self._max_lr
+        self._prev_lr = lr
+        if lr is not None and lr > max_lr:
+            self._max_lr = lr
+        if f is None:  # bootstrapping the features
+            self._warning = self._lr_warning = False
+            if stalled:
+                return self._verdict(event, AnomalyType.STALLED, 0.6, 0.0, HealthLevel.WARNING,
+                                     {"warmup": 1}, ["stalled"])
+            return self._verdict(event, AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD, {"warmup": 1})
+
+        p, rough = self.probability(f)
+        self._warning = p >= c.warn_probability - (c.hysteresis if self._warning else 0.0)
+        # A jump to an LR the run has never had: a restored LR (after a cut, a rollback or a
+        # warm restart) only returns to a rate the run already trained at, and is not news.
+        lr_jump = (
+            lr is not None and prev_lr is not None and 0.0 < prev_lr * c.lr_jump_factor <= lr
+            and lr > max_lr
+        )
+        sustained = lr is not None and rough >= c.lr_min_roughness and f.loss_trend >= 0.0
+        if sustained and f.step_growth >= math.log(c.lr_growth_factor):
+            self._lr_warning = True
+        elif self._lr_warning:  # holds while the step size stays up and the loss rough
+            self._lr_warning = sustained and f.step_growth > 0.0
+
+        health = HealthLevel.CRITICAL
+        for bound, level in zip(c.health_bounds, _HEALTH):
+            if p < bound:
+                health = level
+                break
+        rules = []
+        if lr_jump:
+            rules.append("lr_jump")
+        if self._lr_warning:
+            rules.append("lr_too_high")
+        if rules:
+            health = _at_least(health, HealthLevel.CONCERNING)
+        if self._warning:
+            rules.append("instability_warning")
+        if stalled:
+            rules.append("stalled")
+            health = _at_least(health, HealthLevel.WARNING)
+        if lr_jump or self._lr_warning:
+            kind, conf = AnomalyType.LR_TOO_HIGH, max(p, 0.7 if lr_jump else 0.6)
+        elif self._warning:
+            kind, conf = AnomalyType.INSTABILITY_WARNING, p
+        elif stalled:
+            kind, conf = AnomalyType.STALLED, 0.6
+        else:
+            kind, conf = AnomalyType.NONE, p
+        signals = {
+            "grad_trend": f.grad_trend,
+            "volatility": f.volatility,
+            "loss_trend": f.loss_trend,
+            "oscillation": f.oscillation,
+        }
+        if f.update_trend:
+            signals["update_trend"] = f.update_trend
+        if f.step_growth:
+            signals["step_growth"] = f.step_growth
+        return self._verdict(event, kind, conf, p, health, signals, rules)
+
+    def _stalled(self, step: int) -> bool:
+        """True at the step a stall is declared (and each ``stall_steps`` after, if it lasts)."""
+        c = self.config
+        level = self._features.loss_level
+        if self._improved_at is None or step < self._improved_at:
+            self._improved_at, self._best = step, level
+            return False
+        if level < self._best - c.stall_min_delta * abs(self._best):
+            self._improved_at, self._best = step, level
+            return False
+        if step - self._improved_at >= c.stall_steps:
+            self._improved_at = step  # re-arm: say it again only after another stall_steps
+            return True
+        return False
+
+    def _verdict(self, event: StepEvent, kind: AnomalyType, conf: float, p: float,
+                 health: HealthLevel, signals: dict[str, Any],
+                 rules: list[str] | None = None) -> Verdict:
+        return Verdict(
+            run_id=event.run_id,
+            step=event.step,
+            epoch=event.epoch,
+            detector=self.name,
+            is_anomaly=kind is not AnomalyType.NONE,
+            type=kind,
+            confidence=min(max(conf, 0.0), 1.0),
+            rules=rules or [],
+            signals=signals,
+            instability_probability=p,
+            horizon_steps=self.config.horizon_steps,
+            health=health,
+        )
+
+    # -- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "features": self._features.state_dict(),
+            "epoch": self._epoch,
+            "warning": self._warning,
+            "lr_warning": self._lr_warning,
+            "prev_lr": self._prev_lr,
+            "max_lr": self._max_lr,
+            "best": self._best,
+            "improved_at": self._improved_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._features.load_state_dict(state["features"])
+        self._epoch = int(state["epoch"])
+        self._warning = bool(state["warning"])
+        self._lr_warning = bool(state["lr_warning"])
+        self._prev_lr = None if state["prev_lr"] is None else float(state["prev_lr"])
+        self._max_lr = float(state["max_lr"])
+        self._best = float(state["best"])
+        self._improved_at = None if state["improved_at"] is None else int(state["improved_at"])
