@@ -16,34 +16,36 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from collections import deque
 from typing import Any
 
 
 class RollingMedian:
-    """Median (and max) of the last ``window`` values: a ring plus a sorted copy."""
+    """Median (and max) of the last ``window`` values: a ring plus a sorted copy.
 
-    __slots__ = ("window", "_ring", "_sorted", "_pos")
+    The ring is a bounded deque (the oldest value is ``ring[0]``); keeping the
+    sorted copy costs a bisect and two memmoves of a short list per update,
+    no sorting.
+    """
+
+    __slots__ = ("window", "_ring", "_sorted")
 
     def __init__(self, window: int) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window
-        self._ring: list[float] = []
+        self._ring: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []
-        self._pos = 0
 
     def __len__(self) -> int:
         return len(self._ring)
 
     def update(self, x: float) -> None:
         ring = self._ring
-        if len(ring) < self.window:
-            ring.append(x)
-        else:
-            old = ring[self._pos]
-            ring[self._pos] = x
-            self._pos = (self._pos + 1) % self.window
-            del self._sorted[bisect_left(self._sorted, old)]
+        if len(ring) == self.window:  # the deque drops ring[0]; so does the sorted copy
+            s = self._sorted
+            del s[bisect_left(s, ring[0])]
+        ring.append(x)
         insort(self._sorted, x)
 
     def get(self) -> float:
@@ -61,19 +63,15 @@ class RollingMedian:
 
     def last(self) -> float:
         """The value added most recently; NaN while empty."""
-        ring = self._ring
-        if not ring:
-            return math.nan
-        return ring[-1] if len(ring) < self.window else ring[self._pos - 1]
+        return self._ring[-1] if self._ring else math.nan
 
     def values(self) -> list[float]:
         """Oldest first."""
-        return self._ring[self._pos :] + self._ring[: self._pos]
+        return list(self._ring)
 
     def clear(self) -> None:
-        self._ring = []
+        self._ring.clear()
         self._sorted = []
-        self._pos = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self.values()}

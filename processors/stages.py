@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
 
 from pydantic import BaseModel
@@ -10,6 +12,17 @@ from pydantic import BaseModel
 from spikeguard.processors.detectors.base import Detector
 from spikeguard.processors.stage import Output, PerRunStage, group_by_run
 from spikeguard.schemas import StepEvent, Topics, Verdict
+
+_EVENT = itemgetter(1)
+_RUN_ID = attrgetter("run_id")
+
+
+def _one_run(events: list) -> bool:
+    """True when every event (at least one) is of the same run (checked at C speed)."""
+    if not events:
+        return False
+    run_ids = list(map(_RUN_ID, events))
+    return run_ids.count(run_ids[0]) == len(run_ids)
 
 
 class DetectorStage(PerRunStage[Detector]):
@@ -23,11 +36,14 @@ class DetectorStage(PerRunStage[Detector]):
         return {self.topics.steps: StepEvent}
 
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
-        topic = self.topics.verdicts
-        out: list[Output] = []
-        for run_id, events in group_by_run([event for _, event in items]).items():
-            out.extend((topic, verdict) for verdict in self.run(run_id).update_many(events))
-        return out
+        events = list(map(_EVENT, items))
+        if _one_run(events):  # the usual batch: no need to regroup
+            verdicts = self.run(events[0].run_id).update_many(events)  # type: ignore[attr-defined]
+        else:
+            verdicts = []
+            for run_id, run_events in group_by_run(events).items():
+                verdicts += self.run(run_id).update_many(run_events)
+        return list(zip(repeat(self.topics.verdicts), verdicts))
 
 
 class FusionStage(PerRunStage):
@@ -40,11 +56,14 @@ class FusionStage(PerRunStage):
 
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
         now = time.time()
-        topic = self.topics.decisions
-        out: list[Output] = []
-        for _, verdict in items:
-            out.extend((topic, d) for d in self.run(verdict.run_id).add(verdict, now))  # type: ignore[attr-defined]
-        return out
+        verdicts = list(map(_EVENT, items))
+        if _one_run(verdicts):  # the usual batch: one call for all of it
+            decisions = self.run(verdicts[0].run_id).add_many(verdicts, now)  # type: ignore[attr-defined]
+        else:  # in arrival order across runs, as decisions must leave
+            decisions = []
+            for verdict in verdicts:
+                decisions += self.run(verdict.run_id).add(verdict, now)  # type: ignore[attr-defined]
+        return list(zip(repeat(self.topics.decisions), decisions))
 
     def tick(self, now: float) -> list[Output]:
         topic = self.topics.decisions

@@ -1,22 +1,29 @@
-"""Deterministic ids: a record produced twice is recognisably the same record."""
+"""Deterministic ids: a record produced twice is recognisably the same record.
+
+An id is the first 24 hex digits of the SHA-256 of its parts, ``str()``-ed and
+joined by ``\\x1f``. Fusion makes one id per step, so the hot ones build that
+text with an f-string (``!s`` is ``str()``) rather than a join over a
+generator, which took half of the ~1.3 us an id cost.
+"""
 
 from __future__ import annotations
 
-import hashlib
+from hashlib import sha256
 
 
 def _digest(*parts: object) -> str:
-    text = "\x1f".join(str(p) for p in parts)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
 def decision_id(run_id: str, step: int, epoch: int = 0) -> str:
     """One decision per (run, epoch, step): its id depends on nothing else."""
-    return "d-" + _digest("decision", run_id, epoch, step)
+    text = f"decision\x1f{run_id!s}\x1f{epoch!s}\x1f{step!s}"
+    return "d-" + sha256(text.encode()).hexdigest()[:24]
 
 
 def incident_id(run_id: str, onset_step: int, epoch: int = 0) -> str:
-    return "i-" + _digest("incident", run_id, epoch, onset_step)
+    text = f"incident\x1f{run_id!s}\x1f{epoch!s}\x1f{onset_step!s}"
+    return "i-" + sha256(text.encode()).hexdigest()[:24]
 
 
 def action_id(decision_or_incident: str, kind: str, ordinal: int = 0) -> str:

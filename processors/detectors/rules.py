@@ -85,6 +85,10 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
 
+# Verdict(**fields) minus BaseModel.__init__'s Python frame: the same
+# validation (a documented pydantic attribute), ~0.5 us less per step.
+_validate_verdict = Verdict.__pydantic_validator__.validate_python
+
 
 class RulesDetector(Detector):
     name: ClassVar[str] = "rules"
@@ -137,10 +141,10 @@ class RulesDetector(Detector):
                 self._loss.update(loss)
             if grad is not None:
                 self._grad.update(grad)
-            return Verdict(
-                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-                is_anomaly=False,
-            )
+            return _validate_verdict({
+                "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+                "detector": self.name, "is_anomaly": False,
+            })
         fired.sort(key=_ORDER.__getitem__)
         kind, confidence, critical = RULES[fired[0]]
         return Verdict(

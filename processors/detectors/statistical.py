@@ -124,6 +124,11 @@ _TYPES = {
 _NAMES = {SPIKE: "spike", DIVERGENCE: "divergence", OSCILLATION: "oscillation"}
 
 
+# Verdict(**fields) minus BaseModel.__init__'s Python frame: the same
+# validation (a documented pydantic attribute), ~0.5 us less per step.
+_validate_verdict = Verdict.__pydantic_validator__.validate_python
+
+
 def _threshold(cfg: SeriesConfig, code: int) -> float:
     return {SPIKE: cfg.z_exit, DIVERGENCE: cfg.div_z, OSCILLATION: cfg.osc_level}[code]
 
@@ -179,10 +184,10 @@ class StatisticalDetector(Detector):
                     is_anomaly=False, confidence=0.3, signals={"z": round(z, 3), "jump": round(jump, 4)},
                     message=f"{signal} jumped; waiting to see whether it heals",
                 )
-            return Verdict(
-                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-                is_anomaly=False,
-            )
+            return _validate_verdict({
+                "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+                "detector": self.name, "is_anomaly": False,
+            })
         kind, rule, threshold = self._meaning[signal, code]
         return Verdict(
             run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from spikeguard.schemas.codec import encode
 
@@ -24,11 +24,15 @@ class Record:
 
     ``cache`` holds decoded events, shared by every consumer of the same
     in-process record so that four detectors decode a step once. An
-    in-process record published as an event encodes its ``value`` only when
-    somebody asks for the bytes.
+    in-process record published as an event (``event``) encodes its ``value``
+    only when somebody asks for the bytes, and makes its ``cache`` dict only
+    when somebody asks for that: a backtest keeps every record, and a dict
+    each costs more than the rest of the record (:meth:`cached` reads without
+    making it).
     """
 
-    __slots__ = ("topic", "partition", "offset", "key", "_value", "headers", "timestamp_ms", "cache")
+    __slots__ = ("topic", "partition", "offset", "key", "_value", "headers", "timestamp_ms",
+                 "_cache", "_event")
 
     def __init__(
         self,
@@ -40,6 +44,7 @@ class Record:
         headers: tuple[tuple[str, bytes], ...] = (),
         timestamp_ms: int = 0,
         cache: dict | None = None,
+        event: "BaseModel | None" = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
@@ -48,12 +53,39 @@ class Record:
         self._value = value
         self.headers = headers
         self.timestamp_ms = timestamp_ms
-        self.cache = {} if cache is None else cache
+        # Made now unless the record carries an event (then on first use, or
+        # never): decoders running in several threads then share one dict.
+        self._cache = {} if cache is None and event is None else cache
+        self._event = event
+
+    @property
+    def cache(self) -> dict:
+        """Decoded events by model (the in-process event among them)."""
+        cache = self._cache
+        if cache is None:
+            event = self._event
+            cache = self._cache = {} if event is None else {type(event): event}
+        return cache
+
+    @cache.setter
+    def cache(self, cache: dict) -> None:
+        self._cache = cache
+
+    def cached(self, model: type) -> Any:
+        """``cache.get(model)``, without making the cache."""
+        cache = self._cache
+        if cache is not None:
+            return cache.get(model)
+        event = self._event
+        return event if type(event) is model else None
 
     @property
     def value(self) -> bytes | None:
-        if self._value is None and self.cache:
-            self._value = encode(next(iter(self.cache.values())))
+        if self._value is None:
+            if self._cache:
+                self._value = encode(next(iter(self._cache.values())))
+            elif self._cache is None and self._event is not None:
+                self._value = encode(self._event)
         return self._value
 
     @property

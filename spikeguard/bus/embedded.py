@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -96,10 +97,14 @@ class EmbeddedBus(Bus):
     ) -> None:
         """Append (topic, key, value, headers, event) records under one lock."""
         now_ms = int(time.time() * 1000)
+        partitions = self.partitions
+        plain = self.data_dir is None  # nothing to write to disk
         with self._cond:
+            topics = self._topics
             for topic_name, key, value, headers, event in items:
-                topic = self._topics.get(topic_name) or self._topic(topic_name)
-                partition = partition_for(key, self.partitions)
+                topic = topics.get(topic_name) or self._topic(topic_name)
+                # One partition: every key maps to 0, no need to hash it.
+                partition = partition_for(key, partitions) if partitions > 1 else 0
                 log = topic.logs[partition]
                 record = Record(
                     topic_name,
@@ -109,7 +114,7 @@ class EmbeddedBus(Bus):
                     value,
                     tuple((str(k), bytes(v)) for k, v in headers) if headers else (),
                     now_ms,
-                    None if event is None else {type(event): event},
+                    event=event,
                 )
                 if topic.compacted:
                     previous = topic.latest.get((partition, key))
@@ -117,7 +122,7 @@ class EmbeddedBus(Bus):
                         log[previous] = None
                     topic.latest[(partition, key)] = record.offset
                 log.append(record)
-                if self.data_dir is not None:
+                if not plain:
                     self._persist(record)
             self._cond.notify_all()
 
@@ -249,6 +254,11 @@ class EmbeddedBus(Bus):
                         )
 
 
+# A run's key as bytes, one shared object per run rather than one per record
+# (the bus keeps every record; bytes are immutable, so sharing is safe).
+_run_key = lru_cache(maxsize=4096)(str.encode)
+
+
 class EmbeddedProducer(Producer):
     def __init__(self, bus: EmbeddedBus) -> None:
         self._bus = bus
@@ -268,7 +278,7 @@ class EmbeddedProducer(Producer):
         # The event object travels as is (it is frozen); its bytes are made
         # only if somebody reads them (persistence, a DLQ letter, a test).
         self._bus._append(
-            (topic, event.run_id.encode(), None, (), event)  # type: ignore[attr-defined]
+            (topic, _run_key(event.run_id), None, (), event)  # type: ignore[attr-defined]
             for topic, event in events
         )
 
@@ -357,13 +367,19 @@ class EmbeddedConsumer(Consumer):
         start = self._next % len(owned)
         self._next += 1
         for tp in owned[start:] + owned[:start]:
-            log = self._bus._topics[tp[0]].logs[tp[1]]
+            topic = self._bus._topics[tp[0]]
+            log = topic.logs[tp[1]]
             position = self._positions[tp]
-            while position < len(log) and len(batch) < max_records:
-                record = log[position]
-                position += 1
-                if record is not None:
-                    batch.append(record)
+            if topic.compacted:  # may hold None (replaced records): skip them
+                while position < len(log) and len(batch) < max_records:
+                    record = log[position]
+                    position += 1
+                    if record is not None:
+                        batch.append(record)
+            else:  # no holes: one slice
+                chunk = log[position : position + max_records - len(batch)]
+                batch += chunk
+                position += len(chunk)
             self._positions[tp] = position
             if len(batch) >= max_records:
                 break
@@ -398,3 +414,8 @@ class EmbeddedConsumer(Consumer):
         self._closed = True
         with self._bus._cond:
             self._bus._leave(self)
+        # A closed consumer never rebalances again; dropping the callbacks
+        # (usually bound methods of its worker, which holds this consumer)
+        # breaks the cycle, so the bus and its records are freed by reference
+        # counting instead of waiting for a full, slow GC pass.
+        self._on_assign = self._on_revoke = None
