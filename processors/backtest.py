@@ -20,11 +20,19 @@ from pydantic import BaseModel
 from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
 from spikeguard.processors.worker import Worker, decode_record
-from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics
+from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
 JUDGES = ("statistical", "rules", "ml", "predictor", "fusion")
 _NEVER = 10**12
+
+
+class _StagedTopics(Topics):
+    """The pipeline's topics, but detectors' verdicts go to a staging topic."""
+
+    @property
+    def verdicts(self) -> str:
+        return self.prefix + "offline.staged-verdicts"
 
 
 def offline(settings: Settings) -> Settings:
@@ -75,27 +83,50 @@ def _run_offline(
     outputs: dict[str, type[BaseModel]],
     metrics: Metrics | None,
 ) -> dict[str, list[BaseModel]]:
-    from spikeguard.components import build_stage
+    from spikeguard.components import DETECTOR_NAMES, build_stage
 
     settings = offline(settings)
     topics = Topics(settings.topic_prefix)
+    staged = _StagedTopics(settings.topic_prefix)
     bus = EmbeddedBus(partitions=1)  # one partition: a single, total order
     metrics = metrics or Metrics(CollectorRegistry())
-    bus.producer().publish_events(inputs)
-    workers = [
-        Worker(bus, build_stage(name, settings, topics), metrics=metrics, snapshots=False,
-               max_records=2000)
-        for name in components
-    ]
+    producer = bus.producer()
+    producer.publish_events(inputs)
+
+    def worker(name: str) -> Worker:
+        # Detectors write to a staging topic; the pump below hands their
+        # verdicts on to fusion in the order a live pipeline would see them.
+        stage_topics = staged if name in DETECTOR_NAMES else topics
+        return Worker(bus, build_stage(name, settings, stage_topics), metrics=metrics,
+                      snapshots=False, max_records=2000)
+
+    detectors = [worker(name) for name in components if name in DETECTOR_NAMES]
+    others = [worker(name) for name in components if name not in DETECTOR_NAMES]
+    workers = detectors + others
+    stager = bus.consumer("offline.stager", [staged.verdicts])
+    # Where each step stands in the input: verdicts are released in that order.
+    order = {
+        (e.run_id, e.epoch, e.step): i  # type: ignore[attr-defined]
+        for i, (topic, e) in enumerate(inputs)
+        if topic == topics.steps
+    }
     readers = {topic: bus.consumer(f"offline.reader.{topic}", [topic]) for topic in outputs}
     busy = True
     while busy:
         busy = False
-        for worker in workers:
-            while worker.run_once(timeout=0):
+        # One batch per detector: they all read the same steps, so a round
+        # covers the same stretch of steps for each of them.
+        for detector in detectors:
+            busy = bool(detector.run_once(timeout=0)) or busy
+        if batch := stager.poll(10**9, timeout=0):
+            verdicts = [decode_record(record, Verdict) for record in batch]
+            verdicts.sort(key=lambda v: order.get((v.run_id, v.epoch, v.step), len(order)))
+            producer.publish_events([(topics.verdicts, v) for v in verdicts])
+        for other in others:
+            while other.run_once(timeout=0):
                 busy = True
         if not busy:  # end of input: stages emit what they hold, which may feed the next
-            busy = any(worker.drain() for worker in workers)
+            busy = any(w.drain() for w in workers)
     found: dict[str, list[BaseModel]] = {}
     for topic, model in outputs.items():
         found[topic] = events = []
@@ -105,7 +136,7 @@ def _run_offline(
     # member): the records are then freed as soon as the bus is dropped.
     for worker in workers:
         worker.close()
-    for reader in readers.values():
+    for reader in (*readers.values(), stager):
         reader.close()
     bus.close()
     return found
