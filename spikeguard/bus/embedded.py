@@ -8,9 +8,7 @@ optional directory that records every topic so a run can be replayed later.
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import os
 import threading
 import time
@@ -31,6 +29,7 @@ from spikeguard.bus.base import (
     as_key,
     partition_for,
 )
+from spikeguard.bus.recording import Recording
 
 
 class _Topic:
@@ -64,11 +63,10 @@ class EmbeddedBus(Bus):
         self._topics: dict[str, _Topic] = {}
         self._groups: dict[str, _Group] = {}
         self._member_ids = itertools.count()
-        self._files: dict[TopicPartition, object] = {}
-        if self.data_dir is not None:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._recording = Recording(self.data_dir) if self.data_dir is not None else None
+        if self._recording is not None:
             with self._cond:
-                self._load()
+                self._load(self._recording)
 
     # -- topics ---------------------------------------------------------------
     def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
@@ -98,7 +96,7 @@ class EmbeddedBus(Bus):
         """Append (topic, key, value, headers, event) records under one lock."""
         now_ms = int(time.time() * 1000)
         partitions = self.partitions
-        plain = self.data_dir is None  # nothing to write to disk
+        recording = self._recording
         with self._cond:
             topics = self._topics
             for topic_name, key, value, headers, event in items:
@@ -122,8 +120,8 @@ class EmbeddedBus(Bus):
                         log[previous] = None
                     topic.latest[(partition, key)] = record.offset
                 log.append(record)
-                if not plain:
-                    self._persist(record)
+                if recording is not None:
+                    recording.append(record)
             self._cond.notify_all()
 
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
@@ -150,9 +148,20 @@ class EmbeddedBus(Bus):
 
     def close(self) -> None:
         with self._cond:
-            for handle in self._files.values():
-                handle.close()  # type: ignore[attr-defined]
-            self._files.clear()
+            if self._recording is not None:
+                self._recording.close()
+
+    def _load(self, recording: Recording) -> None:
+        topics, groups = recording.load(self.partitions)
+        for name, logs in topics.items():
+            topic = self._topic(name)
+            for partition, stored in enumerate(logs):
+                topic.logs[partition] = [
+                    Record(name, partition, offset, key, value, headers, timestamp)
+                    for offset, (key, value, headers, timestamp) in enumerate(stored)
+                ]
+        for name, committed in groups.items():
+            self._groups.setdefault(name, _Group()).committed.update(committed)
 
     # -- groups (called under self._cond) -------------------------------------
     def _join(self, consumer: "EmbeddedConsumer") -> int:
@@ -182,77 +191,6 @@ class EmbeddedBus(Bus):
                 if members[partition % len(members)] == member:
                     mine.add((topic, partition))
         return mine
-
-    # -- persistence ----------------------------------------------------------
-    def _persist(self, record: Record) -> None:
-        tp = (record.topic, record.partition)
-        handle = self._files.get(tp)
-        if handle is None:
-            path = self.data_dir / record.topic / f"{record.partition}.jsonl"  # type: ignore[operator]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle = self._files[tp] = open(path, "a", encoding="utf-8")
-        line = {"o": record.offset, "t": record.timestamp_ms}
-        if record.key is not None:
-            line["k"] = base64.b64encode(record.key).decode()
-        try:
-            line["v"] = record.value.decode("utf-8")  # type: ignore[union-attr]
-        except UnicodeDecodeError:
-            line["vb"] = base64.b64encode(record.value).decode()  # type: ignore[arg-type]
-        if record.headers:
-            line["h"] = [[k, base64.b64encode(v).decode()] for k, v in record.headers]
-        handle.write(json.dumps(line) + "\n")  # type: ignore[attr-defined]
-
-    def _flush_files(self) -> None:
-        with self._cond:
-            for handle in self._files.values():
-                handle.flush()  # type: ignore[attr-defined]
-
-    def _save_offsets(self, group_name: str) -> None:
-        if self.data_dir is None:
-            return
-        group = self._groups[group_name]
-        path = self.data_dir / "_groups" / f"{group_name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([[t, p, o] for (t, p), o in sorted(group.committed.items())]))
-        os.replace(tmp, path)
-
-    def _load(self) -> None:
-        assert self.data_dir is not None
-        for topic_dir in sorted(p for p in self.data_dir.iterdir() if p.is_dir()):
-            if topic_dir.name == "_groups":
-                for offsets in topic_dir.glob("*.json"):
-                    group = self._groups.setdefault(offsets.stem, _Group())
-                    for t, p, o in json.loads(offsets.read_text()):
-                        group.committed[(t, p)] = o
-                continue
-            topic = self._topic(topic_dir.name)
-            for log_file in sorted(topic_dir.glob("*.jsonl")):
-                partition = int(log_file.stem)
-                if partition >= self.partitions:
-                    raise ValueError(
-                        f"{log_file} has partition {partition}; open this directory "
-                        f"with partitions >= {partition + 1}"
-                    )
-                with open(log_file, encoding="utf-8") as handle:
-                    for number, text in enumerate(handle, 1):
-                        if not text.strip():
-                            continue
-                        try:
-                            line = json.loads(text)
-                        except ValueError:
-                            # A torn last line from a crash: everything before it stands.
-                            break
-                        value = (
-                            line["v"].encode() if "v" in line else base64.b64decode(line["vb"])
-                        )
-                        key = base64.b64decode(line["k"]) if "k" in line else None
-                        headers = tuple((k, base64.b64decode(v)) for k, v in line.get("h", ()))
-                        log = topic.logs[partition]
-                        log.append(
-                            Record(topic.name, partition, len(log), key, value, headers, line["t"])
-                        )
-
 
 # A run's key as bytes, one shared object per run rather than one per record
 # (the bus keeps every record; bytes are immutable, so sharing is safe).
@@ -284,8 +222,10 @@ class EmbeddedProducer(Producer):
 
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.
-        if self._bus.data_dir is not None:
-            self._bus._flush_files()
+        bus = self._bus
+        if bus._recording is not None:
+            with bus._cond:
+                bus._recording.flush()
 
     def close(self) -> None:
         self.flush()
@@ -394,7 +334,8 @@ class EmbeddedConsumer(Consumer):
             # owner's progress must not be overwritten by a stale member.
             for tp in self._owned & current:
                 group.committed[tp] = self._positions[tp]
-            bus._save_offsets(self.group)
+            if bus._recording is not None:
+                bus._recording.save_offsets(self.group, group.committed)
 
     def assignment(self) -> set[TopicPartition]:
         self._rebalance()

@@ -34,8 +34,13 @@ def test_a_torn_last_line_keeps_everything_before_it(tmp_path):
     bus.close()
     log = tmp_path / "t" / "0.jsonl"
     log.write_text(log.read_text() + '{"o": 3, "t": 0, "v": "half')
+    reopened = EmbeddedBus(partitions=1, data_dir=tmp_path)
+    assert [r.value for r in reopened.read_all("t")] == [b"v0", b"v1", b"v2"]
+    # The torn line is gone from the file: what comes next is not lost behind it.
+    reopened.producer().publish("t", b"v3", key="k")
+    reopened.close()
     assert [r.value for r in EmbeddedBus(partitions=1, data_dir=tmp_path).read_all("t")] == [
-        b"v0", b"v1", b"v2"
+        b"v0", b"v1", b"v2", b"v3"
     ]
 
 
