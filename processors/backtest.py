@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
-from spikeguard.processors.worker import Worker, decode_record
+from spikeguard.processors.worker import Worker
 from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
@@ -119,7 +119,7 @@ def _run_offline(
         for detector in detectors:
             busy = bool(detector.run_once(timeout=0)) or busy
         if batch := stager.poll(10**9, timeout=0):
-            verdicts = [decode_record(record, Verdict) for record in batch]
+            verdicts = [record.decoded(Verdict) for record in batch]
             verdicts.sort(key=lambda v: order.get((v.run_id, v.epoch, v.step), len(order)))
             producer.publish_events([(topics.verdicts, v) for v in verdicts])
         for other in others:
@@ -131,7 +131,7 @@ def _run_offline(
     for topic, model in outputs.items():
         found[topic] = events = []
         while batch := readers[topic].poll(10_000, timeout=0):
-            events.extend(decode_record(record, model) for record in batch)
+            events.extend(record.decoded(model) for record in batch)
     # Leave no reference cycle behind (worker <-> consumer, bus <-> group
     # member): the records are then freed as soon as the bus is dropped.
     for worker in workers:

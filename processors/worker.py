@@ -15,7 +15,6 @@ from collections import Counter, defaultdict
 from functools import partial
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
-from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -25,10 +24,9 @@ from spikeguard.errors import SchemaError
 from spikeguard.metrics import Metrics, default_metrics, observe_inputs, observe_outputs
 from spikeguard.processors.stage import Output, Stage
 from spikeguard.processors.state_store import StateStore
-from spikeguard.schemas import Ack, StepEvent, decode, encode
+from spikeguard.schemas import Ack, StepEvent, encode
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 
 _TOPIC = attrgetter("topic")
 _TOPIC_PARTITION = attrgetter("topic", "partition")
@@ -39,14 +37,6 @@ _RUN_ID = attrgetter("run_id")
 _EVENT = itemgetter(1)
 _TOPIC_OF_OUTPUT = itemgetter(0)
 _IS_NOT_NONE = partial(is_not, None)
-
-
-def decode_record(record: Record, model: type[M]) -> M:
-    """The record's event, decoded once per process however many stages read it."""
-    cached = record.cached(model)
-    if cached is None:
-        cached = record.cache[model] = decode(record.value, model)  # type: ignore[arg-type]
-    return cached
 
 
 class Worker:
@@ -178,7 +168,7 @@ class Worker:
         sources: list[Record] = []
         for record in records:
             try:
-                event = decode_record(record, self._models[record.topic])
+                event = record.decoded(self._models[record.topic])
             except SchemaError as exc:
                 self._to_dlq(record, exc)
                 continue

@@ -17,7 +17,7 @@ from collections import deque
 from spikeguard.bus import Bus
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
-from spikeguard.schemas import Action, Topics, decode, encode
+from spikeguard.schemas import Action, Topics, encode
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ActionInbox:
                 if record.key_text not in (None, self.run_id):
                     continue
                 try:
-                    action = record.cache.get(Action) or decode(record.value, Action)
+                    action = record.decoded(Action)
                 except SchemaError as exc:
                     self.malformed += 1
                     log.warning("spikeguard: undecodable action at %s[%d]@%d: %s",

@@ -14,7 +14,7 @@ from collections import deque
 
 from spikeguard.bus import Bus
 from spikeguard.errors import SchemaError
-from spikeguard.schemas import Decision, Topics, decode
+from spikeguard.schemas import Decision, Topics
 
 
 class DecisionWaiter:
@@ -39,7 +39,7 @@ class DecisionWaiter:
                 return None
             for record in self._consumer.poll(max_records=500, timeout=min(remaining, 0.5)):
                 try:
-                    decision = record.cache.get(Decision) or decode(record.value, Decision)
+                    decision = record.decoded(Decision)
                 except SchemaError:
                     continue
                 if decision.run_id == self.run_id:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
-from spikeguard.schemas.codec import encode
+from spikeguard.schemas.codec import decode, encode
+
+M = TypeVar("M")
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -78,6 +80,16 @@ class Record:
             return cache.get(model)
         event = self._event
         return event if type(event) is model else None
+
+    def decoded(self, model: type[M]) -> M:
+        """The record's event, decoded once per process however many readers ask.
+
+        Raises a :class:`~spikeguard.errors.SchemaError` naming what is wrong.
+        """
+        found = self.cached(model)
+        if found is None:
+            found = self.cache[model] = decode(self.value, model)  # type: ignore[arg-type]
+        return found
 
     @property
     def value(self) -> bytes | None:

@@ -15,7 +15,7 @@ import sys
 from spikeguard.bus import EmbeddedBus
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.errors import SchemaError, SpikeguardError
-from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, decode, encode
+from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, encode
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def read_topic(bus, topic, model, runs):
     events, bad = [], 0
     for record in bus.read_all(topic, timeout=30):
         try:
-            event = decode(record.value, model)
+            event = record.decoded(model)
         except SchemaError:
             bad += 1  # the DLQ already holds what the live pipeline could not read
             continue
