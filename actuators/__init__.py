@@ -1,4 +1,4 @@
-"""Turning decisions into actions: the recovery policy, its bounds, presets and action signing.
+"""Turning decisions into actions: the recovery policy, its bounds, and presets.
 
 >>> from spikeguard.actuators import RecoveryPolicy
 >>> policy = RecoveryPolicy(run_id="r1")
@@ -9,7 +9,6 @@
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.policy import ForeignRunError, RecoveryPolicy
 from spikeguard.actuators.presets import PRESETS, Preset, get_preset
-from spikeguard.actuators.signing import sign_action, verify_action
 
 __all__ = [
     "PRESETS",
@@ -18,6 +17,4 @@ __all__ = [
     "Preset",
     "RecoveryPolicy",
     "get_preset",
-    "sign_action",
-    "verify_action",
 ]

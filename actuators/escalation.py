@@ -14,11 +14,11 @@ from typing import Any
 
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.incidents import Incident
-from spikeguard.actuators.plan import Plan
+from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.schemas import ActionKind
 
 
-class RollbackLedger:
+class RollbackWindow:
     """The observed-step ticks of recent rollbacks (bounded by the window's allowance)."""
 
     def __init__(self, config: PolicyConfig) -> None:
@@ -55,7 +55,7 @@ class RollbackLedger:
         self.ticks = [int(t) for t in state["ticks"]]
 
 
-def add_escalation(plan: Plan, why: str) -> None:
+def add_escalation(plan: ActionPlan, why: str) -> None:
     """Final checkpoint, stop, critical alert — in that order."""
     message = f"stopping the run: {why}"
     plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, f"final checkpoint before stop: {why}")

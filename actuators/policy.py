@@ -43,8 +43,8 @@ from typing import Any
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
 from spikeguard.actuators.incidents import Incident, IncidentBook
-from spikeguard.actuators.plan import Plan
-from spikeguard.actuators.recovery import Recovery, RollbackRecord
+from spikeguard.actuators.action_plan import ActionPlan
+from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
 from spikeguard.schemas import (
     Ack,
@@ -74,7 +74,7 @@ class RecoveryPolicy:
         self.config = config or PolicyConfig()
         self.run_id = run_id
         cfg = self.config
-        self.recovery = Recovery(cfg)
+        self.recovery = Controls(cfg)
         self.incidents = IncidentBook(run_id, cfg.max_incidents, cfg.incident_gap_steps)
         self.epoch = 0  # rollbacks applied so far
         self.high_water = -1  # newest step handled in this epoch
@@ -93,7 +93,7 @@ class RecoveryPolicy:
         self._check_run(decision.run_id)
         if self.stopped:
             return []
-        plan = Plan(
+        plan = ActionPlan(
             self.run_id, decision.decision_id, self.epoch,
             decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
         )
@@ -125,7 +125,7 @@ class RecoveryPolicy:
         self.acks.move_to_end(ack.action_id)
         while len(self.acks) > MAX_ACK_RECORDS:
             self.acks.popitem(last=False)
-        plan = Plan(self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps)
+        plan = ActionPlan(self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps)
         record = self.recovery.record_of(ack.action_id)
         if record is not None:
             self._rollback_ack(plan, record, ack)
@@ -139,7 +139,7 @@ class RecoveryPolicy:
         return plan.actions()
 
     # --- ordering, duplicates, epochs ------------------------------------------------------
-    def _admit(self, d: Decision, plan: Plan) -> bool:
+    def _admit(self, d: Decision, plan: ActionPlan) -> bool:
         """True when ``d`` is a new observation of the current timeline."""
         pending = self.recovery.pending()
         if pending is not None and d.step > pending.issue_step:
@@ -166,7 +166,7 @@ class RecoveryPolicy:
         self.tick += 1
         return True
 
-    def _rollback_ack(self, plan: Plan, record: RollbackRecord, ack: Ack) -> None:
+    def _rollback_ack(self, plan: ActionPlan, record: RollbackRecord, ack: Ack) -> None:
         target = f"rollback to {record.checkpoint_id} (step {record.target_step})"
         # Only APPLIED counts: the guard also answers DUPLICATE for a redelivered copy of an
         # action that is still pending, so DUPLICATE says nothing about the rollback having run.
@@ -190,7 +190,7 @@ class RecoveryPolicy:
                        f"on rank {ack.rank}: ranks disagree")
 
     # --- strategies --------------------------------------------------------------------------
-    def _anomaly(self, plan: Plan, d: Decision) -> None:
+    def _anomaly(self, plan: ActionPlan, d: Decision) -> None:
         cfg, rec = self.config, self.recovery
         self.healthy_streak = 0
         inc = self.incidents.get(d, self.tick)
@@ -226,7 +226,7 @@ class RecoveryPolicy:
                        f"{what}: no recovery strategy for this type")
         inc.loss_seen = inc.loss_seen or is_loss
 
-    def _slow(self, plan: Plan, d: Decision, inc: Incident, what: str) -> None:
+    def _slow(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         if inc.divergence_lr_steps == 0:
             plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, 
@@ -243,7 +243,7 @@ class RecoveryPolicy:
         inc.divergence_lr_steps += 1
         inc.last_divergence_tick = self.tick
 
-    def _judge_spike(self, plan: Plan, d: Decision) -> bool:
+    def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
         """Judge a pending spike once its patience ran out; True if it was rolled back."""
         p = self.pending_spike
         if p is None or d.step < p["judge_at"]:
@@ -266,7 +266,7 @@ class RecoveryPolicy:
         plan.alert("info", f"{why}; watching", f"{why}: watch only")
         return False
 
-    def _preventive(self, plan: Plan, d: Decision) -> None:
+    def _preventive(self, plan: ActionPlan, d: Decision) -> None:
         cfg = self.config
         self.healthy_streak = 0
         last = self.last_preventive_tick
@@ -282,7 +282,7 @@ class RecoveryPolicy:
             floor = cfg.clip_norm_initial * cfg.clip_tighten_factor  # one notch at most
             self.recovery.tighten_clip(plan, what, floor=floor)
 
-    def _healthy(self, plan: Plan, d: Decision) -> None:
+    def _healthy(self, plan: ActionPlan, d: Decision) -> None:
         self.healthy_streak += 1
         if self.healthy_streak >= self.config.lr_restore_healthy_steps:
             why = f"{self.healthy_streak} healthy steps up to step {d.step}"
@@ -290,7 +290,7 @@ class RecoveryPolicy:
                 self.healthy_streak = 0
 
     def _recover(
-        self, plan: Plan, d: Decision, inc: Incident, lr_factor: float, tighten: bool, why: str
+        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float, tighten: bool, why: str
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many: then stop."""
         self.pending_spike = None

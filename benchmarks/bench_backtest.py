@@ -64,8 +64,8 @@ def _detector_runner(name: str, events) -> Callable[[], object]:
 
 
 def measure(steps: int, scenario: str, seed: int) -> dict:
-    from spikeguard.processors.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
-    from spikeguard.processors.simulate import generate
+    from spikeguard.lab.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
+    from spikeguard.lab.simulate import generate
 
     _pin_torch()
     started = time.perf_counter()
@@ -81,7 +81,7 @@ def measure(steps: int, scenario: str, seed: int) -> dict:
         names, missing = [], [f"detectors registry: {exc!r}"]
 
     def pipeline() -> None:
-        from spikeguard.processors.backtest import backtest_events
+        from spikeguard.lab.backtest import backtest_events
 
         backtest_events(events)
 

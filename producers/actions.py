@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import SecretStr
 
-from spikeguard.actuators.signing import verify_action
+from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
 from spikeguard.schemas import AckStatus, Action, ActionKind
 

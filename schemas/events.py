@@ -203,7 +203,7 @@ class Action(_Event):
     decision_id: str | None = None
     incident_id: str | None = None
     reason: str = ""
-    signature: str | None = Field(None, description="hex HMAC-SHA256, see actuators.signing")
+    signature: str | None = Field(None, description="hex HMAC-SHA256, see schemas.signing")
 
 
 class Ack(_Event):

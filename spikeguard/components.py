@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from spikeguard.schemas import Topics
 
 if TYPE_CHECKING:
-    from spikeguard.processors.stage import Stage
+    from spikeguard.streaming.stage import Stage
     from spikeguard.settings import Settings
 
 DETECTOR_NAMES = ("statistical", "rules", "ml", "predictor")
@@ -22,10 +22,11 @@ COMPONENTS = (*DETECTOR_NAMES, "fusion", "actuator")
 def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -> "Stage":
     # Imported here so that naming the components (the CLI's --help) stays cheap.
     from spikeguard.actuators.policy import RecoveryPolicy
-    from spikeguard.actuators.stage import ActuatorStage
+    from spikeguard.actuators.actuator_stage import ActuatorStage
     from spikeguard.processors.detectors import DETECTORS
     from spikeguard.processors.fusion import Fusion
-    from spikeguard.processors.stages import DetectorStage, FusionStage
+    from spikeguard.processors.detector_stage import DetectorStage
+    from spikeguard.processors.fusion_stage import FusionStage
 
     topics = topics or Topics(settings.topic_prefix)
     if name in DETECTOR_NAMES:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from spikeguard.bus import Bus, EmbeddedBus
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
-from spikeguard.processors.worker import Worker
+from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings, load_settings
 

@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spikeguard.processors.backtest import backtest_events
-    from spikeguard.processors.runfile import read_steps
+    from spikeguard.lab.backtest import backtest_events
+    from spikeguard.lab.runfile import read_steps
 
     settings = settings_from(args)
     events, _labels = read_steps(args.file)

@@ -18,7 +18,7 @@ import sys
 
 # Kept here, not imported: importing spikeguard.producers loads torch, and
 # building the CLI parser (every command's --help) must stay cheap.
-# tests/producers/test_demo_cli.py checks they match producers.demo_model.
+# tests/spikeguard/demo/test_demo_cli.py checks they match spikeguard.demo.model.
 FAULTS = ("none", "spike", "nan", "divergence")
 DEFAULT_STEPS = 300
 
@@ -50,9 +50,9 @@ def _progress_bar(step: int, total: int, loss: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spikeguard.producers.demo_model import DemoSetup
-    from spikeguard.producers.demo_run import run_demo
-    from spikeguard.producers.plot import loss_plot
+    from spikeguard.demo.model import DemoSetup
+    from spikeguard.demo.run import run_demo
+    from spikeguard.demo.plot import loss_plot
 
     if args.steps < 150:
         raise SystemExit("spikeguard demo: --steps must be at least 150 (the fault strikes at step 100)")

@@ -6,7 +6,7 @@ By default the runs are the synthetic suite (every scenario x ``--seeds``;
 prints, per scenario and overall: recall, precision (per alarm episode), F1,
 false alarms per 10k clean steps, median detection delay and the predictor's
 median lead time; then whether the pipeline meets the targets. Definitions:
-``spikeguard.processors.evaluation``.
+``spikeguard.lab.evaluation``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Iterator
 
 from spikeguard.cli._common import add_settings_flags, settings_from
-from spikeguard.processors.baselines import BASELINES, flag_run
-from spikeguard.processors.evaluation import (
+from spikeguard.lab.baselines import BASELINES, flag_run
+from spikeguard.lab.evaluation import (
     EvaluationConfig,
     Mark,
     RunScore,
@@ -30,8 +30,8 @@ from spikeguard.processors.evaluation import (
     score_run,
     summarize,
 )
-from spikeguard.processors.runfile import StepLabel, read_steps
-from spikeguard.processors.simulate import SCENARIOS, default_suite
+from spikeguard.lab.runfile import StepLabel, read_steps
+from spikeguard.lab.simulate import SCENARIOS, default_suite
 
 SYSTEMS = {
     "pipeline": "spikeguard pipeline (all detectors + fusion, via backtest)",
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def system_marks(name: str, events, settings=None) -> list[Mark]:
     """One mark per step of one run, from the pipeline or a baseline."""
     if name == "pipeline":
-        from spikeguard.processors.backtest import backtest_events
+        from spikeguard.lab.backtest import backtest_events
 
         return marks_from_decisions(backtest_events(events, settings))
     return flag_run(BASELINES[name](), events)

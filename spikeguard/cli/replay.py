@@ -47,7 +47,7 @@ def read_topic(bus, topic, model, runs):
 
 def run(args: argparse.Namespace) -> int:
     from spikeguard.runtime import make_bus
-    from spikeguard.processors.backtest import replay_events
+    from spikeguard.lab.backtest import replay_events
 
     settings = settings_from(args)
     source = Topics(settings.topic_prefix)

@@ -14,8 +14,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from spikeguard.processors.runfile import write_csv
-from spikeguard.processors.simulate import SCENARIOS, LabelledRun, default_suite, generate
+from spikeguard.lab.runfile import write_csv
+from spikeguard.lab.simulate import SCENARIOS, LabelledRun, default_suite, generate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from spikeguard.components import build_stage
     from spikeguard.metrics import default_metrics
-    from spikeguard.processors.worker import Worker
+    from spikeguard.streaming.worker import Worker
     from spikeguard.runtime import make_bus
     from spikeguard.schemas import Topics
 

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from spikeguard.processors.detectors import DETECTORS
-from spikeguard.processors.simulate import generate
+from spikeguard.lab.simulate import generate
 from spikeguard.schemas import Topics, Verdict, decode, encode
 
 pytestmark = pytest.mark.kafka

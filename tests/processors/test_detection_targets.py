@@ -13,12 +13,12 @@ from collections import defaultdict
 
 import pytest
 
-from spikeguard.processors.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
+from spikeguard.lab.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
 from spikeguard.processors.detectors.rules import RulesDetector
 from spikeguard.processors.detectors.statistical import StatisticalDetector
-from spikeguard.processors.evaluation import marks_from_decisions, score_run, summarize
+from spikeguard.lab.evaluation import marks_from_decisions, score_run, summarize
 from spikeguard.processors.fusion import Fusion, FusionConfig
-from spikeguard.processors.simulate import ANOMALY_KINDS, default_suite
+from spikeguard.lab.simulate import ANOMALY_KINDS, default_suite
 
 SEEDS = (0, 1, 2)
 

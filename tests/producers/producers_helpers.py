@@ -8,7 +8,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from spikeguard.actuators.signing import sign_action
+from spikeguard.schemas.signing import sign_action
 from spikeguard.producers import Guard, GuardConfig
 from spikeguard.schemas import Ack, Action, ActionKind, Topics, decode, encode
 

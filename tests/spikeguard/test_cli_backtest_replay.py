@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from spikeguard.cli import build_parser, main
-from spikeguard.processors.backtest import backtest_events
+from spikeguard.lab.backtest import backtest_events
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import StepEvent, encode
 from spikeguard.settings import load_settings

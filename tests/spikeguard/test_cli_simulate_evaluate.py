@@ -7,9 +7,9 @@ import json
 import pytest
 
 from spikeguard.cli import main
-from spikeguard.processors.baselines import NaiveBaseline
-from spikeguard.processors.runfile import read_steps
-from spikeguard.processors.simulate import SCENARIOS
+from spikeguard.lab.baselines import NaiveBaseline
+from spikeguard.lab.runfile import read_steps
+from spikeguard.lab.simulate import SCENARIOS
 from spikeguard.schemas import AnomalyType, Decision, decision_id
 
 
@@ -70,7 +70,7 @@ def test_evaluate_files_and_the_text_table(tmp_path, capsys):
 
 def test_evaluate_scores_the_pipeline_through_backtest_and_checks_targets(monkeypatch, capsys):
     """The pipeline's decisions flow through the same scoring; targets are reported."""
-    import spikeguard.processors.backtest as backtest
+    import spikeguard.lab.backtest as backtest
 
     def fake_backtest(events, settings=None):  # stands in for the pipeline: the naive rule
         baseline = NaiveBaseline()
@@ -108,7 +108,7 @@ def test_evaluate_scores_each_run_of_a_multi_run_file_alone(tmp_path, capsys):
 
 def test_loss_only_strips_the_other_signals_and_their_labels():
     from spikeguard.cli.evaluate import loss_only
-    from spikeguard.processors.simulate import generate
+    from spikeguard.lab.simulate import generate
 
     run = generate("non_finite", 1500, seed=4)
     events, labels = loss_only(run.events, run.labels)

@@ -6,8 +6,8 @@ from typing import Callable, Sequence
 
 from pydantic import BaseModel, SecretStr
 
-from spikeguard.actuators.signing import sign_action
-from spikeguard.processors.stage import Output, PerRunStage
+from spikeguard.schemas.signing import sign_action
+from spikeguard.streaming.stage import Output, PerRunStage
 from spikeguard.schemas import Ack, CheckpointEvent, Decision, Topics
 
 

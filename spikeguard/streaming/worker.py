@@ -22,8 +22,8 @@ from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
 from spikeguard.metrics import Metrics, default_metrics, observe_inputs, observe_outputs
-from spikeguard.processors.stage import Output, Stage
-from spikeguard.processors.state_store import StateStore
+from spikeguard.streaming.stage import Output, Stage
+from spikeguard.streaming.state_store import StateStore
 from spikeguard.schemas import Ack, StepEvent, encode
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from spikeguard.producers.demo_run import run_demo
+from spikeguard.demo.run import run_demo
 
 SEED = 0
 

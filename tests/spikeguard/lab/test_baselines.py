@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from spikeguard.processors.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
-from spikeguard.processors.evaluation import Mark
+from spikeguard.lab.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
+from spikeguard.lab.evaluation import Mark
 from spikeguard.schemas import StepEvent
 
 

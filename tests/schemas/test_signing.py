@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from spikeguard.actuators.signing import canonical_payload, sign_action, verify_action
+from spikeguard.schemas.signing import canonical_payload, sign_action, verify_action
 from spikeguard.schemas import Action, ActionKind, decode, encode
 
 KEY = "test-key-0123456789"

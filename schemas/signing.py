@@ -15,7 +15,7 @@ import json
 
 from pydantic import SecretStr
 
-from spikeguard.schemas import Action
+from spikeguard.schemas.events import Action
 
 
 def _key_bytes(key: SecretStr | str | bytes) -> bytes:

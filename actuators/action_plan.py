@@ -13,7 +13,7 @@ from typing import Any
 from spikeguard.schemas import Action, ActionKind, action_id
 
 
-class Plan:
+class ActionPlan:
     def __init__(
         self,
         run_id: str,

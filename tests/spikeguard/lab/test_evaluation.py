@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spikeguard.processors.evaluation import (
+from spikeguard.lab.evaluation import (
     Episode,
     EvaluationConfig,
     Mark,
@@ -14,7 +14,7 @@ from spikeguard.processors.evaluation import (
     score_run,
     summarize,
 )
-from spikeguard.processors.runfile import StepLabel
+from spikeguard.lab.runfile import StepLabel
 from spikeguard.schemas import AnomalyType, Decision, decision_id
 
 N = 1000

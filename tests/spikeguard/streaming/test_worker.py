@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry
 from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
 from spikeguard.processors.detectors.base import Detector
-from spikeguard.processors.stages import DetectorStage
-from spikeguard.processors.worker import Worker
+from spikeguard.processors.detector_stage import DetectorStage
+from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import DeadLetter, StepEvent, Topics, Verdict, decode, encode
 
 

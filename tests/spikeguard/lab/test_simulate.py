@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from spikeguard.processors import scenarios
-from spikeguard.processors.evaluation import episodes_from_labels
-from spikeguard.processors.simulate import (
+from spikeguard.lab import scenarios
+from spikeguard.lab.evaluation import episodes_from_labels
+from spikeguard.lab.simulate import (
     ANOMALY_KINDS,
     SCENARIOS,
     default_suite,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from spikeguard.processors.runfile import (
+from spikeguard.lab.runfile import (
     CSV_COLUMNS,
     RunFileError,
     StepLabel,
@@ -15,7 +15,7 @@ from spikeguard.processors.runfile import (
     read_steps,
     write_csv,
 )
-from spikeguard.processors.simulate import generate
+from spikeguard.lab.simulate import generate
 from spikeguard.schemas import StepEvent, encode
 
 

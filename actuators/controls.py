@@ -1,8 +1,8 @@
 """The parameter side of the policy: rollbacks, LR, clipping — always within bounds.
 
-:class:`Recovery` owns what the policy has changed (LR factor, clip norm,
+:class:`Controls` owns what the policy has changed (LR factor, clip norm,
 batch size, eps), the checkpoints it may roll back to and the rollbacks it
-issued; it appends actions to a :class:`Plan`. Which strategy runs when is
+issued; it appends actions to a :class:`ActionPlan`. Which strategy runs when is
 the policy's business (:mod:`spikeguard.actuators.policy`).
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 from spikeguard.actuators.bounds import BatchSizeFactor, ClipNorm, Eps, LrFactor
 from spikeguard.actuators.checkpoints import Checkpoint, CheckpointBook
 from spikeguard.actuators.config import PolicyConfig
-from spikeguard.actuators.escalation import RollbackLedger
+from spikeguard.actuators.escalation import RollbackWindow
 from spikeguard.actuators.incidents import Incident
-from spikeguard.actuators.plan import Plan
+from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.schemas import ActionKind, Decision
 
 MAX_ROLLBACK_RECORDS = 8
@@ -40,7 +40,7 @@ class RollbackRecord:
     alerted: bool = False
 
 
-class Recovery:
+class Controls:
     def __init__(self, config: PolicyConfig) -> None:
         cfg = self.config = config
         self.lr = LrFactor(cfg.min_lr_factor)
@@ -50,11 +50,11 @@ class Recovery:
         self.batch = BatchSizeFactor(cfg.min_batch_size_factor)
         self.eps = Eps(cfg.eps_initial, cfg.max_eps)
         self.book = CheckpointBook(cfg.max_checkpoints)
-        self.ledger = RollbackLedger(cfg)
+        self.ledger = RollbackWindow(cfg)
         self.rollbacks: list[RollbackRecord] = []
 
     # --- single knobs -------------------------------------------------------------
-    def lower_lr(self, plan: Plan, factor: float, why: str) -> bool:
+    def lower_lr(self, plan: ActionPlan, factor: float, why: str) -> bool:
         applied = self.lr.decrease(plan.apply_at_step, factor)
         if applied is None:
             return False
@@ -66,7 +66,7 @@ class Recovery:
         )
         return True
 
-    def restore_lr(self, plan: Plan, why: str) -> bool:
+    def restore_lr(self, plan: ActionPlan, why: str) -> bool:
         applied = self.lr.restore(plan.apply_at_step, self.config.lr_restore_factor)
         if applied is None:
             return False
@@ -84,7 +84,7 @@ class Recovery:
 
     def tighten_clip(
         self,
-        plan: Plan,
+        plan: ActionPlan,
         why: str,
         floor: float | None = None,
         resend: bool = False,
@@ -96,18 +96,18 @@ class Recovery:
             plan.add(ActionKind.CLIP, self.clip_params(), f"{why}: clip {self.clip_params()}")
         return changed
 
-    def raise_eps(self, plan: Plan, why: str) -> None:
+    def raise_eps(self, plan: ActionPlan, why: str) -> None:
         if self.config.eps_actions and (eps := self.eps.increase(self.config.eps_increase_factor)):
             plan.add(ActionKind.SET_EPS, {"eps": eps}, f"{why}: optimizer eps -> {eps:g}")
 
-    def reduce_batch(self, plan: Plan, why: str) -> None:
+    def reduce_batch(self, plan: ActionPlan, why: str) -> None:
         cfg = self.config
         if cfg.batch_size_actions and (f := self.batch.decrease(cfg.batch_size_decrease_factor)):
             plan.add(ActionKind.REDUCE_BATCH_SIZE, {"factor": f}, f"{why}: batch size x{f:.4g}")
 
     # --- the recovery itself ---------------------------------------------------------------
     def recover(
-        self, plan: Plan, decision: Decision, incident: Incident, tick: int,
+        self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
         lr_factor: float, tighten: bool, why: str,
     ) -> RollbackRecord | None:
         """Roll back (or fall back to LR + skip ahead); the record when a rollback was issued."""
@@ -122,7 +122,7 @@ class Recovery:
         return self._roll_back(plan, decision, incident, tick, target, lr_factor, tighten, why)
 
     def _roll_back(
-        self, plan: Plan, decision: Decision, incident: Incident, tick: int,
+        self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
         target: Checkpoint, lr_factor: float, tighten: bool, why: str,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
@@ -175,7 +175,7 @@ class Recovery:
         return record
 
     def _fall_back(
-        self, plan: Plan, decision: Decision, onset: int, lr_factor: float, tighten: bool, why: str
+        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float, tighten: bool, why: str
     ) -> None:
         cfg, s = self.config, decision.step
         newest = self.book.healthy[-1].step if self.book.healthy else None

@@ -1,7 +1,7 @@
 """Replaying a recorded run twice gives identical decisions and action ids."""
 
-from spikeguard.processors.backtest import replay_events
-from spikeguard.processors.simulate import generate
+from spikeguard.lab.backtest import replay_events
+from spikeguard.lab.simulate import generate
 from spikeguard.schemas import CheckpointEvent, Topics
 from spikeguard.settings import load_settings
 

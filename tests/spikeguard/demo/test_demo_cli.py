@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from spikeguard.cli import main
-from spikeguard.producers.plot import loss_plot, write_png
+from spikeguard.demo.plot import loss_plot, write_png
 
 
 def test_demo_json_and_plot(tmp_path, capsys):
@@ -47,7 +47,7 @@ def test_plot_handles_nan_and_rollbacks(tmp_path):
 
 def test_the_cli_constants_match_the_demo_model():
     from spikeguard.cli import demo as demo_cli
-    from spikeguard.producers import demo_model
+    from spikeguard.demo import model as demo_model
 
     assert tuple(demo_cli.FAULTS) == tuple(demo_model.FAULTS)
     assert demo_cli.DEFAULT_STEPS == demo_model.DemoSetup.steps

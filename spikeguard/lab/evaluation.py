@@ -35,7 +35,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spikeguard.processors.runfile import StepLabel
+from spikeguard.lab.runfile import StepLabel
 
 WARNING_TYPES = frozenset({"instability_warning", "lr_too_high"})
 

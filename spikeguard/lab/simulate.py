@@ -59,8 +59,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from spikeguard.processors import scenarios as sc
-from spikeguard.processors.runfile import StepLabel
+from spikeguard.lab import scenarios as sc
+from spikeguard.lab.runfile import StepLabel
 from spikeguard.schemas import StepEvent
 
 SCENARIOS: dict[str, str] = {

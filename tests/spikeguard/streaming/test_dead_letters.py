@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
-from spikeguard.processors.worker import Worker
+from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import (
     Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Topics, Verdict,
     decision_id, decode, encode,

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
-from spikeguard.processors.worker import Worker
+from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 

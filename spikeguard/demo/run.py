@@ -20,7 +20,7 @@ from torch import nn
 
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.data import GuardedLoader
-from spikeguard.producers.demo_model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject
+from spikeguard.demo.model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject
 from spikeguard.producers.guard import Guard
 from spikeguard.schemas import Decision, decode
 

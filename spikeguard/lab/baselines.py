@@ -15,7 +15,7 @@ enters its window (flagged ones too). A non-finite value is flagged and kept
 out of the window, as those trainers check ``isfinite`` before anything else.
 
 Both take a :class:`StepEvent` and return a bool; :func:`flag_run` turns a
-run into :class:`~spikeguard.processors.evaluation.Mark` s for scoring.
+run into :class:`~spikeguard.lab.evaluation.Mark` s for scoring.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Iterable
 
 import numpy as np
 
-from spikeguard.processors.evaluation import Mark
+from spikeguard.lab.evaluation import Mark
 from spikeguard.schemas import StepEvent
 
 

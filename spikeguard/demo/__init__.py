@@ -1,0 +1,1 @@
+"""The demo: a small real training run with an injected fault, guarded or not."""
