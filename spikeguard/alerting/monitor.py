@@ -34,10 +34,12 @@ def _bounded_put(store: OrderedDict, key: Any, value: Any, limit: int = _PENDING
 
 
 class _RunWatch:
-    __slots__ = ("step_times", "decided", "actions")
+    __slots__ = ("step_times", "early", "decided", "actions")
 
     def __init__(self) -> None:
         self.step_times: OrderedDict[tuple[int, int], float] = OrderedDict()  # (epoch, step)
+        # Decisions read before their step (topics are read in no fixed order): when seen.
+        self.early: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.decided: OrderedDict[str, float] = OrderedDict()  # decision_id -> seen
         self.actions: OrderedDict[str, str] = OrderedDict()  # action_id -> decision_id
 
@@ -69,13 +71,21 @@ class MonitorStage(Stage):
         m = self.metrics
         for _, event in items:
             if isinstance(event, StepEvent):
-                _bounded_put(self._run(event.run_id).step_times, (event.epoch, event.step),
-                             event.time)
+                watch = self._run(event.run_id)
+                key = (event.epoch, event.step)
+                decided = watch.early.pop(key, None)
+                if decided is not None:
+                    m.decision_latency.observe(max(0.0, decided - event.time))
+                else:
+                    _bounded_put(watch.step_times, key, event.time)
             elif isinstance(event, Decision):
                 watch = self._run(event.run_id)
-                stepped = watch.step_times.pop((event.epoch, event.step), None)
+                key = (event.epoch, event.step)
+                stepped = watch.step_times.pop(key, None)
                 if stepped is not None:
                     m.decision_latency.observe(max(0.0, now - stepped))
+                else:
+                    _bounded_put(watch.early, key, now)
                 if event.is_anomaly or event.preventive:
                     _bounded_put(watch.decided, event.decision_id, now)
                 if self.notifier is not None:
