@@ -139,6 +139,12 @@ class Metrics:
             ["run_id", "urgency"],
             registry=r,
         )
+        self.run_anomalous_verdicts = Counter(
+            "spikeguard_run_anomalous_verdicts_total",
+            "A run's anomalous verdicts, by detector (which detectors fired, per run).",
+            ["run_id", "detector"],
+            registry=r,
+        )
         self.run_actions = Counter(
             "spikeguard_run_actions_total", "Actions issued for a run, by kind.",
             ["run_id", "kind"], registry=r,
@@ -240,6 +246,7 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     last value, so only each run's last one is set.
     """
     verdicts: dict[tuple[str, bool], int] = {}
+    run_verdicts: dict[tuple[str, str], int] = {}
     health: dict[str, float] = {}
     levels: dict[str, int] = {}
     decisions: dict[tuple[str, str], int] = {}
@@ -251,6 +258,9 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         if isinstance(event, Verdict):
             key = (event.detector, event.is_anomaly)
             verdicts[key] = verdicts.get(key, 0) + 1
+            if event.is_anomaly:
+                key5 = (event.run_id, event.detector)
+                run_verdicts[key5] = run_verdicts.get(key5, 0) + 1
             if event.instability_probability is not None:
                 health[event.run_id] = event.instability_probability
             if event.health is not None:
@@ -271,6 +281,8 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         runs.add(event.run_id)
     for (detector, anomaly), count in verdicts.items():
         metrics.verdicts.labels(detector, "true" if anomaly else "false").inc(count)
+    for (run_id, detector), count in run_verdicts.items():
+        metrics.run_labels(metrics.run_anomalous_verdicts, run_id, detector).inc(count)
     for run_id, probability in health.items():
         metrics.run_health.labels(run_id).set(probability)
     for run_id, level in levels.items():

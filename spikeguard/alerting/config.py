@@ -42,9 +42,11 @@ class AlertingConfig(BaseModel):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("webhook_url")
+    @field_validator("webhook_url", mode="before")
     @classmethod
-    def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
+    def _http(cls, value: object) -> object:
+        if value == "":  # an unset variable in docker-compose's ${VAR:-}
+            return None
+        if isinstance(value, str) and not value.startswith(("http://", "https://")):
             raise ValueError(f"webhook_url must be an http(s) URL, got {value!r}")
         return value
