@@ -99,4 +99,8 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts
 
         start_monitoring(runtime, metrics)
+        if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default
+            from spikeguard.reporting.recorded_settings import save
+
+            save(settings, settings.data_dir)
     return runtime
