@@ -44,30 +44,72 @@ def embedded_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int
     return found
 
 
-def kafka_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
-    """The same from a Kafka cluster: committed offsets against the end offsets."""
-    from kafka import KafkaAdminClient, KafkaConsumer
+class KafkaLag:
+    """The same from a Kafka cluster: committed offsets against the end offsets.
 
-    config = bus._config()  # type: ignore[attr-defined]  # the connection, credentials included
-    admin = KafkaAdminClient(**config)
-    reader = KafkaConsumer(**config, group_id=None, enable_auto_commit=False)
-    try:
+    The two clients are kept between scrapes (a scrape every few seconds should
+    not open connections each time) and reopened after an error.
+    """
+
+    def __init__(self, bus: "Bus", group_prefix: str = "") -> None:
+        self.config = bus._config()  # type: ignore[attr-defined]  # connection and credentials
+        self.group_prefix = group_prefix
+        self._admin = self._reader = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict[tuple[str, str, int], int]:
+        from kafka import KafkaAdminClient, KafkaConsumer
+
+        with self._lock:  # two concurrent scrapes share the clients one at a time
+            try:
+                if self._admin is None:
+                    self._admin = KafkaAdminClient(**self.config)
+                    self._reader = KafkaConsumer(**self.config, group_id=None,
+                                                 enable_auto_commit=False)
+                return self._read()
+            except Exception:
+                self.close()
+                raise
+
+    def _read(self) -> dict[tuple[str, str, int], int]:
+        committed = _committed_offsets(self._admin, self.group_prefix)
+        partitions = list({tp for offsets in committed.values() for tp in offsets})
+        ends = self._reader.end_offsets(partitions) if partitions else {}  # type: ignore[union-attr]
         found: dict[tuple[str, str, int], int] = {}
-        for group_id, *_ in admin.list_consumer_groups():
-            if not group_id.startswith(group_prefix):
-                continue
-            committed = admin.list_consumer_group_offsets(group_id)
-            if not committed:
-                continue
-            ends = reader.end_offsets(list(committed))
-            for tp, meta in committed.items():
-                if meta.offset is None or meta.offset < 0:
-                    continue
+        for group_id, offsets in committed.items():
+            for tp, meta in offsets.items():
+                if meta is None or meta.offset is None or meta.offset < 0:
+                    continue  # nothing committed on this partition yet
                 found[(group_id, tp.topic, tp.partition)] = max(0, ends.get(tp, 0) - meta.offset)
         return found
+
+    def close(self) -> None:
+        for client in (self._reader, self._admin):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001 - closing a broken client
+                    pass
+        self._admin = self._reader = None
+
+
+def kafka_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
+    """One-off :class:`KafkaLag` reading."""
+    reader = KafkaLag(bus, group_prefix)
+    try:
+        return reader()
     finally:
         reader.close()
-        admin.close()
+
+
+def _committed_offsets(admin, group_prefix: str) -> dict:
+    """``{group: {TopicPartition: OffsetAndMetadata}}`` of the groups under the prefix."""
+    if hasattr(admin, "list_groups"):  # kafka-python 3.x: one OffsetFetch for every group
+        groups = [g["group_id"] for g in admin.list_groups()
+                  if g["group_id"].startswith(group_prefix)]
+        return admin.list_group_offsets({g: None for g in groups}) if groups else {}
+    groups = [g for g, *_ in admin.list_consumer_groups() if g.startswith(group_prefix)]
+    return {g: admin.list_consumer_group_offsets(g) for g in groups}
 
 
 class LagCollector:
@@ -83,8 +125,9 @@ class LagCollector:
 
     @classmethod
     def for_bus(cls, bus: "Bus", group_prefix: str = "") -> "LagCollector":
-        reader = kafka_lag if bus.engine == "kafka" else embedded_lag
-        return cls(lambda: reader(bus, group_prefix))
+        if bus.engine == "kafka":
+            return cls(KafkaLag(bus, group_prefix))
+        return cls(lambda: embedded_lag(bus, group_prefix))
 
     def describe(self) -> list:
         return []  # no describe-time call to the bus when registered
@@ -124,6 +167,8 @@ class MetricsServer:
         self._thread.join(timeout=5)
         if self._collector is not None:  # the next server on this registry adds its own
             self._registry.unregister(self._collector)
+            if isinstance(self._collector.read, KafkaLag):
+                self._collector.read.close()
             self._collector = None
 
 

@@ -142,3 +142,23 @@ def test_the_monitor_worker_alerts_measures_and_survives_a_restart(webhook):
     notifier.flush(10)
     notifier.close()
     assert len(server.posts) == 1
+
+
+def test_a_final_checkpoint_removes_the_run_s_series():
+    from spikeguard.metrics import observe_inputs, observe_outputs
+    from spikeguard.schemas import CheckpointEvent
+
+    metrics, registry = _metrics()
+    topics = Topics()
+    stage = MonitorStage(topics, metrics)
+    observe_inputs(metrics, [("s", StepEvent(run_id="r1", step=9, loss=1.0))])
+    observe_outputs(metrics, [("d", _decision(9))])
+    stage.handle_batch([(topics.steps, StepEvent(run_id="r1", step=9, loss=1.0))])
+    assert registry.get_sample_value("spikeguard_run_last_step", {"run_id": "r1"}) == 9
+    stage.handle_batch([(topics.checkpoints, CheckpointEvent(
+        run_id="r1", step=9, checkpoint_id="c", healthy=True, reason="periodic"))])
+    assert registry.get_sample_value("spikeguard_run_last_step", {"run_id": "r1"}) == 9
+    stage.handle_batch([(topics.checkpoints, CheckpointEvent(
+        run_id="r1", step=10, checkpoint_id="c2", healthy=True, reason="final"))])
+    assert not [s for f in registry.collect() for s in f.samples if s.labels.get("run_id") == "r1"]
+    assert "r1" not in stage.runs
