@@ -34,7 +34,7 @@ def _pyplot():
     return plt
 
 
-def _segments(points, value):
+def _segments(points):
     """Runs of consecutive steps of one epoch: one line each (a rollback breaks the line)."""
     segments, current, last = [], [], None
     for p in points:
@@ -88,7 +88,7 @@ def figure(timeline: "Timeline", title: str | None = None):
     for incident in timeline.incidents:
         ax_loss.axvspan(incident.first_step - 0.5, incident.last_step + 0.5, color=INCIDENT,
                         alpha=0.6, zorder=0, label=label("incident"))
-    for segment in _segments(points, "loss"):
+    for segment in _segments(points):
         rerun = segment[0].rerun
         xs = [p.step for p in segment]
         ax_loss.plot(xs, [min(max(p.loss, lo), hi) if math.isfinite(p.loss) else float("nan")
