@@ -4,7 +4,9 @@ Top: loss, the first pass in one colour and steps re-run after a rollback in
 another, anomalous steps as red crosses, each incident as a shaded span,
 actions as labelled triangles and rollbacks as arrows back to their target.
 Bottom: the gradient norm (log scale) on the same steps. Non-finite values,
-which cannot be drawn, are marked at the top edge. Needs the ``[report]``
+which cannot be drawn, are marked at the top edge, and so are losses beyond
+the axis (which stops at 1.5x the 98th percentile so that one spike does not
+flatten the curve), with their value written beside them. Needs the ``[report]``
 extra (matplotlib); the Agg backend draws without a display.
 """
 
@@ -101,6 +103,13 @@ def figure(timeline: "Timeline", title: str | None = None):
         ax_grad.plot(xs, grads, color=RERUN if rerun else FIRST, linewidth=1.0,
                      linestyle="--" if rerun else "-",
                      label=label("grad norm, re-run" if rerun else "gradient norm"))
+    above = [p for p in points if math.isfinite(p.loss) and p.loss > hi]
+    if above:  # the axis stops short of a huge spike: say so, and how high it went
+        ax_loss.scatter([p.step for p in above], [hi] * len(above), marker="^", color="grey",
+                        s=30, zorder=4, label=label("loss above the axis (value noted)"))
+        for p in sorted(above, key=lambda p: p.loss)[-3:]:
+            ax_loss.annotate(f"{p.loss:.3g}", (p.step, hi), xytext=(4, -10),
+                             textcoords="offset points", fontsize=7, color="grey")
     bad = [p.step for p in points if not math.isfinite(p.loss)]
     if bad:
         ax_loss.scatter(bad, [hi] * len(bad), marker="^", color="black", s=30, zorder=4,

@@ -141,3 +141,15 @@ def test_actions_without_an_ack_and_a_rollback_from_events():
     assert [a.ack_status for a in timeline.actions] == ["applied", "no ack"]
     assert timeline.incidents[0].time == 120.0 and timeline.incidents[0].baseline == 1.0
     assert sum(p.rerun for p in timeline.steps) == 19
+
+
+def test_a_loss_beyond_the_axis_is_marked_with_its_value():
+    steps = [StepEvent(run_id="r", step=s, loss=2.0 + 0.01 * (s % 5), grad_norm=1.0, time=float(s))
+             for s in range(100)]
+    steps[60] = StepEvent(run_id="r", step=60, loss=4000.0, grad_norm=900.0, time=60.0)
+    fig = figure(build_timeline(RunRecord("r", steps=steps)))
+    loss_axes = fig.axes[0]
+    assert loss_axes.get_ylim()[1] < 10  # one spike does not flatten the curve
+    assert "4e+03" in [t.get_text() for t in loss_axes.texts]
+    assert "loss above the axis (value noted)" in [
+        t.get_text() for t in loss_axes.get_legend().get_texts()]
