@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from spikeguard.bus import Producer
+from spikeguard.metrics import Metrics, default_metrics
 from spikeguard.schemas import encode
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,11 @@ class BackgroundPublisher:
     """A bounded, drop-oldest, background sender of events keyed by ``run_id``."""
 
     def __init__(self, producer: Producer, key: str, queue_size: int = 10_000,
-                 interval: float = 0.02, threaded: bool = True) -> None:
+                 interval: float = 0.02, threaded: bool = True,
+                 metrics: Metrics | None = None) -> None:
         self.producer = producer
+        # Also counted where Prometheus sees it: a trainer losing events must show.
+        self._dropped_total = (metrics or default_metrics()).trainer_dropped
         self.key = key
         self.queue_size = queue_size
         self.interval = interval
@@ -63,6 +67,7 @@ class BackgroundPublisher:
             if len(queue) >= self.queue_size:
                 queue.popleft()
                 self.dropped += 1
+                self._dropped_total.inc()
             queue.append((topic, model, fields))
             self._idle.clear()
         if self._thread is None:
@@ -87,6 +92,7 @@ class BackgroundPublisher:
         pending = len(self._steps) + len(self._control)
         if pending:
             self.dropped += pending
+            self._dropped_total.inc(pending)
             log.warning("spikeguard publisher closed with %d unsent events", pending)
 
     # -- sender thread --------------------------------------------------------

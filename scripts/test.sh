@@ -7,6 +7,12 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 venv="$(bash scripts/env.sh)"
+# tests/deploy runs promtool and a Prometheus server: Debian's package has both.
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >&2
+fi
 started=0
 if ! bash scripts/kafka_local.sh status >/dev/null 2>&1; then
   bash scripts/kafka_local.sh start

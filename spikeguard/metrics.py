@@ -2,21 +2,38 @@
 
 Every component takes a :class:`Metrics`; tests pass one built on a fresh
 ``CollectorRegistry`` and read values back with ``registry.get_sample_value``.
-``run_id`` is the only open-ended label, on a few per-run gauges that
-dashboards need; a run is a handful of series, never one per step.
+``run_id`` is the only open-ended label, on a few per-run series that
+dashboards and alerts need; a run is a handful of series, never one per step.
+Cardinality stays bounded: a run's series are removed when it ends (its final
+checkpoint, see :meth:`Metrics.forget_run`) or when it has been silent for
+``run_idle_s`` (a trainer that died never says it ended).
+
+Serving them over HTTP, and consumer lag, live in :mod:`spikeguard.metrics_http`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from typing import Iterable
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from spikeguard.schemas import Ack, Action, Decision, StepEvent, Verdict
+from spikeguard.schemas import Ack, Action, Decision, HealthLevel, StepEvent, Verdict
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# A decision waits for every detector's watermark, an ack for the trainer's next
+# steps: seconds to minutes, not milliseconds.
+_SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Health levels as numbers, so that a gauge can carry them (0 best, 4 critical).
+HEALTH_LEVELS = {level: i for i, level in enumerate(HealthLevel)}
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, run_idle_s: float = 3600.0) -> None:
         self.registry = registry if registry is not None else REGISTRY
         r = self.registry
         self.records_in = Counter(
@@ -87,6 +104,127 @@ class Metrics:
             "Events a trainer dropped because its send queue was full (broker away).",
             registry=r,
         )
+        # -- per run (removed when the run ends) -------------------------------
+        self.run_last_step = Gauge(
+            "spikeguard_run_last_step", "Newest step a run's trainer published.", ["run_id"],
+            registry=r,
+        )
+        self.run_last_step_time = Gauge(
+            "spikeguard_run_last_step_timestamp_seconds",
+            "Wall-clock time (unix seconds) of a run's newest step: a hung trainer stops it.",
+            ["run_id"],
+            registry=r,
+        )
+        self.run_epoch = Gauge(
+            "spikeguard_run_epoch", "A run's epoch (how many rollbacks it went through).",
+            ["run_id"], registry=r,
+        )
+        self.run_health_level = Gauge(
+            "spikeguard_run_health_level",
+            "The predictor's latest health level of a run: 0 excellent, 1 good, 2 warning, "
+            "3 concerning, 4 critical.",
+            ["run_id"],
+            registry=r,
+        )
+        self.run_decisions = Counter(
+            "spikeguard_run_decisions_total",
+            "A run's anomalous or preventive decisions, by urgency.",
+            ["run_id", "urgency"],
+            registry=r,
+        )
+        self.run_last_decision_time = Gauge(
+            "spikeguard_run_last_decision_timestamp_seconds",
+            "When (unix seconds) a run last had an anomalous or preventive decision of this "
+            "urgency; alerts compare it with time(), which a counter's first sample defeats.",
+            ["run_id", "urgency"],
+            registry=r,
+        )
+        self.run_anomalous_verdicts = Counter(
+            "spikeguard_run_anomalous_verdicts_total",
+            "A run's anomalous verdicts, by detector (which detectors fired, per run).",
+            ["run_id", "detector"],
+            registry=r,
+        )
+        self.run_actions = Counter(
+            "spikeguard_run_actions_total", "Actions issued for a run, by kind.",
+            ["run_id", "kind"], registry=r,
+        )
+        self.runs_tracked = Gauge(
+            "spikeguard_runs_tracked", "Runs this process keeps per-run series for.", registry=r
+        )
+        # -- pipeline ---------------------------------------------------------
+        self.decision_latency = Histogram(
+            "spikeguard_decision_latency_seconds",
+            "From a step's wall-clock time to its decision reaching the monitor.",
+            buckets=_SLOW_BUCKETS,
+            registry=r,
+        )
+        self.action_round_trip = Histogram(
+            "spikeguard_action_round_trip_seconds",
+            "From a decision reaching the monitor to the trainer's ack of an action it caused.",
+            ["kind"],
+            buckets=_SLOW_BUCKETS,
+            registry=r,
+        )
+        self.alerts_sent = Counter(
+            "spikeguard_alerts_sent_total", "Alert messages delivered, by channel.", ["channel"],
+            registry=r,
+        )
+        self.alerts_failed = Counter(
+            "spikeguard_alerts_failed_total",
+            "Alert messages given up, by channel and why (undeliverable after every retry, "
+            "rate_limited, queue_full).",
+            ["channel", "reason"],
+            registry=r,
+        )
+        #: Seconds of silence after which a run counts as ended (its series removed).
+        self.run_idle_s = run_idle_s
+        self._per_run = (self.run_loss, self.run_grad_norm, self.run_health, self.run_last_step,
+                         self.run_last_step_time, self.run_epoch, self.run_health_level)
+        self._run_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
+        self._run_seen: dict[str, float] = {}
+        self._next_sweep = 0.0
+        self._lock = threading.Lock()
+
+    # -- per-run series -------------------------------------------------------
+    def run_labels(self, metric, run_id: str, *labels: str):
+        """``metric.labels(run_id, *labels)``, remembered so the run's end removes it."""
+        with self._lock:
+            self._run_series.setdefault(run_id, set()).add((metric, labels))
+        return metric.labels(run_id, *labels)
+
+    def touch_runs(self, run_ids: Iterable[str], now: float | None = None) -> None:
+        """These runs were just seen; runs silent for ``run_idle_s`` are forgotten."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for run_id in run_ids:
+                self._run_seen[run_id] = now
+            due = now >= self._next_sweep
+            if due:
+                # Every tenth of the idle time: the sweep is O(runs), not per batch.
+                self._next_sweep = now + max(1.0, self.run_idle_s / 10)
+                idle = [run for run, seen in self._run_seen.items()
+                        if now - seen > self.run_idle_s]
+            else:
+                idle = []
+        for run_id in idle:
+            log.info("run %s silent for %.0fs: removing its metrics", run_id, self.run_idle_s)
+            self.forget_run(run_id)
+        self.runs_tracked.set(len(self._run_seen))
+
+    def forget_run(self, run_id: str) -> None:
+        """Remove every series labelled with this run (it ended)."""
+        with self._lock:
+            series = self._run_series.pop(run_id, set())
+            self._run_seen.pop(run_id, None)
+        for metric in self._per_run:
+            series.add((metric, ()))
+        for metric, labels in series:
+            try:
+                metric.remove(run_id, *labels)  # type: ignore[attr-defined]
+            except KeyError:
+                pass  # never set in this process
+        self.runs_tracked.set(len(self._run_seen))
 
 
 _default: Metrics | None = None
@@ -108,30 +246,59 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     last value, so only each run's last one is set.
     """
     verdicts: dict[tuple[str, bool], int] = {}
+    run_verdicts: dict[tuple[str, str], int] = {}
     health: dict[str, float] = {}
+    levels: dict[str, int] = {}
     decisions: dict[tuple[str, str], int] = {}
+    run_decisions: dict[tuple[str, str], int] = {}
     actions: dict[str, int] = {}
+    run_actions: dict[tuple[str, str], int] = {}
+    runs: set[str] = set()
     for _, event in outputs:
         if isinstance(event, Verdict):
             key = (event.detector, event.is_anomaly)
             verdicts[key] = verdicts.get(key, 0) + 1
+            if event.is_anomaly:
+                key5 = (event.run_id, event.detector)
+                run_verdicts[key5] = run_verdicts.get(key5, 0) + 1
             if event.instability_probability is not None:
                 health[event.run_id] = event.instability_probability
+            if event.health is not None:
+                levels[event.run_id] = HEALTH_LEVELS[event.health]
         elif isinstance(event, Decision):
             if event.is_anomaly or event.preventive:
                 key2 = (event.type.value, event.urgency.value)
                 decisions[key2] = decisions.get(key2, 0) + 1
+                key3 = (event.run_id, event.urgency.value)
+                run_decisions[key3] = run_decisions.get(key3, 0) + 1
         elif isinstance(event, Action):
             kind = event.kind.value
             actions[kind] = actions.get(kind, 0) + 1
+            key4 = (event.run_id, kind)
+            run_actions[key4] = run_actions.get(key4, 0) + 1
+        else:
+            continue
+        runs.add(event.run_id)
     for (detector, anomaly), count in verdicts.items():
         metrics.verdicts.labels(detector, "true" if anomaly else "false").inc(count)
+    for (run_id, detector), count in run_verdicts.items():
+        metrics.run_labels(metrics.run_anomalous_verdicts, run_id, detector).inc(count)
     for run_id, probability in health.items():
         metrics.run_health.labels(run_id).set(probability)
+    for run_id, level in levels.items():
+        metrics.run_health_level.labels(run_id).set(level)
     for labels, count in decisions.items():
         metrics.decisions.labels(*labels).inc(count)
+    now = time.time()
+    for (run_id, urgency), count in run_decisions.items():
+        metrics.run_labels(metrics.run_decisions, run_id, urgency).inc(count)
+        metrics.run_labels(metrics.run_last_decision_time, run_id, urgency).set(now)
     for kind, count in actions.items():
         metrics.actions.labels(kind).inc(count)
+    for (run_id, kind), count in run_actions.items():
+        metrics.run_labels(metrics.run_actions, run_id, kind).inc(count)
+    if runs:
+        metrics.touch_runs(runs, now)
 
 
 def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
@@ -150,3 +317,8 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
         metrics.run_loss.labels(run_id).set(event.loss)
         if event.grad_norm is not None:
             metrics.run_grad_norm.labels(run_id).set(event.grad_norm)
+        metrics.run_last_step.labels(run_id).set(event.step)
+        metrics.run_last_step_time.labels(run_id).set(event.time)
+        metrics.run_epoch.labels(run_id).set(event.epoch)
+    if newest:
+        metrics.touch_runs(newest)

@@ -49,6 +49,7 @@ class Runtime:
     settings: Settings
     workers: list[Worker] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
+    closers: list = field(default_factory=list)  # called after the threads stop (/metrics, alerts)
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""
@@ -56,6 +57,8 @@ class Runtime:
             worker.stop()
         for thread in self.threads:
             thread.join(timeout=10)
+        for close in self.closers:
+            close()
         self.bus.close()
 
     def __enter__(self) -> "Runtime":
@@ -93,4 +96,11 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     runtime = Runtime(bus, topics, settings)
     if settings.engine == "embedded":
         start_workers(runtime, metrics=metrics)
+        from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts
+
+        start_monitoring(runtime, metrics)
+        if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default
+            from spikeguard.reporting.recorded_settings import save
+
+            save(settings, settings.data_dir)
     return runtime

@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from spikeguard.actuators.policy import PolicyConfig
+from spikeguard.alerting.config import AlertingConfig
 from spikeguard.errors import ConfigError
 from spikeguard.processors.detectors import CONFIGS
 from spikeguard.processors.fusion import FusionConfig
@@ -56,7 +57,7 @@ class Settings(BaseModel):
         None, description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones"
     )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers)"
+        None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers, the embedded runtime)"
     )
     snapshot_interval_s: float = Field(
         2.0, gt=0, description="how often a worker snapshots its state and commits offsets"
@@ -69,6 +70,7 @@ class Settings(BaseModel):
     fusion: FusionConfig = Field(default_factory=FusionConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    alerting: AlertingConfig = Field(default_factory=AlertingConfig)
 
     @property
     def engine(self) -> str:

@@ -5,8 +5,9 @@ module (no downloads). ``--fault`` injects trouble at step 100: ``spike``
 (corrupted batches), ``nan`` (poisoned batches), ``divergence`` (a learning-rate
 blow-up). The whole pipeline runs on the embedded bus (Kafka when
 SPIKEGUARD_BOOTSTRAP_SERVERS is set); ``--no-guard`` trains the same thing
-unprotected. A PNG of the loss curve marks anomalies (red bands), actions
-(orange) and rollbacks (purple); re-run steps are drawn in green.
+unprotected. ``--plot`` writes the run's report: a PNG of the loss and
+gradient norm marking anomalies, incidents, actions and rollbacks, re-run
+steps in green, and an HTML page beside it (see ``spikeguard report``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-guard", action="store_true", help="train unprotected")
     parser.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
     parser.add_argument("--plot", default="spikeguard-demo.png", metavar="PNG",
-                        help="loss curve image (default spikeguard-demo.png; '' for none)")
+                        help="report image, and PNG-name.html beside it "
+                             "(default spikeguard-demo.png; '' for none)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -51,25 +53,30 @@ def _progress_bar(step: int, total: int, loss: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spikeguard.demo.model import DemoSetup
-    from spikeguard.demo.run import run_demo
-    from spikeguard.demo.plot import loss_plot
+    from spikeguard.demo.run import DEMO_SETTINGS, run_demo
 
     if args.steps < 150:
         raise SystemExit("spikeguard demo: --steps must be at least 150 (the fault strikes at step 100)")
     setup = DemoSetup(steps=args.steps)
     progress = None if (args.quiet or args.json) else _progress_bar
-    outcome = run_demo(args.fault, seed=args.seed, guarded=not args.no_guard, setup=setup,
-                       progress=progress)
-    if args.plot:
-        rollbacks = []
-        for i, a in enumerate(outcome.actions):
-            if a["kind"] == "rollback" and a["status"] == "applied":
-                to = next((b["step"] for b in outcome.actions[i + 1:]), None)
-                target = int(a["result"].split("step ")[1].split(" ")[0]) if "step " in a["result"] else to
-                rollbacks.append((a["step"], target if target is not None else a["step"]))
-        loss_plot(args.plot, outcome.losses, anomalies=[s for s, _, _ in outcome.detections],
-                  actions=[a["step"] for a in outcome.actions if a["status"] == "applied"],
-                  rollbacks=rollbacks)
+    runtime = None
+    if args.plot and not args.no_guard:
+        # Opened here rather than by run_demo, so that the report can read the run back.
+        from spikeguard.runtime import open_runtime
+        from spikeguard.settings import load_settings
+
+        runtime = open_runtime(load_settings(DEMO_SETTINGS))
+    try:
+        outcome = run_demo(args.fault, seed=args.seed, guarded=not args.no_guard, setup=setup,
+                           progress=progress, runtime=runtime)
+        page = None
+        if args.plot:
+            from spikeguard.demo.plot import report_outcome
+
+            page = report_outcome(outcome, args.plot, runtime)
+    finally:
+        if runtime is not None:
+            runtime.close()
     summary = outcome.summary()
     if args.json:
         print(json.dumps(summary))
@@ -86,5 +93,5 @@ def run(args: argparse.Namespace) -> int:
     for a in outcome.actions:
         print(f"  step {a['step']:4d} (epoch {a['epoch']})  {a['kind']:<14} {a['status']:<9} {a['result']}")
     if args.plot:
-        print(f"loss curve: {args.plot}")
+        print(f"report: {args.plot} and {page}")
     return 0

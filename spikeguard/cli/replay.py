@@ -1,10 +1,19 @@
-"""``spikeguard replay``: re-judge recorded runs with today's settings.
+"""``spikeguard replay``: re-judge recorded runs, and show what would change.
 
 Reads the recorded steps and checkpoints (from Kafka, or from a directory the
 embedded bus recorded with ``data_dir``), runs the whole pipeline over them
-offline and deterministically, and reports how the new decisions differ from
-the recorded ones. ``--publish`` writes the new decisions and actions to the
-bus under ``--prefix`` (default ``replay.``), leaving the originals untouched.
+offline and deterministically, and prints how the new decisions and actions
+differ from the recorded ones: added (+), removed (-), changed (~), naming
+the rollbacks and LR restores that appear or vanish.
+
+The judgement uses the settings the run was recorded with (a recording keeps
+them in ``_settings.json``), so a replay with no flags shows no differences;
+``--set NAME=VALUE`` changes one of them to see what it would have done.
+``--current-settings`` uses today's settings instead. ``--publish`` writes the
+new decisions and actions under ``--prefix`` (default ``replay.``), leaving
+the originals untouched.
+
+  spikeguard replay --data-dir run/ --set fusion.threshold=0.8
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import sys
 from spikeguard.bus import EmbeddedBus
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.errors import SchemaError, SpikeguardError
-from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, encode
+from spikeguard.schemas import Action, CheckpointEvent, Decision, StepEvent, Topics, encode
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefix", default="replay.", help="topic prefix for --publish")
     parser.add_argument("--publish", action="store_true", help="publish new decisions and actions")
     parser.add_argument("--out", help="also write the new decisions (anomalous) as JSONL here")
+    parser.add_argument("--current-settings", action="store_true",
+                        help="judge with today's settings, not the recorded ones")
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -49,7 +60,18 @@ def run(args: argparse.Namespace) -> int:
     from spikeguard.runtime import make_bus
     from spikeguard.lab.backtest import replay_events
 
-    settings = settings_from(args)
+    from spikeguard.reporting import recorded_settings
+    from spikeguard.reporting.diff import diff_actions, diff_decisions, render
+    from spikeguard.settings import parse_assignments
+
+    recorded_with = None
+    if args.data_dir and not args.current_settings:
+        recorded_with = recorded_settings.load(args.data_dir)
+    base: dict = {}
+    if recorded_with is not None:
+        flagged = parse_assignments(args.set)
+        base = {k: v for k, v in recorded_with.items() if k not in flagged}
+    settings = settings_from(args, **base)
     source = Topics(settings.topic_prefix)
     bus = EmbeddedBus(data_dir=args.data_dir) if args.data_dir else make_bus(settings)
     runs = set(args.run_id) if args.run_id else None
@@ -58,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpikeguardError(f"no step events on {source.steps} to replay")
     checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs)
     recorded, _ = read_topic(bus, source.decisions, Decision, runs)
+    recorded_actions, _ = read_topic(bus, source.actions, Action, runs)
     found = replay_events(steps, checkpoints, settings)
     decisions = found[source.decisions]
     actions = found[source.actions]
@@ -72,6 +95,14 @@ def run(args: argparse.Namespace) -> int:
           f"new {len(after.keys() - before.keys())}, gone {len(before.keys() - after.keys())}, "
           f"type changed {sum(before[k] != after[k] for k in before.keys() & after.keys())}")
     print(f"actions now: {len(actions)} ({', '.join(sorted({a.kind.value for a in actions})) or 'none'})")
+    if recorded_with is not None:
+        changed = sorted(parse_assignments(args.set))
+        print("judged with the recorded settings" + (f", changed: {', '.join(changed)}" if changed else ""))
+    else:
+        print("judged with today's settings" + ("" if args.current_settings else
+                                                " (no recorded settings found)"))
+    for line in render(diff_decisions(recorded, decisions), diff_actions(recorded_actions, actions)):
+        print(line)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:
             for decision in decisions:

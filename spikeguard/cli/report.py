@@ -2,6 +2,13 @@
 
 Incidents (onset, type, worst urgency, length), the actions taken and how the
 trainers answered them, checkpoints, and dead letters: the audit trail.
+
+Sources: ``--data-dir`` (a directory the embedded bus recorded), ``--jsonl``
+(an export made with ``--export``), else the bus (Kafka: the topics from their
+first offset). ``--out DIR`` writes, per run, ``RUN.png`` (loss and gradient
+norm with anomalies, incidents, actions and rollbacks marked; needs the
+``[report]`` extra) and ``RUN.html`` (the plot, the incidents with wall-clock
+times and evidence, the actions and the trainer's acks, with epochs).
 """
 
 from __future__ import annotations
@@ -10,10 +17,11 @@ import argparse
 import json
 from collections import Counter, defaultdict
 
-from spikeguard.bus import EmbeddedBus
+from pathlib import Path
+
 from spikeguard.cli._common import add_settings_flags, settings_from
-from spikeguard.cli.replay import read_topic
-from spikeguard.schemas import Ack, Action, CheckpointEvent, DeadLetter, Decision, Topics, Urgency
+from spikeguard.errors import SpikeguardError
+from spikeguard.schemas import DeadLetter, Topics, Urgency
 
 _URGENCY = {u: i for i, u in enumerate(Urgency)}
 
@@ -22,9 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report", help="incidents, actions and acks per run", description=__doc__
     )
-    parser.add_argument("--data-dir", help="a directory recorded by the embedded bus (else Kafka)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data-dir", help="a directory recorded by the embedded bus (else Kafka)")
+    source.add_argument("--jsonl", metavar="FILE", help="a JSONL export (see --export)")
     parser.add_argument("--run-id", action="append", help="only these runs (repeatable)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    parser.add_argument("--out", metavar="DIR", help="write RUN.png and RUN.html per run here")
+    parser.add_argument("--export", metavar="FILE", help="write the runs' events as a JSONL export")
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -56,23 +68,77 @@ def summarise(decisions, actions, acks, checkpoints, letters) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    from spikeguard.runtime import make_bus
+def _load(args: argparse.Namespace, topics: Topics, runs: set[str] | None):
+    """The recorded runs and the dead letters (none in a JSONL export)."""
+    from spikeguard.reporting import load_bus, load_directory, load_jsonl
 
-    settings = settings_from(args)
+    if args.jsonl:
+        return load_jsonl(args.jsonl, runs), []
+    if args.data_dir:
+        from spikeguard.bus import EmbeddedBus
+
+        recorded = load_directory(args.data_dir, topics.prefix, runs)
+        bus = EmbeddedBus(partitions=64, data_dir=args.data_dir)
+        source = str(args.data_dir)
+    else:
+        from spikeguard.runtime import make_bus
+
+        bus = make_bus(args.settings)
+        source = args.settings.bootstrap_servers or "the embedded bus"
+        recorded = None
+    try:
+        if recorded is None:
+            recorded = load_bus(bus, topics, runs, source=source)
+        letters = []
+        for record in bus.read_all(topics.dlq, timeout=30):
+            try:
+                letters.append(record.decoded(DeadLetter))
+            except SpikeguardError:
+                continue
+        return recorded, letters
+    finally:
+        bus.close()
+
+
+def _write_files(recorded: dict, out: str) -> list[str]:
+    from spikeguard.reporting import build_timeline
+    from spikeguard.reporting.figure import draw
+    from spikeguard.reporting.page import write
+
+    directory = Path(out)
+    if not directory.parent.is_dir():
+        raise SpikeguardError(f"--out {out}: {directory.parent} does not exist")
+    directory.mkdir(exist_ok=True)
+    written = []
+    for run_id, record in recorded.items():
+        timeline = build_timeline(record)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+        png, page = directory / f"{safe}.png", directory / f"{safe}.html"
+        draw(timeline, str(png))
+        write(timeline, str(page), str(png))
+        written += [str(png), str(page)]
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    args.settings = settings = settings_from(args)
     topics = Topics(settings.topic_prefix)
-    bus = EmbeddedBus(data_dir=args.data_dir) if args.data_dir else make_bus(settings)
     runs = set(args.run_id) if args.run_id else None
+    recorded, letters = _load(args, topics, runs)
     report = summarise(
-        read_topic(bus, topics.decisions, Decision, runs)[0],
-        read_topic(bus, topics.actions, Action, runs)[0],
-        read_topic(bus, topics.acks, Ack, runs)[0],
-        read_topic(bus, topics.checkpoints, CheckpointEvent, runs)[0],
-        [letter for letter in read_topic(bus, topics.dlq, DeadLetter, None)[0]],
+        [d for r in recorded.values() for d in r.decisions],
+        [a for r in recorded.values() for a in r.actions],
+        [a for r in recorded.values() for a in r.acks],
+        [c for r in recorded.values() for c in r.checkpoints],
+        letters,
     )
-    bus.close()
+    if args.export:
+        from spikeguard.reporting import export_jsonl
+
+        export_jsonl(recorded, args.export)
+    written = _write_files(recorded, args.out) if args.out else []
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps({**report, "files": written} if written else report, indent=2))
         return 0
     for run_id, info in report["runs"].items():
         print(f"run {run_id}: {len(info['incidents'])} incident(s), "
@@ -85,4 +151,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{action['status']:<10} {action['reason']}")
     if report["dead_letters"]:
         print("dead letters: " + ", ".join(f"{t}: {n}" for t, n in report["dead_letters"].items()))
+    for path in written:
+        print(f"wrote {path}")
     return 0

@@ -1,15 +1,13 @@
-"""``spikeguard demo``: the command line, the JSON outcome and the PNG."""
+"""``spikeguard demo``: the command line, the JSON outcome and the report (PNG and HTML)."""
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
-
-import numpy as np
 
 from spikeguard.cli import main
-from spikeguard.demo.plot import loss_plot, write_png
+from spikeguard.demo.plot import report_outcome
+from spikeguard.demo.run import DemoOutcome
 
 
 def test_demo_json_and_plot(tmp_path, capsys):
@@ -22,27 +20,20 @@ def test_demo_json_and_plot(tmp_path, capsys):
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (900, 420)
-
-
-def test_png_writer_round_trips_pixels(tmp_path):
-    image = np.zeros((3, 4, 3), dtype=np.uint8)
-    image[1, 2] = (255, 127, 14)
-    path = tmp_path / "p.png"
-    write_png(str(path), image)
-    data = path.read_bytes()
-    idat = data.index(b"IDAT")
-    length = struct.unpack(">I", data[idat - 4:idat])[0]
-    raw = zlib.decompress(data[idat + 4: idat + 4 + length])
-    rows = [raw[r * 13 + 1:(r + 1) * 13] for r in range(3)]
-    assert rows[1][6:9] == bytes((255, 127, 14)) and raw[0] == 0
+    assert (width, height) == (1200, 800)  # matplotlib, 12 x 8 inches at 100 dpi
+    page = (tmp_path / "curve.html").read_text()
+    assert "non_finite" in page and "<td>rollback</td>" in page
 
 
 def test_plot_handles_nan_and_rollbacks(tmp_path):
-    losses = [(s, 0, 3.0 - s * 0.01) for s in range(50)] + [(50, 0, float("nan"))]
-    losses += [(s, 1, 2.6 - s * 0.01) for s in range(40, 80)]
-    loss_plot(str(tmp_path / "x.png"), losses, anomalies=[50], actions=[51, 40], rollbacks=[(51, 40)])
+    """An unguarded outcome (losses only), NaN and a re-run stretch (steps 40..50) included."""
+    outcome = DemoOutcome("nan", False, 0, 80, float("nan"))
+    outcome.losses = [(s, 0, 3.0 - s * 0.01) for s in range(50)] + [(50, 0, float("nan"))]
+    outcome.losses += [(s, 1, 2.6 - s * 0.01) for s in range(40, 80)]
+    page = report_outcome(outcome, str(tmp_path / "x.png"))
     assert (tmp_path / "x.png").stat().st_size > 100
+    assert "11 re-run after rollbacks" in (tmp_path / "x.html").read_text()
+    assert page == str(tmp_path / "x.html")
 
 
 def test_the_cli_constants_match_the_demo_model():

@@ -1,0 +1,114 @@
+"""The HTML report: the plot, the incidents with wall-clock times and evidence, the actions and acks.
+
+One self-contained file (the PNG inlined as base64), readable offline and
+attachable to a ticket. Every text from the records is escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spikeguard.reporting.timeline import Timeline
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1250px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } .critical { color: #b00; font-weight: bold; } .high { color: #d60; }
+.muted { color: #777; } img { max-width: 100%; border: 1px solid #ddd; }
+"""
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "?"
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "?"
+    return f"{x:.4g}" if math.isfinite(x) else str(x)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def render(timeline: "Timeline", png_path: str | None = None) -> str:
+    t = timeline
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'>"
+             f"<title>spikeguard report: {_e(t.run_id)}</title><style>{_STYLE}</style></head><body>",
+             f"<h1>spikeguard report: run {_e(t.run_id)}</h1>"]
+    reruns = sum(p.rerun for p in t.steps)
+    start = t.steps[0].time if t.steps else None
+    end = t.steps[-1].time if t.steps else None
+    parts.append(
+        f"<p>{len(t.steps)} steps recorded from {_e(_when(start))} to {_e(_when(end))}, "
+        f"epochs {', '.join(map(str, t.epochs)) or '0'} ({reruns} re-run after rollbacks); "
+        f"{len(t.incidents)} incident(s), {len(t.actions)} action(s), {len(t.rollbacks)} "
+        f"rollback(s), {t.checkpoints} checkpoint(s).</p>")
+    if png_path:
+        with open(png_path, "rb") as handle:
+            data = base64.b64encode(handle.read()).decode()
+        parts.append(f"<img alt='loss and gradient norm of run {_e(t.run_id)}' "
+                     f"src='data:image/png;base64,{data}'>")
+    parts.append("<h2>Incidents</h2>")
+    if not t.incidents:
+        parts.append("<p class='muted'>No incident: every step was judged normal.</p>")
+    else:
+        parts.append("<table><tr><th>onset (wall clock)</th><th>steps</th><th>epoch</th>"
+                     "<th>type</th><th>urgency</th><th>loss vs baseline</th><th>detectors</th>"
+                     "<th>rules</th><th>recommended</th></tr>")
+        for i in t.incidents:
+            ratio = ""
+            if i.loss is not None and i.baseline and math.isfinite(i.loss):
+                ratio = f" ({i.loss / i.baseline:.1f}x)"
+            said = "<br>".join(
+                f"{_e(name)}: {'<b>anomaly</b>' if v['anomaly'] else 'normal'} "
+                f"{_e(v['type'])} {v['confidence']:.2f}"
+                + (f" <span class='muted'>{_e(v['message'])}</span>" if v.get("message") else "")
+                for name, v in sorted(i.detectors.items())) or "<span class='muted'>no verdicts recorded</span>"
+            parts.append(
+                f"<tr><td>{_e(_when(i.time))}</td><td>{i.onset_step}"
+                f"{'' if i.last_step == i.onset_step else f'&ndash;{i.last_step}'}"
+                f" ({i.decisions} decision(s))</td><td>{i.epoch}</td><td>{_e(i.type)}</td>"
+                f"<td class='{_e(i.urgency)}'>{_e(i.urgency)}</td>"
+                f"<td>{_num(i.loss)} vs {_num(i.baseline)}{ratio}</td><td>{said}</td>"
+                f"<td>{_e(', '.join(i.rules))}</td><td>{_e(i.recommendation)}</td></tr>")
+        parts.append("</table><p class='muted'>Baseline: median of the finite losses of the "
+                     "20 steps before the onset.</p>")
+    parts.append("<h2>What the trainer did</h2>")
+    if not t.actions:
+        parts.append("<p class='muted'>No action was sent.</p>")
+    else:
+        parts.append("<table><tr><th>action</th><th>for step</th><th>parameters</th><th>reason</th>"
+                     "<th>ack</th><th>at step</th><th>epoch after</th><th>acked at</th>"
+                     "<th>result</th></tr>")
+        for a in t.actions:
+            params = ", ".join(f"{_e(k)}={_e(v)}" for k, v in sorted(a.params.items()))
+            parts.append(
+                f"<tr><td>{_e(a.kind)}</td><td>{a.apply_at_step}</td><td>{params}</td>"
+                f"<td>{_e(a.reason)}</td><td>{_e(a.ack_status)}</td>"
+                f"<td>{'' if a.ack_step is None else a.ack_step}</td>"
+                f"<td>{'' if a.ack_epoch is None else a.ack_epoch}</td>"
+                f"<td>{_e(_when(a.ack_time)) if a.ack_time else ''}</td><td>{_e(a.result)}</td></tr>")
+        parts.append("</table>")
+    if t.rollbacks:
+        parts.append("<h2>Rollbacks</h2><ul>")
+        for start, target, epoch in t.rollbacks:
+            parts.append(f"<li>at step {start}: back to the checkpoint of step {target}; steps "
+                         f"from {target} on re-run in epoch {epoch}</li>")
+        parts.append("</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write(timeline: "Timeline", path: str, png_path: str | None = None) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(render(timeline, png_path))

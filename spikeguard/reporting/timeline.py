@@ -1,0 +1,162 @@
+"""From a run's events to what a person asks: what went wrong, when, why, and what was done.
+
+Steps are kept in training order with their epoch; a step whose number was
+already trained in an earlier epoch is a re-run (the trainer rolled back).
+An incident is the anomalous decisions sharing an ``incident_id``; its
+evidence is the loss at onset against the rolling median of the steps before
+it, and what each detector said about the onset step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from spikeguard.reporting.load import RunRecord
+from spikeguard.schemas import Urgency
+
+_RANK = {u.value: i for i, u in enumerate(Urgency)}
+BASELINE_STEPS = 20
+
+
+@dataclass
+class StepPoint:
+    step: int
+    epoch: int
+    loss: float
+    grad_norm: float | None
+    time: float
+    rerun: bool  # this step number was trained before, in an earlier epoch
+
+
+@dataclass
+class Incident:
+    incident_id: str
+    onset_step: int
+    epoch: int
+    type: str
+    urgency: str
+    first_step: int
+    last_step: int
+    decisions: int
+    time: float | None  # wall clock of the onset step
+    loss: float | None
+    baseline: float | None  # rolling median of the BASELINE_STEPS finite losses before onset
+    detectors: dict[str, dict] = field(default_factory=dict)  # name -> verdict summary
+    rules: list[str] = field(default_factory=list)
+    recommendation: str = ""
+
+
+@dataclass
+class ActionRow:
+    action_id: str
+    kind: str
+    apply_at_step: int
+    params: dict
+    reason: str
+    incident_id: str | None
+    ack_status: str  # applied, rejected, ..., or "no ack"
+    ack_step: int | None
+    ack_epoch: int | None  # the epoch the trainer was in after applying it
+    ack_time: float | None
+    result: str
+
+
+@dataclass
+class Timeline:
+    run_id: str
+    steps: list[StepPoint]
+    anomalies: list[tuple[int, int, str]]  # (step, epoch, type) of every anomalous decision
+    incidents: list[Incident]
+    actions: list[ActionRow]
+    rollbacks: list[tuple[int, int, int]]  # (from step, to step, new epoch)
+    checkpoints: int
+
+    @property
+    def epochs(self) -> list[int]:
+        return sorted({p.epoch for p in self.steps})
+
+
+def _baseline(points: list[StepPoint], index: int) -> float | None:
+    before = [p.loss for p in points[max(0, index - 4 * BASELINE_STEPS):index]
+              if math.isfinite(p.loss)][-BASELINE_STEPS:]
+    return statistics.median(before) if before else None
+
+
+def build_timeline(run: RunRecord) -> Timeline:
+    points: list[StepPoint] = []
+    index_of: dict[tuple[int, int], int] = {}
+    trained: dict[int, int] = {}  # step -> first epoch it was trained in
+    for event in run.steps:
+        key = (event.epoch, event.step)
+        if key in index_of or event.rank != 0:
+            continue  # a re-delivered record, or another rank's copy
+        first = trained.setdefault(event.step, event.epoch)
+        index_of[key] = len(points)
+        points.append(StepPoint(event.step, event.epoch, event.loss, event.grad_norm, event.time,
+                                rerun=first < event.epoch))
+    verdicts: dict[tuple[int, int], dict[str, dict]] = {}
+    for v in run.verdicts:
+        verdicts.setdefault((v.epoch, v.step), {})[v.detector] = {
+            "anomaly": v.is_anomaly, "type": v.type.value, "confidence": round(v.confidence, 3),
+            "rules": list(v.rules), "message": v.message,
+        }
+    anomalies: list[tuple[int, int, str]] = []
+    incidents: dict[str, Incident] = {}
+    seen_decisions: set[str] = set()
+    for d in run.decisions:
+        if not d.is_anomaly or d.decision_id in seen_decisions:
+            continue
+        seen_decisions.add(d.decision_id)
+        anomalies.append((d.step, d.epoch, d.type.value))
+        incident_id = d.incident_id or d.decision_id
+        found = incidents.get(incident_id)
+        if found is None:
+            onset = d.incident_onset_step if d.incident_onset_step is not None else d.step
+            at = index_of.get((d.epoch, onset))
+            point = points[at] if at is not None else None
+            found = incidents[incident_id] = Incident(
+                incident_id, onset, d.epoch, d.type.value, d.urgency.value, d.step, d.step, 0,
+                time=point.time if point else None, loss=point.loss if point else None,
+                baseline=_baseline(points, at) if at is not None else None,
+                detectors=verdicts.get((d.epoch, onset)) or verdicts.get((d.epoch, d.step), {}),
+                rules=list(d.rules), recommendation=d.recommendation,
+            )
+        found.decisions += 1
+        found.first_step, found.last_step = min(found.first_step, d.step), max(found.last_step, d.step)
+        if _RANK[d.urgency.value] > _RANK[found.urgency]:
+            found.urgency = d.urgency.value
+        for rule in d.rules:
+            if rule not in found.rules:
+                found.rules.append(rule)
+    acks = {}
+    for ack in run.acks:
+        acks.setdefault(ack.action_id, ack)  # the first answer (later ones are duplicates)
+    epoch_at = sorted((p.time, p.epoch) for p in points)
+    rows: list[ActionRow] = []
+    rollbacks: list[tuple[int, int, int]] = []
+    seen_actions: set[str] = set()
+    for a in run.actions:
+        if a.action_id in seen_actions:
+            continue
+        seen_actions.add(a.action_id)
+        ack = acks.get(a.action_id)
+        ack_epoch = None
+        if ack is not None:
+            later = [e for t, e in epoch_at if t >= ack.time]
+            ack_epoch = later[0] if later else (epoch_at[-1][1] if epoch_at else None)
+        rows.append(ActionRow(
+            a.action_id, a.kind.value, a.apply_at_step, dict(a.params), a.reason, a.incident_id,
+            ack.status.value if ack else "no ack", ack.step if ack else None, ack_epoch,
+            ack.time if ack else None, ack.result if ack else "",
+        ))
+        if a.kind.value == "rollback" and ack is not None and ack.status.value == "applied":
+            target = a.params.get("target_step")
+            if isinstance(target, (int, float)):
+                rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
+    return Timeline(
+        run.run_id, points, anomalies,
+        sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
+        checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
+    )

@@ -1,0 +1,155 @@
+"""``spikeguard report`` on a recorded run: PNG and HTML, from a directory or a JSONL export."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+
+from spikeguard.cli import main
+from spikeguard.reporting import ReportError, RunRecord, build_timeline, load_directory, load_jsonl
+from spikeguard.reporting.figure import figure
+from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, StepEvent, Urgency
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A guarded demo run through a NaN fault, recorded by the embedded bus."""
+    from spikeguard.demo.model import DemoSetup
+    from spikeguard.demo.run import DEMO_SETTINGS, run_demo
+    from spikeguard.runtime import open_runtime
+    from spikeguard.settings import load_settings
+
+    directory = tmp_path_factory.mktemp("recorded")
+    runtime = open_runtime(load_settings({**DEMO_SETTINGS, "data_dir": str(directory)}, env={}))
+    try:
+        outcome = run_demo("nan", seed=0, setup=DemoSetup(steps=150), runtime=runtime)
+    finally:
+        runtime.close()
+    assert outcome.rollbacks == 1
+    return directory
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_writes_png_and_html_for_a_recorded_directory(recorded, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["report", "--data-dir", str(recorded), "--out", str(out), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    (run_id,) = said["runs"]
+    assert any(i["type"] == "non_finite" and i["urgency"] == "critical"
+               for i in said["runs"][run_id]["incidents"])
+    png, page = out / f"{run_id}.png", out / f"{run_id}.html"
+    assert said["files"] == [str(png), str(page)]
+    assert _png_size(png) == (1200, 800)
+    html = page.read_text()
+    assert "data:image/png;base64," in html
+    assert "UTC</td>" in html  # incidents and acks with wall-clock times
+    assert "non_finite" in html and "critical" in html
+    assert "rules: <b>anomaly</b>" in html  # which detectors said what
+    assert "vs 2." in html  # the loss against its baseline
+    for kind in ("rollback", "skip_batches", "scale_lr"):
+        assert f"<td>{kind}</td>" in html
+    assert "rolled back to step" in html and "applied" in html
+    assert "re-run in epoch 1" in html
+
+
+def test_the_timeline_marks_reruns_anomalies_and_the_rollback(recorded):
+    (record,) = load_directory(recorded).values()
+    timeline = build_timeline(record)
+    assert timeline.epochs == [0, 1]
+    (start, target, epoch), = timeline.rollbacks
+    assert epoch == 1 and target < start
+    reruns = [p for p in timeline.steps if p.rerun]
+    assert reruns and all(p.epoch == 1 and target <= p.step <= start for p in reruns)
+    assert any(not math.isfinite(p.loss) for p in timeline.steps if p.epoch == 0)
+    assert any(t == "non_finite" for _, _, t in timeline.anomalies)
+    (incident,) = timeline.incidents
+    assert incident.time is not None and incident.baseline is not None
+    assert incident.detectors["rules"]["anomaly"] is True
+
+
+def test_the_figure_has_axes_labels_and_a_legend(recorded):
+    (record,) = load_directory(recorded).values()
+    fig = figure(build_timeline(record), title="t")
+    loss_axes, grad_axes = fig.axes
+    assert loss_axes.get_ylabel() == "training loss"
+    assert grad_axes.get_xlabel() == "optimizer step"
+    assert grad_axes.get_yscale() == "log"
+    legend = [t.get_text() for t in loss_axes.get_legend().get_texts()]
+    for entry in ("loss", "loss, re-run after rollback", "anomalous step", "incident",
+                  "action applied", "rollback (arrow: to its checkpoint)",
+                  "non-finite loss (drawn at the top)"):
+        assert entry in legend
+    texts = [t.get_text() for t in loss_axes.texts]
+    assert any(t.startswith("rollback -> step") for t in texts)
+    assert loss_axes.get_xticklabels() or grad_axes.get_xticklabels()
+
+
+def test_a_jsonl_export_reports_the_same(recorded, tmp_path, capsys):
+    export = tmp_path / "run.jsonl"
+    assert main(["report", "--data-dir", str(recorded), "--export", str(export), "--json"]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert main(["report", "--jsonl", str(export), "--json"]) == 0
+    from_jsonl = json.loads(capsys.readouterr().out)
+    assert from_jsonl["runs"] == from_dir["runs"]
+    (a,) = load_directory(recorded).values()
+    (b,) = load_jsonl(export).values()
+    ta, tb = build_timeline(a), build_timeline(b)
+    assert ta.rollbacks == tb.rollbacks and len(ta.steps) == len(tb.steps)
+
+
+def test_a_wrong_source_is_an_error_not_an_empty_report(tmp_path, capsys):
+    assert main(["report", "--data-dir", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()  # and it was not created
+    (tmp_path / "empty").mkdir()
+    assert main(["report", "--data-dir", str(tmp_path / "empty")]) == 2
+    assert "not a recording" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"topic": "steps", "event": {"run_id": "x"}}\n')
+    assert main(["report", "--jsonl", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"topic": "steps", "event": ' + StepEvent(run_id="a", step=0, loss=1.0)
+                  .model_dump_json() + "}\n")
+    assert list(load_jsonl(ok)) == ["a"]
+    with pytest.raises(ReportError, match="no step events of run"):
+        load_jsonl(ok, runs={"b"})  # a mistyped --run-id is an error too
+
+
+def test_actions_without_an_ack_and_a_rollback_from_events():
+    steps = [StepEvent(run_id="r", step=s, loss=1.0, grad_norm=0.5, time=100.0 + s) for s in range(30)]
+    steps[20] = StepEvent(run_id="r", step=20, loss=math.inf, time=120.0)
+    steps += [StepEvent(run_id="r", step=s, epoch=1, loss=0.9, time=200.0 + s) for s in range(11, 30)]
+    decision = Decision(decision_id="d", run_id="r", step=20, is_anomaly=True, urgency=Urgency.CRITICAL,
+                        incident_id="i", incident_onset_step=20)
+    actions = [Action(action_id="a1", run_id="r", kind=ActionKind.ROLLBACK, apply_at_step=21,
+                      params={"target_step": 10}),
+               Action(action_id="a2", run_id="r", kind=ActionKind.STOP, apply_at_step=21)]
+    acks = [Ack(run_id="r", action_id="a1", kind=ActionKind.ROLLBACK, status=AckStatus.APPLIED,
+                step=21, time=150.0)]
+    timeline = build_timeline(RunRecord("r", steps=steps, decisions=[decision], actions=actions,
+                                        acks=acks))
+    assert timeline.rollbacks == [(21, 10, 1)]
+    assert [a.ack_status for a in timeline.actions] == ["applied", "no ack"]
+    assert timeline.incidents[0].time == 120.0 and timeline.incidents[0].baseline == 1.0
+    assert sum(p.rerun for p in timeline.steps) == 19
+
+
+def test_a_loss_beyond_the_axis_is_marked_with_its_value():
+    steps = [StepEvent(run_id="r", step=s, loss=2.0 + 0.01 * (s % 5), grad_norm=1.0, time=float(s))
+             for s in range(100)]
+    steps[60] = StepEvent(run_id="r", step=60, loss=4000.0, grad_norm=900.0, time=60.0)
+    fig = figure(build_timeline(RunRecord("r", steps=steps)))
+    loss_axes = fig.axes[0]
+    assert loss_axes.get_ylim()[1] < 10  # one spike does not flatten the curve
+    assert "4e+03" in [t.get_text() for t in loss_axes.texts]
+    assert "loss above the axis (value noted)" in [
+        t.get_text() for t in loss_axes.get_legend().get_texts()]

@@ -1,0 +1,197 @@
+"""Metrics: Prometheus names, per-run series that go away, lag, drops, and /metrics served."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from spikeguard.bus import EmbeddedBus
+from spikeguard.metrics import Metrics, observe_inputs, observe_outputs
+from spikeguard.metrics_http import LagCollector, embedded_lag, serve
+from spikeguard.producers import BackgroundPublisher
+from spikeguard.schemas import (
+    Action,
+    ActionKind,
+    Decision,
+    HealthLevel,
+    StepEvent,
+    Topics,
+    Urgency,
+    Verdict,
+)
+
+
+def _fresh() -> tuple[Metrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return Metrics(registry), registry
+
+
+def test_names_follow_prometheus_conventions():
+    metrics, registry = _fresh()
+    for family in registry.collect():
+        assert family.name.startswith("spikeguard_")
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
+        for sample in family.samples:
+            assert "step" not in sample.labels  # never a per-step label
+
+
+def test_last_step_and_per_run_decisions_and_actions():
+    metrics, registry = _fresh()
+    observe_inputs(metrics, [("s", StepEvent(run_id="a", step=7, epoch=1, loss=2.0, grad_norm=3.0,
+                                             time=1000.0))])
+    decision = Decision(decision_id="d1", run_id="a", step=7, is_anomaly=True,
+                        urgency=Urgency.CRITICAL, incident_id="i1")
+    action = Action(action_id="x1", run_id="a", kind=ActionKind.ROLLBACK, apply_at_step=8)
+    verdict = Verdict(run_id="a", step=7, detector="predictor", is_anomaly=False,
+                      health=HealthLevel.CRITICAL)
+    before = time.time()
+    observe_outputs(metrics, [("d", decision), ("a", action), ("v", verdict)])
+    get = registry.get_sample_value
+    assert get("spikeguard_run_last_step", {"run_id": "a"}) == 7
+    assert get("spikeguard_run_last_step_timestamp_seconds", {"run_id": "a"}) == 1000.0
+    assert get("spikeguard_run_epoch", {"run_id": "a"}) == 1
+    assert get("spikeguard_run_decisions_total", {"run_id": "a", "urgency": "critical"}) == 1
+    assert get("spikeguard_run_last_decision_timestamp_seconds",
+               {"run_id": "a", "urgency": "critical"}) >= before
+    assert get("spikeguard_run_actions_total", {"run_id": "a", "kind": "rollback"}) == 1
+    assert get("spikeguard_run_health_level", {"run_id": "a"}) == 4
+    assert get("spikeguard_runs_tracked") == 1
+
+
+def test_a_runs_series_are_removed_when_it_ends_and_when_it_goes_silent():
+    metrics, registry = _fresh()
+    metrics.run_idle_s = 100.0
+    for run in ("a", "b"):
+        observe_inputs(metrics, [("s", StepEvent(run_id=run, step=1, loss=1.0, grad_norm=1.0))])
+        observe_outputs(metrics, [("d", Decision(decision_id=f"d-{run}", run_id=run, step=1,
+                                                 is_anomaly=True, urgency=Urgency.HIGH))])
+    metrics.forget_run("a")
+    names = {s.labels.get("run_id") for f in registry.collect() for s in f.samples}
+    assert "a" not in names and "b" in names
+    # b falls silent: the next sweep after run_idle_s removes it too.
+    metrics.touch_runs(["c"], now=time.time() + 1000)
+    names = {s.labels.get("run_id") for f in registry.collect() for s in f.samples}
+    assert "b" not in names
+    assert registry.get_sample_value("spikeguard_runs_tracked") == 1
+
+
+def test_consumer_lag_per_partition_on_the_embedded_bus():
+    bus, topics = EmbeddedBus(partitions=2), Topics()
+    bus.create_topics([topics.steps])
+    producer = bus.producer()
+    for i in range(10):
+        producer.publish_events([(topics.steps, StepEvent(run_id=f"r{i % 3}", step=i, loss=1.0))])
+    consumer = bus.consumer("spikeguard.statistical", [topics.steps])
+    assert sum(embedded_lag(bus, "spikeguard.").values()) == 10
+    records = consumer.poll(4, timeout=1.0)
+    consumer.commit()
+    lag = embedded_lag(bus, "spikeguard.")
+    assert sum(lag.values()) == 10 - len(records)
+    assert {k[:2] for k in lag} == {("spikeguard.statistical", topics.steps)}
+    registry = CollectorRegistry()
+    registry.register(LagCollector.for_bus(bus, "spikeguard."))
+    for (group, topic, partition), value in lag.items():
+        assert registry.get_sample_value("spikeguard_consumer_lag_records", {
+            "group": group, "topic": topic, "partition": str(partition)}) == value
+
+
+def test_a_lag_reader_that_fails_gives_no_samples_not_a_failed_scrape():
+    def broken():
+        raise ConnectionError("broker away")
+
+    registry = CollectorRegistry()
+    registry.register(LagCollector(broken))
+    assert registry.get_sample_value("spikeguard_consumer_lag_records", {}) is None
+
+
+class _GatedProducer:
+    """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
+
+    def __init__(self, bus):
+        self.inner, self.gate = bus.producer(), threading.Event()
+
+    def publish(self, topic, value, key=None, headers=None):
+        self.gate.wait()
+        self.inner.publish(topic, value, key=key, headers=headers)
+
+    def flush(self, timeout=None):
+        self.inner.flush(timeout)
+
+
+def test_trainer_dropped_counts_what_the_publisher_drops():
+    metrics, registry = _fresh()
+    bus, topics = EmbeddedBus(), Topics()
+    producer = _GatedProducer(bus)
+    publisher = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001, metrics=metrics)
+    publisher.submit(topics.steps, StepEvent, dict(run_id="p", step=0, loss=1.0))
+    time.sleep(0.05)  # the sender now hangs on the first record
+    for i in range(1, 21):
+        publisher.submit(topics.steps, StepEvent, dict(run_id="p", step=i, loss=1.0))
+    assert publisher.dropped == 15
+    assert registry.get_sample_value("spikeguard_trainer_dropped_events_total") == 15
+    producer.gate.set()
+    publisher.close()
+    assert registry.get_sample_value("spikeguard_trainer_dropped_events_total") == publisher.dropped
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def test_serve_exposes_a_registry_with_lag_and_stops():
+    metrics, registry = _fresh()
+    bus = EmbeddedBus()
+    bus.create_topics(["spikeguard.steps"])
+    bus.consumer("spikeguard.rules", ["spikeguard.steps"])
+    metrics.trainer_dropped.inc(3)
+    server = serve(0, registry, addr="127.0.0.1", bus=bus, group_prefix="spikeguard.")
+    text = _scrape(server.port)
+    assert "spikeguard_trainer_dropped_events_total 3.0" in text
+    assert 'spikeguard_consumer_lag_records{group="spikeguard.rules"' in text
+    port = server.port
+    server.close()
+    with pytest.raises(OSError):
+        _scrape(port)
+    serve(0, registry, addr="127.0.0.1", bus=bus).close()  # the lag collector was unregistered
+
+
+def test_the_embedded_guard_serves_metrics_when_asked(tmp_path, monkeypatch):
+    """A guarded demo run (NaN fault) on an embedded runtime with metrics_port set."""
+    from spikeguard.demo.model import DemoSetup
+    from spikeguard.demo.run import DEMO_SETTINGS, run_demo
+    from spikeguard.metrics import default_metrics
+    from spikeguard.runtime import open_runtime
+    from spikeguard.settings import load_settings
+
+    port = _free_port()
+    runtime = open_runtime(load_settings({**DEMO_SETTINGS, "metrics_port": port}))
+    try:
+        outcome = run_demo("nan", seed=0, setup=DemoSetup(steps=150), runtime=runtime)
+        assert outcome.rollbacks >= 1
+        text = _scrape(port)
+    finally:
+        runtime.close()
+    run_lines = [line for line in text.splitlines() if 'run_id="demo-nan-0-' in line]
+    assert any(line.startswith("spikeguard_run_last_step{") for line in run_lines)
+    assert any(line.startswith('spikeguard_run_last_decision_timestamp_seconds{')
+               and 'urgency="critical"' in line for line in run_lines)
+    assert "spikeguard_consumer_lag_records{" in text
+    registry = default_metrics().registry
+    assert registry.get_sample_value("spikeguard_decision_latency_seconds_count") > 0
+    assert registry.get_sample_value("spikeguard_action_round_trip_seconds_count",
+                                     {"kind": "rollback"}) >= 1
+    with pytest.raises(OSError):
+        _scrape(port)  # closed with the runtime
