@@ -41,13 +41,21 @@ class RankSync:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
-    def flags(self, local_nonfinite: torch.Tensor, due: bool) -> torch.Tensor:
-        """All-reduced [any rank non-finite, rank 0 has due actions] (on device, not synced)."""
+    def flags(self, local_nonfinite: torch.Tensor, due: bool, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All-reduced (MAX) flags and loss, on device, not synced.
+
+        ``any_nonfinite``: some rank saw a non-finite loss or gradient; ``any_due``:
+        rank 0 has actions due; ``max_loss``: the largest loss of any rank, which
+        every rank then judges alike (the gradient norm is already the same on
+        every rank once DDP has averaged the gradients).
+        """
+        loss = loss.detach().to(self.device).float().reshape(())
         vec = torch.stack([local_nonfinite.to(self.device).float().reshape(()),
-                           torch.tensor(1.0 if due else 0.0, device=self.device)])
+                           torch.tensor(1.0 if due else 0.0, device=self.device),
+                           torch.where(torch.isfinite(loss), loss, torch.full_like(loss, float("inf")))])
         if self.enabled:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-        return vec
+        return {"any_nonfinite": vec[0], "any_due": vec[1], "max_loss": vec[2]}
 
     def broadcast(self, payload: list[dict] | None) -> list[dict]:
         """Rank 0's ``payload`` on every rank."""

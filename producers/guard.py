@@ -23,14 +23,14 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from spikeguard.producers import snapshot
-from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Handler, Outcome, apply_action
+from spikeguard.producers.actions import (ANOMALY_KINDS, ActionFailed, ActionQueue, Handler, Outcome,
+                                          apply_action)
 from spikeguard.producers.checkpoints import CheckpointStore
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig
@@ -41,15 +41,15 @@ from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
-from spikeguard.producers.recovery import RecoveryMixin
 from spikeguard.producers.stats import GradStats
 from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, CheckpointEvent, StepEvent, Topics
 
 log = logging.getLogger(__name__)
 
 
-class Guard(RecoveryMixin):
+class Guard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
@@ -75,20 +75,24 @@ class Guard(RecoveryMixin):
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
         self.lr = LRControl(optimizer, scheduler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
+        self.position = DataPosition(cfg.history_steps)
+        # Everything a checkpoint holds and a rollback puts back, in load order.
+        self.parts = StateParts([
+            ("model", ModelPart(model)), ("optimizer", optimizer), ("scheduler", scheduler),
+            ("scaler", scaler), ("rng", RNGPart()), ("lr", self.lr), ("clip", self.clipper),
+            ("health", self.health), ("ledger", self.ledger), ("data", self.position)])
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
         self.step_count = 0
         self.epoch = 0
         self.should_stop = False
         self.stop_reason: str | None = None
-        self.loader: GuardedLoader | None = None
         self.max_steps: int | None = None
+        # skipped_batches / skipped_steps: data skipped by SKIP_BATCHES, in micro-batches and in
+        # optimizer steps (they differ with gradient accumulation).
         self.counters = dict(steps=0, updates=0, skipped_updates=0, rollbacks=0, checkpoints=0,
-                             actions_applied=0, acks=0)
+                             actions_applied=0, acks=0, skipped_batches=0, skipped_steps=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
-        self._data_state: dict | None = None
-        self._history: OrderedDict[int, int] = OrderedDict()  # step -> batch index
-        self._old_history: dict[int, int] = {}  # the same, as it was before the last rollback
         self._checkpoint_requests: list[tuple[Action, str]] = []
         self._resolved = 0
         self._started = False
@@ -112,14 +116,15 @@ class Guard(RecoveryMixin):
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order."""
         self.max_steps = max_steps if max_steps is not None else self.max_steps
         if self.loader is None or self.loader.loader is not loader:
-            self.loader = GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
-                                        stop_when=self._done, before_batch=self._start)
-            if self._data_state is not None:
-                self.loader.load_state_dict(self._data_state)
-                self._data_state = None
+            self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
+                                               stop_when=self._done, before_batch=self._start))
         elif epochs is not None:
             self.loader.epochs = epochs
         return self.loader
+
+    @property
+    def loader(self) -> GuardedLoader | None:
+        return self.position.loader
 
     def on(self, kind: ActionKind | str, handler: Handler) -> None:
         """Register ``handler(action, guard) -> result text`` for an action kind."""
@@ -131,11 +136,12 @@ class Guard(RecoveryMixin):
         step = self.step_count
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
-        stats, grads = self.stats.compute(loss, batch, self._tail(bool(due)))
-        extra = list(stats.extra)
-        loss_scale = extra.pop(0) if self._scaling() else None
-        nonfinite = extra[0] > 0 if self.sync.enabled else not stats.finite
-        if (extra[1] > 0) if self.sync.enabled else bool(due):
+        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        shared = stats.riders
+        # Read after the statistics' transfer has synchronised the device: a small copy, no stall.
+        loss_scale = self.scaler.get_scale() if self._scaling() else None
+        nonfinite = shared["any_nonfinite"] > 0 if self.sync.enabled else not stats.finite
+        if shared["any_due"] > 0 if self.sync.enabled else bool(due):
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
@@ -165,10 +171,7 @@ class Guard(RecoveryMixin):
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
-        if self.loader is not None and self.loader.last_index is not None:
-            self._history[step] = self.loader.last_index
-            while len(self._history) > self.config.history_steps:
-                self._history.popitem(last=False)
+        self.position.record(step)
         self.step_count += 1
         self.counters["steps"] += 1
         self._maybe_checkpoint()
@@ -180,12 +183,12 @@ class Guard(RecoveryMixin):
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
         """Save now (state before step ``step_count``) and publish the CheckpointEvent."""
         healthy = self.health.healthy(self.step_count) and reason != "emergency"
-        info = self.store.save(snapshot.capture(self), step=self.step_count, epoch=self.epoch,
-                               healthy=healthy)
+        info = self.store.save(self.parts.state_dict(self.rank), step=self.step_count,
+                               epoch=self.epoch, healthy=healthy)
         self.counters["checkpoints"] += 1
         event = CheckpointEvent(run_id=self.run_id, step=self.step_count, epoch=self.epoch,
                                 checkpoint_id=info.checkpoint_id, path=str(info.path), healthy=healthy,
-                                batch_index=self.data_state()["position"], reason=reason)
+                                batch_index=self.position.state_dict()["position"], reason=reason)
         if self.publisher is not None and self.rank == 0:
             self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
             for gone in self.store.removed:  # no longer a rollback target: say so
@@ -215,6 +218,68 @@ class Guard(RecoveryMixin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- state: a dict of parts ------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's state (this rank's parts only, on ranks other than 0)."""
+        return self.parts.state_dict(self.rank)
+
+    def load_state_dict(self, body: dict[str, Any]) -> None:
+        """Load every part; applied-action ids and skip ranges are merged, never replaced."""
+        self.parts.load_state_dict(body, self.rank)
+
+    def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str:
+        info = self.store.find(checkpoint_id) if checkpoint_id else None
+        note = ""
+        if info is None or info.step > target_step:
+            info = self.store.newest_healthy(max_step=target_step)
+            note = f" (checkpoint {checkpoint_id} not found; newest healthy at or before {target_step})"
+        if info is None:
+            raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to")
+        self.load_state_dict(self.store.load(info))
+        self.epoch += 1
+        self.step_count = info.step
+        self.should_stop = False
+        self.position.rewind(info.step)
+        self.counters["rollbacks"] += 1
+        return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.epoch}{note}"
+
+    def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str:
+        start, end, steps = self.position.skip_steps(from_step, to_step, extra, after_rollback)
+        self.counters["skipped_batches"] += end - start + 1
+        self.counters["skipped_steps"] += steps
+        text = f"skipping batches {start}..{end}"
+        if end - start + 1 != steps:  # gradient accumulation: say both
+            text += f" ({end - start + 1} micro-batches, {steps} optimizer steps)"
+        return text
+
+    def resume(self) -> Any:
+        """Continue from the newest checkpoint of this run, if any (the ledger always applies)."""
+        side = self.ledger.read() or {}
+        info = self.store.newest()
+        if info is not None:
+            self.load_state_dict(self.store.load(info))
+            self.step_count, self.epoch = info.step, info.epoch
+            self.resumed_from = info
+            self._started = True
+            log.info("spikeguard: resumed %s from step %d (%s)", self.run_id, info.step, info.path)
+        self.epoch = max(self.epoch, int(side.get("epoch", 0)))
+        if side.get("skip_ranges"):
+            self.position.load_state_dict(dict(self.position.state_dict(), skip_ranges=side["skip_ranges"]))
+        settings = side.get("settings", {})
+        if "lr_scale" in settings:
+            self.lr.scale = float(settings["lr_scale"])
+        for name in ("max_norm", "z"):  # the settings actions changed since that checkpoint
+            if name in settings.get("clip", {}):
+                setattr(self.clipper, name, settings["clip"][name])
+        return info
+
+    def _persist_ledger(self) -> None:
+        if self.rank != 0:
+            return
+        self.ledger.persist({"run_id": self.run_id, "epoch": self.epoch, "step": self.step_count,
+                             "skip_ranges": self.position.skip_ranges,
+                             "settings": {"lr_scale": self.lr.scale, "clip": self.clipper.settings()}})
+
     # -- what actions call ---------------------------------------------------
     def request_checkpoint(self, action: Action, reason: str) -> None:
         self._checkpoint_requests.append((action, reason))
@@ -235,16 +300,11 @@ class Guard(RecoveryMixin):
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
-    def _tail(self, due: bool):
-        if not (self.sync.enabled or self._scaling()):
+    def _riders(self, due: bool):
+        """The rank flags, all-reduced on device, ride along with the statistics' one transfer."""
+        if not self.sync.enabled:
             return None
-
-        def tail(nonfinite: torch.Tensor) -> torch.Tensor:
-            parts = [self.scaler._scale.float().reshape(1).to(nonfinite.device)] if self._scaling() else []
-            if self.sync.enabled:
-                parts.append(self.sync.flags(nonfinite, due).to(nonfinite.device))
-            return torch.cat(parts)
-        return tail
+        return lambda nonfinite, loss: self.sync.flags(nonfinite, due, loss)
 
     def _collect(self, step: int) -> None:
         if self.inbox is None:
@@ -324,3 +384,4 @@ class Guard(RecoveryMixin):
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
