@@ -20,6 +20,7 @@ and the epoch (rollbacks applied so far) one higher.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from spikeguard.producers.amp import ScalerControl
 from spikeguard.producers.actions import (ANOMALY_KINDS, ActionFailed, ActionQueue, Handler, Outcome,
                                           apply_action)
 from spikeguard.producers.checkpoints import CheckpointStore
@@ -74,6 +76,7 @@ class Guard:
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
         self.lr = LRControl(optimizer, scheduler)
+        self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
         # Everything a checkpoint holds and a rollback puts back, in load order.
@@ -90,7 +93,8 @@ class Guard:
         # skipped_batches / skipped_steps: data skipped by SKIP_BATCHES, in micro-batches and in
         # optimizer steps (they differ with gradient accumulation).
         self.counters = dict(steps=0, updates=0, skipped_updates=0, rollbacks=0, checkpoints=0,
-                             actions_applied=0, acks=0, skipped_batches=0, skipped_steps=0)
+                             actions_applied=0, acks=0, skipped_batches=0, skipped_steps=0,
+                             scaler_skips=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
@@ -131,43 +135,52 @@ class Guard:
         self.handlers[ActionKind(kind)] = handler
 
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
-        """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied."""
+        """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied.
+
+        With gradient accumulation call it once per optimizer step, after the last
+        micro-batch's backward, with the loss averaged over the micro-batches.
+        """
         self._start()
         step = self.step_count
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
+        self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
         stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
         shared = stats.riders
-        # Read after the statistics' transfer has synchronised the device: a small copy, no stall.
-        loss_scale = self.scaler.get_scale() if self._scaling() else None
-        nonfinite = shared["any_nonfinite"] > 0 if self.sync.enabled else not stats.finite
+        loss_scale = self.amp.scale()
+        # Under a GradScaler an inf/NaN gradient with a finite loss is the scaler's own business.
+        overflow = self.amp.enabled and math.isfinite(stats.loss) and not stats.finite
+        if self.sync.enabled:
+            nonfinite = shared["any_nonfinite"] > 0
+        else:
+            nonfinite = not math.isfinite(stats.loss) if self.amp.enabled else not stats.finite
         if shared["any_due"] > 0 if self.sync.enabled else bool(due):
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
             if self._apply(due, step):  # rolled back or stopped: this step's update is void
                 self._zero_grads()
+                self.amp.void()
                 self._maybe_checkpoint(requests_only=True)
                 self._finish_actions()
                 return False
-        skip = nonfinite and self.config.skip_nonfinite
-        self._publish_step(step, stats, skip, loss_scale)
-        if skip:
+        reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
+        if reason is not None:
             self._zero_grads()
+            self.amp.void()
             self.counters["skipped_updates"] += 1
-            if self.scaler is not None:
-                self.scaler.update()
         else:
-            if stats.grad_norm is not None:
+            if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
-            if self.scaler is not None:
-                self.lr.step(lambda: self.scaler.step(self.optimizer))
-                self.scaler.update()
+            self.amp.step(self.lr.step, self.optimizer, overflow)
+            if overflow:
+                reason = "scaler_overflow"
+                self.counters["scaler_skips"] += 1
             else:
-                self.lr.step(self.optimizer.step)
-            self.counters["updates"] += 1
+                self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
+        self._publish_step(step, stats, reason, loss_scale)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
@@ -178,7 +191,7 @@ class Guard:
         self._finish_actions()
         if self.waiter is not None:
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
-        return not skip
+        return reason is None
 
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
         """Save now (state before step ``step_count``) and publish the CheckpointEvent."""
@@ -297,13 +310,12 @@ class Guard:
             if self.store.newest() is None:
                 self.checkpoint("periodic")  # a rollback target before anything can go wrong
 
-    def _scaling(self) -> bool:
-        return self.scaler is not None and self.scaler.is_enabled()
-
     def _riders(self, due: bool):
         """The rank flags, all-reduced on device, ride along with the statistics' one transfer."""
         if not self.sync.enabled:
             return None
+        if self.amp.enabled:  # an inf gradient is the scaler's overflow; only the loss counts here
+            return lambda nonfinite, loss: self.sync.flags((~torch.isfinite(loss)).float(), due, loss)
         return lambda nonfinite, loss: self.sync.flags(nonfinite, due, loss)
 
     def _collect(self, step: int) -> None:
@@ -372,14 +384,18 @@ class Guard:
                 run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
                 step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
 
-    def _publish_step(self, step: int, stats: Any, skipped: bool, loss_scale: float | None) -> None:
+    def _publish_step(self, step: int, stats: Any, reason: str | None, loss_scale: float | None) -> None:
         if self.publisher is None or not (self.rank == 0 or self.config.publish_all_ranks):
             return
+        # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
+        overflow = reason == "scaler_overflow"
         self.publisher.submit(self.topics.steps, StepEvent, dict(
             run_id=self.run_id, step=step, epoch=self.epoch, rank=self.rank, time=time.time(),
-            loss=stats.loss, grad_norm=stats.grad_norm, lr=self.lr.effective(), loss_scale=loss_scale,
-            param_norm=stats.param_norm, top_grad_norms=stats.top_grad_norms,
-            nonfinite_grads=stats.nonfinite_grads, update_skipped=skipped,
+            loss=stats.loss, grad_norm=None if overflow else stats.grad_norm, lr=self.lr.effective(),
+            loss_scale=loss_scale, param_norm=stats.param_norm,
+            top_grad_norms={} if overflow else stats.top_grad_norms,
+            nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
+            skip_reason=reason, overflow_streak=self.amp.streak if overflow else 0,
             batch_index=self.loader.last_index if self.loader is not None else None, batch=stats.batch))
 
     def _zero_grads(self) -> None:
