@@ -8,6 +8,11 @@
         guard.step(loss)                         # was: optimizer.step(); scheduler.step()
     guard.close()
 
+With gradient accumulation, iterate ``guard.data(loader)`` for the micro-batches
+and call ``guard.step(mean_loss)`` once per optimizer step, after the last
+backward: step numbers, checkpoints and skip windows are in optimizer steps,
+and the Guard notes which micro-batches each step read.
+
 Each ``step`` computes the step's statistics with one device-to-host transfer,
 applies the actions due at this step (before this step's update), skips the
 update at once when the loss or gradient is non-finite, publishes the
@@ -90,11 +95,13 @@ class Guard:
         self.should_stop = False
         self.stop_reason: str | None = None
         self.max_steps: int | None = None
-        # skipped_batches / skipped_steps: data skipped by SKIP_BATCHES, in micro-batches and in
-        # optimizer steps (they differ with gradient accumulation).
-        self.counters = dict(steps=0, updates=0, skipped_updates=0, rollbacks=0, checkpoints=0,
-                             actions_applied=0, acks=0, skipped_batches=0, skipped_steps=0,
-                             scaler_skips=0)
+        # With gradient accumulation a step reads several micro-batches, so skips are counted
+        # in both units: skipped_updates (optimizer steps the guard skipped itself) and
+        # skipped_update_batches (their micro-batches); skipped_steps and skipped_batches
+        # (data skipped by SKIP_BATCHES actions).
+        self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
+                             rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
+                             skipped_batches=0, skipped_steps=0, scaler_skips=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
@@ -184,7 +191,9 @@ class Guard:
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
-        self.position.record(step)
+        batches = self.position.record(step)  # micro-batches this step read (accumulation)
+        if reason in ("non_finite", "outlier_step"):
+            self.counters["skipped_update_batches"] += batches
         self.step_count += 1
         self.counters["steps"] += 1
         self._maybe_checkpoint()
