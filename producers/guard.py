@@ -10,12 +10,12 @@
 
 With gradient accumulation, iterate ``guard.data(loader)`` for the micro-batches
 and call ``guard.step(mean_loss)`` once per optimizer step, after the last
-backward: step numbers, checkpoints and skip windows are in optimizer steps,
-and the Guard notes which micro-batches each step read.
+backward: steps, checkpoints and skip windows count optimizer steps.
 
 Each ``step`` computes the step's statistics with one device-to-host transfer,
 applies the actions due at this step (before this step's update), skips the
-update at once when the loss or gradient is non-finite, publishes the
+update at once when the loss or gradient is non-finite or the step is an
+isolated outlier (skip_rule.py), publishes the
 StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
 due. Step numbers count ``step`` calls; a checkpoint "at step s" holds the
 state before step s runs. After a rollback to s the step counter is s again
@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import uuid
 from collections import deque
 from pathlib import Path
@@ -45,13 +44,15 @@ from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
-from spikeguard.producers.ledger import SIDECAR, ActionLedger
+from spikeguard.producers.ledger import SIDECAR, ActionLedger, apply_restart_facts, restart_facts
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
+from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
-from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, CheckpointEvent, StepEvent, Topics
+from spikeguard.schemas import AckStatus, Action, ActionKind, CheckpointEvent, Topics
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +85,18 @@ class Guard:
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
+        self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
+                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
+                                  ) if cfg.skip_outliers else None
         # Everything a checkpoint holds and a rollback puts back, in load order.
         self.parts = StateParts([
             ("model", ModelPart(model)), ("optimizer", optimizer), ("scheduler", scheduler),
             ("scaler", scaler), ("rng", RNGPart()), ("lr", self.lr), ("clip", self.clipper),
-            ("health", self.health), ("ledger", self.ledger), ("data", self.position)])
+            ("health", self.health), ("ledger", self.ledger), ("skip_rule", self.skip_rule),
+            ("data", self.position)])
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
-        self.step_count = 0
-        self.epoch = 0
-        self.should_stop = False
-        self.stop_reason: str | None = None
+        self.step_count, self.epoch = 0, 0
+        self.should_stop, self.stop_reason = False, None
         self.max_steps: int | None = None
         # With gradient accumulation a step reads several micro-batches, so skips are counted
         # in both units: skipped_updates (optimizer steps the guard skipped itself) and
@@ -101,7 +104,7 @@ class Guard:
         # (data skipped by SKIP_BATCHES actions).
         self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
                              rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
-                             skipped_batches=0, skipped_steps=0, scaler_skips=0)
+                             skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
@@ -119,6 +122,7 @@ class Guard:
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
+        self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)
         if cfg.resume:
             self.resume()
 
@@ -172,6 +176,8 @@ class Guard:
                 self._finish_actions()
                 return False
         reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
+        if reason is None and self.skip_rule is not None and not overflow:
+            reason = self._outlier(step, stats)
         if reason is not None:
             self._zero_grads()
             self.amp.void()
@@ -187,7 +193,9 @@ class Guard:
                 self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
-        self._publish_step(step, stats, reason, loss_scale)
+        self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
+                         loss_scale=loss_scale, overflow_streak=self.amp.streak,
+                         batch_index=self.loader.last_index if self.loader is not None else None)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
@@ -211,13 +219,7 @@ class Guard:
         event = CheckpointEvent(run_id=self.run_id, step=self.step_count, epoch=self.epoch,
                                 checkpoint_id=info.checkpoint_id, path=str(info.path), healthy=healthy,
                                 batch_index=self.position.state_dict()["position"], reason=reason)
-        if self.publisher is not None and self.rank == 0:
-            self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
-            for gone in self.store.removed:  # no longer a rollback target: say so
-                self.publisher.submit(self.topics.checkpoints, None, CheckpointEvent(
-                    run_id=self.run_id, step=gone.step, epoch=gone.epoch,
-                    checkpoint_id=gone.checkpoint_id, path=str(gone.path), healthy=gone.healthy,
-                    deleted=True), droppable=False)
+        self.events.checkpoint(event, self.store.removed)
         self._persist_ledger()
         return event
 
@@ -284,23 +286,13 @@ class Guard:
             self.resumed_from = info
             self._started = True
             log.info("spikeguard: resumed %s from step %d (%s)", self.run_id, info.step, info.path)
-        self.epoch = max(self.epoch, int(side.get("epoch", 0)))
-        if side.get("skip_ranges"):
-            self.position.load_state_dict(dict(self.position.state_dict(), skip_ranges=side["skip_ranges"]))
-        settings = side.get("settings", {})
-        if "lr_scale" in settings:
-            self.lr.scale = float(settings["lr_scale"])
-        for name in ("max_norm", "z"):  # the settings actions changed since that checkpoint
-            if name in settings.get("clip", {}):
-                setattr(self.clipper, name, settings["clip"][name])
+        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
         return info
 
     def _persist_ledger(self) -> None:
-        if self.rank != 0:
-            return
-        self.ledger.persist({"run_id": self.run_id, "epoch": self.epoch, "step": self.step_count,
-                             "skip_ranges": self.position.skip_ranges,
-                             "settings": {"lr_scale": self.lr.scale, "clip": self.clipper.settings()}})
+        if self.rank == 0:
+            self.ledger.persist(restart_facts(self.run_id, self.epoch, self.step_count, self.position,
+                                              self.lr, self.clipper))
 
     # -- what actions call ---------------------------------------------------
     def request_checkpoint(self, action: Action, reason: str) -> None:
@@ -324,8 +316,19 @@ class Guard:
         if not self.sync.enabled:
             return None
         if self.amp.enabled:  # an inf gradient is the scaler's overflow; only the loss counts here
-            return lambda nonfinite, loss: self.sync.flags((~torch.isfinite(loss)).float(), due, loss)
-        return lambda nonfinite, loss: self.sync.flags(nonfinite, due, loss)
+            return lambda bad, loss, norm: self.sync.flags((~torch.isfinite(loss)).float(), due, loss, norm)
+        return lambda bad, loss, norm: self.sync.flags(bad, due, loss, norm)
+
+    def _outlier(self, step: int, stats: Any) -> str | None:
+        """The local skip rule, on values every rank shares (the largest of any rank)."""
+        r = stats.riders
+        loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
+        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad)
+        if decision.skip:
+            self.counters["outlier_skips"] += 1
+            log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",
+                     step, decision.signal, decision.loss_z, decision.grad_z)
+        return "outlier_step" if decision.skip else None
 
     def _collect(self, step: int) -> None:
         if self.inbox is None:
@@ -388,24 +391,7 @@ class Guard:
         if outcome.status is AckStatus.APPLIED:
             self.counters["actions_applied"] += 1
         self.counters["acks"] += 1
-        if self.publisher is not None and self.rank == 0:
-            self.publisher.submit(self.topics.acks, Ack, dict(
-                run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
-                step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
-
-    def _publish_step(self, step: int, stats: Any, reason: str | None, loss_scale: float | None) -> None:
-        if self.publisher is None or not (self.rank == 0 or self.config.publish_all_ranks):
-            return
-        # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
-        overflow = reason == "scaler_overflow"
-        self.publisher.submit(self.topics.steps, StepEvent, dict(
-            run_id=self.run_id, step=step, epoch=self.epoch, rank=self.rank, time=time.time(),
-            loss=stats.loss, grad_norm=None if overflow else stats.grad_norm, lr=self.lr.effective(),
-            loss_scale=loss_scale, param_norm=stats.param_norm,
-            top_grad_norms={} if overflow else stats.top_grad_norms,
-            nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
-            skip_reason=reason, overflow_streak=self.amp.streak if overflow else 0,
-            batch_index=self.loader.last_index if self.loader is not None else None, batch=stats.batch))
+        self.events.ack(outcome)
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

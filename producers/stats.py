@@ -56,12 +56,13 @@ class GradStats:
         return names, grads
 
     def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
-                riders: Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]] | None = None
+                riders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                 Mapping[str, torch.Tensor]] | None = None
                 ) -> tuple[StepStats, list[torch.Tensor]]:
         """Statistics of the gradients as they are now, and the gradient list (for clipping).
 
-        ``riders(nonfinite, loss)`` gets a device flag (1.0 when the loss or the total
-        norm is non-finite) and the loss, and returns named scalar tensors that ride
+        ``riders(nonfinite, loss, total_norm)`` gets a device flag (1.0 when the loss or
+        the total norm is non-finite), the loss and the total norm, and returns named scalar tensors that ride
         along with the same transfer (the flags all-reduced across ranks, the loss
         scale); they come back by name in ``StepStats.riders``.
         """
@@ -92,7 +93,7 @@ class GradStats:
             bad = ~torch.isfinite(parts[0][0])
             if total is not None:
                 bad = bad | ~torch.isfinite(total)
-            for name, value in riders(bad.float(), parts[0][0]).items():
+            for name, value in riders(bad.float(), parts[0][0], total).items():
                 rider_names.append(name)
                 parts.append(value.to(device).float().reshape(1))
         values_list = torch.cat(parts).tolist()  # the one device-to-host transfer

@@ -128,7 +128,7 @@ def test_a_guard_checkpoint_holds_one_entry_per_state_part(tmp_path):
     event = guard.checkpoint()
     body = torch.load(event.path, weights_only=True)
     assert guard.parts.names() == ["model", "optimizer", "scheduler", "rng", "lr", "clip", "health",
-                                   "ledger", "data"]
+                                   "ledger", "skip_rule", "data"]
     assert set(guard.parts.names()) <= set(body)
     assert body["lr"]["scale"] == 0.5 and body["clip"]["max_norm"] == 0.3
     assert body["data"]["position"] == 4 and body["scheduler"]["last_epoch"] == 4
