@@ -52,6 +52,9 @@ GUARD_OWN: list[float] = []  # per step: guard.step minus the optimizer.step it 
 NORM_OWN: list[float] = []  # per step: clip_grad_norm_(inf) + .item() alone
 
 
+SKIP_OUTLIERS = True  # the Guard's default
+
+
 def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
     """(median wall seconds per step, process CPU seconds per step — background threads included)."""
     model, opt, x, y = make()
@@ -59,7 +62,8 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
     if kind == "guarded":
         bus = EmbeddedBus()
         guard = Guard(model, opt, run_id="bench", bus=bus,
-                      config=GuardConfig(checkpoint_dir=guard_dir, checkpoint_every=0, resume=False))
+                      config=GuardConfig(checkpoint_dir=guard_dir, checkpoint_every=0, resume=False,
+                                         skip_outliers=SKIP_OUTLIERS))
         guard._started = True  # no initial checkpoint inside the timed loop
     times, inner, norm_times = [], [], []
     mark = {}
@@ -103,8 +107,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-skip-rule", action="store_true",
+                        help="measure without the local outlier skip rule (its cost is the difference)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global SKIP_OUTLIERS
+    SKIP_OUTLIERS = not args.no_skip_rule
     kinds = ("plain", "plain+norm", "guarded")
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, BinaryIO
+import re
+from typing import BinaryIO, Callable
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
@@ -46,10 +47,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_temps(directory: str | os.PathLike) -> int:
-    """Delete temp files left by a crash mid-write; returns how many."""
+_TEMP = re.compile(r"^\.(?P<target>.+)\.[^.]+\.tmp$")  # ".<target name>.<random>.tmp", as mkstemp names it
+
+
+def remove_stale_temps(directory: str | os.PathLike, owned: Callable[[str], bool] | None = None) -> int:
+    """Delete temp files left by a crash mid-write; returns how many.
+
+    With ``owned(target_name)``, only the temps of files the caller writes: in a
+    directory shared by several writers (ranks), another writer's temp may be a
+    write in flight, not a leftover.
+    """
     removed = 0
     for tmp in Path(directory).glob(".*.tmp"):
+        m = _TEMP.match(tmp.name)
+        if owned is not None and (m is None or not owned(m.group("target"))):
+            continue
         try:
             tmp.unlink()
             removed += 1

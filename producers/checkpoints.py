@@ -27,7 +27,7 @@ from spikeguard.producers.atomic import atomic_write, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: one entry per Guard part (format 1 nested lr/clip/health/ledger under "guard")
 _NAME = re.compile(r"^ckpt-e(\d+)-s(\d+)-([hu])-(c-[0-9a-f]+)(?:\.rank(\d+))?\.pt$")
 
 
@@ -35,6 +35,12 @@ def checkpoint_id(run_id: str, step: int, epoch: int = 0) -> str:
     """The same (run, epoch, step) always names the same checkpoint."""
     text = "\x1f".join(("checkpoint", run_id, str(epoch), str(step)))
     return "c-" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _rank_of(name: str) -> int:
+    """The rank that writes the file ``name`` (rank 0 writes everything but companions)."""
+    m = _NAME.match(name)
+    return int(m.group(5)) if m and m.group(5) is not None else 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ class CheckpointStore:
         self.keep = keep
         self.rank = rank
         self.directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(self.directory)
+        # Only this rank's leftovers: the directory is shared, and another rank may be
+        # writing its own temp file right now.
+        remove_stale_temps(self.directory, owned=lambda target: _rank_of(target) == self.rank)
 
     # -- listing --------------------------------------------------------------
     def list(self, rank: int | None = None) -> list[CheckpointInfo]:
@@ -127,6 +135,10 @@ class CheckpointStore:
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
         """The checkpoint's payload, plus this rank's companion file under ``"rank_state"``."""
         body = torch.load(info.path, map_location="cpu", weights_only=True)
+        if body.get("format") == 1:  # the guard's parts were nested then
+            nested = body.pop("guard", {})
+            body.update(lr=nested.get("lr"), clip=nested.get("clip"), health=nested.get("health"),
+                        ledger=nested.get("ledger"), format=FORMAT)
         if body.get("format") != FORMAT:
             raise ValueError(f"{info.path}: unknown checkpoint format {body.get('format')!r}")
         if self.rank:

@@ -55,6 +55,8 @@ class GuardedLoader:
         self.before_batch = before_batch
         self.position = 0
         self.last_index: int | None = None
+        # The batches read since the last take_span(): one optimizer step's (micro-)batches.
+        self._span = (-1, -1, 0)
         self.skip_ranges: list[list[int]] = []
         self._iter: Iterator[tuple[int, Any]] | None = None
         self._epoch_end = 0
@@ -90,11 +92,17 @@ class GuardedLoader:
         """The next batch yielded is the first non-skipped one at or after ``position``."""
         self.position = int(position)
         self._iter = None
+        self._span = (-1, -1, 0)  # what was read before a seek belongs to no step that will run
 
     def skip(self, start: int, end: int) -> None:
         """Never yield global indices ``start..end`` (inclusive)."""
         self.skip_ranges = merge_ranges(self.skip_ranges + [[start, end]])
         self._iter = None
+
+    def take_span(self) -> tuple[int, int, int]:
+        """(first, last, count) of the batches read since the last call, and start anew."""
+        span, self._span = self._span, (-1, -1, 0)
+        return span
 
     def skipped(self, index: int) -> bool:
         return any(a <= index <= b for a, b in self.skip_ranges)
@@ -143,6 +151,8 @@ class GuardedLoader:
                 self.position = max(self.position, self._epoch_end)
                 continue
             self.last_index = index
+            first, _, count = self._span
+            self._span = (index if count == 0 else first, index, count + 1)
             self.position = index + 1
             return batch
 

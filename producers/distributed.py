@@ -41,13 +41,26 @@ class RankSync:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
-    def flags(self, local_nonfinite: torch.Tensor, due: bool) -> torch.Tensor:
-        """All-reduced [any rank non-finite, rank 0 has due actions] (on device, not synced)."""
+    def flags(self, local_nonfinite: torch.Tensor, due: bool, loss: torch.Tensor,
+              grad_norm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """All-reduced (MAX) flags, loss and gradient norm, on device, not synced.
+
+        ``any_nonfinite``: some rank saw a non-finite loss or gradient; ``any_due``:
+        rank 0 has actions due; ``max_loss`` / ``max_grad_norm``: the largest of any
+        rank, the inputs of the local skip rule, so that every rank decides alike
+        (non-finite values become +inf, which the rule never judges).
+        """
+        def finite(t: torch.Tensor | None) -> torch.Tensor:
+            if t is None:
+                return torch.tensor(-1.0, device=self.device)  # no gradient: below any norm
+            t = t.detach().to(self.device).float().reshape(())
+            return torch.where(torch.isfinite(t), t, torch.full_like(t, float("inf")))
         vec = torch.stack([local_nonfinite.to(self.device).float().reshape(()),
-                           torch.tensor(1.0 if due else 0.0, device=self.device)])
+                           torch.tensor(1.0 if due else 0.0, device=self.device),
+                           finite(loss), finite(grad_norm)])
         if self.enabled:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-        return vec
+        return {"any_nonfinite": vec[0], "any_due": vec[1], "max_loss": vec[2], "max_grad_norm": vec[3]}
 
     def broadcast(self, payload: list[dict] | None) -> list[dict]:
         """Rank 0's ``payload`` on every rank."""

@@ -8,9 +8,14 @@
         guard.step(loss)                         # was: optimizer.step(); scheduler.step()
     guard.close()
 
+With gradient accumulation, iterate ``guard.data(loader)`` for the micro-batches
+and call ``guard.step(mean_loss)`` once per optimizer step, after the last
+backward: steps, checkpoints and skip windows count optimizer steps.
+
 Each ``step`` computes the step's statistics with one device-to-host transfer,
 applies the actions due at this step (before this step's update), skips the
-update at once when the loss or gradient is non-finite, publishes the
+update at once when the loss or gradient is non-finite or the step is an
+isolated outlier (skip_rule.py), publishes the
 StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
 due. Step numbers count ``step`` calls; a checkpoint "at step s" holds the
 state before step s runs. After a rollback to s the step counter is s again
@@ -20,17 +25,18 @@ and the epoch (rollbacks applied so far) one higher.
 from __future__ import annotations
 
 import logging
+import math
 import os
-import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from spikeguard.producers import snapshot
-from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Handler, Outcome, apply_action
+from spikeguard.producers.amp import ScalerControl
+from spikeguard.producers.actions import (ANOMALY_KINDS, ActionFailed, ActionQueue, Handler, Outcome,
+                                          apply_action)
 from spikeguard.producers.checkpoints import CheckpointStore
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig
@@ -38,18 +44,20 @@ from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
-from spikeguard.producers.ledger import SIDECAR, ActionLedger
+from spikeguard.producers.ledger import SIDECAR, ActionLedger, apply_restart_facts, restart_facts
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
-from spikeguard.producers.recovery import RecoveryMixin
+from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
-from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, CheckpointEvent, StepEvent, Topics
+from spikeguard.schemas import AckStatus, Action, ActionKind, CheckpointEvent, Topics
 
 log = logging.getLogger(__name__)
 
 
-class Guard(RecoveryMixin):
+class Guard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
@@ -73,22 +81,32 @@ class Guard(RecoveryMixin):
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
-        self.lr = LRControl(optimizer, scheduler)
+        self.lr = LRControl(optimizer)
+        self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
+        self.position = DataPosition(cfg.history_steps)
+        self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
+                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
+                                  ) if cfg.skip_outliers else None
+        # Everything a checkpoint holds and a rollback puts back, in load order.
+        self.parts = StateParts([
+            ("model", ModelPart(model)), ("optimizer", optimizer), ("scheduler", scheduler),
+            ("scaler", scaler), ("rng", RNGPart()), ("lr", self.lr), ("clip", self.clipper),
+            ("health", self.health), ("ledger", self.ledger), ("skip_rule", self.skip_rule),
+            ("data", self.position)])
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
-        self.step_count = 0
-        self.epoch = 0
-        self.should_stop = False
-        self.stop_reason: str | None = None
-        self.loader: GuardedLoader | None = None
+        self.step_count, self.epoch = 0, 0
+        self.should_stop, self.stop_reason = False, None
         self.max_steps: int | None = None
-        self.counters = dict(steps=0, updates=0, skipped_updates=0, rollbacks=0, checkpoints=0,
-                             actions_applied=0, acks=0)
+        # With gradient accumulation a step reads several micro-batches, so skips are counted
+        # in both units: skipped_updates (optimizer steps the guard skipped itself) and
+        # skipped_update_batches (their micro-batches); skipped_steps and skipped_batches
+        # (data skipped by SKIP_BATCHES actions).
+        self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
+                             rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
+                             skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
-        self._data_state: dict | None = None
-        self._history: OrderedDict[int, int] = OrderedDict()  # step -> batch index
-        self._old_history: dict[int, int] = {}  # the same, as it was before the last rollback
         self._checkpoint_requests: list[tuple[Action, str]] = []
         self._resolved = 0
         self._started = False
@@ -104,6 +122,7 @@ class Guard(RecoveryMixin):
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
+        self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)
         if cfg.resume:
             self.resume()
 
@@ -112,87 +131,95 @@ class Guard(RecoveryMixin):
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order."""
         self.max_steps = max_steps if max_steps is not None else self.max_steps
         if self.loader is None or self.loader.loader is not loader:
-            self.loader = GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
-                                        stop_when=self._done, before_batch=self._start)
-            if self._data_state is not None:
-                self.loader.load_state_dict(self._data_state)
-                self._data_state = None
+            self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
+                                               stop_when=self._done, before_batch=self._start))
         elif epochs is not None:
             self.loader.epochs = epochs
         return self.loader
+
+    @property
+    def loader(self) -> GuardedLoader | None:
+        return self.position.loader
 
     def on(self, kind: ActionKind | str, handler: Handler) -> None:
         """Register ``handler(action, guard) -> result text`` for an action kind."""
         self.handlers[ActionKind(kind)] = handler
 
     def step(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
-        """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied."""
+        """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied.
+
+        With gradient accumulation call it once per optimizer step, after the last
+        micro-batch's backward, with the loss averaged over the micro-batches.
+        """
         self._start()
         step = self.step_count
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
-        stats, grads = self.stats.compute(loss, batch, self._tail(bool(due)))
-        extra = list(stats.extra)
-        loss_scale = extra.pop(0) if self._scaling() else None
-        nonfinite = extra[0] > 0 if self.sync.enabled else not stats.finite
-        if (extra[1] > 0) if self.sync.enabled else bool(due):
+        self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
+        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        shared = stats.riders
+        loss_scale = self.amp.scale()
+        # Under a GradScaler an inf/NaN gradient with a finite loss is the scaler's own business.
+        overflow = self.amp.enabled and math.isfinite(stats.loss) and not stats.finite
+        if self.sync.enabled:
+            nonfinite = shared["any_nonfinite"] > 0
+        else:
+            nonfinite = not math.isfinite(stats.loss) if self.amp.enabled else not stats.finite
+        if shared["any_due"] > 0 if self.sync.enabled else bool(due):
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
             if self._apply(due, step):  # rolled back or stopped: this step's update is void
                 self._zero_grads()
+                self.amp.void()
                 self._maybe_checkpoint(requests_only=True)
                 self._finish_actions()
                 return False
-        skip = nonfinite and self.config.skip_nonfinite
-        self._publish_step(step, stats, skip, loss_scale)
-        if skip:
+        reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
+        if reason is None and self.skip_rule is not None and not overflow:
+            reason = self._outlier(step, stats)
+        if reason is not None:
             self._zero_grads()
+            self.amp.void()
             self.counters["skipped_updates"] += 1
-            if self.scaler is not None:
-                self.scaler.update()
         else:
-            if stats.grad_norm is not None:
+            if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
-            if self.scaler is not None:
-                self.lr.step(lambda: self.scaler.step(self.optimizer))
-                self.scaler.update()
+            self.amp.step(self.lr.step, self.optimizer, overflow)
+            if overflow:
+                reason = "scaler_overflow"
+                self.counters["scaler_skips"] += 1
             else:
-                self.lr.step(self.optimizer.step)
-            self.counters["updates"] += 1
+                self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
+        self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
+                         loss_scale=loss_scale, overflow_streak=self.amp.streak,
+                         batch_index=self.loader.last_index if self.loader is not None else None)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
-        if self.loader is not None and self.loader.last_index is not None:
-            self._history[step] = self.loader.last_index
-            while len(self._history) > self.config.history_steps:
-                self._history.popitem(last=False)
+        batches = self.position.record(step)  # micro-batches this step read (accumulation)
+        if reason in ("non_finite", "outlier_step"):
+            self.counters["skipped_update_batches"] += batches
         self.step_count += 1
         self.counters["steps"] += 1
         self._maybe_checkpoint()
         self._finish_actions()
         if self.waiter is not None:
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
-        return not skip
+        return reason is None
 
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
         """Save now (state before step ``step_count``) and publish the CheckpointEvent."""
         healthy = self.health.healthy(self.step_count) and reason != "emergency"
-        info = self.store.save(snapshot.capture(self), step=self.step_count, epoch=self.epoch,
-                               healthy=healthy)
+        info = self.store.save(self.parts.state_dict(self.rank), step=self.step_count,
+                               epoch=self.epoch, healthy=healthy)
         self.counters["checkpoints"] += 1
         event = CheckpointEvent(run_id=self.run_id, step=self.step_count, epoch=self.epoch,
                                 checkpoint_id=info.checkpoint_id, path=str(info.path), healthy=healthy,
-                                batch_index=self.data_state()["position"], reason=reason)
-        if self.publisher is not None and self.rank == 0:
-            self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
-            for gone in self.store.removed:  # no longer a rollback target: say so
-                self.publisher.submit(self.topics.checkpoints, None, CheckpointEvent(
-                    run_id=self.run_id, step=gone.step, epoch=gone.epoch,
-                    checkpoint_id=gone.checkpoint_id, path=str(gone.path), healthy=gone.healthy,
-                    deleted=True), droppable=False)
+                                batch_index=self.position.state_dict()["position"], reason=reason)
+        self.events.checkpoint(event, self.store.removed)
         self._persist_ledger()
         return event
 
@@ -215,6 +242,58 @@ class Guard(RecoveryMixin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- state: a dict of parts ------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's state (this rank's parts only, on ranks other than 0)."""
+        return self.parts.state_dict(self.rank)
+
+    def load_state_dict(self, body: dict[str, Any]) -> None:
+        """Load every part; applied-action ids and skip ranges are merged, never replaced."""
+        self.parts.load_state_dict(body, self.rank)
+
+    def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str:
+        info = self.store.find(checkpoint_id) if checkpoint_id else None
+        note = ""
+        if info is None or info.step > target_step:
+            info = self.store.newest_healthy(max_step=target_step)
+            note = f" (checkpoint {checkpoint_id} not found; newest healthy at or before {target_step})"
+        if info is None:
+            raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to")
+        self.load_state_dict(self.store.load(info))
+        self.epoch += 1
+        self.step_count = info.step
+        self.should_stop = False
+        self.position.rewind(info.step)
+        self.counters["rollbacks"] += 1
+        return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.epoch}{note}"
+
+    def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str:
+        start, end, steps = self.position.skip_steps(from_step, to_step, extra, after_rollback)
+        self.counters["skipped_batches"] += end - start + 1
+        self.counters["skipped_steps"] += steps
+        text = f"skipping batches {start}..{end}"
+        if end - start + 1 != steps:  # gradient accumulation: say both
+            text += f" ({end - start + 1} micro-batches, {steps} optimizer steps)"
+        return text
+
+    def resume(self) -> Any:
+        """Continue from the newest checkpoint of this run, if any (the ledger always applies)."""
+        side = self.ledger.read() or {}
+        info = self.store.newest()
+        if info is not None:
+            self.load_state_dict(self.store.load(info))
+            self.step_count, self.epoch = info.step, info.epoch
+            self.resumed_from = info
+            self._started = True
+            log.info("spikeguard: resumed %s from step %d (%s)", self.run_id, info.step, info.path)
+        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
+        return info
+
+    def _persist_ledger(self) -> None:
+        if self.rank == 0:
+            self.ledger.persist(restart_facts(self.run_id, self.epoch, self.step_count, self.position,
+                                              self.lr, self.clipper))
+
     # -- what actions call ---------------------------------------------------
     def request_checkpoint(self, action: Action, reason: str) -> None:
         self._checkpoint_requests.append((action, reason))
@@ -232,19 +311,24 @@ class Guard(RecoveryMixin):
             if self.store.newest() is None:
                 self.checkpoint("periodic")  # a rollback target before anything can go wrong
 
-    def _scaling(self) -> bool:
-        return self.scaler is not None and self.scaler.is_enabled()
-
-    def _tail(self, due: bool):
-        if not (self.sync.enabled or self._scaling()):
+    def _riders(self, due: bool):
+        """The rank flags, all-reduced on device, ride along with the statistics' one transfer."""
+        if not self.sync.enabled:
             return None
+        if self.amp.enabled:  # an inf gradient is the scaler's overflow; only the loss counts here
+            return lambda bad, loss, norm: self.sync.flags((~torch.isfinite(loss)).float(), due, loss, norm)
+        return lambda bad, loss, norm: self.sync.flags(bad, due, loss, norm)
 
-        def tail(nonfinite: torch.Tensor) -> torch.Tensor:
-            parts = [self.scaler._scale.float().reshape(1).to(nonfinite.device)] if self._scaling() else []
-            if self.sync.enabled:
-                parts.append(self.sync.flags(nonfinite, due).to(nonfinite.device))
-            return torch.cat(parts)
-        return tail
+    def _outlier(self, step: int, stats: Any) -> str | None:
+        """The local skip rule, on values every rank shares (the largest of any rank)."""
+        r = stats.riders
+        loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
+        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad)
+        if decision.skip:
+            self.counters["outlier_skips"] += 1
+            log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",
+                     step, decision.signal, decision.loss_z, decision.grad_z)
+        return "outlier_step" if decision.skip else None
 
     def _collect(self, step: int) -> None:
         if self.inbox is None:
@@ -307,20 +391,8 @@ class Guard(RecoveryMixin):
         if outcome.status is AckStatus.APPLIED:
             self.counters["actions_applied"] += 1
         self.counters["acks"] += 1
-        if self.publisher is not None and self.rank == 0:
-            self.publisher.submit(self.topics.acks, Ack, dict(
-                run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
-                step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
-
-    def _publish_step(self, step: int, stats: Any, skipped: bool, loss_scale: float | None) -> None:
-        if self.publisher is None or not (self.rank == 0 or self.config.publish_all_ranks):
-            return
-        self.publisher.submit(self.topics.steps, StepEvent, dict(
-            run_id=self.run_id, step=step, epoch=self.epoch, rank=self.rank, time=time.time(),
-            loss=stats.loss, grad_norm=stats.grad_norm, lr=self.lr.effective(), loss_scale=loss_scale,
-            param_norm=stats.param_norm, top_grad_norms=stats.top_grad_norms,
-            nonfinite_grads=stats.nonfinite_grads, update_skipped=skipped,
-            batch_index=self.loader.last_index if self.loader is not None else None, batch=stats.batch))
+        self.events.ack(outcome)
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+

@@ -68,3 +68,23 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):  # pragma: no cover - json allows it
         return value
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+def restart_facts(run_id: str, epoch: int, step: int, position: Any, lr: Any, clipper: Any) -> dict[str, Any]:
+    """What the sidecar keeps beside the ids: what a restart must not forget since the
+    last checkpoint (the epoch, the data to skip, the settings actions changed)."""
+    return {"run_id": run_id, "epoch": epoch, "step": step, "skip_ranges": position.skip_ranges,
+            "settings": {"lr_scale": lr.scale, "clip": clipper.settings()}}
+
+
+def apply_restart_facts(side: dict[str, Any], position: Any, lr: Any, clipper: Any) -> int:
+    """Put the sidecar's facts over a checkpoint just loaded; returns the sidecar's epoch."""
+    if side.get("skip_ranges"):
+        position.load_state_dict(dict(position.state_dict(), skip_ranges=side["skip_ranges"]))
+    settings = side.get("settings", {})
+    if "lr_scale" in settings:
+        lr.scale = float(settings["lr_scale"])
+    for name in ("max_norm", "z"):  # the settings actions changed since that checkpoint
+        if name in settings.get("clip", {}):
+            setattr(clipper, name, settings["clip"][name])
+    return int(side.get("epoch", 0))

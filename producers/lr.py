@@ -4,9 +4,12 @@ The guard never writes its changes into the optimizer for good: it keeps a
 ``scale`` and applies it around ``optimizer.step()`` only (set, step, put
 back). A scheduler therefore keeps reading and writing the LR it scheduled,
 never compounding the guard's factor, and every param group is scaled alike.
-``restore`` raises the scale back towards 1, and never lets any group's
-effective LR exceed its base LR as the guard found it at start (the
-scheduler's ``base_lrs`` when there is a scheduler, else the group's LR).
+The effective LR is always ``scheduled * scale``: a factor composes with
+wherever the schedule is now (warm-up, cosine, a user's own scheduler the
+guard never sees). ``restore`` raises the scale back towards 1, never above:
+it removes the guard's factor and gives the schedule back, exactly. There is
+no "base LR" to restore towards: an LR read at start is a warm-up's first
+value, and capping at it kept runs at 5 % of their schedule.
 """
 
 from __future__ import annotations
@@ -18,13 +21,9 @@ import torch
 
 
 class LRControl:
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        # A scheduler's base_lrs are the LRs the schedule is relative to (a warm-up
-        # starts far below them); without one, the LRs the guard found at start.
-        base = getattr(scheduler, "base_lrs", None)
-        self.base = [float(b) for b in base] if base else [float(g["lr"]) for g in optimizer.param_groups]
-        self.scale = 1.0
+        self.scale = 1.0  # the guard's factor on top of the schedule; 1 = the schedule as it is
 
     def scheduled(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -32,10 +31,6 @@ class LRControl:
     def effective(self) -> float:
         """Group 0's LR as the next update will use it."""
         return float(self.optimizer.param_groups[0]["lr"]) * self.scale
-
-    def _cap(self) -> float:
-        caps = [b / s for b, s in zip(self.base, self.scheduled()) if s > 0]
-        return min(caps) if caps else 1.0
 
     def scale_by(self, factor: float) -> float:
         _positive(factor, "factor")
@@ -52,7 +47,7 @@ class LRControl:
 
     def restore(self, factor: float) -> float:
         _positive(factor, "factor")
-        self.scale = min(self.scale * factor, 1.0, self._cap())
+        self.scale = min(self.scale * factor, 1.0)
         return self.effective()
 
     def step(self, optimizer_step: Callable[[], Any]) -> Any:
@@ -70,12 +65,10 @@ class LRControl:
                 g["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "base": list(self.base)}
+        return {"scale": self.scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state.get("scale", 1.0))
-        if state.get("base"):
-            self.base = [float(b) for b in state["base"]]
 
 
 def _assign(group: dict, lr: float) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -28,7 +28,8 @@ class StepStats:
     nonfinite_grads: int = 0
     param_norm: float | None = None
     batch: dict | None = None
-    extra: list[float] = field(default_factory=list)
+    #: Named values that rode along with the same transfer (see ``GradStats.compute``).
+    riders: dict[str, float] = field(default_factory=dict)
 
     @property
     def finite(self) -> bool:
@@ -55,13 +56,15 @@ class GradStats:
         return names, grads
 
     def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
-                tail: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                riders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                 Mapping[str, torch.Tensor]] | None = None
                 ) -> tuple[StepStats, list[torch.Tensor]]:
         """Statistics of the gradients as they are now, and the gradient list (for clipping).
 
-        ``tail(nonfinite)`` gets a device flag (1.0 when the loss or the total norm is
-        non-finite) and returns a 1-D tensor to append to the same transfer (e.g. the
-        flags all-reduced across ranks, the loss scale); it comes back in ``StepStats.extra``.
+        ``riders(nonfinite, loss, total_norm)`` gets a device flag (1.0 when the loss or
+        the total norm is non-finite), the loss and the total norm, and returns named scalar tensors that ride
+        along with the same transfer (the flags all-reduced across ranks, the loss
+        scale); they come back by name in ``StepStats.riders``.
         """
         names, grads = self.grads()
         parts: list[torch.Tensor] = []
@@ -85,13 +88,14 @@ class GradStats:
             batch_parts = batch_statistics(batch)
             n_batch = len(batch_parts)
             parts += [t.to(device).float().reshape(1) for t in batch_parts]
-        if tail is not None:
+        rider_names: list[str] = []
+        if riders is not None:
             bad = ~torch.isfinite(parts[0][0])
             if total is not None:
                 bad = bad | ~torch.isfinite(total)
-            extra = tail(bad.float())
-            if extra is not None:
-                parts.append(extra.to(device).float().reshape(-1))
+            for name, value in riders(bad.float(), parts[0][0], total).items():
+                rider_names.append(name)
+                parts.append(value.to(device).float().reshape(1))
         values_list = torch.cat(parts).tolist()  # the one device-to-host transfer
 
         it = iter(values_list)
@@ -109,11 +113,11 @@ class GradStats:
             bstats = {"size": int(size), "nan_inputs": int(nan_in), "inf_inputs": int(inf_in),
                       "outliers": int(outliers),
                       "max_label_fraction": None if max_frac < 0 else min(1.0, max(0.0, max_frac))}
-        rest = list(it)
+        riding = {name: next(it) for name in rider_names}
         nonfinite = 0
         if grad_norm is not None and not math.isfinite(grad_norm):
             nonfinite = count_nonfinite(grads)  # rare path: a second transfer is fine here
-        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, rest), grads
+        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding), grads
 
 
 def count_nonfinite(tensors: Sequence[torch.Tensor]) -> int:

@@ -138,6 +138,15 @@ class StepEvent(_Event):
     )
     nonfinite_grads: int = Field(0, ge=0, description="gradient elements that were NaN/Inf")
     update_skipped: bool = Field(False, description="the trainer skipped this update itself")
+    skip_reason: Literal["non_finite", "outlier_step", "scaler_overflow"] | None = Field(
+        None,
+        description="why the update was skipped: a non-finite loss or gradient, the Guard's local "
+        "outlier rule, or the fp16 GradScaler's own overflow check (normal, not an anomaly)",
+    )
+    overflow_streak: int = Field(
+        0, ge=0, description="consecutive GradScaler overflow skips up to this step, each one "
+        "lowering the loss scale (0 when this step's update was not an overflow skip)",
+    )
     batch_index: int | None = Field(None, ge=0, description="global data position")
     batch: BatchStats | None = None
 

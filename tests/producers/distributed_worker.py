@@ -15,7 +15,8 @@ from spikeguard.producers import Guard, GuardConfig, checkpoint_id
 from spikeguard.schemas import Ack, Action, ActionKind, Topics, decode, encode
 
 
-def run(rank: int, world: int, port: int, out_dir: str) -> None:
+def run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None = None) -> None:
+    """``outlier_at``: rank 1 alone gets a bad (finite) batch at that step, and no actions are sent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -28,6 +29,8 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     bus = None
+    if outlier_at is not None:
+        return _outlier_run(rank, model, opt, loader, out_dir, outlier_at)
     if rank == 0:  # only rank 0 talks to the bus; the other rank gets actions by broadcast
         bus = EmbeddedBus()
         acts = [Action(action_id="a-1", run_id="dd", kind=ActionKind.SCALE_LR, apply_at_step=3,
@@ -68,4 +71,23 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     if bus is not None:
         result["acks"] = [decode(r.value, Ack).status.value for r in bus.read_all(Topics().acks)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _outlier_run(rank, model, opt, loader, out_dir, outlier_at) -> None:
+    guard = Guard(model, opt, run_id="dd", connect=False,
+                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=0,
+                                     resume=False, skip_min_history=8, skip_window=16))
+    outcomes = []
+    for xb, yb in guard.data(loader, epochs=2, max_steps=30):
+        if rank == 1 and guard.step_count == outlier_at:
+            yb = yb + 50.0  # only one rank sees it; its loss alone jumps
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        outcomes.append(guard.step(loss))
+    guard.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "outcomes": outcomes, "outlier_skips": guard.counters["outlier_skips"],
+        "params": [p.detach().flatten().tolist() for p in model.parameters()]}))
     dist.destroy_process_group()

@@ -18,10 +18,11 @@ _ids = itertools.count()
 class Tiny:
     """A small regression problem: model, optimizer, loader (64 batches of 8)."""
 
-    def __init__(self, seed: int = 0, n: int = 512, batch_size: int = 8, lr: float = 1e-2) -> None:
+    def __init__(self, seed: int = 0, n: int = 512, batch_size: int = 8, lr: float = 1e-2,
+                 noise: float = 0.05) -> None:
         torch.manual_seed(seed)
         self.x = torch.randn(n, 6)
-        self.y = self.x @ torch.randn(6, 1) + 0.05 * torch.randn(n, 1)
+        self.y = self.x @ torch.randn(6, 1) + noise * torch.randn(n, 1)
         self.loader = DataLoader(TensorDataset(self.x, self.y), batch_size=batch_size, shuffle=True)
         self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)

@@ -94,3 +94,48 @@ def test_rank_companion_files(tmp_path):
     assert [c.step for c in other.list()] == [10] and [c.step for c in main.list()] == [10]
     body = other.load(other.find(info.checkpoint_id))
     assert float(body["w"]) == 10.0 and int(body["rank_state"]["rng"]["tag"]) == 7
+
+
+def test_a_rank_opening_the_shared_directory_leaves_other_ranks_writes_in_flight(tmp_path):
+    """Rank 0 opening its store must not delete rank 1's temp file mid-write (the flaky
+    FileNotFoundError of test_distributed): each rank cleans up only its own leftovers."""
+    name = f"ckpt-e00000-s0000000000-h-{checkpoint_id('r', 0)}"
+    theirs = tmp_path / f".{name}.rank1.pt.k3j9x_2a.tmp"
+    mine = tmp_path / f".{name}.pt.q8z1m0ab.tmp"
+    ledger = tmp_path / ".spikeguard-ledger.json.a1b2c3d4.tmp"
+    for tmp in (theirs, mine, ledger):
+        tmp.write_bytes(b"half a checkpoint")
+    CheckpointStore(tmp_path, "r", rank=0)
+    assert theirs.exists() and not mine.exists() and not ledger.exists()
+    CheckpointStore(tmp_path, "r", rank=1)  # rank 1's own leftover goes when rank 1 opens it
+    assert not theirs.exists()
+
+
+def test_a_guard_checkpoint_holds_one_entry_per_state_part(tmp_path):
+    """The Guard's state is a dict of Stateful parts; the checkpoint is that dict, and
+    loading it puts each part back (a user's own Stateful joins by name)."""
+    from producers_helpers import Tiny, train
+
+    from spikeguard.producers import Guard, GuardConfig
+
+    tiny = Tiny()
+    sched = torch.optim.lr_scheduler.StepLR(tiny.optimizer, step_size=3, gamma=0.5)
+    guard = Guard(tiny.model, tiny.optimizer, sched, run_id="r1", connect=False, config=GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False))
+    train(guard, tiny, 4)
+    guard.lr.scale_by(0.5)
+    guard.clipper.set_fixed(0.3)
+    event = guard.checkpoint()
+    body = torch.load(event.path, weights_only=True)
+    assert guard.parts.names() == ["model", "optimizer", "scheduler", "rng", "lr", "clip", "health",
+                                   "ledger", "skip_rule", "data"]
+    assert set(guard.parts.names()) <= set(body)
+    assert body["lr"]["scale"] == 0.5 and body["clip"]["max_norm"] == 0.3
+    assert body["data"]["position"] == 4 and body["scheduler"]["last_epoch"] == 4
+    weights = tiny.params()
+    train(guard, tiny, 8)
+    guard.lr.scale_by(0.1)
+    guard.load_state_dict(guard.store.load(guard.store.find(event.checkpoint_id)))
+    assert all(torch.equal(a, b) for a, b in zip(weights, tiny.params()))
+    assert guard.lr.scale == 0.5 and sched.last_epoch == 4 and guard.loader.position == 4
+    guard.close()

@@ -19,10 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(tmp_path) -> None:
+def _spawn(tmp_path, *extra) -> None:
     for attempt in range(2):
         try:
-            mp.spawn(distributed_worker.run, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+            mp.spawn(distributed_worker.run, args=(2, _free_port(), str(tmp_path), *extra), nprocs=2,
+                     join=True)
             return
         except mp.ProcessRaisedException as exc:
             # The free port can be taken by another process between the probe and the bind.
@@ -42,3 +43,12 @@ def test_two_ranks_apply_the_same_actions_at_the_same_steps(tmp_path):
     assert r0["skipped"] == r1["skipped"] == 1  # rank 1's NaN made both ranks skip step 7
     assert r0["skip_ranges"] == r1["skip_ranges"] == [[10, 14]]
     assert r0["acks"] == ["applied"] * 4
+
+
+def test_an_outlier_on_one_rank_is_skipped_on_every_rank_at_the_same_step(tmp_path):
+    _spawn(tmp_path, 20)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["outcomes"] == r1["outcomes"]
+    assert [i for i, applied in enumerate(r0["outcomes"]) if not applied] == [20]
+    assert r0["outlier_skips"] == r1["outlier_skips"] == 1
+    assert r0["params"] == r1["params"]

@@ -1,0 +1,57 @@
+"""What the Guard tells the pipeline about its run: step events, checkpoints, acks.
+
+One place that knows the event shapes, so the Guard's step reads as a list
+of decisions. Everything goes through the background publisher (training
+never waits for the bus); steps may be dropped when the queue is full,
+checkpoints and acks never are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from spikeguard.schemas import Ack, CheckpointEvent, StepEvent, Topics
+
+
+class RunEvents:
+    def __init__(self, publisher: Any, topics: Topics, run_id: str, rank: int, all_ranks: bool) -> None:
+        self.publisher = publisher
+        self.topics = topics
+        self.run_id = run_id
+        self.rank = rank
+        self.steps_on = publisher is not None and (rank == 0 or all_ranks)
+        self.rank0_on = publisher is not None and rank == 0
+
+    def step(self, step: int, epoch: int, stats: Any, *, lr: float, reason: str | None,
+             loss_scale: float | None, overflow_streak: int, batch_index: int | None) -> None:
+        if not self.steps_on:
+            return
+        # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
+        overflow = reason == "scaler_overflow"
+        self.publisher.submit(self.topics.steps, StepEvent, dict(
+            run_id=self.run_id, step=step, epoch=epoch, rank=self.rank, time=time.time(),
+            loss=stats.loss, grad_norm=None if overflow else stats.grad_norm, lr=lr,
+            loss_scale=loss_scale, param_norm=stats.param_norm,
+            top_grad_norms={} if overflow else stats.top_grad_norms,
+            nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
+            skip_reason=reason, overflow_streak=overflow_streak if overflow else 0,
+            batch_index=batch_index, batch=stats.batch))
+
+    def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
+        if not self.rank0_on:
+            return
+        self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
+        for gone in removed:  # no longer a rollback target: say so
+            self.publisher.submit(self.topics.checkpoints, None, CheckpointEvent(
+                run_id=self.run_id, step=gone.step, epoch=gone.epoch,
+                checkpoint_id=gone.checkpoint_id, path=str(gone.path), healthy=gone.healthy,
+                deleted=True), droppable=False)
+
+    def ack(self, outcome: Any) -> None:
+        if not self.rank0_on:
+            return
+        a = outcome.action
+        self.publisher.submit(self.topics.acks, Ack, dict(
+            run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
+            step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
