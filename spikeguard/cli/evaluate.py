@@ -278,7 +278,9 @@ COMPARE = (
 def comparison(report: dict) -> str:
     """One line per group and system: the headline numbers side by side, delay per kind."""
     table = [["set", "system"] + [title for _, title, _ in COMPARE] + ["recall (median delay) by kind"]]
-    groups = next(iter(report["systems"].values()))["rows"]
+    groups = list(next(iter(report["systems"].values()))["rows"])
+    if REAL_SPIKES in groups or HEALTHY in groups:  # different sets: their sum means nothing
+        groups = [g for g in groups if g not in (CLEAN, OVERALL)]
     for group in groups:
         for name, system in report["systems"].items():
             row = system["rows"].get(group)
