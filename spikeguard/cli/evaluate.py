@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--loss-only", action="store_true",
                         help="drop grad_norm, lr and update_norm (as in most real logs); "
                              "non-finite labels on a finite loss are dropped too")
+    parser.add_argument("--incidents-only", action="store_true",
+                        help="drop the marks whose response is only to skip one update "
+                             "(type outlier_step): score what a system escalates")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when the pipeline misses a target")
@@ -108,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         for name in args.systems:
             started = time.perf_counter()
             marks = system_marks(name, events, settings)
+            if args.incidents_only:
+                marks = [m for m in marks if m.type != OUTLIER]
             seconds[name] += time.perf_counter() - started
             scores[name].setdefault(group, []).append(score_run(steps, labels, marks, config, group))
             if group == HEALTHY:
@@ -125,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
                             "labels": args.labels, "healthy": args.healthy,
                             "seeds": None if args.files or real else args.seeds,
                             "scenarios": args.scenario, "loss_only": args.loss_only,
+                            "incidents_only": args.incidents_only,
                             "steps": total, "config": config.model_dump()}
         report["timing_seconds"] = dict(seconds)
         print(json.dumps(report, indent=2))

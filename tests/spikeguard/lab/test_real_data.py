@@ -121,3 +121,18 @@ def test_the_pipeline_on_real_spikes_does_not_regress(runs):
     summary = summarize(scores)
     assert summary.detected >= 5 and summary.precision == 1.0
     assert summary.by_kind["non_finite"]["recall"] == 1.0 and summary.by_kind["divergence"]["recall"] == 1.0
+
+
+def test_incidents_only_drops_the_skip_only_marks(capsys):
+    args = ["evaluate", "--real-spikes", str(FIXTURES), "--systems", "proposed", "--json"]
+    assert main(args) == 0
+    every = json.loads(capsys.readouterr().out)["systems"]["proposed"]["rows"]["real-spikes"]
+    assert main(args + ["--incidents-only"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    escalated = report["systems"]["proposed"]["rows"]["real-spikes"]
+    assert report["inputs"]["incidents_only"] is True
+    assert every["by_kind"]["outlier_step"]["detected"] == 1
+    assert escalated["by_kind"]["outlier_step"]["detected"] == 0  # a healed jump is only skipped
+    # a spike is escalated at its second point: found as often, one step later
+    assert escalated["by_kind"]["spike"]["detected"] == every["by_kind"]["spike"]["detected"]
+    assert (escalated["by_kind"]["spike"]["median_delay"], every["by_kind"]["spike"]["median_delay"]) == (1, 0)
