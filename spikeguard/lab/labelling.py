@@ -33,8 +33,11 @@ and chosen as round numbers a person would accept, not fitted to a detector:
    event spans those points. (None of the AlgoPerf curves has one: their
    largest sustained rise is +6.8%, a late drift of ResNet-50.)
 
-``events_detected.csv`` in the data folder was only an aid; these rules
-agree with it on every point with a ratio >= 1.5.
+``events_detected.csv`` in the data folder was only an aid: every point it
+lists lies inside one of these events, and the rules add one it lacks (the
+DLRM run's x2.6 at step 34, under its robust-z bar). On the AlgoPerf set:
+17 events (9 outlier_step, 6 spike, 1 divergence, 1 non_finite), no slow
+rise; regenerate with ``python -m spikeguard.lab.labelling FOLDER``.
 """
 
 from __future__ import annotations
