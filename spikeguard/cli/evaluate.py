@@ -47,8 +47,9 @@ SYSTEMS = {
     "lightning": "Lightning SpikeDetection: loss >= 3x the mean of the last 10 accepted losses",
     "llm_foundry": "llm-foundry KillLossSpike: loss >= 2x the mean of the last 100, 5 steps running",
     "proposed": "prototype rules (spikeguard.lab.proposed_rules): robust outlier/spike + CUSUM slow rise",
+    "pipeline+proposed": "the pipeline's alarms plus the prototype rules' (what porting them would add)",
 }
-BASELINE_NAMES = [name for name in SYSTEMS if name not in ("pipeline", "proposed")]
+BASELINE_NAMES = [name for name in SYSTEMS if name not in ("pipeline", "proposed", "pipeline+proposed")]
 REAL_SPIKES, HEALTHY = "real-spikes", "healthy"
 #: The healthy runs again, without the marks whose response is only to skip one update.
 HEALTHY_INCIDENTS = "healthy, skips excluded"
@@ -77,8 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--healthy", metavar="DIR",
                         help="real healthy runs, e.g. ../shared/data/modded-nanogpt "
                              "(not in the repository)")
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
-                        help="what to score (default: all)")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS),
+                        default=[name for name in SYSTEMS if name != "pipeline+proposed"],
+                        help="what to score (default: all but pipeline+proposed)")
     parser.add_argument("--loss-only", action="store_true",
                         help="drop grad_norm, lr and update_norm (as in most real logs); "
                              "non-finite labels on a finite loss are dropped too")
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except SpikeguardError as exc:
         print(f"evaluate: {exc}", file=sys.stderr)
         return 2
-    settings = settings_from(args) if "pipeline" in args.systems else None
+    settings = settings_from(args) if any(n.startswith("pipeline") for n in args.systems) else None
     config = EvaluationConfig()
     scores: dict[str, dict[str, list[RunScore]]] = {name: {} for name in args.systems}
     seconds: Counter[str] = Counter()
@@ -149,6 +151,10 @@ def system_marks(name: str, events, settings=None) -> list[Mark]:
     if name == "proposed":
         rules = ProposedRules()
         return [Mark(e.step, bool(kind := rules.update(e)), type=kind or "none") for e in events]
+    if name == "pipeline+proposed":
+        proposed = {m.step: m for m in system_marks("proposed", events)}
+        return [m if m.is_anomaly else proposed.get(m.step, m)
+                for m in system_marks("pipeline", events, settings)]
     return flag_run(BASELINES[name](), events)
 
 

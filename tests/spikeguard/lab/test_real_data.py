@@ -136,3 +136,13 @@ def test_incidents_only_drops_the_skip_only_marks(capsys):
     # a spike is escalated at its second point: found as often, one step later
     assert escalated["by_kind"]["spike"]["detected"] == every["by_kind"]["spike"]["detected"]
     assert (escalated["by_kind"]["spike"]["median_delay"], every["by_kind"]["spike"]["median_delay"]) == (1, 0)
+
+
+def test_pipeline_plus_proposed_is_the_union_of_both(runs):
+    events = next(r for r in runs if r.name == "finewebedu_lm_jax__sfadamw_jax_v2__study0").events
+    union = system_marks("pipeline+proposed", events)
+    pipeline, proposed = system_marks("pipeline", events), system_marks("proposed", events)
+    assert [m.is_anomaly for m in union] == [a.is_anomaly or b.is_anomaly for a, b in zip(pipeline, proposed)]
+    assert all(u == p for u, p in zip(union, pipeline) if p.is_anomaly)  # the pipeline's type wins
+    added = [u.step for u, p in zip(union, pipeline) if u.is_anomaly and not p.is_anomaly]
+    assert 665 in added  # the x1.52 outlier step at step 66500 the pipeline lets pass
