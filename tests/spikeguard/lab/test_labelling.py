@@ -117,3 +117,16 @@ def test_the_lab_labels_hold_the_fixture_rows():
     lab = read_labels(Path(__file__).parents[3] / "spikeguard" / "lab" / "labels" / "algoperf_submissions.csv")
     for name, events in read_labels(FIXTURES / "labels.csv").items():
         assert lab[name] == events
+
+
+def test_the_plot_shows_every_curve(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the `plots` extra
+    target = tmp_path / "labels.png"
+    assert main([str(FIXTURES), "--plot", str(target), "--out", str(tmp_path / "labels.csv")]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "labels.csv").read_text() == (FIXTURES / "labels.csv").read_text()
+
+
+def test_a_folder_that_is_not_there(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "not a folder" in capsys.readouterr().err
