@@ -95,17 +95,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        runs = list(_runs(args))
-    except SpikeguardError as exc:
-        print(f"evaluate: {exc}", file=sys.stderr)
+    if args.files and (args.real_spikes or args.healthy):
+        print("evaluate: --files cannot be combined with --real-spikes/--healthy", file=sys.stderr)
         return 2
     settings = settings_from(args) if any(n.startswith("pipeline") for n in args.systems) else None
     config = EvaluationConfig()
     scores: dict[str, dict[str, list[RunScore]]] = {name: {} for name in args.systems}
     seconds: Counter[str] = Counter()
+    try:
+        # One run at a time (the synthetic suite is generated lazily): a bad
+        # or missing data set surfaces on the first run that needs it.
+        total = _score(args, settings, config, scores, seconds)
+    except SpikeguardError as exc:
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 2
+    return _report(args, config, scores, seconds, total)
+
+
+def _score(args, settings, config, scores, seconds) -> int:
+    """Score every run of the chosen inputs into ``scores``; the number of steps."""
     total = 0
-    for group, events, labels in runs:
+    for group, events, labels in _runs(args):
         if args.loss_only:
             events, labels = loss_only(events, labels)
         steps = [e.step for e in events]
@@ -121,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
                 incidents = [m for m in marks if m.type != OUTLIER]
                 scores[name].setdefault(HEALTHY_INCIDENTS, []).append(
                     score_run(steps, labels, incidents, config, HEALTHY_INCIDENTS))
+    return total
+
+
+def _report(args, config, scores, seconds, total) -> int:
+    """Print the report (tables or JSON); the exit code."""
     report = build_report(scores)
     timing = ", ".join(
         f"{n} {s:.1f} s ({total / max(s, 1e-9):,.0f} steps/s)" for n, s in seconds.items()

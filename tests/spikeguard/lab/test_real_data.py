@@ -146,3 +146,8 @@ def test_pipeline_plus_proposed_is_the_union_of_both(runs):
     assert all(u == p for u, p in zip(union, pipeline) if p.is_anomaly)  # the pipeline's type wins
     added = [u.step for u, p in zip(union, pipeline) if u.is_anomaly and not p.is_anomaly]
     assert 665 in added  # the x1.52 outlier step at step 66500 the pipeline lets pass
+
+
+def test_files_and_real_sets_are_not_mixed(capsys):
+    assert main(["evaluate", "--files", "x.csv", "--healthy", str(FIXTURES)]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
