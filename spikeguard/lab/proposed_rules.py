@@ -7,9 +7,9 @@ as the system ``proposed``:
 **Robust outlier / spike** (:class:`RobustOutlier`). The baseline is the
 median of the last ``window`` (100) *accepted* points and the noise scale
 1.4826 x their MAD (a flagged point is never accepted, so a spike cannot
-inflate its own baseline, unlike OLMo-core's rule). A point is elevated when
-it is at least ``z`` (6) noise units AND ``min_ratio`` (x1.25) above the
-baseline. The first elevated point is an ``outlier_step`` (delay 0: the
+inflate its own baseline, unlike OLMo-core's rule); it judges once
+``min_values`` (20) points are in. A point is elevated when it is at least
+``z`` (6) noise units AND ``min_ratio`` (x1.25) above the baseline. The first elevated point is an ``outlier_step`` (delay 0: the
 right response is to skip that update and record the batch); a second
 elevated point in a row makes it a ``spike`` (an incident); a run of
 ``divergence_points`` (20) elevated points, or a point ``divergence_ratio``
@@ -21,7 +21,7 @@ the new normal, not an endless spike).
 accepted point over the *best* baseline level so far (the lowest 100-point
 median of the run), less an allowance of ``min_rise`` (+5%), in noise units:
 ``S = max(0, S + (x - best - log 1.05) / scale)``; ``S > h`` (100) is a
-``slow_rise``. The best level never forgets (the pipeline's divergence
+``slow_rise`` (after a ``warmup`` of 100 accepted points). The best level never forgets (the pipeline's divergence
 monitor forgets its best within a few hundred steps, so a rise over thousands
 of steps is absorbed); the allowance and the CUSUM keep a healthy plateau,
 whose points scatter around the best level, at S = 0. This is the limit of
