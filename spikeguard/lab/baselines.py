@@ -14,7 +14,9 @@ more than 6 standard deviations, once 64 values are in. Every finite value
 enters its window (flagged ones too). A non-finite value is flagged and kept
 out of the window, as those trainers check ``isfinite`` before anything else.
 
-Both take a :class:`StepEvent` and return a bool; :func:`flag_run` turns a
+The rules of four published trainers (axolotl, metaseq, Lightning,
+llm-foundry) are in :mod:`spikeguard.lab.trainer_rules` and registered in
+:data:`BASELINES` too. All take a :class:`StepEvent` and return a bool; :func:`flag_run` turns a
 run into :class:`~spikeguard.lab.evaluation.Mark` s for scoring.
 """
 
@@ -27,6 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from spikeguard.lab.evaluation import Mark
+from spikeguard.lab.trainer_rules import TRAINER_RULES
 from spikeguard.schemas import StepEvent
 
 
@@ -110,9 +113,10 @@ class SixSigmaBaseline:
         return loss or grad
 
 
-BASELINES = {NaiveBaseline.name: NaiveBaseline, SixSigmaBaseline.name: SixSigmaBaseline}
+BASELINES: dict[str, type] = {NaiveBaseline.name: NaiveBaseline, SixSigmaBaseline.name: SixSigmaBaseline}
+BASELINES.update(TRAINER_RULES)
 
 
-def flag_run(baseline: NaiveBaseline | SixSigmaBaseline, events: Iterable[StepEvent]) -> list[Mark]:
+def flag_run(baseline, events: Iterable[StepEvent]) -> list[Mark]:
     """Run ``baseline`` over one run's events: a mark per step."""
     return [Mark(e.step, baseline.update(e)) for e in events]
