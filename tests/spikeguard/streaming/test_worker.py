@@ -143,3 +143,46 @@ def test_a_crashed_worker_resumes_with_the_same_verdicts_as_an_uninterrupted_one
     for key, signals in got.items():
         # At-least-once: a redone step may appear twice, but always with the same content.
         assert signals == expected[key], key
+
+
+class HalfDone(RunningSum):
+    """Counts the step, then fails on it: a record that leaves its mark before it fails."""
+
+    def update(self, event: StepEvent) -> Verdict:
+        if event.step == self.fail_at:
+            self.total += event.loss
+            self.seen += 1
+            raise RuntimeError(f"cannot judge step {event.step}")
+        return super().update(event)
+
+
+@pytest.mark.parametrize("detector", [RunningSum, HalfDone])
+def test_a_retried_batch_does_not_count_twice(detector):
+    # Five events, a bad one at step 2: the batch fails after steps 0 and 1 were
+    # learnt, and the record-by-record retry must start from the state before it.
+    bus = EmbeddedBus(partitions=1)
+    stage = DetectorStage(TOPICS, "sum", lambda run_id: detector(2))
+    worker = Worker(bus, stage, metrics=Metrics(CollectorRegistry()), snapshots=False)
+    publish_steps(bus, range(5), runs=("a",))
+    drain(worker)
+    assert stage.runs["a"].state_dict() == {"total": 0.5 + 1.5 + 3.5 + 4.5, "seen": 4}
+    seen = {step: json.loads(next(iter(s)))["seen"] for (_, step), s in verdicts(bus).items()}
+    assert seen == {0: 1, 1: 2, 3: 3, 4: 4}
+    assert len(bus.read_all(TOPICS.dlq)) == 1
+
+
+def test_an_unreadable_snapshot_is_logged_and_counted(caplog):
+    bus = EmbeddedBus(partitions=1)
+    registry = CollectorRegistry()
+    bus.create_topics([TOPICS.state("sum")], compacted=True)
+    bus.producer().publish(TOPICS.state("sum"), b"{torn snapsh", key="0")
+    publish_steps(bus, range(5), runs=("a",))
+    with caplog.at_level("WARNING"):
+        worker = make_worker(bus, registry)
+        drain(worker)
+    assert any("unreadable" in r.getMessage() and "partition 0" in r.getMessage()
+               for r in caplog.records)
+    assert registry.get_sample_value(
+        "spikeguard_state_snapshots_unreadable_total", {"component": "sum"}
+    ) == 1
+    assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4]  # started afresh
