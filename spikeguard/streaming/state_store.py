@@ -53,8 +53,8 @@ class StateStore:
                     if self._on_unreadable is not None:
                         self._on_unreadable()
                     log.warning("%s: unreadable state snapshot for partition %s at offset %s "
-                                "(%s); that partition starts afresh", self.topic, record.key.decode(errors="replace"),
-                                record.offset, exc)
+                                "(%s); that partition starts afresh", self.topic,
+                                record.key.decode(errors="replace"), record.offset, exc)
                     continue
                 self._loaded[partition] = snapshot
         return self._loaded.get(partition)

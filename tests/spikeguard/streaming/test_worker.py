@@ -13,29 +13,48 @@ from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import DeadLetter, StepEvent, Topics, Verdict, decode, encode
 
 
-class RunningSum(Detector):
+class Sum:
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.seen = 0
+
+
+class RunningSum(Detector[Sum]):
     """A detector whose every verdict depends on all the state before it."""
 
     name = "sum"
 
     def __init__(self, fail_at: int | None = None) -> None:
-        self.total = 0.0
-        self.seen = 0
         self.fail_at = fail_at
+        super().__init__()
 
-    def update(self, event: StepEvent) -> Verdict:
+    def fresh(self) -> Sum:
+        return Sum()
+
+    def score(self, event: StepEvent, state: Sum) -> Verdict:
         if event.step == self.fail_at:
             raise RuntimeError(f"cannot judge step {event.step}")
-        self.total += event.loss
-        self.seen += 1
-        return Verdict(run_id=event.run_id, step=event.step, detector=self.name,
-                       is_anomaly=False, signals={"total": self.total, "seen": self.seen})
+        return Verdict(run_id=event.run_id, step=event.step, detector=self.name, is_anomaly=False,
+                       signals={"total": state.total + event.loss, "seen": state.seen + 1})
 
+    def learn(self, event: StepEvent, state: Sum) -> None:
+        state.total += event.loss
+        state.seen += 1
+
+    def dump(self, state: Sum) -> dict:
+        return {"total": state.total, "seen": state.seen}
+
+    def load(self, data: dict) -> Sum:
+        state = Sum()
+        state.total, state.seen = data["total"], data["seen"]
+        return state
+
+    # The plain state, as the snapshot assertions below spell it out.
     def state_dict(self):
-        return {"total": self.total, "seen": self.seen}
+        return self.dump(self.state)
 
     def load_state_dict(self, state):
-        self.total, self.seen = state["total"], state["seen"]
+        self.state = self.load(state)
 
 
 TOPICS = Topics("t.")
@@ -146,14 +165,13 @@ def test_a_crashed_worker_resumes_with_the_same_verdicts_as_an_uninterrupted_one
 
 
 class HalfDone(RunningSum):
-    """Counts the step, then fails on it: a record that leaves its mark before it fails."""
+    """Learns the step, then fails on it: a record that leaves its mark before it fails."""
 
-    def update(self, event: StepEvent) -> Verdict:
+    def score(self, event: StepEvent, state: Sum) -> Verdict:
         if event.step == self.fail_at:
-            self.total += event.loss
-            self.seen += 1
+            self.learn(event, state)
             raise RuntimeError(f"cannot judge step {event.step}")
-        return super().update(event)
+        return super().score(event, state)
 
 
 @pytest.mark.parametrize("detector", [RunningSum, HalfDone])
