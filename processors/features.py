@@ -153,6 +153,12 @@ class _Track:
             self.n, self.fast, self.slow, self.var, self.var_short, self.dvar, self.last, self.scale
         ]
 
+    def copy(self) -> _Track:
+        twin = _Track.__new__(_Track)
+        for name in _Track.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
     def load(self, s: list[float]) -> None:
         self.n = int(s[0])
         self.fast, self.slow, self.var, self.var_short, self.dvar, self.last, self.scale = (
@@ -245,6 +251,26 @@ class RollingFeatures:
         return self.update(
             event.loss, event.grad_norm, event.lr, event.update_norm, event.param_norm
         )
+
+    def copy(self) -> RollingFeatures:
+        """An independent copy (the config is shared: it is frozen)."""
+        twin = RollingFeatures.__new__(RollingFeatures)
+        twin.config = self.config
+        twin._loss, twin._grad = self._loss.copy(), self._grad.copy()
+        twin._upd, twin._step = self._upd.copy(), self._step.copy()
+        twin._prev_loss, twin._prev_resid, twin._cov1 = (
+            self._prev_loss, self._prev_resid, self._cov1
+        )
+        return twin
+
+    def peek_event(self, event: Any) -> tuple[Features | None, RollingFeatures]:
+        """What :meth:`update_event` would return, and the features after it; ``self`` unchanged.
+
+        Lets a detector score a step without learning it; adopting the returned
+        copy is then the same as having called :meth:`update_event`.
+        """
+        after = self.copy()
+        return after.update_event(event), after
 
     def restart(self) -> None:
         """After a rollback: the next loss does not follow the previous one."""

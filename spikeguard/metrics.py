@@ -54,6 +54,9 @@ class Metrics:
             ["component", "error"],
             registry=r,
         )
+        self.unreadable_snapshots = Counter("spikeguard_state_snapshots_unreadable_total",
+            "State snapshots that could not be read (that partition started afresh).",
+            ["component"], registry=r)
         self.batch_seconds = Histogram(
             "spikeguard_batch_processing_seconds",
             "Time to process one polled batch, publishing and flushing included.",

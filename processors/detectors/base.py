@@ -1,36 +1,161 @@
-"""What every detector is: a pure object, step event in, verdict out.
+"""What every detector is: score a step, then learn from it (river's ``score_one`` / ``learn_one``).
 
-One instance judges one run (the worker keeps one per ``run_id``), so its
-state is that run's alone. No I/O: the same object runs in a worker, a
-backtest and a unit test. State is bounded (independent of run length) and
-round-trips through ``state_dict()`` / ``load_state_dict()`` as plain JSON
-types, so a restarted worker resumes with exactly the state it had.
+A detector defines four pure pieces and a state codec:
+
+* ``fresh()`` — a new run's state: a small value of the detector's own.
+* ``score(event, state) -> Verdict`` — judges the step against what came
+  before. It changes nothing, so judging the same step twice gives the same
+  verdict.
+* ``track(event, state, verdict)`` — what moves on at every step, normal or
+  not: clocks, the episode a step belongs to (a spike lasts until it has come
+  down), the inputs of rolling features. Defaults to nothing.
+* ``learn(event, state)`` — what a *normal* step teaches: the baselines.
+* ``dump(state)`` / ``load(data)`` — the state as JSON types and back.
+
+Everything around them is done here, once, for every detector:
+
+* **A step judged anomalous is not learnt** (river's ``protect_anomaly_detector``
+  / ``QuantileFilter`` idea): a spike cannot teach the baseline that spikes are
+  normal. ``protects(verdict)`` is where a detector whose baselines are gated
+  more finely says so.
+* **Rollbacks.** A step of a newer epoch means the trainer rolled back and
+  re-runs from a checkpoint: the run's state is put back as it was before the
+  first re-run step (from :class:`StateHistory`), so re-run steps are judged
+  as they were the first time. A step of an older epoch is a late duplicate
+  from before the rollback: it gets a "stale" verdict and teaches nothing.
+* **Versioned state.** ``state_dict()`` is ``dump(state)`` plus the layout
+  ``version`` and the ``epoch``; loading another version is
+  a :class:`StateVersionError`, not a silently misread state.
+
+One instance judges one run (the worker keeps one per ``run_id``). No I/O:
+the same object runs in a worker, a backtest and a unit test. State is
+bounded (independent of run length).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Generic, Sequence, TypeVar
 
+from spikeguard.errors import SpikeguardError
+from spikeguard.processors.detectors.history import StateHistory
 from spikeguard.schemas import StepEvent, Verdict
 
+S = TypeVar("S")
 
-class Detector(ABC):
+# Verdict(**fields) minus BaseModel.__init__'s Python frame: the same
+# validation (a documented pydantic attribute), for the plain verdicts of every step.
+validate_verdict = Verdict.__pydantic_validator__.validate_python
+
+
+class StateVersionError(SpikeguardError, ValueError):
+    """A saved detector state of another layout version than this code reads."""
+
+
+class Detector(ABC, Generic[S]):
     #: The verdict's ``detector`` field and the worker's name.
     name: ClassVar[str]
+    #: Layout of ``dump``'s output; bump it when its keys or their meaning change.
+    state_version: ClassVar[int] = 1
+
+    def __init__(self, *, snapshot_every: int = 50, max_snapshots: int = 16) -> None:
+        # 50: the trainer's default checkpoint cadence, so a rollback target usually has
+        # a snapshot of its own (producers.config.GuardConfig.checkpoint_every).
+        self.history: StateHistory[S] = StateHistory(snapshot_every, max_snapshots)
+        self.state: S = self.fresh()
+        self.epoch = 0  # the newest epoch seen
+
+    # -- what each detector defines ----------------------------------------------
+    @abstractmethod
+    def fresh(self) -> S:
+        """The state of a run not seen yet."""
 
     @abstractmethod
+    def score(self, event: StepEvent, state: S) -> Verdict:
+        """Judge ``event`` against ``state``, changing nothing."""
+
+    def track(self, event: StepEvent, state: S, verdict: Verdict) -> None:
+        """Advance what every step moves on, whatever its verdict."""
+
+    @abstractmethod
+    def learn(self, event: StepEvent, state: S) -> None:
+        """Learn from ``event``, which was judged normal."""
+
+    def protects(self, verdict: Verdict) -> bool:
+        """True when a step with this verdict must not be learnt: by default, an anomaly.
+
+        A detector whose baselines have a gate of their own narrows it here,
+        saying why (the ML forest's training rows, the statistical detector's
+        two separate series).
+        """
+        return verdict.is_anomaly
+
+    @abstractmethod
+    def dump(self, state: S) -> dict[str, Any]:
+        """``state`` as JSON types (floats may be NaN/inf)."""
+
+    @abstractmethod
+    def load(self, data: dict[str, Any]) -> S:
+        """A state from what :meth:`dump` returned."""
+
+    def copy(self, state: S) -> S:
+        """An independent copy of ``state`` (for the rollback history)."""
+        return self.load(self.dump(state))
+
+    def stale(self, event: StepEvent) -> Verdict:
+        """The verdict on a late step from before a rollback: no news, nothing learnt."""
+        return validate_verdict({
+            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+            "detector": self.name, "is_anomaly": False, "signals": {"stale": 1},
+        })
+
+    # -- judging: the same for every detector -------------------------------------
     def update(self, event: StepEvent) -> Verdict:
-        """Judge ``event`` against what came before, then learn from it (unless flagged)."""
+        """Judge ``event``, then learn from it unless it was judged anomalous."""
+        if event.epoch != self.epoch:
+            if event.epoch < self.epoch:
+                return self.stale(event)
+            self._roll_back(event)
+        history = self.history
+        if history.due(event.step):
+            history.save(event.step, self.copy(self.state))
+        state = self.state
+        verdict = self.score(event, state)
+        self.track(event, state, verdict)
+        if not self.protects(verdict):
+            self.learn(event, state)
+        return verdict
 
     def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
-        """Judge a batch of one run's consecutive events; batch-friendly detectors override."""
-        return [self.update(event) for event in events]
+        """Judge a batch of one run's consecutive events, in order."""
+        update = self.update
+        return [update(event) for event in events]
 
-    @abstractmethod
+    def _roll_back(self, event: StepEvent) -> None:
+        """A new epoch: the state as it was before the first re-run step."""
+        self.epoch = event.epoch
+        found = self.history.rewind(event.step, self.copy)
+        # Nothing kept from that far back: start over (warm-up is silent).
+        self.state = self.fresh() if found is None else found[1]
+
+    # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The learned state, JSON-serialisable (floats may be NaN/inf)."""
+        """The run's state as JSON types, with its layout version."""
+        return {"version": self.state_version, "epoch": self.epoch, **self.dump(self.state)}
 
-    @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Adopt what :meth:`state_dict` returned.
+
+        The rollback history stays when the epoch is the same: its snapshots are
+        states this run went through (a retried batch goes through them again).
+        """
+        version = state.get("version")
+        if version != self.state_version:
+            raise StateVersionError(
+                f"{self.name} detector state has version {version!r}; "
+                f"this code reads version {self.state_version}"
+            )
+        self.state = self.load(state)
+        if int(state["epoch"]) != self.epoch:
+            self.history.clear()  # another timeline's snapshots
+        self.epoch = int(state["epoch"])

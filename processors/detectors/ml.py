@@ -37,7 +37,7 @@ of five rounded floats (at most ~160 kB of JSON with the defaults; ~40 bytes a r
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import sklearn
@@ -154,113 +154,109 @@ class CompiledForest:
         return math.pow(2.0, -path_sum / self.norm) if self.norm > 0 else 1.0
 
 
-class MLDetector(Detector):
+class MLState:
+    """One run's features, the forest's training rows and the forest fitted on them."""
+
+    __slots__ = ("features", "fitted", "pending", "fits", "forest", "threshold", "median",
+                 "ceiling", "row", "healthy")
+
+    def __init__(self, features: RollingFeatures) -> None:
+        self.features = features
+        self.fitted = np.zeros((0, len(ML_FEATURES)))  # rows the current forest was fitted on
+        self.pending: list[np.ndarray] = []  # healthy rows since that fit
+        self.fits = 0
+        self.forest: CompiledForest | None = None
+        self.threshold = self.median = self.ceiling = math.nan  # in score units
+        self.row: np.ndarray | None = None  # the last step's row (what learn() needs)
+        self.healthy = False  # ... and whether it may train the forest
+
+
+class MLDetector(Detector[MLState]):
     name: ClassVar[str] = "ml"
 
     def __init__(self, config: MLConfig | None = None) -> None:
         self.config = config or MLConfig()
-        self._features = RollingFeatures(self.config.features)
-        self._epoch = 0
-        self._fitted = np.zeros((0, len(ML_FEATURES)))  # rows the current forest was fitted on
-        self._pending: list[np.ndarray] = []  # healthy rows since that fit
-        self._fits = 0
-        self._forest: CompiledForest | None = None
-        self._threshold = self._median = self._ceiling = math.nan  # in score units
+        super().__init__()
+
+    def fresh(self) -> MLState:
+        return MLState(RollingFeatures(self.config.features))
 
     # -- judging -------------------------------------------------------------
-    def update(self, event: StepEvent) -> Verdict:
-        return self.update_many([event])[0]
-
-    def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
-        # 1. Features first: they depend only on earlier events, never on verdicts.
-        marks: list[int | str] = []  # row index, or why there is no row
-        vectors: list[list[float]] = []
-        for event in events:
-            found = self._features_of(event)
-            if isinstance(found, str):
-                marks.append(found)
-            else:
-                marks.append(len(vectors))
-                vectors.append(found)
+    def _row(self, event: StepEvent, state: MLState) -> tuple[np.ndarray | str, RollingFeatures]:
+        """The step's feature row (or why there is none), and the features after the step."""
+        if not event.finite:
+            return "non_finite", state.features  # never enters the features nor the buffer
+        f, after = state.features.peek_event(event)
+        if f is None:
+            return "warmup", after
         # Rounded so the buffer is exact and short in JSON; far below the noise.
-        raw = np.array(vectors, dtype=np.float64).reshape(-1, len(ML_FEATURES))
+        raw = np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)
         raw = np.nan_to_num(raw, nan=0.0, posinf=_BOUND, neginf=-_BOUND).clip(-_BOUND, _BOUND)
-        rows = np.round(raw, 4)
+        return np.round(raw, 4), after
+
+    def score(self, event: StepEvent, state: MLState) -> Verdict:
+        row, _ = self._row(event, state)
+        if isinstance(row, str):
+            return self._plain(event, row)
+        if state.forest is None:
+            return self._plain(event, "warmup")
+        path_sum = float(state.forest.path_sums(row[None, :])[0])
+        return self._judged(event, state, state.forest.score(path_sum), float(row[0]))
+
+    def track(self, event: StepEvent, state: MLState, verdict: Verdict) -> None:
+        row, state.features = self._row(event, state)
+        state.row = None if isinstance(row, str) else row
         # Healthy (may train the forest): no residual beyond what the rolling baselines call
         # normal. Judged without the forest, so that the buffer keeps following a drifting run.
-        healthy = (rows[:, _RESIDUALS].max(axis=1) <= self.config.healthy_gate_z).tolist()
-        # 2. Judge in order; score the rest of the batch in one pass per forest.
-        verdicts: list[Verdict] = []
-        sums: list[float] = []
-        first = 0  # row index of sums[0]
-        scored_with = -1  # fit number the sums belong to
-        for event, mark in zip(events, marks):
-            if isinstance(mark, str):  # "stale" / "non_finite" / "warmup"
-                verdicts.append(self._plain(event, mark))
-            elif self._forest is None:
-                if healthy[mark]:
-                    self._learn(rows[mark])
-                verdicts.append(self._plain(event, "warmup"))
-            else:
-                if scored_with != self._fits:  # first scored row, or a refit just happened
-                    sums = self._forest.path_sums(rows[mark:]).tolist()
-                    first, scored_with = mark, self._fits
-                score = self._forest.score(sums[mark - first])
-                verdicts.append(self._judged(event, score, float(rows[mark, 0])))
-                if healthy[mark]:  # after judging: a refit must not touch this verdict
-                    self._learn(rows[mark])
-        return verdicts
+        state.healthy = state.row is not None and bool(
+            row[_RESIDUALS].max() <= self.config.healthy_gate_z
+        )
 
-    def _features_of(self, event: StepEvent) -> list[float] | str:
-        if event.epoch != self._epoch:
-            if event.epoch < self._epoch:
-                return "stale"  # a late duplicate from before a rollback: judged elsewhere
-            self._epoch = event.epoch
-            self._features.restart()
-        if not event.finite:
-            return "non_finite"  # never enters the features nor the buffer
-        f = self._features.update_event(event)
-        return "warmup" if f is None else f.ml_vector(-self.config.downside_clip)
+    def protects(self, verdict: Verdict) -> bool:
+        # The forest's own verdict does not gate its training rows: a buffer that
+        # admits only what the forest likes stops following a drifting run, and then
+        # the forest flags everything. Rows are gated by the rolling baselines instead
+        # (``healthy_gate_z``, in ``track``); a non-finite step has no row at all.
+        return False
 
-    def _learn(self, row: np.ndarray) -> None:
+    def learn(self, event: StepEvent, state: MLState) -> None:
+        if not state.healthy:
+            return
         c = self.config
-        self._pending.append(row)
-        fitted = len(self._fitted)
-        if self._forest is None:
+        state.pending.append(state.row)
+        fitted = len(state.fitted)
+        if state.forest is None:
             due = c.warmup_steps
         elif fitted < c.buffer_size:  # refit often while the buffer fills: early runs drift fast
             due = min(c.warmup_steps, c.refit_every)
         else:
             due = c.refit_every
-        if len(self._pending) >= due:
-            self._refit()
+        if len(state.pending) >= due:
+            state.fitted = np.vstack([state.fitted, *state.pending])[-c.buffer_size :]
+            state.pending = []
+            state.fits += 1
+            self._build(state)
 
-    def _refit(self) -> None:
-        self._fitted = np.vstack([self._fitted, *self._pending])[-self.config.buffer_size :]
-        self._pending = []
-        self._fits += 1
-        self._build()
-
-    def _build(self) -> None:
-        """(Re)build the forest of fit ``self._fits`` from ``self._fitted``: deterministic."""
+    def _build(self, state: MLState) -> None:
+        """(Re)build the forest of fit ``state.fits`` from ``state.fitted``: deterministic."""
         c = self.config
         # The rows are finite and the parameters validated by MLConfig: skip sklearn's re-checks.
         with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
             forest = IsolationForest(
                 n_estimators=c.n_estimators,
-                max_samples=min(c.max_samples, len(self._fitted)),
-                random_state=c.random_state + self._fits - 1,
-            ).fit(self._fitted)
-        self._forest = CompiledForest(forest)
-        train = np.power(2.0, -self._forest.path_sums(self._fitted) / self._forest.norm)
+                max_samples=min(c.max_samples, len(state.fitted)),
+                random_state=c.random_state + state.fits - 1,
+            ).fit(state.fitted)
+        state.forest = compiled = CompiledForest(forest)
+        train = np.power(2.0, -compiled.path_sums(state.fitted) / compiled.norm)
         # An isolation forest cannot tell "far beyond the healthy tail" from "at it": scores
         # saturate at about the score of a row beyond every training extreme. So the
         # threshold sits a fraction of the way from a high training quantile to that ceiling.
-        beyond = self._fitted.max(axis=0) + 1.0
-        self._ceiling = self._forest.score(float(self._forest.path_sums(beyond[None, :])[0]))
+        beyond = state.fitted.max(axis=0) + 1.0
+        state.ceiling = compiled.score(float(compiled.path_sums(beyond[None, :])[0]))
         quantile = float(np.quantile(train, c.threshold_quantile))
-        self._median = float(np.median(train))
-        self._threshold = quantile + c.threshold_margin * max(self._ceiling - quantile, 0.0)
+        state.median = float(np.median(train))
+        state.threshold = quantile + c.threshold_margin * max(state.ceiling - quantile, 0.0)
 
     # -- verdicts ------------------------------------------------------------
     def _plain(self, event: StepEvent, why: str) -> Verdict:
@@ -277,14 +273,15 @@ class MLDetector(Detector):
             signals={why: 1},
         )
 
-    def _judged(self, event: StepEvent, score: float, loss_z: float) -> Verdict:
-        outlier = score > self._threshold
+    def _judged(self, event: StepEvent, state: MLState, score: float, loss_z: float) -> Verdict:
+        threshold = state.threshold
+        outlier = score > threshold
         if outlier:
-            span = max(self._ceiling - self._threshold, 1e-9)
-            confidence = 0.5 + 0.5 * min((score - self._threshold) / span, 1.0)
+            span = max(state.ceiling - threshold, 1e-9)
+            confidence = 0.5 + 0.5 * min((score - threshold) / span, 1.0)
         else:
-            span = max(self._threshold - self._median, 1e-9)
-            confidence = min(max(0.5 * (score - self._median) / span, 0.0), 0.5)
+            span = max(threshold - state.median, 1e-9)
+            confidence = min(max(0.5 * (score - state.median) / span, 0.0), 0.5)
         return Verdict(
             run_id=event.run_id,
             step=event.step,
@@ -294,26 +291,34 @@ class MLDetector(Detector):
             type=AnomalyType.ML_OUTLIER if outlier else AnomalyType.NONE,
             confidence=confidence,
             rules=["isolation_forest"] if outlier else [],
-            signals={"score": score, "threshold": self._threshold, "loss_z": loss_z},
+            signals={"score": score, "threshold": threshold, "loss_z": loss_z},
         )
 
     # -- state ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def copy(self, state: MLState) -> MLState:
+        # The fitted rows and the forest are replaced at a refit, never changed in
+        # place: a snapshot shares them, and costs the features and a list.
+        twin = MLState.__new__(MLState)
+        for name in MLState.__slots__:
+            setattr(twin, name, getattr(state, name))
+        twin.features = state.features.copy()
+        twin.pending = list(state.pending)
+        return twin
+
+    def dump(self, state: MLState) -> dict[str, Any]:
         return {
-            "features": self._features.state_dict(),
-            "epoch": self._epoch,
-            "fits": self._fits,
-            "fitted": self._fitted.tolist(),
-            "pending": [row.tolist() for row in self._pending],
+            "features": state.features.state_dict(),
+            "fits": state.fits,
+            "fitted": state.fitted.tolist(),
+            "pending": [row.tolist() for row in state.pending],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._features.load_state_dict(state["features"])
-        self._epoch = int(state["epoch"])
-        self._fits = int(state["fits"])
-        self._fitted = np.array(state["fitted"], dtype=np.float64).reshape(-1, len(ML_FEATURES))
-        self._pending = [np.array(row, dtype=np.float64) for row in state["pending"]]
-        self._forest = None
-        self._threshold = self._median = self._ceiling = math.nan
-        if self._fits:
-            self._build()
+    def load(self, data: dict[str, Any]) -> MLState:
+        state = self.fresh()
+        state.features.load_state_dict(data["features"])
+        state.fits = int(data["fits"])
+        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, len(ML_FEATURES))
+        state.pending = [np.array(row, dtype=np.float64) for row in data["pending"]]
+        if state.fits:
+            self._build(state)
+        return state

@@ -31,7 +31,7 @@ decisions, never rollbacks. Pure and bounded: O(1) state, a small JSON dict.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -108,19 +108,47 @@ def _at_least(health: HealthLevel, floor: HealthLevel) -> HealthLevel:
     return health if _RANK[health] >= _RANK[floor] else floor
 
 
-class PredictorDetector(Detector):
+class PredictorState:
+    """One run's rolling features, warning episodes, LR history and stall clock."""
+
+    __slots__ = ("features", "warning", "lr_warning", "prev_lr", "max_lr", "best", "improved_at")
+
+    def __init__(self, features: RollingFeatures) -> None:
+        self.features = features
+        self.warning = False  # inside an instability episode
+        self.lr_warning = False  # inside a sustained LR-too-high episode
+        self.prev_lr: float | None = None
+        self.max_lr = 0.0  # highest LR seen in the run
+        self.best = math.inf  # best loss level so far
+        self.improved_at: int | None = None  # step of the last improvement (or re-arm)
+
+
+class _Assessment(NamedTuple):
+    """A step's verdict fields and the state after it (computed without changing anything)."""
+
+    kind: AnomalyType
+    conf: float
+    p: float
+    health: HealthLevel
+    signals: dict[str, Any]
+    rules: list[str]
+    after: PredictorState | None  # None: only the warning flag moves (a non-finite step)
+
+
+class PredictorDetector(Detector[PredictorState]):
+    """Its rolling features learn every finite step (winsorized, see
+    :mod:`spikeguard.processors.features`): they are the inputs of a forecast, and
+    a warning episode is exactly when they must keep following the run. So
+    everything moves in :meth:`track`, and :meth:`learn` has no baseline to add."""
+
     name: ClassVar[str] = "predictor"
 
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
-        self._features = RollingFeatures(self.config.features)
-        self._epoch = 0
-        self._warning = False  # inside an instability episode
-        self._lr_warning = False  # inside a sustained LR-too-high episode
-        self._prev_lr: float | None = None
-        self._max_lr = 0.0  # highest LR seen in the run
-        self._best = math.inf  # best loss level so far
-        self._improved_at: int | None = None  # step of the last improvement (or re-arm)
+        super().__init__()
+
+    def fresh(self) -> PredictorState:
+        return PredictorState(RollingFeatures(self.config.features))
 
     # -- judging -------------------------------------------------------------
     def probability(self, f: Features) -> tuple[float, float]:
@@ -138,34 +166,50 @@ class PredictorDetector(Detector):
         )
         return 1.0 / (1.0 + math.exp(-min(max(logit, -60.0), 60.0))), rough
 
-    def update(self, event: StepEvent) -> Verdict:
+    def score(self, event: StepEvent, state: PredictorState) -> Verdict:
+        a = self._assess(event, state)
+        return self._verdict(event, a.kind, a.conf, a.p, a.health, a.signals, a.rules)
+
+    def track(self, event: StepEvent, state: PredictorState, verdict: Verdict) -> None:
+        after = self._assess(event, state).after
+        if after is None:
+            state.warning = True
+            return
+        for name in PredictorState.__slots__:
+            setattr(state, name, getattr(after, name))
+
+    def learn(self, event: StepEvent, state: PredictorState) -> None:
+        """Nothing beyond :meth:`track`: see the class docstring."""
+
+    def copy(self, state: PredictorState) -> PredictorState:
+        twin = PredictorState(state.features.copy())
+        for name in PredictorState.__slots__[1:]:
+            setattr(twin, name, getattr(state, name))
+        return twin
+
+    def _assess(self, event: StepEvent, state: PredictorState) -> _Assessment:
         c = self.config
-        if event.epoch != self._epoch:
-            if event.epoch < self._epoch:  # a late duplicate from before a rollback: no news
-                return self._verdict(event, AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD,
-                                     {"stale": 1})
-            self._epoch, self._warning, self._lr_warning = event.epoch, False, False
-            self._improved_at = self._prev_lr = None  # the re-run starts its own clocks
-            self._features.restart()
         if not event.finite:  # the instability is here: say so, learn nothing
-            self._warning = True
-            return self._verdict(event, AnomalyType.INSTABILITY_WARNING, 1.0, 1.0,
-                                 HealthLevel.CRITICAL, {"non_finite": 1}, ["non_finite"])
-        f = self._features.update_event(event)
-        stalled = self._stalled(event.step)
-        lr, prev_lr, max_lr = event.lr, self._prev_lr, self._max_lr
-        self._prev_lr = lr
+            return _Assessment(AnomalyType.INSTABILITY_WARNING, 1.0, 1.0, HealthLevel.CRITICAL,
+                               {"non_finite": 1}, ["non_finite"], None)
+        f, features = state.features.peek_event(event)
+        after = self.copy(state)
+        after.features = features
+        stalled = self._stalled(event.step, after)
+        lr, prev_lr, max_lr = event.lr, state.prev_lr, state.max_lr
+        after.prev_lr = lr
         if lr is not None and lr > max_lr:
-            self._max_lr = lr
+            after.max_lr = lr
         if f is None:  # bootstrapping the features
-            self._warning = self._lr_warning = False
+            after.warning = after.lr_warning = False
             if stalled:
-                return self._verdict(event, AnomalyType.STALLED, 0.6, 0.0, HealthLevel.WARNING,
-                                     {"warmup": 1}, ["stalled"])
-            return self._verdict(event, AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD, {"warmup": 1})
+                return _Assessment(AnomalyType.STALLED, 0.6, 0.0, HealthLevel.WARNING,
+                                   {"warmup": 1}, ["stalled"], after)
+            return _Assessment(AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD, {"warmup": 1}, [],
+                               after)
 
         p, rough = self.probability(f)
-        self._warning = p >= c.warn_probability - (c.hysteresis if self._warning else 0.0)
+        after.warning = p >= c.warn_probability - (c.hysteresis if state.warning else 0.0)
         # A jump to an LR the run has never had: a restored LR (after a cut, a rollback or a
         # warm restart) only returns to a rate the run already trained at, and is not news.
         lr_jump = (
@@ -174,9 +218,9 @@ class PredictorDetector(Detector):
         )
         sustained = lr is not None and rough >= c.lr_min_roughness and f.loss_trend >= 0.0
         if sustained and f.step_growth >= math.log(c.lr_growth_factor):
-            self._lr_warning = True
-        elif self._lr_warning:  # holds while the step size stays up and the loss rough
-            self._lr_warning = sustained and f.step_growth > 0.0
+            after.lr_warning = True
+        elif state.lr_warning:  # holds while the step size stays up and the loss rough
+            after.lr_warning = sustained and f.step_growth > 0.0
 
         health = HealthLevel.CRITICAL
         for bound, level in zip(c.health_bounds, _HEALTH):
@@ -186,18 +230,18 @@ class PredictorDetector(Detector):
         rules = []
         if lr_jump:
             rules.append("lr_jump")
-        if self._lr_warning:
+        if after.lr_warning:
             rules.append("lr_too_high")
         if rules:
             health = _at_least(health, HealthLevel.CONCERNING)
-        if self._warning:
+        if after.warning:
             rules.append("instability_warning")
         if stalled:
             rules.append("stalled")
             health = _at_least(health, HealthLevel.WARNING)
-        if lr_jump or self._lr_warning:
+        if lr_jump or after.lr_warning:
             kind, conf = AnomalyType.LR_TOO_HIGH, max(p, 0.7 if lr_jump else 0.6)
-        elif self._warning:
+        elif after.warning:
             kind, conf = AnomalyType.INSTABILITY_WARNING, p
         elif stalled:
             kind, conf = AnomalyType.STALLED, 0.6
@@ -213,20 +257,23 @@ class PredictorDetector(Detector):
             signals["update_trend"] = f.update_trend
         if f.step_growth:
             signals["step_growth"] = f.step_growth
-        return self._verdict(event, kind, conf, p, health, signals, rules)
+        return _Assessment(kind, conf, p, health, signals, rules, after)
 
-    def _stalled(self, step: int) -> bool:
-        """True at the step a stall is declared (and each ``stall_steps`` after, if it lasts)."""
+    def _stalled(self, step: int, state: PredictorState) -> bool:
+        """True at the step a stall is declared (and each ``stall_steps`` after, if it lasts).
+
+        Moves ``state``'s stall clock: called on the state after the step.
+        """
         c = self.config
-        level = self._features.loss_level
-        if self._improved_at is None or step < self._improved_at:
-            self._improved_at, self._best = step, level
+        level = state.features.loss_level
+        if state.improved_at is None or step < state.improved_at:
+            state.improved_at, state.best = step, level
             return False
-        if level < self._best - c.stall_min_delta * abs(self._best):
-            self._improved_at, self._best = step, level
+        if level < state.best - c.stall_min_delta * abs(state.best):
+            state.improved_at, state.best = step, level
             return False
-        if step - self._improved_at >= c.stall_steps:
-            self._improved_at = step  # re-arm: say it again only after another stall_steps
+        if step - state.improved_at >= c.stall_steps:
+            state.improved_at = step  # re-arm: say it again only after another stall_steps
             return True
         return False
 
@@ -249,24 +296,24 @@ class PredictorDetector(Detector):
         )
 
     # -- state ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def dump(self, state: PredictorState) -> dict[str, Any]:
         return {
-            "features": self._features.state_dict(),
-            "epoch": self._epoch,
-            "warning": self._warning,
-            "lr_warning": self._lr_warning,
-            "prev_lr": self._prev_lr,
-            "max_lr": self._max_lr,
-            "best": self._best,
-            "improved_at": self._improved_at,
+            "features": state.features.state_dict(),
+            "warning": state.warning,
+            "lr_warning": state.lr_warning,
+            "prev_lr": state.prev_lr,
+            "max_lr": state.max_lr,
+            "best": state.best,
+            "improved_at": state.improved_at,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._features.load_state_dict(state["features"])
-        self._epoch = int(state["epoch"])
-        self._warning = bool(state["warning"])
-        self._lr_warning = bool(state["lr_warning"])
-        self._prev_lr = None if state["prev_lr"] is None else float(state["prev_lr"])
-        self._max_lr = float(state["max_lr"])
-        self._best = float(state["best"])
-        self._improved_at = None if state["improved_at"] is None else int(state["improved_at"])
+    def load(self, data: dict[str, Any]) -> PredictorState:
+        state = self.fresh()
+        state.features.load_state_dict(data["features"])
+        state.warning = bool(data["warning"])
+        state.lr_warning = bool(data["lr_warning"])
+        state.prev_lr = None if data["prev_lr"] is None else float(data["prev_lr"])
+        state.max_lr = float(data["max_lr"])
+        state.best = float(data["best"])
+        state.improved_at = None if data["improved_at"] is None else int(data["improved_at"])
+        return state

@@ -3,9 +3,10 @@
 Each rule names itself in the verdict (``rules``); several may fire at once and
 the verdict's type is the most urgent one's. Non-finite values, an extreme
 loss and an exploding gradient norm are *critical*: fusion acts on them alone.
-The references the ratio rules compare with (recent median loss, gradient norm
-and peak loss scale) learn only from steps on which no rule fired, so a bad
-step never raises the bar for the next one.
+The references the ratio rules compare with (recent median loss and gradient
+norm) are learnt only from steps on which no rule fired (the base class does
+not learn an anomalous step), so a bad step never raises the bar for the next
+one; the last learning rate and the loss-scale peak follow every step.
 
 >>> from spikeguard.schemas import StepEvent
 >>> rules = RulesDetector()
@@ -21,7 +22,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.detectors.base import Detector, validate_verdict
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -85,24 +86,30 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
 
-# Verdict(**fields) minus BaseModel.__init__'s Python frame: the same
-# validation (a documented pydantic attribute), ~0.5 us less per step.
-_validate_verdict = Verdict.__pydantic_validator__.validate_python
+class RulesState:
+    """One run's references: recent medians of healthy steps, the loss-scale peak, the last LR."""
+
+    __slots__ = ("loss", "grad", "scales", "scale_seen", "lr")
+
+    def __init__(self, config: RulesConfig) -> None:
+        self.loss = RollingMedian(config.reference_window)
+        self.grad = RollingMedian(config.reference_window)
+        self.scales = RollingMedian(config.loss_scale_window)  # recent log2 scales (for the peak)
+        self.scale_seen = 0
+        self.lr = math.nan
 
 
-class RulesDetector(Detector):
+class RulesDetector(Detector[RulesState]):
     name: ClassVar[str] = "rules"
 
     def __init__(self, config: RulesConfig | None = None) -> None:
         self.config = config or RulesConfig()
-        window = self.config.reference_window
-        self._loss = RollingMedian(window)
-        self._grad = RollingMedian(window)
-        self._scales = RollingMedian(self.config.loss_scale_window)  # recent log2 scales (for the peak)
-        self._scale_seen = 0
-        self._lr = math.nan
+        super().__init__()
 
-    def update(self, event: StepEvent) -> Verdict:
+    def fresh(self) -> RulesState:
+        return RulesState(self.config)
+
+    def score(self, event: StepEvent, state: RulesState) -> Verdict:
         cfg = self.config
         fired: list[str] = []
         signals: dict[str, float] = {}
@@ -119,29 +126,25 @@ class RulesDetector(Detector):
         if loss_ok:
             if loss > cfg.max_loss:
                 fired.append("loss_above_max")
-            ref = self._loss.get() if len(self._loss) >= cfg.min_history else math.nan
+            ref = state.loss.get() if len(state.loss) >= cfg.min_history else math.nan
             if ref > 0.0 and loss >= cfg.extreme_loss_ratio * ref:
                 fired.append("loss_ratio")
                 signals["loss_ratio"] = round(loss / ref, 3)
         if grad is not None and grad_ok:
             if grad > cfg.max_grad_norm:
                 fired.append("grad_norm_above_max")
-            ref = self._grad.get() if len(self._grad) >= cfg.min_history else math.nan
+            ref = state.grad.get() if len(state.grad) >= cfg.min_history else math.nan
             if ref > 0.0 and grad >= cfg.grad_norm_ratio * ref:
                 fired.append("grad_norm_ratio")
                 signals["grad_norm_ratio"] = round(grad / ref, 3)
         if event.lr is not None:
-            self._check_lr(event.lr, fired)
+            self._check_lr(event.lr, state, fired)
         if event.loss_scale is not None:
-            self._check_loss_scale(event.loss_scale, fired)
+            self._check_loss_scale(event.loss_scale, state, fired)
         if event.batch is not None:
             self._check_batch(event, fired)
         if not fired:
-            if loss_ok:
-                self._loss.update(loss)
-            if grad is not None:
-                self._grad.update(grad)
-            return _validate_verdict({
+            return validate_verdict({
                 "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
                 "detector": self.name, "is_anomaly": False,
             })
@@ -153,29 +156,42 @@ class RulesDetector(Detector):
             rules=fired, signals=signals, message=", ".join(fired),
         )
 
-    def _check_lr(self, lr: float, fired: list[str]) -> None:
+    def track(self, event: StepEvent, state: RulesState, verdict: Verdict) -> None:
+        # The schedule and the scaler move on either way: a jump is reported once.
+        lr, scale = event.lr, event.loss_scale
+        if lr is not None and math.isfinite(lr):
+            state.lr = lr
+        if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
+            state.scale_seen += 1
+            state.scales.update(math.log2(scale))
+
+    def learn(self, event: StepEvent, state: RulesState) -> None:
+        # Only healthy steps move the references, so a bad step never raises the bar.
+        if math.isfinite(event.loss):
+            state.loss.update(event.loss)
+        if event.grad_norm is not None:
+            state.grad.update(event.grad_norm)
+
+    def _check_lr(self, lr: float, state: RulesState, fired: list[str]) -> None:
         cfg = self.config
         if not math.isfinite(lr):
             fired.append("lr_non_finite")
             return
         if lr < cfg.lr_min or lr > cfg.lr_max:
             fired.append("lr_out_of_bounds")
-        prev = self._lr
+        prev = state.lr
         if prev > 0.0 and lr >= cfg.lr_jump_ratio * prev:
             fired.append("lr_jump")
-        self._lr = lr  # the schedule moves on either way; a jump is reported once
 
-    def _check_loss_scale(self, scale: float, fired: list[str]) -> None:
+    def _check_loss_scale(self, scale: float, state: RulesState, fired: list[str]) -> None:
         cfg = self.config
         if not (scale >= cfg.min_loss_scale) or not math.isfinite(scale):
             fired.append("loss_scale_collapse")
             return
-        log2 = math.log2(scale)
-        self._scale_seen += 1
-        if self._scale_seen > cfg.loss_scale_warmup and len(self._scales):
-            if self._scales.max() - log2 >= cfg.loss_scale_halvings:
+        # This step counts towards the warm-up (``track`` counts it for good).
+        if state.scale_seen + 1 > cfg.loss_scale_warmup and len(state.scales):
+            if state.scales.max() - math.log2(scale) >= cfg.loss_scale_halvings:
                 fired.append("loss_scale_collapse")
-        self._scales.update(log2)
 
     def _check_batch(self, event: StepEvent, fired: list[str]) -> None:
         cfg = self.config
@@ -189,15 +205,17 @@ class RulesDetector(Detector):
             if batch.max_label_fraction is not None and batch.max_label_fraction > cfg.max_label_fraction:
                 fired.append("batch_label_imbalance")
 
-    def state_dict(self) -> dict[str, Any]:
+    def dump(self, state: RulesState) -> dict[str, Any]:
         return {
-            "loss": self._loss.state_dict(), "grad_norm": self._grad.state_dict(),
-            "scales": self._scales.state_dict(), "scale_seen": self._scale_seen, "lr": self._lr,
+            "loss": state.loss.state_dict(), "grad_norm": state.grad.state_dict(),
+            "scales": state.scales.state_dict(), "scale_seen": state.scale_seen, "lr": state.lr,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._loss.load_state_dict(state["loss"])
-        self._grad.load_state_dict(state["grad_norm"])
-        self._scales.load_state_dict(state["scales"])
-        self._scale_seen = int(state["scale_seen"])
-        self._lr = float(state["lr"])
+    def load(self, data: dict[str, Any]) -> RulesState:
+        state = RulesState(self.config)
+        state.loss.load_state_dict(data["loss"])
+        state.grad.load_state_dict(data["grad_norm"])
+        state.scales.load_state_dict(data["scales"])
+        state.scale_seen = int(data["scale_seen"])
+        state.lr = float(data["lr"])
+        return state

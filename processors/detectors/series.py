@@ -23,8 +23,11 @@ Three tests on ``y = log(x)``, all one-sided towards "worse" where that is right
   ``osc_level`` times its long-run level. Each difference is clipped, so one
   spike (up, then down) cannot make an oscillation.
 
-Flagged points (and candidates) teach nothing, so a spike cannot drag the
-baseline up; the noise scale also stops learning while deviations are wide.
+:meth:`judge` changes nothing; :meth:`advance` moves on what every point
+moves (swing sizes, the episode: a candidate's age, a confirmed spike);
+:meth:`learn` learns a point judged normal. Flagged points (and candidates)
+are not learnt, so a spike cannot drag the baseline up; the noise scale also
+stops learning while deviations are wide.
 A non-finite value is never passed in (the detector skips it), so it cannot
 poison anything. All state is O(``level_window``).
 """
@@ -51,7 +54,8 @@ class SeriesMonitor:
         "div_z", "div_min", "osc_alpha", "osc_ref_alpha", "osc_level", "calm_level", "relearn_after",
         # learned state
         "_med", "_smean", "_sn", "_level_sigma", "_last", "_level", "_floor", "_ln",
-        "_vprev", "_slope", "_vshort", "_vref", "_vn", "_pending", "_age", "_run", "_run_kind", "_n",
+        "_vprev", "_slope", "_vshort", "_vref", "_vn", "_osc", "_pending", "_age", "_run",
+        "_run_kind", "_n",
     )
 
     def __init__(
@@ -104,6 +108,7 @@ class SeriesMonitor:
         self._vshort = 0.0  # short EWMA of |difference - slope|
         self._vref = 0.0  # its long-run level
         self._vn = 0  # differences seen by the oscillation test
+        self._osc = 1.0  # swing ratio of the last point (what learn() needs of it)
         self._pending = 0.0  # jump of a spike candidate awaiting confirmation (0: none)
         self._age = 0  # steps it has stayed up so far
         self._run = 0  # consecutive flagged points
@@ -115,105 +120,137 @@ class SeriesMonitor:
         s = self._smean * _MAD_TO_SIGMA
         return s if s > self.min_scale else self.min_scale
 
-    def update(self, y: float) -> tuple[int, float, float]:
-        """Judge ``y`` (finite, log space), then learn it unless flagged.
+    def judge(self, y: float) -> tuple[int, float, float]:
+        """Judge ``y`` (finite, log space) against what came before; changes nothing.
 
         Returns ``(code, z, jump)``: z is the standardised distance above the
         baseline (or the divergence / oscillation statistic for those codes),
         jump the distance in log units.
         """
+        code, z, r, _ = self._decide(y, self._volatility(y, commit=False))
+        return code, z, r
+
+    def advance(self, y: float) -> int:
+        """What every point moves on, flagged or not: the swing sizes and the episode state.
+
+        Returns the point's code; :meth:`learn` then learns it when the caller
+        judged the step normal.
+        """
+        osc = self._osc = self._volatility(y, commit=True)
         if self._n < self.warmup:
-            self._learn(y, self._volatility(y))
-            return WARMUP, 0.0, 0.0
-        osc = self._volatility(y)  # every point counts here (clipped), spikes included
-        sig = self._smean * _MAD_TO_SIGMA
-        if sig < self.min_scale:
-            sig = self.min_scale
-        r = y - self._med.get()
-        z = r / sig
-        pending = self._pending
-        self._pending = 0.0
-        # A spike already confirmed: stays flagged until it has come down.
-        if self._run_kind == SPIKE:
-            if z >= self.z_exit and r >= 0.5 * self.min_jump:
-                return self._flag(SPIKE, z, r)
+            return WARMUP
+        code, z, r, (pending, age, spike_over, level) = self._decide(y, osc)
+        self._pending, self._age = pending, age
+        if spike_over:
             self._run = 0
             self._run_kind = OK
             # The spike's slowly fading tail is not a new climb: the slow level
             # starts afresh from here (a climb from here on is still caught).
             self._level = math.nan
             self._ln = 0
+        if code in (SPIKE, DIVERGENCE, OSCILLATION):
+            if code == DIVERGENCE:
+                self._level = level  # a climb is followed, or the rise would be frozen
+            self._flag(code)
+        elif code == OK and self._run_kind != OK:
+            self._run = 0
+            self._run_kind = OK
+        return code
+
+    def learn(self, y: float) -> None:
+        """Learn ``y`` as a normal point (after :meth:`advance` of the same point)."""
+        self._learn(y, self._osc)
+
+    def _decide(self, y: float, osc: float) -> tuple[int, float, float, tuple]:
+        """The code of ``y`` and the episode state after it: (pending, age, spike over, level)."""
+        if self._n < self.warmup:
+            return WARMUP, 0.0, 0.0, (self._pending, self._age, False, self._level)
+        sig = self._smean * _MAD_TO_SIGMA
+        if sig < self.min_scale:
+            sig = self.min_scale
+        r = y - self._med.get()
+        z = r / sig
+        pending = self._pending
+        age = self._age
+        spike_over = False
+        level = self._level
+        ln = self._ln
+        # A spike already confirmed: stays flagged until it has come down.
+        if self._run_kind == SPIKE:
+            if z >= self.z_exit and r >= 0.5 * self.min_jump:
+                return SPIKE, z, r, (0.0, age, False, level)
+            spike_over = True
+            level, ln = math.nan, 0
         elif pending > 0.0:
             # A candidate is confirmed when it has not healed: still up by
             # ``retain`` of its jump for ``confirm_steps`` steps, or at once
             # when the follow-up is itself far out.
             if z >= self.z_exit and r >= self.retain * pending and r >= self.min_jump:
-                self._age += 1
-                if (self._age >= self.confirm_steps or z >= self.z_confirm
+                age += 1
+                if (age >= self.confirm_steps or z >= self.z_confirm
                         or z >= self.z_instant or r >= self.instant_jump):
-                    return self._flag(SPIKE, z, r)
-                self._pending = pending
-                return CANDIDATE, z, r
-        self._age = 0
+                    return SPIKE, z, r, (0.0, age, spike_over, level)
+                return CANDIDATE, z, r, (pending, age, spike_over, level)
+        age = 0
         if z >= self.z_spike and r >= self.min_jump:
             if z >= self.z_instant or r >= self.instant_jump:
-                return self._flag(SPIKE, z, r)
-            self._pending = r
-            return CANDIDATE, z, r
+                return SPIKE, z, r, (0.0, age, spike_over, level)
+            return CANDIDATE, z, r, (r, age, spike_over, level)
         # Oscillation and divergence: slower evidence, from points that are not spikes.
         if osc >= self.osc_level:
-            return self._flag(OSCILLATION, osc, r)
-        level = self._level
-        if self._ln >= self.warmup:
-            level += self.div_alpha * (y - level)
-            rise = level - self._floor
+            return OSCILLATION, osc, r, (0.0, age, spike_over, level)
+        if ln >= self.warmup:
+            climbed = level + self.div_alpha * (y - level)
+            rise = climbed - self._floor
             level_sigma = sig * self._level_sigma
             if rise >= self.div_min and rise >= self.div_z * level_sigma:
-                self._level = level  # a climb is followed, or the rise would be frozen
-                return self._flag(DIVERGENCE, rise / level_sigma, rise)
-        if self._run_kind != OK:
-            self._run = 0
-            self._run_kind = OK
-        self._learn(y, osc)
-        return OK, z, r
+                return DIVERGENCE, rise / level_sigma, rise, (0.0, age, spike_over, climbed)
+        return OK, z, r, (0.0, age, spike_over, level)
 
-    def _flag(self, code: int, z: float, r: float) -> tuple[int, float, float]:
+    def _flag(self, code: int) -> None:
         self._run += 1
         self._run_kind = code
         if self._run >= self.relearn_after:
             # Flagged for so long that this is the new normal (or nobody is
             # acting on the alarms): start over from here rather than alarm forever.
             self.reset(keep_scale=True)
-        return code, z, r
 
-    def _volatility(self, y: float) -> float:
-        """Short-run over long-run detrended swing size (about 1 for steady noise)."""
+    def _volatility(self, y: float, commit: bool) -> float:
+        """Short-run over long-run detrended swing size (about 1 for steady noise).
+
+        Every point counts here (clipped), spikes included; ``commit`` stores the update.
+        """
         prev = self._vprev
-        self._vprev = y
         if prev != prev:
+            if commit:
+                self._vprev = y
             return 1.0
         d = y - prev
         a = self.osc_alpha
         dev = abs(d - self._slope)
-        self._slope += a * (d - self._slope)
-        self._vn += 1
+        slope = self._slope + a * (d - self._slope)
+        vn = self._vn + 1
         ref = self._vref
-        if self._vn <= 1:  # the first difference seeds both averages
-            self._vref = self._vshort = dev if dev > 0.0 else 1e-12
+        if vn <= 1:  # the first difference seeds both averages
+            if commit:
+                self._vprev, self._slope, self._vn = y, slope, vn
+                self._vref = self._vshort = dev if dev > 0.0 else 1e-12
             return 1.0
         cap = 5.0 * (ref if ref > self.min_scale else self.min_scale)
         if dev > cap:
             dev = cap
-        self._vshort += a * (dev - self._vshort)
-        ratio = self._vshort / (ref if ref > self.min_scale else self.min_scale)
-        # The long-run level is a running mean at first, then an EWMA that
-        # learns fully while calm and only slowly while swings are wide, so a
-        # growing oscillation stands out while a lasting change of the noise
-        # level is eventually accepted.
-        rate = 1.0 / self._vn
-        if rate < self.osc_ref_alpha:
-            rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
-        self._vref = ref + rate * (dev - ref)
+        vshort = self._vshort + a * (dev - self._vshort)
+        ratio = vshort / (ref if ref > self.min_scale else self.min_scale)
+        if commit:
+            # The long-run level is a running mean at first, then an EWMA that
+            # learns fully while calm and only slowly while swings are wide, so a
+            # growing oscillation stands out while a lasting change of the noise
+            # level is eventually accepted.
+            rate = 1.0 / vn
+            if rate < self.osc_ref_alpha:
+                rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
+            self._vprev, self._slope, self._vn, self._vshort = y, slope, vn, vshort
+            self._vref = ref + rate * (dev - ref)
         return ratio
 
     def _learn(self, y: float, osc: float) -> None:

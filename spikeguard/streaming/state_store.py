@@ -11,15 +11,23 @@ so the committed offsets never run ahead of a snapshot.
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import Any, Callable
 
 from spikeguard.bus import Bus, Producer
 
+log = logging.getLogger(__name__)
+
 
 class StateStore:
-    def __init__(self, bus: Bus, topic: str) -> None:
+    def __init__(
+        self, bus: Bus, topic: str, on_unreadable: Callable[[], None] | None = None
+    ) -> None:
         self.bus = bus
         self.topic = topic
+        #: Snapshots that could not be read; ``on_unreadable`` is called for each (a metric).
+        self.unreadable = 0
+        self._on_unreadable = on_unreadable
         self._loaded: dict[int, dict[str, Any]] | None = None
 
     def ensure_topic(self) -> None:
@@ -33,9 +41,22 @@ class StateStore:
                 if record.key is None or record.value is None:
                     continue
                 try:
-                    self._loaded[int(record.key)] = json.loads(record.value)
-                except ValueError:
-                    continue  # a snapshot we cannot read is one we do not have
+                    partition = int(record.key)
+                    snapshot = json.loads(record.value)
+                    if not (isinstance(snapshot, dict) and isinstance(snapshot.get("runs"), dict)
+                            and isinstance(snapshot.get("offsets"), dict)):
+                        raise ValueError("not a snapshot object with offsets and runs")
+                except ValueError as exc:
+                    # Its partition starts afresh from the committed offsets: that
+                    # changes verdicts, so someone must hear about it.
+                    self.unreadable += 1
+                    if self._on_unreadable is not None:
+                        self._on_unreadable()
+                    log.warning("%s: unreadable state snapshot for partition %s at offset %s "
+                                "(%s); that partition starts afresh", self.topic,
+                                record.key.decode(errors="replace"), record.offset, exc)
+                    continue
+                self._loaded[partition] = snapshot
         return self._loaded.get(partition)
 
     def save(

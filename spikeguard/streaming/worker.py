@@ -67,7 +67,10 @@ class Worker:
         self._reads_steps_or_acks = any(
             issubclass(model, (StepEvent, Ack)) for model in self._models.values()
         )
-        self._store = StateStore(bus, topics.state(stage.name)) if snapshots else None
+        self._store = StateStore(
+            bus, topics.state(stage.name),
+            on_unreadable=self.metrics.unreadable_snapshots.labels(stage.name).inc,
+        ) if snapshots else None
         self._producer = bus.producer()
         self._partition_runs: dict[int, set[str]] = defaultdict(set)
         self._dirty: set[int] = set()
@@ -139,21 +142,34 @@ class Worker:
         self._track(records, sources, items)
         if not items:
             return []
+        # The batch is a transaction on the state of its runs: a failure puts
+        # them back as they were, so the retry below counts nothing twice.
+        run_ids = set(map(_RUN_ID, map(_EVENT, items)))
+        before = self.stage.snapshot(run_ids)
         try:
             return self.stage.handle_batch(items)
         except Exception:
             log.exception("%s: batch failed; retrying record by record", self.group)
+        self._rewind(run_ids, before)
         # A failing batch is retried one record at a time so that only the
-        # record that fails goes to the DLQ, with its own reason.
+        # record that fails goes to the DLQ, with its own reason (and none of its effects).
         outputs: list[Output] = []
         for item, record in zip(items, sources):
+            run_ids = {item[1].run_id}  # type: ignore[attr-defined]
+            before = self.stage.snapshot(run_ids)
             try:
                 outputs += self.stage.handle_batch([item])
             except Exception as exc:
                 log.exception("%s: record %s[%d]@%d failed", self.group, record.topic,
                               record.partition, record.offset)
+                self._rewind(run_ids, before)
                 self._to_dlq(record, exc)
         return outputs
+
+    def _rewind(self, run_ids: set[str], before: dict) -> None:
+        """Put these runs' state back to ``before`` (runs it lacks did not exist yet)."""
+        self.stage.forget(run_ids - before.keys())
+        self.stage.restore(before)
 
     # A step crosses ~8 worker hops in a backtest, so the per-record work here
     # is kept to what needs Python; the rest goes through map/zip (C speed).

@@ -83,7 +83,7 @@ def test_update_and_update_many_agree_with_refits_inside_batches() -> None:
     singles = [one.update(e) for e in events]
     batched = MLDetector(SMALL)
     assert run_in_batches(batched, events, 97) == singles
-    assert one._fits == batched._fits >= 5  # fits happened, at the same steps either way
+    assert one.state.fits == batched.state.fits >= 5  # fits happened, at the same steps either way
     assert sum(v.is_anomaly for v in singles) >= 2
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -141,10 +143,21 @@ def test_doctest() -> None:
 def test_registry_names_every_detector_and_config() -> None:
     from pydantic import BaseModel
 
-    from spikeguard.processors.detectors import CONFIGS, DETECTORS, MISSING
+    from spikeguard.processors.detectors import CONFIGS, DETECTORS
 
     assert set(CONFIGS) == {"statistical", "rules", "ml", "predictor"}
-    assert set(DETECTORS) | set(MISSING) == set(CONFIGS)
+    assert set(DETECTORS) == set(CONFIGS)
     for name, cls in DETECTORS.items():
         assert cls.name == name and issubclass(CONFIGS[name], BaseModel)
         assert cls(CONFIGS[name]()).update(step(0)).detector == name
+
+
+def test_a_half_written_detector_module_fails_the_import() -> None:
+    # A module that lacks its classes must stop the package, not vanish with a warning.
+    code = (
+        "import sys, types\n"
+        "sys.modules['spikeguard.processors.detectors.ml'] = types.ModuleType('ml')\n"
+        "import spikeguard.processors.detectors\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0 and "ImportError" in done.stderr and "MLConfig" in done.stderr
