@@ -13,25 +13,34 @@ one sure detector is enough, agreeing detectors reinforce each other, and a
 silent or healthy detector does not dilute the others (a weighted average
 would: with weights 0.3/0.4/0.3 and threshold 0.6 a NaN flagged by rules alone
 scores 0.3 and passes). A *critical* verdict (non-finite values, extreme loss,
-gradient explosion) decides alone and at once: the step, and every pending
-step before it, is decided when it arrives.
+gradient explosion; :func:`~.decision_table.is_critical` is the one rule)
+decides alone and at once: the step, and every pending step before it, is
+decided when it arrives, and the decision says ``critical``.
 
 The predictor's warnings never make an anomaly: alone they give a
-``preventive`` decision of low urgency whose recommendation has no rollback.
-Consecutive anomalous steps form an incident until the run has been healthy
-for ``incident_gap_steps`` steps; a rollback (a new epoch) closes it.
+``preventive`` decision of low urgency. Consecutive anomalous steps form an
+incident until the run has been healthy for ``incident_gap_steps`` steps; a
+rollback (a new epoch) closes it. This is the only place incidents are
+grouped: the recovery policy takes ``incident_id`` as it comes.
+
+Every decision carries its evidence when the verdicts carry the step's values:
+the loss and gradient norm, next to their medians over the run's recent
+healthy steps (learnt only from steps decided healthy, so a spike never
+becomes its own baseline).
 """
 
 from __future__ import annotations
 
+import math
 from heapq import heapify, heappop, heappush
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.decision_table import (
-    CRITICAL_TYPES, DEFAULT_PRECEDENCE, RECOMMENDATIONS, WARNING_TYPES, urgency,
+    DEFAULT_PRECEDENCE, WARNING_TYPES, is_critical, urgency,
 )
+from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, Decision, Urgency, Verdict
 from spikeguard.schemas.ids import decision_id, incident_id
 
@@ -77,6 +86,9 @@ class FusionConfig(BaseModel):
     incident_gap_steps: int = Field(
         20, ge=1, description="healthy steps that close an incident"
     )
+    baseline_window_steps: int = Field(
+        32, ge=1, le=4096, description="recent healthy steps whose median is the evidence's baseline"
+    )
 
 
 class _Pending:
@@ -107,8 +119,9 @@ class Fusion:
         self._deadline_steps = cfg.deadline_steps
         self._max_pending = cfg.max_pending
         self._gap = cfg.incident_gap_steps
-        # A step no detector flags scores 0: it is healthy, neither anomaly nor warning.
-        self._zero_is_healthy = not 0.0 >= cfg.threshold
+        # Baselines span epochs: a rollback does not change what normal looks like.
+        self._loss_baseline = RollingMedian(cfg.baseline_window_steps)
+        self._grad_baseline = RollingMedian(cfg.baseline_window_steps)
         self.late_verdicts = 0
         self.stale_verdicts = 0  # from an epoch older than the newest seen
         self.duplicate_verdicts = 0
@@ -163,7 +176,7 @@ class Fusion:
             self._newest = step
         if verdict.is_anomaly:
             pending.flagged = True
-            if verdict.critical:  # decides alone, at once, earlier steps first
+            if is_critical(verdict):  # decides alone, at once, earlier steps first
                 heap = self._heap
                 while heap and heap[0] <= step:
                     out.append(self._decide(heappop(heap)))
@@ -209,20 +222,50 @@ class Fusion:
         pending = self._pending.pop(step)
         self._decided = step
         verdicts = pending.verdicts
-        if pending.flagged or not self._zero_is_healthy:
-            return self._judge(step, verdicts)
-        # Nobody flagged it (nearly every step): the short way to what _judge says.
-        if self._onset is not None and step - self._last_anomaly > self._gap:
-            self._onset = None
-        return _validate_decision({
-            "decision_id": decision_id(self.run_id, step, self._epoch),
-            "run_id": self.run_id, "step": step, "epoch": self._epoch,
-            "detectors": {name: v.confidence for name, v in verdicts.items()},
-            "missing": [name for name in self.config.expected if name not in verdicts],
-            "is_anomaly": False, "confidence": 0.0,
-        })
+        evidence = self._evidence(step, verdicts)
+        if pending.flagged:
+            decision = self._judge(step, verdicts, evidence)
+        else:
+            # Nobody flagged it (nearly every step): the short way to what _judge says,
+            # since the threshold is > 0 and a step nobody flags scores 0.
+            if self._onset is not None and step - self._last_anomaly > self._gap:
+                self._onset = None
+            decision = _validate_decision({
+                "decision_id": decision_id(self.run_id, step, self._epoch),
+                "run_id": self.run_id, "step": step, "epoch": self._epoch,
+                "detectors": {name: v.confidence for name, v in verdicts.items()},
+                "missing": [name for name in self.config.expected if name not in verdicts],
+                "is_anomaly": False, "confidence": 0.0, "evidence": evidence,
+            })
+        if evidence is not None and not decision.is_anomaly:
+            self._learn_baseline(evidence)
+        return decision
 
-    def _judge(self, step: int, verdicts: dict[str, Verdict]) -> Decision:
+    def _evidence(self, step: int, verdicts: dict[str, Verdict]) -> dict[str, Any] | None:
+        """The step's values (from any verdict that carries them) and the run's baselines."""
+        for v in verdicts.values():
+            if v.loss is not None:
+                loss, grad = v.loss, v.grad_norm
+                break
+        else:
+            return None
+        lb, gb = self._loss_baseline.get(), self._grad_baseline.get()
+        return {
+            "step": step, "loss": loss, "grad_norm": grad,
+            "loss_baseline": None if lb != lb else lb,  # NaN: no healthy step yet
+            "grad_norm_baseline": None if gb != gb else gb,
+        }
+
+    def _learn_baseline(self, evidence: dict[str, Any]) -> None:
+        loss, grad = evidence["loss"], evidence["grad_norm"]
+        if math.isfinite(loss):
+            self._loss_baseline.update(loss)
+        if grad is not None and math.isfinite(grad):
+            self._grad_baseline.update(grad)
+
+    def _judge(
+        self, step: int, verdicts: dict[str, Verdict], evidence: dict[str, Any] | None
+    ) -> Decision:
         cfg = self.config
         anomalous, warnings = [], []
         miss = 1.0
@@ -236,12 +279,14 @@ class Fusion:
             anomalous.append(v)
             miss *= 1.0 - cfg.weights.get(name, cfg.default_weight) * v.confidence
         score = 1.0 - miss
-        critical = [v for v in anomalous if v.critical or v.type in CRITICAL_TYPES]
+        critical = [v for v in anomalous if is_critical(v)]
         common: dict[str, Any] = dict(
             decision_id=decision_id(self.run_id, step, self._epoch),
             run_id=self.run_id, step=step, epoch=self._epoch,
             detectors={name: v.confidence for name, v in verdicts.items()},
+            flagged_by={name: v.type for name, v in verdicts.items() if v.is_anomaly},
             missing=[name for name in cfg.expected if name not in verdicts],
+            evidence=evidence,
         )
         if critical or score >= cfg.threshold:
             top = min(critical or anomalous, key=self._priority)
@@ -254,8 +299,8 @@ class Fusion:
                 rules.extend(r for r in v.rules if r not in rules)
             return Decision(
                 **common, is_anomaly=True, type=top.type, confidence=min(1.0, confidence),
+                critical=bool(critical),
                 urgency=urgency(top.type, confidence, bool(critical), cfg.low_confidence),
-                recommendation=RECOMMENDATIONS.get(top.type, ""),
                 incident_id=incident_id(self.run_id, self._onset, self._epoch),
                 incident_onset_step=self._onset, rules=rules,
                 signals={**top.signals, "score": round(score, 4), "by": top.detector},
@@ -267,14 +312,13 @@ class Fusion:
             kind = top.type if top.type in WARNING_TYPES else AnomalyType.INSTABILITY_WARNING
             return Decision(
                 **common, is_anomaly=False, preventive=True, type=kind,
-                confidence=top.confidence, urgency=Urgency.LOW,
-                recommendation=RECOMMENDATIONS[kind], rules=list(top.rules),
+                confidence=top.confidence, urgency=Urgency.LOW, rules=list(top.rules),
                 signals={**top.signals, "by": top.detector},
             )
         return Decision(**common, is_anomaly=False, confidence=score)
 
     def _priority(self, v: Verdict) -> tuple[int, int, float]:
-        return (not v.critical, self._rank.get(v.detector, len(self._rank)), -v.confidence)
+        return (not is_critical(v), self._rank.get(v.detector, len(self._rank)), -v.confidence)
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -283,6 +327,8 @@ class Fusion:
             "onset": self._onset, "last_anomaly": self._last_anomaly,
             "late_verdicts": self.late_verdicts, "stale_verdicts": self.stale_verdicts,
             "duplicate_verdicts": self.duplicate_verdicts,
+            "loss_baseline": self._loss_baseline.state_dict(),
+            "grad_norm_baseline": self._grad_baseline.state_dict(),
             "pending": [
                 {"step": step, "since": p.since,
                  "verdicts": [v.model_dump(mode="json") for v in p.verdicts.values()]}
@@ -299,6 +345,9 @@ class Fusion:
         self.late_verdicts = int(state["late_verdicts"])
         self.stale_verdicts = int(state["stale_verdicts"])
         self.duplicate_verdicts = int(state["duplicate_verdicts"])
+        if "loss_baseline" in state:  # absent in a snapshot from before evidence existed
+            self._loss_baseline.load_state_dict(state["loss_baseline"])
+            self._grad_baseline.load_state_dict(state["grad_norm_baseline"])
         for item in state["pending"]:
             p = self._pending[int(item["step"])] = _Pending(float(item["since"]))
             for raw in item["verdicts"]:

@@ -163,14 +163,42 @@ class Verdict(_Event):
     rules: list[str] = Field(default_factory=list, description="names of what fired")
     message: str = ""
     signals: dict[str, Scalar] = Field(default_factory=dict)
+    # The judged step's own values, so fusion can show what a decision rests on.
+    loss: float | None = Field(None, description="the step's loss, as the trainer published it")
+    grad_norm: float | None = Field(None, description="the step's gradient norm, if published")
     # Predictor fields: the early warning.
     instability_probability: float | None = Field(None, ge=0.0, le=1.0)
     horizon_steps: int | None = Field(None, ge=1)
     health: HealthLevel | None = None
 
 
+class Evidence(BaseModel):
+    """What a decision rests on: the step's own values next to what is normal for the run.
+
+    Fusion fills it from the verdicts (the values) and its own record of the
+    run's healthy steps (the baselines); the policy copies it into every action
+    it derives, so a trainer can check an action against what it published.
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings", extra="ignore")
+
+    step: Step
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_baseline: float | None = Field(
+        None, description="median loss of the run's recent healthy steps (None: too few yet)"
+    )
+    grad_norm_baseline: float | None = Field(
+        None, description="median gradient norm of the run's recent healthy steps"
+    )
+
+
 class Decision(_Event):
-    """Fusion's one decision for one (run_id, step)."""
+    """Fusion's one decision for one (run_id, step): the pipeline's verdict on it.
+
+    Fusion owns everything here, criticality and incident grouping included;
+    what to do about it is the recovery policy's business alone.
+    """
 
     decision_id: str
     run_id: RunId
@@ -179,17 +207,24 @@ class Decision(_Event):
     is_anomaly: bool
     type: AnomalyType = AnomalyType.NONE
     confidence: float = Field(0.0, ge=0.0, le=1.0)
-    urgency: Urgency = Urgency.NONE
-    recommendation: str = ""
+    critical: bool = Field(
+        False, description="a critical anomaly (non-finite values, extreme loss, a detector "
+        "sure on its own): decided at once, answered at once"
+    )
+    urgency: Urgency = Field(Urgency.NONE, description="for people and dashboards")
     preventive: bool = Field(False, description="an early warning, not an anomaly")
     incident_id: str | None = None
     incident_onset_step: int | None = Field(None, ge=0)
     detectors: dict[str, float] = Field(
         default_factory=dict, description="confidence of each detector that spoke"
     )
+    flagged_by: dict[str, AnomalyType] = Field(
+        default_factory=dict, description="what each detector that flagged the step said it was"
+    )
     missing: list[str] = Field(default_factory=list, description="detectors that did not speak")
     rules: list[str] = Field(default_factory=list)
     signals: dict[str, Scalar] = Field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 class Action(_Event):

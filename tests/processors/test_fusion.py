@@ -8,8 +8,10 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from spikeguard.processors.decision_table import RECOMMENDATIONS
+from spikeguard.actuators import RecoveryPolicy
+from spikeguard.processors.decision_table import CRITICAL_TYPES
 from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.schemas import ActionKind
 from spikeguard.schemas import AnomalyType as T
 from spikeguard.schemas import Decision, Urgency, Verdict
 from spikeguard.schemas.ids import decision_id, incident_id
@@ -124,10 +126,11 @@ def test_scoring_and_type_precedence(verdicts, kind, anomaly) -> None:
         (T.LOSS_SCALE_COLLAPSE, 0.8, False, Urgency.HIGH),
     ],
 )
-def test_urgency_and_recommendation(kind, conf, critical, urgency) -> None:
+def test_urgency_and_criticality(kind, conf, critical, urgency) -> None:
     f = Fusion(run_id="r")
     [d] = feed(f, healthy_step(0, {"rules": v("rules", 0, kind, conf=conf, critical=critical)}))
-    assert d.is_anomaly and d.urgency == urgency and d.recommendation == RECOMMENDATIONS[kind]
+    assert d.is_anomaly and d.urgency == urgency
+    assert d.critical is (critical or kind in CRITICAL_TYPES)  # fusion's one rule of criticality
     assert not d.preventive
 
 
@@ -136,7 +139,8 @@ def test_predictor_warnings_are_preventive_and_never_roll_back(kind: T) -> None:
     f = Fusion(run_id="r")
     [d] = feed(f, healthy_step(0, {"predictor": v("predictor", 0, kind, conf=0.99)}))
     assert d.preventive and not d.is_anomaly and d.type == kind and d.urgency == Urgency.LOW
-    assert "rollback" not in d.recommendation and d.incident_id is None
+    assert d.incident_id is None and not d.critical
+    assert ActionKind.ROLLBACK not in [a.kind for a in RecoveryPolicy(run_id="r").on_decision(d)]
     # with a real anomaly at the same step, the anomaly decides
     [d] = feed(f, healthy_step(1, {"predictor": v("predictor", 1, kind, conf=0.99),
                                    "statistical": v("statistical", 1, T.LOSS_SPIKE)}))
@@ -226,3 +230,46 @@ def test_bad_settings_name_the_field() -> None:
         FusionConfig(threshold=0.0)
     with pytest.raises(ValidationError, match="incident_gap_steps"):
         FusionConfig(incident_gap_steps=0)
+
+
+def test_the_decision_carries_its_evidence_and_who_said_what() -> None:
+    """The step's loss and gradient norm, next to the medians of the run's recent healthy steps."""
+    f = Fusion(FusionConfig(baseline_window_steps=8), run_id="r")
+
+    def step(n: int, loss: float, grad: float, but: dict[str, Verdict] | None = None) -> list[Verdict]:
+        return [x.model_copy(update={"loss": loss, "grad_norm": grad}) for x in healthy_step(n, but)]
+
+    out = feed(f, step(0, 2.0, 1.0))
+    assert out[0].evidence is not None and out[0].evidence.loss_baseline is None  # nothing learnt yet
+    for n in range(1, 20):
+        out += feed(f, step(n, 2.0 + 0.01 * n, 1.0 + 0.01 * n))
+    spike = {"statistical": v("statistical", 20, T.LOSS_SPIKE), "ml": v("ml", 20, T.ML_OUTLIER)}
+    [d] = feed(f, step(20, 9.0, 7.0, spike))
+    assert d.is_anomaly and d.evidence is not None
+    e = d.evidence
+    assert (e.step, e.loss, e.grad_norm) == (20, 9.0, 7.0)
+    assert e.loss_baseline == pytest.approx(2.155) and e.grad_norm_baseline == pytest.approx(1.155)
+    assert d.flagged_by == {"statistical": T.LOSS_SPIKE, "ml": T.ML_OUTLIER}
+    # the anomalous step is not learnt: the next step's baseline is the same
+    [after] = feed(f, step(21, 2.2, 1.2))
+    assert after.evidence is not None and after.evidence.loss_baseline == pytest.approx(2.155)
+    assert after.flagged_by == {} and not after.critical
+    # it survives a state round trip and a non-finite step never becomes a baseline
+    g = Fusion(FusionConfig(baseline_window_steps=8), run_id="r")
+    g.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    nan = {"rules": v("rules", 22, T.NON_FINITE, conf=1.0, critical=True)}
+    [d] = feed(g, step(22, float("nan"), 1.0, nan))
+    assert d.critical and d.evidence is not None and d.evidence.loss_baseline == pytest.approx(2.165)
+
+
+def test_without_the_step_values_there_is_no_evidence() -> None:
+    [d] = feed(Fusion(run_id="r"), healthy_step(0))
+    assert d.evidence is None
+
+
+def test_an_unflagged_critical_type_also_decides_at_once() -> None:
+    """One rule of criticality (decision_table.is_critical) for deciding early and for the flag."""
+    f = Fusion(run_id="r")
+    feed(f, [v("statistical", 0)])
+    out = feed(f, [v("statistical", 1, T.EXTREME_LOSS, conf=0.9)])
+    assert [d.step for d in out] == [0, 1] and out[1].critical and out[1].missing == ["rules", "ml", "predictor"]
