@@ -49,6 +49,7 @@ from spikeguard.actuators.incidents import Incident, IncidentBook
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
+from spikeguard.schemas.actions import CheckpointParams
 from spikeguard.schemas import (
     Ack,
     AckStatus,
@@ -101,6 +102,7 @@ class RecoveryPolicy:
         plan = ActionPlan(
             self.run_id, decision.decision_id, self.epoch,
             decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
+            decision.evidence,
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
@@ -233,7 +235,7 @@ class RecoveryPolicy:
     def _slow(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         if inc.divergence_lr_steps == 0:
-            plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, 
+            plan.add(CheckpointParams(reason="emergency"),
                      f"{what}: emergency checkpoint")
             rec.lower_lr(plan, cfg.lr_step_factor_divergence, f"{what}: LR step 1")
         elif self.observed_steps - (inc.last_divergence_tick or 0) < cfg.divergence_step_interval_steps:
@@ -265,7 +267,7 @@ class RecoveryPolicy:
                           f"({d.type.value} at step {d.step})")
             return True
         why = f"loss spike at step {p['start']} recovered within {steps} steps"
-        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+        plan.add(CheckpointParams(reason="on_demand"),
                  f"{why}: checkpoint the recovered state")
         plan.alert("info", f"{why}; watching", f"{why}: watch only")
         return False
@@ -278,7 +280,7 @@ class RecoveryPolicy:
             return
         self.last_preventive_tick = self.observed_steps
         what = f"warning {d.type.value} at step {d.step}"
-        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+        plan.add(CheckpointParams(reason="on_demand"),
                  f"{what}: checkpoint now (the trainer decides whether it is healthy)")
         if d.type is AnomalyType.STALLED:
             plan.alert("info", f"{what}: training looks stalled", what)

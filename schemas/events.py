@@ -11,9 +11,13 @@ from __future__ import annotations
 import math
 import time
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator,
+)
+
+from spikeguard.schemas.actions import ActionKind, AnyParams, document_params, tag_params
 
 SCHEMA_VERSION = 1
 
@@ -81,20 +85,6 @@ class Urgency(str, Enum):
     MEDIUM = "medium"
     HIGH = "high"
     CRITICAL = "critical"
-
-
-class ActionKind(str, Enum):
-    ROLLBACK = "rollback"  # params: target_step, checkpoint_id
-    SKIP_BATCHES = "skip_batches"  # params: start, end (global batch indices, end exclusive)
-    SET_LR = "set_lr"  # params: lr
-    SCALE_LR = "scale_lr"  # params: factor
-    RESTORE_LR = "restore_lr"  # params: factor (towards the base LR)
-    CLIP = "clip"  # params: max_norm, or mode="adaptive", z
-    CHECKPOINT = "checkpoint"  # params: healthy
-    STOP = "stop"  # params: reason
-    REDUCE_BATCH_SIZE = "reduce_batch_size"  # params: factor; user handler
-    SET_EPS = "set_eps"  # params: eps; user handler
-    ALERT = "alert"  # params: severity; informational
 
 
 class AckStatus(str, Enum):
@@ -228,17 +218,42 @@ class Decision(_Event):
 
 
 class Action(_Event):
-    """A command for the trainers of one run, applied at ``apply_at_step``."""
+    """A command for the trainers of one run, applied at ``apply_at_step``.
+
+    ``params`` is the typed parameter model of ``kind`` (:mod:`.actions`); a
+    plain dict is accepted and parsed into it.
+    """
 
     action_id: str
     run_id: RunId
     kind: ActionKind
     apply_at_step: Step = Field(description="every rank applies it at this step")
-    params: dict[str, Scalar] = Field(default_factory=dict)
+    params: AnyParams
     decision_id: str | None = None
     incident_id: str | None = None
+    evidence: Evidence | None = Field(
+        None, description="what the decision rested on, for the trainer to check"
+    )
     reason: str = ""
     signature: str | None = Field(None, description="hex HMAC-SHA256, see schemas.signing")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tag(cls, data: object) -> object:
+        return tag_params(data)
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The schema of the wire format: ``params`` chosen by ``kind``, the tag not repeated."""
+        schema = super().model_json_schema(*args, **kwargs)
+        document_params(schema)
+        return schema
+
+    @model_validator(mode="after")
+    def _params_match_kind(self) -> "Action":
+        if self.params.kind is not self.kind:
+            raise ValueError(f"params of {self.params.kind.value} given to a {self.kind.value} action")
+        return self
 
 
 class Ack(_Event):

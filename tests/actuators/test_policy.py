@@ -174,8 +174,8 @@ def test_no_eligible_checkpoint_falls_back(ckpts: tuple, unhealthy: tuple) -> No
         policy.on_checkpoint(ckpt(step, healthy=False))
     actions = policy.on_decision(dec(500, T.NON_FINITE))
     assert kinds(actions) == [K.SCALE_LR, K.SKIP_BATCHES, K.CLIP, K.ALERT]
-    assert actions[0].params == {"factor": 0.5}
-    assert actions[1].params == {"from_step": 500, "to_step": 500, "extra": 200}
+    assert dict(actions[0].params) == {"factor": 0.5}
+    assert dict(actions[1].params) == {"from_step": 500, "to_step": 500, "extra": 200}
     assert "ahead" in actions[1].reason and "no healthy checkpoint" in actions[1].reason
     assert "no healthy checkpoint" in actions[3].params["message"]
     assert not any(a.kind is K.ROLLBACK for a in actions)
@@ -572,7 +572,7 @@ def test_optional_knobs_stay_bounded() -> None:
                   max_rollbacks_in_window=10, rollback_min_steps_before_onset=10)
     out = policy.on_decision(dec(500, T.NON_FINITE))
     assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP, K.REDUCE_BATCH_SIZE, K.SET_EPS]
-    assert out[4].params == {"factor": 0.5} and out[5].params["eps"] == pytest.approx(1e-7)
+    assert dict(out[4].params) == {"factor": 0.5} and out[5].params["eps"] == pytest.approx(1e-7)
     policy.on_ack(ack(out[0]))
     healthy(policy, 401, 450)
     again = policy.on_decision(dec(450, T.NON_FINITE))
