@@ -8,6 +8,8 @@ dashboards need; a run is a handful of series, never one per step.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from spikeguard.schemas import Ack, Action, Decision, StepEvent, Verdict
@@ -82,6 +84,12 @@ class Metrics:
             ["run_id"],
             registry=r,
         )
+        self.ignored = Counter(
+            "spikeguard_ignored_records_total",
+            "Records a stage ignored on purpose (late, stale, duplicate, abandoned), by reason.",
+            ["component", "reason"],
+            registry=r,
+        )
         self.trainer_dropped = Counter(
             "spikeguard_trainer_dropped_events_total",
             "Events a trainer dropped because its send queue was full (broker away).",
@@ -132,6 +140,12 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         metrics.decisions.labels(*labels).inc(count)
     for kind, count in actions.items():
         metrics.actions.labels(kind).inc(count)
+
+
+def observe_ignored(metrics: Metrics, stage: Any) -> None:
+    """What the stage ignored on purpose since the last call (its ``drain_ignored()``)."""
+    for reason, count in stage.drain_ignored().items():
+        metrics.ignored.labels(stage.name, reason).inc(count)
 
 
 def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
