@@ -333,3 +333,30 @@ def test_a_stalled_detector_is_not_waited_for_after_the_deadline() -> None:
     out = feed(f, healthy_step(3) + [x for x in healthy_step(4) if x.detector != "ml"], now=6.0)
     assert [(d.step, d.missing) for d in out] == [(3, [])]
     assert f.tick(10.9) == [] and [d.step for d in f.tick(11.0)] == [4]
+
+
+def test_the_pipeline_s_decisions_carry_the_trainer_s_own_values() -> None:
+    """Real detectors and fusion on the embedded bus: the detector stage puts each step's loss
+    and gradient norm on its verdicts, so every decision's evidence is what the trainer sent."""
+    from prometheus_client import CollectorRegistry
+
+    from spikeguard.lab.backtest import backtest_events
+    from spikeguard.metrics import Metrics
+    from spikeguard.schemas import StepEvent
+
+    rng = random.Random(5)
+    events = []
+    for step in range(300):
+        loss = 3.0 * 0.999 ** step + rng.gauss(0, 0.02)
+        grad = 1.0 + rng.gauss(0, 0.05)
+        if step == 250:
+            loss, grad = 40.0, 30.0
+        events.append(StepEvent(run_id="ev", step=step, loss=loss, grad_norm=grad, lr=1e-3, time=0.0))
+    decisions = backtest_events(events, metrics=Metrics(CollectorRegistry()))
+    assert [d.step for d in decisions] == list(range(300))
+    for d, e in zip(decisions, events):
+        assert d.evidence is not None and (d.evidence.loss, d.evidence.grad_norm) == (e.loss, e.grad_norm)
+    spike = decisions[250]
+    assert spike.is_anomaly and spike.critical and set(spike.flagged_by) >= {"rules", "statistical"}
+    assert spike.evidence.loss_baseline == pytest.approx(3.0 * 0.999 ** 235, rel=0.05)
+    assert spike.evidence.grad_norm_baseline == pytest.approx(1.0, rel=0.1)
