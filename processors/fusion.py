@@ -284,7 +284,7 @@ class Fusion:
             return None
         lb, gb = self._loss_baseline.get(), self._grad_baseline.get()
         return {
-            "step": step, "loss": loss, "grad_norm": grad,
+            "step": step, "epoch": self._epoch, "loss": loss, "grad_norm": grad,
             "loss_baseline": None if lb != lb else lb,  # NaN: no healthy step yet
             "grad_norm_baseline": None if gb != gb else gb,
         }

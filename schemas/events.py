@@ -173,6 +173,7 @@ class Evidence(BaseModel):
     model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings", extra="ignore")
 
     step: Step
+    epoch: Epoch = 0
     loss: float | None = None
     grad_norm: float | None = None
     loss_baseline: float | None = Field(

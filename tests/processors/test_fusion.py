@@ -251,7 +251,7 @@ def test_the_decision_carries_its_evidence_and_who_said_what() -> None:
     [d] = feed(f, step(20, 9.0, 7.0, spike))
     assert d.is_anomaly and d.evidence is not None
     e = d.evidence
-    assert (e.step, e.loss, e.grad_norm) == (20, 9.0, 7.0)
+    assert (e.step, e.epoch, e.loss, e.grad_norm) == (20, 0, 9.0, 7.0)
     assert e.loss_baseline == pytest.approx(2.155) and e.grad_norm_baseline == pytest.approx(1.155)
     assert d.flagged_by == {"statistical": T.LOSS_SPIKE, "ml": T.ML_OUTLIER}
     # the anomalous step is not learnt: the next step's baseline is the same

@@ -141,3 +141,23 @@ def test_params_read_like_a_dict() -> None:
     assert dict(clip) == {"max_norm": 1.0} and clip.get("z") is None and "z" not in clip
     with pytest.raises(KeyError):
         clip["z"]
+
+
+def test_actions_carry_the_decision_s_evidence_under_the_signature() -> None:
+    from spikeguard.schemas import Evidence
+
+    policy = RecoveryPolicy(run_id="r")
+    for step in (100, 200, 300, 400):
+        policy.on_checkpoint(CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True))
+    evidence = Evidence(step=500, loss=float("nan"), grad_norm=3.5, loss_baseline=2.1, grad_norm_baseline=0.9)
+    actions = policy.on_decision(Decision(
+        decision_id=decision_id("r", 500), run_id="r", step=500, is_anomaly=True,
+        type=AnomalyType.NON_FINITE, confidence=1.0, critical=True, evidence=evidence,
+        incident_id=incident_id("r", 500), incident_onset_step=500))
+    assert [a.kind for a in actions][:2] == [K.ROLLBACK, K.SKIP_BATCHES]
+    assert all(a.evidence == evidence for a in actions)
+    signed = sign_action(actions[0], "k")
+    back = decode(encode(signed), Action)
+    assert math.isnan(back.evidence.loss) and verify_action(back, "k")
+    forged = signed.model_copy(update={"evidence": evidence.model_copy(update={"loss": 2.0})})
+    assert not verify_action(forged, "k")  # the evidence is signed with the rest
