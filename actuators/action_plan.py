@@ -8,9 +8,8 @@ next epoch) gives different ones.
 
 from __future__ import annotations
 
-from typing import Any
-
-from spikeguard.schemas import Action, ActionKind, action_id
+from spikeguard.schemas import Action, Evidence, action_id
+from spikeguard.schemas.actions import ActionParams, AlertParams
 
 
 class ActionPlan:
@@ -22,16 +21,17 @@ class ActionPlan:
         apply_at_step: int,
         decision_id: str | None = None,
         incident_id: str | None = None,
+        evidence: Evidence | None = None,
     ) -> None:
         self.run_id, self.cause, self.epoch = run_id, cause, epoch
         self.apply_at_step = apply_at_step
-        self.decision_id, self.incident_id = decision_id, incident_id
-        self.items: list[tuple[ActionKind, dict[str, Any], str]] = []
+        self.decision_id, self.incident_id, self.evidence = decision_id, incident_id, evidence
+        self.items: list[tuple[ActionParams, str]] = []
 
-    def add(self, kind: ActionKind, params: dict[str, Any], reason: str) -> str:
-        """Append an action; returns the id it will carry."""
-        self.items.append((kind, params, reason))
-        return action_id(self.source, kind.value, len(self.items) - 1)
+    def add(self, params: ActionParams, reason: str) -> str:
+        """Append the action ``params`` describe (their kind is the action's); returns its id."""
+        self.items.append((params, reason))
+        return action_id(self.source, params.kind.value, len(self.items) - 1)
 
     @property
     def source(self) -> str:
@@ -39,20 +39,20 @@ class ActionPlan:
 
     def alert(self, severity: str, message: str, reason: str | None = None) -> str:
         """An ALERT (severity ``info``, ``warning`` or ``critical``) for the people watching."""
-        params = {"severity": severity, "message": message}
-        return self.add(ActionKind.ALERT, params, reason or message)
+        return self.add(AlertParams(severity=severity, message=message), reason or message)
 
     def actions(self) -> list[Action]:
         return [
             Action(
-                action_id=action_id(self.source, kind.value, ordinal),
+                action_id=action_id(self.source, params.kind.value, ordinal),
                 run_id=self.run_id,
-                kind=kind,
+                kind=params.kind,
                 apply_at_step=self.apply_at_step,
                 params=params,
                 decision_id=self.decision_id,
                 incident_id=self.incident_id,
+                evidence=self.evidence,
                 reason=reason,
             )
-            for ordinal, (kind, params, reason) in enumerate(self.items)
+            for ordinal, (params, reason) in enumerate(self.items)
         ]

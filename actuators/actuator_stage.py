@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Sequence
 
 from pydantic import BaseModel, SecretStr
@@ -22,6 +23,8 @@ class ActuatorStage(PerRunStage):
     ) -> None:
         super().__init__(topics, factory)
         self.signing_key = signing_key
+        # Decisions a policy ignores on purpose (policy.counts), exported as increments.
+        self._ignored: Counter[str] = Counter()
 
     def inputs(self) -> dict[str, type[BaseModel]]:
         return {
@@ -36,7 +39,12 @@ class ActuatorStage(PerRunStage):
         for _, event in items:
             policy = self.run(event.run_id)  # type: ignore[attr-defined]
             if isinstance(event, Decision):
+                counts = dict(policy.counts)
                 actions = policy.on_decision(event)
+                if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
+                    for reason, n in policy.counts.items():
+                        if n > counts.get(reason, 0):
+                            self._ignored[f"{reason}_decision"] += n - counts.get(reason, 0)
             elif isinstance(event, CheckpointEvent):
                 actions = policy.on_checkpoint(event)
             else:
@@ -45,4 +53,9 @@ class ActuatorStage(PerRunStage):
                 if self.signing_key is not None:
                     action = sign_action(action, self.signing_key)
                 out.append((topic, action))
+        return out
+
+    def drain_ignored(self) -> dict[str, int]:
+        out = dict(self._ignored)
+        self._ignored.clear()
         return out

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from spikeguard.processors.decision_table import CRITICAL_TYPES
 from spikeguard.schemas import AnomalyType
 
 A = AnomalyType
@@ -25,10 +26,9 @@ class PolicyConfig(BaseModel):
     )
 
     # --- which anomaly type gets which strategy ------------------------------
-    critical_types: tuple[AnomalyType, ...] = Field(
-        (A.NON_FINITE, A.EXTREME_LOSS),
-        description="act at once: roll back, skip, lower the LR, clip",
-    )
+    # A decision fusion calls critical gets the critical strategy (act at once: roll
+    # back, skip, lower the LR, clip) unless its type is an explosion type. Which
+    # decisions are critical is fusion's call alone (decision.critical).
     explosion_types: tuple[AnomalyType, ...] = Field(
         (A.GRADIENT_EXPLOSION, A.LOSS_SCALE_COLLAPSE),
         description="lower the LR and clip at once; roll back if a loss anomaly follows",
@@ -146,9 +146,6 @@ class PolicyConfig(BaseModel):
     preventive_min_interval_steps: int = Field(
         100, ge=1, description="at most one preventive checkpoint per this many steps"
     )
-    incident_gap_steps: int = Field(
-        20, ge=1, description="without incident_id: anomalies this close share an incident"
-    )
     max_incidents: int = Field(16, ge=1, le=10_000, description="incidents remembered")
     seen_window_steps: int = Field(
         1000, ge=1, description="decision ids remembered for duplicate detection (in steps)"
@@ -157,7 +154,6 @@ class PolicyConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
         groups = {
-            "critical_types": self.critical_types,
             "explosion_types": self.explosion_types,
             "spike_types": self.spike_types,
             "slow_types": self.slow_types,
@@ -169,15 +165,28 @@ class PolicyConfig(BaseModel):
                 if kind in owner:
                     raise ValueError(f"{kind.value} is in both {owner[kind]} and {name}")
                 owner[kind] = name
+                if kind in CRITICAL_TYPES and name != "explosion_types":
+                    raise ValueError(
+                        f"{kind.value} is always critical (fusion's decision_table), so its "
+                        f"decisions get the critical strategy and never reach {name}"
+                    )
         if not self.min_clip_norm <= self.clip_norm_initial <= self.max_clip_norm:
             raise ValueError("clip_norm_initial must lie within [min_clip_norm, max_clip_norm]")
         if self.eps_initial > self.max_eps:
             raise ValueError("eps_initial must not exceed max_eps")
         return self
 
-    def strategy_of(self, kind: AnomalyType) -> str:
-        """'critical', 'explosion', 'spike', 'slow', 'preventive' or 'notice'."""
-        for name in ("critical", "explosion", "spike", "slow", "preventive"):
+    def strategy_of(self, kind: AnomalyType, critical: bool = False) -> str:
+        """'critical', 'explosion', 'spike', 'slow', 'preventive' or 'notice'.
+
+        ``critical`` is the decision's own flag: fusion decides criticality, the
+        policy only chooses the answer to it.
+        """
+        if kind in self.explosion_types:
+            return "explosion"
+        if critical:
+            return "critical"
+        for name in ("spike", "slow", "preventive"):
             if kind in getattr(self, f"{name}_types"):
                 return name
         return "notice"

@@ -17,7 +17,11 @@ from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import RollbackWindow
 from spikeguard.actuators.incidents import Incident
 from spikeguard.actuators.action_plan import ActionPlan
-from spikeguard.schemas import ActionKind, Decision
+from spikeguard.schemas import Decision
+from spikeguard.schemas.actions import (
+    ClipParams, ReduceBatchSizeParams, RestoreLrParams, RollbackParams, ScaleLrParams,
+    SetEpsParams, SkipBatchesParams,
+)
 
 MAX_ROLLBACK_RECORDS = 8
 
@@ -59,8 +63,7 @@ class Controls:
         if applied is None:
             return False
         plan.add(
-            ActionKind.SCALE_LR,
-            {"factor": applied},
+            ScaleLrParams(factor=applied),
             f"{why}: LR x{applied:.4g} (now {self.lr.current:.4g} of base, "
             f"floor {self.lr.floor:g})",
         )
@@ -71,16 +74,15 @@ class Controls:
         if applied is None:
             return False
         plan.add(
-            ActionKind.RESTORE_LR,
-            {"factor": applied},
+            RestoreLrParams(factor=applied),
             f"{why}: LR x{applied:.4g} (now {self.lr.current:.4g} of base)",
         )
         return True
 
-    def clip_params(self) -> dict[str, Any]:
+    def clip_params(self) -> ClipParams:
         if self.config.clip_mode == "adaptive":
-            return {"mode": "adaptive", "z": self.config.adaptive_clip_z}
-        return {"max_norm": self.clip.norm}
+            return ClipParams(mode="adaptive", z=self.config.adaptive_clip_z)
+        return ClipParams(max_norm=self.clip.norm)
 
     def tighten_clip(
         self,
@@ -93,17 +95,18 @@ class Controls:
         """Enable clipping or tighten it one notch; ``resend`` re-sends an unchanged setting."""
         changed = tighten and self.clip.enable_or_tighten(floor) is not None
         if changed or (resend and self.clip.norm is not None):
-            plan.add(ActionKind.CLIP, self.clip_params(), f"{why}: clip {self.clip_params()}")
+            params = self.clip_params()
+            plan.add(params, f"{why}: clip {dict(params)}")
         return changed
 
     def raise_eps(self, plan: ActionPlan, why: str) -> None:
         if self.config.eps_actions and (eps := self.eps.increase(self.config.eps_increase_factor)):
-            plan.add(ActionKind.SET_EPS, {"eps": eps}, f"{why}: optimizer eps -> {eps:g}")
+            plan.add(SetEpsParams(eps=eps), f"{why}: optimizer eps -> {eps:g}")
 
     def reduce_batch(self, plan: ActionPlan, why: str) -> None:
         cfg = self.config
         if cfg.batch_size_actions and (f := self.batch.decrease(cfg.batch_size_decrease_factor)):
-            plan.add(ActionKind.REDUCE_BATCH_SIZE, {"factor": f}, f"{why}: batch size x{f:.4g}")
+            plan.add(ReduceBatchSizeParams(factor=f), f"{why}: batch size x{f:.4g}")
 
     # --- the recovery itself ---------------------------------------------------------------
     def recover(
@@ -127,14 +130,12 @@ class Controls:
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
         rollback_id = plan.add(
-            ActionKind.ROLLBACK,
-            {"target_step": t, "checkpoint_id": target.checkpoint_id},
+            RollbackParams(target_step=t, checkpoint_id=target.checkpoint_id),
             f"{why}: roll back to healthy checkpoint {target.checkpoint_id} at step {t} "
             f"(>= {cfg.rollback_min_steps_before_onset} steps before onset {incident.onset_step})",
         )
         plan.add(
-            ActionKind.SKIP_BATCHES,
-            {"from_step": t + 1, "to_step": s, "extra": cfg.skip_extra_batches},
+            SkipBatchesParams(from_step=t + 1, to_step=s, extra=cfg.skip_extra_batches),
             f"{why}: skip the batches of steps {t + 1}..{s} that led into it, "
             f"plus {cfg.skip_extra_batches} more",
         )
@@ -148,8 +149,7 @@ class Controls:
         scale = desired / (at_target if cfg.rollback_restores_lr else pre)
         if scale < 1 - 1e-9:
             plan.add(
-                ActionKind.SCALE_LR,
-                {"factor": scale},
+                ScaleLrParams(factor=scale),
                 f"{why}: after the rollback LR x{scale:.4g} (now {desired:.4g} of base)",
             )
         else:
@@ -185,8 +185,7 @@ class Controls:
         )
         self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
         plan.add(
-            ActionKind.SKIP_BATCHES,
-            {"from_step": s, "to_step": s, "extra": cfg.skip_extra_batches},
+            SkipBatchesParams(from_step=s, to_step=s, extra=cfg.skip_extra_batches),
             f"{why}; {missing}: batches already consumed cannot be skipped without a rollback, "
             f"so skip the next {cfg.skip_extra_batches} batches ahead instead",
         )

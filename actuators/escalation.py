@@ -15,7 +15,7 @@ from typing import Any
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.incidents import Incident
 from spikeguard.actuators.action_plan import ActionPlan
-from spikeguard.schemas import ActionKind
+from spikeguard.schemas.actions import AlertParams, CheckpointParams, StopParams
 
 
 class RollbackWindow:
@@ -58,6 +58,6 @@ class RollbackWindow:
 def add_escalation(plan: ActionPlan, why: str) -> None:
     """Final checkpoint, stop, critical alert — in that order."""
     message = f"stopping the run: {why}"
-    plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, f"final checkpoint before stop: {why}")
-    plan.add(ActionKind.STOP, {"reason": message}, message)
-    plan.add(ActionKind.ALERT, {"severity": "critical", "message": message}, message)
+    plan.add(CheckpointParams(reason="emergency"), f"final checkpoint before stop: {why}")
+    plan.add(StopParams(reason=message), message)
+    plan.add(AlertParams(severity="critical", message=message), message)

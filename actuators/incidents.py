@@ -1,8 +1,8 @@
 """What the policy remembers about each incident (bounded: the newest few).
 
-An incident is fusion's (``decision.incident_id``); a decision without one is
-grouped with the previous anomaly when it came within ``gap`` steps, else it
-opens an incident of its own, with a deterministic id from its onset step.
+Fusion groups steps into incidents (``decision.incident_id``); the policy never
+regroups them. A hand-made decision without one is an incident of its own,
+with a deterministic id from its onset (or its step).
 """
 
 from __future__ import annotations
@@ -33,28 +33,15 @@ class Incident:
 
 
 class IncidentBook:
-    def __init__(self, run_id: str, capacity: int, gap_steps: int) -> None:
-        self.run_id, self.capacity, self.gap_steps = run_id, capacity, gap_steps
+    def __init__(self, run_id: str, capacity: int) -> None:
+        self.run_id, self.capacity = run_id, capacity
         self.incidents: OrderedDict[str, Incident] = OrderedDict()
-        # Decisions without incident_id: the open self-made incident and its last anomaly.
-        self.own_key: str | None = None
-        self.own_last_step: int | None = None
 
     def key_of(self, decision: Decision) -> str:
         if decision.incident_id:
             return decision.incident_id
-        if decision.incident_onset_step is not None:
-            return incident_id(self.run_id, decision.incident_onset_step)
-        close = (
-            self.own_key is not None
-            and self.own_last_step is not None
-            and 0 <= decision.step - self.own_last_step <= self.gap_steps
-        )
-        if not close:
-            self.own_key = incident_id(self.run_id, decision.step)
-        self.own_last_step = decision.step
-        assert self.own_key is not None
-        return self.own_key
+        onset = decision.step if decision.incident_onset_step is None else decision.incident_onset_step
+        return incident_id(self.run_id, onset, decision.epoch)
 
     def get(self, decision: Decision, tick: int) -> Incident:
         """The incident of an anomalous decision, opened on its first decision."""
@@ -72,17 +59,8 @@ class IncidentBook:
             incident.types.append(decision.type.value)
         return incident
 
-    def rewind(self) -> None:
-        """A rollback: the self-made grouping of the abandoned timeline does not carry over."""
-        self.own_key = self.own_last_step = None
-
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "incidents": [asdict(i) for i in self.incidents.values()],
-            "own_key": self.own_key,
-            "own_last_step": self.own_last_step,
-        }
+        return {"incidents": [asdict(i) for i in self.incidents.values()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.incidents = OrderedDict((i["key"], Incident(**i)) for i in state["incidents"])
-        self.own_key, self.own_last_step = state["own_key"], state["own_last_step"]

@@ -1,6 +1,9 @@
 """The recovery policy: decisions, checkpoints and acks in; actions out. Pure, one per run.
 
-Strategies (``PolicyConfig`` maps anomaly types to them; all numbers are settings):
+Fusion's decision says what happened (type, confidence, ``critical``, the
+incident); the policy alone says what to do about it. Strategies
+(``PolicyConfig`` maps anomaly types to them, ``decision.critical`` picks
+``critical``; all numbers are settings):
 
 ============  ==============================================================
 critical      at once: ROLLBACK, SKIP_BATCHES, SCALE_LR (x0.5), CLIP
@@ -46,6 +49,7 @@ from spikeguard.actuators.incidents import Incident, IncidentBook
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
+from spikeguard.schemas.actions import CheckpointParams
 from spikeguard.schemas import (
     Ack,
     AckStatus,
@@ -75,10 +79,12 @@ class RecoveryPolicy:
         self.run_id = run_id
         cfg = self.config
         self.recovery = Controls(cfg)
-        self.incidents = IncidentBook(run_id, cfg.max_incidents, cfg.incident_gap_steps)
+        self.incidents = IncidentBook(run_id, cfg.max_incidents)
         self.epoch = 0  # rollbacks applied so far
         self.high_water = -1  # newest step handled in this epoch
-        self.tick = 0  # decisions handled, across epochs: the policy's clock
+        # Decisions admitted, across epochs: the policy's clock, in observed steps (a re-run
+        # after a rollback counts again: that is training time spent).
+        self.observed_steps = 0
         self.seen: OrderedDict[str, int] = OrderedDict()  # decision id -> step, this epoch
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
         self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at
@@ -96,6 +102,7 @@ class RecoveryPolicy:
         plan = ActionPlan(
             self.run_id, decision.decision_id, self.epoch,
             decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
+            decision.evidence,
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
@@ -163,7 +170,7 @@ class RecoveryPolicy:
         oldest = d.step - self.config.seen_window_steps
         while self.seen and next(iter(self.seen.values())) < oldest:
             self.seen.popitem(last=False)
-        self.tick += 1
+        self.observed_steps += 1
         return True
 
     def _rollback_ack(self, plan: ActionPlan, record: RollbackRecord, ack: Ack) -> None:
@@ -178,7 +185,6 @@ class RecoveryPolicy:
             self.tail = [record.issue_step, max(record.issue_step, ack.step)]
             self.pending_spike = None
             self.healthy_streak = 0
-            self.incidents.rewind()
         elif ack.status in _FAILED and record.status in _UNSETTLED:
             self.recovery.failed(record)
             record.alerted = True
@@ -193,11 +199,11 @@ class RecoveryPolicy:
     def _anomaly(self, plan: ActionPlan, d: Decision) -> None:
         cfg, rec = self.config, self.recovery
         self.healthy_streak = 0
-        inc = self.incidents.get(d, self.tick)
-        strategy = cfg.strategy_of(d.type)
+        inc = self.incidents.get(d, self.observed_steps)
+        strategy = cfg.strategy_of(d.type, d.critical)
         is_loss = d.type in cfg.loss_types
         what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
-        grace = inc.in_grace(self.tick, cfg.recovery_grace_steps)
+        grace = inc.in_grace(self.observed_steps, cfg.recovery_grace_steps)
         if is_loss and inc.explosion_handled and not grace:
             self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
                           f"{what} after a gradient explosion in the same incident")
@@ -229,10 +235,10 @@ class RecoveryPolicy:
     def _slow(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         if inc.divergence_lr_steps == 0:
-            plan.add(ActionKind.CHECKPOINT, {"reason": "emergency"}, 
+            plan.add(CheckpointParams(reason="emergency"),
                      f"{what}: emergency checkpoint")
             rec.lower_lr(plan, cfg.lr_step_factor_divergence, f"{what}: LR step 1")
-        elif self.tick - (inc.last_divergence_tick or 0) < cfg.divergence_step_interval_steps:
+        elif self.observed_steps - (inc.last_divergence_tick or 0) < cfg.divergence_step_interval_steps:
             return
         elif inc.divergence_lr_steps >= cfg.divergence_max_lr_steps or not rec.lower_lr(
             plan, cfg.lr_step_factor_divergence, f"{what}: LR step {inc.divergence_lr_steps + 1}"
@@ -241,7 +247,7 @@ class RecoveryPolicy:
                           f"{what} continues after {inc.divergence_lr_steps} LR steps")
             return
         inc.divergence_lr_steps += 1
-        inc.last_divergence_tick = self.tick
+        inc.last_divergence_tick = self.observed_steps
 
     def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
         """Judge a pending spike once its patience ran out; True if it was rolled back."""
@@ -251,17 +257,17 @@ class RecoveryPolicy:
         self.pending_spike = None
         cfg = self.config
         steps = d.step - p["start"]
-        if d.is_anomaly and cfg.strategy_of(d.type) == "critical":
+        if d.is_anomaly and cfg.strategy_of(d.type, d.critical) == "critical":
             return False  # the critical strategy recovers, with clipping
         if d.is_anomaly and not d.preventive:
-            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.tick)
+            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
             self.healthy_streak = 0
             self._recover(plan, d, inc, cfg.lr_decrease_factor_spike, False,
                           f"loss spike at step {p['start']} still anomalous {steps} steps later "
                           f"({d.type.value} at step {d.step})")
             return True
         why = f"loss spike at step {p['start']} recovered within {steps} steps"
-        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+        plan.add(CheckpointParams(reason="on_demand"),
                  f"{why}: checkpoint the recovered state")
         plan.alert("info", f"{why}; watching", f"{why}: watch only")
         return False
@@ -270,11 +276,11 @@ class RecoveryPolicy:
         cfg = self.config
         self.healthy_streak = 0
         last = self.last_preventive_tick
-        if last is not None and self.tick - last < cfg.preventive_min_interval_steps:
+        if last is not None and self.observed_steps - last < cfg.preventive_min_interval_steps:
             return
-        self.last_preventive_tick = self.tick
+        self.last_preventive_tick = self.observed_steps
         what = f"warning {d.type.value} at step {d.step}"
-        plan.add(ActionKind.CHECKPOINT, {"reason": "on_demand"},
+        plan.add(CheckpointParams(reason="on_demand"),
                  f"{what}: checkpoint now (the trainer decides whether it is healthy)")
         if d.type is AnomalyType.STALLED:
             plan.alert("info", f"{what}: training looks stalled", what)
@@ -295,12 +301,12 @@ class RecoveryPolicy:
         """Roll back (or fall back) — unless that would be one recovery too many: then stop."""
         self.pending_spike = None
         self.healthy_streak = 0
-        too_many = self.recovery.ledger.escalation_reason(inc, self.tick)
+        too_many = self.recovery.ledger.escalation_reason(inc, self.observed_steps)
         if too_many is not None:
             add_escalation(plan, too_many)
             self.stopped = True
             return
-        self.recovery.recover(plan, d, inc, self.tick, lr_factor, tighten, why)
+        self.recovery.recover(plan, d, inc, self.observed_steps, lr_factor, tighten, why)
 
     # --- state ----------------------------------------------------------------------------------
     def _check_run(self, run_id: str) -> None:
@@ -312,7 +318,7 @@ class RecoveryPolicy:
             "run_id": self.run_id,
             "epoch": self.epoch,
             "high_water": self.high_water,
-            "tick": self.tick,
+            "observed_steps": self.observed_steps,
             "seen": [[k, v] for k, v in self.seen.items()],
             "tail": self.tail,
             "pending_spike": self.pending_spike,
@@ -330,7 +336,9 @@ class RecoveryPolicy:
             raise ForeignRunError(
                 f"state of {state['run_id']!r} loaded into the policy of {self.run_id!r}"
             )
-        self.epoch, self.high_water, self.tick = state["epoch"], state["high_water"], state["tick"]
+        self.epoch, self.high_water = state["epoch"], state["high_water"]
+        # "tick": the name in snapshots written before the rename.
+        self.observed_steps = state["observed_steps"] if "observed_steps" in state else state["tick"]
         self.seen = OrderedDict((k, v) for k, v in state["seen"])
         self.tail, self.pending_spike = state["tail"], state["pending_spike"]
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]

@@ -1,13 +1,13 @@
-"""What fusion says about each anomaly type: base urgency and recommendation.
+"""What fusion says about each anomaly type: whether it is critical, and its urgency.
 
-Kept apart from :mod:`.fusion` so the table reads as a table. A recommendation
-is a comma-separated list of action kinds (the ``ActionKind`` values) in the
-order the recovery policy would apply them; the policy decides the parameters.
+Kept apart from :mod:`.fusion` so the table reads as a table. What to *do*
+about a type is not here: that is the recovery policy's alone
+(:mod:`spikeguard.actuators.config`).
 """
 
 from __future__ import annotations
 
-from spikeguard.schemas import AnomalyType, Urgency
+from spikeguard.schemas import AnomalyType, Urgency, Verdict
 
 # Which detector's view of the type wins when several flag the same step.
 DEFAULT_PRECEDENCE = ("rules", "statistical", "ml")
@@ -21,6 +21,12 @@ WARNING_TYPES = frozenset(
 CRITICAL_TYPES = frozenset(
     {AnomalyType.NON_FINITE, AnomalyType.EXTREME_LOSS}
 )
+
+
+def is_critical(verdict: Verdict) -> bool:
+    """The one rule of criticality: the detector is sure on its own, or the type always is."""
+    return verdict.critical or verdict.type in CRITICAL_TYPES
+
 
 BASE_URGENCY: dict[AnomalyType, Urgency] = {
     AnomalyType.NON_FINITE: Urgency.CRITICAL,
@@ -37,24 +43,6 @@ BASE_URGENCY: dict[AnomalyType, Urgency] = {
     AnomalyType.STALLED: Urgency.LOW,
     AnomalyType.LR_TOO_HIGH: Urgency.LOW,
     AnomalyType.NONE: Urgency.NONE,
-}
-
-RECOMMENDATIONS: dict[AnomalyType, str] = {
-    AnomalyType.NON_FINITE: "rollback,skip_batches,scale_lr",
-    AnomalyType.EXTREME_LOSS: "rollback,skip_batches,scale_lr",
-    AnomalyType.GRADIENT_EXPLOSION: "rollback,skip_batches,scale_lr,clip",
-    AnomalyType.LOSS_SPIKE: "rollback,skip_batches",
-    AnomalyType.DIVERGENCE: "rollback,scale_lr",
-    AnomalyType.OSCILLATION: "scale_lr,clip",
-    AnomalyType.LOSS_SCALE_COLLAPSE: "rollback,alert",
-    AnomalyType.LR_OUT_OF_BOUNDS: "restore_lr,alert",
-    AnomalyType.BAD_BATCH: "skip_batches",
-    AnomalyType.ML_OUTLIER: "checkpoint,alert",
-    # Preventive: never a rollback.
-    AnomalyType.INSTABILITY_WARNING: "checkpoint,clip",
-    AnomalyType.LR_TOO_HIGH: "checkpoint,scale_lr",
-    AnomalyType.STALLED: "alert",
-    AnomalyType.NONE: "",
 }
 
 _LEVELS = (Urgency.NONE, Urgency.LOW, Urgency.MEDIUM, Urgency.HIGH, Urgency.CRITICAL)

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from pydantic import BaseModel
 
 from spikeguard.processors.detectors.base import Detector
-from spikeguard.schemas import StepEvent, Topics
+from spikeguard.schemas import StepEvent, Topics, Verdict
 from spikeguard.streaming.stage import Output, PerRunStage, group_by_run
 
 _EVENT = itemgetter(1)
@@ -37,9 +37,17 @@ class DetectorStage(PerRunStage[Detector]):
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
         events = list(map(_EVENT, items))
         if one_run(events):  # the usual batch: no need to regroup
-            verdicts = self.run(events[0].run_id).update_many(events)  # type: ignore[attr-defined]
+            verdicts = with_values(self.run(events[0].run_id).update_many(events), events)  # type: ignore[attr-defined]
         else:
             verdicts = []
             for run_id, run_events in group_by_run(events).items():
-                verdicts += self.run(run_id).update_many(run_events)
+                verdicts += with_values(self.run(run_id).update_many(run_events), run_events)
         return list(zip(repeat(self.topics.verdicts), verdicts))
+
+
+def with_values(verdicts: list[Verdict], events: Sequence[StepEvent]) -> list[Verdict]:
+    """Each verdict with its step's loss and gradient norm: fusion's evidence comes from them."""
+    return [
+        v if v.loss is not None else v.model_copy(update={"loss": e.loss, "grad_norm": e.grad_norm})
+        for v, e in zip(verdicts, events)
+    ]

@@ -1,8 +1,14 @@
 """Fusion: the verdicts of one (run, epoch, step) become exactly one decision.
 
-A step is decided when every expected detector has spoken, or when a deadline
-passes (``deadline_seconds`` after its first verdict, or ``deadline_steps``
-behind the run's newest step, or the pending set is full); the decision lists
+A step is decided when every expected detector has spoken for it, or has
+judged the run past it: a detector judges a run's steps in order (one
+partition), so its newest verdict is its *watermark* for the run. A decision
+then depends on the data, not on how fast each worker happened to be: after an
+outage, a fast detector racing ahead does not get steps decided without the
+slow ones. Fusion stops waiting for a detector only when its watermark has not
+moved for ``deadline_seconds`` of wall-clock time (it is down, or not deployed),
+or when the pending set is full (``max_pending``); ``deadline_steps``, off by
+default, adds the old "this far behind the newest step" rule. The decision lists
 the detectors that were ``missing``. Decisions leave in step order. A verdict
 for a step already decided is dropped and counted (``late_verdicts``), so a
 late verdict never produces a second, contradictory decision; a repeated
@@ -13,25 +19,35 @@ one sure detector is enough, agreeing detectors reinforce each other, and a
 silent or healthy detector does not dilute the others (a weighted average
 would: with weights 0.3/0.4/0.3 and threshold 0.6 a NaN flagged by rules alone
 scores 0.3 and passes). A *critical* verdict (non-finite values, extreme loss,
-gradient explosion) decides alone and at once: the step, and every pending
-step before it, is decided when it arrives.
+gradient explosion; :func:`~.decision_table.is_critical` is the one rule)
+decides alone: its step does not wait for the other detectors' verdicts, only
+for the steps before it to be decided (by the same watermark rule), and the
+decision says ``critical``.
 
 The predictor's warnings never make an anomaly: alone they give a
-``preventive`` decision of low urgency whose recommendation has no rollback.
-Consecutive anomalous steps form an incident until the run has been healthy
-for ``incident_gap_steps`` steps; a rollback (a new epoch) closes it.
+``preventive`` decision of low urgency. Consecutive anomalous steps form an
+incident until the run has been healthy for ``incident_gap_steps`` steps; a
+rollback (a new epoch) closes it. This is the only place incidents are
+grouped: the recovery policy takes ``incident_id`` as it comes.
+
+Every decision carries its evidence when the verdicts carry the step's values:
+the loss and gradient norm, next to their medians over the run's recent
+healthy steps (learnt only from steps decided healthy, so a spike never
+becomes its own baseline).
 """
 
 from __future__ import annotations
 
+import math
 from heapq import heapify, heappop, heappush
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.decision_table import (
-    CRITICAL_TYPES, DEFAULT_PRECEDENCE, RECOMMENDATIONS, WARNING_TYPES, urgency,
+    DEFAULT_PRECEDENCE, WARNING_TYPES, is_critical, urgency,
 )
+from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, Decision, Urgency, Verdict
 from spikeguard.schemas.ids import decision_id, incident_id
 
@@ -66,10 +82,14 @@ class FusionConfig(BaseModel):
         0.7, ge=0.0, le=1.0, description="below this fused confidence the urgency is one level lower"
     )
     deadline_seconds: float = Field(
-        5.0, gt=0.0, description="a step waits at most this long after its first verdict"
+        5.0, gt=0.0,
+        description="a detector whose watermark for a run has not moved for this long (wall "
+        "clock) is not waited for until it moves again",
     )
-    deadline_steps: int = Field(
-        64, ge=0, description="a step waits while the run's newest step is less than this far ahead"
+    deadline_steps: int | None = Field(
+        None, ge=0,
+        description="if set, a step also waits only while the run's newest step is less than "
+        "this far ahead (timing-dependent after an outage: off by default)",
     )
     max_pending: int = Field(
         1024, ge=1, description="at most this many undecided steps per run (the oldest go first)"
@@ -77,15 +97,18 @@ class FusionConfig(BaseModel):
     incident_gap_steps: int = Field(
         20, ge=1, description="healthy steps that close an incident"
     )
+    baseline_window_steps: int = Field(
+        32, ge=1, le=4096, description="recent healthy steps whose median is the evidence's baseline"
+    )
 
 
 class _Pending:
-    __slots__ = ("verdicts", "since", "flagged")
+    __slots__ = ("verdicts", "flagged", "critical")
 
-    def __init__(self, since: float) -> None:
+    def __init__(self) -> None:
         self.verdicts: dict[str, Verdict] = {}
-        self.since = since
         self.flagged = False  # some verdict says anomaly (or warning)
+        self.critical = False  # some verdict is critical: no need to wait for the others
 
 
 # Decision(**fields) minus BaseModel.__init__'s Python frame: the same
@@ -107,8 +130,9 @@ class Fusion:
         self._deadline_steps = cfg.deadline_steps
         self._max_pending = cfg.max_pending
         self._gap = cfg.incident_gap_steps
-        # A step no detector flags scores 0: it is healthy, neither anomaly nor warning.
-        self._zero_is_healthy = not 0.0 >= cfg.threshold
+        # Baselines span epochs: a rollback does not change what normal looks like.
+        self._loss_baseline = RollingMedian(cfg.baseline_window_steps)
+        self._grad_baseline = RollingMedian(cfg.baseline_window_steps)
         self.late_verdicts = 0
         self.stale_verdicts = 0  # from an epoch older than the newest seen
         self.duplicate_verdicts = 0
@@ -123,6 +147,9 @@ class Fusion:
         self._onset: int | None = None  # open incident's first step
         self._last_anomaly = -1
         self._checked_at: float | None = None
+        # detector -> (newest step it judged in this epoch, wall-clock time that last moved)
+        self._marks: dict[str, tuple[int, float]] = {}
+        self._epoch_seen_at: float | None = None  # a silent detector's stall clock starts here
 
     # -- input ---------------------------------------------------------------
     def add(self, verdict: Verdict, now: float) -> list[Decision]:
@@ -146,13 +173,19 @@ class Fusion:
             out += self.flush()  # the old epoch's steps are decided with what they have
             self._reset_epoch(verdict.epoch)
         step = verdict.step
+        if self._epoch_seen_at is None:
+            self._epoch_seen_at = now
+        mark = self._marks.get(verdict.detector)
+        moved = mark is None or step > mark[0]
+        if moved:  # even a late or repeated verdict shows how far its detector got
+            self._marks[verdict.detector] = (step, now)
         if step <= self._decided:
             self.late_verdicts += 1
             return
         pending = self._pending.get(step)
-        changed = pending is None  # the pending set grows (and maybe the newest step)
-        if changed:
-            pending = self._pending[step] = _Pending(now)
+        changed = pending is None or moved  # the pending set grows, or a watermark moved
+        if pending is None:
+            pending = self._pending[step] = _Pending()
             heappush(self._heap, step)
         verdicts = pending.verdicts
         if verdict.detector in verdicts:
@@ -163,11 +196,8 @@ class Fusion:
             self._newest = step
         if verdict.is_anomaly:
             pending.flagged = True
-            if verdict.critical:  # decides alone, at once, earlier steps first
-                heap = self._heap
-                while heap and heap[0] <= step:
-                    out.append(self._decide(heappop(heap)))
-                changed = True
+            if is_critical(verdict):  # decides alone, once the steps before it are decided
+                pending.critical = changed = True
         # A verdict for a known step behind the oldest one, at the time of the
         # last check: nothing that makes the oldest step due has changed.
         if not changed and now == self._checked_at and step != self._heap[0]:
@@ -175,7 +205,7 @@ class Fusion:
         self._release(now, out)
 
     def tick(self, now: float) -> list[Decision]:
-        """Decide the steps whose time deadline has passed."""
+        """Decide the steps that were waiting only for detectors that have stalled since."""
         out: list[Decision] = []
         self._release(now, out)
         return out
@@ -194,9 +224,10 @@ class Fusion:
             step = heap[0]
             p = pending[step]
             if not (
-                expected.issubset(p.verdicts)
-                or now - p.since >= self._deadline_s
-                or newest - step >= self._deadline_steps
+                p.critical
+                or expected.issubset(p.verdicts)
+                or self._nobody_to_wait_for(step, p, now)
+                or (self._deadline_steps is not None and newest - step >= self._deadline_steps)
                 or len(heap) > self._max_pending
             ):
                 break
@@ -204,25 +235,70 @@ class Fusion:
             out.append(self._decide(step))
         self._checked_at = now  # the oldest pending step (if any) is not due at this time
 
+    def _nobody_to_wait_for(self, step: int, p: _Pending, now: float) -> bool:
+        """Every expected detector has spoken for ``step``, judged past it, or stalled."""
+        marks, verdicts, silent_since = self._marks, p.verdicts, self._epoch_seen_at
+        for name in self._expected:
+            if name in verdicts:
+                continue
+            mark = marks.get(name)
+            if mark is not None and mark[0] >= step:
+                continue  # it judged this run past the step: no verdict will come for it
+            last_moved = silent_since if mark is None else mark[1]
+            if last_moved is not None and now - last_moved >= self._deadline_s:
+                continue  # stalled: decide without it (listed as missing)
+            return False
+        return True
+
     # -- judgement -----------------------------------------------------------
     def _decide(self, step: int) -> Decision:
         pending = self._pending.pop(step)
         self._decided = step
         verdicts = pending.verdicts
-        if pending.flagged or not self._zero_is_healthy:
-            return self._judge(step, verdicts)
-        # Nobody flagged it (nearly every step): the short way to what _judge says.
-        if self._onset is not None and step - self._last_anomaly > self._gap:
-            self._onset = None
-        return _validate_decision({
-            "decision_id": decision_id(self.run_id, step, self._epoch),
-            "run_id": self.run_id, "step": step, "epoch": self._epoch,
-            "detectors": {name: v.confidence for name, v in verdicts.items()},
-            "missing": [name for name in self.config.expected if name not in verdicts],
-            "is_anomaly": False, "confidence": 0.0,
-        })
+        evidence = self._evidence(step, verdicts)
+        if pending.flagged:
+            decision = self._judge(step, verdicts, evidence)
+        else:
+            # Nobody flagged it (nearly every step): the short way to what _judge says,
+            # since the threshold is > 0 and a step nobody flags scores 0.
+            if self._onset is not None and step - self._last_anomaly > self._gap:
+                self._onset = None
+            decision = _validate_decision({
+                "decision_id": decision_id(self.run_id, step, self._epoch),
+                "run_id": self.run_id, "step": step, "epoch": self._epoch,
+                "detectors": {name: v.confidence for name, v in verdicts.items()},
+                "missing": [name for name in self.config.expected if name not in verdicts],
+                "is_anomaly": False, "confidence": 0.0, "evidence": evidence,
+            })
+        if evidence is not None and not decision.is_anomaly:
+            self._learn_baseline(evidence)
+        return decision
 
-    def _judge(self, step: int, verdicts: dict[str, Verdict]) -> Decision:
+    def _evidence(self, step: int, verdicts: dict[str, Verdict]) -> dict[str, Any] | None:
+        """The step's values (from any verdict that carries them) and the run's baselines."""
+        for v in verdicts.values():
+            if v.loss is not None:
+                loss, grad = v.loss, v.grad_norm
+                break
+        else:
+            return None
+        lb, gb = self._loss_baseline.get(), self._grad_baseline.get()
+        return {
+            "step": step, "epoch": self._epoch, "loss": loss, "grad_norm": grad,
+            "loss_baseline": None if lb != lb else lb,  # NaN: no healthy step yet
+            "grad_norm_baseline": None if gb != gb else gb,
+        }
+
+    def _learn_baseline(self, evidence: dict[str, Any]) -> None:
+        loss, grad = evidence["loss"], evidence["grad_norm"]
+        if math.isfinite(loss):
+            self._loss_baseline.update(loss)
+        if grad is not None and math.isfinite(grad):
+            self._grad_baseline.update(grad)
+
+    def _judge(
+        self, step: int, verdicts: dict[str, Verdict], evidence: dict[str, Any] | None
+    ) -> Decision:
         cfg = self.config
         anomalous, warnings = [], []
         miss = 1.0
@@ -236,12 +312,14 @@ class Fusion:
             anomalous.append(v)
             miss *= 1.0 - cfg.weights.get(name, cfg.default_weight) * v.confidence
         score = 1.0 - miss
-        critical = [v for v in anomalous if v.critical or v.type in CRITICAL_TYPES]
+        critical = [v for v in anomalous if is_critical(v)]
         common: dict[str, Any] = dict(
             decision_id=decision_id(self.run_id, step, self._epoch),
             run_id=self.run_id, step=step, epoch=self._epoch,
             detectors={name: v.confidence for name, v in verdicts.items()},
+            flagged_by={name: v.type for name, v in verdicts.items() if v.is_anomaly},
             missing=[name for name in cfg.expected if name not in verdicts],
+            evidence=evidence,
         )
         if critical or score >= cfg.threshold:
             top = min(critical or anomalous, key=self._priority)
@@ -254,8 +332,8 @@ class Fusion:
                 rules.extend(r for r in v.rules if r not in rules)
             return Decision(
                 **common, is_anomaly=True, type=top.type, confidence=min(1.0, confidence),
+                critical=bool(critical),
                 urgency=urgency(top.type, confidence, bool(critical), cfg.low_confidence),
-                recommendation=RECOMMENDATIONS.get(top.type, ""),
                 incident_id=incident_id(self.run_id, self._onset, self._epoch),
                 incident_onset_step=self._onset, rules=rules,
                 signals={**top.signals, "score": round(score, 4), "by": top.detector},
@@ -267,14 +345,13 @@ class Fusion:
             kind = top.type if top.type in WARNING_TYPES else AnomalyType.INSTABILITY_WARNING
             return Decision(
                 **common, is_anomaly=False, preventive=True, type=kind,
-                confidence=top.confidence, urgency=Urgency.LOW,
-                recommendation=RECOMMENDATIONS[kind], rules=list(top.rules),
+                confidence=top.confidence, urgency=Urgency.LOW, rules=list(top.rules),
                 signals={**top.signals, "by": top.detector},
             )
         return Decision(**common, is_anomaly=False, confidence=score)
 
     def _priority(self, v: Verdict) -> tuple[int, int, float]:
-        return (not v.critical, self._rank.get(v.detector, len(self._rank)), -v.confidence)
+        return (not is_critical(v), self._rank.get(v.detector, len(self._rank)), -v.confidence)
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -283,9 +360,12 @@ class Fusion:
             "onset": self._onset, "last_anomaly": self._last_anomaly,
             "late_verdicts": self.late_verdicts, "stale_verdicts": self.stale_verdicts,
             "duplicate_verdicts": self.duplicate_verdicts,
+            "loss_baseline": self._loss_baseline.state_dict(),
+            "grad_norm_baseline": self._grad_baseline.state_dict(),
+            "marks": {name: list(mark) for name, mark in self._marks.items()},
+            "epoch_seen_at": self._epoch_seen_at,
             "pending": [
-                {"step": step, "since": p.since,
-                 "verdicts": [v.model_dump(mode="json") for v in p.verdicts.values()]}
+                {"step": step, "verdicts": [v.model_dump(mode="json") for v in p.verdicts.values()]}
                 for step, p in sorted(self._pending.items())
             ],
         }
@@ -299,11 +379,18 @@ class Fusion:
         self.late_verdicts = int(state["late_verdicts"])
         self.stale_verdicts = int(state["stale_verdicts"])
         self.duplicate_verdicts = int(state["duplicate_verdicts"])
+        if "loss_baseline" in state:  # absent in a snapshot from before evidence existed
+            self._loss_baseline.load_state_dict(state["loss_baseline"])
+            self._grad_baseline.load_state_dict(state["grad_norm_baseline"])
+        # Absent in a snapshot from before watermarks: they rebuild from the next verdicts.
+        self._marks = {name: (int(m[0]), float(m[1])) for name, m in state.get("marks", {}).items()}
+        self._epoch_seen_at = state.get("epoch_seen_at")
         for item in state["pending"]:
-            p = self._pending[int(item["step"])] = _Pending(float(item["since"]))
+            p = self._pending[int(item["step"])] = _Pending()
             for raw in item["verdicts"]:
                 v = Verdict.model_validate(raw)
                 p.verdicts[v.detector] = v
                 p.flagged = p.flagged or v.is_anomaly
+                p.critical = p.critical or (v.is_anomaly and is_critical(v))
             self._heap.append(int(item["step"]))
         heapify(self._heap)

@@ -13,7 +13,6 @@ decision are due at once (the rollback moved the step counter back).
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -22,6 +21,10 @@ from pydantic import SecretStr
 from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
 from spikeguard.schemas import AckStatus, Action, ActionKind
+from spikeguard.schemas.actions import (
+    AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
+    SetEpsParams, SetLrParams, SkipBatchesParams, StopParams,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from spikeguard.producers.guard import Guard
@@ -91,6 +94,7 @@ def apply_action(guard: "Guard", action: Action, step: int) -> Outcome | None:
             if handler is None:
                 return Outcome(action, AckStatus.UNHANDLED, step,
                                f"no handler registered for {action.kind.value}")
+            action.params.check()  # a user handler gets values the schema allows
             result = handler(action, guard) or "handled"
             return Outcome(action, AckStatus.APPLIED, step, late + str(result))
         result = _builtin(guard, action, step)
@@ -107,55 +111,42 @@ def apply_action(guard: "Guard", action: Action, step: int) -> Outcome | None:
     return Outcome(action, AckStatus.APPLIED, step, late + result)
 
 
-def _num(params: dict, name: str, positive: bool = True) -> float:
-    if name not in params:
-        raise ActionFailed(f"missing parameter {name!r}")
-    value = params[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ActionFailed(f"parameter {name!r} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ActionFailed(f"parameter {name!r} must be > 0, got {value!r}")
-    return float(value)
-
-
-def _int(params: dict, name: str, default: int | None = None) -> int:
-    value = params.get(name, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ActionFailed(f"parameter {name!r} must be an integer, got {value!r}")
-    return int(value)
-
-
 def _builtin(guard: "Guard", action: Action, step: int) -> str | None:
+    # The parameters' types were checked when the action was parsed; their values
+    # are checked here, so a bad one is answered with a FAILED ack that names it.
     p, kind = action.params, action.kind
-    if kind is ActionKind.ROLLBACK:
-        result = guard.rollback(_int(p, "target_step"), p.get("checkpoint_id"))  # type: ignore[arg-type]
+    try:
+        p.check()
+    except ValueError as exc:
+        raise ActionFailed(str(exc)) from None
+    if isinstance(p, RollbackParams):
+        result = guard.rollback(p.target_step, p.checkpoint_id)
         if action.decision_id:
             guard.actions.urgent_decisions.add(action.decision_id)
         return result
-    if kind is ActionKind.SKIP_BATCHES:
-        return guard.skip_steps(_int(p, "from_step"), _int(p, "to_step"), _int(p, "extra", 0),
+    if isinstance(p, SkipBatchesParams):
+        return guard.skip_steps(p.from_step, p.to_step, p.extra,
                                 after_rollback=action.decision_id in guard.actions.urgent_decisions)
-    if kind is ActionKind.SCALE_LR:
-        return f"lr scaled by {_num(p, 'factor'):g} -> {guard.lr.scale_by(_num(p, 'factor')):.3g}"
-    if kind is ActionKind.SET_LR:
-        return f"lr set to {guard.lr.set(_num(p, 'lr')):.3g}"
-    if kind is ActionKind.RESTORE_LR:
-        return f"lr restored towards base -> {guard.lr.restore(_num(p, 'factor')):.3g}"
-    if kind is ActionKind.CLIP:
-        if p.get("mode") == "adaptive":
-            return f"adaptive clipping at z={guard.clipper.set_adaptive(_num(p, 'z')):g}"
-        return f"clipping at max_norm={guard.clipper.set_fixed(_num(p, 'max_norm')):g}"
-    if kind is ActionKind.CHECKPOINT:
-        reason = str(p.get("reason", "on_demand"))
-        guard.request_checkpoint(action, "emergency" if reason == "emergency" else "on_demand")
+    if isinstance(p, ScaleLrParams):
+        return f"lr scaled by {p.factor:g} -> {guard.lr.scale_by(p.factor):.3g}"
+    if isinstance(p, SetLrParams):
+        return f"lr set to {guard.lr.set(p.lr):.3g}"
+    if isinstance(p, RestoreLrParams):
+        return f"lr restored towards base -> {guard.lr.restore(p.factor):.3g}"
+    if isinstance(p, ClipParams):
+        if p.mode == "adaptive":
+            return f"adaptive clipping at z={guard.clipper.set_adaptive(p.z):g}"
+        return f"clipping at max_norm={guard.clipper.set_fixed(p.max_norm):g}"
+    if isinstance(p, CheckpointParams):
+        guard.request_checkpoint(action, p.reason)
         return None
-    if kind is ActionKind.STOP:
-        guard.request_stop(str(p.get("reason", action.reason or "stop action")))
+    if isinstance(p, StopParams):
+        guard.request_stop(p.reason or action.reason or "stop action")
         return "stopping"
-    if kind is ActionKind.ALERT:
-        log.warning("spikeguard alert (%s): %s", p.get("severity", "info"), p.get("message", action.reason))
+    if isinstance(p, AlertParams):
+        log.warning("spikeguard alert (%s): %s", p.severity, p.message or action.reason)
         return "alert logged"
-    raise ActionFailed(f"unknown action kind {kind!r}")  # pragma: no cover
+    raise ActionFailed(f"no built-in handling for {kind.value}")  # pragma: no cover
 
 
 def set_optimizer_eps(action: Action, guard: "Guard") -> str:
@@ -163,7 +154,14 @@ def set_optimizer_eps(action: Action, guard: "Guard") -> str:
 
     Register it with ``guard.on(ActionKind.SET_EPS, set_optimizer_eps)``.
     """
-    eps = _num(action.params, "eps")
+    params = action.params
+    if not isinstance(params, SetEpsParams):
+        raise ActionFailed(f"set_optimizer_eps handles set_eps actions, not {action.kind.value}")
+    try:
+        params.check()
+    except ValueError as exc:
+        raise ActionFailed(str(exc)) from None
+    eps = params.eps
     groups = [g for g in guard.optimizer.param_groups if "eps" in g]
     if not groups:
         raise ActionFailed("the optimizer has no eps")

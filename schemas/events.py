@@ -11,9 +11,13 @@ from __future__ import annotations
 import math
 import time
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator,
+)
+
+from spikeguard.schemas.actions import ActionKind, AnyParams, document_params, tag_params
 
 SCHEMA_VERSION = 1
 
@@ -81,20 +85,6 @@ class Urgency(str, Enum):
     MEDIUM = "medium"
     HIGH = "high"
     CRITICAL = "critical"
-
-
-class ActionKind(str, Enum):
-    ROLLBACK = "rollback"  # params: target_step, checkpoint_id
-    SKIP_BATCHES = "skip_batches"  # params: start, end (global batch indices, end exclusive)
-    SET_LR = "set_lr"  # params: lr
-    SCALE_LR = "scale_lr"  # params: factor
-    RESTORE_LR = "restore_lr"  # params: factor (towards the base LR)
-    CLIP = "clip"  # params: max_norm, or mode="adaptive", z
-    CHECKPOINT = "checkpoint"  # params: healthy
-    STOP = "stop"  # params: reason
-    REDUCE_BATCH_SIZE = "reduce_batch_size"  # params: factor; user handler
-    SET_EPS = "set_eps"  # params: eps; user handler
-    ALERT = "alert"  # params: severity; informational
 
 
 class AckStatus(str, Enum):
@@ -172,14 +162,43 @@ class Verdict(_Event):
     rules: list[str] = Field(default_factory=list, description="names of what fired")
     message: str = ""
     signals: dict[str, Scalar] = Field(default_factory=dict)
+    # The judged step's own values, so fusion can show what a decision rests on.
+    loss: float | None = Field(None, description="the step's loss, as the trainer published it")
+    grad_norm: float | None = Field(None, description="the step's gradient norm, if published")
     # Predictor fields: the early warning.
     instability_probability: float | None = Field(None, ge=0.0, le=1.0)
     horizon_steps: int | None = Field(None, ge=1)
     health: HealthLevel | None = None
 
 
+class Evidence(BaseModel):
+    """What a decision rests on: the step's own values next to what is normal for the run.
+
+    Fusion fills it from the verdicts (the values) and its own record of the
+    run's healthy steps (the baselines); the policy copies it into every action
+    it derives, so a trainer can check an action against what it published.
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings", extra="ignore")
+
+    step: Step
+    epoch: Epoch = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_baseline: float | None = Field(
+        None, description="median loss of the run's recent healthy steps (None: too few yet)"
+    )
+    grad_norm_baseline: float | None = Field(
+        None, description="median gradient norm of the run's recent healthy steps"
+    )
+
+
 class Decision(_Event):
-    """Fusion's one decision for one (run_id, step)."""
+    """Fusion's one decision for one (run_id, step): the pipeline's verdict on it.
+
+    Fusion owns everything here, criticality and incident grouping included;
+    what to do about it is the recovery policy's business alone.
+    """
 
     decision_id: str
     run_id: RunId
@@ -188,31 +207,63 @@ class Decision(_Event):
     is_anomaly: bool
     type: AnomalyType = AnomalyType.NONE
     confidence: float = Field(0.0, ge=0.0, le=1.0)
-    urgency: Urgency = Urgency.NONE
-    recommendation: str = ""
+    critical: bool = Field(
+        False, description="a critical anomaly (non-finite values, extreme loss, a detector "
+        "sure on its own): decided at once, answered at once"
+    )
+    urgency: Urgency = Field(Urgency.NONE, description="for people and dashboards")
     preventive: bool = Field(False, description="an early warning, not an anomaly")
     incident_id: str | None = None
     incident_onset_step: int | None = Field(None, ge=0)
     detectors: dict[str, float] = Field(
         default_factory=dict, description="confidence of each detector that spoke"
     )
+    flagged_by: dict[str, AnomalyType] = Field(
+        default_factory=dict, description="what each detector that flagged the step said it was"
+    )
     missing: list[str] = Field(default_factory=list, description="detectors that did not speak")
     rules: list[str] = Field(default_factory=list)
     signals: dict[str, Scalar] = Field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 class Action(_Event):
-    """A command for the trainers of one run, applied at ``apply_at_step``."""
+    """A command for the trainers of one run, applied at ``apply_at_step``.
+
+    ``params`` is the typed parameter model of ``kind`` (:mod:`.actions`); a
+    plain dict is accepted and parsed into it.
+    """
 
     action_id: str
     run_id: RunId
     kind: ActionKind
     apply_at_step: Step = Field(description="every rank applies it at this step")
-    params: dict[str, Scalar] = Field(default_factory=dict)
+    params: AnyParams
     decision_id: str | None = None
     incident_id: str | None = None
+    evidence: Evidence | None = Field(
+        None, description="what the decision rested on, for the trainer to check"
+    )
     reason: str = ""
     signature: str | None = Field(None, description="hex HMAC-SHA256, see schemas.signing")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tag(cls, data: object) -> object:
+        return tag_params(data)
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The schema of the wire format: ``params`` chosen by ``kind``, the tag not repeated."""
+        schema = super().model_json_schema(*args, **kwargs)
+        document_params(schema)
+        return schema
+
+    @model_validator(mode="after")
+    def _params_match_kind(self) -> "Action":
+        if self.params.kind is not self.kind:
+            raise ValueError(f"params of {self.params.kind.value} given to a {self.kind.value} action")
+        return self
 
 
 class Ack(_Event):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -100,6 +100,12 @@ class Metrics:
             "spikeguard_run_instability_probability",
             "The predictor's latest probability of instability within its horizon.",
             ["run_id"],
+            registry=r,
+        )
+        self.ignored = Counter(
+            "spikeguard_ignored_records_total",
+            "Records a stage ignored on purpose (late, stale, duplicate, abandoned), by reason.",
+            ["component", "reason"],
             registry=r,
         )
         self.trainer_dropped = Counter(
@@ -302,6 +308,12 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         metrics.run_labels(metrics.run_actions, run_id, kind).inc(count)
     if runs:
         metrics.touch_runs(runs, now)
+
+
+def observe_ignored(metrics: Metrics, stage: Any) -> None:
+    """What the stage ignored on purpose since the last call (its ``drain_ignored()``)."""
+    for reason, count in stage.drain_ignored().items():
+        metrics.ignored.labels(stage.name, reason).inc(count)
 
 
 def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:

@@ -44,6 +44,10 @@ class Stage(ABC):
         """End of input (a backtest): emit everything still pending."""
         return []
 
+    def drain_ignored(self) -> dict[str, int]:
+        """Records ignored on purpose (late, duplicate, ...) since the last call, by reason."""
+        return {}
+
     @abstractmethod
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
         """The state of these runs, JSON-serialisable."""

@@ -21,7 +21,9 @@ from pydantic import BaseModel
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
-from spikeguard.metrics import Metrics, default_metrics, observe_inputs, observe_outputs
+from spikeguard.metrics import (
+    Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
+)
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import StateStore
 from spikeguard.schemas import Ack, StepEvent, encode
@@ -103,6 +105,7 @@ class Worker:
         outputs += self.stage.tick(time.time())
         self._publish(outputs)
         if records:
+            observe_ignored(self.metrics, self.stage)
             self._producer.flush()
             self.metrics.batch_seconds.labels(self.stage.name).observe(
                 time.perf_counter() - started

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.actuators.policy import ForeignRunError
 from spikeguard.errors import ConfigError
+from spikeguard.processors.decision_table import CRITICAL_TYPES
 from spikeguard.schemas import (
     Ack,
     AckStatus,
@@ -40,6 +41,7 @@ def dec(step: int, kind: T | None = None, *, onset: int | None = None, preventiv
     onset = step if onset is None else onset
     return Decision(
         decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True, type=kind, confidence=0.9,
+        critical=kind in CRITICAL_TYPES,  # as fusion marks them
         incident_id=incident_id(R, onset) if with_incident else None,
         incident_onset_step=onset if with_incident else None,
     )
@@ -172,8 +174,8 @@ def test_no_eligible_checkpoint_falls_back(ckpts: tuple, unhealthy: tuple) -> No
         policy.on_checkpoint(ckpt(step, healthy=False))
     actions = policy.on_decision(dec(500, T.NON_FINITE))
     assert kinds(actions) == [K.SCALE_LR, K.SKIP_BATCHES, K.CLIP, K.ALERT]
-    assert actions[0].params == {"factor": 0.5}
-    assert actions[1].params == {"from_step": 500, "to_step": 500, "extra": 200}
+    assert dict(actions[0].params) == {"factor": 0.5}
+    assert dict(actions[1].params) == {"from_step": 500, "to_step": 500, "extra": 200}
     assert "ahead" in actions[1].reason and "no healthy checkpoint" in actions[1].reason
     assert "no healthy checkpoint" in actions[3].params["message"]
     assert not any(a.kind is K.ROLLBACK for a in actions)
@@ -362,9 +364,9 @@ def test_rerun_after_rollback_is_observed_anew() -> None:
     assert policy.on_ack(ack(rollback, step=503, rank=1)) == []  # another rank: one epoch, not two
     assert policy.epoch == 1
     assert policy.on_decision(dec(503, T.NON_FINITE, onset=500)) == []  # abandoned timeline, late
-    ticks = policy.tick
+    ticks = policy.observed_steps
     assert healthy(policy, 401, 450) == []
-    assert policy.tick == ticks + 49  # the re-run's steps count as new observations
+    assert policy.observed_steps == ticks + 49  # the re-run's steps count as new observations
     # The same spike in the re-run: same decisions, same kinds and params, different ids.
     policy.on_decision(dec(450, T.LOSS_SPIKE))
     watch1 = healthy(policy, 451, 454)
@@ -373,7 +375,7 @@ def test_rerun_after_rollback_is_observed_anew() -> None:
     assert watch1[0].action_id == action_id(f"{decision_id(R, 453)}@1", "checkpoint", 0)
     # Past the old incident step and beyond the abandoned steps, handled normally.
     assert healthy(policy, 454, 520) == []
-    assert policy.tick == ticks + 49 + 1 + 3 + 66
+    assert policy.observed_steps == ticks + 49 + 1 + 3 + 66
 
 
 def test_only_an_applied_ack_opens_the_next_epoch() -> None:
@@ -438,7 +440,7 @@ def test_unacknowledged_rollback_times_out_with_an_alert() -> None:
     out = policy.on_decision(dec(521))
     assert kinds(out) == [K.ALERT] and "not acknowledged" in out[0].params["message"]
     assert healthy(policy, 522, 530) == []
-    assert policy.tick > 0 and policy.high_water == 529
+    assert policy.observed_steps > 0 and policy.high_water == 529
 
 
 # --- determinism, state, bounded memory ---------------------------------------------------------------------------------
@@ -509,15 +511,36 @@ def test_state_is_bounded() -> None:
     assert len(json.dumps(policy.state_dict())) < 100_000
 
 
-def test_decisions_without_incident_ids_are_grouped() -> None:
-    policy = make(incident_gap_steps=20)
+def test_decisions_of_one_fusion_incident_share_its_recovery() -> None:
+    """Fusion groups steps into incidents (once, with its incident_gap_steps); the policy follows."""
+    policy = make()
     healthy(policy, 401, 500)
-    first = policy.on_decision(dec(500, T.GRADIENT_EXPLOSION, with_incident=False))
+    first = policy.on_decision(dec(500, T.GRADIENT_EXPLOSION, onset=500))
     assert kinds(first) == [K.SCALE_LR, K.CLIP]
-    assert policy.on_decision(dec(505, T.GRADIENT_EXPLOSION, with_incident=False)) == []  # same incident
-    rolled = policy.on_decision(dec(510, T.LOSS_SPIKE, with_incident=False))  # loss follows: same incident
+    assert policy.on_decision(dec(505, T.GRADIENT_EXPLOSION, onset=500)) == []  # same incident
+    rolled = policy.on_decision(dec(510, T.LOSS_SPIKE, onset=500))  # loss follows: same incident
     assert kinds(rolled)[0] is K.ROLLBACK
-    assert rolled[0].params["target_step"] == 400  # onset 500 of the self-made incident
+    assert rolled[0].params["target_step"] == 400  # onset 500 of fusion's incident
+
+
+def test_the_policy_answers_fusion_s_critical_flag() -> None:
+    """Fusion decides criticality; the policy answers a critical decision at once, whatever its type."""
+    policy = make()
+    healthy(policy, 401, 500)
+    assert policy.on_decision(dec(500, T.LOSS_SPIKE)) == []  # not critical: judged after the patience
+    other = make()
+    healthy(other, 401, 500)
+    critical = dec(500, T.LOSS_SPIKE).model_copy(update={"critical": True})
+    assert kinds(other.on_decision(critical)) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+
+
+def test_a_decision_without_an_incident_is_an_incident_of_its_own() -> None:
+    policy = make()
+    healthy(policy, 401, 500)
+    assert kinds(policy.on_decision(dec(500, T.GRADIENT_EXPLOSION, with_incident=False))) == [K.SCALE_LR, K.CLIP]
+    # no regrouping in the policy: 505 is a new incident, so its explosion is answered again
+    assert kinds(policy.on_decision(dec(505, T.GRADIENT_EXPLOSION, with_incident=False))) == [K.SCALE_LR, K.CLIP]
+    assert not hasattr(policy.config, "incident_gap_steps")
 
 
 # --- config -------------------------------------------------------------------------------------------------------------
@@ -535,7 +558,7 @@ def test_bad_config_names_the_field(bad: dict, field: str) -> None:
 
 def test_default_strategy_of_every_type() -> None:
     cfg = PolicyConfig()
-    assert {t: cfg.strategy_of(t) for t in T} == {
+    assert {t: cfg.strategy_of(t, critical=t in CRITICAL_TYPES) for t in T} == {
         T.NONE: "notice", T.NON_FINITE: "critical", T.EXTREME_LOSS: "critical",
         T.GRADIENT_EXPLOSION: "explosion", T.LOSS_SPIKE: "spike", T.DIVERGENCE: "slow",
         T.OSCILLATION: "slow", T.LR_OUT_OF_BOUNDS: "notice", T.LOSS_SCALE_COLLAPSE: "explosion",
@@ -549,7 +572,7 @@ def test_optional_knobs_stay_bounded() -> None:
                   max_rollbacks_in_window=10, rollback_min_steps_before_onset=10)
     out = policy.on_decision(dec(500, T.NON_FINITE))
     assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP, K.REDUCE_BATCH_SIZE, K.SET_EPS]
-    assert out[4].params == {"factor": 0.5} and out[5].params["eps"] == pytest.approx(1e-7)
+    assert dict(out[4].params) == {"factor": 0.5} and out[5].params["eps"] == pytest.approx(1e-7)
     policy.on_ack(ack(out[0]))
     healthy(policy, 401, 450)
     again = policy.on_decision(dec(450, T.NON_FINITE))

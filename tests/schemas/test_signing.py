@@ -7,6 +7,7 @@ from pydantic import SecretStr
 
 from spikeguard.schemas.signing import canonical_payload, sign_action, verify_action
 from spikeguard.schemas import Action, ActionKind, decode, encode
+from spikeguard.schemas.actions import RollbackParams
 
 KEY = "test-key-0123456789"
 
@@ -38,7 +39,7 @@ def test_deterministic_and_independent_of_key_type() -> None:
 
 
 @pytest.mark.parametrize("change", [
-    {"params": {"target_step": 300, "checkpoint_id": "ck-400"}},
+    {"params": RollbackParams(target_step=300, checkpoint_id="ck-400")},
     {"apply_at_step": 502},
     {"kind": ActionKind.STOP},
     {"action_id": "a-2"},
