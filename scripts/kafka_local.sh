@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # A local single-node Apache Kafka 4.x broker (KRaft, no Docker) for the tests.
 #
-#   scripts/kafka_local.sh start    # fetch the jars once, format fresh storage, start, wait until ready
-#   scripts/kafka_local.sh status   # exit 0 when a broker answers on the port
-#   scripts/kafka_local.sh stop     # SIGTERM, then SIGKILL after a timeout; no-op when not running
+#   scripts/kafka_local.sh start [--fresh]  # fetch the jars once, start, wait until ready
+#   scripts/kafka_local.sh status           # exit 0 when a broker answers on the port
+#   scripts/kafka_local.sh stop             # SIGTERM, then SIGKILL after a timeout; no-op when not running
 #
 # The broker jars come from Maven Central through scripts/kafka/pom.xml into
 # a cache outside the clone ($SPIKEGUARD_CACHE/kafka/lib, ~/.m2 keeps the
-# downloads); each start wipes the data directory so a test run begins empty.
+# downloads). A restart keeps the data directory (topics, offsets, worker
+# snapshots), as a real broker's restart does; only `start --fresh` wipes it
+# first, which scripts/test.sh uses so that a test run begins empty.
 #
 # Environment:
 #   SPIKEGUARD_KAFKA_PORT             client port (default 9092)
@@ -115,7 +117,7 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 group.min.session.timeout.ms=1000
 
-# Small segments and little housekeeping; the data dir is wiped on each start.
+# Small segments and little housekeeping (test data; start --fresh wipes it).
 log.segment.bytes=16777216
 log.retention.hours=24
 log.retention.check.interval.ms=60000
@@ -126,8 +128,16 @@ EOF
 }
 
 start() {
+  local fresh=0 arg
+  for arg in "$@"; do
+    case "$arg" in
+      --fresh) fresh=1 ;;
+      *) echo "usage: $0 start [--fresh]  (unknown option $arg)" >&2; exit 2 ;;
+    esac
+  done
   local pid
   if pid="$(our_pid)"; then
+    [ "$fresh" = 0 ] || die "--fresh asked, but the broker (pid $pid) is running: stop it first"
     probe "$start_timeout" || die "broker pid $pid runs but does not answer on $host:$port (see $logs/server.log)"
     say "already running (pid $pid) at $host:$port"
     return 0
@@ -143,17 +153,25 @@ start() {
 
   fetch_jars
   local t0=$SECONDS
-  rm -rf "$run"
+  if [ "$fresh" = 1 ]; then
+    rm -rf "$run"
+  fi
   mkdir -p "$run/data" "$logs"
   write_config
   local opts cluster_id
   mapfile -t opts < <(java_opts)
-  cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>&1)" \
-    || die "StorageTool random-uuid failed: $cluster_id"
-  cluster_id="$(tail -n 1 <<<"$cluster_id")"
-  java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
-    -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
-    || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
+  # Formatting is what makes storage empty: only a data dir never formatted
+  # (first start, or after --fresh) gets it; a restart keeps its cluster.
+  if [ ! -s "$run/data/meta.properties" ]; then
+    cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>&1)" \
+      || die "StorageTool random-uuid failed: $cluster_id"
+    cluster_id="$(tail -n 1 <<<"$cluster_id")"
+    java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
+      -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
+      || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
+  else
+    say "keeping the data in $run/data (use 'start --fresh' to begin empty)"
+  fi
   # The broker gets its own session (a Ctrl-C or the end of the calling job
   # does not reach it) and writes its own pid: setsid may fork, so $! is not it.
   setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "$pidfile" \
@@ -231,8 +249,8 @@ status() {
 }
 
 case "${1:-}" in
-  start) start ;;
+  start) shift; start "$@" ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start [--fresh]|stop|status" >&2; exit 2 ;;
 esac
