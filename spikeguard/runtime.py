@@ -19,6 +19,7 @@ from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings, load_settings
+from spikeguard.trust import ensure_signing_key
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,13 @@ def start_workers(
 
 
 def open_runtime(settings: Settings | None = None, metrics: Metrics | None = None) -> Runtime:
-    settings = settings or load_settings()
+    """The bus (and, embedded, the pipeline threads) for a trainer's guard.
+
+    Raises :class:`~spikeguard.trust.MissingSigningKey` on Kafka without a
+    signing key or an explicit ``insecure``; embedded, a random key is made
+    for this process and shared with its actuator through ``runtime.settings``.
+    """
+    settings = ensure_signing_key(settings or load_settings(), "the trainer's guard")
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.all())

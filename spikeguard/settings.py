@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.errors import ConfigError
@@ -53,7 +53,14 @@ class Settings(BaseModel):
         None, description="embedded bus: record every topic here so the run can be replayed"
     )
     signing_key: SecretStr | None = Field(
-        None, description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones"
+        None,
+        description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones; "
+        "required on Kafka (see insecure); embedded mode makes a random one per process",
+    )
+    insecure: bool = Field(
+        False,
+        description="on Kafka, let the guard and the actuator run without a signing key "
+        "(anyone who can write the actions topic then steers the run); logged as a WARNING",
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers)"
@@ -69,6 +76,16 @@ class Settings(BaseModel):
     fusion: FusionConfig = Field(default_factory=FusionConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @field_validator("signing_key", "sasl_password", mode="before")
+    @classmethod
+    def _empty_secret_is_none(cls, value: Any) -> Any:
+        # `KEY=${KEY:-}` in a compose file or shell gives "": that is no key, not a key.
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, SecretStr) and not value.get_secret_value().strip():
+            return None
+        return value
 
     @property
     def engine(self) -> str:
