@@ -39,6 +39,9 @@ def make_bus(settings: Settings) -> Bus:
             ssl_certfile=settings.ssl_certfile,
             ssl_keyfile=settings.ssl_keyfile,
             partitions=settings.partitions,
+            instance_id=settings.instance_id,
+            session_timeout_ms=int(settings.session_timeout_s * 1000),
+            heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )
     return EmbeddedBus(partitions=settings.partitions, data_dir=settings.data_dir)
 

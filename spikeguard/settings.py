@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.errors import ConfigError
@@ -47,6 +47,24 @@ class Settings(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     client_id: str = Field("spikeguard", min_length=1)
+    instance_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,200}$",
+        description="Kafka static membership (group.instance.id): a name stable across restarts "
+        "and unique among the running copies of a component (e.g. the pod or service name). "
+        "A worker restarted under the same name takes its partitions back at once instead of "
+        "after the dead member's session expires; unset = dynamic members",
+    )
+    session_timeout_s: float = Field(
+        10.0,
+        ge=1.0,
+        le=1800.0,
+        description="Kafka consumer session: a member silent this long loses its partitions "
+        "(the longest a crashed worker that does not come back leaves its stage blind)",
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
+    )
     topic_prefix: str = Field("spikeguard.", description="replays run under another prefix")
     partitions: int = Field(4, ge=1, le=1024, description="partitions of new topics")
     data_dir: str | None = Field(
@@ -86,6 +104,15 @@ class Settings(BaseModel):
         if isinstance(value, SecretStr) and not value.get_secret_value().strip():
             return None
         return value
+
+    @model_validator(mode="after")
+    def _heartbeats_fit_the_session(self) -> "Settings":
+        if self.heartbeat_interval_s * 3 > self.session_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g}) must be at most a third of "
+                f"session_timeout_s ({self.session_timeout_s:g}), or one late heartbeat ends the session"
+            )
+        return self
 
     @property
     def engine(self) -> str:

@@ -34,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on Kafka, run the actuator without SPIKEGUARD_SIGNING_KEY (unsigned actions; "
         "anyone who can write the actions topic steers the runs). Also SPIKEGUARD_INSECURE=1",
     )
+    parser.add_argument(
+        "--instance-id", metavar="NAME",
+        help="Kafka static membership: a name stable across restarts of this worker and unique "
+        "among its running copies (e.g. the pod name); a restart then takes its partitions back "
+        "at once. Also SPIKEGUARD_INSTANCE_ID",
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -47,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     from spikeguard.trust import ensure_signing_key
 
-    settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure)
+    settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
+                             instance_id=args.instance_id)
     names = COMPONENTS if args.name == "all" else (args.name,)
     if "actuator" in names:  # the one component that signs what trainers obey
         # Without a key (and no --insecure) this raises: main() prints the one-line reason, exit 2.
