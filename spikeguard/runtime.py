@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from spikeguard.bus import Bus, EmbeddedBus
+from spikeguard.errors import BusError
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
@@ -48,11 +49,15 @@ def make_bus(settings: Settings) -> Bus:
 
 @dataclass
 class Runtime:
-    bus: Bus
+    """What a guard connects to. ``bus`` is None when the broker could not be reached
+    (``problem`` says why): the guard then trains with its local protections only."""
+
+    bus: Bus | None
     topics: Topics
     settings: Settings
     workers: list[Worker] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
+    problem: str | None = None
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""
@@ -60,7 +65,8 @@ class Runtime:
             worker.stop()
         for thread in self.threads:
             thread.join(timeout=10)
-        self.bus.close()
+        if self.bus is not None:
+            self.bus.close()
 
     def __enter__(self) -> "Runtime":
         return self
@@ -99,8 +105,46 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     settings = ensure_signing_key(settings or load_settings(), "the trainer's guard")
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
-    bus.create_topics(topics.all())
-    runtime = Runtime(bus, topics, settings)
     if settings.engine == "embedded":
+        bus.create_topics(topics.all())
+        runtime = Runtime(bus, topics, settings)
         start_workers(runtime, metrics=metrics)
-    return runtime
+        return runtime
+    # Training must not wait on the network: a broker that does not answer
+    # within connect_timeout_s leaves the trainer with its local protections.
+    try:
+        bus.probe(settings.connect_timeout_s)  # type: ignore[attr-defined]
+        bus.create_topics(topics.all())
+    except BusError as exc:
+        log.warning("spikeguard: Kafka at %s is unreachable, training goes on with the local "
+                    "protections only (non-finite skip), no pipeline: %s",
+                    settings.bootstrap_servers, exc)
+        bus.close()
+        return Runtime(None, topics, settings, problem=str(exc))
+    _say_if_no_pipeline(bus, topics, settings)
+    return Runtime(bus, topics, settings)
+
+
+def _say_if_no_pipeline(bus: Bus, topics: Topics, settings: Settings) -> None:
+    """One WARNING line when some component has no live worker (its consumer group is empty).
+
+    Steps then go out but nothing (or not everything) judges them: the
+    trainer keeps only what is local until the workers start.
+    """
+    groups = {f"{topics.prefix}{name}": name for name in COMPONENTS}
+    try:
+        live = bus.active_groups(groups, settings.connect_timeout_s)  # type: ignore[attr-defined]
+    except BusError as exc:
+        log.warning("spikeguard: could not check for pipeline workers on %s: %s",
+                    settings.bootstrap_servers, exc)
+        return
+    missing = [name for group, name in groups.items() if group not in live]
+    if len(missing) == len(groups):
+        log.warning("spikeguard: no pipeline workers are running on %s for topic prefix %r "
+                    "(no live consumer group for %s): training goes on with the local protections "
+                    "only (non-finite skip) until `spikeguard worker` runs",
+                    settings.bootstrap_servers, topics.prefix, ", ".join(missing))
+    elif missing:
+        log.warning("spikeguard: the pipeline on %s (topic prefix %r) is incomplete, no worker "
+                    "runs for %s: those steps are not judged or acted on until one does",
+                    settings.bootstrap_servers, topics.prefix, ", ".join(missing))

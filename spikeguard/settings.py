@@ -62,6 +62,13 @@ class Settings(BaseModel):
         description="Kafka consumer session: a member silent this long loses its partitions "
         "(the longest a crashed worker that does not come back leaves its stage blind)",
     )
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        le=300.0,
+        description="how long a trainer's guard waits for the Kafka broker at start before it "
+        "trains on with its local protections only (and says so)",
+    )
     heartbeat_interval_s: float = Field(
         2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
     )

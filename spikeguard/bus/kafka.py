@@ -271,6 +271,40 @@ class KafkaBus(Bus):
         }
         return self._connect("consumer", _KafkaConsumer, config, list(topics), on_assign, on_revoke)
 
+    def probe(self, timeout: float = 5.0) -> None:
+        """Raise :class:`BusError` unless a broker answers a metadata request within ``timeout`` s.
+
+        kafka-python's own clients wait 30 s or more for a first broker; a
+        trainer asks this first so that a wrong address costs it seconds.
+        """
+        ms = max(100, int(timeout * 1000))
+        try:
+            admin = KafkaAdminClient(**self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms)
+        except Exception as exc:  # noqa: BLE001 - DNS, refused, TLS, SASL: all mean "unreachable"
+            raise BusError(f"no Kafka broker answers at {self.bootstrap_servers!r} within "
+                           f"{timeout:g}s: {exc!r}") from exc
+        try:
+            if not admin.describe_cluster().get("brokers"):
+                raise BusError(f"the cluster at {self.bootstrap_servers!r} reports no broker")
+        except KafkaError as exc:
+            raise BusError(f"the cluster at {self.bootstrap_servers!r} does not answer: {exc!r}") from exc
+        finally:
+            admin.close()
+
+    def active_groups(self, groups: Iterable[str], timeout: float = 5.0) -> set[str]:
+        """Those of ``groups`` that have at least one live member right now."""
+        ms = max(100, int(timeout * 1000))
+        names = list(groups)
+        admin = self._connect("admin client", lambda: KafkaAdminClient(
+            **self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms))
+        try:
+            described = admin.describe_groups(names)
+        except KafkaError as exc:
+            raise BusError(f"could not describe consumer groups {names}: {exc!r}") from exc
+        finally:
+            admin.close()
+        return {name for name, info in described.items() if info.get("members")}
+
     def _static_member(self, group: str) -> str:
         """This bus's n-th consumer of ``group`` is ``instance_id`` (n = 1) or ``instance_id-n``.
 

@@ -136,6 +136,10 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
         from spikeguard.settings import load_settings
 
         runtime = open_runtime(load_settings(DEMO_SETTINGS))
+    if runtime.bus is None:  # a demo of the pipeline without one would show nothing
+        from spikeguard.errors import BusError
+
+        raise BusError(f"the demo needs its pipeline: {runtime.problem}")
     workdir = tempfile.mkdtemp(prefix="spikeguard-demo-")
     run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
     cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
