@@ -17,6 +17,7 @@ from spikeguard.bus import Bus, EmbeddedBus
 from spikeguard.errors import BusError
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
+from spikeguard.pipeline_watch import PipelineWatch
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings, load_settings
@@ -58,9 +59,12 @@ class Runtime:
     workers: list[Worker] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     problem: str | None = None
+    watch: PipelineWatch | None = None
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""
+        if self.watch is not None:
+            self.watch.stop()
         for worker in self.workers:
             worker.stop()
         for thread in self.threads:
@@ -121,30 +125,8 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
                     settings.bootstrap_servers, exc)
         bus.close()
         return Runtime(None, topics, settings, problem=str(exc))
-    _say_if_no_pipeline(bus, topics, settings)
-    return Runtime(bus, topics, settings)
-
-
-def _say_if_no_pipeline(bus: Bus, topics: Topics, settings: Settings) -> None:
-    """One WARNING line when some component has no live worker (its consumer group is empty).
-
-    Steps then go out but nothing (or not everything) judges them: the
-    trainer keeps only what is local until the workers start.
-    """
-    groups = {f"{topics.prefix}{name}": name for name in COMPONENTS}
-    try:
-        live = bus.active_groups(groups, settings.connect_timeout_s)  # type: ignore[attr-defined]
-    except BusError as exc:
-        log.warning("spikeguard: could not check for pipeline workers on %s: %s",
-                    settings.bootstrap_servers, exc)
-        return
-    missing = [name for group, name in groups.items() if group not in live]
-    if len(missing) == len(groups):
-        log.warning("spikeguard: no pipeline workers are running on %s for topic prefix %r "
-                    "(no live consumer group for %s): training goes on with the local protections "
-                    "only (non-finite skip) until `spikeguard worker` runs",
-                    settings.bootstrap_servers, topics.prefix, ", ".join(missing))
-    elif missing:
-        log.warning("spikeguard: the pipeline on %s (topic prefix %r) is incomplete, no worker "
-                    "runs for %s: those steps are not judged or acted on until one does",
-                    settings.bootstrap_servers, topics.prefix, ", ".join(missing))
+    watch = PipelineWatch(bus, topics, str(settings.bootstrap_servers),
+                          timeout_s=settings.connect_timeout_s, interval_s=settings.pipeline_check_s)
+    watch.check()  # one line at start when workers are missing
+    watch.start()
+    return Runtime(bus, topics, settings, watch=watch)

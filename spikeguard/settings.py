@@ -69,6 +69,12 @@ class Settings(BaseModel):
         description="how long a trainer's guard waits for the Kafka broker at start before it "
         "trains on with its local protections only (and says so)",
     )
+    pipeline_check_s: float = Field(
+        15.0,
+        ge=0.0,
+        description="how often a trainer on Kafka checks that every component has a live worker "
+        "(and says so when that changes); 0 = only at start",
+    )
     heartbeat_interval_s: float = Field(
         2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
     )

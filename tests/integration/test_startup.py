@@ -49,6 +49,19 @@ def train(guard: Guard, model, optimizer, steps: int, nan_at: int | None = None)
         guard.step(loss)
 
 
+def ours(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("spikeguard")]
+
+
+def joined(consumer):
+    """Poll until the group gave this member its partitions (it is a live member then)."""
+    deadline = time.monotonic() + 60
+    while not consumer.assignment():
+        assert time.monotonic() < deadline, "the consumer never joined its group"
+        consumer.poll(timeout=0.2)
+    return consumer
+
+
 def tiny():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -126,10 +139,7 @@ def test_a_running_pipeline_is_not_reported_missing(kafka_bootstrap, monkeypatch
     members = {name: bus.consumer(f"{prefix}{name}", [topics.steps]) for name in COMPONENTS}
     try:
         for consumer in members.values():
-            consumer.poll(timeout=0.5)
-        deadline = time.monotonic() + 30
-        while not all(m.assignment() is not None for m in members.values()):
-            assert time.monotonic() < deadline
+            joined(consumer)
         guard_env(monkeypatch, kafka_bootstrap, prefix)
         model, optimizer = tiny()
         with caplog.at_level(logging.WARNING):
@@ -143,6 +153,39 @@ def test_a_running_pipeline_is_not_reported_missing(kafka_bootstrap, monkeypatch
                   config=GuardConfig(checkpoint_dir=str(tmp_path / "b"), resume=False)).close()
         said = [r.getMessage() for r in caplog.records if "pipeline" in r.getMessage()]
         assert len(said) == 1 and "actuator" in said[0] and "statistical" not in said[0], said
+    finally:
+        for consumer in members.values():
+            consumer.close()
+        bus.close()
+
+
+@pytest.mark.kafka
+def test_workers_that_stop_mid_run_are_said_and_so_is_their_return(kafka_bootstrap, caplog):
+    """The watch re-checks the components' groups: a worker gone, and back, is one line each."""
+    from spikeguard.bus.kafka import KafkaBus
+    from spikeguard.pipeline_watch import PipelineWatch
+    from spikeguard.schemas import Topics
+
+    prefix = f"watch-{uuid.uuid4().hex[:8]}."
+    topics = Topics(prefix)
+    bus = KafkaBus(kafka_bootstrap, session_timeout_ms=6000, heartbeat_interval_ms=1000)
+    bus.create_topics(topics.all())
+    members = {name: bus.consumer(f"{prefix}{name}", [topics.steps]) for name in COMPONENTS}
+    watch = PipelineWatch(bus, topics, kafka_bootstrap, interval_s=0)  # checked by hand below
+    try:
+        for consumer in members.values():
+            joined(consumer)
+        with caplog.at_level(logging.WARNING, logger="spikeguard.pipeline_watch"):
+            assert watch.check() == []
+            assert not ours(caplog)  # a complete pipeline at start is not news
+            members.pop("fusion").close()  # leaves its group
+            assert watch.check() == ["fusion"]
+            assert watch.check() == ["fusion"]  # no change, no second line
+            members["fusion"] = joined(bus.consumer(f"{prefix}fusion", [topics.steps]))
+            assert watch.check() == []
+        said = ours(caplog)
+        assert len(said) == 2, said
+        assert "no worker runs for fusion" in said[0] and "runs again" in said[1]
     finally:
         for consumer in members.values():
             consumer.close()
