@@ -62,6 +62,9 @@ class Settings(BaseModel):
         description="Kafka consumer session: a member silent this long loses its partitions "
         "(the longest a crashed worker that does not come back leaves its stage blind)",
     )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
+    )
     connect_timeout_s: float = Field(
         5.0,
         gt=0.0,
@@ -74,9 +77,6 @@ class Settings(BaseModel):
         ge=0.0,
         description="how often a trainer on Kafka checks that every component has a live worker "
         "(and says so when that changes); 0 = only at start",
-    )
-    heartbeat_interval_s: float = Field(
-        2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
     )
     topic_prefix: str = Field("spikeguard.", description="replays run under another prefix")
     partitions: int = Field(4, ge=1, le=1024, description="partitions of new topics")
