@@ -66,6 +66,8 @@ class ActionQueue:
         """Queue ``action``, or the outcome to ack right away (refused or duplicate)."""
         if self.signing_key is not None and not verify_action(action, self.signing_key):
             why = "unsigned" if not action.signature else "bad signature"
+            log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
+                        action.action_id, action.run_id, why)
             return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
         if action.action_id in self.ledger:
             return Outcome(action, AckStatus.DUPLICATE, step, "already applied")

@@ -8,6 +8,7 @@ actions derived from it, so the action lands at the same step on every run.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -15,6 +16,8 @@ from collections import deque
 from spikeguard.bus import Bus
 from spikeguard.errors import SchemaError
 from spikeguard.schemas import Decision, Topics
+
+log = logging.getLogger(__name__)
 
 
 class DecisionWaiter:
@@ -27,24 +30,37 @@ class DecisionWaiter:
         self._seen: dict[tuple[int, int], Decision] = {}
         self._order: deque[tuple[int, int]] = deque()
         self.timeouts = 0
+        self._silent = False  # a wait timed out and no decision came since: do not wait again
 
     def wait(self, epoch: int, step: int) -> Decision | None:
         """The decision of (epoch, step), or None after ``timeout`` seconds."""
-        deadline = time.monotonic() + self.timeout
+        # Once a wait timed out, no pipeline answers: look without waiting until one does,
+        # so that a lockstep run without workers trains on instead of stalling every step.
+        deadline = time.monotonic() + (0.0 if self._silent else self.timeout)
         key = (epoch, step)
         while key not in self._seen:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and self._silent:
+                self._poll(0.0)
+                return self._seen.get(key)
             if remaining <= 0:
                 self.timeouts += 1
+                self._silent = True
+                log.warning("spikeguard lockstep: no decision for step %d within %gs: no pipeline "
+                            "answers; training goes on without waiting until one does", step, self.timeout)
                 return None
-            for record in self._consumer.poll(max_records=500, timeout=min(remaining, 0.5)):
-                try:
-                    decision = record.decoded(Decision)
-                except SchemaError:
-                    continue
-                if decision.run_id == self.run_id:
-                    self._remember((decision.epoch, decision.step), decision)
+            self._poll(min(remaining, 0.5))
         return self._seen[key]
+
+    def _poll(self, timeout: float) -> None:
+        for record in self._consumer.poll(max_records=500, timeout=timeout):
+            try:
+                decision = record.decoded(Decision)
+            except SchemaError:
+                continue
+            if decision.run_id == self.run_id:
+                self._remember((decision.epoch, decision.step), decision)
+                self._silent = False
 
     def follow(self, inbox, epoch: int, step: int, settle: float) -> None:
         """Wait for (epoch, step)'s decision; if anomalous, briefly for the actions it causes."""

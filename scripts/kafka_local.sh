@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # A local single-node Apache Kafka 4.x broker (KRaft, no Docker) for the tests.
 #
-#   scripts/kafka_local.sh start    # fetch the jars once, format fresh storage, start, wait until ready
-#   scripts/kafka_local.sh status   # exit 0 when a broker answers on the port
-#   scripts/kafka_local.sh stop     # SIGTERM, then SIGKILL after a timeout; no-op when not running
+#   scripts/kafka_local.sh start [--fresh] [--sasl-ssl]  # fetch the jars once, start, wait until ready
+#   scripts/kafka_local.sh status           # exit 0 when a broker answers on the port
+#   scripts/kafka_local.sh stop             # SIGTERM, then SIGKILL after a timeout; no-op when not running
 #
 # The broker jars come from Maven Central through scripts/kafka/pom.xml into
 # a cache outside the clone ($SPIKEGUARD_CACHE/kafka/lib, ~/.m2 keeps the
-# downloads); each start wipes the data directory so a test run begins empty.
+# downloads). A restart keeps the data directory (topics, offsets, worker
+# snapshots), as a real broker's restart does; only `start --fresh` wipes it
+# first, which scripts/test.sh uses so that a test run begins empty.
+#
+# --sasl-ssl adds a SASL_SSL listener (SCRAM-SHA-512 over TLS) on
+# $SPIKEGUARD_KAFKA_SASL_PORT, next to the PLAINTEXT one. Its certificates
+# are made with openssl on first use in $SPIKEGUARD_KAFKA_TLS_DIR: a CA
+# (ca.pem, what clients trust) and a broker certificate for 127.0.0.1 and
+# localhost. SCRAM users are created by an admin client over the PLAINTEXT
+# listener (loopback only), e.g. kafka-python's alter_user_scram_credentials.
 #
 # Environment:
 #   SPIKEGUARD_KAFKA_PORT             client port (default 9092)
@@ -15,6 +24,8 @@
 #   SPIKEGUARD_KAFKA_HEAP             JVM heap flags (default "-Xms256m -Xmx512m")
 #   SPIKEGUARD_KAFKA_START_TIMEOUT    seconds to wait for the broker (default 90)
 #   SPIKEGUARD_KAFKA_STOP_TIMEOUT     seconds between SIGTERM and SIGKILL (default 30)
+#   SPIKEGUARD_KAFKA_SASL_PORT        SASL_SSL port with --sasl-ssl (default client port + 2)
+#   SPIKEGUARD_KAFKA_TLS_DIR          certificates for --sasl-ssl (default <run dir>/tls)
 #   SPIKEGUARD_CACHE                  cache root (default ~/.cache/spikeguard)
 set -euo pipefail
 
@@ -29,6 +40,9 @@ heap="${SPIKEGUARD_KAFKA_HEAP:--Xms256m -Xmx512m}"
 start_timeout="${SPIKEGUARD_KAFKA_START_TIMEOUT:-90}"
 stop_timeout="${SPIKEGUARD_KAFKA_STOP_TIMEOUT:-30}"
 run="$cache/kafka/run-$port"
+sport="${SPIKEGUARD_KAFKA_SASL_PORT:-$((port + 2))}"
+tls="${SPIKEGUARD_KAFKA_TLS_DIR:-$run/tls}"
+sasl_ssl=0
 pidfile="$run/kafka.pid"
 logs="$run/logs"
 
@@ -86,17 +100,45 @@ fetch_jars() {
   echo "$want" > "$lib/.pom.sha256"
 }
 
+# A throwaway CA and a broker certificate (SAN 127.0.0.1, localhost) in a
+# PKCS12 keystore whose random password stays in the directory (mode 600).
+make_certs() {
+  [ -s "$tls/broker.p12" ] && [ -s "$tls/ca.pem" ] && [ -s "$tls/keystore.password" ] && return
+  command -v openssl >/dev/null || die "openssl not found (it makes the test certificates)"
+  mkdir -p "$tls"
+  chmod 700 "$tls"
+  local pw
+  pw="$(openssl rand -hex 16)"
+  (
+    cd "$tls"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 7 \
+      -subj "/CN=spikeguard-test-ca"
+    openssl req -newkey rsa:2048 -nodes -keyout broker.key -out broker.csr -subj "/CN=localhost"
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > san.ext
+    openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out broker.pem \
+      -days 7 -extfile san.ext
+    openssl pkcs12 -export -in broker.pem -inkey broker.key -certfile ca.pem -out broker.p12 \
+      -passout "pass:$pw"
+  ) >>"$logs/tls.log" 2>&1 || die "openssl could not make the certificates (see $logs/tls.log)"
+  (umask 077; echo "$pw" > "$tls/keystore.password")
+}
+
 write_config() {
+  local listeners="PLAINTEXT://$host:$port" protocols="CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+  if [ "$sasl_ssl" = 1 ]; then
+    listeners="$listeners,SASL_SSL://$host:$sport"
+    protocols="$protocols,SASL_SSL:SASL_SSL"
+  fi
   cat > "$run/server.properties" <<EOF
 # Written by scripts/kafka_local.sh: one KRaft node for tests, on $host only.
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=$host:$cport
-listeners=PLAINTEXT://$host:$port,CONTROLLER://$host:$cport
-advertised.listeners=PLAINTEXT://$host:$port
+listeners=$listeners,CONTROLLER://$host:$cport
+advertised.listeners=$listeners
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=$protocols
 log.dirs=$run/data
 
 num.partitions=4
@@ -115,7 +157,7 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 group.min.session.timeout.ms=1000
 
-# Small segments and little housekeeping; the data dir is wiped on each start.
+# Small segments and little housekeeping (test data; start --fresh wipes it).
 log.segment.bytes=16777216
 log.retention.hours=24
 log.retention.check.interval.ms=60000
@@ -123,11 +165,32 @@ num.network.threads=2
 num.io.threads=4
 num.recovery.threads.per.data.dir=1
 EOF
+  if [ "$sasl_ssl" = 1 ]; then
+    cat >> "$run/server.properties" <<EOF
+
+# SASL_SSL: SCRAM-SHA-512 users (made through the admin API) over TLS.
+sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.ssl.keystore.type=PKCS12
+listener.name.sasl_ssl.ssl.keystore.location=$tls/broker.p12
+listener.name.sasl_ssl.ssl.keystore.password=$(cat "$tls/keystore.password")
+listener.name.sasl_ssl.ssl.client.auth=none
+EOF
+  fi
 }
 
 start() {
+  local fresh=0 arg
+  for arg in "$@"; do
+    case "$arg" in
+      --fresh) fresh=1 ;;
+      --sasl-ssl) sasl_ssl=1 ;;
+      *) echo "usage: $0 start [--fresh] [--sasl-ssl]  (unknown option $arg)" >&2; exit 2 ;;
+    esac
+  done
   local pid
   if pid="$(our_pid)"; then
+    [ "$fresh" = 0 ] || die "--fresh asked, but the broker (pid $pid) is running: stop it first"
     probe "$start_timeout" || die "broker pid $pid runs but does not answer on $host:$port (see $logs/server.log)"
     say "already running (pid $pid) at $host:$port"
     return 0
@@ -140,20 +203,32 @@ start() {
     die "port $port is in use by something that is not a Kafka broker"
   fi
   tcp_open "$cport" && die "controller port $cport is in use (set SPIKEGUARD_KAFKA_CONTROLLER_PORT)"
+  if [ "$sasl_ssl" = 1 ] && tcp_open "$sport"; then
+    die "SASL_SSL port $sport is in use (set SPIKEGUARD_KAFKA_SASL_PORT)"
+  fi
 
   fetch_jars
   local t0=$SECONDS
-  rm -rf "$run"
+  if [ "$fresh" = 1 ]; then
+    rm -rf "$run"
+  fi
   mkdir -p "$run/data" "$logs"
+  [ "$sasl_ssl" = 0 ] || make_certs
   write_config
   local opts cluster_id
   mapfile -t opts < <(java_opts)
-  cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>&1)" \
-    || die "StorageTool random-uuid failed: $cluster_id"
-  cluster_id="$(tail -n 1 <<<"$cluster_id")"
-  java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
-    -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
-    || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
+  # Formatting is what makes storage empty: only a data dir never formatted
+  # (first start, or after --fresh) gets it; a restart keeps its cluster.
+  if [ ! -s "$run/data/meta.properties" ]; then
+    cluster_id="$(java "${opts[@]}" kafka.tools.StorageTool random-uuid 2>&1)" \
+      || die "StorageTool random-uuid failed: $cluster_id"
+    cluster_id="$(tail -n 1 <<<"$cluster_id")"
+    java "${opts[@]}" kafka.tools.StorageTool format --standalone -t "$cluster_id" \
+      -c "$run/server.properties" >>"$logs/stdout.log" 2>&1 \
+      || die "StorageTool format failed: $(tail -n 20 "$logs/stdout.log")"
+  else
+    say "keeping the data in $run/data (use 'start --fresh' to begin empty)"
+  fi
   # The broker gets its own session (a Ctrl-C or the end of the calling job
   # does not reach it) and writes its own pid: setsid may fork, so $! is not it.
   setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "$pidfile" \
@@ -177,6 +252,7 @@ start() {
   done
   [ -n "$python" ] || say "note: checked the TCP port only (no venv with kafka-python at $cache/venv)"
   say "ready at $host:$port (pid $pid) in $((SECONDS - t0))s; logs in $logs"
+  [ "$sasl_ssl" = 0 ] || say "SASL_SSL (SCRAM-SHA-512) at $host:$sport; clients trust $tls/ca.pem"
 }
 
 fail_start() {
@@ -231,8 +307,8 @@ status() {
 }
 
 case "${1:-}" in
-  start) start ;;
+  start) shift; start "$@" ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start [--fresh] [--sasl-ssl]|stop|status" >&2; exit 2 ;;
 esac

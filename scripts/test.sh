@@ -15,7 +15,7 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
 fi
 started=0
 if ! bash scripts/kafka_local.sh status >/dev/null 2>&1; then
-  bash scripts/kafka_local.sh start
+  bash scripts/kafka_local.sh start --fresh  # a test run begins with an empty broker
   started=1
 fi
 cleanup() { if [ "$started" = 1 ]; then bash scripts/kafka_local.sh stop || true; fi; }

@@ -14,11 +14,14 @@ import threading
 from dataclasses import dataclass, field
 
 from spikeguard.bus import Bus, EmbeddedBus
+from spikeguard.errors import BusError
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
+from spikeguard.pipeline_watch import PipelineWatch
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings, load_settings
+from spikeguard.trust import ensure_signing_key
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +41,39 @@ def make_bus(settings: Settings) -> Bus:
             ssl_certfile=settings.ssl_certfile,
             ssl_keyfile=settings.ssl_keyfile,
             partitions=settings.partitions,
+            instance_id=settings.instance_id,
+            session_timeout_ms=int(settings.session_timeout_s * 1000),
+            heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )
     return EmbeddedBus(partitions=settings.partitions, data_dir=settings.data_dir)
 
 
 @dataclass
 class Runtime:
-    bus: Bus
+    """What a guard connects to. ``bus`` is None when the broker could not be reached
+    (``problem`` says why): the guard then trains with its local protections only."""
+
+    bus: Bus | None
     topics: Topics
     settings: Settings
     workers: list[Worker] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     closers: list = field(default_factory=list)  # called after the threads stop (/metrics, alerts)
+    problem: str | None = None
+    watch: PipelineWatch | None = None
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""
+        if self.watch is not None:
+            self.watch.stop()
         for worker in self.workers:
             worker.stop()
         for thread in self.threads:
             thread.join(timeout=10)
         for close in self.closers:
             close()
-        self.bus.close()
+        if self.bus is not None:
+            self.bus.close()
 
     def __enter__(self) -> "Runtime":
         return self
@@ -89,12 +103,18 @@ def start_workers(
 
 
 def open_runtime(settings: Settings | None = None, metrics: Metrics | None = None) -> Runtime:
-    settings = settings or load_settings()
+    """The bus (and, embedded, the pipeline threads) for a trainer's guard.
+
+    Raises :class:`~spikeguard.trust.MissingSigningKey` on Kafka without a
+    signing key or an explicit ``insecure``; embedded, a random key is made
+    for this process and shared with its actuator through ``runtime.settings``.
+    """
+    settings = ensure_signing_key(settings or load_settings(), "the trainer's guard")
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
-    bus.create_topics(topics.all())
-    runtime = Runtime(bus, topics, settings)
     if settings.engine == "embedded":
+        bus.create_topics(topics.all())
+        runtime = Runtime(bus, topics, settings)
         start_workers(runtime, metrics=metrics)
         from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts
 
@@ -103,4 +123,20 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
             from spikeguard.reporting.recorded_settings import save
 
             save(settings, settings.data_dir)
-    return runtime
+        return runtime
+    # Training must not wait on the network: a broker that does not answer
+    # within connect_timeout_s leaves the trainer with its local protections.
+    try:
+        bus.probe(settings.connect_timeout_s)  # type: ignore[attr-defined]
+        bus.create_topics(topics.all())
+    except BusError as exc:
+        log.warning("spikeguard: Kafka at %s is unreachable, training goes on with the local "
+                    "protections only (non-finite skip), no pipeline: %s",
+                    settings.bootstrap_servers, exc)
+        bus.close()
+        return Runtime(None, topics, settings, problem=str(exc))
+    watch = PipelineWatch(bus, topics, str(settings.bootstrap_servers),
+                          timeout_s=settings.connect_timeout_s, interval_s=settings.pipeline_check_s)
+    watch.check()  # one line at start when workers are missing
+    watch.start()
+    return Runtime(bus, topics, settings, watch=watch)

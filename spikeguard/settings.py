@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.alerting.config import AlertingConfig
@@ -48,13 +48,51 @@ class Settings(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     client_id: str = Field("spikeguard", min_length=1)
+    instance_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,200}$",
+        description="Kafka static membership (group.instance.id): a name stable across restarts "
+        "and unique among the running copies of a component (e.g. the pod or service name). "
+        "A worker restarted under the same name takes its partitions back at once instead of "
+        "after the dead member's session expires; unset = dynamic members",
+    )
+    session_timeout_s: float = Field(
+        10.0,
+        ge=1.0,
+        le=1800.0,
+        description="Kafka consumer session: a member silent this long loses its partitions "
+        "(the longest a crashed worker that does not come back leaves its stage blind)",
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0.0, description="Kafka consumer heartbeats; under a third of session_timeout_s"
+    )
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        le=300.0,
+        description="how long a trainer's guard waits for the Kafka broker at start before it "
+        "trains on with its local protections only (and says so)",
+    )
+    pipeline_check_s: float = Field(
+        15.0,
+        ge=0.0,
+        description="how often a trainer on Kafka checks that every component has a live worker "
+        "(and says so when that changes); 0 = only at start",
+    )
     topic_prefix: str = Field("spikeguard.", description="replays run under another prefix")
     partitions: int = Field(4, ge=1, le=1024, description="partitions of new topics")
     data_dir: str | None = Field(
         None, description="embedded bus: record every topic here so the run can be replayed"
     )
     signing_key: SecretStr | None = Field(
-        None, description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones"
+        None,
+        description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones; "
+        "required on Kafka (see insecure); embedded mode makes a random one per process",
+    )
+    insecure: bool = Field(
+        False,
+        description="on Kafka, let the guard and the actuator run without a signing key "
+        "(anyone who can write the actions topic then steers the run); logged as a WARNING",
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers, the embedded runtime)"
@@ -71,6 +109,25 @@ class Settings(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     alerting: AlertingConfig = Field(default_factory=AlertingConfig)
+
+    @field_validator("signing_key", "sasl_password", mode="before")
+    @classmethod
+    def _empty_secret_is_none(cls, value: Any) -> Any:
+        # `KEY=${KEY:-}` in a compose file or shell gives "": that is no key, not a key.
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, SecretStr) and not value.get_secret_value().strip():
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _heartbeats_fit_the_session(self) -> "Settings":
+        if self.heartbeat_interval_s * 3 > self.session_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g}) must be at most a third of "
+                f"session_timeout_s ({self.session_timeout_s:g}), or one late heartbeat ends the session"
+            )
+        return self
 
     @property
     def engine(self) -> str:

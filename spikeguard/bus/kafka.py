@@ -171,8 +171,16 @@ class KafkaBus(Bus):
         sasl_username / sasl_password: SASL credentials; the password is a SecretStr.
         ssl_cafile / ssl_certfile / ssl_keyfile: PEM files for SSL.
         partitions / replication_factor: Of the topics :meth:`create_topics` makes.
-        consumer_options: Further kafka-python consumer settings (e.g. shorter
-            ``session_timeout_ms`` / ``heartbeat_interval_ms`` in tests).
+        instance_id: Static group membership: every consumer this bus opens
+            joins its group with ``group.instance.id`` = this name (``NAME-2``,
+            ... for a second consumer of the same group), so a process
+            restarted under the same name takes its partitions back at once,
+            without waiting for its old session to expire. Needs Kafka >= 2.3.
+            The name must be unique among the live members of each group:
+            a second live member under it fences the first.
+        session_timeout_ms / heartbeat_interval_ms: Of every consumer group
+            member (kafka-python's defaults, 45 s / 3 s, when None).
+        consumer_options: Further kafka-python consumer settings; they win over the above.
     """
 
     engine = "kafka"
@@ -191,6 +199,9 @@ class KafkaBus(Bus):
         ssl_keyfile: str | None = None,
         partitions: int = 4,
         replication_factor: int = 1,
+        instance_id: str | None = None,
+        session_timeout_ms: int | None = None,
+        heartbeat_interval_ms: int | None = None,
         consumer_options: Mapping[str, Any] | None = None,
     ):
         if isinstance(sasl_password, str):
@@ -204,7 +215,12 @@ class KafkaBus(Bus):
         self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile = ssl_cafile, ssl_certfile, ssl_keyfile
         self.partitions = partitions
         self.replication_factor = replication_factor
+        self.instance_id = instance_id
+        self.session_timeout_ms = session_timeout_ms
+        self.heartbeat_interval_ms = heartbeat_interval_ms
         self.consumer_options = dict(consumer_options or {})
+        self._members: dict[str, int] = {}  # consumers opened per group (static member names)
+        self._members_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"KafkaBus(bootstrap_servers={self.bootstrap_servers!r}, client_id={self.client_id!r}, "
@@ -238,14 +254,66 @@ class KafkaBus(Bus):
 
     def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
                  on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:
+        membership: dict[str, Any] = {}
+        if self.session_timeout_ms is not None:
+            membership["session_timeout_ms"] = self.session_timeout_ms
+        if self.heartbeat_interval_ms is not None:
+            membership["heartbeat_interval_ms"] = self.heartbeat_interval_ms
+        if self.instance_id is not None:
+            membership["group_instance_id"] = self._static_member(group)
         config = {
             **self._config(),
+            **membership,
             **self.consumer_options,
             "group_id": group,
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest" if from_beginning else "latest",
         }
         return self._connect("consumer", _KafkaConsumer, config, list(topics), on_assign, on_revoke)
+
+    def probe(self, timeout: float = 5.0) -> None:
+        """Raise :class:`BusError` unless a broker answers a metadata request within ``timeout`` s.
+
+        kafka-python's own clients wait 30 s or more for a first broker; a
+        trainer asks this first so that a wrong address costs it seconds.
+        """
+        ms = max(100, int(timeout * 1000))
+        try:
+            admin = KafkaAdminClient(**self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms)
+        except Exception as exc:  # noqa: BLE001 - DNS, refused, TLS, SASL: all mean "unreachable"
+            raise BusError(f"no Kafka broker answers at {self.bootstrap_servers!r} within "
+                           f"{timeout:g}s: {exc!r}") from exc
+        try:
+            if not admin.describe_cluster().get("brokers"):
+                raise BusError(f"the cluster at {self.bootstrap_servers!r} reports no broker")
+        except KafkaError as exc:
+            raise BusError(f"the cluster at {self.bootstrap_servers!r} does not answer: {exc!r}") from exc
+        finally:
+            admin.close()
+
+    def active_groups(self, groups: Iterable[str], timeout: float = 5.0) -> set[str]:
+        """Those of ``groups`` that have at least one live member right now."""
+        ms = max(100, int(timeout * 1000))
+        names = list(groups)
+        admin = self._connect("admin client", lambda: KafkaAdminClient(
+            **self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms))
+        try:
+            described = admin.describe_groups(names)
+        except KafkaError as exc:
+            raise BusError(f"could not describe consumer groups {names}: {exc!r}") from exc
+        finally:
+            admin.close()
+        return {name for name, info in described.items() if info.get("members")}
+
+    def _static_member(self, group: str) -> str:
+        """This bus's n-th consumer of ``group`` is ``instance_id`` (n = 1) or ``instance_id-n``.
+
+        Numbered in the order the process opens them, which a restarted
+        process repeats, so each member gets its old place back.
+        """
+        with self._members_lock:
+            n = self._members[group] = self._members.get(group, 0) + 1
+        return self.instance_id if n == 1 else f"{self.instance_id}-{n}"  # type: ignore[return-value]
 
     def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
         names = list(dict.fromkeys(topics))

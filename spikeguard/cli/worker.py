@@ -29,6 +29,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("name", choices=[*COMPONENTS, "all"], help="the component to run")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--insecure", action="store_true", default=None,
+        help="on Kafka, run the actuator without SPIKEGUARD_SIGNING_KEY (unsigned actions; "
+        "anyone who can write the actions topic steers the runs). Also SPIKEGUARD_INSECURE=1",
+    )
+    parser.add_argument(
+        "--instance-id", metavar="NAME",
+        help="Kafka static membership: a name stable across restarts of this worker and unique "
+        "among its running copies (e.g. the pod name); a restart then takes its partitions back "
+        "at once. Also SPIKEGUARD_INSTANCE_ID",
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -40,7 +51,14 @@ def run(args: argparse.Namespace) -> int:
     from spikeguard.runtime import make_bus
     from spikeguard.schemas import Topics
 
-    settings = settings_from(args, metrics_port=args.metrics_port)
+    from spikeguard.trust import ensure_signing_key
+
+    settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
+                             instance_id=args.instance_id)
+    names = COMPONENTS if args.name == "all" else (args.name,)
+    if "actuator" in names:  # the one component that signs what trainers obey
+        # Without a key (and no --insecure) this raises: main() prints the one-line reason, exit 2.
+        settings = ensure_signing_key(settings, "the actuator worker")
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -48,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.all())
-    names = COMPONENTS if args.name == "all" else (args.name,)
     workers = [
         Worker(bus, build_stage(name, settings, topics), metrics=default_metrics(),
                snapshot_interval_s=settings.snapshot_interval_s)

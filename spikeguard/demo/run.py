@@ -119,6 +119,14 @@ def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
     return outcome
 
 
+def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
+    """The demo trainer obeys only actions signed with its pipeline's key, as a real one does."""
+    key = getattr(getattr(runtime, "settings", None), "signing_key", None)
+    if cfg.signing_key is None and key is not None:
+        return cfg.model_copy(update={"signing_key": key})
+    return cfg
+
+
 def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime: Any,
              progress: Progress | None, tally: Counter, config: GuardConfig | None) -> DemoOutcome:
     outcome = DemoOutcome(fault, True, seed, 0, math.nan)
@@ -128,10 +136,15 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
         from spikeguard.settings import load_settings
 
         runtime = open_runtime(load_settings(DEMO_SETTINGS))
+    if runtime.bus is None:  # a demo of the pipeline without one would show nothing
+        from spikeguard.errors import BusError
+
+        raise BusError(f"the demo needs its pipeline: {runtime.problem}")
     workdir = tempfile.mkdtemp(prefix="spikeguard-demo-")
     run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
     cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
                                 resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
+    cfg = _checking_signatures(cfg, runtime)
     guard = Guard(problem.model, problem.optimizer, problem.scheduler, run_id=run_id,
                   bus=runtime.bus, topics=runtime.topics, config=cfg)
     blown = False

@@ -35,12 +35,12 @@ def make_problem(seed: int = 0):
     return torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
 
 
-def train(bus, topics, tmp_path, run_id):
+def train(bus, topics, tmp_path, run_id, signing_key=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     config = GuardConfig(checkpoint_dir=str(tmp_path / run_id), checkpoint_every=20, keep_checkpoints=8,
-                         lockstep=True, lockstep_timeout=30.0, data_seed=0)
+                         lockstep=True, lockstep_timeout=30.0, data_seed=0, signing_key=signing_key)
     guard = Guard(model, optimizer, run_id=run_id, config=config, bus=bus, topics=topics)
     corrupted = 0
     for x, y in guard.data(make_problem(), epochs=10, max_steps=STEPS):
@@ -82,7 +82,9 @@ def test_embedded_loop(tmp_path):
     prefix = f"e2e-{uuid.uuid4().hex[:8]}."
     settings = load_settings({"topic_prefix": prefix}, env={})
     with open_runtime(settings) as runtime:
-        guard, corrupted = train(runtime.bus, runtime.topics, tmp_path, "embedded-run")
+        # The runtime made this process's key; the trainer obeys only what it signs.
+        guard, corrupted = train(runtime.bus, runtime.topics, tmp_path, "embedded-run",
+                                 signing_key=runtime.settings.signing_key)
         check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "embedded-run")
 
 
@@ -91,7 +93,8 @@ def test_kafka_loop(tmp_path, kafka_bootstrap):
     from spikeguard.bus.kafka import KafkaBus
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}."
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    key = "e2e-signing-key-" + uuid.uuid4().hex
+    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": key}
     log = tmp_path / "worker.log"
     worker = subprocess.Popen(
         [sys.executable, "-m", "spikeguard", "worker", "all", "--topic-prefix", prefix],
@@ -104,7 +107,7 @@ def test_kafka_loop(tmp_path, kafka_bootstrap):
             time.sleep(0.2)
         bus = KafkaBus(kafka_bootstrap)
         topics = Topics(prefix)
-        guard, corrupted = train(bus, topics, tmp_path, "kafka-run")
+        guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
         time.sleep(1.0)  # the last acks reach the broker
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
         bus.close()

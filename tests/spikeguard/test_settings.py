@@ -54,3 +54,24 @@ def test_set_flags_parse_json_values():
     }
     with pytest.raises(ConfigError, match="NAME=VALUE"):
         parse_assignments(["oops"])
+
+
+def test_static_membership_and_session_settings():
+    settings = load_settings(env={"SPIKEGUARD_INSTANCE_ID": "fusion-0", "SPIKEGUARD_SESSION_TIMEOUT_S": "12"})
+    assert settings.instance_id == "fusion-0" and settings.session_timeout_s == 12.0
+    assert load_settings(env={}).session_timeout_s <= 10.0  # a dead member is noticed within 10 s
+    with pytest.raises(ConfigError, match="instance_id"):
+        load_settings(env={"SPIKEGUARD_INSTANCE_ID": "has space"})
+    with pytest.raises(ConfigError, match="a third of session_timeout_s"):
+        load_settings({"heartbeat_interval_s": 5, "session_timeout_s": 10}, env={})
+
+
+def test_the_kafka_bus_gets_membership_settings_and_numbers_static_members():
+    from spikeguard.runtime import make_bus
+
+    bus = make_bus(load_settings({"bootstrap_servers": "broker.invalid:9092", "instance_id": "w1",
+                                  "session_timeout_s": 8, "heartbeat_interval_s": 2}, env={}))
+    assert (bus.instance_id, bus.session_timeout_ms, bus.heartbeat_interval_ms) == ("w1", 8000, 2000)
+    # One name per consumer of a group, in opening order: a restarted process repeats them.
+    assert [bus._static_member("g") for _ in range(3)] == ["w1", "w1-2", "w1-3"]
+    assert bus._static_member("other") == "w1"

@@ -1,0 +1,52 @@
+"""Who may steer a run: the signing key every process that signs or obeys actions needs.
+
+Actions are obeyed only when they carry a valid HMAC of the run's key. Without
+a key a trainer would obey anything written to the actions topic, so:
+
+- **Kafka**: the guard and the actuator refuse to start without
+  ``SPIKEGUARD_SIGNING_KEY``, unless the user opts out with ``--insecure`` /
+  ``SPIKEGUARD_INSECURE=1``; the opt-out is one WARNING line at start.
+- **Embedded**: the trainer and its pipeline threads are one process, so a
+  random key made at start (and never shown) is all they need to share.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from pydantic import SecretStr
+
+from spikeguard.errors import ConfigError
+from spikeguard.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class MissingSigningKey(ConfigError):
+    """On Kafka, a process that signs or obeys actions has no key and no explicit opt-out."""
+
+
+def ensure_signing_key(settings: Settings, who: str) -> Settings:
+    """``settings`` with a signing key, or with the user's explicit opt-out; else raise.
+
+    ``who`` names the process in the messages ("the trainer's guard",
+    "the actuator worker").
+    """
+    if settings.signing_key is not None:
+        return settings
+    if settings.engine == "embedded":
+        # Shared by the guard and the in-process actuator through these settings.
+        return settings.model_copy(update={"signing_key": SecretStr(secrets.token_hex(32))})
+    if settings.insecure:
+        log.warning(
+            "spikeguard: INSECURE: %s runs without a signing key (--insecure / SPIKEGUARD_INSECURE=1): "
+            "actions are not signed or checked, anyone who can write %sactions steers the run",
+            who, settings.topic_prefix,
+        )
+        return settings
+    raise MissingSigningKey(
+        f"{who} refuses to start on Kafka without a signing key: set SPIKEGUARD_SIGNING_KEY "
+        "(the same secret for the trainers and the actuator), or opt out explicitly with "
+        "--insecure / SPIKEGUARD_INSECURE=1"
+    )
