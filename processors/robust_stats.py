@@ -69,6 +69,12 @@ class RollingMedian:
         """Oldest first."""
         return list(self._ring)
 
+    def copy(self) -> RollingMedian:
+        twin = RollingMedian(self.window)
+        twin._ring = self._ring.copy()
+        twin._sorted = self._sorted.copy()
+        return twin
+
     def clear(self) -> None:
         self._ring.clear()
         self._sorted = []

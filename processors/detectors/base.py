@@ -35,13 +35,14 @@ bounded (independent of run length).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Sequence, TypeVar
 
 from spikeguard.errors import SpikeguardError
 from spikeguard.processors.detectors.history import StateHistory
 from spikeguard.schemas import StepEvent, Verdict
 
 S = TypeVar("S")
+T = TypeVar("T")
 
 # Verdict(**fields) minus BaseModel.__init__'s Python frame: the same
 # validation (a documented pydantic attribute), for the plain verdicts of every step.
@@ -64,6 +65,8 @@ class Detector(ABC, Generic[S]):
         self.history: StateHistory[S] = StateHistory(snapshot_every, max_snapshots)
         self.state: S = self.fresh()
         self.epoch = 0  # the newest epoch seen
+        self._last_step = -1  # the last step judged in it (-1: none, or not known since a load)
+        self._memo: tuple[StepEvent, S, Any] | None = None  # see scored()
 
     # -- what each detector defines ----------------------------------------------
     @abstractmethod
@@ -109,6 +112,20 @@ class Detector(ABC, Generic[S]):
             "detector": self.name, "is_anomaly": False, "signals": {"stale": 1},
         })
 
+    def scored(self, event: StepEvent, state: S, work: Callable[[StepEvent, S], T]) -> T:
+        """``work(event, state)``, computed once per step for ``score`` and ``track`` both.
+
+        What a detector scores with (its features after the step, say) is also what
+        ``track`` adopts: worth keeping for the ``track`` right after. Valid only
+        until the state changes, so :meth:`update` forgets it at every step.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] is event and memo[1] is state:
+            return memo[2]
+        value = work(event, state)
+        self._memo = (event, state, value)
+        return value
+
     # -- judging: the same for every detector -------------------------------------
     def update(self, event: StepEvent) -> Verdict:
         """Judge ``event``, then learn from it unless it was judged anomalous."""
@@ -122,8 +139,10 @@ class Detector(ABC, Generic[S]):
         state = self.state
         verdict = self.score(event, state)
         self.track(event, state, verdict)
+        self._memo = None  # track may have changed the state it was computed from
         if not self.protects(verdict):
             self.learn(event, state)
+        self._last_step = event.step
         return verdict
 
     def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
@@ -134,6 +153,8 @@ class Detector(ABC, Generic[S]):
     def _roll_back(self, event: StepEvent) -> None:
         """A new epoch: the state as it was before the first re-run step."""
         self.epoch = event.epoch
+        if 0 <= self._last_step < event.step:
+            return  # a new epoch that re-runs nothing: the state is already right
         found = self.history.rewind(event.step, self.copy)
         # Nothing kept from that far back: start over (warm-up is silent).
         self.state = self.fresh() if found is None else found[1]
@@ -156,6 +177,7 @@ class Detector(ABC, Generic[S]):
                 f"this code reads version {self.state_version}"
             )
         self.state = self.load(state)
+        self._last_step = -1
         if int(state["epoch"]) != self.epoch:
             self.history.clear()  # another timeline's snapshots
         self.epoch = int(state["epoch"])

@@ -24,10 +24,10 @@ forest flags everything. A non-finite step never enters features or buffer and
 is an outlier with ``nonfinite_confidence``.
 
 Batching without look-ahead: features depend only on earlier events (never on
-verdicts), so ``update_many`` computes them all first, scores them with the
-current forest in one vectorised pass, and rescores the rest of the batch only
-when a refit happens inside it. ``update`` is ``update_many`` of one event:
-both give identical verdicts. The forest is never pickled: ``state_dict``
+verdicts), so ``update_many`` computes the batch's rows first (on a copy of the
+features), scores them with the current forest in one vectorised pass, and
+rescores the rest of the batch only when a refit happens inside it. ``update``
+walks the forest for its one row: both give identical verdicts. The forest is never pickled: ``state_dict``
 keeps the rows it was fitted on, the rows since, and the fit count, and
 ``load_state_dict`` refits (same rows + same seed => same trees => same scores).
 State is bounded: at most ``buffer_size + max(warmup_steps, refit_every)`` rows
@@ -37,7 +37,7 @@ of five rounded floats (at most ~160 kB of JSON with the defaults; ~40 bytes a r
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import sklearn
@@ -154,6 +154,34 @@ class CompiledForest:
         return math.pow(2.0, -path_sum / self.norm) if self.norm > 0 else 1.0
 
 
+class _Batch:
+    """The rows of a batch's steps, computed ahead, and their path sums in one forest walk.
+
+    Exact: leaf path lengths are rounded so that sums do not depend on the batch,
+    and the rows come from the very code ``score`` runs, on a copy of the features.
+    """
+
+    def __init__(self, detector: MLDetector, events: Sequence[StepEvent]) -> None:
+        ahead = MLState(detector.state.features)
+        rows: list[np.ndarray] = []
+        self.index: dict[int, int] = {}  # id(event) -> its row
+        for event in events:
+            row, ahead.features = detector._row(event, ahead)
+            if not isinstance(row, str):
+                self.index[id(event)] = len(rows)
+                rows.append(row)
+        self.rows = np.array(rows).reshape(-1, len(ML_FEATURES))
+        self._forest: CompiledForest | None = None
+        self._first = 0
+        self._sums: list[float] = []
+
+    def path_sum(self, i: int, forest: CompiledForest) -> float:
+        if forest is not self._forest or i < self._first:  # first use, or a refit since
+            self._forest, self._first = forest, i
+            self._sums = forest.path_sums(self.rows[i:]).tolist()
+        return self._sums[i - self._first]
+
+
 class MLState:
     """One run's features, the forest's training rows and the forest fitted on them."""
 
@@ -181,6 +209,8 @@ class MLDetector(Detector[MLState]):
     def fresh(self) -> MLState:
         return MLState(RollingFeatures(self.config.features))
 
+    _batch: _Batch | None = None
+
     # -- judging -------------------------------------------------------------
     def _row(self, event: StepEvent, state: MLState) -> tuple[np.ndarray | str, RollingFeatures]:
         """The step's feature row (or why there is none), and the features after the step."""
@@ -194,17 +224,32 @@ class MLDetector(Detector[MLState]):
         raw = np.nan_to_num(raw, nan=0.0, posinf=_BOUND, neginf=-_BOUND).clip(-_BOUND, _BOUND)
         return np.round(raw, 4), after
 
+    def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
+        # The rows of a batch are known before any of it is judged (features depend on
+        # earlier events only, never on verdicts), so the forest walks them in one pass.
+        if len(events) > 1 and all(event.epoch == self.epoch for event in events):
+            self._batch = _Batch(self, events)
+        try:
+            return super().update_many(events)
+        finally:
+            self._batch = None
+
     def score(self, event: StepEvent, state: MLState) -> Verdict:
-        row, _ = self._row(event, state)
+        row, _ = self.scored(event, state, self._row)
         if isinstance(row, str):
             return self._plain(event, row)
-        if state.forest is None:
+        forest = state.forest
+        if forest is None:
             return self._plain(event, "warmup")
-        path_sum = float(state.forest.path_sums(row[None, :])[0])
-        return self._judged(event, state, state.forest.score(path_sum), float(row[0]))
+        batch = self._batch
+        if batch is None or id(event) not in batch.index:
+            path_sum = float(forest.path_sums(row[None, :])[0])
+        else:
+            path_sum = batch.path_sum(batch.index[id(event)], forest)
+        return self._judged(event, state, forest.score(path_sum), float(row[0]))
 
     def track(self, event: StepEvent, state: MLState, verdict: Verdict) -> None:
-        row, state.features = self._row(event, state)
+        row, state.features = self.scored(event, state, self._row)
         state.row = None if isinstance(row, str) else row
         # Healthy (may train the forest): no residual beyond what the rolling baselines call
         # normal. Judged without the forest, so that the buffer keeps following a drifting run.

@@ -167,11 +167,11 @@ class PredictorDetector(Detector[PredictorState]):
         return 1.0 / (1.0 + math.exp(-min(max(logit, -60.0), 60.0))), rough
 
     def score(self, event: StepEvent, state: PredictorState) -> Verdict:
-        a = self._assess(event, state)
+        a = self.scored(event, state, self._assess)
         return self._verdict(event, a.kind, a.conf, a.p, a.health, a.signals, a.rules)
 
     def track(self, event: StepEvent, state: PredictorState, verdict: Verdict) -> None:
-        after = self._assess(event, state).after
+        after = self.scored(event, state, self._assess).after
         if after is None:
             state.warning = True
             return

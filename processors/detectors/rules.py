@@ -205,6 +205,12 @@ class RulesDetector(Detector[RulesState]):
             if batch.max_label_fraction is not None and batch.max_label_fraction > cfg.max_label_fraction:
                 fired.append("batch_label_imbalance")
 
+    def copy(self, state: RulesState) -> RulesState:
+        twin = RulesState.__new__(RulesState)
+        twin.loss, twin.grad, twin.scales = state.loss.copy(), state.grad.copy(), state.scales.copy()
+        twin.scale_seen, twin.lr = state.scale_seen, state.lr
+        return twin
+
     def dump(self, state: RulesState) -> dict[str, Any]:
         return {
             "loss": state.loss.state_dict(), "grad_norm": state.grad.state_dict(),

@@ -41,7 +41,9 @@ from spikeguard.processors.robust_stats import RollingMedian
 
 # Result codes of SeriesMonitor.update.
 OK, CANDIDATE, SPIKE, DIVERGENCE, OSCILLATION, WARMUP = range(6)
-_MAD_TO_SIGMA = math.sqrt(math.pi) / 2.0  # E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
+_MAD_TO_SIGMA = math.sqrt(math.pi) / 2.0
+#: What SeriesMonitor.judge returns: code, z, jump, swing ratio, swing state, episode state.
+Judged = tuple[int, float, float, float, tuple, tuple]  # E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
 
 
 class SeriesMonitor:
@@ -120,26 +122,28 @@ class SeriesMonitor:
         s = self._smean * _MAD_TO_SIGMA
         return s if s > self.min_scale else self.min_scale
 
-    def judge(self, y: float) -> tuple[int, float, float]:
+    def judge(self, y: float) -> Judged:
         """Judge ``y`` (finite, log space) against what came before; changes nothing.
 
-        Returns ``(code, z, jump)``: z is the standardised distance above the
+        ``code, z, jump = judged[:3]``: z is the standardised distance above the
         baseline (or the divergence / oscillation statistic for those codes),
-        jump the distance in log units.
+        jump the distance in log units. The rest is what :meth:`advance` applies.
         """
-        code, z, r, _ = self._decide(y, self._volatility(y, commit=False))
-        return code, z, r
+        osc, swings = self._volatility(y)
+        code, z, r, episode = self._decide(y, osc)
+        return code, z, r, osc, swings, episode
 
-    def advance(self, y: float) -> int:
+    def advance(self, judged: Judged) -> int:
         """What every point moves on, flagged or not: the swing sizes and the episode state.
 
-        Returns the point's code; :meth:`learn` then learns it when the caller
-        judged the step normal.
+        ``judged`` is what :meth:`judge` returned for this point. Returns the
+        point's code; :meth:`learn` then learns it when the caller judged it normal.
         """
-        osc = self._osc = self._volatility(y, commit=True)
-        if self._n < self.warmup:
+        code, _, _, osc, swings, (pending, age, spike_over, level) = judged
+        self._vprev, self._slope, self._vn, self._vshort, self._vref = swings
+        self._osc = osc
+        if code == WARMUP:
             return WARMUP
-        code, z, r, (pending, age, spike_over, level) = self._decide(y, osc)
         self._pending, self._age = pending, age
         if spike_over:
             self._run = 0
@@ -215,16 +219,15 @@ class SeriesMonitor:
             # acting on the alarms): start over from here rather than alarm forever.
             self.reset(keep_scale=True)
 
-    def _volatility(self, y: float, commit: bool) -> float:
+    def _volatility(self, y: float) -> tuple[float, tuple[float, float, int, float, float]]:
         """Short-run over long-run detrended swing size (about 1 for steady noise).
 
-        Every point counts here (clipped), spikes included; ``commit`` stores the update.
+        Every point counts here (clipped), spikes included. Returns the ratio and
+        the swing state after ``y``: (previous value, slope, count, short, long-run).
         """
         prev = self._vprev
         if prev != prev:
-            if commit:
-                self._vprev = y
-            return 1.0
+            return 1.0, (y, self._slope, self._vn, self._vshort, self._vref)
         d = y - prev
         a = self.osc_alpha
         dev = abs(d - self._slope)
@@ -232,26 +235,21 @@ class SeriesMonitor:
         vn = self._vn + 1
         ref = self._vref
         if vn <= 1:  # the first difference seeds both averages
-            if commit:
-                self._vprev, self._slope, self._vn = y, slope, vn
-                self._vref = self._vshort = dev if dev > 0.0 else 1e-12
-            return 1.0
+            seed = dev if dev > 0.0 else 1e-12
+            return 1.0, (y, slope, vn, seed, seed)
         cap = 5.0 * (ref if ref > self.min_scale else self.min_scale)
         if dev > cap:
             dev = cap
         vshort = self._vshort + a * (dev - self._vshort)
         ratio = vshort / (ref if ref > self.min_scale else self.min_scale)
-        if commit:
-            # The long-run level is a running mean at first, then an EWMA that
-            # learns fully while calm and only slowly while swings are wide, so a
-            # growing oscillation stands out while a lasting change of the noise
-            # level is eventually accepted.
-            rate = 1.0 / vn
-            if rate < self.osc_ref_alpha:
-                rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
-            self._vprev, self._slope, self._vn, self._vshort = y, slope, vn, vshort
-            self._vref = ref + rate * (dev - ref)
-        return ratio
+        # The long-run level is a running mean at first, then an EWMA that
+        # learns fully while calm and only slowly while swings are wide, so a
+        # growing oscillation stands out while a lasting change of the noise
+        # level is eventually accepted.
+        rate = 1.0 / vn
+        if rate < self.osc_ref_alpha:
+            rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
+        return ratio, (y, slope, vn, vshort, ref + rate * (dev - ref))
 
     def _learn(self, y: float, osc: float) -> None:
         last = self._last

@@ -137,12 +137,13 @@ def _confidence(z: float, threshold: float) -> float:
 class StatisticalState:
     """One run's two monitors, and the codes of the last step (what ``learn`` needs)."""
 
-    __slots__ = ("loss", "grad", "codes")
+    __slots__ = ("loss", "grad", "codes", "logs")
 
     def __init__(self, config: StatisticalConfig) -> None:
         self.loss = config.loss.monitor()
         self.grad = config.grad_norm.monitor()
         self.codes = (OK, OK)
+        self.logs: tuple[float, float | None] | None = None
 
 
 _LEARNABLE = (OK, WARMUP)
@@ -179,8 +180,16 @@ class StatisticalDetector(Detector[StatisticalState]):
         return (math.log(loss if loss > floor else floor),
                 None if grad is None else math.log(grad if grad > floor else floor))
 
-    def score(self, event: StepEvent, state: StatisticalState) -> Verdict:
+    def _judge(self, event: StepEvent, state: StatisticalState) -> tuple:
+        """(logs, loss judgement, grad-norm judgement or None); None for a non-finite step."""
         logs = self._logs(event)
+        if logs is None:
+            return None, None, None
+        return (logs, state.loss.judge(logs[0]),
+                None if logs[1] is None else state.grad.judge(logs[1]))
+
+    def score(self, event: StepEvent, state: StatisticalState) -> Verdict:
+        logs, loss_judged, grad_judged = self.scored(event, state, self._judge)
         if logs is None:
             # Reported, and skipped: a NaN never reaches the statistics.
             loss, grad = event.loss, event.grad_norm
@@ -190,10 +199,10 @@ class StatisticalDetector(Detector[StatisticalState]):
                 is_anomaly=True, type=AnomalyType.NON_FINITE, confidence=1.0, critical=True,
                 rules=[f"{what}_non_finite"], message=f"{what} is {value}",
             )
-        code, z, jump = state.loss.judge(logs[0])
+        code, z, jump = loss_judged[:3]
         signal = "loss"
-        if logs[1] is not None:
-            gcode, gz, gjump = state.grad.judge(logs[1])
+        if grad_judged is not None:
+            gcode, gz, gjump = grad_judged[:3]
             # The loss speaks first; the gradient norm when the loss has nothing to say.
             if gcode in _TYPES and code not in _TYPES:
                 code, z, jump, signal = gcode, gz, gjump, "grad_norm"
@@ -201,7 +210,8 @@ class StatisticalDetector(Detector[StatisticalState]):
             if code == CANDIDATE:  # suspicious, not (yet) an anomaly: said, not acted upon
                 return Verdict(
                     run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-                    is_anomaly=False, confidence=0.3, signals={"z": round(z, 3), "jump": round(jump, 4)},
+                    is_anomaly=False, confidence=0.3,
+                    signals={"z": round(z, 3), "jump": round(jump, 4)},
                     message=f"{signal} jumped; waiting to see whether it heals",
                 )
             return validate_verdict({
@@ -225,16 +235,16 @@ class StatisticalDetector(Detector[StatisticalState]):
         return False
 
     def track(self, event: StepEvent, state: StatisticalState, verdict: Verdict) -> None:
-        logs = self._logs(event)
-        if logs is None:
+        state.logs, loss_judged, grad_judged = self.scored(event, state, self._judge)
+        if loss_judged is None:
             return
         state.codes = (
-            state.loss.advance(logs[0]),
-            OK if logs[1] is None else state.grad.advance(logs[1]),
+            state.loss.advance(loss_judged),
+            OK if grad_judged is None else state.grad.advance(grad_judged),
         )
 
     def learn(self, event: StepEvent, state: StatisticalState) -> None:
-        logs = self._logs(event)
+        logs = state.logs  # this step's, from track
         if logs is None:
             return
         if state.codes[0] in _LEARNABLE:

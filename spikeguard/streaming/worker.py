@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import SchemaError
+from spikeguard.errors import SchemaError, SpikeguardError
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
@@ -268,7 +268,16 @@ class Worker:
             snapshot = self._store.load(partition)
             if not snapshot:
                 continue
-            self.stage.restore(snapshot["runs"])
+            try:
+                self.stage.restore(snapshot["runs"])
+            except (SpikeguardError, ValueError, KeyError, TypeError) as exc:
+                # A state this code cannot adopt (another layout version, say): the
+                # partition starts afresh from the committed offsets, said and counted.
+                self.stage.forget(snapshot["runs"])
+                self.metrics.unreadable_snapshots.labels(self.stage.name).inc()
+                log.warning("%s: cannot restore partition %d (%s: %s); it starts afresh",
+                            self.group, partition, type(exc).__name__, exc)
+                continue
             self._partition_runs[partition] = set(snapshot["runs"])
             for topic, offset in snapshot["offsets"].items():
                 if (topic, partition) in gained:

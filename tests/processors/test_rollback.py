@@ -69,6 +69,17 @@ def test_the_same_steps_rerun_get_the_same_verdicts(name: str):
     assert json.dumps(det.state_dict()) == before
 
 
+def test_a_new_epoch_that_reruns_nothing_keeps_the_state():
+    det = DETECTORS["statistical"](CONFIGS["statistical"]())
+    straight = DETECTORS["statistical"](CONFIGS["statistical"]())
+    events = falling(0, 600, seed=6)
+    det.update_many(events[:425])  # between two snapshots (400 and 450)
+    straight.update_many(events[:425])
+    later = det.update_many([e.model_copy(update={"epoch": 1}) for e in events[425:]])
+    assert [v.model_copy(update={"epoch": 0}) for v in later] == straight.update_many(events[425:])
+    assert det.state_dict() == {**straight.state_dict(), "epoch": 1}
+
+
 def test_a_rollback_before_anything_kept_starts_afresh():
     det = DETECTORS["statistical"](CONFIGS["statistical"]())
     det.update_many(falling(0, 300, seed=4))

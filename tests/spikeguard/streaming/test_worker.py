@@ -204,3 +204,51 @@ def test_an_unreadable_snapshot_is_logged_and_counted(caplog):
         "spikeguard_state_snapshots_unreadable_total", {"component": "sum"}
     ) == 1
     assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4]  # started afresh
+
+
+def test_a_snapshot_of_another_state_version_is_not_adopted(caplog):
+    from spikeguard.components import build_stage
+    from spikeguard.settings import load_settings
+
+    bus = EmbeddedBus(partitions=1)
+    registry = CollectorRegistry()
+    stage = build_stage("rules", load_settings(), TOPICS)
+    state = stage.run("a").state_dict()
+    bus.create_topics([TOPICS.state("rules")], compacted=True)
+    old = {"offsets": {TOPICS.steps: 3}, "runs": {"a": {**state, "version": 0}}}
+    bus.producer().publish(TOPICS.state("rules"), json.dumps(old).encode(), key="0")
+    publish_steps(bus, range(5), runs=("a",))
+    fresh = build_stage("rules", load_settings(), TOPICS)
+    with caplog.at_level("WARNING"):
+        drain(Worker(bus, fresh, metrics=Metrics(registry)))
+    assert any("cannot restore partition 0" in r.getMessage() and "version 0" in r.getMessage()
+               for r in caplog.records)
+    assert registry.get_sample_value(
+        "spikeguard_state_snapshots_unreadable_total", {"component": "rules"}
+    ) == 1
+    # Not sought to the snapshot's offsets: every step judged, from a fresh state.
+    assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4]
+
+
+def test_a_real_detector_retried_after_a_failure_learns_each_good_step_once():
+    from spikeguard.processors.detectors import StatisticalDetector
+
+    class Faulty(StatisticalDetector):
+        """The real detector, with a fault injected after it has learnt step 2."""
+
+        def learn(self, event, state):
+            super().learn(event, state)
+            if event.step == 2:
+                raise RuntimeError("fault after learning step 2")
+
+    bus = EmbeddedBus(partitions=1)
+    stage = DetectorStage(TOPICS, "statistical", lambda run_id: Faulty())
+    worker = Worker(bus, stage, metrics=Metrics(CollectorRegistry()), snapshots=False)
+    publish_steps(bus, range(5), runs=("a",))
+    drain(worker)
+    clean = StatisticalDetector()
+    clean.update_many([
+        StepEvent(run_id="a", step=s, loss=float(s % 7) + 0.5, time=0.0) for s in (0, 1, 3, 4)
+    ])
+    assert stage.runs["a"].state_dict() == clean.state_dict()
+    assert stage.runs["a"].state_dict()["loss"]["n"] == 4  # four good steps, each learnt once
