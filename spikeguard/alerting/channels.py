@@ -40,7 +40,7 @@ class Alert:
     type: str
     urgency: str
     confidence: float
-    recommendation: str
+    critical: bool
     detectors: dict[str, float] = field(default_factory=dict)
     rules: list[str] = field(default_factory=list)
     time: float = 0.0  # unix seconds, when the monitor saw the decision
@@ -56,7 +56,7 @@ class Alert:
             type=decision.type.value,
             urgency=decision.urgency.value,
             confidence=decision.confidence,
-            recommendation=decision.recommendation,
+            critical=decision.critical,
             detectors=dict(decision.detectors),
             rules=list(decision.rules),
             time=seen,
@@ -76,8 +76,8 @@ class Alert:
         ]
         if self.rules:
             lines.append(f"rules: {', '.join(self.rules)}")
-        if self.recommendation:
-            lines.append(f"recommended: {self.recommendation}")
+        if self.critical:
+            lines.append("critical: the recovery policy acts at once")
         lines.append(f"incident: {self.incident_id}")
         return "\n".join(lines)
 

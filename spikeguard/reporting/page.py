@@ -64,7 +64,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
     else:
         parts.append("<table><tr><th>onset (wall clock)</th><th>steps</th><th>epoch</th>"
                      "<th>type</th><th>urgency</th><th>loss vs baseline</th><th>detectors</th>"
-                     "<th>rules</th><th>recommended</th></tr>")
+                     "<th>rules</th><th>critical</th></tr>")
         for i in t.incidents:
             ratio = ""
             if i.loss is not None and i.baseline and math.isfinite(i.loss):
@@ -80,7 +80,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                 f" ({i.decisions} decision(s))</td><td>{i.epoch}</td><td>{_e(i.type)}</td>"
                 f"<td class='{_e(i.urgency)}'>{_e(i.urgency)}</td>"
                 f"<td>{_num(i.loss)} vs {_num(i.baseline)}{ratio}</td><td>{said}</td>"
-                f"<td>{_e(', '.join(i.rules))}</td><td>{_e(i.recommendation)}</td></tr>")
+                f"<td>{_e(', '.join(i.rules))}</td><td>{'yes' if i.critical else 'no'}</td></tr>")
         parts.append("</table><p class='muted'>Baseline: median of the finite losses of the "
                      "20 steps before the onset.</p>")
     parts.append("<h2>What the trainer did</h2>")

@@ -45,7 +45,7 @@ class Incident:
     baseline: float | None  # rolling median of the BASELINE_STEPS finite losses before onset
     detectors: dict[str, dict] = field(default_factory=dict)  # name -> verdict summary
     rules: list[str] = field(default_factory=list)
-    recommendation: str = ""
+    critical: bool = False
 
 
 @dataclass
@@ -121,7 +121,7 @@ def build_timeline(run: RunRecord) -> Timeline:
                 time=point.time if point else None, loss=point.loss if point else None,
                 baseline=_baseline(points, at) if at is not None else None,
                 detectors=verdicts.get((d.epoch, onset)) or verdicts.get((d.epoch, d.step), {}),
-                rules=list(d.rules), recommendation=d.recommendation,
+                rules=list(d.rules), critical=d.critical,
             )
         found.decisions += 1
         found.first_step, found.last_step = min(found.first_step, d.step), max(found.last_step, d.step)

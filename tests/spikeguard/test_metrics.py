@@ -47,7 +47,8 @@ def test_last_step_and_per_run_decisions_and_actions():
                                              time=1000.0))])
     decision = Decision(decision_id="d1", run_id="a", step=7, is_anomaly=True,
                         urgency=Urgency.CRITICAL, incident_id="i1")
-    action = Action(action_id="x1", run_id="a", kind=ActionKind.ROLLBACK, apply_at_step=8)
+    action = Action(action_id="x1", run_id="a", kind=ActionKind.ROLLBACK, apply_at_step=8,
+                    params={"target_step": 5})
     verdict = Verdict(run_id="a", step=7, detector="predictor", is_anomaly=False,
                       health=HealthLevel.CRITICAL)
     before = time.time()

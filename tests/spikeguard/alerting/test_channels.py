@@ -11,7 +11,7 @@ from spikeguard.alerting import Alert, AlertDeliveryError, EmailChannel, LogChan
 
 def _alert(**changes) -> Alert:
     fields = dict(run_id="r1", incident_id="inc-1", step=120, epoch=0, type="loss_spike",
-                  urgency="critical", confidence=0.93, recommendation="rollback",
+                  urgency="critical", confidence=0.93, critical=True,
                   detectors={"statistical": 0.9, "rules": 1.0}, rules=["nonfinite_loss"],
                   time=1_700_000_000.0)
     fields.update(changes)

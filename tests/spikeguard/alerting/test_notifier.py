@@ -110,7 +110,8 @@ def test_the_monitor_worker_alerts_measures_and_survives_a_restart(webhook):
               for s in range(100, 105)]
     events += [(topics.decisions, _decision(s)) for s in range(100, 105)]
     events += [(topics.actions, Action(action_id="a1", run_id="r1", kind=ActionKind.ROLLBACK,
-                                       apply_at_step=106, decision_id="d-r1-100"))]
+                                       apply_at_step=106, decision_id="d-r1-100",
+                                       params={"target_step": 90}))]
     producer.publish_events(events)
 
     def worker():
