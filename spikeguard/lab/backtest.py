@@ -28,7 +28,7 @@ _NEVER = 10**12
 #: Records a worker takes per poll: the detectors' batch.
 BATCH = 2000
 #: Steps per segment of a streamed backtest: a multiple of BATCH (see OfflinePipeline).
-SEGMENT_STEPS = 10 * BATCH
+SEGMENT_STEPS = 2 * BATCH  # ~55 MiB of records and events on top of ~140 MiB of imports
 
 
 class _StagedTopics(Topics):
