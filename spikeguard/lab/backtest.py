@@ -6,6 +6,10 @@ the machine's load. It is the same code that runs live; only the pump differs.
 Live deadlines (wall-clock, steps behind) exist for liveness when a detector is
 slow or down; here every verdict is known to arrive, so fusion waits for all of
 them (deadlines pushed out of reach) and decides the rest at the end.
+
+Input goes in segments (:class:`OfflinePipeline`), each run until every stage
+is idle, so a backtest's memory is one segment's whatever the file's length,
+and a replay can hand the actuator each checkpoint when the live run did.
 """
 
 from __future__ import annotations
@@ -49,15 +53,16 @@ def offline(settings: Settings) -> Settings:
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """No automatic cyclic GC during an allocation-heavy offline run.
+    """No automatic cyclic GC while a segment runs.
 
-    Every hop allocates small objects, and the bus keeps most of them (every
-    record stays readable), so each collection walks a heap that only grows:
-    ~20% of backtest time at a raised threshold, more at the default. The
-    pipeline makes no reference cycles per step (the ML detector's refits leave
-    a few dozen objects each), and :func:`_run_offline` breaks the ones its
-    workers and bus make, so everything is still freed by reference counting;
-    what little cyclic garbage there is waits for the next collection.
+    Every hop allocates small objects, and the segment's bus keeps them all
+    (every record stays readable) until the segment ends, so each collection
+    would walk a heap that only grows: ~20% of backtest time at a raised
+    threshold, more at the default. The pipeline makes no reference cycles per
+    step (the ML detector's refits leave a few dozen objects each), and
+    :meth:`OfflinePipeline._segment` breaks the ones its workers and bus make,
+    so everything is still freed by reference counting; what little cyclic
+    garbage there is waits for a collection between segments.
     """
     was_enabled = gc.isenabled()
     gc.disable()
