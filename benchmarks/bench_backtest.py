@@ -1,15 +1,26 @@
-"""Backtest throughput on one generated run: the pipeline, each detector, the baselines.
+"""Backtest benchmarks: issue 16's first two rows, whole process, and a per-component table.
 
-    python benchmarks/bench_backtest.py [--steps 100000] [--scenario sudden_spike]
-                                        [--seed 0] [--json results.json]
+    python benchmarks/bench_backtest.py [--steps 100000] [--memory-steps 1000000]
+                                        [--pairs 2] [--workdir /tmp/spikeguard-bench]
+                                        [--components] [--json results.json]
 
-Everything runs in this one process on one thread (OMP/MKL/torch pinned), one
-after the other on the same events, so the numbers compare. "pipeline" is
-``backtest_events`` (all detectors + fusion on the embedded bus); each
-detector runs alone through ``update_many`` in batches of 500; the baselines
-through ``update``. Aims (issue 3): pipeline >= 20k steps/s and >= 4x the
-naive baseline; statistical, rules, predictor >= 50k steps/s; ml >= 20k.
-A benchmark, not a test: it reports, it does not fail.
+Whole process (the default), on CSVs made by ``spikeguard simulate stable``
+(cached in --workdir, made once):
+
+- **throughput**: ``spikeguard backtest FILE`` (all detectors + fusion) against
+  the naive baseline over the same FILE (a process that streams the file
+  through ``NaiveBaseline`` and writes its flags), run in turn A B A B ... so
+  the ratio is taken pair by pair within one run. Aims: >= 20k steps/s and
+  >= 4x the baseline (the baseline's time includes start-up and reading, as
+  the backtest's does).
+- **memory**: the backtest's peak RSS (the child's own, from ``wait4``) on a
+  1M-step CSV, and on the --steps file to show it is flat. Aim: <= 400 MiB.
+
+``--components`` adds the older in-process table: the pipeline
+(``backtest_events``), each detector alone through ``update_many`` in batches
+of 500, the baselines through ``update``, one after the other on the same
+events (OMP/MKL/torch pinned to one thread). A benchmark, not a test: it
+reports, it does not fail.
 """
 
 from __future__ import annotations
@@ -22,7 +33,10 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUME
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -30,6 +44,8 @@ from typing import Callable  # noqa: E402
 BATCH = 500
 AIMS = {"pipeline": 20_000, "statistical": 50_000, "rules": 50_000, "predictor": 50_000, "ml": 20_000}
 PIPELINE_OVER_BASELINE = 4.0
+PROCESS_AIM = 20_000  # steps/s, whole process
+MEMORY_AIM = 400 * 2**20  # bytes of peak RSS on a 1M-step CSV
 
 
 def _pin_torch() -> None:
@@ -143,15 +159,132 @@ def _k(aim: int | None) -> str:
     return "-" if aim is None else f">={aim // 1000}k"
 
 
+# -- whole process ------------------------------------------------------------
+def ensure_file(workdir: str, scenario: str, steps: int, seed: int) -> str:
+    """A CSV of ``steps`` simulated steps, made once by ``spikeguard simulate``."""
+    path = os.path.join(workdir, f"{scenario}-{steps}-{seed}.csv")
+    if not os.path.exists(path):
+        os.makedirs(workdir, exist_ok=True)
+        partial = path + ".part.csv"
+        subprocess.run([sys.executable, "-m", "spikeguard", "simulate", scenario, "--steps",
+                        str(steps), "--seed", str(seed), "--out", partial],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(partial, path)
+    return path
+
+
+def run_child(command: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process, start-up included."""
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: a chatty child cannot block
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-500:]
+            raise RuntimeError(f"{' '.join(command)} exited {process.returncode}: {tail}")
+    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+def backtest_command(path: str, out: str) -> list[str]:
+    return [sys.executable, "-m", "spikeguard", "backtest", path, "--out", out]
+
+
+def naive_command(path: str, out: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--naive-child", path, out]
+
+
+def naive_child(path: str, out: str) -> int:
+    """The baseline's whole process: stream FILE through NaiveBaseline, write its flags."""
+    from spikeguard.lab.backtest_input import iter_steps
+    from spikeguard.lab.baselines import NaiveBaseline
+
+    baselines: dict[str, NaiveBaseline] = {}
+    with open(out, "w", encoding="utf-8") as handle:
+        for event in iter_steps(path):
+            baseline = baselines.get(event.run_id) or baselines.setdefault(event.run_id, NaiveBaseline())
+            if baseline.update(event):
+                handle.write(json.dumps({"run_id": event.run_id, "step": event.step}) + "\n")
+    return 0
+
+
+def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, seed: int) -> dict:
+    path = ensure_file(workdir, "stable", steps, seed)
+    out = os.path.join(workdir, "out.jsonl")
+    rows = []
+    for _ in range(pairs):  # A B A B: each ratio from two runs side by side
+        a, peak = run_child(backtest_command(path, out))
+        b, _ = run_child(naive_command(path, out))
+        rows.append({"backtest_s": a, "naive_s": b, "ratio": b / a, "backtest_peak": peak})
+    backtest_s = statistics.median(r["backtest_s"] for r in rows)
+    naive_s = statistics.median(r["naive_s"] for r in rows)
+    memory = {steps: statistics.median(r["backtest_peak"] for r in rows)}
+    if memory_steps and memory_steps != steps:
+        big = ensure_file(workdir, "stable", memory_steps, seed)
+        big_s, memory[memory_steps] = run_child(backtest_command(big, out))
+    else:
+        big_s = None
+    return {
+        "steps": steps,
+        "pairs": rows,
+        "backtest_steps_per_s": steps / backtest_s,
+        "naive_steps_per_s": steps / naive_s,
+        "backtest_over_naive": statistics.median(r["ratio"] for r in rows),
+        "peak_rss_bytes": {str(k): v for k, v in memory.items()},
+        "memory_steps": memory_steps,
+        "memory_run_steps_per_s": memory_steps / big_s if big_s else None,
+    }
+
+
+def render_process(report: dict) -> str:
+    steps = report["steps"]
+    rate, ratio = report["backtest_steps_per_s"], report["backtest_over_naive"]
+    lines = [
+        f"whole process, stable CSV, {len(report['pairs'])} pair(s) run in turn (medians):",
+        f"  backtest throughput, {steps:,} steps: {rate:,.0f} steps/s "
+        f"(aim >= {PROCESS_AIM:,}) {'ok' if rate >= PROCESS_AIM else 'BELOW AIM'}",
+        f"  naive baseline, same file:           {report['naive_steps_per_s']:,.0f} steps/s",
+        f"  backtest / naive: {ratio:.2f}x (aim >= {PIPELINE_OVER_BASELINE:.0f}x) "
+        f"{'ok' if ratio >= PIPELINE_OVER_BASELINE else 'BELOW AIM'}",
+    ]
+    for size, peak in report["peak_rss_bytes"].items():
+        verdict = ""
+        if int(size) == report["memory_steps"]:
+            verdict = " (aim <= 400 MiB) " + ("ok" if peak <= MEMORY_AIM else "ABOVE AIM")
+        lines.append(f"  backtest peak RSS, {int(size):,} steps: {peak / 2**20:,.0f} MiB{verdict}")
+    if report["memory_run_steps_per_s"]:
+        lines.append(f"  (the {report['memory_steps']:,}-step run: "
+                     f"{report['memory_run_steps_per_s']:,.0f} steps/s)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--scenario", default="sudden_spike")
+    parser.add_argument("--memory-steps", type=int, default=1_000_000,
+                        help="the CSV whose peak RSS is measured (0: skip)")
+    parser.add_argument("--pairs", type=int, default=2, help="backtest/baseline pairs")
+    parser.add_argument("--workdir", default=os.path.join("/tmp", "spikeguard-bench"),
+                        help="where the simulated CSVs are made (once) and kept")
+    parser.add_argument("--components", action="store_true",
+                        help="also the in-process table (pipeline, each detector, baselines)")
+    parser.add_argument("--scenario", default="sudden_spike", help="for --components")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--naive-child", nargs=2, metavar=("FILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    report = measure(args.steps, args.scenario, args.seed)
-    print(render(report))
+    if args.naive_child:
+        return naive_child(*args.naive_child)
+    report: dict = {"python": platform.python_version(), "machine": platform.machine()}
+    report["process"] = measure_process(args.steps, args.memory_steps, args.pairs, args.workdir,
+                                        args.seed)
+    print(render_process(report["process"]))
+    if args.components:
+        report["components"] = measure(args.steps, args.scenario, args.seed)
+        print()
+        print(render(report["components"]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)

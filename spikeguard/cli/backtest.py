@@ -4,16 +4,20 @@ FILE is CSV (header with at least ``step,loss``; optional ``grad_norm,lr,run_id`
 ``nan``/``inf`` allowed) or JSONL of step events. The whole pipeline (all
 detectors + fusion) runs on the embedded bus, deterministically; OUT gets one
 JSON decision per line: every anomalous or preventive decision (``--all``: every step).
+The file is read and judged as a stream, so memory does not grow with its size;
+on a terminal a progress bar follows the file (none when stderr is not a TTY).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from spikeguard.cli._common import add_settings_flags, settings_from
+from spikeguard.errors import SpikeguardError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,30 +34,85 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from spikeguard.lab.backtest import backtest_events
-    from spikeguard.lab.runfile import read_steps
+def check_out(source: str, out: str) -> None:
+    """Refuse, before any work, an output that cannot be written or would destroy the input."""
+    if out == "-":
+        return
+    target, origin = Path(out), Path(source)
+    if not target.parent.is_dir():
+        raise SpikeguardError(f"--out {out}: directory {target.parent} does not exist")
+    if target.is_dir():
+        raise SpikeguardError(f"--out {out} is a directory; give a file name")
+    same = target.exists() and origin.exists() and os.path.samefile(origin, target)
+    if same or target.resolve() == origin.resolve():
+        raise SpikeguardError(f"--out {out} is the input file {source}; it would be overwritten")
 
-    settings = settings_from(args)
-    events, _labels = read_steps(args.file)
-    started = time.perf_counter()
-    decisions = backtest_events(events, settings)
-    elapsed = time.perf_counter() - started
-    out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
-    written = 0
+
+def progress_bar(path: str):
+    """A tqdm bar over the file's size on a terminal; None (no output at all) otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
     try:
-        for decision in decisions:
+        size = os.path.getsize(path)
+    except OSError:
+        size = None
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        columns = 0
+    # A terminal that reports no width (a bare pty) would get an empty bar from tqdm.
+    width: dict = {"dynamic_ncols": True} if columns else {"ncols": 80, "nrows": 24}
+    return tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="backtest",
+                file=sys.stderr, leave=False, **width)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spikeguard.lab.backtest import backtest_stream
+    from spikeguard.lab.backtest_input import iter_steps
+
+    check_out(args.file, args.out)
+    settings = settings_from(args)
+    bar = progress_bar(args.file)
+    steps = 0
+
+    def counted():
+        nonlocal steps
+        for event in iter_steps(args.file, on_progress=bar.update if bar else None):
+            steps += 1
+            yield event
+
+    # Decisions are written as they come, to OUT.part, renamed to OUT once the
+    # whole file is judged: a file broken half-way leaves no half output behind.
+    partial = None if args.out == "-" else Path(args.out + ".part")
+    started = time.perf_counter()
+    written = anomalies = 0
+    incidents: set[str] = set()
+    out = sys.stdout if partial is None else partial.open("w", encoding="utf-8")
+    try:
+        for decision in backtest_stream(counted(), settings):
+            anomalies += decision.is_anomaly
+            if decision.incident_id:
+                incidents.add(decision.incident_id)
             if args.all or decision.is_anomaly or decision.preventive:
                 out.write(decision.model_dump_json() + "\n")
                 written += 1
-    finally:
-        if out is not sys.stdout:
+    except BaseException:
+        if partial is not None:
             out.close()
-    anomalies = sum(d.is_anomaly for d in decisions)
-    incidents = len({d.incident_id for d in decisions if d.incident_id})
+            partial.unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if partial is not None:
+        out.close()
+        os.replace(partial, args.out)
+    elapsed = time.perf_counter() - started
     print(
-        f"backtest: {len(events)} steps, {anomalies} anomalous decisions, {incidents} incidents, "
-        f"{written} lines -> {args.out} ({len(events) / max(elapsed, 1e-9):,.0f} steps/s)",
+        f"backtest: {steps} steps, {anomalies} anomalous decisions, {len(incidents)} incidents, "
+        f"{written} lines -> {args.out} ({steps / max(elapsed, 1e-9):,.0f} steps/s)",
         file=sys.stderr,
     )
     return 0

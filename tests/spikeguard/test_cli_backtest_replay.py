@@ -124,3 +124,78 @@ def test_the_console_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "spikeguard", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "backtest" in done.stdout
+
+
+def test_backtest_into_a_missing_directory_is_a_one_line_error(tmp_path, capsys):
+    source = tmp_path / "run.csv"
+    write_csv(source, steps=50)
+    assert main(["backtest", str(source), "--out", str(tmp_path / "nowhere" / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err and "nowhere" in err
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotted", "link"])
+def test_backtest_refuses_to_write_over_its_input(tmp_path, capsys, monkeypatch, spelling):
+    source = tmp_path / "run.csv"
+    write_csv(source, steps=50)
+    before = source.read_text()
+    monkeypatch.chdir(tmp_path)
+    out = {"same": str(source), "dotted": "./sub/../run.csv", "link": str(tmp_path / "alias.csv")}
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "alias.csv").symlink_to(source)
+    assert main(["backtest", str(source), "--out", out[spelling]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the input file" in err
+    assert source.read_text() == before
+
+
+def test_a_file_broken_half_way_leaves_no_output(tmp_path, capsys):
+    source = tmp_path / "run.csv"
+    write_csv(source, steps=3000)
+    source.write_text(source.read_text() + "3000,abc\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["backtest", str(source), "--out", str(out)]) == 2
+    assert "run.csv:3002" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "o.jsonl.part").exists()
+
+
+def _backtest_stderr(tmp_path, on_a_terminal: bool) -> str:
+    import os
+    import pty
+
+    source = tmp_path / "run.csv"
+    write_csv(source, steps=3000)
+    command = [sys.executable, "-m", "spikeguard", "backtest", str(source),
+               "--out", str(tmp_path / "o.jsonl")]
+    if not on_a_terminal:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+    leader, follower = pty.openpty()
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert process.wait(timeout=300) == 0
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_backtest_shows_progress_on_a_terminal(tmp_path):
+    err = _backtest_stderr(tmp_path, on_a_terminal=True)
+    assert "\rbacktest:   0%|" in err and "B/s]" in err  # tqdm's bar over the file's bytes
+    assert "3000 steps" in err  # the summary still follows
+
+
+def test_backtest_is_silent_but_for_its_summary_off_a_terminal(tmp_path):
+    err = _backtest_stderr(tmp_path, on_a_terminal=False)
+    assert err.count("\n") == 1 and err.startswith("backtest: 3000 steps")
+    assert "%" not in err and "\r" not in err
