@@ -74,8 +74,9 @@ def test_workers_monitor_and_prometheus_on_kafka(kafka_bootstrap, tmp_path):
     prefix = f"mon-{uuid.uuid4().hex[:8]}."
     hook = _Hook()
     worker_port, monitor_port, prom_port = _free_port(), _free_port(), _free_port()
+    # The test writes the steps itself, unsigned: the pipeline opts out of signing.
     env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap,
-           "SPIKEGUARD_ALERTING__WEBHOOK_URL": hook.url}
+           "SPIKEGUARD_ALERTING__WEBHOOK_URL": hook.url, "SPIKEGUARD_INSECURE": "1"}
     logs = [tmp_path / "worker.log", tmp_path / "monitor.log", tmp_path / "prometheus.log"]
     common = ["--topic-prefix", prefix, "--set", "snapshot_interval_s=0.5"]
     procs = [
