@@ -41,7 +41,7 @@ class StateStore:
                 if record.key is None or record.value is None:
                     continue
                 try:
-                    partition = int(record.key)
+                    key = int(record.key)
                     snapshot = json.loads(record.value)
                     if not (isinstance(snapshot, dict) and isinstance(snapshot.get("runs"), dict)
                             and isinstance(snapshot.get("offsets"), dict)):
@@ -56,7 +56,7 @@ class StateStore:
                                 "(%s); that partition starts afresh", self.topic,
                                 record.key.decode(errors="replace"), record.offset, exc)
                     continue
-                self._loaded[partition] = snapshot
+                self._loaded[key] = snapshot
         return self._loaded.get(partition)
 
     def save(

@@ -252,3 +252,19 @@ def test_a_real_detector_retried_after_a_failure_learns_each_good_step_once():
     ])
     assert stage.runs["a"].state_dict() == clean.state_dict()
     assert stage.runs["a"].state_dict()["loss"]["n"] == 4  # four good steps, each learnt once
+
+
+def test_the_state_store_gives_each_partition_its_own_snapshot():
+    from spikeguard.streaming.state_store import StateStore
+
+    bus = EmbeddedBus(partitions=3)
+    store = StateStore(bus, TOPICS.state("sum"))
+    store.ensure_topic()
+    producer = bus.producer()
+    for partition in (2, 0, 1):
+        store.save(producer, partition, {TOPICS.steps: 10 * partition}, {f"run-{partition}": {}})
+    reader = StateStore(bus, TOPICS.state("sum"))
+    for partition in (0, 1, 2):
+        assert reader.load(partition) == {
+            "offsets": {TOPICS.steps: 10 * partition}, "runs": {f"run-{partition}": {}}
+        }
