@@ -23,8 +23,13 @@ class GuardConfig(BaseModel):
     keep_checkpoints: int = Field(
         3, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one"
     )
+    async_checkpoint: bool = Field(
+        True, description="write checkpoints on a background thread (the step only copies the state "
+        "to CPU memory); at most one write in flight, a save due meanwhile waits for it"
+    )
     resume: bool = Field(
-        True, description="start from the newest checkpoint of this run_id if there is one"
+        True, description="start from the newest checkpoint of this run_id if there is one "
+        "(announced at WARNING); a finished run is moved aside and started again instead"
     )
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
