@@ -1,4 +1,4 @@
-"""The Guard's checkpointing: when to save, the save itself, and telling the pipeline.
+"""The Guard's checkpointing: resume, when to save, the save itself, and telling the pipeline.
 
 A mixin of the Guard (its attributes: ``saver``, ``health``, ``position``,
 ``parts``, ``events``, ``counters``), kept apart so guard.py reads as the step.
@@ -14,14 +14,43 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import Outcome
 from spikeguard.producers.async_checkpoint import SaveJob
+from spikeguard.producers.ledger import apply_restart_facts, restart_facts
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
 log = logging.getLogger("spikeguard.producers.guard")
 
 
 class Checkpointing:
+    def resume(self) -> Any:
+        """Continue from the newest checkpoint of this run, if any (the ledger always applies);
+        a finished run is moved aside instead and started again (lifecycle.py)."""
+        self.saver.wait()
+        peek = lifecycle.read_sidecar(self.store.directory)
+        if self.rank == 0 and peek is not None and peek.get("finished"):
+            archived = lifecycle.archive_finished(self.store.directory)
+            log.warning(lifecycle.finished_message(self.run_id, peek, archived))
+            return None
+        side = self.ledger.read() or {}
+        info = self.store.newest()
+        if info is not None:
+            self.load_state_dict(self.store.load(info))
+            self.step_count, self.epoch = info.step, info.epoch
+            self.resumed_from = info  # (its checkpoint is on disk: _start saves no initial one)
+            log.warning(lifecycle.resume_message(self.run_id, info, self.store.directory))
+        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
+        return info
+
+    def _persist_ledger(self) -> None:
+        if self.rank == 0:
+            facts = restart_facts(self.run_id, self.epoch, self.step_count, self.position, self.lr,
+                                  self.clipper)
+            if self.finished:
+                facts["finished"] = lifecycle.finished_fact(self.step_count, self.epoch, "close")
+            self.ledger.persist(facts)
+
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
         """Save now (state before step ``step_count``), wait until it is on disk, publish it.
 
@@ -85,3 +114,21 @@ class Checkpointing:
         if done:
             self._persist_ledger()
         return done
+
+    def _incident_found(self, action: Action) -> None:
+        """An anomaly action that names an incident: the incident began up to
+        ``detection_delay_steps`` before it was decided (or at ``params["onset_step"]`` when the
+        action says), so checkpoints taken since then are not healthy — and rotation must not
+        keep one of them as "the newest healthy" in place of the last good state."""
+        if action.incident_id is None:
+            return  # e.g. a STOP the user asked for: no incident, nothing to distrust
+        self.saver.wait()
+        self._drain_saves()
+        onset = action.params.get("onset_step")
+        if not isinstance(onset, int) or isinstance(onset, bool):
+            onset = action.apply_at_step - self.config.detection_delay_steps
+        # (demote: steps after the onset; the one at the onset holds the state before it, still good)
+        for info in self.store.demote(onset, self.epoch):
+            self.events.checkpoint(CheckpointEvent(
+                run_id=self.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
+                path=str(info.path), healthy=False), [])

@@ -6,6 +6,8 @@ itself, never stored here: this is only what a user would put in a file.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
@@ -21,7 +23,19 @@ class GuardConfig(BaseModel):
         50, ge=0, description="steps between periodic checkpoints; 0 = only on demand"
     )
     keep_checkpoints: int = Field(
-        3, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one"
+        4, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one; "
+        "(keep - 1) x checkpoint_every must cover the policy's rollback distance + detection_delay_steps"
+    )
+    detection_delay_steps: int = Field(
+        25, ge=0, description="steps from an incident's onset to the rollback that answers it "
+        "(patience + pipeline lag): the kept checkpoints must reach this much further back"
+    )
+    preset: str | None = Field(
+        None, description="the run's model profile (small, medium, large; see `spikeguard presets`); "
+        "None: SPIKEGUARD_PRESET if set"
+    )
+    policy: dict[str, Any] = Field(
+        default_factory=dict, description="the run's PolicyConfig overrides, over the preset's"
     )
     async_checkpoint: bool = Field(
         True, description="write checkpoints on a background thread (the step only copies the state "

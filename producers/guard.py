@@ -46,13 +46,13 @@ from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
-from spikeguard.producers.ledger import SIDECAR, ActionLedger, apply_restart_facts, restart_facts
-from spikeguard.producers import lifecycle
+from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
 from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.run_plan import make_plan
 from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
@@ -64,7 +64,8 @@ class Guard(Checkpointing):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
-                 connect: bool = True) -> None:
+                 connect: bool = True, preset: str | None = None,
+                 policy: dict[str, Any] | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
         self.sync = RankSync(process_group)
@@ -76,7 +77,10 @@ class Guard(Checkpointing):
 
             self._runtime = open_runtime()
             bus, topics, settings = self._runtime.bus, topics or self._runtime.topics, self._runtime.settings
-        self.config = cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        # The run's preset and policy, checked against the checkpoint settings (run_plan.py).
+        self.plan = make_plan(cfg, preset, policy)
+        self.config = cfg = self.plan.config
         directory = Path(cfg.checkpoint_dir or Path("spikeguard-checkpoints") / self.run_id)
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint)  # torch.save off the training thread
@@ -121,6 +125,7 @@ class Guard(Checkpointing):
         if bus is not None:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
+            bus.create_topics([t.runs], compacted=True)
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
                                                  threaded=not cfg.lockstep)
             if self.rank == 0:
@@ -204,7 +209,7 @@ class Guard(Checkpointing):
                          batch_index=self.loader.last_index if self.loader is not None else None)
         if self.scheduler is not None:
             self.scheduler.step()
-        self.health.observe(step, not nonfinite)
+        self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         if reason in ("non_finite", "outlier_step"):
             self.counters["skipped_update_batches"] += batches
@@ -230,6 +235,9 @@ class Guard(Checkpointing):
             finished = not self.should_stop and (planned or ran_out)
         self.finished = self.finished or finished
         self._persist_ledger()
+        if self._started:
+            self.events.run("end", self.plan, self.max_steps, self.step_count, self.epoch, self.finished,
+                            self.stop_reason or ("finished" if self.finished else "closed"))
         for part in (self.waiter, self.inbox):
             if part is not None:
                 part.close()
@@ -280,34 +288,6 @@ class Guard(Checkpointing):
             text += f" ({end - start + 1} micro-batches, {steps} optimizer steps)"
         return text
 
-    def resume(self) -> Any:
-        """Continue from the newest checkpoint of this run, if any (the ledger always applies);
-        a finished run is moved aside instead and started again (lifecycle.py)."""
-        self.saver.wait()
-        peek = lifecycle.read_sidecar(self.store.directory)
-        if self.rank == 0 and peek is not None and peek.get("finished"):
-            archived = lifecycle.archive_finished(self.store.directory)
-            log.warning(lifecycle.finished_message(self.run_id, peek, archived))
-            return None
-        side = self.ledger.read() or {}
-        info = self.store.newest()
-        if info is not None:
-            self.load_state_dict(self.store.load(info))
-            self.step_count, self.epoch = info.step, info.epoch
-            self.resumed_from = info
-            self._started = True
-            log.warning(lifecycle.resume_message(self.run_id, info, self.store.directory))
-        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
-        return info
-
-    def _persist_ledger(self) -> None:
-        if self.rank == 0:
-            facts = restart_facts(self.run_id, self.epoch, self.step_count, self.position, self.lr,
-                                  self.clipper)
-            if self.finished:
-                facts["finished"] = lifecycle.finished_fact(self.step_count, self.epoch, "close")
-            self.ledger.persist(facts)
-
     # -- what actions call ---------------------------------------------------
     def request_stop(self, reason: str) -> None:
         self.should_stop, self.stop_reason = True, reason
@@ -319,6 +299,8 @@ class Guard(Checkpointing):
     def _start(self) -> None:
         if not self._started:
             self._started = True
+            self.events.run("start", self.plan, self.max_steps, self.step_count, self.epoch, False,
+                            "resumed" if self.resumed_from is not None else "new")
             if self.store.newest() is None and self.saver.in_flight is None:
                 self._save("periodic")  # a rollback target before anything can go wrong
 
@@ -363,6 +345,7 @@ class Guard(Checkpointing):
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:
                 self.health.on_anomaly()
+                self._incident_found(action)
             if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
                 interrupted = True
             if outcome is not None:
