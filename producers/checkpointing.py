@@ -29,9 +29,10 @@ class Checkpointing:
         a finished run is moved aside instead and started again (lifecycle.py)."""
         self.saver.wait()
         peek = lifecycle.read_sidecar(self.store.directory)
-        if self.rank == 0 and peek is not None and peek.get("finished"):
-            archived = lifecycle.archive_finished(self.store.directory)
-            log.warning(lifecycle.finished_message(self.run_id, peek, archived))
+        if peek is not None and peek.get("finished"):
+            if self.rank == 0:  # the directory is shared: one rank moves it aside
+                archived = lifecycle.archive_finished(self.store.directory)
+                log.warning(lifecycle.finished_message(self.run_id, peek, archived))
             return None
         side = self.ledger.read() or {}
         info = self.store.newest()

@@ -136,3 +136,13 @@ def make_guard_local(tiny, bus, tmp_path):
     from producers_helpers import make_guard
 
     return make_guard(tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=4, incident_window=3)
+
+
+def test_the_preset_through_settings_environment_and_set_flag():
+    from spikeguard.settings import load_settings
+
+    from_env = load_settings(env={"SPIKEGUARD_GUARD__PRESET": "large"}).guard
+    assert make_plan(from_env).preset == "large" and make_plan(from_env).config.checkpoint_every == 50
+    from_flag = load_settings({"guard.preset": "small", "guard.policy": {"min_lr_factor": 0.2}}, env={}).guard
+    plan = make_plan(from_flag)
+    assert plan.preset == "small" and plan.policy == {"min_lr_factor": 0.2}
