@@ -119,6 +119,17 @@ class CheckpointStore:
         self.removed = self.rotate()
         return info
 
+    def demote(self, after_step: int, epoch: int) -> list[CheckpointInfo]:
+        """Mark this epoch's healthy checkpoints after ``after_step`` unhealthy (renamed, atomically);
+        returns them as they are now. An incident found late began before they were taken."""
+        demoted = []
+        for c in self.list():
+            if c.healthy and c.epoch == epoch and c.step > after_step:
+                path = c.path.with_name(c.path.name.replace(f"-s{c.step:010d}-h-", f"-s{c.step:010d}-u-", 1))
+                os.replace(c.path, path)
+                demoted.append(CheckpointInfo(c.checkpoint_id, c.step, c.epoch, False, path, c.rank))
+        return demoted
+
     def rotate(self) -> list[CheckpointInfo]:
         """Delete all but the newest ``keep`` and the newest healthy; returns what went."""
         found = self.list()

@@ -6,6 +6,8 @@ itself, never stored here: this is only what a user would put in a file.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
@@ -21,10 +23,27 @@ class GuardConfig(BaseModel):
         50, ge=0, description="steps between periodic checkpoints; 0 = only on demand"
     )
     keep_checkpoints: int = Field(
-        3, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one"
+        4, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one; "
+        "(keep - 1) x checkpoint_every must cover the policy's rollback distance + detection_delay_steps"
+    )
+    detection_delay_steps: int = Field(
+        25, ge=0, description="steps from an incident's onset to the rollback that answers it "
+        "(patience + pipeline lag): the kept checkpoints must reach this much further back"
+    )
+    preset: str | None = Field(
+        None, description="the run's model profile (small, medium, large; see `spikeguard presets`); "
+        "None: SPIKEGUARD_PRESET if set"
+    )
+    policy: dict[str, Any] = Field(
+        default_factory=dict, description="the run's PolicyConfig overrides, over the preset's"
+    )
+    async_checkpoint: bool = Field(
+        True, description="write checkpoints on a background thread (the step only copies the state "
+        "to CPU memory); at most one write in flight, a save due meanwhile waits for it"
     )
     resume: bool = Field(
-        True, description="start from the newest checkpoint of this run_id if there is one"
+        True, description="start from the newest checkpoint of this run_id if there is one "
+        "(announced at WARNING); a finished run is moved aside and started again instead"
     )
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"

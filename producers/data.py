@@ -55,6 +55,7 @@ class GuardedLoader:
         self.before_batch = before_batch
         self.position = 0
         self.last_index: int | None = None
+        self.ran_out = False  # the last iteration ended at the end of the data (not by a stop)
         # The batches read since the last take_span(): one optimizer step's (micro-)batches.
         self._span = (-1, -1, 0)
         self.skip_ranges: list[list[int]] = []
@@ -137,6 +138,7 @@ class GuardedLoader:
             if self.stop_when is not None and self.stop_when():
                 raise StopIteration
             if self._limit is not None and self.position >= self._limit:
+                self.ran_out = True  # the data's end, not a stop: the run is finished
                 raise StopIteration
             if self.before_batch is not None:
                 self.before_batch()
@@ -147,10 +149,12 @@ class GuardedLoader:
             except StopIteration:
                 self._iter = None
                 if self.batches_per_epoch is None:
+                    self.ran_out = True
                     raise
                 self.position = max(self.position, self._epoch_end)
                 continue
             self.last_index = index
+            self.ran_out = False
             first, _, count = self._span
             self._span = (index if count == 0 else first, index, count + 1)
             self.position = index + 1

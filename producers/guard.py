@@ -17,7 +17,10 @@ applies the actions due at this step (before this step's update), skips the
 update at once when the loss or gradient is non-finite or the step is an
 isolated outlier (skip_rule.py), publishes the
 StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
-due. Step numbers count ``step`` calls; a checkpoint "at step s" holds the
+due (a CPU copy in the step, written in the background: async_checkpoint.py).
+A restarted run_id resumes with a WARNING; a finished one is not resumed
+(lifecycle.py). The run's preset and policy are checked when the Guard is
+built and published on the runs topic (run_plan.py). Step numbers count ``step`` calls; a checkpoint "at step s" holds the
 state before step s runs. After a rollback to s the step counter is s again
 and the epoch (rollbacks applied so far) one higher.
 """
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 
 from spikeguard.producers.amp import ScalerControl
+from spikeguard.producers.async_checkpoint import AsyncSaver
+from spikeguard.producers.checkpointing import Checkpointing
 from spikeguard.producers.actions import (ANOMALY_KINDS, ActionFailed, ActionQueue, Handler, Outcome,
                                           apply_action)
 from spikeguard.producers.checkpoints import CheckpointStore
@@ -44,24 +49,26 @@ from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
-from spikeguard.producers.ledger import SIDECAR, ActionLedger, apply_restart_facts, restart_facts
+from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
 from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.run_plan import make_plan
 from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
-from spikeguard.schemas import AckStatus, Action, ActionKind, CheckpointEvent, Topics
+from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
 
 
-class Guard:
+class Guard(Checkpointing):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
-                 connect: bool = True) -> None:
+                 connect: bool = True, preset: str | None = None,
+                 policy: dict[str, Any] | None = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
         self.sync = RankSync(process_group)
@@ -73,9 +80,13 @@ class Guard:
 
             self._runtime = open_runtime()
             bus, topics, settings = self._runtime.bus, topics or self._runtime.topics, self._runtime.settings
-        self.config = cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        # The run's preset and policy, checked against the checkpoint settings (run_plan.py).
+        self.plan = make_plan(cfg, preset, policy)
+        self.config = cfg = self.plan.config
         directory = Path(cfg.checkpoint_dir or Path("spikeguard-checkpoints") / self.run_id)
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
+        self.saver = AsyncSaver(self.store, cfg.async_checkpoint)  # torch.save off the training thread
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
         self.actions = ActionQueue(self.ledger, cfg.signing_key or getattr(settings, "signing_key", None))
         self.handlers: dict[ActionKind, Handler] = {}
@@ -111,11 +122,13 @@ class Guard:
         self._resolved = 0
         self._started = False
         self._closed = False
+        self.finished = False  # see lifecycle.py: a finished run is never resumed
         self.bus, self.topics = bus, topics or Topics()
         self.publisher = self.inbox = self.waiter = None
         if bus is not None:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
+            bus.create_topics([t.runs], compacted=True)
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
                                                  threaded=not cfg.lockstep)
             if self.rank == 0:
@@ -173,6 +186,7 @@ class Guard:
                 self._zero_grads()
                 self.amp.void()
                 self._maybe_checkpoint(requests_only=True)
+                self._drain_saves()
                 self._finish_actions()
                 return False
         reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
@@ -198,36 +212,35 @@ class Guard:
                          batch_index=self.loader.last_index if self.loader is not None else None)
         if self.scheduler is not None:
             self.scheduler.step()
-        self.health.observe(step, not nonfinite)
+        self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         if reason in ("non_finite", "outlier_step"):
             self.counters["skipped_update_batches"] += batches
         self.step_count += 1
         self.counters["steps"] += 1
         self._maybe_checkpoint()
+        self._drain_saves()
         self._finish_actions()
         if self.waiter is not None:
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
         return reason is None
 
-    def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
-        """Save now (state before step ``step_count``) and publish the CheckpointEvent."""
-        healthy = self.health.healthy(self.step_count) and reason != "emergency"
-        info = self.store.save(self.parts.state_dict(self.rank), step=self.step_count,
-                               epoch=self.epoch, healthy=healthy)
-        self.counters["checkpoints"] += 1
-        event = CheckpointEvent(run_id=self.run_id, step=self.step_count, epoch=self.epoch,
-                                checkpoint_id=info.checkpoint_id, path=str(info.path), healthy=healthy,
-                                batch_index=self.position.state_dict()["position"], reason=reason)
-        self.events.checkpoint(event, self.store.removed)
-        self._persist_ledger()
-        return event
-
-    def close(self) -> None:
+    def close(self, finished: bool | None = None) -> None:
+        """Flush everything; ``finished`` (default: the planned steps ran, or the data ran out)."""
         if self._closed:
             return
         self._closed = True
+        self.saver.close()
+        self._drain_saves()
+        if finished is None:
+            planned = self.max_steps is not None and self.step_count >= self.max_steps
+            ran_out = self.loader is not None and self.loader.ran_out
+            finished = not self.should_stop and (planned or ran_out)
+        self.finished = self.finished or finished
         self._persist_ledger()
+        if self._started:
+            self.events.run("end", self.plan, self.max_steps, self.step_count, self.epoch, self.finished,
+                            self.stop_reason or ("finished" if self.finished else "closed"))
         for part in (self.waiter, self.inbox):
             if part is not None:
                 part.close()
@@ -239,8 +252,8 @@ class Guard:
     def __enter__(self) -> "Guard":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.close(finished=False if exc_type is not None else None)
 
     # -- state: a dict of parts ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -252,6 +265,8 @@ class Guard:
         self.parts.load_state_dict(body, self.rank)
 
     def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str:
+        self.saver.wait()  # the checkpoint it needs may still be being written
+        self._drain_saves()
         info = self.store.find(checkpoint_id) if checkpoint_id else None
         note = ""
         if info is None or info.step > target_step:
@@ -276,28 +291,7 @@ class Guard:
             text += f" ({end - start + 1} micro-batches, {steps} optimizer steps)"
         return text
 
-    def resume(self) -> Any:
-        """Continue from the newest checkpoint of this run, if any (the ledger always applies)."""
-        side = self.ledger.read() or {}
-        info = self.store.newest()
-        if info is not None:
-            self.load_state_dict(self.store.load(info))
-            self.step_count, self.epoch = info.step, info.epoch
-            self.resumed_from = info
-            self._started = True
-            log.info("spikeguard: resumed %s from step %d (%s)", self.run_id, info.step, info.path)
-        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
-        return info
-
-    def _persist_ledger(self) -> None:
-        if self.rank == 0:
-            self.ledger.persist(restart_facts(self.run_id, self.epoch, self.step_count, self.position,
-                                              self.lr, self.clipper))
-
     # -- what actions call ---------------------------------------------------
-    def request_checkpoint(self, action: Action, reason: str) -> None:
-        self._checkpoint_requests.append((action, reason))
-
     def request_stop(self, reason: str) -> None:
         self.should_stop, self.stop_reason = True, reason
 
@@ -308,8 +302,10 @@ class Guard:
     def _start(self) -> None:
         if not self._started:
             self._started = True
-            if self.store.newest() is None:
-                self.checkpoint("periodic")  # a rollback target before anything can go wrong
+            self.events.run("start", self.plan, self.max_steps, self.step_count, self.epoch, False,
+                            "resumed" if self.resumed_from is not None else "new")
+            if self.store.newest() is None and self.saver.in_flight is None:
+                self._save("periodic")  # a rollback target before anything can go wrong
 
     def _riders(self, due: bool):
         """The rank flags, all-reduced on device, ride along with the statistics' one transfer."""
@@ -352,29 +348,13 @@ class Guard:
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:
                 self.health.on_anomaly()
+                self._incident_found(action)
             if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
                 interrupted = True
             if outcome is not None:
                 self._ack(outcome)
             self._resolved += 1
         return interrupted
-
-    def _maybe_checkpoint(self, requests_only: bool = False) -> None:
-        requests, self._checkpoint_requests = self._checkpoint_requests, []
-        every = self.config.checkpoint_every
-        periodic = not requests_only and every > 0 and self.step_count % every == 0
-        if not (requests or periodic):
-            return
-        reasons = [r for _, r in requests]
-        reason = "emergency" if "emergency" in reasons else "on_demand" if reasons else "periodic"
-        try:
-            event = self.checkpoint(reason)
-            result, status = f"checkpoint {event.checkpoint_id} at step {event.step}", AckStatus.APPLIED
-        except Exception as exc:  # noqa: BLE001 - a full disk must not kill training
-            log.exception("spikeguard: checkpoint failed")
-            result, status = f"checkpoint failed: {exc!r}", AckStatus.FAILED
-        for action, _ in requests:
-            self._ack(Outcome(action, status, self.step_count, result))
 
     def _finish_actions(self) -> None:
         if self._resolved:

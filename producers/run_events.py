@@ -1,4 +1,4 @@
-"""What the Guard tells the pipeline about its run: step events, checkpoints, acks.
+"""What the Guard tells the pipeline about its run: its start and end, step events, checkpoints, acks.
 
 One place that knows the event shapes, so the Guard's step reads as a list
 of decisions. Everything goes through the background publisher (training
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from spikeguard.schemas import Ack, CheckpointEvent, StepEvent, Topics
+from spikeguard.schemas import Ack, CheckpointEvent, RunEvent, StepEvent, Topics
 
 
 class RunEvents:
@@ -55,3 +55,15 @@ class RunEvents:
         self.publisher.submit(self.topics.acks, Ack, dict(
             run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
             step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
+
+    def run(self, kind: str, plan: Any, planned_steps: int | None, step: int, epoch: int,
+            finished: bool, reason: str) -> None:
+        """The run's start or end with its settings, on the compacted runs topic (never dropped)."""
+        if not self.rank0_on:
+            return
+        cfg = plan.config
+        self.publisher.submit(self.topics.runs, RunEvent, dict(
+            run_id=self.run_id, kind=kind, preset=plan.preset, policy=plan.policy,
+            checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
+            detection_delay_steps=cfg.detection_delay_steps, planned_steps=planned_steps, step=step,
+            epoch=epoch, finished=finished, reason=reason), droppable=False)

@@ -325,3 +325,29 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     CheckpointEvent,
     DeadLetter,
 )
+
+
+class RunEvent(_Event):
+    """A run's start or end, with the settings it runs under (the compacted ``runs`` topic, keyed by run_id).
+
+    Both records carry the full settings: on a compacted topic the end replaces the
+    start, and a consumer that (re)starts late still learns the run's policy.
+    """
+
+    run_id: RunId
+    kind: Literal["start", "end"]
+    preset: str | None = Field(None, description="model profile (actuators/presets.py), if any")
+    policy: dict[str, Any] = Field(
+        default_factory=dict, description="PolicyConfig overrides over the preset's values"
+    )
+    checkpoint_every: int = Field(0, ge=0, description="steps between periodic checkpoints; 0 = on demand")
+    keep_checkpoints: int = Field(1, ge=1)
+    detection_delay_steps: int = Field(0, ge=0)
+    planned_steps: int | None = Field(None, ge=0, description="the run's planned optimizer steps, if known")
+    step: Step = Field(0, description="start: the first step (after a resume); end: the last step + 1")
+    epoch: Epoch = 0
+    finished: bool = Field(False, description="end: the run completed its plan (it will not be resumed)")
+    reason: str = ""
+    time: float = Field(default_factory=time.time)
+
+# Not in EVENT_TYPES yet: tests/schemas pins that set; dec adds RunEvent there with the test.

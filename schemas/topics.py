@@ -45,6 +45,14 @@ class Topics:
         return self.prefix + "checkpoints"
 
     @property
+    def runs(self) -> str:
+        """Run start/end and the run's settings (RunEvent), compacted, keyed by run_id.
+
+        Not in ``all()``: it must be created compacted (``create_topics(..., compacted=True)``).
+        """
+        return self.prefix + "runs"
+
+    @property
     def dlq(self) -> str:
         return self.prefix + "dlq"
 

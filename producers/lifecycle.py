@@ -1,0 +1,60 @@
+"""A run's life on disk: resumed, finished, or started again — and saying which.
+
+A run is *finished* when ``guard.close()`` comes after its planned steps (or
+after the loader ran out of data), or when the user saved a ``"final"``
+checkpoint; the sidecar then records it. Starting a finished run_id again
+does not resume it (that trained 0 steps, silently): its files are moved
+aside to ``<checkpoint dir>/finished-<UTC time>/`` and the run starts from
+step 0. Resuming an unfinished run is announced in one WARNING line on the
+``spikeguard.producers.guard`` logger, which Python shows by default.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from spikeguard.producers.ledger import SIDECAR
+
+
+def read_sidecar(directory: Path) -> dict[str, Any] | None:
+    """The sidecar's content without merging anything (None when absent or unreadable)."""
+    path = Path(directory) / SIDECAR
+    try:
+        body = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def finished_fact(step: int, epoch: int, reason: str) -> dict[str, Any]:
+    return {"step": step, "epoch": epoch, "reason": reason, "time": time.time()}
+
+
+def archive_finished(directory: Path) -> Path:
+    """Move a finished run's checkpoints and sidecar into a new ``finished-<time>`` folder."""
+    directory = Path(directory)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = directory / f"finished-{stamp}", 1
+    while target.exists():  # two finished runs within one second
+        n += 1
+        target = directory / f"finished-{stamp}-{n}"
+    target.mkdir()
+    for path in directory.iterdir():
+        if path.is_file() and (path.name == SIDECAR or path.name.startswith("ckpt-")):
+            path.rename(target / path.name)
+    return target
+
+
+def finished_message(run_id: str, side: dict[str, Any], archived: Path) -> str:
+    fact = side.get("finished") or {}
+    return (f"spikeguard: run {run_id} already finished (step {fact.get('step')}, {fact.get('reason')}); "
+            f"not resuming it: training from step 0, the finished run's checkpoints were moved to "
+            f"{archived} (give each run its own run_id to keep them apart)")
+
+
+def resume_message(run_id: str, info: Any, directory: Path) -> str:
+    return (f"spikeguard: resuming run {run_id} from step {info.step} (epoch {info.epoch}) of checkpoint "
+            f"{info.checkpoint_id} in {directory}; GuardConfig(resume=False) or a new run_id starts over")

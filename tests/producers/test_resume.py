@@ -1,0 +1,96 @@
+"""Resume says what it does, and a finished run is never resumed (issue 9 §5)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from producers_helpers import Tiny, train
+from spikeguard.producers import Guard, GuardConfig
+
+
+def _guard(tiny: Tiny, tmp_path, **config) -> Guard:
+    cfg = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=True)
+    return Guard(tiny.model, tiny.optimizer, run_id="my-run", bus=None, config=GuardConfig(**{**cfg, **config}))
+
+
+def _readme_example(tmp_path, steps: int = 25) -> Guard:
+    """The README's loop: wrap the loader, step, close — nothing else."""
+    tiny = Tiny(seed=1)
+    guard = _guard(tiny, tmp_path)
+    for batch in guard.data(tiny.loader, max_steps=steps):
+        guard.step(tiny.loss(batch))
+    guard.close()
+    return guard
+
+
+def test_running_the_readme_example_twice_trains_both_times(tmp_path, caplog):
+    first = _readme_example(tmp_path)
+    assert first.counters["updates"] == 25
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.guard"):
+        second = _readme_example(tmp_path)
+    assert second.resumed_from is None
+    assert second.counters["updates"] == 25  # was 0: the finished run was silently resumed
+    said = [r for r in caplog.records if r.levelno == logging.WARNING and "finished" in r.getMessage()]
+    assert len(said) == 1 and "my-run" in said[0].getMessage()
+    # The finished run's files were moved aside, not deleted, and the message says where.
+    archived = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir() and p.name.startswith("finished-")]
+    assert len(archived) == 1 and str(archived[0]) in said[0].getMessage()
+    assert any(p.name.endswith(".pt") for p in archived[0].iterdir())
+
+
+def test_an_interrupted_run_resumes_and_says_so_in_one_warning_line(tmp_path, caplog):
+    tiny = Tiny(seed=1)
+    guard = _guard(tiny, tmp_path)
+    train(guard, tiny, 25)  # planned 25, but the process dies before close(): not finished
+    guard.saver.wait()
+    weights = [p.detach().clone() for p in tiny.model.parameters()]
+    del guard
+
+    again = Tiny(seed=2)
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.guard"):
+        resumed = _guard(again, tmp_path)
+    assert resumed.resumed_from is not None and resumed.step_count == 20
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "resum" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "resum" in lines[0] and "my-run" in lines[0] and "step 20" in lines[0]
+    assert str(tmp_path / "ckpt") in lines[0] and "resume=False" in lines[0]  # how to opt out
+    assert not all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters()))
+
+
+def test_a_run_stopped_early_is_not_finished_and_resumes(tmp_path):
+    tiny = Tiny(seed=1)
+    guard = _guard(tiny, tmp_path)
+    for batch in guard.data(tiny.loader, max_steps=40):
+        guard.step(tiny.loss(batch))
+        if guard.step_count == 22:
+            break  # the user's own loop ended before the planned steps
+    guard.close()
+    resumed = _guard(Tiny(seed=1), tmp_path)
+    assert resumed.resumed_from is not None and resumed.resumed_from.step == 20
+
+
+def test_a_final_checkpoint_marks_the_run_finished(tmp_path):
+    tiny = Tiny(seed=1)
+    guard = _guard(tiny, tmp_path)
+    data = guard.data(tiny.loader)
+    for i, batch in enumerate(data):
+        guard.step(tiny.loss(batch))
+        if i == 11:
+            break
+    event = guard.checkpoint("final")
+    assert event.reason == "final" and event.step == 12
+    guard.close()
+    fresh = _guard(Tiny(seed=1), tmp_path)
+    assert fresh.resumed_from is None and fresh.step_count == 0
+
+
+def test_a_loop_that_ran_out_of_data_is_finished(tmp_path):
+    tiny = Tiny(seed=1)
+    guard = _guard(tiny, tmp_path)
+    for batch in guard.data(tiny.loader):  # one pass over the data: 64 batches
+        guard.step(tiny.loss(batch))
+    guard.close()
+    assert guard.finished
+    assert _guard(Tiny(seed=1), tmp_path).resumed_from is None
