@@ -84,6 +84,7 @@ import os
 import re
 from pathlib import Path
 
+from spikeguard.cli import main
 from spikeguard.settings import Settings
 from spikeguard.settings_sources import NOT_SETTINGS, NOT_SETTINGS_PREFIXES, is_other_variable, unknown_part
 
@@ -253,3 +254,66 @@ def test_every_SPIKEGUARD_variable_the_repo_sets_is_a_setting_or_allow_listed():
     for name in sorted(names):
         dotted = name[len("SPIKEGUARD_"):].lower().replace("__", ".")
         assert is_other_variable(name) or unknown_part(Settings, dotted) is None, name
+
+
+def test_settings_command_shows_each_value_and_where_it_came_from(tmp_path, monkeypatch, capsys):
+    path = _write(tmp_path / "c.toml", 'partitions = 3\nsigning_key = "f1le-k3y"\n'
+                                       "[fusion]\nthreshold = 0.3\n[policy]\nskip_extra_batches = 9\n")
+    for name in [n for n in os.environ if n.startswith("SPIKEGUARD_")]:
+        if not is_other_variable(name):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SPIKEGUARD_FUSION__THRESHOLD", "0.4")
+    assert main(["settings", "--json", "--config", str(path), "--set", "policy.skip_extra_batches=12",
+                 "--topic-prefix", "t."]) == 0
+    out = capsys.readouterr().out
+    assert "f1le-k3y" not in out
+    rows = {row["name"]: row for row in map(json.loads, out.splitlines())}
+    assert rows["partitions"] == {"name": "partitions", "value": 3, "source": f"config file {path}"}
+    assert rows["fusion.threshold"]["value"] == 0.4
+    assert rows["fusion.threshold"]["source"] == "environment variable SPIKEGUARD_FUSION__THRESHOLD"
+    assert rows["policy.skip_extra_batches"] == {
+        "name": "policy.skip_extra_batches", "value": 12, "source": "flag policy.skip_extra_batches"}
+    assert rows["topic_prefix"]["source"] == "flag topic_prefix"
+    assert rows["signing_key"] == {"name": "signing_key", "value": "**********", "source": f"config file {path}"}
+    assert rows["session_timeout_s"] == {"name": "session_timeout_s", "value": 10.0, "source": "default"}
+    assert rows["statistical.loss.warmup"]["source"] == "default"  # nested components are listed leaf by leaf
+    assert main(["settings", "--changed", "--config", str(path)]) == 0
+    changed = capsys.readouterr().out.splitlines()
+    assert len(changed) == 4 and all("default)" not in line for line in changed)
+
+
+def test_commands_refuse_a_bad_file_or_variable_in_one_line(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "nope.toml"
+    assert main(["backtest", str(tmp_path / "steps.csv"), "--out", "-", "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"spikeguard backtest: config file {missing}: not found\n"
+    monkeypatch.setenv("SPIKEGUARD_FUSON__THRESHOLD", "0.5")
+    assert main(["settings"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean SPIKEGUARD_FUSION__THRESHOLD" in err
+
+
+def test_the_demo_tunes_its_policy_unless_the_file_or_environment_says_otherwise(tmp_path, monkeypatch):
+    from spikeguard.cli.demo import demo_settings
+    from spikeguard.demo.run import DEMO_SETTINGS
+
+    for name in [n for n in os.environ if n.startswith("SPIKEGUARD_")]:
+        if not is_other_variable(name):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("SPIKEGUARD_CONFIG", raising=False)
+    assert demo_settings().policy.skip_extra_batches == DEMO_SETTINGS["policy.skip_extra_batches"]
+    path = _write(tmp_path / "demo.toml", "[policy]\nskip_extra_batches = 7\n")
+    settings = demo_settings(str(path))
+    assert settings.policy.skip_extra_batches == 7
+    assert settings.policy.clip_mode == DEMO_SETTINGS["policy.clip_mode"]  # the rest stays tuned
+    monkeypatch.setenv("SPIKEGUARD_POLICY__SKIP_EXTRA_BATCHES", "5")
+    assert demo_settings(str(path)).policy.skip_extra_batches == 5
+
+
+def test_the_demo_command_takes_config(tmp_path, capsys):
+    path = _write(tmp_path / "demo.toml", "[policy]\nskip_extra_batchs = 7\n")
+    assert main(["demo", "--steps", "150", "--plot", "", "--quiet", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"spikeguard demo: config file {path}: unknown setting 'policy.skip_extra_batchs' "
+        "(did you mean 'policy.skip_extra_batches'?)\n"
+    )
