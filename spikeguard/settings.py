@@ -1,13 +1,16 @@
-"""Settings: flags, then SPIKEGUARD_* environment variables, then defaults.
+"""Settings: flags, then SPIKEGUARD_* environment variables, then a config file, then defaults.
 
 Top-level fields map to ``SPIKEGUARD_<FIELD>`` (``SPIKEGUARD_BOOTSTRAP_SERVERS``);
 a component's fields to ``SPIKEGUARD_<COMPONENT>__<FIELD>``
 (``SPIKEGUARD_FUSION__THRESHOLD=0.5``). Flags use dotted names
-(``--set fusion.threshold=0.5``). Every component carries its own documented
-config model; an invalid value raises :class:`ConfigError` naming the field and
-where the value came from. Secrets are ``SecretStr``: never in reprs or logs.
+(``--set fusion.threshold=0.5``). A config file (``--config FILE`` or
+``SPIKEGUARD_CONFIG``; TOML, or YAML with pyyaml) holds the same names as
+tables (``[fusion]`` / ``threshold = 0.5``). Every component carries its own
+documented config model; an invalid value raises :class:`ConfigError` naming
+the field and where the value came from, and a name that is no setting (a file
+key, a ``SPIKEGUARD_*`` variable, a flag) is refused with the closest real name.
+Secrets are ``SecretStr``: never in reprs or logs.
 """
-
 from __future__ import annotations
 
 import json
@@ -22,8 +25,17 @@ from spikeguard.errors import ConfigError
 from spikeguard.processors.detectors import CONFIGS
 from spikeguard.processors.fusion import FusionConfig
 from spikeguard.producers.config import GuardConfig
+from spikeguard.settings_sources import (
+    CONFIG_ENV,
+    ENV_PREFIX,
+    check_dotted,
+    env_name,
+    flatten_file,
+    read_config_file,
+    settings_from_env,
+)
 
-ENV_PREFIX = "SPIKEGUARD_"
+__all__ = ["ENV_PREFIX", "Settings", "load_settings", "load_settings_with_origins", "origin_of", "parse_assignments"]
 StatisticalConfig, RulesConfig, MLConfig, PredictorConfig = (
     CONFIGS["statistical"],
     CONFIGS["rules"],
@@ -156,34 +168,58 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def load_settings(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
 ) -> Settings:
-    """Defaults, overlaid by ``SPIKEGUARD_*`` variables, overlaid by ``overrides`` (dotted keys)."""
+    """Defaults, overlaid by a config file, by ``SPIKEGUARD_*`` variables, by ``overrides`` (dotted keys).
+
+    The file is ``config_file``, else ``$SPIKEGUARD_CONFIG`` from ``env``, else none.
+    """
+    return load_settings_with_origins(overrides, env, config_file)[0]
+
+
+def load_settings_with_origins(
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """:func:`load_settings`, and where each value given came from (``{dotted name: source}``)."""
     env = os.environ if env is None else env
     tree: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    fields = set(Settings.model_fields)
-    for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name.startswith(ENV_PREFIX + "TEST_"):
-            continue
-        dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-        if dotted.split(".")[0] not in fields:
-            continue  # other SPIKEGUARD_* variables (scripts, tests) are not settings
+    # Lowest first, so that each layer overwrites the one below it.
+    config_file = config_file or env.get(CONFIG_ENV) or None
+    if config_file is not None:
+        where = f"config file {config_file}"
+        for dotted, value in flatten_file(Settings, read_config_file(config_file), where).items():
+            _set(tree, dotted, value)
+            origin[dotted] = where
+    for dotted, value in settings_from_env(Settings, env).items():
         _set(tree, dotted, _parse(value))
-        origin[dotted] = f"environment variable {name}"
+        origin[dotted] = f"environment variable {env_name(dotted)}"
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
+        check_dotted(Settings, dotted, f"flag {dotted}")
         _set(tree, dotted, value)
         origin[dotted] = f"flag {dotted}"
     try:
-        return Settings.model_validate(tree)
+        return Settings.model_validate(tree), origin
     except ValidationError as exc:
         problems = []
         for error in exc.errors(include_url=False):
             where = ".".join(str(p) for p in error["loc"])
-            source = origin.get(where, "default")
-            problems.append(f"{where} ({source}): {error['msg']}")
+            problems.append(f"{where} ({origin_of(where, origin)}): {error['msg']}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+def origin_of(dotted: str, origin: Mapping[str, str]) -> str:
+    """Where ``dotted`` came from: itself, or the component it was given with (a JSON object)."""
+    parts = dotted.split(".")
+    for depth in range(len(parts), 0, -1):
+        source = origin.get(".".join(parts[:depth]))
+        if source is not None:
+            return source
+    return "default"
 
 
 def parse_assignments(items: list[str] | None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Flags every command that talks to the bus shares: connection and --set overrides."""
+"""Flags every command that loads settings shares: a config file, the connection, --set overrides."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ if TYPE_CHECKING:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (flags > SPIKEGUARD_* env > defaults)")
+    group = parser.add_argument_group("settings (flags > SPIKEGUARD_* env > config file > defaults)")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        help="settings file, TOML (or YAML with pyyaml) with the names --set takes, "
+        "e.g. [fusion] threshold = 0.5; default: $SPIKEGUARD_CONFIG",
+    )
     group.add_argument(
         "--bootstrap-servers",
         metavar="HOST:PORT",
@@ -26,8 +32,15 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace, **extra: object) -> "Settings":
+    return settings_and_origins_from(args, **extra)[0]
+
+
+def settings_and_origins_from(
+    args: argparse.Namespace, **extra: object
+) -> "tuple[Settings, dict[str, str]]":
+    """The command's settings, and where each value given came from (flag, env, file)."""
     # Imported here: building the parser must not import every detector (and torch).
-    from spikeguard.settings import load_settings, parse_assignments
+    from spikeguard.settings import load_settings_with_origins, parse_assignments
 
     overrides: dict[str, object] = parse_assignments(getattr(args, "set", None))
     if getattr(args, "bootstrap_servers", None):
@@ -35,4 +48,4 @@ def settings_from(args: argparse.Namespace, **extra: object) -> "Settings":
     if getattr(args, "topic_prefix", None):
         overrides["topic_prefix"] = args.topic_prefix
     overrides.update({k: v for k, v in extra.items() if v is not None})
-    return load_settings(overrides)
+    return load_settings_with_origins(overrides, config_file=getattr(args, "config", None))

@@ -16,6 +16,10 @@ import argparse
 import json
 import math
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spikeguard.settings import Settings
 
 # Kept here, not imported: importing spikeguard.producers loads torch, and
 # building the CLI parser (every command's --help) must stay cheap.
@@ -37,7 +41,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="report image, and PNG-name.html beside it "
                              "(default spikeguard-demo.png; '' for none)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--config", metavar="FILE",
+                        help="settings file (TOML, or YAML with pyyaml); default: $SPIKEGUARD_CONFIG. "
+                             "Its values, and SPIKEGUARD_* variables, win over the demo's tuned policy")
     parser.set_defaults(func=run)
+
+
+def demo_settings(config_file: str | None = None) -> "Settings":
+    """The demo's tuned policy, except where the config file or a SPIKEGUARD_* variable says otherwise.
+
+    The tuned values are the demo's defaults, not flags: a user who sets
+    ``policy.skip_extra_batches`` in a file means it to apply.
+    """
+    from spikeguard.demo.run import DEMO_SETTINGS
+    from spikeguard.settings import load_settings, load_settings_with_origins
+
+    _, given = load_settings_with_origins(config_file=config_file)
+    return load_settings({k: v for k, v in DEMO_SETTINGS.items() if k not in given},
+                         config_file=config_file)
 
 
 def _progress_bar(step: int, total: int, loss: float) -> None:
@@ -53,19 +74,19 @@ def _progress_bar(step: int, total: int, loss: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spikeguard.demo.model import DemoSetup
-    from spikeguard.demo.run import DEMO_SETTINGS, run_demo
+    from spikeguard.demo.run import run_demo
 
     if args.steps < 150:
         raise SystemExit("spikeguard demo: --steps must be at least 150 (the fault strikes at step 100)")
     setup = DemoSetup(steps=args.steps)
     progress = None if (args.quiet or args.json) else _progress_bar
     runtime = None
-    if args.plot and not args.no_guard:
-        # Opened here rather than by run_demo, so that the report can read the run back.
+    if not args.no_guard:
+        # Opened here rather than by run_demo, so that the report can read the run back
+        # and the settings honour --config.
         from spikeguard.runtime import open_runtime
-        from spikeguard.settings import load_settings
 
-        runtime = open_runtime(load_settings(DEMO_SETTINGS))
+        runtime = open_runtime(demo_settings(args.config))
     try:
         outcome = run_demo(args.fault, seed=args.seed, guarded=not args.no_guard, setup=setup,
                            progress=progress, runtime=runtime)
