@@ -77,16 +77,17 @@ def verdicts(clean: float, results: list[dict]) -> dict[str, str]:
     return out
 
 
-def table(clean: float, results: list[dict]) -> str:
+def table(clean: float, results: list[dict], budget: int) -> str:
     marks = verdicts(clean, results)
     lines = [f"clean eval loss {clean:.4f}", "",
-             "| fault | strategy | final eval loss | vs clean | wasted steps | rollbacks |",
-             "|---|---|---|---|---|---|"]
+             "| fault | strategy | final eval loss | vs clean | wasted steps | rollbacks | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         loss = r["final_eval_loss"]
         rel = f"{100 * (loss / clean - 1):+.1f}%" if math.isfinite(loss) else "diverged"
+        note = f"stopped at step {r['steps_done']}" if r["steps_done"] < budget else ""
         lines.append(f"| {r['fault']} | {r['strategy']} | {loss:.4f} | {rel} | {r['wasted_steps']} "
-                     f"| {r['rollbacks']} |")
+                     f"| {r['rollbacks']} | {note} |")
     lines += [""] + [f"spikeguard on {f}: {v}" for f, v in sorted(marks.items())]
     return "\n".join(lines)
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if runtime is not None:
             runtime.close()
-    print(table(clean, results))
+    print(table(clean, results, cfg.steps))
     print(f"\n{len(results) + 1} runs in {time.monotonic() - started:.0f} s", flush=True)
     if args.details:
         args.details.write_text(json.dumps({"config": cfg.__dict__, "clean": clean, "runs": results},

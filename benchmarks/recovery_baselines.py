@@ -13,11 +13,14 @@
 ``lightning_spike`` Lightning's ``SpikeDetection`` with its defaults (window 10,
                     rtol 2.0, non-finite is a spike), automated: on a spike the
                     current and previous batch go to the skip list and the run
-                    restarts from its newest checkpoint with a fresh detector.
+                    restarts from its newest checkpoint with a fresh detector
+                    (at most ``max_restarts`` times).
 ``palm_manual``     PaLM's recipe: a loss 25 % above the mean of the last 50 steps
                     (or non-finite) is a spike; restart from the newest
                     checkpoint at least ``palm_back`` steps before it and skip
-                    ``palm_skip`` batches from there.
+                    ``palm_skip`` batches from there, or up to the spike's
+                    batch if that is further (at most
+                    ``palm_max_restarts`` times: then the run goes on as is).
 =================  =============================================================
 
 Checkpoints (every ``checkpoint_every`` steps) are kept in memory: the
@@ -193,6 +196,7 @@ def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig
     scaler = fault.make_scaler()
     loader = GuardedLoader(p.loader, seed=seed)  # the guard's order: every strategy sees the same batches
     checkpoints = {0: _capture(p, scaler, loader, 0)}
+    limit = cfg.palm_max_restarts if strategy == "palm_manual" else cfg.max_restarts
     step = 0
     while step < cfg.steps:
         for x, y in loader:
@@ -208,7 +212,7 @@ def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig
             grads = [q.grad for q in p.model.parameters() if q.grad is not None]
             values = torch.stack([loss.detach().float(), grad_norm(p.model)]).tolist()
             verdict = rule.judge(step, index, values[0], values[1], grads)
-            if isinstance(verdict, Restart) and ledger.rollbacks < cfg.max_restarts:
+            if isinstance(verdict, Restart) and ledger.rollbacks < limit:
                 target = max(s for s in checkpoints if s <= max(0, verdict.before))
                 if scaler is not None:
                     scaler.update()  # close this step's unscale_ before the scaler state is replaced
@@ -217,8 +221,8 @@ def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig
                     del checkpoints[s]  # a restart's timeline overwrites them
                 if verdict.skip is not None:
                     loader.skip(*verdict.skip)
-                elif strategy == "palm_manual":
-                    loader.skip(loader.position, loader.position + cfg.palm_skip - 1)
+                elif strategy == "palm_manual":  # the batches before and during the spike, at least palm_skip
+                    loader.skip(loader.position, max(loader.position + cfg.palm_skip - 1, index))
                 rule.restarted()
                 ledger.rolled_back(step, f"{verdict.why}: restart at step {step}, skips {loader.skip_ranges}")
                 continue

@@ -8,6 +8,10 @@
   (a skip rule, a non-finite guard, a GradScaler overflow);
 - skipped batches: batches a skip list jumped over, up to where the run
   stopped reading (a skip range reaching past the end costs nothing).
+
+A run that a strategy stopped before the budget (spikeguard's STOP) is not
+charged for the steps it never ran: ``steps_done`` says where it ended, and
+its eval loss is that of the stopped model, which is what its user has.
 """
 
 from __future__ import annotations
@@ -50,12 +54,13 @@ class Ledger:
     def summary(self, fault: str, strategy: str, eval_loss: float, skip_ranges: list, position: int,
                 seconds: float) -> dict[str, Any]:
         jumped = sum(max(0, min(int(b), position - 1) - int(a) + 1) for a, b in skip_ranges)
-        skipped_updates = sum(1 for s in range(self.budget) if not self.timeline.get(s, False))
-        rerun = max(0, self.executed - self.budget)
+        done = len(self.timeline)
+        skipped_updates = sum(1 for applied in self.timeline.values() if not applied)
+        rerun = max(0, self.executed - done)
         return {"fault": fault, "strategy": strategy, "final_eval_loss": eval_loss,
                 "wasted_steps": rerun + skipped_updates + jumped, "rollbacks": self.rollbacks,
                 "rerun_steps": rerun, "skipped_updates": skipped_updates, "skipped_batches": jumped,
-                "seconds": round(seconds, 1), "events": self.events}
+                "steps_done": done, "seconds": round(seconds, 1), "events": self.events}
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:

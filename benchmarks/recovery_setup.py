@@ -52,10 +52,11 @@ class BenchConfig:
     overflow_batches: int = 40  # overflow: this many consecutive overflowing gradients
     palm_back: int = 100  # palm_manual: restart at least this many steps before the spike ...
     palm_skip: int = 200  # ... and skip this many batches from there
-    max_restarts: int = 20  # lightning_spike / palm_manual give up restarting after this many
+    max_restarts: int = 20  # lightning_spike gives up restarting after this many ...
+    palm_max_restarts: int = 3  # ... palm_manual (each of its restarts costs hundreds of steps) after this many
 
 
-QUICK = BenchConfig(steps=400, block=48, d_model=48, fault_step=150, shard_batches=30,
+QUICK = BenchConfig(steps=300, block=32, d_model=48, fault_step=120, shard_batches=30,
                     overflow_batches=30, palm_back=50, palm_skip=100)
 FULL = BenchConfig()
 TINY = BenchConfig(steps=90, d_model=32, layers=1, heads=2, block=32, warmup=10, eval_windows=32,
