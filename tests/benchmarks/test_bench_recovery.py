@@ -72,6 +72,8 @@ def test_overflow_burst_costs_every_run_its_skipped_updates(tiny_run: dict) -> N
     none = _row(tiny_run, "overflow", "none")
     assert isinstance(none["final_eval_loss"], float)
     assert none["wasted_steps"] == TINY.overflow_batches  # every overflow is an update the scaler skipped
+    guarded = _row(tiny_run, "overflow", "spikeguard")  # a rollback under a GradScaler keeps the run going
+    assert isinstance(guarded["final_eval_loss"], float) and guarded["final_eval_loss"] < tiny_run["clean"] * 1.05
 
 
 def test_olmo_skip_step_skips_a_six_sigma_loss_and_nan() -> None:
