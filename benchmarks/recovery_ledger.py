@@ -1,0 +1,72 @@
+"""What one benchmark run cost: the same bookkeeping for every strategy, spikeguard included.
+
+``wasted_steps`` = re-run steps + skipped batches, counted the same way for all:
+
+- re-run: every forward/backward pass beyond the budget, i.e. steps whose
+  work a rollback threw away (including the pass at which it was decided);
+- skipped updates: steps of the final timeline whose update was not applied
+  (a skip rule, a non-finite guard, a GradScaler overflow);
+- skipped batches: batches a skip list jumped over, up to where the run
+  stopped reading (a skip range reaching past the end costs nothing).
+
+A run that a strategy stopped before the budget (spikeguard's STOP) is not
+charged for the steps it never ran: ``steps_done`` says where it ended, and
+its eval loss is that of the stopped model, which is what its user has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Ledger:
+    budget: int
+    executed: int = 0
+    rollbacks: int = 0
+    timeline: dict[int, bool] = field(default_factory=dict)  # step -> update applied
+    events: list[str] = field(default_factory=list)  # what the strategy did, for the diagnosis
+    _updated: bool = False
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count real optimizer updates (a GradScaler that skips never calls ``optimizer.step``)."""
+        def hook(*_: Any) -> None:
+            self._updated = True
+        optimizer.register_step_post_hook(hook)
+
+    def begin(self) -> None:
+        self._updated = False
+        self.executed += 1
+
+    def done(self, step: int) -> None:
+        self.timeline[step] = self._updated
+
+    def rolled_back(self, to_step: int, note: str) -> None:
+        self.rollbacks += 1
+        for s in [s for s in self.timeline if s >= to_step]:
+            del self.timeline[s]
+        self.events.append(note)
+
+    def summary(self, fault: str, strategy: str, eval_loss: float, skip_ranges: list, position: int,
+                seconds: float) -> dict[str, Any]:
+        jumped = sum(max(0, min(int(b), position - 1) - int(a) + 1) for a, b in skip_ranges)
+        done = len(self.timeline)
+        skipped_updates = sum(1 for applied in self.timeline.values() if not applied)
+        rerun = max(0, self.executed - done)
+        return {"fault": fault, "strategy": strategy, "final_eval_loss": eval_loss,
+                "wasted_steps": rerun + skipped_updates + jumped, "rollbacks": self.rollbacks,
+                "rerun_steps": rerun, "skipped_updates": skipped_updates, "skipped_batches": jumped,
+                "steps_done": done, "seconds": round(seconds, 1), "events": self.events}
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def finite(value: float) -> bool:
+    return math.isfinite(value)

@@ -1,0 +1,129 @@
+"""The recovery benchmark keeps working: its JSON contract, and strategies that do what they say.
+
+The end-to-end test runs the benchmark script itself on its ``--tiny``
+configuration (a real transformer, the real embedded pipeline), so a broken
+strategy, a broken fault or a broken contract shows here, not in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from recovery_baselines import LightningSpike, OlmoSkipStep, PalmManual, Restart, ZClip, SKIP, UPDATE  # noqa: E402
+from recovery_faults import Fault  # noqa: E402
+from recovery_setup import TINY  # noqa: E402
+
+KEYS = {"fault", "strategy", "final_eval_loss", "wasted_steps", "rollbacks"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> dict:
+    python = os.environ.get("SPIKEGUARD_PYTHON", sys.executable)
+    done = subprocess.run(
+        [python, str(BENCH / "bench_recovery.py"), "--tiny", "--json", "--faults", "nan_batch,overflow",
+         "--strategies", "none,lightning_spike,palm_manual,spikeguard"],
+        capture_output=True, text=True, timeout=280, cwd=BENCH.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _row(report: dict, fault: str, strategy: str) -> dict:
+    (row,) = [r for r in report["results"] if r["fault"] == fault and r["strategy"] == strategy]
+    return row
+
+
+def test_json_contract(tiny_run: dict) -> None:
+    assert set(tiny_run) == {"clean", "results"}
+    assert isinstance(tiny_run["clean"], float) and math.isfinite(tiny_run["clean"])
+    pairs = [(r["fault"], r["strategy"]) for r in tiny_run["results"]]
+    assert pairs == [(f, s) for f in ("nan_batch", "overflow")
+                     for s in ("none", "lightning_spike", "palm_manual", "spikeguard")]
+    for row in tiny_run["results"]:
+        assert set(row) == KEYS
+        assert isinstance(row["wasted_steps"], int) and row["wasted_steps"] >= 0
+        assert isinstance(row["rollbacks"], int) and row["rollbacks"] >= 0
+        assert isinstance(row["final_eval_loss"], float) or row["final_eval_loss"] in ("NaN", "Infinity")
+
+
+def test_nan_batch_ruins_an_unguarded_run_and_not_a_guarded_one(tiny_run: dict) -> None:
+    assert _row(tiny_run, "nan_batch", "none")["final_eval_loss"] == "NaN"
+    for strategy in ("lightning_spike", "palm_manual", "spikeguard"):
+        row = _row(tiny_run, "nan_batch", strategy)
+        assert isinstance(row["final_eval_loss"], float), strategy
+        assert row["final_eval_loss"] < tiny_run["clean"] * 1.05, strategy
+    lightning = _row(tiny_run, "nan_batch", "lightning_spike")
+    assert lightning["rollbacks"] == 1 and lightning["wasted_steps"] > 0
+    palm = _row(tiny_run, "nan_batch", "palm_manual")
+    assert palm["rollbacks"] == 1 and palm["wasted_steps"] >= TINY.palm_skip
+
+
+def test_overflow_burst_costs_every_run_its_skipped_updates(tiny_run: dict) -> None:
+    none = _row(tiny_run, "overflow", "none")
+    assert isinstance(none["final_eval_loss"], float)
+    assert none["wasted_steps"] == TINY.overflow_batches  # every overflow is an update the scaler skipped
+    guarded = _row(tiny_run, "overflow", "spikeguard")  # a rollback under a GradScaler keeps the run going
+    assert isinstance(guarded["final_eval_loss"], float) and guarded["final_eval_loss"] < tiny_run["clean"] * 1.05
+
+
+def test_olmo_skip_step_skips_a_six_sigma_loss_and_nan() -> None:
+    rule = OlmoSkipStep()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(100):
+        noise = torch.rand(2, generator=gen).tolist()
+        assert rule.judge(step, step, 2.0 + 0.01 * noise[0], 1.0 + 0.01 * noise[1], []) == UPDATE
+    assert rule.judge(100, 100, 2.5, 1.0, []) == SKIP
+    assert rule.judge(101, 101, 2.0, 5.0, []) == SKIP
+    assert rule.judge(102, 102, float("nan"), 1.0, []) == SKIP
+    assert rule.judge(103, 103, 2.005, 1.005, []) == UPDATE
+
+
+def test_zclip_clips_an_outlier_norm_to_its_adaptive_bound() -> None:
+    clip = ZClip()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(60):
+        clip.judge(step, step, 2.0, 1.0 + 0.05 * float(torch.randn(1, generator=gen)), [torch.ones(1)])
+    grads = [torch.full((4,), 5.0)]  # norm 10: far above ~1 +- 0.05
+    mean, std, before = clip.mean, math.sqrt(clip.var), clip.clipped
+    clip.judge(60, 60, 2.0, 10.0, grads)
+    z = (10.0 - mean) / std
+    assert float(torch.linalg.vector_norm(grads[0])) == pytest.approx(mean + 2.5 / z * std, rel=1e-4)
+    assert clip.clipped == before + 1
+
+
+def test_lightning_spike_restarts_on_a_tripled_loss_and_skips_two_batches() -> None:
+    rule = LightningSpike()
+    for step in range(20):
+        assert rule.judge(step, step + 100, 2.0, 1.0, []) == UPDATE
+    verdict = rule.judge(20, 120, 7.0, 1.0, [])
+    assert isinstance(verdict, Restart) and verdict.before == 20 and verdict.skip == (119, 120)
+    rule.restarted()
+    assert rule.judge(20, 121, 2.5, 1.0, []) == UPDATE  # fresh detector: warm-up first
+
+
+def test_palm_manual_goes_back_and_does_not_react_to_noise() -> None:
+    rule = PalmManual(back=100, skip=200)
+    for step in range(50):
+        assert rule.judge(step, step, 2.0 + 0.1 * (step % 3), 1.0, []) == UPDATE
+    verdict = rule.judge(150, 150, 3.0, 1.0, [])
+    assert isinstance(verdict, Restart) and verdict.before == 50
+
+
+def test_bad_shard_corrupts_only_its_window_and_the_same_way_twice() -> None:
+    fault = Fault("bad_shard", TINY, seed=0)
+    x = torch.arange(64).reshape(2, 32)
+    y = x + 1
+    assert torch.equal(fault.batch(TINY.fault_step - 1, x, y)[1], y)
+    first = fault.batch(TINY.fault_step, x, y)[1]
+    assert not torch.equal(first, y) and torch.equal(first.flatten().sort().values, y.flatten().sort().values)
+    assert torch.equal(fault.batch(TINY.fault_step, x, y)[1], first)  # a re-run meets the same bad batch
