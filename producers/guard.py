@@ -117,7 +117,8 @@ class Guard:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
-                                                 threaded=not cfg.lockstep)
+                                                 threaded=not cfg.lockstep,
+                                                 signing_key=self.actions.signing_key)
             if self.rank == 0:
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
                 if cfg.lockstep:

@@ -139,6 +139,9 @@ class StepEvent(_Event):
     )
     batch_index: int | None = Field(None, ge=0, description="global data position")
     batch: BatchStats | None = None
+    signature: str | None = Field(
+        None, description="hex HMAC-SHA256 by the trainer with the run's key, see schemas.signing"
+    )
 
     @property
     def finite(self) -> bool:

@@ -1,0 +1,95 @@
+"""Forged steps cannot obtain signed actions (issue 10 §3), and replayed steps are refused (§7).
+
+The whole pipeline runs on the real embedded bus: the four real detectors,
+fusion and the real actuator with its recovery policy, each in a Worker.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from spikeguard.bus import EmbeddedBus
+from spikeguard.components import COMPONENTS, build_stage
+from spikeguard.schemas import Action, DeadLetter, StepEvent, Topics, decode, encode, sign_step
+from spikeguard.schemas.signing import verify_action
+from spikeguard.settings import load_settings
+from spikeguard.streaming.worker import Worker
+
+KEY = "run-key-0123456789abcdef"
+TOPICS = Topics("auth-test.")
+DETECTORS = ("statistical", "rules", "ml", "predictor")
+
+
+def healthy(run_id: str, steps: range, epoch: int = 0) -> list[StepEvent]:
+    return [StepEvent(run_id=run_id, step=s, epoch=epoch, time=1000.0 + s,
+                      loss=2.0 - 0.001 * s, grad_norm=1.0, lr=1e-3) for s in steps]
+
+
+def nan_step(run_id: str, step: int) -> StepEvent:
+    return StepEvent(run_id=run_id, step=step, time=2000.0 + step, loss=math.nan,
+                     grad_norm=math.nan, lr=1e-3)
+
+
+def run_pipeline(events: list[StepEvent], key: str | None = KEY) -> EmbeddedBus:
+    bus = EmbeddedBus(partitions=2)
+    settings = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": key}, env={})
+    workers = [Worker(bus, build_stage(name, settings, TOPICS), snapshots=False)
+               for name in COMPONENTS]
+    producer = bus.producer()
+    for event in events:
+        producer.publish(TOPICS.steps, encode(event), key=event.run_id)
+    while sum(w.run_once(timeout=0) for w in workers):
+        pass
+    for w in workers:  # end of input: fusion decides what it still holds
+        w.drain()
+        while sum(x.run_once(timeout=0) for x in workers):
+            pass
+    return bus
+
+
+def actions(bus: EmbeddedBus) -> list[Action]:
+    return [decode(r.value, Action) for r in bus.read_all(TOPICS.actions)]
+
+
+def letters(bus: EmbeddedBus) -> list[DeadLetter]:
+    return [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
+
+
+def forged_three(victim: str) -> list[StepEvent]:
+    """Unsigned, signed with another key, and a genuine signature over altered values."""
+    genuine = sign_step(healthy(victim, range(22, 23))[0], KEY)
+    tampered = genuine.model_copy(update={"loss": math.nan, "grad_norm": math.nan})
+    return [nan_step(victim, 20), sign_step(nan_step(victim, 21), "attacker-key"), tampered]
+
+
+def test_three_forged_nan_steps_get_no_signed_action_and_land_in_the_dlq():
+    victim = [sign_step(e, KEY) for e in healthy("victim", range(20))]
+    bus = run_pipeline(victim + forged_three("victim"))
+
+    assert actions(bus) == []
+    dead = letters(bus)
+    for detector in DETECTORS:  # each detector group refuses each of the three
+        mine = [d for d in dead if d.consumer == f"{TOPICS.prefix}{detector}"]
+        assert [d.error for d in mine] == ["StepNotAuthenticated"] * 3
+        assert "unsigned" in mine[0].reason
+        assert all("bad step signature" in d.reason for d in mine[1:])
+        assert all(decode(d.value, StepEvent).run_id == "victim" for d in mine)
+    assert not [d for d in dead if d.error != "StepNotAuthenticated"]
+
+
+def test_the_same_nan_steps_signed_by_the_trainer_are_acted_on():
+    # The control: what the forgery would have bought without authentication.
+    steps = healthy("victim", range(20)) + [nan_step("victim", s) for s in (20, 21, 22)]
+    bus = run_pipeline([sign_step(e, KEY) for e in steps])
+    got = actions(bus)
+    assert got and all(a.run_id == "victim" and verify_action(a, KEY) for a in got)
+    assert letters(bus) == []
+
+
+def test_without_a_key_unsigned_steps_are_judged():
+    # The explicit --insecure opt-out: nothing to check steps against.
+    steps = healthy("victim", range(20)) + [nan_step("victim", s) for s in (20, 21, 22)]
+    bus = run_pipeline(steps, key=None)
+    assert actions(bus) and letters(bus) == []
