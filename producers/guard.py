@@ -197,6 +197,8 @@ class Guard:
         self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
                          loss_scale=loss_scale, overflow_streak=self.amp.streak,
                          batch_index=self.loader.last_index if self.loader is not None else None)
+        self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
+                                        None if reason == "scaler_overflow" else stats.grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not nonfinite)
