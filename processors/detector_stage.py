@@ -12,7 +12,14 @@ record, which the worker sends to the DLQ with the reason:
   trainer resumed from a checkpoint re-sends steps already judged) or forged;
   fusion would only drop its verdicts. A rollback starts a new epoch, so its
   re-run steps are admitted. The memory of the newest step is not part of the
-  snapshot: after a restart the replayed records are the ones to judge again.
+  snapshot: after a restart the replayed records are the ones to judge again;
+- a step more than ``max_step_gap`` steps past the newest admitted one of its
+  epoch, or an epoch more than ``max_epoch_gap`` past the newest
+  (:class:`~spikeguard.errors.StepOutOfOrder`): without a key (``--insecure``)
+  one forged far-future step would otherwise make every genuine step after it
+  look like a replay. A run's first step may be any step (a resumed run).
+
+Steps and epochs themselves are bounded by the schema (below 2**53).
 """
 
 from __future__ import annotations
@@ -44,10 +51,14 @@ class DetectorStage(PerRunStage[Detector]):
     """steps -> verdicts, with one detector per run fed whole batches (ML scores in bulk)."""
 
     def __init__(self, topics: Topics, name: str, factory: Callable[[str], Detector],
-                 signing_key: SecretStr | None = None) -> None:
+                 signing_key: SecretStr | None = None, max_step_gap: int = 1_000_000,
+                 max_epoch_gap: int = 1_000) -> None:
         super().__init__(topics, factory)
         self.name = name
         self.signing_key = signing_key
+        # A trainer publishes every step; its queue drops at most ~10k when the bus is away.
+        self.max_step_gap = max_step_gap
+        self.max_epoch_gap = max_epoch_gap  # one epoch per rollback
         # run_id -> rank -> (epoch, step) of the newest admitted step.
         self._newest: dict[str, dict[int, tuple[int, int]]] = {}
 
@@ -66,6 +77,19 @@ class DetectorStage(PerRunStage[Detector]):
                 f"is not after step {last[1]} of epoch {last[0]}, already judged "
                 "(a replay or forged; a rollback would have started a new epoch)"
             )
+        if last is not None:
+            if event.epoch == last[0] and event.step - last[1] > self.max_step_gap:
+                raise StepOutOfOrder(
+                    f"run {event.run_id} rank {event.rank}: step {event.step} of epoch {event.epoch} "
+                    f"is more than {self.max_step_gap} steps past step {last[1]}, the newest judged "
+                    "(far future: forged or corrupt)"
+                )
+            if event.epoch - last[0] > self.max_epoch_gap:
+                raise StepOutOfOrder(
+                    f"run {event.run_id} rank {event.rank}: epoch {event.epoch} is more than "
+                    f"{self.max_epoch_gap} epochs past epoch {last[0]}, the newest judged "
+                    "(far future: forged or corrupt)"
+                )
         ranks[event.rank] = here
 
     def forget(self, run_ids) -> None:  # type: ignore[no-untyped-def]

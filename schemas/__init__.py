@@ -14,6 +14,7 @@ from spikeguard.schemas.codec import (
     json_schemas,
 )
 from spikeguard.schemas.events import (
+    MAX_COUNTER,
     SCHEMA_VERSION,
     Ack,
     AckStatus,
@@ -39,6 +40,7 @@ __all__ = [
     "sign_step",
     "step_signature_problem",
     "verify_action",
+    "MAX_COUNTER",
     "MAX_MESSAGE_BYTES",
     "SCHEMA_VERSION",
     "TOPICS",

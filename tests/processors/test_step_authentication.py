@@ -93,3 +93,62 @@ def test_without_a_key_unsigned_steps_are_judged():
     steps = healthy("victim", range(20)) + [nan_step("victim", s) for s in (20, 21, 22)]
     bus = run_pipeline(steps, key=None)
     assert actions(bus) and letters(bus) == []
+
+
+# -- §7: steps from the past and the far future --------------------------------------
+
+def decisions(bus: EmbeddedBus) -> list[tuple]:
+    from spikeguard.schemas import Decision
+
+    return sorted((d.run_id, d.epoch, d.step, d.is_anomaly, d.type.value, d.critical)
+                  for d in (decode(r.value, Decision) for r in bus.read_all(TOPICS.decisions)))
+
+
+@pytest.mark.parametrize("key", [KEY, None])
+def test_backwards_duplicate_and_far_future_steps_land_in_the_dlq_and_change_nothing(key):
+    sign = (lambda e: sign_step(e, key)) if key else (lambda e: e)
+    run = healthy("r", range(40)) + [nan_step("r", 40)] + healthy("r", range(41, 60))
+    # A rollback to step 30: epoch 1 re-runs 30..59 (admitted: a new epoch).
+    run += healthy("r", range(30, 60), epoch=1)
+    hostile = {
+        25: healthy("r", range(10, 11)),                 # backwards within epoch 0
+        26: healthy("r", range(26, 27)),                 # a duplicate of the step just judged
+        45: [healthy("r", range(5_000_000, 5_000_001))[0]],     # far future, within the schema
+        75: [nan_step("r", 20)],                         # epoch 0 again, after epoch 1 began
+        76: healthy("r", range(31, 32), epoch=5000),     # far-future epoch
+    }
+    mixed: list[StepEvent] = []
+    for i, event in enumerate(run):
+        mixed.append(sign(event))
+        mixed += [sign(h) for h in hostile.get(i, [])]
+    clean_bus, bus = run_pipeline([sign(e) for e in run], key), run_pipeline(mixed, key)
+
+    assert decisions(bus) == decisions(clean_bus)  # the same decisions, every step
+    assert [a.action_id for a in actions(bus)] == [a.action_id for a in actions(clean_bus)]
+    for detector in DETECTORS:
+        mine = [d for d in letters(bus) if d.consumer == f"{TOPICS.prefix}{detector}"]
+        assert [d.error for d in mine] == ["StepOutOfOrder"] * 5
+        assert [decode(d.value, StepEvent).step for d in mine] == [10, 26, 5_000_000, 20, 31]
+        assert "not after step 25 of epoch 0" in mine[0].reason
+        assert "step 26 of epoch 0 is not after step 26 of epoch 0" in mine[1].reason
+        assert "more than 1000000 steps past" in mine[2].reason
+        assert "not after step" in mine[3].reason and "epoch 1" in mine[3].reason
+        assert "more than 1000 epochs past" in mine[4].reason
+
+
+def test_a_step_beyond_2_to_the_53_is_refused_by_the_schema_into_the_dlq():
+    from spikeguard.errors import MalformedMessage
+    from spikeguard.schemas import MAX_COUNTER
+
+    assert decode(encode(StepEvent(run_id="r", step=MAX_COUNTER, loss=1.0)), StepEvent).step == MAX_COUNTER
+    huge = b'{"run_id": "r", "step": 100000000000000000000000000000, "loss": "NaN"}'
+    with pytest.raises(MalformedMessage, match="step"):
+        decode(huge, StepEvent)
+    bus = EmbeddedBus(partitions=1)
+    settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})
+    worker = Worker(bus, build_stage("rules", settings, TOPICS), snapshots=False)
+    bus.producer().publish(TOPICS.steps, huge, key="r")
+    while worker.run_once(timeout=0):
+        pass
+    (letter,) = letters(bus)
+    assert letter.error == "MalformedMessage" and "less than or equal to 9007199254740991" in letter.reason
