@@ -92,6 +92,13 @@ class DetectorStage(PerRunStage[Detector]):
                 )
         ranks[event.rank] = here
 
+    def restore(self, state: dict) -> None:
+        # A restored run is judged again from its snapshot's offsets: those replays are not
+        # out of order, so its newest admitted step starts over.
+        super().restore(state)
+        for run_id in state:
+            self._newest.pop(run_id, None)
+
     def forget(self, run_ids) -> None:  # type: ignore[no-untyped-def]
         run_ids = list(run_ids)
         super().forget(run_ids)

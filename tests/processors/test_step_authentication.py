@@ -152,3 +152,24 @@ def test_a_step_beyond_2_to_the_53_is_refused_by_the_schema_into_the_dlq():
         pass
     (letter,) = letters(bus)
     assert letter.error == "MalformedMessage" and "less than or equal to 9007199254740991" in letter.reason
+
+
+def test_a_run_restored_from_a_snapshot_is_judged_again_from_its_offsets():
+    # After a restart or a rewind the worker seeks back to the snapshot's offsets:
+    # those replays are the steps to judge again, not steps out of order.
+    from spikeguard.errors import StepOutOfOrder
+
+    stage = build_stage("rules", load_settings({"topic_prefix": TOPICS.prefix}, env={}), TOPICS)
+    steps = healthy("r", range(10))
+    for step in steps[:5]:
+        stage.admit(TOPICS.steps, step)
+        stage.handle_batch([(TOPICS.steps, step)])
+    saved = stage.snapshot({"r"})
+    assert saved
+    for step in steps[5:]:
+        stage.admit(TOPICS.steps, step)
+        stage.handle_batch([(TOPICS.steps, step)])
+    with pytest.raises(StepOutOfOrder):
+        stage.admit(TOPICS.steps, steps[5])
+    stage.restore(saved)
+    stage.admit(TOPICS.steps, steps[5])  # admitted again
