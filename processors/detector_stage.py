@@ -1,4 +1,26 @@
-"""The detector stage: steps in, one detector per run, verdicts out."""
+"""The detector stage: steps in, one detector per run, verdicts out.
+
+Before a step is judged, :meth:`DetectorStage.admit` refuses two kinds of
+record, which the worker sends to the DLQ with the reason:
+
+- with a signing key, a step without the trainer's valid signature
+  (:class:`~spikeguard.errors.StepNotAuthenticated`): otherwise anyone who can
+  write to the steps topic could make the pipeline sign actions for a run;
+- a step at or before one already admitted for the same run and rank in the
+  same epoch, or from an older epoch (:class:`~spikeguard.errors.StepOutOfOrder`):
+  a partition keeps a run's records in order, so such a step is a replay (a
+  trainer resumed from a checkpoint re-sends steps already judged) or forged;
+  fusion would only drop its verdicts. A rollback starts a new epoch, so its
+  re-run steps are admitted. The memory of the newest step is not part of the
+  snapshot: after a restart the replayed records are the ones to judge again;
+- a step more than ``max_step_gap`` steps past the newest admitted one of its
+  epoch, or an epoch more than ``max_epoch_gap`` past the newest
+  (:class:`~spikeguard.errors.StepOutOfOrder`): without a key (``--insecure``)
+  one forged far-future step would otherwise make every genuine step after it
+  look like a replay. A run's first step may be any step (a resumed run).
+
+Steps and epochs themselves are bounded by the schema (below 2**53).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +28,11 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
+from spikeguard.errors import StepNotAuthenticated, StepOutOfOrder
 from spikeguard.processors.detectors.base import Detector
-from spikeguard.schemas import StepEvent, Topics, Verdict
+from spikeguard.schemas import StepEvent, Topics, Verdict, step_signature_problem
 from spikeguard.streaming.stage import Output, PerRunStage, group_by_run
 
 _EVENT = itemgetter(1)
@@ -27,9 +50,60 @@ def one_run(events: list) -> bool:
 class DetectorStage(PerRunStage[Detector]):
     """steps -> verdicts, with one detector per run fed whole batches (ML scores in bulk)."""
 
-    def __init__(self, topics: Topics, name: str, factory: Callable[[str], Detector]) -> None:
+    def __init__(self, topics: Topics, name: str, factory: Callable[[str], Detector],
+                 signing_key: SecretStr | None = None, max_step_gap: int = 1_000_000,
+                 max_epoch_gap: int = 1_000) -> None:
         super().__init__(topics, factory)
         self.name = name
+        self.signing_key = signing_key
+        # A trainer publishes every step; its queue drops at most ~10k when the bus is away.
+        self.max_step_gap = max_step_gap
+        self.max_epoch_gap = max_epoch_gap  # one epoch per rollback
+        # run_id -> rank -> (epoch, step) of the newest admitted step.
+        self._newest: dict[str, dict[int, tuple[int, int]]] = {}
+
+    def admit(self, topic: str, event: StepEvent) -> None:
+        """Raise a StepRejected subclass naming why ``event`` must not be judged."""
+        if self.signing_key is not None:
+            problem = step_signature_problem(event, self.signing_key)
+            if problem is not None:
+                raise StepNotAuthenticated(f"run {event.run_id} step {event.step}: {problem}")
+        ranks = self._newest.setdefault(event.run_id, {})
+        here = (event.epoch, event.step)
+        last = ranks.get(event.rank)
+        if last is not None and here <= last:
+            raise StepOutOfOrder(
+                f"run {event.run_id} rank {event.rank}: step {event.step} of epoch {event.epoch} "
+                f"is not after step {last[1]} of epoch {last[0]}, already judged "
+                "(a replay or forged; a rollback would have started a new epoch)"
+            )
+        if last is not None:
+            if event.epoch == last[0] and event.step - last[1] > self.max_step_gap:
+                raise StepOutOfOrder(
+                    f"run {event.run_id} rank {event.rank}: step {event.step} of epoch {event.epoch} "
+                    f"is more than {self.max_step_gap} steps past step {last[1]}, the newest judged "
+                    "(far future: forged or corrupt)"
+                )
+            if event.epoch - last[0] > self.max_epoch_gap:
+                raise StepOutOfOrder(
+                    f"run {event.run_id} rank {event.rank}: epoch {event.epoch} is more than "
+                    f"{self.max_epoch_gap} epochs past epoch {last[0]}, the newest judged "
+                    "(far future: forged or corrupt)"
+                )
+        ranks[event.rank] = here
+
+    def restore(self, state: dict) -> None:
+        # A restored run is judged again from its snapshot's offsets: those replays are not
+        # out of order, so its newest admitted step starts over.
+        super().restore(state)
+        for run_id in state:
+            self._newest.pop(run_id, None)
+
+    def forget(self, run_ids) -> None:  # type: ignore[no-untyped-def]
+        run_ids = list(run_ids)
+        super().forget(run_ids)
+        for run_id in run_ids:
+            self._newest.pop(run_id, None)
 
     def inputs(self) -> dict[str, type[BaseModel]]:
         return {self.topics.steps: StepEvent}

@@ -1,7 +1,8 @@
 """Actions in the trainer: refuse, deduplicate, schedule, apply, answer.
 
 Every action gets exactly one Ack: REJECTED (bad/missing signature when a key
-is set), DUPLICATE (its id was applied before — across rollbacks and
+is set, or evidence that does not match what this trainer published, see
+:class:`PublishedSteps`), DUPLICATE (its id was applied before — across rollbacks and
 restarts, see ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or
 SET_EPS without a registered handler), FAILED (bad parameters, no checkpoint
 to roll back to, a handler raised) or APPLIED with what was done. An action
@@ -13,6 +14,8 @@ decision are due at once (the rollback moved the step counter back).
 from __future__ import annotations
 
 import logging
+import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -20,7 +23,7 @@ from pydantic import SecretStr
 
 from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
-from spikeguard.schemas import AckStatus, Action, ActionKind
+from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence
 from spikeguard.schemas.actions import (
     AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
     SetEpsParams, SetLrParams, SkipBatchesParams, StopParams,
@@ -53,12 +56,62 @@ class Outcome:
     result: str = ""
 
 
+def _same(a: float | None, b: float | None) -> bool:
+    # Values travel as JSON, which round-trips a float exactly; NaN is NaN's twin here.
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+class PublishedSteps:
+    """What this trainer published for its newest steps: (epoch, step) -> (loss, grad_norm).
+
+    Defence in depth behind step signatures: an action carries the evidence it
+    was decided on, and the trainer refuses one whose evidence it did not
+    publish itself (forged steps, or a pipeline fed someone else's data). The
+    window is bounded: evidence older than ``size`` steps cannot be checked and
+    is refused too, as is evidence from before this process started (a resumed
+    trainer remembers nothing it published before the restart).
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._values: OrderedDict[tuple[int, int], tuple[float, float | None]] = OrderedDict()
+
+    def remember(self, epoch: int, step: int, loss: float, grad_norm: float | None) -> None:
+        values = self._values
+        values[(epoch, step)] = (loss, grad_norm)
+        values.move_to_end((epoch, step))
+        while len(values) > self.size:
+            values.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def problem(self, evidence: Evidence) -> str | None:
+        """Why ``evidence`` is not what this trainer published (None when it is)."""
+        where = f"step {evidence.step} of epoch {evidence.epoch}"
+        found = self._values.get((evidence.epoch, evidence.step))
+        if found is None:
+            return (f"evidence names {where}, which this trainer did not publish (or not among "
+                    f"its last {self.size} steps)")
+        loss, grad_norm = found
+        if not _same(evidence.loss, loss):
+            return f"evidence loss {evidence.loss!r} at {where}, but this trainer published {loss!r}"
+        if not _same(evidence.grad_norm, grad_norm):
+            return (f"evidence grad_norm {evidence.grad_norm!r} at {where}, but this trainer "
+                    f"published {grad_norm!r}")
+        return None
+
+
 class ActionQueue:
     """Pending actions of one run, in arrival order, filtered and deduplicated."""
 
-    def __init__(self, ledger: Any, signing_key: SecretStr | None = None) -> None:
+    def __init__(self, ledger: Any, signing_key: SecretStr | None = None,
+                 published: PublishedSteps | None = None) -> None:
         self.ledger = ledger
         self.signing_key = signing_key
+        self.published = published if published is not None else PublishedSteps()
         self.pending: list[Action] = []
         self.urgent_decisions: set[str] = set()  # decisions whose rollback was applied
 
@@ -69,6 +122,12 @@ class ActionQueue:
             log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                         action.action_id, action.run_id, why)
             return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
+        # An action without evidence was not derived from steps (an operator's own): the
+        # signature alone vouches for it.
+        if action.evidence is not None:
+            problem = self.published.problem(action.evidence)
+            if problem is not None:
+                return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
         if action.action_id in self.ledger:
             return Outcome(action, AckStatus.DUPLICATE, step, "already applied")
         if any(p.action_id == action.action_id for p in self.pending):

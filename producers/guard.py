@@ -130,7 +130,8 @@ class Guard(Checkpointing):
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
             bus.create_topics([t.runs], compacted=True)
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
-                                                 threaded=not cfg.lockstep)
+                                                 threaded=not cfg.lockstep,
+                                                 signing_key=self.actions.signing_key)
             if self.rank == 0:
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
                 if cfg.lockstep:
@@ -210,6 +211,8 @@ class Guard(Checkpointing):
         self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
                          loss_scale=loss_scale, overflow_streak=self.amp.streak,
                          batch_index=self.loader.last_index if self.loader is not None else None)
+        self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
+                                        None if reason == "scaler_overflow" else stats.grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset

@@ -7,7 +7,9 @@ that is sent first and dropped from only if it, too, overflows.
 
 The training thread hands over plain field dicts; building and encoding the
 pydantic model happens on the sender thread (tens of microseconds a step
-that the training loop does not pay).
+that the training loop does not pay). With a signing key, step events are
+signed there too: the workers judge only steps signed with the run's key, so
+nobody else can make the pipeline act on this run.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import threading
 from collections import deque
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from spikeguard.bus import Producer
 from spikeguard.metrics import Metrics, default_metrics
-from spikeguard.schemas import encode
+from spikeguard.schemas import StepEvent, encode, sign_step
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,9 @@ class BackgroundPublisher:
 
     def __init__(self, producer: Producer, key: str, queue_size: int = 10_000,
                  interval: float = 0.02, threaded: bool = True,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, signing_key: SecretStr | None = None) -> None:
         self.producer = producer
+        self.signing_key = signing_key
         # Also counted where Prometheus sees it: a trainer losing events must show.
         self._dropped_total = (metrics or default_metrics()).trainer_dropped
         self.key = key
@@ -118,6 +121,8 @@ class BackgroundPublisher:
             topic, model, fields = item
             try:
                 event = fields if model is None else model(**fields)
+                if self.signing_key is not None and isinstance(event, StepEvent):
+                    event = sign_step(event, self.signing_key)
                 if self._pass_event:
                     self.producer.publish(topic, encode(event), key=self.key, event=event)
                 else:

@@ -14,6 +14,7 @@ from spikeguard.schemas.codec import (
     json_schemas,
 )
 from spikeguard.schemas.events import (
+    MAX_COUNTER,
     SCHEMA_VERSION,
     Ack,
     AckStatus,
@@ -32,12 +33,15 @@ from spikeguard.schemas.events import (
     Verdict,
 )
 from spikeguard.schemas.ids import action_id, decision_id, incident_id
-from spikeguard.schemas.signing import sign_action, verify_action
+from spikeguard.schemas.signing import sign_action, sign_step, step_signature_problem, verify_action
 from spikeguard.schemas.topics import TOPICS, Topics
 
 __all__ = [
     "sign_action",
+    "sign_step",
+    "step_signature_problem",
     "verify_action",
+    "MAX_COUNTER",
     "MAX_MESSAGE_BYTES",
     "SCHEMA_VERSION",
     "TOPICS",

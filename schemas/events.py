@@ -23,10 +23,14 @@ SCHEMA_VERSION = 1
 
 # A run id becomes a Kafka key and a metric label value: keep it short and printable.
 RunId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s\x00-\x1f]+$")]
-Step = Annotated[int, Field(ge=0)]
+# Counters (steps, epochs, ranks, data positions) stay below 2**53: every JSON
+# reader holds them exactly (JavaScript, jq and float64 columns round above
+# it), and a step of 10**29 is never a trainer's but a forged or corrupt record.
+MAX_COUNTER = 2**53 - 1
+Step = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 # A rollback makes a run repeat step numbers; the epoch (number of rollbacks
 # applied so far) tells a re-run step from a late duplicate of the original.
-Epoch = Annotated[int, Field(ge=0, description="rollbacks applied before this record")]
+Epoch = Annotated[int, Field(ge=0, le=MAX_COUNTER, description="rollbacks applied before this record")]
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -115,7 +119,7 @@ class StepEvent(_Event):
     run_id: RunId
     step: Step
     epoch: Epoch = 0
-    rank: int = Field(0, ge=0)
+    rank: int = Field(0, ge=0, le=MAX_COUNTER)
     time: float = Field(default_factory=time.time, description="unix seconds")
     loss: float
     grad_norm: float | None = Field(None, description="total L2 norm before clipping")
@@ -137,8 +141,11 @@ class StepEvent(_Event):
         0, ge=0, description="consecutive GradScaler overflow skips up to this step, each one "
         "lowering the loss scale (0 when this step's update was not an overflow skip)",
     )
-    batch_index: int | None = Field(None, ge=0, description="global data position")
+    batch_index: int | None = Field(None, ge=0, le=MAX_COUNTER, description="global data position")
     batch: BatchStats | None = None
+    signature: str | None = Field(
+        None, description="hex HMAC-SHA256 by the trainer with the run's key, see schemas.signing"
+    )
 
     @property
     def finite(self) -> bool:
@@ -214,7 +221,7 @@ class Decision(_Event):
     urgency: Urgency = Field(Urgency.NONE, description="for people and dashboards")
     preventive: bool = Field(False, description="an early warning, not an anomaly")
     incident_id: str | None = None
-    incident_onset_step: int | None = Field(None, ge=0)
+    incident_onset_step: int | None = Field(None, ge=0, le=MAX_COUNTER)
     detectors: dict[str, float] = Field(
         default_factory=dict, description="confidence of each detector that spoke"
     )

@@ -32,7 +32,8 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     if name in DETECTOR_NAMES:
         detector_cls = DETECTORS[name]
         config = getattr(settings, name)
-        return DetectorStage(topics, name, lambda run_id: detector_cls(config))
+        return DetectorStage(topics, name, lambda run_id: detector_cls(config),
+                             signing_key=settings.signing_key)
     if name == "fusion":
         return FusionStage(topics, lambda run_id: Fusion(settings.fusion, run_id=run_id))
     if name == "actuator":

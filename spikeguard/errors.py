@@ -37,3 +37,15 @@ class DeliveryError(BusError):
 
 class ActionRejected(SpikeguardError):
     """An action failed its signature check or names an impossible step."""
+
+
+class StepRejected(SpikeguardError):
+    """A decodable step event a detector stage refuses to judge; the message says why."""
+
+
+class StepNotAuthenticated(StepRejected):
+    """A step event without a valid signature of the run's key (forged, or from a keyless trainer)."""
+
+
+class StepOutOfOrder(StepRejected):
+    """A step at or before one already judged in the same epoch (a replay, or forged)."""

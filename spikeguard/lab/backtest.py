@@ -48,7 +48,9 @@ def offline(settings: Settings) -> Settings:
     fusion = settings.fusion.model_copy(
         update={"deadline_seconds": _NEVER, "deadline_steps": _NEVER, "max_pending": _NEVER}
     )
-    return settings.model_copy(update={"fusion": fusion})
+    # Offline steps come from a file the user chose, not from a live trainer:
+    # there is no run to steer, so they are judged without step signatures.
+    return settings.model_copy(update={"fusion": fusion, "signing_key": None})
 
 
 @contextmanager

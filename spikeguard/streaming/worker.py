@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import SchemaError, SpikeguardError
+from spikeguard.errors import SchemaError, SpikeguardError, StepRejected
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
@@ -65,6 +65,7 @@ class Worker:
         self.group = f"{topics.prefix}{stage.name}"
         self.dlq_topic = topics.dlq
         self._models = stage.inputs()
+        self._admit = getattr(stage, "admit", None)  # optional: (topic, event) -> None or raises
         # observe_inputs looks at steps and acks only: other stages skip it.
         self._reads_steps_or_acks = any(
             issubclass(model, (StepEvent, Ack)) for model in self._models.values()
@@ -178,6 +179,24 @@ class Worker:
     # is kept to what needs Python; the rest goes through map/zip (C speed).
     def _decode(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
         """The ``(topic, event)`` pairs and their records; the undecodable go to the DLQ."""
+        items, sources = self._decode_all(records)
+        if self._admit is None:
+            return items, sources
+        # A stage may refuse decodable records (unauthenticated or replayed steps):
+        # they go to the DLQ with the stage's reason, before any state sees them.
+        kept: list[tuple[str, BaseModel]] = []
+        kept_sources: list[Record] = []
+        for item, record in zip(items, sources):
+            try:
+                self._admit(*item)
+            except StepRejected as exc:
+                self._to_dlq(record, exc)
+                continue
+            kept.append(item)
+            kept_sources.append(record)
+        return kept, kept_sources
+
+    def _decode_all(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
         if len(self._models) == 1:  # every stage but the actuator
             ((topic, model),) = self._models.items()
             events = [record.cached(model) for record in records]

@@ -73,3 +73,26 @@ def test_a_failing_bus_is_counted_not_raised():
     pub = BackgroundPublisher(Broken(), "p", threaded=False)
     pub.submit(Topics().steps, StepEvent, _step(0))
     assert pub.failed == 1 and pub.sent == 0
+
+
+def test_a_guard_with_a_key_signs_every_step_it_publishes(tmp_path):
+    # A real Guard and model: the steps it publishes verify under its key, and only under it.
+    import math
+
+    from spikeguard.schemas import step_signature_problem
+    from producers_helpers import Tiny, make_guard, train
+
+    for key in ("guard-key-42", None):
+        bus = EmbeddedBus()
+        tiny = Tiny(seed=3)
+        guard = make_guard(tiny, bus, tmp_path / str(key), signing_key=key)
+        train(guard, tiny, 12)
+        guard.close()
+        steps = [decode(r.value, StepEvent) for r in bus.read_all(Topics().steps)]
+        assert [s.step for s in steps] == list(range(12))
+        assert all(math.isfinite(s.loss) for s in steps)
+        if key is None:
+            assert all(s.signature is None for s in steps)
+        else:
+            assert all(step_signature_problem(s, key) is None for s in steps)
+            assert all(step_signature_problem(s, "another-key") is not None for s in steps)

@@ -66,3 +66,29 @@ def test_non_finite_params_sign_and_verify(value: float) -> None:
     assert verify_action(decode(encode(signed), Action), KEY)
     finite = sign_action(_action(kind=ActionKind.SCALE_LR, params={"factor": 1.0}), KEY)
     assert finite.signature != signed.signature
+
+
+# -- step events (issue 10 §3) -------------------------------------------------
+from spikeguard.schemas import StepEvent, sign_step, step_signature_problem  # noqa: E402
+
+
+def _step(**changes) -> StepEvent:
+    base = dict(run_id="run-1", step=7, epoch=1, time=1234.5, loss=float("nan"), grad_norm=3.25,
+                lr=1e-3, top_grad_norms={"b": 1.0, "a": float("inf")})
+    return StepEvent(**{**base, **changes})
+
+
+def test_a_signed_step_verifies_after_the_codec_and_only_with_its_key() -> None:
+    signed = sign_step(_step(), KEY)
+    assert signed.signature and len(signed.signature) == 64
+    assert step_signature_problem(signed, KEY) is None
+    assert step_signature_problem(decode(encode(signed), StepEvent), SecretStr(KEY)) is None
+    assert "bad step signature" in step_signature_problem(signed, "other-key")
+    assert "unsigned" in step_signature_problem(_step(), KEY)
+
+
+@pytest.mark.parametrize("change", [{"loss": 1.0}, {"step": 8}, {"epoch": 0}, {"run_id": "run-2"},
+                                    {"grad_norm": None}, {"top_grad_norms": {}}])
+def test_any_altered_field_breaks_a_step_signature(change) -> None:
+    signed = sign_step(_step(), KEY)
+    assert step_signature_problem(signed.model_copy(update=change), KEY) is not None

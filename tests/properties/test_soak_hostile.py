@@ -1,0 +1,256 @@
+"""Soak: 10,000 hostile records mixed into a real guarded run change nothing (issue 10).
+
+The demo's real model trains with a loss spike, guarded in lockstep on the
+embedded bus with the whole pipeline (four detectors, fusion, the actuator)
+as threads and a signing key. An attacker thread that knows only what it
+can read on the bus writes 10,000 hostile records while the run trains:
+malformed, huge, far-future, forged and replayed steps, and forged actions.
+
+What must hold: the run's decisions and applied actions equal those of the
+same run without the attacker; every worker is still running; the pipeline
+holds state for the real run only (memory bounded; RSS growth reported);
+every hostile step is in the DLQ once per detector, every hostile action is
+refused (REJECTED ack) or in the DLQ, and no forged action is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from spikeguard.demo.run import DEMO_SETTINGS, run_demo
+from spikeguard.errors import SchemaError
+from spikeguard.metrics import Metrics
+from spikeguard.producers.config import GuardConfig
+from spikeguard.runtime import open_runtime
+from spikeguard.schemas import (
+    Ack, AckStatus, Action, ActionKind, DeadLetter, Decision, StepEvent, decode, encode,
+    sign_action, sign_step, step_signature_problem,
+)
+from spikeguard.schemas.signing import verify_action
+from spikeguard.settings import load_settings
+
+pytestmark = pytest.mark.slow
+
+KEY = "soak-run-key-5f1e0c"
+HOSTILE = int(os.environ.get("SPIKEGUARD_SOAK_RECORDS", "10000"))
+DETECTORS = ("statistical", "rules", "ml", "predictor")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0  # pragma: no cover - not Linux
+
+
+class Attacker(threading.Thread):
+    """Writes HOSTILE records while the run trains, learning the run's id from the bus."""
+
+    def __init__(self, runtime) -> None:
+        super().__init__(name="soak-attacker", daemon=True)
+        self.bus, self.topics = runtime.bus, runtime.topics
+        self.rng = random.Random(7)
+        self.steps_sent = 0
+        self.actions_sent = 0
+        self.error: BaseException | None = None
+        self.read_up_to: dict[int, int] = {}
+        self.genuine: list[StepEvent] = []
+        self.genuine_at_last_chunk = 0
+        self.signatures: set[str] = set()
+        self.steps_seen: list[int] = []  # the run's newest step at each chunk
+
+    def run(self) -> None:
+        try:
+            self._attack()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def _victim(self) -> list[StepEvent]:
+        """The run's genuine steps so far: the signed ones (the attacker cannot check them)."""
+        while True:
+            for record in self.bus.read_all(self.topics.steps):
+                if record.offset < self.read_up_to.get(record.partition, 0):
+                    continue
+                self.read_up_to[record.partition] = record.offset + 1
+                try:
+                    step = decode(record.value, StepEvent)
+                except SchemaError:
+                    continue
+                # Its own forgeries (signed with its guessed key) are not the run's.
+                if step.signature and step.run_id.startswith("demo-") and \
+                        step_signature_problem(step, "guessed-key") is not None and \
+                        step.signature not in self.signatures:  # nor its replays
+                    self.signatures.add(step.signature)
+                    self.genuine.append(step)
+            # 40 chunks of hostile records, one per three new genuine steps: all through the run
+            # (the spike run publishes ~200 steps of its 300: the skipped batches publish none).
+            if len(self.genuine) >= max(5, self.genuine_at_last_chunk + 3):
+                self.genuine_at_last_chunk = len(self.genuine)
+                self.steps_seen.append(self.genuine[-1].step)
+                return self.genuine
+            threading.Event().wait(0.05)
+
+    def _attack(self) -> None:
+        producer, rng, t = self.bus.producer(), self.rng, self.topics
+        sent = 0
+        while sent < HOSTILE:
+            genuine = self._victim()
+            run_id, newest = genuine[-1].run_id, genuine[-1]
+            for _ in range(HOSTILE // 40):
+                kind = 1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8])
+                if kind == 0:  # malformed bytes
+                    value = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))
+                    producer.publish(t.steps, value, key=run_id)
+                elif kind == 1:  # huge: over the 1 MB limit (20 of them)
+                    producer.publish(t.steps, b'{"run_id": "%s", "pad": "%s"}' % (
+                        run_id.encode(), b"x" * 1_100_000), key=run_id)
+                elif kind == 2:  # far future, beyond the schema's 2**53
+                    producer.publish(t.steps, b'{"run_id": "%s", "step": %d, "loss": "NaN"}' % (
+                        run_id.encode(), 10**29), key=run_id)
+                elif kind == 3:  # forged NaN steps for the run: unsigned
+                    producer.publish(t.steps, encode(StepEvent(
+                        run_id=run_id, step=newest.step + 1, epoch=newest.epoch, loss=math.nan,
+                        grad_norm=math.nan)), key=run_id)
+                elif kind == 4:  # forged with another key, far ahead
+                    producer.publish(t.steps, encode(sign_step(StepEvent(
+                        run_id=run_id, step=newest.step + 10**6, epoch=newest.epoch, loss=1e30),
+                        "guessed-key")), key=run_id)
+                elif kind == 5:  # a genuine signed step replayed: backwards
+                    producer.publish(t.steps, encode(rng.choice(genuine[:-1])), key=run_id)
+                elif kind == 6:  # forged steps for other runs
+                    producer.publish(t.steps, encode(StepEvent(
+                        run_id=f"other-{rng.randrange(1000)}", step=rng.randrange(10**6),
+                        loss=math.nan)), key=f"other-{rng.randrange(1000)}")
+                elif kind == 7:  # forged actions: unsigned stop, or a guessed key
+                    forged = Action(action_id=f"forged-{sent}", run_id=run_id, kind=ActionKind.STOP,
+                                    apply_at_step=newest.step + 1, params={"reason": "forged"})
+                    if rng.random() < 0.5:
+                        forged = sign_action(forged, "guessed-key")
+                    producer.publish(t.actions, encode(forged), key=run_id)
+                    self.actions_sent += 1
+                    sent += 1
+                    continue
+                else:  # an undecodable action
+                    producer.publish(t.actions, b'{"action_id": "x", "kind": "stop"', key=run_id)
+                    self.actions_sent += 1
+                    sent += 1
+                    continue
+                self.steps_sent += 1
+                sent += 1
+                if sent >= HOSTILE:
+                    break
+
+
+def guarded_run(attack: bool, workdir) -> dict:
+    """Train the demo's spike run, guarded; what happened, read before the runtime closes."""
+    settings = load_settings({**DEMO_SETTINGS, "signing_key": KEY}, env={})
+    runtime = open_runtime(settings, metrics=Metrics(CollectorRegistry()))
+    attacker = Attacker(runtime) if attack else None
+    config = GuardConfig(checkpoint_dir=str(workdir), checkpoint_every=20, keep_checkpoints=4,
+                         resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
+                         signing_key=KEY, lockstep_settle=1.0)
+    try:
+        rss_before = rss_bytes()
+        if attacker:
+            attacker.start()
+        outcome = run_demo("spike", seed=0, guarded=True, runtime=runtime, config=config)
+        if attacker:
+            attacker.join(300)
+            assert not attacker.is_alive() and attacker.error is None, attacker.error
+            # The workers work through the rest of the hostile backlog (a wait, not a timing test).
+            done = threading.Event()
+            for _ in range(1200):
+                letters = runtime.bus.read_all(runtime.topics.dlq)
+                if len(letters) >= attacker.steps_sent * len(DETECTORS):
+                    break
+                done.wait(0.1)
+        facts = dict(outcome=outcome, attacker=attacker, rss_growth=rss_bytes() - rss_before,
+                     alive=[t.is_alive() for t in runtime.threads],
+                     runs={w.stage.name: (set(getattr(w.stage, "runs", {})),
+                                          set(getattr(w.stage, "_newest", {})))
+                           for w in runtime.workers})
+        facts.update(read(runtime))
+        return facts
+    finally:
+        runtime.close()
+
+
+def read(runtime) -> dict:
+    t, bus = runtime.topics, runtime.bus
+
+    def events(topic, model):
+        out = []
+        for record in bus.read_all(topic):
+            try:
+                out.append(decode(record.value, model))
+            except SchemaError:
+                pass
+        return out
+
+    return dict(decisions=events(t.decisions, Decision), acks=events(t.acks, Ack),
+                actions=events(t.actions, Action), letters=events(t.dlq, DeadLetter),
+                prefix=t.prefix, actions_topic=t.actions)
+
+
+def _decisions(facts) -> list[tuple]:
+    return sorted((d.epoch, d.step, d.is_anomaly, d.type.value, d.critical, d.urgency.value)
+                  for d in facts["decisions"])
+
+
+def _applied(facts) -> list[tuple]:
+    """The applied actions, as decided: kind, due step, parameters.
+
+    Not the step of the ack: lockstep waits for the actions of anomalous
+    decisions only, so a restore_lr (decided on a healthy step) may land a
+    step later when the machine is busy, with or without an attacker.
+    """
+    by_id = {a.action_id: a for a in facts["actions"]}
+    applied = [by_id[a.action_id] for a in facts["acks"] if a.status is AckStatus.APPLIED]
+    # A checkpoint id is a hash of the run id, which differs between the two runs.
+    return sorted((a.kind.value, a.apply_at_step,
+                   repr(sorted(a.params.model_dump(mode="json", exclude={"checkpoint_id"}).items())))
+                  for a in applied)
+
+
+def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path):
+    clean = guarded_run(False, tmp_path / "clean")
+    hostile = guarded_run(True, tmp_path / "hostile")
+    attacker = hostile["attacker"]
+    print(f"soak: {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
+          f"actions) written from step {attacker.steps_seen[0]} to step {attacker.steps_seen[-1]} "
+          f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
+          f"(clean run {clean['rss_growth'] / 2**20:.1f} MiB)")
+
+    assert attacker.steps_seen[0] < 20 and attacker.steps_seen[-1] > 100  # mixed into the run
+    # The run's decisions and applied actions are those of the clean run.
+    assert clean["outcome"].steps == hostile["outcome"].steps == 300
+    assert _decisions(hostile) == _decisions(clean)
+    assert _applied(hostile) == _applied(clean) and _applied(clean)
+    # Every worker stayed up, holding state for the real run only.
+    assert hostile["alive"] and all(hostile["alive"])
+    (run_id,) = {d.run_id for d in hostile["decisions"]}
+    for name, (runs, newest) in hostile["runs"].items():
+        assert runs <= {run_id} and newest <= {run_id}, (name, runs, newest)
+    assert hostile["rss_growth"] < 512 * 2**20
+    # Nothing lost: every hostile step in the DLQ once per detector ...
+    letters = hostile["letters"]
+    for detector in DETECTORS:
+        mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{detector}"]
+        assert len(mine) == attacker.steps_sent, detector
+        assert {d.error for d in mine} == {"MalformedMessage", "MessageTooLarge",
+                                           "StepNotAuthenticated", "StepOutOfOrder"}
+    # ... every hostile action refused or in the DLQ, and no forged action applied.
+    forged_acks = [a for a in hostile["acks"] if a.action_id.startswith("forged-")]
+    inbox_letters = [d for d in letters if d.source_topic == hostile["actions_topic"]]
+    assert len(forged_acks) + len(inbox_letters) == attacker.actions_sent
+    assert forged_acks and all(a.status is AckStatus.REJECTED for a in forged_acks)
+    applied = {a.action_id for a in hostile["acks"] if a.status is AckStatus.APPLIED}
+    genuine = {a.action_id for a in hostile["actions"] if verify_action(a, KEY)}
+    assert applied and applied <= genuine
