@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import os
+import sys
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spikeguard.settings import Settings
@@ -49,3 +51,19 @@ def settings_and_origins_from(
         overrides["topic_prefix"] = args.topic_prefix
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return load_settings_with_origins(overrides, config_file=getattr(args, "config", None))
+
+
+def terminal_bar(iterable: Any = None, **options: Any) -> Any:
+    """A tqdm progress bar on stderr when it is a terminal; None otherwise, so piped
+    or captured output stays exactly what it was."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        columns = 0
+    # A terminal that reports no width (a bare pty) would get an empty bar from tqdm.
+    width: dict = {"dynamic_ncols": True} if columns else {"ncols": 80, "nrows": 24}
+    return tqdm(iterable, file=sys.stderr, leave=False, **width, **options)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from spikeguard.cli._common import add_settings_flags, settings_from
+from spikeguard.cli._common import add_settings_flags, settings_from, terminal_bar
 from spikeguard.errors import SpikeguardError
 
 
@@ -49,23 +49,12 @@ def check_out(source: str, out: str) -> None:
 
 
 def progress_bar(path: str):
-    """A tqdm bar over the file's size on a terminal; None (no output at all) otherwise."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
+    """A bar over the file's size on a terminal; None (no output at all) otherwise."""
     try:
         size = os.path.getsize(path)
     except OSError:
         size = None
-    try:
-        columns = os.get_terminal_size(sys.stderr.fileno()).columns
-    except (OSError, ValueError):
-        columns = 0
-    # A terminal that reports no width (a bare pty) would get an empty bar from tqdm.
-    width: dict = {"dynamic_ncols": True} if columns else {"ncols": 80, "nrows": 24}
-    return tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="backtest",
-                file=sys.stderr, leave=False, **width)
+    return terminal_bar(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="backtest")
 
 
 def run(args: argparse.Namespace) -> int:

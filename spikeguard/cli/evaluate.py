@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from spikeguard.cli._common import add_settings_flags, settings_from
+from spikeguard.cli._common import add_settings_flags, settings_from, terminal_bar
 from spikeguard.errors import SpikeguardError
 from spikeguard.lab.baselines import BASELINES, flag_run
 from spikeguard.lab.evaluation import (
@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
 def _score(args, settings, config, scores, seconds) -> int:
     """Score every run of the chosen inputs into ``scores``; the number of steps."""
     total = 0
-    for group, events, labels in _runs(args):
+    runs = _runs(args)
+    bar = run_progress(runs)
+    for group, events, labels in (bar if bar is not None else runs):
         if args.loss_only:
             events, labels = loss_only(events, labels)
         steps = [e.step for e in events]
@@ -131,7 +133,17 @@ def _score(args, settings, config, scores, seconds) -> int:
                 incidents = [m for m in marks if m.type != OUTLIER]
                 scores[name].setdefault(HEALTHY_INCIDENTS, []).append(
                     score_run(steps, labels, incidents, config, HEALTHY_INCIDENTS))
+        if bar is not None:
+            bar.set_postfix_str(f"{total:,} steps", refresh=False)
+    if bar is not None:
+        bar.close()
     return total
+
+
+def run_progress(runs):
+    """A bar counting the runs scored, on a terminal only: scoring the default suite
+    takes minutes, and a silent terminal looks hung."""
+    return terminal_bar(runs, unit="run", desc="evaluate")
 
 
 def _report(args, config, scores, seconds, total) -> int:

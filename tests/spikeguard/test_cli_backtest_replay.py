@@ -12,6 +12,7 @@ from spikeguard.lab.backtest import backtest_events
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import StepEvent, encode
 from spikeguard.settings import load_settings
+from spikeguard.schemas.signing import sign_step
 
 
 def healthy_loss(step: int) -> float:
@@ -75,7 +76,8 @@ def test_replay_rejudges_a_recorded_embedded_run_and_report_summarises_it(tmp_pa
     events[300] = StepEvent(run_id="rec", step=300, loss=math.nan)
     with open_runtime(settings) as runtime:
         producer = runtime.bus.producer()
-        for event in events:
+        for event in events:  # signed, as the trainer signs them with the runtime's own key
+            event = sign_step(event, runtime.settings.signing_key)
             producer.publish(runtime.topics.steps, encode(event), key="rec")
         producer.flush()
         import time

@@ -21,6 +21,7 @@ from spikeguard.schemas import (
     encode,
 )
 from spikeguard.settings import load_settings
+from spikeguard.schemas.signing import sign_step
 
 
 def healthy_loss(step: int) -> float:
@@ -38,7 +39,8 @@ def recorded(tmp_path_factory):
         for step in range(400):
             loss = math.nan if step == 300 else healthy_loss(step)
             producer.publish(runtime.topics.steps,
-                             encode(StepEvent(run_id="rec", step=step, loss=loss)), key="rec")
+                             encode(sign_step(StepEvent(run_id="rec", step=step, loss=loss),
+                                              runtime.settings.signing_key)), key="rec")
             if step % 50 == 0 and 0 < step < 300:
                 producer.publish(runtime.topics.checkpoints, encode(CheckpointEvent(
                     run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True)), key="rec")

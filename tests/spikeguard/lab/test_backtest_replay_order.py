@@ -11,6 +11,7 @@ from spikeguard.cli import main
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import Action, CheckpointEvent, StepEvent, Topics, encode
 from spikeguard.settings import load_settings
+from spikeguard.schemas.signing import sign_step
 
 
 def healthy_loss(step: int) -> float:
@@ -52,8 +53,9 @@ def recorded(tmp_path_factory):
 
         def publish_step(step: int) -> None:
             loss = math.nan if step == 300 else healthy_loss(step)
-            producer.publish(topics.steps, encode(StepEvent(run_id="rec", step=step, loss=loss)),
-                             key="rec")
+            # The embedded runtime has its own key: the trainer signs its steps.
+            event = sign_step(StepEvent(run_id="rec", step=step, loss=loss), runtime.settings.signing_key)
+            producer.publish(topics.steps, encode(event), key="rec")
             if (step + 1) % 50 == 0 and step + 1 != 300:
                 publish_checkpoint(step + 1)
 
