@@ -58,3 +58,35 @@ def kafka_bootstrap() -> str:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     return bootstrap
+
+
+def stderr_of(command: list[str], on_a_terminal: bool) -> str:
+    """What ``command`` writes to stderr when stderr is a real pseudo-terminal, or a pipe."""
+    import pty
+    import subprocess
+
+    if not on_a_terminal:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+    leader, follower = pty.openpty()
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert process.wait(timeout=300) == 0
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.fixture
+def terminal_stderr():
+    """``terminal_stderr(command, on_a_terminal)``: see :func:`stderr_of`."""
+    return stderr_of

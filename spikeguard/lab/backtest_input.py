@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 
 from spikeguard.errors import SchemaError
 from spikeguard.lab.runfile import (
+    csv_header,
     _FLOAT_COLUMNS,
     RunFileError,
     _check_order,
@@ -83,19 +84,8 @@ def _counted(lines: Iterable[str], on_progress: Progress | None) -> Iterator[str
 def _csv(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
     # The loop of runfile._read_csv, yielding instead of collecting.
     reader = csv.reader(lines)
-    header = next(reader, None)
-    while header is not None and not any(cell.strip() for cell in header):
-        header = next(reader, None)
-    if header is None:
-        raise RunFileError(f"{name}: empty file (expected a CSV header with at least step,loss)")
-    columns = [cell.strip().lower() for cell in header]
-    missing = [c for c in ("step", "loss") if c not in columns]
-    if missing:
-        raise RunFileError(
-            f"{name}:{reader.line_num}: header {header!r} lacks {', '.join(missing)} "
-            "(a run file needs at least step,loss)"
-        )
-    index = {column: i for i, column in enumerate(columns)}
+    index = csv_header(reader, name)
+    width = max(index.values()) + 1  # cells a row needs (the header's own count)
     floats = [(column, index[column]) for column in _FLOAT_COLUMNS if column in index]
     step_at, loss_at = index["step"], index["loss"]
     run_at, label_at = index.get("run_id"), index.get("label")
@@ -104,8 +94,8 @@ def _csv(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
         if not any(cell.strip() for cell in row):
             continue
         where = f"{name}:{reader.line_num}"
-        if len(row) < len(columns):
-            raise RunFileError(f"{where}: {len(row)} cells, the header has {len(columns)}")
+        if len(row) < width:
+            raise RunFileError(f"{where}: {len(row)} cells, the header has {width}")
         step = _parse_int(row[step_at].strip(), where, "step")
         fields: dict[str, object] = {
             "run_id": (row[run_at].strip() if run_at is not None else "") or run_id,

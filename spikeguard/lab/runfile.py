@@ -131,8 +131,8 @@ def _read(handle: IO[str], name: str, run_id: str, suffix: str):
     return _read_csv(io.StringIO(text), name, run_id)
 
 
-def _read_csv(handle: IO[str], name: str, run_id: str):
-    reader = csv.reader(handle)
+def csv_header(reader, name: str) -> dict[str, int]:
+    """Column name -> position, from the first non-blank row; at least step and loss."""
     header = next(reader, None)
     while header is not None and not any(cell.strip() for cell in header):
         header = next(reader, None)
@@ -145,7 +145,13 @@ def _read_csv(handle: IO[str], name: str, run_id: str):
             f"{name}:{reader.line_num}: header {header!r} lacks {', '.join(missing)} "
             "(a run file needs at least step,loss)"
         )
-    index = {column: i for i, column in enumerate(columns)}
+    return {column: i for i, column in enumerate(columns)}
+
+
+def _read_csv(handle: IO[str], name: str, run_id: str):
+    reader = csv.reader(handle)
+    index = csv_header(reader, name)
+    width = max(index.values()) + 1  # cells a row needs (the header's own count)
     has_labels = "label" in index
     events: list[StepEvent] = []
     labels: list[StepLabel] = []
@@ -154,8 +160,8 @@ def _read_csv(handle: IO[str], name: str, run_id: str):
         if not any(cell.strip() for cell in row):
             continue
         where = f"{name}:{reader.line_num}"
-        if len(row) < len(columns):
-            raise RunFileError(f"{where}: {len(row)} cells, the header has {len(columns)}")
+        if len(row) < width:
+            raise RunFileError(f"{where}: {len(row)} cells, the header has {width}")
 
         def cell(column: str) -> str:
             return row[index[column]].strip() if column in index else ""

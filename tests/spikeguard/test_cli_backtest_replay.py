@@ -162,42 +162,21 @@ def test_a_file_broken_half_way_leaves_no_output(tmp_path, capsys):
     assert not out.exists() and not (tmp_path / "o.jsonl.part").exists()
 
 
-def _backtest_stderr(tmp_path, on_a_terminal: bool) -> str:
-    import os
-    import pty
-
+def _backtest_stderr(tmp_path, terminal_stderr, on_a_terminal: bool) -> str:
     source = tmp_path / "run.csv"
     write_csv(source, steps=3000)
     command = [sys.executable, "-m", "spikeguard", "backtest", str(source),
                "--out", str(tmp_path / "o.jsonl")]
-    if not on_a_terminal:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stderr
-    leader, follower = pty.openpty()
-    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower) as process:
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        assert process.wait(timeout=300) == 0
-    os.close(leader)
-    return b"".join(chunks).decode("utf-8", "replace")
+    return terminal_stderr(command, on_a_terminal)
 
 
-def test_backtest_shows_progress_on_a_terminal(tmp_path):
-    err = _backtest_stderr(tmp_path, on_a_terminal=True)
+def test_backtest_shows_progress_on_a_terminal(tmp_path, terminal_stderr):
+    err = _backtest_stderr(tmp_path, terminal_stderr, on_a_terminal=True)
     assert "\rbacktest:   0%|" in err and "B/s]" in err  # tqdm's bar over the file's bytes
     assert "3000 steps" in err  # the summary still follows
 
 
-def test_backtest_is_silent_but_for_its_summary_off_a_terminal(tmp_path):
-    err = _backtest_stderr(tmp_path, on_a_terminal=False)
+def test_backtest_is_silent_but_for_its_summary_off_a_terminal(tmp_path, terminal_stderr):
+    err = _backtest_stderr(tmp_path, terminal_stderr, on_a_terminal=False)
     assert err.count("\n") == 1 and err.startswith("backtest: 3000 steps")
     assert "%" not in err and "\r" not in err

@@ -121,39 +121,16 @@ def test_loss_only_strips_the_other_signals_and_their_labels():
     assert any(lab.label for lab in labels)
 
 
-def _evaluate_stderr(on_a_terminal: bool) -> str:
-    """What `spikeguard evaluate` writes to stderr, on a real pseudo-terminal or a pipe."""
-    import os
-    import pty
-    import subprocess
+EVALUATE_TWO_RUNS = ["-m", "spikeguard", "evaluate", "--seeds", "0", "--scenario", "stable",
+                     "sudden_spike", "--systems", "naive", "--json"]
+
+
+def test_evaluate_shows_progress_on_a_terminal_only(terminal_stderr):
     import sys
 
-    command = [sys.executable, "-m", "spikeguard", "evaluate", "--seeds", "0",
-               "--scenario", "stable", "sudden_spike", "--systems", "naive", "--json"]
-    if not on_a_terminal:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stderr
-    leader, follower = pty.openpty()
-    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower) as process:
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        assert process.wait(timeout=300) == 0
-    os.close(leader)
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
-def test_evaluate_shows_progress_on_a_terminal_only():
-    on_terminal = _evaluate_stderr(on_a_terminal=True)
+    command = [sys.executable, *EVALUATE_TWO_RUNS]
+    on_terminal = terminal_stderr(command, on_a_terminal=True)
     assert "\revaluate:" in on_terminal and "run/s" in on_terminal  # tqdm's bar over the runs
-    off_terminal = _evaluate_stderr(on_a_terminal=False)
+    off_terminal = terminal_stderr(command, on_a_terminal=False)
     assert "\r" not in off_terminal and "run/s" not in off_terminal
     assert off_terminal.count("\n") == 1 and off_terminal.startswith("evaluate: ")  # the summary alone
