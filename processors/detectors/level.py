@@ -7,7 +7,9 @@ beat the pipeline and every trainer rule on real loss curves. Two tests on
 * **level** — the baseline is the median of the last ``window`` *accepted*
   points and the noise scale 1.4826 x their MAD, so a flagged point never
   inflates its own baseline (OLMo-core's rule lets it). A point at least
-  ``z`` noise units AND ``min_ratio`` above the baseline is *elevated*. The
+  ``z`` noise units AND ``min_ratio`` above the baseline is *elevated*, and so
+  is a point ``double_ratio`` (x2) above it whatever the noise (metaseq's and
+  llm-foundry's number: early in a run the noise is too wide for z). The
   first elevated point is an ``OUTLIER`` (a batch-induced one-step jump: the
   answer is to skip that update, not to roll back); a second in a row is a
   ``SPIKE``; ``divergence_points`` in a row, or one point ``divergence_ratio``
@@ -43,13 +45,14 @@ class LevelMonitor:
     """One signal's robust level state. Parameters as in :class:`~.statistical.LevelConfig`."""
 
     __slots__ = (
-        "window", "min_values", "z", "min_rise", "divergence_points", "divergence_rise",
+        "window", "min_values", "z", "min_rise", "double_rise", "divergence_points", "divergence_rise",
         "relearn_after", "rise_warmup", "rise_allowance", "rise_h",
         "_hist", "_sorted", "_elevated", "_best", "_cusum", "_seen",
     )
 
     def __init__(
-        self, *, window: int, min_values: int, z: float, min_ratio: float, divergence_points: int,
+        self, *, window: int, min_values: int, z: float, min_ratio: float, double_ratio: float,
+        divergence_points: int,
         divergence_ratio: float, relearn_after: int, rise_warmup: int, rise_allowance: float,
         rise_h: float,
     ) -> None:
@@ -57,6 +60,7 @@ class LevelMonitor:
         self.min_values = min_values
         self.z = z
         self.min_rise = math.log(min_ratio)
+        self.double_rise = math.log(double_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
         self.relearn_after = relearn_after
@@ -104,7 +108,7 @@ class LevelMonitor:
         med, scale = base
         rise = y - med
         z = rise / scale if scale > 0.0 else (math.inf if rise > 0.0 else 0.0)
-        if rise >= self.min_rise and z >= self.z:
+        if rise >= self.min_rise and (z >= self.z or rise >= self.double_rise):
             run = self._elevated + 1
             if run >= self.divergence_points or rise >= self.divergence_rise:
                 return DIVERGENCE, z, rise, self._cusum, med

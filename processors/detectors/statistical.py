@@ -122,6 +122,11 @@ class LevelConfig(BaseModel):
     min_values: int = Field(20, ge=3, description="points in the baseline before anything is judged")
     z: float = Field(6.0, gt=0.0, description="elevated: this many robust sigmas above the median")
     min_ratio: float = Field(1.3, gt=1.0, description="and at least this ratio above it")
+    double_ratio: float = Field(
+        2.0, gt=1.0,
+        description="a point this ratio above the baseline is elevated whatever the noise "
+        "(metaseq's and llm-foundry's x2; early in a run the noise is too wide for z)",
+    )
     divergence_points: int = Field(
         20, ge=2, description="this many elevated points in a row are a divergence"
     )
@@ -161,8 +166,9 @@ class StatisticalConfig(BaseModel):
     grad_persist_steps: int = Field(
         2, ge=1, le=16,
         description="a gradient-norm spike with a calm loss is a gradient explosion once it has "
-        "been up this many steps in a row; before that it is said, not flagged (real runs have "
-        "one-step grad-norm jumps of x16-x134 that leave the loss alone)",
+        "been up this many steps in a row, each still up by grad_norm.retain of the first jump "
+        "(in log units); before that it is said, not flagged (real runs have one-step "
+        "grad-norm jumps of x16-x134 that leave the loss alone, and heal to x3 the step after)",
     )
     min_value: float = Field(
         1e-12, gt=0.0, description="values below this are clipped to it before taking the log"
@@ -199,7 +205,7 @@ _LEVEL_LEARNABLE = (lv.OK, lv.WARMUP, lv.SLOW_RISE)  # a slow rise is made of or
 class StatisticalState:
     """One run's monitors, and what the last step left for ``learn``."""
 
-    __slots__ = ("loss", "grad", "level", "codes", "logs", "level_judged", "grad_up")
+    __slots__ = ("loss", "grad", "level", "codes", "logs", "level_judged", "grad_up", "grad_peak")
 
     def __init__(self, config: StatisticalConfig) -> None:
         self.loss = config.loss.monitor()
@@ -209,6 +215,7 @@ class StatisticalState:
         self.logs: tuple[float, float | None] | None = None
         self.level_judged: tuple | None = None
         self.grad_up = 0  # steps in a row the gradient norm has been a spike (or candidate)
+        self.grad_peak = 0.0  # the jump (log units) at the first of them
 
 
 _LEARNABLE = (OK, WARMUP)
@@ -216,7 +223,7 @@ _LEARNABLE = (OK, WARMUP)
 
 class StatisticalDetector(Detector[StatisticalState]):
     name: ClassVar[str] = "statistical"
-    state_version: ClassVar[int] = 2  # 2: the level monitor and grad_up
+    state_version: ClassVar[int] = 2  # 2: the level monitor, grad_up and grad_peak
 
     def __init__(self, config: StatisticalConfig | None = None) -> None:
         self.config = config or StatisticalConfig()
@@ -291,7 +298,9 @@ class StatisticalDetector(Detector[StatisticalState]):
         if grad_judged is not None:
             gcode, gz, gjump = grad_judged[:3]
             if gcode in _TYPES and code not in _TYPES:
-                if gcode == SPIKE and state.grad_up + 1 < self._grad_persist:
+                lasting = (state.grad_up + 1 >= self._grad_persist
+                           and gjump >= self.config.grad_norm.retain * state.grad_peak)
+                if gcode == SPIKE and not lasting:
                     # A one-step grad-norm jump the loss's level test does not see (real
                     # ResNet/WMT runs: x16-x134, the loss within +26 %): said, not an
                     # anomaly (the guard's own skip rule may drop that update). Lasting,
@@ -337,7 +346,12 @@ class StatisticalDetector(Detector[StatisticalState]):
             state.loss.advance(loss_judged),
             OK if grad_judged is None else state.grad.advance(grad_judged),
         )
-        state.grad_up = state.grad_up + 1 if state.codes[1] in (SPIKE, CANDIDATE) else 0
+        if state.codes[1] in (SPIKE, CANDIDATE):
+            if state.grad_up == 0:
+                state.grad_peak = grad_judged[2]
+            state.grad_up += 1
+        else:
+            state.grad_up, state.grad_peak = 0, 0.0
         if level_judged is not None:
             state.level.advance(level_judged[0])
 
@@ -355,7 +369,8 @@ class StatisticalDetector(Detector[StatisticalState]):
 
     def dump(self, state: StatisticalState) -> dict[str, Any]:
         return {"loss": state.loss.state_dict(), "grad_norm": state.grad.state_dict(),
-                "level": state.level.state_dict(), "grad_up": state.grad_up}
+                "level": state.level.state_dict(), "grad_up": state.grad_up,
+                "grad_peak": state.grad_peak}
 
     def load(self, data: dict[str, Any]) -> StatisticalState:
         state = StatisticalState(self.config)
@@ -363,4 +378,5 @@ class StatisticalDetector(Detector[StatisticalState]):
         state.grad.load_state_dict(data["grad_norm"])
         state.level.load_state_dict(data["level"])
         state.grad_up = int(data["grad_up"])
+        state.grad_peak = float(data["grad_peak"])
         return state

@@ -179,6 +179,8 @@ def test_gradient_norm_spike_is_a_gradient_explosion() -> None:
     assert flagged(one) == [] and one[1000].signals["grad_norm_jump"] == 1
     two = judge(scaled(healthy(1500, 11), 1000, [1.0] * 2, grad_factors=[80.0, 60.0]))
     assert flagged(two)[0] == 1001 and two[1001].type == AnomalyType.GRADIENT_EXPLOSION
+    healing = judge(scaled(healthy(1500, 11), 1000, [1.0] * 2, grad_factors=[74.0, 3.0]))
+    assert flagged(healing) == []  # x74 then x3 (a real ResNet step): it healed, it did not last
     lone = judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[80.0]),
                  StatisticalConfig(grad_persist_steps=1))
     assert lone[1000].type == AnomalyType.GRADIENT_EXPLOSION  # the old rule, still a setting
@@ -223,6 +225,19 @@ def test_a_spike_early_in_the_run_is_caught_by_the_level_test() -> None:
     assert [(v.step, v.type) for v in verdicts if v.is_anomaly][:2] == [
         (24, AnomalyType.OUTLIER_STEP), (25, AnomalyType.LOSS_SPIKE)]
     assert flagged(judge(pairs, StatisticalConfig(watch_level=False))) == []
+
+
+def test_a_doubling_is_elevated_even_when_the_noise_is_too_wide_for_z() -> None:
+    # Early in a run (like the real DLRM run's first 50 points) the loss swings
+    # x2-x3 around its level: z stays small, a x3 jump is still a spike.
+    rng = random.Random(25)
+    pairs = [(math.exp(-1.7 + rng.uniform(-0.5, 0.5)), None) for _ in range(40)]
+    pairs += [(math.exp(-1.7) * 4.0, None), (math.exp(-1.7) * 3.5, None), (math.exp(-1.7), None)]
+    verdicts = judge(pairs)
+    assert [(v.step, v.type) for v in verdicts if v.is_anomaly] == [
+        (40, AnomalyType.OUTLIER_STEP), (41, AnomalyType.LOSS_SPIKE)]
+    assert verdicts[40].signals["z"] < 6
+    assert flagged(judge(pairs, StatisticalConfig(level=LevelConfig(double_ratio=100.0)))) == []
 
 
 def test_level_baseline_is_the_median_and_mad_of_the_accepted_window() -> None:
