@@ -8,8 +8,10 @@ beat the pipeline and every trainer rule on real loss curves. Two tests on
   points and the noise scale 1.4826 x their MAD, so a flagged point never
   inflates its own baseline (OLMo-core's rule lets it). A point at least
   ``z`` noise units AND ``min_ratio`` above the baseline is *elevated*, and so
-  is a point ``double_ratio`` (x2) above it whatever the noise (metaseq's and
-  llm-foundry's number: early in a run the noise is too wide for z). The
+  is a point ``double_ratio`` (x2) above it while the window is not full yet
+  (metaseq's and llm-foundry's number: early in a run the spread holds the fast
+  descent and z is unreliable; later a loss that doubles within its own noise,
+  a small-batch MSE, stays quiet). The
   first elevated point is an ``OUTLIER`` (a batch-induced one-step jump: the
   answer is to skip that update, not to roll back); a second in a row is a
   ``SPIKE``; ``divergence_points`` in a row, or one point ``divergence_ratio``
@@ -108,7 +110,10 @@ class LevelMonitor:
         med, scale = base
         rise = y - med
         z = rise / scale if scale > 0.0 else (math.inf if rise > 0.0 else 0.0)
-        if rise >= self.min_rise and (z >= self.z or rise >= self.double_rise):
+        # While the window is not full yet its spread holds the run's fast early descent,
+        # so z is unreliable: a doubling is elevated then whatever z says.
+        young = len(self._sorted) < self.window
+        if rise >= self.min_rise and (z >= self.z or (young and rise >= self.double_rise)):
             run = self._elevated + 1
             if run >= self.divergence_points or rise >= self.divergence_rise:
                 return DIVERGENCE, z, rise, self._cusum, med

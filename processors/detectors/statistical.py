@@ -124,8 +124,9 @@ class LevelConfig(BaseModel):
     min_ratio: float = Field(1.3, gt=1.0, description="and at least this ratio above it")
     double_ratio: float = Field(
         2.0, gt=1.0,
-        description="a point this ratio above the baseline is elevated whatever the noise "
-        "(metaseq's and llm-foundry's x2; early in a run the noise is too wide for z)",
+        description="while the window is not full, a point this ratio above the baseline is "
+        "elevated whatever z says (metaseq's and llm-foundry's x2; early in a run the spread "
+        "holds the fast descent and z is unreliable)",
     )
     divergence_points: int = Field(
         20, ge=2, description="this many elevated points in a row are a divergence"
