@@ -38,7 +38,7 @@ class PolicyConfig(BaseModel):
         description="judged after spike_patience_steps: roll back if still anomalous, else watch",
     )
     slow_types: tuple[AnomalyType, ...] = Field(
-        (A.DIVERGENCE, A.OSCILLATION),
+        (A.DIVERGENCE, A.OSCILLATION, A.SLOW_RISE),
         description="lower the LR step by step, emergency checkpoint, roll back if it continues",
     )
     preventive_types: tuple[AnomalyType, ...] = Field(

@@ -17,6 +17,7 @@ slow          CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
               ``divergence_max_lr_steps`` steps -> rollback
 preventive    rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice        (other types) one ALERT (warning) per incident
+outlier step  one ALERT (info): the guard's local skip answers it, never a recovery
 healthy       after ``lr_restore_healthy_steps`` in a row: RESTORE_LR (x1.25)
 ============  ==============================================================
 
@@ -106,6 +107,13 @@ class RecoveryPolicy:
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
+        if decision.type is AnomalyType.OUTLIER_STEP and not decision.critical:
+            # One step far out: the guard's local skip already dropped that update and
+            # recorded its batch. Said, never recovered from; nor is it a pending spike's
+            # continuation (that would be a second elevated step: a loss_spike).
+            plan.alert("info", f"outlier step at {decision.step}: update skipped by the guard, "
+                       "batch recorded; no recovery", "outlier_step: the guard's skip answers it")
+            return plan.actions()
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:

@@ -36,9 +36,11 @@ BASE_URGENCY: dict[AnomalyType, Urgency] = {
     AnomalyType.DIVERGENCE: Urgency.HIGH,
     AnomalyType.LOSS_SCALE_COLLAPSE: Urgency.HIGH,
     AnomalyType.OSCILLATION: Urgency.MEDIUM,
+    AnomalyType.SLOW_RISE: Urgency.MEDIUM,
     AnomalyType.LR_OUT_OF_BOUNDS: Urgency.MEDIUM,
     AnomalyType.BAD_BATCH: Urgency.MEDIUM,
     AnomalyType.ML_OUTLIER: Urgency.LOW,
+    AnomalyType.OUTLIER_STEP: Urgency.LOW,  # skip that one update and record the batch
     AnomalyType.INSTABILITY_WARNING: Urgency.LOW,
     AnomalyType.STALLED: Urgency.LOW,
     AnomalyType.LR_TOO_HIGH: Urgency.LOW,

@@ -65,10 +65,14 @@ class AnomalyType(str, Enum):
     LOSS_SPIKE = "loss_spike"
     DIVERGENCE = "divergence"
     OSCILLATION = "oscillation"
+    # A sustained rise above the run's best level over thousands of steps.
+    SLOW_RISE = "slow_rise"
     LR_OUT_OF_BOUNDS = "lr_out_of_bounds"
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     BAD_BATCH = "bad_batch"
     ML_OUTLIER = "ml_outlier"
+    # One isolated step far out (a bad batch): the guard's local skip answers it, never a rollback.
+    OUTLIER_STEP = "outlier_step"
     # Predictor warnings: preventive, never a rollback on their own.
     INSTABILITY_WARNING = "instability_warning"
     STALLED = "stalled"

@@ -147,6 +147,16 @@ def _rows() -> list:
                      {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]}, id="oscillation"),
         pytest.param({}, [(500, T.ML_OUTLIER, 500), (501, T.ML_OUTLIER, 500)],
                      {500: [(K.ALERT, {"severity": "warning"})]}, id="other-types-alert-once"),
+        pytest.param({}, [(500, T.OUTLIER_STEP, 500), (501, None, 0), (600, T.OUTLIER_STEP, 600)],
+                     {500: [(K.ALERT, {"severity": "info"})], 600: [(K.ALERT, {"severity": "info"})]},
+                     id="outlier-step-is-said-never-recovered"),
+        pytest.param({}, [(500, T.LOSS_SPIKE, 500), (501, None, 0), (502, None, 0),
+                          (503, T.OUTLIER_STEP, 503), (504, None, 0)],
+                     {503: [(K.ALERT, {"severity": "info"})],
+                      504: [(K.CHECKPOINT, {"reason": "on_demand"}), (K.ALERT, {"severity": "info"})]},
+                     id="outlier-step-is-not-a-spike-going-on"),
+        pytest.param({}, [(500, T.SLOW_RISE, 500), (510, T.SLOW_RISE, 500)],
+                     {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]}, id="slow-rise"),
         pytest.param({"apply_lag_steps": 0}, [(500, T.NON_FINITE, 500)],
                      {500: [roll(400, 500), skip(401, 500), scale(0.5), clip(1.0)]}, id="lag-zero"),
     ]
@@ -563,7 +573,8 @@ def test_default_strategy_of_every_type() -> None:
         T.GRADIENT_EXPLOSION: "explosion", T.LOSS_SPIKE: "spike", T.DIVERGENCE: "slow",
         T.OSCILLATION: "slow", T.LR_OUT_OF_BOUNDS: "notice", T.LOSS_SCALE_COLLAPSE: "explosion",
         T.BAD_BATCH: "spike", T.ML_OUTLIER: "notice", T.INSTABILITY_WARNING: "preventive",
-        T.STALLED: "preventive", T.LR_TOO_HIGH: "preventive",
+        T.STALLED: "preventive", T.LR_TOO_HIGH: "preventive", T.SLOW_RISE: "slow",
+        T.OUTLIER_STEP: "notice",  # the policy answers it before any strategy: one info ALERT
     }
 
 

@@ -4,6 +4,13 @@ statistical + rules + fusion, scored by ``processors.evaluation`` against both
 baselines (~170k steps). (With the default fusion weights the ml detector cannot raise an
 anomaly on its own and the predictor only warns, so they do not change which
 steps are anomalous; they are left out to keep this test fast.)
+
+The simulator has no one-step-outlier class: its benign noise includes one-step
+jumps of up to x2 (heavy tails, eval bumps), which the statistical detector now
+reports as ``outlier_step`` (low urgency: the guard skips that one update, the
+policy never recovers from it). The targets here are about incidents, so those
+marks are scored apart (like ``spikeguard evaluate --incidents-only``), and their
+rate on the clean runs is held to a bound of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from spikeguard.processors.fusion import Fusion, FusionConfig
 from spikeguard.lab.simulate import ANOMALY_KINDS, default_suite
 
 SEEDS = (0, 1, 2)
+OUTLIER = "outlier_step"
+SKIPS: dict[str, list] = defaultdict(list)  # the outlier-step marks alone, filled by `scores`
 
 
 def decide(events):
@@ -43,7 +52,9 @@ def scores():
         steps = [e.step for e in run.events]
         decisions = decide(run.events)
         assert [d.step for d in decisions] == steps  # one decision per step, in order
-        ours[item.scenario].append(score_run(steps, run.labels, marks_from_decisions(decisions)))
+        marks = marks_from_decisions(decisions)
+        ours[item.scenario].append(score_run(steps, run.labels, [m for m in marks if m.type != OUTLIER]))
+        SKIPS[item.scenario].append(score_run(steps, run.labels, [m for m in marks if m.type == OUTLIER]))
         if item.scenario in ANOMALY_KINDS:  # (baselines skip the clean runs: it only flatters them)
             naive[item.scenario].append(score_run(steps, run.labels, flag_run(NaiveBaseline(), run.events)))
             six[item.scenario].append(score_run(steps, run.labels, flag_run(SixSigmaBaseline(), run.events)))
@@ -80,6 +91,16 @@ def test_sudden_problems_are_caught_within_a_step(scores, kind: str) -> None:
 def test_clean_runs_stay_quiet(scores, scenario: str) -> None:
     s = summarize(scores[0][scenario])
     assert s.false_alarms_per_10k <= 0.5, s.as_dict()
+
+
+def test_outlier_steps_on_clean_runs_are_rare(scores) -> None:
+    # At most one skipped update per ~500 steps on the clean scenarios (measured
+    # 2026-11-30: 15.5 per 10k, nearly all heavy_tailed's and eval_bumps' x1.3-x2 jumps).
+    clean = summarize(s for name in ("stable", "heavy_tailed", "data_shift", "eval_bumps")
+                      for s in SKIPS[name])
+    assert clean.alarm_episodes > 0  # the heavy-tailed jumps are seen and said
+    assert clean.false_alarms_per_10k <= 20.0, clean.as_dict()
+    assert summarize(SKIPS["stable"]).false_alarms_per_10k <= 5.0  # measured 2.7 (3 blips, x1.3-x1.4)
 
 
 @pytest.mark.parametrize("scenario", ANOMALY_KINDS)

@@ -41,7 +41,6 @@ CASES = [
     ("loss above max", dict(loss=2e4), "loss_above_max", AnomalyType.EXTREME_LOSS, True),
     ("loss x10", dict(loss=31.0), "loss_ratio", AnomalyType.EXTREME_LOSS, True),
     ("grad above max", dict(grad_norm=2e4), "grad_norm_above_max", AnomalyType.GRADIENT_EXPLOSION, True),
-    ("grad x14", dict(grad_norm=15.0), "grad_norm_ratio", AnomalyType.GRADIENT_EXPLOSION, True),
     ("lr nan", dict(lr=NAN), "lr_non_finite", AnomalyType.LR_OUT_OF_BOUNDS, False),
     ("lr negative", dict(lr=-1e-3), "lr_out_of_bounds", AnomalyType.LR_OUT_OF_BOUNDS, False),
     ("lr huge", dict(lr=50.0), "lr_out_of_bounds", AnomalyType.LR_OUT_OF_BOUNDS, False),
@@ -70,6 +69,7 @@ HEALTHY = [
     ("lr x8", dict(lr=8e-3)),
     ("loss x5", dict(loss=15.0)),
     ("grad x8 (real healthy runs have them)", dict(grad_norm=8.0)),
+    ("grad x15 for one step, the loss calm (real runs: x16-x134)", dict(grad_norm=15.0)),
     ("no grad norm, no lr", dict(grad_norm=None, lr=None)),
     ("tiny batch with one label", dict(batch=BatchStats(size=4, max_label_fraction=1.0))),
     ("clean batch", dict(batch=BatchStats(size=32, outliers=1, max_label_fraction=0.5))),
@@ -87,6 +87,26 @@ def test_several_rules_fire_and_the_most_urgent_gives_the_type() -> None:
     v = warmed().update(step(50, loss=NAN, grad_norm=500.0, lr=100.0))
     assert v.rules == ["loss_non_finite", "grad_norm_ratio", "lr_out_of_bounds", "lr_jump"]
     assert v.type == AnomalyType.NON_FINITE and v.critical
+
+
+def test_a_grad_norm_jump_is_an_explosion_once_it_lasts_or_the_loss_goes_with_it() -> None:
+    det = warmed()
+    first, second = det.update(step(50, grad_norm=30.0)), det.update(step(51, grad_norm=30.0))
+    assert not first.is_anomaly and first.signals == {"grad_norm_ratio": 30.0}  # said, not flagged
+    assert second.rules == ["grad_norm_ratio"] and second.type == AnomalyType.GRADIENT_EXPLOSION
+    assert second.critical and second.confidence == RULES["grad_norm_ratio"][1]
+    assert not det.update(step(52)).is_anomaly
+    assert not det.update(step(53, grad_norm=30.0)).is_anomaly  # a new one-step jump
+    with_loss = warmed().update(step(50, loss=40.0, grad_norm=30.0))
+    assert with_loss.rules == ["loss_ratio", "grad_norm_ratio"] and with_loss.critical
+    assert with_loss.type == AnomalyType.EXTREME_LOSS
+    det = warmed(config=RulesConfig(grad_persist_steps=1))  # the old rule: an explosion at once
+    assert det.update(step(50, grad_norm=30.0)).type == AnomalyType.GRADIENT_EXPLOSION
+    restored = RulesDetector()
+    det = warmed()
+    det.update(step(50, grad_norm=30.0))
+    restored.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert restored.update(step(51, grad_norm=30.0)).is_anomaly  # the count survives a restore
 
 
 def test_ratio_rules_wait_for_history_and_do_not_learn_bad_steps() -> None:

@@ -6,15 +6,19 @@ import doctest
 import json
 import math
 import random
+import statistics
 
 import pytest
 from pydantic import ValidationError
 
 from spikeguard.processors import robust_stats
-from spikeguard.processors.detectors import statistical
-from spikeguard.processors.detectors.statistical import SeriesConfig, StatisticalConfig, StatisticalDetector
+from spikeguard.processors.detectors import level, statistical
+from spikeguard.processors.detectors.statistical import (
+    LevelConfig, SeriesConfig, StatisticalConfig, StatisticalDetector,
+)
+from spikeguard.processors.decision_table import BASE_URGENCY, urgency
 from spikeguard.processors.robust_stats import RollingMedian
-from spikeguard.schemas import AnomalyType, StepEvent
+from spikeguard.schemas import AnomalyType, StepEvent, Urgency
 
 
 def healthy(n: int, seed: int = 0, sigma: float = 0.02, grad: bool = True) -> list[float | tuple]:
@@ -42,6 +46,11 @@ def judge(pairs, config: StatisticalConfig | None = None):
 
 def flagged(verdicts) -> list[int]:
     return [v.step for v in verdicts if v.is_anomaly]
+
+
+def incidents(verdicts) -> list[int]:
+    """Flagged steps that call for more than the guard's skip of one update."""
+    return [v.step for v in verdicts if v.is_anomaly and v.type != AnomalyType.OUTLIER_STEP]
 
 
 def scaled(pairs, at: int, factors: list[float], grad_factors: list[float] | None = None):
@@ -85,7 +94,8 @@ def test_heavy_tailed_noise_is_quiet() -> None:
 )
 def test_sudden_spike_is_caught(factors, expect_delay) -> None:
     pairs = scaled(healthy(1500, 4, sigma=0.02), 1000, factors)
-    hits = flagged(judge(pairs))
+    assert flagged(judge(pairs))[0] == 1000  # at its first step (an outlier step until it lasts)
+    hits = incidents(judge(pairs))
     assert hits, "missed"
     assert 1000 <= hits[0] <= 1000 + expect_delay
     v = judge(pairs)[hits[0]]
@@ -93,12 +103,19 @@ def test_sudden_spike_is_caught(factors, expect_delay) -> None:
     assert max(hits) < 1000 + len(factors) + 3  # and it ends when the loss is back
 
 
-def test_jump_that_heals_at_once_is_not_an_anomaly() -> None:
-    # x1.35 = ~15 noise units, one step, like the batch-induced jumps of real runs
+def test_jump_that_heals_at_once_is_an_outlier_step_not_an_incident() -> None:
+    # x1.35 = ~15 noise units, one step, like the batch-induced jumps of real runs:
+    # reported as its own low-urgency type (the guard skips that update), never a spike.
     pairs = scaled(healthy(1500, 5, sigma=0.02), 1000, [1.35])
     verdicts = judge(pairs)
-    assert flagged(verdicts) == []
-    assert verdicts[1000].signals["z"] > 6 and verdicts[1000].confidence < 0.5  # suspicious, said
+    assert incidents(verdicts) == [] and flagged(verdicts) == [1000]
+    v = verdicts[1000]
+    assert v.type == AnomalyType.OUTLIER_STEP and v.rules == ["loss_outlier_step"]
+    assert v.signals["z"] > 6 and 0.6 <= v.confidence <= 1.0 and not v.critical
+    assert urgency(v.type, v.confidence, v.critical, 0.7) == Urgency.LOW
+    # smaller than x1.3: the series monitor still says "suspicious", nothing more
+    small = judge(scaled(healthy(1500, 5, sigma=0.02), 1000, [1.2]))
+    assert flagged(small) == [] and small[1000].confidence < 0.5
 
 
 def test_a_drop_is_not_an_anomaly() -> None:
@@ -153,10 +170,94 @@ def test_growing_oscillation_is_caught(period: int) -> None:
 def test_gradient_norm_spike_is_a_gradient_explosion() -> None:
     pairs = scaled(healthy(1500, 11), 1000, [1.0] * 4, grad_factors=[50.0, 80.0, 60.0, 40.0])
     verdicts = judge(pairs)
-    assert flagged(verdicts)[0] == 1000
-    assert verdicts[1000].type == AnomalyType.GRADIENT_EXPLOSION
+    # flagged once it lasts (its first step alone is what healthy real runs also show)
+    assert flagged(verdicts)[0] == 1001
+    assert verdicts[1001].type == AnomalyType.GRADIENT_EXPLOSION
+    assert verdicts[1001].rules == ["grad_norm_spike"]
+    # one step with the loss calm (real runs: x16-x134) is said, not flagged; lasting, it is
+    one = judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[80.0]))
+    assert flagged(one) == [] and one[1000].signals["grad_norm_jump"] == 1
+    two = judge(scaled(healthy(1500, 11), 1000, [1.0] * 2, grad_factors=[80.0, 60.0]))
+    assert flagged(two)[0] == 1001 and two[1001].type == AnomalyType.GRADIENT_EXPLOSION
+    healing = judge(scaled(healthy(1500, 11), 1000, [1.0] * 2, grad_factors=[74.0, 3.0]))
+    assert flagged(healing) == []  # x74 then x3 (a real ResNet step): it healed, it did not last
+    lone = judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[80.0]),
+                 StatisticalConfig(grad_persist_steps=1))
+    assert lone[1000].type == AnomalyType.GRADIENT_EXPLOSION  # the old rule, still a setting
     # a single x7 grad blip (real runs have them) is not
     assert flagged(judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[7.0]))) == []
+
+
+def test_a_grad_norm_jump_with_the_loss_reacting_is_flagged_at_once() -> None:
+    pairs = scaled(healthy(1500, 11), 1000, [1.4], grad_factors=[50.0])
+    verdicts = judge(pairs)
+    assert flagged(verdicts) == [1000]  # the loss's own level test speaks for the step
+    assert verdicts[1000].type == AnomalyType.OUTLIER_STEP and verdicts[1000].rules == ["loss_outlier_step"]
+
+
+def plateau(n: int, seed: int, sigma: float = 0.01) -> list[tuple[float, None]]:
+    """A flat loss (the end of a schedule), Gaussian noise in log space, no grad norm."""
+    rng = random.Random(seed)
+    return [(math.exp(1.0 + rng.gauss(0, sigma)), None) for _ in range(n)]
+
+
+def test_slow_rise_above_the_best_level_is_caught_and_a_long_plateau_is_not() -> None:
+    # +20 % over 4000 steps after 3000 flat ones: too slow for the streaming
+    # divergence test (its best level forgets), not for the CUSUM on the best level.
+    pairs = [(loss * math.exp(math.log(1.2) * max(0, t - 3000) / 4000), g)
+             for t, (loss, g) in enumerate(plateau(7000, 21))]
+    verdicts = judge(pairs)
+    rises = [v.step for v in verdicts if v.type == AnomalyType.SLOW_RISE]
+    assert rises and 3000 < rises[0] < 5500  # before the run has risen +12 %
+    assert incidents(verdicts)[0] >= 3000
+    v = verdicts[rises[0]]
+    assert v.rules == ["loss_slow_rise"] and BASE_URGENCY[v.type] == Urgency.MEDIUM and not v.critical
+    without = judge(pairs, StatisticalConfig(watch_level=False))
+    assert not any(v.is_anomaly for v in without[:rises[0] + 1])  # what the port adds
+    assert incidents(judge(plateau(20000, 22))) == []
+
+
+def test_a_spike_early_in_the_run_is_caught_by_the_level_test() -> None:
+    # Inside the streaming monitor's 30-point warm-up (like the real DLRM run's spikes
+    # at points 22 and 34); the level test judges from its 20th point.
+    pairs = scaled(plateau(80, 23, sigma=0.02), 24, [1.6, 1.6, 1.5])
+    verdicts = judge(pairs)
+    assert [(v.step, v.type) for v in verdicts if v.is_anomaly][:2] == [
+        (24, AnomalyType.OUTLIER_STEP), (25, AnomalyType.LOSS_SPIKE)]
+    assert flagged(judge(pairs, StatisticalConfig(watch_level=False))) == []
+
+
+def test_a_doubling_is_elevated_even_when_the_noise_is_too_wide_for_z() -> None:
+    # Early in a run (like the real DLRM run's first 50 points) the loss swings
+    # x2-x3 around its level: z stays small, a x3 jump is still a spike.
+    rng = random.Random(25)
+    pairs = [(math.exp(-1.7 + rng.uniform(-0.5, 0.5)), None) for _ in range(40)]
+    pairs += [(math.exp(-1.7) * 4.0, None), (math.exp(-1.7) * 3.5, None), (math.exp(-1.7), None)]
+    verdicts = judge(pairs)
+    assert [(v.step, v.type) for v in verdicts if v.is_anomaly] == [
+        (40, AnomalyType.OUTLIER_STEP), (41, AnomalyType.LOSS_SPIKE)]
+    assert verdicts[40].signals["z"] < 6
+    assert flagged(judge(pairs, StatisticalConfig(level=LevelConfig(double_ratio=100.0)))) == []
+
+
+def test_level_baseline_is_the_median_and_mad_of_the_accepted_window() -> None:
+    rng = random.Random(24)
+    monitor = LevelConfig(window=31, min_values=5).monitor()
+    for _ in range(200):  # the window fills (odd and even sizes), then slides
+        y = rng.gauss(0.0, 1.0) ** 3
+        window = list(monitor.state_dict()["hist"])
+        base = monitor.baseline()
+        if len(window) >= 5:
+            med = statistics.median(window)
+            mad = statistics.median(abs(v - med) for v in window)
+            assert base == pytest.approx((med, 1.4826 * mad), abs=1e-12)
+        judged = monitor.judge(y)
+        monitor.advance(judged[0])
+        if judged[0] in (level.OK, level.WARMUP, level.SLOW_RISE):
+            monitor.learn(y, judged)
+    twin = LevelConfig(window=31, min_values=5).monitor()
+    twin.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert twin.baseline() == monitor.baseline() and twin.judge(0.5) == monitor.judge(0.5)
 
 
 def test_runs_without_grad_norm_and_odd_losses() -> None:
