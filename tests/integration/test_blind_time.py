@@ -24,15 +24,17 @@ import pytest
 
 from spikeguard.lab.simulate import generate
 from spikeguard.schemas import Decision, Topics, decode, encode
+from spikeguard.schemas.signing import sign_step
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 RUN = "blind-run"
 STEPS_PER_SECOND = 20
+KEY = "blind-time-test-key"  # the pipeline's signing key; the test signs its steps as a trainer does
 
 
 def start_pipeline(bootstrap: str, prefix: str, log, env_extra: dict[str, str]) -> subprocess.Popen:
     env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap,
-           "SPIKEGUARD_SIGNING_KEY": "blind-time-test-key", **env_extra}
+           "SPIKEGUARD_SIGNING_KEY": KEY, **env_extra}
     return subprocess.Popen(
         [sys.executable, "-m", "spikeguard", "worker", "all", "--topic-prefix", prefix,
          "--set", "snapshot_interval_s=0.5"],
@@ -74,7 +76,7 @@ class Feed:
             for event in events:
                 if self.stop.wait(1 / STEPS_PER_SECOND):
                     break
-                producer.publish(self.topics.steps, encode(event), key=RUN)
+                producer.publish(self.topics.steps, encode(sign_step(event, KEY)), key=RUN)
                 producer.flush(10)
         finally:
             producer.close()
