@@ -88,7 +88,11 @@ class Guard(Checkpointing):
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint)  # torch.save off the training thread
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
-        self.actions = ActionQueue(self.ledger, cfg.signing_key or getattr(settings, "signing_key", None))
+        # The key: the Guard's own config, else its runtime's, else the one an embedded
+        # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
+        key = (cfg.signing_key or getattr(settings, "signing_key", None)
+               or getattr(bus, "signing_key", None))
+        self.actions = ActionQueue(self.ledger, key)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)

@@ -114,6 +114,9 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     topics = Topics(settings.topic_prefix)
     if settings.engine == "embedded":
         bus.create_topics(topics.all())
+        # The in-process pipeline refuses steps not signed with this key; a Guard handed
+        # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
+        bus.signing_key = settings.signing_key
         runtime = Runtime(bus, topics, settings)
         start_workers(runtime, metrics=metrics)
         from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts

@@ -55,6 +55,9 @@ class EmbeddedBus(Bus):
     engine = "embedded"
 
     def __init__(self, partitions: int = 4, data_dir: str | os.PathLike | None = None) -> None:
+        # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
+        # Guard handed the bus directly signs its steps as that pipeline requires.
+        self.signing_key = None
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         self.partitions = partitions

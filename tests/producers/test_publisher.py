@@ -96,3 +96,24 @@ def test_a_guard_with_a_key_signs_every_step_it_publishes(tmp_path):
         else:
             assert all(step_signature_problem(s, key) is None for s in steps)
             assert all(step_signature_problem(s, "another-key") is not None for s in steps)
+
+
+def test_a_guard_given_an_embedded_runtimes_bus_signs_with_that_runtimes_key(tmp_path):
+    # Passing bus=runtime.bus (no settings) used to leave the Guard keyless: its steps went
+    # out unsigned, the runtime's detectors refused every one, and the run was unprotected.
+    from spikeguard.runtime import open_runtime
+    from spikeguard.schemas import step_signature_problem
+    from spikeguard.settings import load_settings
+    from producers_helpers import Tiny, make_guard, train
+
+    with open_runtime(load_settings({}, env={})) as runtime:
+        tiny = Tiny(seed=3)
+        guard = make_guard(tiny, runtime.bus, tmp_path)
+        train(guard, tiny, 12)
+        guard.close()
+        key = runtime.settings.signing_key
+        steps = [decode(r.value, StepEvent) for r in runtime.bus.read_all(runtime.topics.steps)]
+        assert [s.step for s in steps] == list(range(12))
+        assert all(step_signature_problem(s, key) is None for s in steps)
+        refused = runtime.bus.read_all(runtime.topics.dlq)
+        assert refused == []  # the pipeline judged every step
