@@ -145,8 +145,11 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
     cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
                                 resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
     cfg = _checking_signatures(cfg, runtime)
+    # The run names the policy its pipeline applies, so the Guard checks its checkpoint
+    # cadence against it (and publishes it on the runs topic) rather than the defaults.
+    policy = runtime.settings.policy.model_dump(mode="json", exclude_defaults=True)
     guard = Guard(problem.model, problem.optimizer, problem.scheduler, run_id=run_id,
-                  bus=runtime.bus, topics=runtime.topics, config=cfg)
+                  bus=runtime.bus, topics=runtime.topics, config=cfg, policy=policy)
     blown = False
     try:
         data = guard.data(problem.loader, max_steps=setup.steps)
