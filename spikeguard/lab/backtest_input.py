@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from spikeguard.errors import SchemaError
 from spikeguard.lab.runfile import (
     csv_header,
+    iter_jsonl,
     _FLOAT_COLUMNS,
     RunFileError,
-    _check_order,
     _default_run_id,
     _event,
     _parse_bool,
     _parse_float,
     _parse_int,
 )
-from spikeguard.schemas import StepEvent, decode
+from spikeguard.schemas import StepEvent
 
 PROGRESS_EVERY = 2000
 Progress = Callable[[int], None]
@@ -113,21 +111,6 @@ def _csv(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
 
 
 def _jsonl(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
-    # The loop of runfile._read_jsonl, yielding instead of collecting.
-    labelled: bool | None = None
-    last: dict[str, int] = {}
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        try:
-            event = decode(line, StepEvent)
-        except SchemaError as exc:
-            raise RunFileError(f"{where}: {exc}") from None
-        _check_order(event.run_id, event.step, where, last)
-        has = '"label"' in line
-        if labelled is None:
-            labelled = has
-        if labelled and "label" not in json.loads(line):
-            raise RunFileError(f"{where}: no 'label' key (earlier lines have one)")
+    # A backtest ignores labels, but still refuses a file whose labels are broken.
+    for event, _ in iter_jsonl(lines, name):
         yield event

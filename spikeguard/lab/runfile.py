@@ -186,9 +186,21 @@ def _read_csv(handle: IO[str], name: str, run_id: str):
 def _read_jsonl(handle: Iterable[str], name: str, run_id: str):
     events: list[StepEvent] = []
     labels: list[StepLabel] = []
+    for event, label in iter_jsonl(handle, name):
+        events.append(event)
+        if label is not None:
+            labels.append(label)
+    return events, (labels if labels else None)
+
+
+def iter_jsonl(lines: Iterable[str], name: str):
+    """(event, its label or None) per non-blank line, checked as it is read.
+
+    Labels are all or nothing: once the first line has one, every line needs one.
+    """
     labelled: bool | None = None
     last: dict[str, int] = {}
-    for lineno, line in enumerate(handle, start=1):
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
@@ -197,16 +209,15 @@ def _read_jsonl(handle: Iterable[str], name: str, run_id: str):
         except SchemaError as exc:
             raise RunFileError(f"{where}: {exc}") from None
         _check_order(event.run_id, event.step, where, last)
-        events.append(event)
-        has = '"label"' in line
         if labelled is None:
-            labelled = has
+            labelled = '"label"' in line
+        label = None
         if labelled:
             raw = json.loads(line)
             if "label" not in raw:
                 raise RunFileError(f"{where}: no 'label' key (earlier lines have one)")
-            labels.append(StepLabel(bool(raw["label"]), str(raw.get("kind") or "")))
-    return events, (labels if labelled else None)
+            label = StepLabel(bool(raw["label"]), str(raw.get("kind") or ""))
+        yield event, label
 
 
 def _event(fields: dict[str, object], where: str, last: dict[str, int]) -> StepEvent:
