@@ -40,6 +40,16 @@ def _e(text: object) -> str:
     return html.escape(str(text))
 
 
+def _layers(moves: list[dict]) -> str:
+    if not moves:
+        return "<span class='muted'>none stood out</span>"
+    return "<br>".join(
+        f"{_e(m['layer'])}: share {m['baseline_share']:.0%} &rarr; {m['peak_share']:.0%}"
+        + (f", norm x{m['norm_ratio']:.3g}" if m.get("norm_ratio") else "")
+        + f" <span class='muted'>({m['steps_before_onset']} step(s) before onset)</span>"
+        for m in moves[:3])
+
+
 def render(timeline: "Timeline", png_path: str | None = None) -> str:
     t = timeline
     parts = [f"<!doctype html><html><head><meta charset='utf-8'>"
@@ -64,7 +74,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
     else:
         parts.append("<table><tr><th>onset (wall clock)</th><th>steps</th><th>epoch</th>"
                      "<th>type</th><th>urgency</th><th>loss vs baseline</th><th>detectors</th>"
-                     "<th>rules</th><th>critical</th></tr>")
+                     "<th>rules</th><th>critical</th><th>layers that moved first</th></tr>")
         for i in t.incidents:
             ratio = ""
             if i.loss is not None and i.baseline and math.isfinite(i.loss):
@@ -80,9 +90,12 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                 f" ({i.decisions} decision(s))</td><td>{i.epoch}</td><td>{_e(i.type)}</td>"
                 f"<td class='{_e(i.urgency)}'>{_e(i.urgency)}</td>"
                 f"<td>{_num(i.loss)} vs {_num(i.baseline)}{ratio}</td><td>{said}</td>"
-                f"<td>{_e(', '.join(i.rules))}</td><td>{'yes' if i.critical else 'no'}</td></tr>")
+                f"<td>{_e(', '.join(i.rules))}</td><td>{'yes' if i.critical else 'no'}</td>"
+                f"<td>{_layers(i.layers)}</td></tr>")
         parts.append("</table><p class='muted'>Baseline: median of the finite losses of the "
-                     "20 steps before the onset.</p>")
+                     "20 steps before the onset. Layers: a layer's squared share of the gradient norm that "
+                     "rose by 0.1 or more while its own norm left its range (robust z &ge; 6 against "
+                     "the 50 steps before), earliest first.</p>")
     parts.append("<h2>What the trainer did</h2>")
     if not t.actions:
         parts.append("<p class='muted'>No action was sent.</p>")

@@ -13,7 +13,9 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from spikeguard.forensics import attribute
 from spikeguard.reporting.load import RunRecord
+from spikeguard.schemas import StepEvent
 from spikeguard.schemas import Urgency
 
 _RANK = {u.value: i for i, u in enumerate(Urgency)}
@@ -46,6 +48,7 @@ class Incident:
     detectors: dict[str, dict] = field(default_factory=dict)  # name -> verdict summary
     rules: list[str] = field(default_factory=list)
     critical: bool = False
+    layers: list[dict] = field(default_factory=list)  # forensics.layers.LayerMove, first mover first
 
 
 @dataclass
@@ -82,6 +85,17 @@ def _baseline(points: list[StepPoint], index: int) -> float | None:
     before = [p.loss for p in points[max(0, index - 4 * BASELINE_STEPS):index]
               if math.isfinite(p.loss)][-BASELINE_STEPS:]
     return statistics.median(before) if before else None
+
+
+def _history(run: RunRecord, epoch: int) -> list[StepEvent]:
+    """Rank 0's steps as training saw them up to ``epoch``: a step re-run later replaces the earlier try."""
+    latest: dict[int, StepEvent] = {}
+    for event in run.steps:
+        if event.rank == 0 and event.epoch <= epoch:
+            found = latest.get(event.step)
+            if found is None or event.epoch >= found.epoch:
+                latest[event.step] = event
+    return [latest[s] for s in sorted(latest)]
 
 
 def build_timeline(run: RunRecord) -> Timeline:
@@ -155,6 +169,8 @@ def build_timeline(run: RunRecord) -> Timeline:
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
+    for incident in incidents.values():
+        incident.layers = [m.as_dict() for m in attribute(_history(run, incident.epoch), incident.onset_step)]
     return Timeline(
         run.run_id, points, anomalies,
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
