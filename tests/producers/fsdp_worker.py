@@ -67,7 +67,9 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
             sums.clear()
             outcomes.append([epoch, step, guard.step(loss)])
             reduces[f"{epoch}/{step}"] = len(sums)
-    guard.close()
+    guard.close(finished=False)  # as if the job died here: the next one resumes
+    final = _local_state(model, opt)
+    resumed = _resume(out_dir)
     published = {f"{e.epoch}/{e.step}": e.grad_norm
                  for e in (decode(r.value, StepEvent) for r in bus.read_all(Topics().steps))}
     before, after = shards[(0, 10)], shards[(1, 10)]
@@ -76,8 +78,24 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         "restored": [torch.equal(a, b) for a, b in zip(before, after)], "n_shards": len(before),
         "shard_rows": [t.shape[0] for t in before], "skip_ranges": data.skip_ranges,
         "epoch": guard.epoch, "rollbacks": guard.counters["rollbacks"],
-        "skipped": guard.counters["skipped_updates"]}))
+        "skipped": guard.counters["skipped_updates"],
+        "resumed_at": [resumed[0].resumed_from.epoch, resumed[0].resumed_from.step],
+        "resumed_equal": [torch.equal(a, b) for a, b in zip(final, resumed[1])]}))
     dist.destroy_process_group()
+
+
+def _resume(out_dir: str):
+    """A new process's Guard on a freshly built (differently initialised) sharded model."""
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = Guard(model, opt, run_id="fs", connect=False,
+                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5))
+    state = _local_state(model, opt)
+    guard.close(finished=False)
+    return guard, state
 
 
 def _count_sum_all_reduces() -> list:

@@ -75,6 +75,8 @@ def test_a_rollback_restores_every_ranks_shards_from_a_dcp_checkpoint(ranks):
     # Each rank holds its rows only: (16, 6), (16,), (1, 16), (1,) split on dim 0.
     assert [r["shard_rows"][:4] for r in results] == [[8, 8, 1, 1], [8, 8, 0, 0]]
     ckpt = out / "ckpt"
+    for r in results:  # a restarted job's fresh model gets every rank's shards and moments back
+        assert r["resumed_at"] == [1, 20] and len(r["resumed_equal"]) == 12 and all(r["resumed_equal"])
     files = sorted(p.name for p in ckpt.glob("ckpt-*.pt") if ".rank" not in p.name)
     assert files
     for name in files:
