@@ -142,6 +142,8 @@ class GuardedLoader:
                 raise StopIteration
             if self._limit is not None and self.position >= self._limit:
                 self.ran_out = True  # the data's end, not a stop: the run is finished
+                if self.batches_per_epoch and self._next_index >= self._epoch_end:
+                    self._finish_epoch()
                 raise StopIteration
             if self.before_batch is not None:
                 self.before_batch()
@@ -181,7 +183,8 @@ class GuardedLoader:
         try:
             while True:
                 if self.batches_per_epoch and self._next_index >= self._epoch_end:
-                    raise StopIteration  # a loader longer than its len(): the rest is not this epoch's
+                    self._finish_epoch()
+                    raise StopIteration
                 index = self._next_index
                 if index >= self.position and not self.skipped(index):
                     if saved is not None:
@@ -198,6 +201,21 @@ class GuardedLoader:
         finally:
             if saved is not None:
                 rng.restore(saved)
+
+    def _finish_epoch(self) -> None:
+        """Pull once past the epoch's last batch, so that the loader's own end-of-epoch code runs
+        (accelerate ends its gradient-accumulation bookkeeping there); a loader longer than its
+        len() hands over a batch that is not this epoch's, dropped."""
+        it, self._iter = self._iter, None
+        if it is None:
+            return
+        saved = rng.capture()
+        try:
+            next(it)
+        except StopIteration:
+            pass
+        finally:
+            rng.restore(saved)
 
     def _set_epoch(self, epoch: int) -> None:
         """Tell the loader which data epoch starts, and seed what it would draw from the global RNG."""

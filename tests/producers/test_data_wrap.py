@@ -145,3 +145,24 @@ def test_the_guard_keeps_the_users_sampler_object_and_loader_class(tmp_path):
         assert len(data) == len(tiny.loader) == 64
     finally:
         guard.close()
+
+
+def test_an_accelerate_prepared_loader_is_iterated_as_accelerate_iterates_it():
+    from accelerate import Accelerator  # the real library (test extra)
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True))
+    state = accelerator.gradient_state
+    w = GuardedLoader(loader, seed=5, epochs=3)
+    reference, ends = [], []
+    for (b,) in w:
+        assert state.active_dataloader is loader  # accelerate's own __iter__ is running
+        reference.append(b.tolist())
+        ends.append(state.end_of_dataloader)
+    assert type(w.loader).__name__ == "DataLoaderShard" and len(reference) == 30
+    # accelerate saw each epoch's last batch, and its loop end (gradient accumulation syncs on it)
+    assert [i for i, end in enumerate(ends) if end] == [9, 19, 29] and not state.in_dataloader
+    assert reference[:10] != reference[10:20]  # its sampler was told the epoch
+    replay = GuardedLoader(loader, seed=5, epochs=3)
+    replay.seek(13)  # a rollback into epoch 1
+    assert [b.tolist() for (b,) in replay] == reference[13:] and replay.dropped == 3
