@@ -70,6 +70,7 @@ class Guard(Checkpointing):
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
                  connect: bool = True, preset: str | None = None,
                  policy: dict[str, Any] | None = None) -> None:
+        self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py); FSDP1 refused, first
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
         self.sync = RankSync(process_group)
@@ -88,7 +89,6 @@ class Guard(Checkpointing):
         directory = Path(cfg.checkpoint_dir or Path("spikeguard-checkpoints") / self.run_id)
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
         # torch.save off the training thread; a sharded model's DCP save is collective: on this one.
-        self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py)
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
         # The key: the Guard's own config, else its runtime's, else the one an embedded

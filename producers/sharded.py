@@ -29,17 +29,30 @@ with the training's own on the same process group.
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
 
+from spikeguard.errors import ConfigError
 from spikeguard.producers.distributed import is_sharded
 
 DCP_KEY = "dcp"
 
 
 def model_is_sharded(model: torch.nn.Module) -> bool:
-    """FSDP2 / DTensor parameters: checkpoints go through DCP (build the Guard after sharding)."""
+    """FSDP2 / DTensor parameters: checkpoints go through DCP (build the Guard after sharding).
+
+    FSDP1 is refused: its flat shards are plain tensors, so their norm would be one
+    rank's slice and its default state_dict a collective gather.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # (imported only if the program uses FSDP)
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
+        raise ConfigError("the Guard supports sharded models through FSDP2 "
+                          "(torch.distributed.fsdp.fully_shard) or DTensor parameters, not FSDP1's "
+                          "FullyShardedDataParallel: its flat shards give one rank's slice of the "
+                          "gradient norm; shard the model with fully_shard, then build the Guard")
     return is_sharded([p for p in model.parameters()])
 
 

@@ -85,3 +85,23 @@ def test_a_rollback_restores_every_ranks_shards_from_a_dcp_checkpoint(ranks):
         shards = Path(body["sharded"]["dcp"])
         assert sorted(p.name for p in (ckpt / shards.name).iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp"]  # every rank wrote its part
+
+
+def test_an_fsdp1_model_is_refused_with_the_reason(tmp_path):
+    """FSDP1's flat shards are plain tensors: their norm would be one rank's slice, and its
+    state_dict a collective gather from the checkpoint thread. Refused, pointing to FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from spikeguard.errors import ConfigError
+    from spikeguard.producers import Guard, GuardConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="NO_SHARD"):  # (one rank: FSDP1 says it will not shard)
+            model = FullyShardedDataParallel(torch.nn.Linear(4, 2), device_id=torch.device("cpu"))
+        with pytest.raises(ConfigError, match="fully_shard"):
+            Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_id="f1", connect=False,
+                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False))
+    finally:
+        dist.destroy_process_group()
