@@ -9,6 +9,14 @@ epoch e+1 (after a rollback) is newer than every one of epoch e.
 
 With several ranks, rank 0 writes the full checkpoint and every other rank a
 small companion file with its own RNG state (``...-<id>.rank<r>.pt``).
+
+A sharded model's state (sharded.py: what a part holds under ``DCP_KEY``) is
+written with ``torch.distributed.checkpoint`` into ``dcp-<id>/`` beside the
+files, every rank its own shards, before the files: a rank-0 file on disk
+means its shards are complete. The directory has no health flag in its name,
+so demoting a checkpoint renames the file only; rank 0 deletes the
+directory with the file, and on start the directories no file refers to
+(a crash between the two writes).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 
 from spikeguard.producers.atomic import atomic_write, remove_stale_temps
+from spikeguard.producers.sharded import DCP_KEY
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,8 @@ class CheckpointStore:
         # Only this rank's leftovers: the directory is shared, and another rank may be
         # writing its own temp file right now.
         remove_stale_temps(self.directory, owned=lambda target: _rank_of(target) == self.rank)
+        if rank == 0:
+            self._remove_orphan_shards()
 
     # -- listing --------------------------------------------------------------
     def list(self, rank: int | None = None) -> list[CheckpointInfo]:
@@ -108,6 +120,7 @@ class CheckpointStore:
         suffix = f".rank{self.rank}.pt" if self.rank else ".pt"
         name = f"ckpt-e{epoch:05d}-s{step:010d}-{'h' if healthy else 'u'}-{cid}{suffix}"
         path = self.directory / name
+        payload = self._save_shards(payload, cid)
         body = dict(payload, format=FORMAT, checkpoint_id=cid, step=step, epoch=epoch,
                     healthy=healthy, run_id=self.run_id)
         atomic_write(path, lambda handle: torch.save(body, handle))
@@ -140,7 +153,40 @@ class CheckpointStore:
         removed = [c for c in found if c.path not in keep]
         for c in removed:
             c.path.unlink(missing_ok=True)
+            if self.rank == 0:
+                shutil.rmtree(self.shard_dir(c.checkpoint_id), ignore_errors=True)
         return removed
+
+    # -- sharded state (torch.distributed.checkpoint) ---------------------------
+    def shard_dir(self, cid: str) -> Path:
+        return self.directory / f"dcp-{cid}"
+
+    def _save_shards(self, payload: dict[str, Any], cid: str) -> dict[str, Any]:
+        """Write the parts' ``DCP_KEY`` state with dcp.save (collective); their path stays in the file."""
+        sharded = {name: part[DCP_KEY] for name, part in payload.items()
+                   if isinstance(part, dict) and DCP_KEY in part}
+        if not sharded:
+            return payload
+        if len(sharded) > 1:
+            raise ValueError(f"one sharded part per checkpoint, got {sorted(sharded)}")
+        import torch.distributed.checkpoint as dcp
+
+        target = self.shard_dir(cid)
+        dcp.save(next(iter(sharded.values())), checkpoint_id=str(target))  # the part loads it as it is
+        return {name: dict(part, **{DCP_KEY: target.name}) if name in sharded else part
+                for name, part in payload.items()}
+
+    def _with_shard_paths(self, body: dict[str, Any]) -> dict[str, Any]:
+        for part in body.values():
+            if isinstance(part, dict) and isinstance(part.get(DCP_KEY), str):
+                part[DCP_KEY] = str(self.directory / part[DCP_KEY])
+        return body
+
+    def _remove_orphan_shards(self) -> None:
+        known = {c.checkpoint_id for c in self.list(0)}
+        for path in self.directory.glob("dcp-c-*"):
+            if path.is_dir() and path.name[len("dcp-"):] not in known:
+                shutil.rmtree(path, ignore_errors=True)
 
     # -- reading --------------------------------------------------------------
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
@@ -155,5 +201,6 @@ class CheckpointStore:
         if self.rank:
             companion = next((c for c in self.list() if c.checkpoint_id == info.checkpoint_id), None)
             if companion is not None:
-                body["rank_state"] = torch.load(companion.path, map_location="cpu", weights_only=True)
-        return body
+                body["rank_state"] = self._with_shard_paths(
+                    torch.load(companion.path, map_location="cpu", weights_only=True))
+        return self._with_shard_paths(body)

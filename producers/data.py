@@ -1,16 +1,29 @@
-"""A DataLoader wrapper that knows where it is: global batch index, resume, skip.
+"""A wrapper around the user's own loader that knows where it is: global batch index, resume, skip.
 
-Global batch index ``g`` lives in data epoch ``g // batches_per_epoch``;
-the order inside an epoch is a permutation seeded by ``(seed, epoch)`` alone,
-so it never depends on how often the run rolled back or restarted: resuming
-at ``g`` yields exactly the batch an uninterrupted run sees at ``g``.
+The loader is never rebuilt: every batch comes out of the user's own
+``__iter__``, so its class, sampler, collate and device placement (accelerate's
+prepared loaders, DDP's DistributedSampler) are what the training loop sees.
 
-For a map-style dataset under a standard sampler (random, sequential or
-distributed) the wrapper rebuilds the DataLoader from a given index on (no
-batch is read to get there), with its own seeded generator so that building
-an iterator never consumes the global RNG. Anything else is *replayed*: the
-epoch is iterated from its start and the batches before the index thrown
-away — exact only if the iterable's own order is deterministic.
+Global batch index ``g`` lives in data epoch ``g // len(loader)``. Entering a
+data epoch tells the loader which one it is (``set_epoch`` on the loader if it
+has one, as accelerate's does, else on its sampler, as DDP's needs), and the
+randomness the loader would draw from the global RNG is seeded by
+``(seed, epoch)`` alone (a RandomSampler's generator, the DataLoader's
+base-seed generator), so the order never depends on how often the run rolled
+back or restarted: resuming at ``g`` yields exactly the batch an
+uninterrupted run sees at ``g``.
+
+Resume, rollback and skip ranges all *read and drop*: the epoch is iterated
+from its start and the batches before the index (or inside a skip range)
+thrown away. Why not jump with the sampler's state: torch's samplers offer
+none (only an epoch), and skipping below the user's ``__iter__`` would
+bypass exactly the code (placement, sharding, per-batch transforms) that
+decides what a batch is. The cost is reading the dropped batches — no
+forward or backward — and a forward jump within the epoch reads on from the
+live iterator instead of starting over. Dropped batches are read with the
+random streams saved and put back, so they draw nothing the training loop
+would have drawn. Exact for any loader whose order within an epoch is
+deterministic.
 
 Skip ranges (inclusive global indices) are jumped over; they are kept across
 rollbacks (bad data stays bad) and restored from the guard's ledger.
@@ -19,12 +32,12 @@ rollbacks (bad data stays bad) and restored from the guard's ledger.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset,
-                              RandomSampler, SequentialSampler)
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from spikeguard.producers import rng
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -43,12 +56,19 @@ def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
 
 
 class GuardedLoader:
-    """Iterate like the wrapped loader; ``position`` is the next global batch index."""
+    """Iterate like the wrapped loader; ``position`` is the next global batch index.
+
+    ``dropped`` counts the batches read from the loader and thrown away (replay
+    to a resume or rollback point, skip ranges).
+    """
 
     def __init__(self, loader: Any, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  epochs: int | None = None, stop_when: Callable[[], bool] | None = None,
                  before_batch: Callable[[], None] | None = None) -> None:
         self.loader = loader
+        # The order's seed is the guard's (its data_seed), even where the user passed a generator:
+        # that generator is re-seeded per epoch from it, so a second wrapper of the same loader
+        # (a reference run) reads the same order.
         self.seed = seed
         self.epochs = epochs
         self.stop_when = stop_when
@@ -56,49 +76,32 @@ class GuardedLoader:
         self.position = 0
         self.last_index: int | None = None
         self.ran_out = False  # the last iteration ended at the end of the data (not by a stop)
+        self.dropped = 0
         # The batches read since the last take_span(): one optimizer step's (micro-)batches.
         self._span = (-1, -1, 0)
         self.skip_ranges: list[list[int]] = []
-        self._iter: Iterator[tuple[int, Any]] | None = None
+        self._iter: Iterator[Any] | None = None
+        self._next_index = 0  # the global index of what the live iterator yields next
         self._epoch_end = 0
         self._limit: int | None = None
-        self._rebuild = self._standard(loader)
-        if self._rebuild:
-            sampler = loader.sampler
-            self.shuffle = isinstance(sampler, RandomSampler) or (
-                isinstance(sampler, DistributedSampler) and sampler.shuffle)
-            if isinstance(sampler, DistributedSampler):
-                rank, world_size = sampler.rank, sampler.num_replicas
-            self.rank, self.world_size = rank, world_size
-            self.batch_size = loader.batch_size
-            n, per = len(loader.dataset), self.batch_size * self.world_size
-            if self.world_size > 1 or loader.drop_last:
-                self.batches_per_epoch = max(1, n // per)
-            else:
-                self.batches_per_epoch = max(1, math.ceil(n / per))
-        else:
-            self.shuffle = False
-            self.rank, self.world_size = rank, world_size
-            self.batches_per_epoch = len(loader) if hasattr(loader, "__len__") else None
-
-    @staticmethod
-    def _standard(loader: Any) -> bool:
-        return (isinstance(loader, DataLoader)
-                and not isinstance(loader.dataset, IterableDataset)
-                and type(loader.batch_sampler) is BatchSampler
-                and type(loader.sampler) in (RandomSampler, SequentialSampler, DistributedSampler))
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            rank, world_size = sampler.rank, sampler.num_replicas
+        self.rank, self.world_size = rank, world_size
+        try:
+            self.batches_per_epoch: int | None = len(loader)
+        except TypeError:  # an iterable without a length: one pass, replayed from its start
+            self.batches_per_epoch = None
 
     # -- position control -----------------------------------------------------
     def seek(self, position: int) -> None:
         """The next batch yielded is the first non-skipped one at or after ``position``."""
         self.position = int(position)
-        self._iter = None
         self._span = (-1, -1, 0)  # what was read before a seek belongs to no step that will run
 
     def skip(self, start: int, end: int) -> None:
         """Never yield global indices ``start..end`` (inclusive)."""
         self.skip_ranges = merge_ranges(self.skip_ranges + [[start, end]])
-        self._iter = None
 
     def take_span(self) -> tuple[int, int, int]:
         """(first, last, count) of the batches read since the last call, and start anew."""
@@ -139,13 +142,16 @@ class GuardedLoader:
                 raise StopIteration
             if self._limit is not None and self.position >= self._limit:
                 self.ran_out = True  # the data's end, not a stop: the run is finished
+                if self.batches_per_epoch and self._next_index >= self._epoch_end:
+                    self._finish_epoch()
                 raise StopIteration
             if self.before_batch is not None:
                 self.before_batch()
-            if self._iter is None:
-                self._iter = self._open(self.position)
+            if self._iter is None or self._next_index > self.position or (
+                    self.batches_per_epoch and self.position >= self._epoch_end):
+                self._open(self.position)  # behind us (a rollback) or in another epoch: start over
             try:
-                index, batch = next(self._iter)
+                index, batch = self._advance()
             except StopIteration:
                 self._iter = None
                 if self.batches_per_epoch is None:
@@ -160,41 +166,89 @@ class GuardedLoader:
             self.position = index + 1
             return batch
 
-    def _open(self, position: int) -> Iterator[tuple[int, Any]]:
+    def _open(self, position: int) -> None:
         bpe = self.batches_per_epoch
         epoch = position // bpe if bpe else 0
         first = epoch * bpe if bpe else 0
         self._epoch_end = first + bpe if bpe else 0
-        if self._rebuild:
-            return self._open_rebuilt(epoch, first, position)
-        return self._open_replay(first, position)
+        self._iter = None  # (a worker pool of the old iterator shuts down with it)
+        self._set_epoch(epoch)
+        self._iter = iter(self.loader)
+        self._next_index = first
 
-    def _open_rebuilt(self, epoch: int, first: int, position: int) -> Iterator[tuple[int, Any]]:
-        loader, n = self.loader, len(self.loader.dataset)
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
+    def _advance(self) -> tuple[int, Any]:
+        """The next batch at or after ``position`` outside the skip ranges; the ones before it are
+        read and dropped with every random stream saved and put back."""
+        saved = None
+        try:
+            while True:
+                if self.batches_per_epoch and self._next_index >= self._epoch_end:
+                    self._finish_epoch()
+                    raise StopIteration
+                index = self._next_index
+                if index >= self.position and not self.skipped(index):
+                    if saved is not None:
+                        rng.restore(saved)
+                        saved = None
+                    batch = next(self._iter)
+                    self._next_index += 1
+                    return index, batch
+                if saved is None:
+                    saved = rng.capture()
+                next(self._iter)
+                self._next_index += 1
+                self.dropped += 1
+        finally:
+            if saved is not None:
+                rng.restore(saved)
+
+    def _finish_epoch(self) -> None:
+        """Pull once past the epoch's last batch, so that the loader's own end-of-epoch code runs
+        (accelerate ends its gradient-accumulation bookkeeping there); a loader longer than its
+        len() hands over a batch that is not this epoch's, dropped."""
+        it, self._iter = self._iter, None
+        if it is None:
+            return
+        saved = rng.capture()
+        try:
+            next(it)
+        except StopIteration:
+            pass
+        finally:
+            rng.restore(saved)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Tell the loader which data epoch starts, and seed what it would draw from the global RNG."""
+        loader = self.loader
+        samplers = _samplers(loader)
+        if callable(getattr(loader, "set_epoch", None)):  # accelerate's DataLoaderShard passes it on
+            loader.set_epoch(epoch)
         else:
-            order = torch.arange(n)
-        positions = [g for g in range(position, self._epoch_end) if not self.skipped(g)]
-        bs, w = self.batch_size, self.world_size
-        batches = []
-        for g in positions:
-            start = ((g - first) * w + self.rank) * bs
-            batches.append(order[start:start + bs].tolist())
-        kwargs: dict[str, Any] = dict(
-            batch_sampler=batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            generator=torch.Generator().manual_seed(epoch_seed(self.seed, -1 - position)),
-        )
-        if loader.num_workers > 0:
-            kwargs.update(multiprocessing_context=loader.multiprocessing_context,
-                          prefetch_factor=loader.prefetch_factor)
-        return zip(positions, DataLoader(loader.dataset, **kwargs))
+            for s in samplers:
+                if callable(getattr(s, "set_epoch", None)):  # DistributedSampler: seed + epoch
+                    s.set_epoch(epoch)
+        for s in samplers:
+            # A RandomSampler without a generator would draw a new seed from the global RNG at
+            # every iter(): after a rollback that is another order. Seeded per epoch, in place
+            # (accelerate keeps a reference to the generator to synchronise it across ranks).
+            if isinstance(s, RandomSampler) and not callable(getattr(s, "set_epoch", None)):
+                if s.generator is None:
+                    s.generator = torch.Generator()
+                s.generator.manual_seed(epoch_seed(self.seed, epoch))
+        if isinstance(loader, DataLoader):
+            # Every iter() draws the workers' base seed from this generator (else the global RNG).
+            sampler_gens = [getattr(s, "generator", None) for s in samplers]
+            if loader.generator is None:
+                loader.generator = torch.Generator()
+            if not any(loader.generator is g for g in sampler_gens):
+                loader.generator.manual_seed(epoch_seed(self.seed, -1 - epoch))
 
-    def _open_replay(self, first: int, position: int) -> Iterator[tuple[int, Any]]:
-        def replay() -> Iterator[tuple[int, Any]]:
-            for offset, batch in enumerate(self.loader):
-                index = first + offset
-                if index >= position and not self.skipped(index):
-                    yield index, batch
-        return replay()
+
+def _samplers(loader: Any) -> list[Any]:
+    """The loader's sampler objects (sampler, batch sampler, the batch sampler's sampler), once each."""
+    found: list[Any] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for s in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if s is not None and not any(s is f for f in found):
+            found.append(s)
+    return found

@@ -14,15 +14,28 @@ is not rank 0 needs no bus connection at all.
 Checkpoints are taken at the same steps on every rank (the decision is
 deterministic): rank 0 writes the full file, the other ranks a companion
 file with their own RNG state; the checkpoint directory must be one every
-rank can read.
+rank can read. A sharded model (FSDP2, DTensor) is written with
+torch.distributed.checkpoint, every rank its own shards (sharded.py).
+
+With a sharded model each rank holds a slice of every gradient, so a norm of
+the local gradients is the norm of a slice. ``sharded_norms`` gives the norms
+of the whole tensors from the slices with one all-reduce per step: each rank
+sums the squares of its slices, slices that are copies (a replicated
+placement) count on one coordinate only, and the squares are summed across
+the mesh once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - a torch built without distributed
+    DTensor = None
 
 
 class RankSync:
@@ -73,3 +86,66 @@ class RankSync:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier(group=self.group)
+
+
+def is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when any of ``tensors`` is a DTensor (FSDP2's parameters and gradients are)."""
+    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+
+
+def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's slices (views: scaling them in place scales the DTensor's own storage)."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def sharded_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of every whole tensor, on device, from this rank's slices: one all-reduce.
+
+    Plain tensors beside the DTensors count as replicated (rank 0's copy).
+    """
+    tensors = [_no_partial(t) for t in tensors]
+    group, coordinate = _mesh_group(tensors)
+    local = local_tensors(tensors)
+    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]) ** 2
+    weights = torch.tensor([_weight(t, coordinate) for t in tensors], device=squares.device)
+    squares = squares * weights
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    return squares.sqrt()
+
+
+def _no_partial(t: torch.Tensor) -> torch.Tensor:
+    # A pending sum is not a slice: its local norms do not add up. Gradients under FSDP2 are
+    # sharded, never partial; anything else pays one redistribution here.
+    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+        from torch.distributed.tensor import Replicate
+
+        return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    return t
+
+
+def _mesh_group(tensors: Sequence[torch.Tensor]) -> tuple[Any, int]:
+    """The process group spanning the DTensors' mesh, and this rank's index in it (0: count copies)."""
+    meshes: list[Any] = []
+    for t in tensors:  # (each fully_shard call may build its own, equal, mesh object)
+        if isinstance(t, DTensor) and not any(t.device_mesh == m for m in meshes):
+            meshes.append(t.device_mesh)
+    if len(meshes) != 1:
+        raise ValueError(f"sharded gradient norms need every DTensor on one device mesh, found {len(meshes)}")
+    mesh = meshes[0]
+    if mesh.ndim == 1:
+        return mesh.get_group(), mesh.get_local_rank()
+    if mesh.size() == dist.get_world_size():  # an N-d mesh over every rank: the default group spans it
+        return None, dist.get_rank()
+    raise ValueError(f"sharded gradient norms: a {mesh.ndim}-d mesh over {mesh.size()} of "
+                     f"{dist.get_world_size()} ranks is not supported")
+
+
+def _weight(t: torch.Tensor, rank_in_group: int) -> float:
+    """1.0 where this rank's slice is counted; a replicated copy counts at coordinate 0 only."""
+    if not isinstance(t, DTensor):
+        return 1.0 if rank_in_group == 0 else 0.0
+    coordinate = t.device_mesh.get_coordinate() or []
+    for dim, placement in enumerate(t.placements):
+        if placement.is_replicate() and coordinate[dim] != 0:
+            return 0.0
+    return 1.0

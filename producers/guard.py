@@ -56,6 +56,7 @@ from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StatePa
 from spikeguard.producers.publisher import BackgroundPublisher
 from spikeguard.producers.run_events import RunEvents
 from spikeguard.producers.run_plan import make_plan
+from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
@@ -69,6 +70,7 @@ class Guard(Checkpointing):
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
                  connect: bool = True, preset: str | None = None,
                  policy: dict[str, Any] | None = None) -> None:
+        self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py); FSDP1 refused, first
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
         self.sync = RankSync(process_group)
@@ -86,7 +88,8 @@ class Guard(Checkpointing):
         self.config = cfg = self.plan.config
         directory = Path(cfg.checkpoint_dir or Path("spikeguard-checkpoints") / self.run_id)
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
-        self.saver = AsyncSaver(self.store, cfg.async_checkpoint)  # torch.save off the training thread
+        # torch.save off the training thread; a sharded model's DCP save is collective: on this one.
+        self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
         # The key: the Guard's own config, else its runtime's, else the one an embedded
         # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
@@ -104,11 +107,13 @@ class Guard(Checkpointing):
                                   cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
                                   ) if cfg.skip_outliers else None
         # Everything a checkpoint holds and a rollback puts back, in load order.
+        weights = ([("sharded", ShardedState(model, optimizer))] if self.sharded  # every rank its shards
+                   else [("model", ModelPart(model)), ("optimizer", optimizer)])
         self.parts = StateParts([
-            ("model", ModelPart(model)), ("optimizer", optimizer), ("scheduler", scheduler),
+            *weights, ("scheduler", scheduler),
             ("scaler", scaler), ("rng", RNGPart()), ("lr", self.lr), ("clip", self.clipper),
             ("health", self.health), ("ledger", self.ledger), ("skip_rule", self.skip_rule),
-            ("data", self.position)])
+            ("data", self.position)], per_rank=("rng", "sharded"))
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
         self.step_count, self.epoch = 0, 0
         self.should_stop, self.stop_reason = False, None

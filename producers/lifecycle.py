@@ -43,7 +43,8 @@ def archive_finished(directory: Path) -> Path:
         target = directory / f"finished-{stamp}-{n}"
     target.mkdir()
     for path in directory.iterdir():
-        if path.is_file() and (path.name == SIDECAR or path.name.startswith("ckpt-")):
+        ours = path.is_file() and (path.name == SIDECAR or path.name.startswith("ckpt-"))
+        if ours or (path.is_dir() and path.name.startswith("dcp-")):  # a sharded model's shards
             path.rename(target / path.name)
     return target
 

@@ -19,6 +19,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from spikeguard.producers.distributed import is_sharded, local_tensors, sharded_norms
+
 
 @dataclass
 class StepStats:
@@ -46,6 +48,8 @@ class GradStats:
         self.params = [p for _, p in named]
         self.top_k = top_k
         self.param_norm = param_norm
+        # FSDP2 / DTensor parameters: norms of the whole tensors, one all-reduce (distributed.py).
+        self.sharded = is_sharded(self.params)
 
     def grads(self) -> tuple[list[str], list[torch.Tensor]]:
         names, grads = [], []
@@ -74,14 +78,19 @@ class GradStats:
         k = min(self.top_k, len(grads))
         total = None
         if grads:
-            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            if self.sharded:  # the global norm, not this rank's slice; clipping scales the slices
+                norms, grads = sharded_norms(grads), local_tensors(grads)
+            else:
+                norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
             total = torch.linalg.vector_norm(norms)
             parts.append(total.reshape(1))
             if k:
                 values, index = torch.topk(norms, k)
                 parts += [values, index.float()]
         if self.param_norm and self.params:
-            pnorms = torch.stack([n.float() for n in torch._foreach_norm([p.detach() for p in self.params])])
+            detached = [p.detach() for p in self.params]
+            pnorms = (sharded_norms(detached) if self.sharded
+                      else torch.stack([n.float() for n in torch._foreach_norm(detached)]))
             parts.append(torch.linalg.vector_norm(pnorms).reshape(1))
         n_batch = 0
         if batch is not None:

@@ -139,3 +139,21 @@ def test_a_guard_checkpoint_holds_one_entry_per_state_part(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(weights, tiny.params()))
     assert guard.lr.scale == 0.5 and sched.last_epoch == 4 and guard.loader.position == 4
     guard.close()
+
+
+def test_a_finished_runs_archive_takes_the_sharded_checkpoints_directories_along(tmp_path):
+    """A sharded model's checkpoint is a file plus its dcp-<id>/ directory (sharded.py):
+    archiving a finished run must move both, or the file would point at nothing."""
+    from spikeguard.producers import lifecycle
+    from spikeguard.producers.ledger import SIDECAR
+
+    store = CheckpointStore(tmp_path, "r", keep=3)
+    info = store.save({"model": {}}, step=0, epoch=0, healthy=True)  # (its shards: made by hand)
+    shards = store.shard_dir(info.checkpoint_id)
+    shards.mkdir()
+    (shards / "__0_0.distcp").write_bytes(b"rank 0's part")
+    (tmp_path / SIDECAR).write_text("{}")
+    archived = lifecycle.archive_finished(tmp_path)
+    assert sorted(p.name for p in archived.iterdir()) == sorted([info.path.name, shards.name, SIDECAR])
+    assert (archived / shards.name / "__0_0.distcp").read_bytes() == b"rank 0's part"
+    assert not any(p.name.startswith(("ckpt-", "dcp-")) for p in tmp_path.iterdir())
