@@ -116,6 +116,19 @@ class Checkpointing:
             self._persist_ledger()
         return done
 
+    def _onset_of(self, action: Action) -> int:
+        onset = action.params.get("onset_step")
+        if not isinstance(onset, int) or isinstance(onset, bool):
+            onset = action.apply_at_step - self.config.detection_delay_steps
+        return onset
+
+    def _keep_incident(self, action: Action) -> None:
+        """The incident's batches' sample ids and its pre-onset checkpoint, for ``spikeguard inspect``."""
+        if action.incident_id is not None and self.rank == 0:
+            self.saver.wait()  # a checkpoint still being written is not on disk to link yet
+            self.incidents.incident(action.incident_id, self._onset_of(action), self.epoch,
+                                    self.step_count, self.store.newest_healthy)
+
     def _incident_found(self, action: Action) -> None:
         """An anomaly action that names an incident: the incident began up to
         ``detection_delay_steps`` before it was decided (or at ``params["onset_step"]`` when the
@@ -125,9 +138,7 @@ class Checkpointing:
             return  # e.g. a STOP the user asked for: no incident, nothing to distrust
         self.saver.wait()
         self._drain_saves()
-        onset = action.params.get("onset_step")
-        if not isinstance(onset, int) or isinstance(onset, bool):
-            onset = action.apply_at_step - self.config.detection_delay_steps
+        onset = self._onset_of(action)
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
         for info in self.store.demote(onset, self.epoch):
             self.events.checkpoint(CheckpointEvent(

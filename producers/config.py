@@ -100,6 +100,14 @@ class GuardConfig(BaseModel):
     history_steps: int = Field(
         4096, ge=16, description="recent steps whose batch index is remembered (for skips)"
     )
+    verify_reruns: int = Field(
+        0, ge=0, le=1, description="re-run a non-finite or outlier step once from the same state to tell "
+        "a flaky device (transient: skipped, no rollback) from bad data (reproducible); needs "
+        "guard.step(loss, closure=...); costs one forward+backward per such step (producers/rerun.py)",
+    )
+    provenance_window: int = Field(
+        512, ge=16, description="recent steps whose sample ids are kept for incident forensics"
+    )
     max_applied_ids: int = Field(
         10_000, ge=16, description="applied action ids remembered (oldest forgotten first)"
     )

@@ -64,7 +64,9 @@ class GuardedLoader:
 
     def __init__(self, loader: Any, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  epochs: int | None = None, stop_when: Callable[[], bool] | None = None,
-                 before_batch: Callable[[], None] | None = None) -> None:
+                 before_batch: Callable[[], None] | None = None,
+                 on_batch: Callable[[Any, bool], None] | None = None,
+                 on_open: Callable[[], None] | None = None) -> None:
         self.loader = loader
         # The order's seed is the guard's (its data_seed), even where the user passed a generator:
         # that generator is re-seeded per epoch from it, so a second wrapper of the same loader
@@ -73,6 +75,10 @@ class GuardedLoader:
         self.epochs = epochs
         self.stop_when = stop_when
         self.before_batch = before_batch
+        # Forensics (producers/incidents.py): every batch read, used or dropped, and each new
+        # pass over the loader, so sample ids stay matched to batches.
+        self.on_batch = on_batch
+        self.on_open = on_open
         self.position = 0
         self.last_index: int | None = None
         self.ran_out = False  # the last iteration ended at the end of the data (not by a stop)
@@ -173,6 +179,8 @@ class GuardedLoader:
         self._epoch_end = first + bpe if bpe else 0
         self._iter = None  # (a worker pool of the old iterator shuts down with it)
         self._set_epoch(epoch)
+        if self.on_open is not None:
+            self.on_open()  # before iter(): workers draw indices as the iterator starts
         self._iter = iter(self.loader)
         self._next_index = first
 
@@ -192,11 +200,15 @@ class GuardedLoader:
                         saved = None
                     batch = next(self._iter)
                     self._next_index += 1
+                    if self.on_batch is not None:
+                        self.on_batch(batch, True)
                     return index, batch
                 if saved is None:
                     saved = rng.capture()
-                next(self._iter)
+                dropped = next(self._iter)
                 self._next_index += 1
+                if self.on_batch is not None:
+                    self.on_batch(dropped, False)
                 self.dropped += 1
         finally:
             if saved is not None:

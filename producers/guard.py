@@ -33,7 +33,7 @@ import os
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +57,8 @@ from spikeguard.producers.publisher import BackgroundPublisher
 from spikeguard.producers.run_events import RunEvents
 from spikeguard.producers.run_plan import make_plan
 from spikeguard.producers.sharded import ShardedState, model_is_sharded
+from spikeguard.producers.incidents import IncidentRecorder
+from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
@@ -103,6 +105,8 @@ class Guard(Checkpointing):
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
+        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window)  # forensics
+        self.rerun = RerunCheck(cfg.verify_reruns)
         self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
                                   cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
                                   ) if cfg.skip_outliers else None
@@ -124,12 +128,14 @@ class Guard(Checkpointing):
         # (data skipped by SKIP_BATCHES actions).
         self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
                              rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
-                             skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0)
+                             skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0,
+                             transient_steps=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
         self._resolved = 0
         self._started = False
+        self._batch_seen = False
         self._closed = False
         self.finished = False  # see lifecycle.py: a finished run is never resumed
         self.bus, self.topics = bus, topics or Topics()
@@ -150,12 +156,20 @@ class Guard(Checkpointing):
             self.resume()
 
     # -- the user's API ------------------------------------------------------
-    def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None) -> GuardedLoader:
-        """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order."""
+    def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None,
+             sample_ids: Callable[[Any], list] | None = None) -> GuardedLoader:
+        """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order.
+
+        ``sample_ids(batch)`` names the samples of a batch for incident forensics; by default
+        a map-style loader's dataset indices are recorded (forensics/provenance.py).
+        """
         self.max_steps = max_steps if max_steps is not None else self.max_steps
         if self.loader is None or self.loader.loader is not loader:
+            self.incidents.attach(loader, sample_ids)
             self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
-                                               stop_when=self._done, before_batch=self._start))
+                                               stop_when=self._done, before_batch=self._start,
+                                               on_batch=self._batch_read,
+                                               on_open=self.incidents.restart))
         elif epochs is not None:
             self.loader.epochs = epochs
         return self.loader
@@ -168,11 +182,14 @@ class Guard(Checkpointing):
         """Register ``handler(action, guard) -> result text`` for an action kind."""
         self.handlers[ActionKind(kind)] = handler
 
-    def step(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
+    def step(self, loss: torch.Tensor | float, batch: Any = None,
+             closure: Callable[[], torch.Tensor] | None = None) -> bool:
         """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied.
 
         With gradient accumulation call it once per optimizer step, after the last
         micro-batch's backward, with the loss averaged over the micro-batches.
+        ``closure`` recomputes this step's loss and calls backward (as for
+        ``optimizer.step(closure)``); with ``verify_reruns=1`` a suspicious step is re-run with it.
         """
         self._start()
         step = self.step_count
@@ -202,6 +219,14 @@ class Guard(Checkpointing):
         reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
         if reason is None and self.skip_rule is not None and not overflow:
             reason = self._outlier(step, stats)
+        rerun = None
+        if reason is not None and self.rerun.enabled and not (self.sync.enabled or self.amp.enabled):
+            # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
+            stats, rerun = self.rerun.judge(closure, [p for p in self.model.parameters() if p.requires_grad],
+                                            stats)
+            if rerun == "transient":
+                reason = "transient"
+                self.counters["transient_steps"] += 1
         if reason is not None:
             self._zero_grads()
             self.amp.void()
@@ -219,13 +244,17 @@ class Guard(Checkpointing):
                 self.clipper.observe(stats.grad_norm)
         self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
                          loss_scale=loss_scale, overflow_streak=self.amp.streak,
-                         batch_index=self.loader.last_index if self.loader is not None else None)
+                         batch_index=self.loader.last_index if self.loader is not None else None,
+                         rerun=rerun)
         self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
                                         None if reason == "scaler_overflow" else stats.grad_norm)
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
+        self.incidents.step(step)
+        self._batch_seen = False
+        self.rerun.before_step()  # the next forward's random streams (again at its first batch)
         if reason in ("non_finite", "outlier_step"):
             self.counters["skipped_update_batches"] += batches
         self.step_count += 1
@@ -311,6 +340,12 @@ class Guard(Checkpointing):
     def _done(self) -> bool:
         return self.should_stop or (self.max_steps is not None and self.step_count >= self.max_steps)
 
+    def _batch_read(self, batch: Any, used: bool) -> None:
+        self.incidents.batch(batch, used)
+        if used and not self._batch_seen:  # reading a batch may draw from the global RNG: after it
+            self._batch_seen = True
+            self.rerun.before_step()
+
     def _start(self) -> None:
         if not self._started:
             self._started = True
@@ -355,6 +390,8 @@ class Guard(Checkpointing):
             if self.rank == 0 and action.action_id in self.ledger:
                 outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
             else:
+                if action.kind in ANOMALY_KINDS:
+                    self._keep_incident(action)  # before a rollback moves the data and the store
                 outcome = apply_action(self, action, self.step_count)
                 self.ledger.record(action.action_id)
             applied = outcome is None or outcome.status is AckStatus.APPLIED

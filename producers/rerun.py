@@ -24,7 +24,8 @@ backward on each suspicious step, and an RNG capture on every step.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from dataclasses import replace
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -50,6 +51,7 @@ class RerunCheck:
         self.tolerance = tolerance
         self._rng: dict | None = None
         self.counts = {"transient": 0, "reproducible": 0}
+        self.last: tuple[float, float | None] | None = None  # the last re-run's loss and gradient norm
 
     def before_step(self) -> None:
         """Called when the previous step is done: what the next forward pass will draw from."""
@@ -71,8 +73,19 @@ class RerunCheck:
             rng.restore(after)
         grads = [p.grad.detach().flatten() for p in params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.cat([g.float() for g in grads]))) if grads else None
+        self.last = (loss, norm)
         differs = _differ(first_loss, loss, self.tolerance) or (
             first_norm is not None and norm is not None and _differ(first_norm, norm, self.tolerance))
         verdict: Verdict = "transient" if differs else "reproducible"
         self.counts[verdict] += 1
         return verdict
+
+    def judge(self, closure: Closure | None, params: list[torch.nn.Parameter], stats: Any) -> tuple[Any, Verdict | None]:
+        """The Guard's use: ``(stats to publish, verdict)``. A transient step publishes the
+        re-run's loss and norm (what the data really gives), so the pipeline does not act on a
+        fault the device made; its per-layer norms are unknown (the first run's were the fault's)."""
+        verdict = self.verify(closure, params, stats.loss, stats.grad_norm) if closure is not None else None
+        if verdict == "transient" and self.last is not None:
+            loss, norm = self.last
+            stats = replace(stats, loss=loss, grad_norm=norm, top_grad_norms={}, nonfinite_grads=0)
+        return stats, verdict

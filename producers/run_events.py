@@ -24,7 +24,8 @@ class RunEvents:
         self.rank0_on = publisher is not None and rank == 0
 
     def step(self, step: int, epoch: int, stats: Any, *, lr: float, reason: str | None,
-             loss_scale: float | None, overflow_streak: int, batch_index: int | None) -> None:
+             loss_scale: float | None, overflow_streak: int, batch_index: int | None,
+             rerun: str | None = None) -> None:
         if not self.steps_on:
             return
         # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
@@ -36,7 +37,7 @@ class RunEvents:
             top_grad_norms={} if overflow else stats.top_grad_norms,
             nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
             skip_reason=reason, overflow_streak=overflow_streak if overflow else 0,
-            batch_index=batch_index, batch=stats.batch))
+            batch_index=batch_index, batch=stats.batch, rerun=rerun))
 
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:

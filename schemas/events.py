@@ -136,10 +136,14 @@ class StepEvent(_Event):
     )
     nonfinite_grads: int = Field(0, ge=0, description="gradient elements that were NaN/Inf")
     update_skipped: bool = Field(False, description="the trainer skipped this update itself")
-    skip_reason: Literal["non_finite", "outlier_step", "scaler_overflow"] | None = Field(
+    skip_reason: Literal["non_finite", "outlier_step", "scaler_overflow", "transient"] | None = Field(
         None,
         description="why the update was skipped: a non-finite loss or gradient, the Guard's local "
-        "outlier rule, or the fp16 GradScaler's own overflow check (normal, not an anomaly)",
+        "outlier rule, the fp16 GradScaler's own overflow check (normal, not an anomaly), or a "
+        "re-run that came out different (a suspected hardware fault; the values are the re-run's)",
+    )
+    rerun: Literal["transient", "reproducible"] | None = Field(
+        None, description="the Guard re-ran this suspicious step once (verify_reruns=1): did it differ?"
     )
     overflow_streak: int = Field(
         0, ge=0, description="consecutive GradScaler overflow skips up to this step, each one "
