@@ -12,7 +12,9 @@ from __future__ import annotations
 import uuid
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from spikeguard.metrics import Metrics
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
@@ -32,7 +34,8 @@ def problem():
 
 def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path):
     settings = load_settings({"topic_prefix": f"defaults-{uuid.uuid4().hex[:8]}."}, env={})
-    with open_runtime(settings) as runtime:
+    # Its own metrics registry: the process-wide one would keep this run's series for later tests.
+    with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

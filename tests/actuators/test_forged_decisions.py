@@ -17,7 +17,9 @@ import math
 import uuid
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from spikeguard.metrics import Metrics
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
@@ -52,7 +54,8 @@ def forged(step: int, published: dict[int, StepEvent]) -> Decision:
 
 def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(tmp_path):
     settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}."}, env={})
-    with open_runtime(settings) as runtime:
+    # Its own metrics registry: the process-wide one would keep this run's series for later tests.
+    with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         bus, topics = runtime.bus, runtime.topics
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
