@@ -1,28 +1,44 @@
-"""The actuator stage: decisions, checkpoints and acks in; signed actions out."""
+"""The actuator stage: decisions, checkpoints, acks and run starts/ends in; signed actions out.
+
+Each run gets the recovery policy its RunEvent names (preset, overrides:
+:mod:`.run_settings`), over the stage's own; until its start arrives it runs
+under the stage's own, and when it does the run's policy takes over with the
+state so far (see :mod:`spikeguard.processors.run_settings`). A start whose
+checkpoint cadence cannot give the run's policy a rollback target is answered
+with one warning ALERT, which the trainer logs.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, SecretStr
 
+from spikeguard.actuators.action_plan import ActionPlan
+from spikeguard.actuators.config import PolicyConfig
+from spikeguard.actuators.run_settings import cadence_problem, given_policy, run_policy
+from spikeguard.processors.run_settings import RunSettingsStage, handled_through
+from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, RunEvent, Topics
 from spikeguard.schemas.signing import sign_action
-from spikeguard.streaming.stage import Output, PerRunStage
-from spikeguard.schemas import Ack, CheckpointEvent, Decision, Topics
+from spikeguard.streaming.stage import Output
 
 
-class ActuatorStage(PerRunStage):
+class ActuatorStage(RunSettingsStage):
     name = "actuator"
 
     def __init__(
         self,
         topics: Topics,
-        factory: Callable[[str], object],
+        factory: Callable[..., Any],
         signing_key: SecretStr | None = None,
+        defaults: PolicyConfig | None = None,
+        end_grace_seconds: float = 30.0,
     ) -> None:
-        super().__init__(topics, factory)
+        super().__init__(topics, factory, end_grace_seconds)
         self.signing_key = signing_key
+        self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
         self._ignored: Counter[str] = Counter()
 
@@ -31,29 +47,74 @@ class ActuatorStage(PerRunStage):
             self.topics.decisions: Decision,
             self.topics.checkpoints: CheckpointEvent,
             self.topics.acks: Ack,
+            self.topics.runs: RunEvent,
         }
 
+    # -- the run's own settings (run_settings.RunSettingsStage) -----------------
+    def given(self, event: RunEvent) -> dict[str, Any]:
+        return given_policy(event)
+
+    def settings_of(self, run_id: str, given: dict[str, Any]) -> PolicyConfig:
+        return run_policy(run_id, given, self.defaults)
+
+    def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
+        policy = self.runs[run_id]
+        return handled_through(policy.epoch, policy.high_water, end_epoch, end_step)
+
+    # -- processing ----------------------------------------------------------------
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
         out: list[Output] = []
         topic = self.topics.actions
+        now = time.time()
         for _, event in items:
-            policy = self.run(event.run_id)  # type: ignore[attr-defined]
-            if isinstance(event, Decision):
-                counts = dict(policy.counts)
-                actions = policy.on_decision(event)
-                if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
-                    for reason, n in policy.counts.items():
-                        if n > counts.get(reason, 0):
-                            self._ignored[f"{reason}_decision"] += n - counts.get(reason, 0)
-            elif isinstance(event, CheckpointEvent):
-                actions = policy.on_checkpoint(event)
+            if isinstance(event, RunEvent):
+                actions = self._run_event(event, now)
             else:
-                actions = policy.on_ack(event)
-            for action in actions or ():
-                if self.signing_key is not None:
-                    action = sign_action(action, self.signing_key)
-                out.append((topic, action))
+                policy = self.run(event.run_id)  # type: ignore[attr-defined]
+                if isinstance(event, Decision):
+                    counts = dict(policy.counts)
+                    actions = policy.on_decision(event)
+                    if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
+                        for reason, n in policy.counts.items():
+                            if n > counts.get(reason, 0):
+                                self._ignored[f"{reason}_decision"] += n - counts.get(reason, 0)
+                elif isinstance(event, CheckpointEvent):
+                    actions = policy.on_checkpoint(event)
+                else:
+                    actions = policy.on_ack(event)
+            out += self._signed(actions)
+        self._end_due(now)
         return out
+
+    def _run_event(self, event: RunEvent, now: float) -> list[Action]:
+        self.run_event(event, now)
+        if event.kind != "start":
+            return []
+        policy = self.run(event.run_id)
+        problem = cadence_problem(event.checkpoint_every, event.keep_checkpoints,
+                                  event.detection_delay_steps, policy.config.rollback_min_steps_before_onset)
+        if problem is None:
+            return []
+        # Deterministic id: a redelivered start gives the same alert, which the trainer dedupes.
+        plan = ActionPlan(event.run_id, f"run-start/{event.epoch}/{event.step}", policy.epoch, event.step)
+        plan.alert("warning", f"the policy this pipeline applies to run {event.run_id} cannot roll it back: "
+                   f"{problem}")
+        return plan.actions()
+
+    def _signed(self, actions: list[Action] | None) -> list[Output]:
+        topic = self.topics.actions
+        if self.signing_key is None:
+            return [(topic, a) for a in actions or ()]
+        return [(topic, sign_action(a, self.signing_key)) for a in actions or ()]
+
+    def _end_due(self, now: float) -> None:
+        ended = self.due_ends(now)
+        if ended:
+            self.end_runs(ended)
+
+    def tick(self, now: float) -> list[Output]:
+        self._end_due(now)
+        return []
 
     def drain_ignored(self) -> dict[str, int]:
         out = dict(self._ignored)

@@ -42,6 +42,7 @@ class RollbackRecord:
     # Checkpoints of the abandoned timeline, forgotten when it was issued (put back if it fails).
     dropped: list[dict[str, Any]] = field(default_factory=list)
     alerted: bool = False
+    tick: int | None = None  # observed step it was issued at (its entry in the rollback window)
 
 
 class Controls:
@@ -169,6 +170,7 @@ class Controls:
             lr_before=lr_before,
             lr_scale=scale,
             dropped=[asdict(c) for c in dropped],
+            tick=tick,
         )
         self.rollbacks.append(record)
         del self.rollbacks[: max(0, len(self.rollbacks) - MAX_ROLLBACK_RECORDS)]
@@ -207,15 +209,23 @@ class Controls:
         if (oldest := self.book.oldest_step) is not None:
             self.lr.forget_before(oldest)
 
-    def failed(self, record: RollbackRecord) -> None:
-        """Undo the bookkeeping of a rollback that did not happen (its SCALE_LR did)."""
+    def failed(self, record: RollbackRecord, refused: bool = False) -> None:
+        """Undo the bookkeeping of a rollback that did not happen (its SCALE_LR did).
+
+        ``refused``: the trainer never tried it (REJECTED: signature or evidence), so its
+        checkpoint is not suspect and stays a target.
+        """
         record.status = "failed"
         self.lr.load_state_dict(record.lr_before)
         if record.lr_scale < 1.0:
             self.lr.set(record.apply_at_step, self.lr.current * record.lr_scale)
         dropped = [Checkpoint(**c) for c in record.dropped]
-        self.book.put_back(dropped, except_id=record.checkpoint_id)
-        self.book.discard(record.checkpoint_id)
+        self.book.put_back(dropped, except_id=None if refused else record.checkpoint_id)
+        if not refused:
+            self.book.discard(record.checkpoint_id)
+        # It did not happen, so it does not count against the window of rollbacks: a trainer
+        # refusing rollbacks derived from forged decisions must not bring its run nearer a stop.
+        self.ledger.forget(record.tick)
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -29,6 +29,11 @@ class RollbackWindow:
         self.ticks.append(tick)
         del self.ticks[: max(0, len(self.ticks) - self.config.max_rollbacks_in_window)]
 
+    def forget(self, tick: int | None) -> None:
+        """A rollback issued at ``tick`` did not happen: it leaves the window."""
+        if tick in self.ticks:
+            self.ticks.remove(tick)
+
     def in_window(self, tick: int) -> int:
         return sum(1 for t in self.ticks if tick - t < self.config.rollback_window_steps)
 

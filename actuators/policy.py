@@ -194,7 +194,7 @@ class RecoveryPolicy:
             self.pending_spike = None
             self.healthy_streak = 0
         elif ack.status in _FAILED and record.status in _UNSETTLED:
-            self.recovery.failed(record)
+            self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
             record.alerted = True
             plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
                        "not retried, a further need stops the run")

@@ -151,6 +151,11 @@ class Fusion:
         self._marks: dict[str, tuple[int, float]] = {}
         self._epoch_seen_at: float | None = None  # a silent detector's stall clock starts here
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(epoch, last decided step of that epoch; -1 before the first)."""
+        return self._epoch, self._decided
+
     # -- input ---------------------------------------------------------------
     def add(self, verdict: Verdict, now: float) -> list[Decision]:
         out: list[Decision] = []

@@ -1,4 +1,10 @@
-"""The fusion stage: verdicts in, one fusion per run, decisions out."""
+"""The fusion stage: verdicts (and run starts/ends) in, one fusion per run, decisions out.
+
+A run's RunEvent (the ``runs`` topic) may carry FusionConfig overrides (its
+``fusion`` field); they apply to that run over this stage's own settings,
+from when the start arrives (see :mod:`.run_settings` for order, bad
+settings and ends).
+"""
 
 from __future__ import annotations
 
@@ -6,52 +12,100 @@ import time
 from collections import Counter
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
 from spikeguard.processors.detector_stage import one_run
-from spikeguard.processors.fusion import Fusion
-from spikeguard.schemas import Topics, Verdict
-from spikeguard.streaming.stage import Output, PerRunStage
+from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.processors.run_settings import RunSettingsStage, handled_through, over
+from spikeguard.schemas import RunEvent, Topics, Verdict
+from spikeguard.streaming.stage import Output
 
+_TOPIC = itemgetter(0)
 _EVENT = itemgetter(1)
 # What a fusion drops on purpose, counted per run; the stage exports the increments.
 _IGNORED = attrgetter("late_verdicts", "stale_verdicts", "duplicate_verdicts")
 _REASONS = ("late_verdict", "stale_verdict", "duplicate_verdict")
 
 
-class FusionStage(PerRunStage):
-    """verdicts -> one decision per step, deadlines checked on every tick."""
+class FusionStage(RunSettingsStage):
+    """verdicts -> one decision per step, deadlines checked on every tick.
+
+    ``factory(run_id)`` builds a run's fusion with the stage's settings,
+    ``factory(run_id, config)`` with a run's own; ``defaults`` are the settings
+    a run's overrides apply over.
+    """
 
     name = "fusion"
 
-    def __init__(self, topics: Topics, factory: Callable[[str], Fusion]) -> None:
-        super().__init__(topics, factory)
+    def __init__(self, topics: Topics, factory: Callable[..., Fusion],
+                 defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0) -> None:
+        super().__init__(topics, factory, end_grace_seconds)
+        self.defaults = defaults or FusionConfig()
         self._ignored: Counter[str] = Counter()
 
     def inputs(self) -> dict[str, type[BaseModel]]:
-        return {self.topics.verdicts: Verdict}
+        return {self.topics.verdicts: Verdict, self.topics.runs: RunEvent}
 
+    # -- the run's own settings (run_settings.RunSettingsStage) -----------------
+    def given(self, event: RunEvent) -> dict[str, Any]:
+        return {"fusion": dict(event.fusion)} if event.fusion else {}
+
+    def settings_of(self, run_id: str, given: dict[str, Any]) -> FusionConfig:
+        return over(self.defaults, given.get("fusion", {}), "fusion overrides", run_id)
+
+    def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
+        return handled_through(*self.runs[run_id].progress, end_epoch, end_step)
+
+    # -- processing ----------------------------------------------------------------
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
         now = time.time()
-        verdicts = list(map(_EVENT, items))
+        runs = self.topics.runs
+        if runs not in map(_TOPIC, items):
+            decisions = self._verdicts(list(map(_EVENT, items)), now)
+        else:  # run starts and ends in their place among the verdicts
+            decisions, chunk = [], []
+            for topic, event in items:
+                if topic != runs:
+                    chunk.append(event)
+                    continue
+                if chunk:
+                    decisions += self._verdicts(chunk, now)
+                    chunk = []
+                self.run_event(event, now)  # type: ignore[arg-type]
+            if chunk:
+                decisions += self._verdicts(chunk, now)
+        topic = self.topics.decisions
+        return list(zip(repeat(topic), decisions)) + self._end_due(now)
+
+    def _verdicts(self, verdicts: list, now: float) -> list:
         if one_run(verdicts):  # the usual batch: one call for all of it
             fusion = self.run(verdicts[0].run_id)
             before = _IGNORED(fusion)
-            decisions = fusion.add_many(verdicts, now)  # type: ignore[attr-defined]
+            decisions = fusion.add_many(verdicts, now)
             self._tally(before, _IGNORED(fusion))
-        else:  # in arrival order across runs, as decisions must leave
-            decisions = []
-            touched: dict[str, tuple] = {}
-            for verdict in verdicts:
-                fusion = self.run(verdict.run_id)
-                if verdict.run_id not in touched:
-                    touched[verdict.run_id] = (fusion, _IGNORED(fusion))
-                decisions += fusion.add(verdict, now)  # type: ignore[attr-defined]
-            for fusion, before in touched.values():
-                self._tally(before, _IGNORED(fusion))
-        return list(zip(repeat(self.topics.decisions), decisions))
+            return decisions
+        decisions = []  # in arrival order across runs, as decisions must leave
+        touched: dict[str, tuple] = {}
+        for verdict in verdicts:
+            fusion = self.run(verdict.run_id)
+            if verdict.run_id not in touched:
+                touched[verdict.run_id] = (fusion, _IGNORED(fusion))
+            decisions += fusion.add(verdict, now)
+        for fusion, before in touched.values():
+            self._tally(before, _IGNORED(fusion))
+        return decisions
+
+    def _end_due(self, now: float) -> list[Output]:
+        """End the runs whose last step is decided (or whose grace ran out); pending steps go out first."""
+        ended = self.due_ends(now)
+        if not ended:
+            return []
+        topic = self.topics.decisions
+        out = [(topic, d) for run_id in ended if run_id in self.runs for d in self.runs[run_id].flush()]
+        self.end_runs(ended)
+        return out
 
     def _tally(self, before: tuple[int, ...], after: tuple[int, ...]) -> None:
         if before != after:
@@ -66,7 +120,8 @@ class FusionStage(PerRunStage):
 
     def tick(self, now: float) -> list[Output]:
         topic = self.topics.decisions
-        return [(topic, d) for fusion in self.runs.values() for d in fusion.tick(now)]
+        out = [(topic, d) for fusion in self.runs.values() for d in fusion.tick(now)]
+        return out + self._end_due(now)
 
     def flush(self) -> list[Output]:
         topic = self.topics.decisions

@@ -1,8 +1,10 @@
 """Actions in the trainer: refuse, deduplicate, schedule, apply, answer.
 
 Every action gets exactly one Ack: REJECTED (bad/missing signature when a key
-is set, or evidence that does not match what this trainer published, see
-:class:`PublishedSteps`), DUPLICATE (its id was applied before — across rollbacks and
+is set; evidence that does not match what this trainer published, see
+:class:`PublishedSteps`; or, when a key is set, a state-changing action —
+anything but an ALERT, or any action naming a decision — with no evidence
+at all), DUPLICATE (its id was applied before — across rollbacks and
 restarts, see ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or
 SET_EPS without a registered handler), FAILED (bad parameters, no checkpoint
 to roll back to, a handler raised) or APPLIED with what was done. An action
@@ -23,7 +25,7 @@ from pydantic import SecretStr
 
 from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
-from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence
+from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence, StepEvent
 from spikeguard.schemas.actions import (
     AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
     SetEpsParams, SetLrParams, SkipBatchesParams, StopParams,
@@ -42,6 +44,9 @@ ANOMALY_KINDS = frozenset({ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionK
                            ActionKind.SET_LR, ActionKind.CLIP, ActionKind.STOP,
                            ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
 HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+# The one kind that changes nothing in the run (it is logged): it needs no evidence
+# unless it answers a decision (then it was derived from steps, and says which).
+EVIDENCE_EXEMPT = frozenset({ActionKind.ALERT})
 
 
 class ActionFailed(SpikeguardError):
@@ -104,6 +109,18 @@ class PublishedSteps:
         return None
 
 
+def operator_evidence(published: StepEvent) -> Evidence:
+    """The evidence for an operator's own action: a step the run's trainer published itself.
+
+    With a signing key the Guard refuses a state-changing action that names no
+    step it published (:meth:`ActionQueue.receive`). An operator (``spikeguard
+    stop``) reads the run's newest StepEvent from the steps topic and copies its
+    values here; the trainer remembers its last 4096 steps.
+    """
+    return Evidence(step=published.step, epoch=published.epoch, loss=published.loss,
+                    grad_norm=None if published.skip_reason == "scaler_overflow" else published.grad_norm)
+
+
 class ActionQueue:
     """Pending actions of one run, in arrival order, filtered and deduplicated."""
 
@@ -122,11 +139,26 @@ class ActionQueue:
             log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                         action.action_id, action.run_id, why)
             return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
-        # An action without evidence was not derived from steps (an operator's own): the
-        # signature alone vouches for it.
-        if action.evidence is not None:
+        # The signature says the run's pipeline made the action, not that the run's own
+        # steps called for it: the actuator signs whatever its policy derives from the
+        # decisions topic, and anyone who can write there could forge a decision. So with
+        # a key, a state-changing action must name a step this trainer published, with the
+        # values it published (an operator's action copies them from the steps topic; see
+        # operator_evidence). Without a key there is nothing to vouch for the evidence itself.
+        if action.evidence is None:
+            if self.signing_key is not None and (action.kind not in EVIDENCE_EXEMPT
+                                                 or action.decision_id is not None):
+                why = (f"{action.kind.value} action carries no evidence (the step, loss and gradient "
+                       "norm it was decided on); a state-changing action, and any action derived "
+                       "from a decision, must; action refused")
+                log.warning("spikeguard: refused %s action %s for run %s: no evidence", action.kind.value,
+                            action.action_id, action.run_id)
+                return Outcome(action, AckStatus.REJECTED, step, why)
+        else:
             problem = self.published.problem(action.evidence)
             if problem is not None:
+                log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
+                            action.action_id, action.run_id, problem)
                 return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
         if action.action_id in self.ledger:
             return Outcome(action, AckStatus.DUPLICATE, step, "already applied")

@@ -64,7 +64,7 @@ class RunEvents:
             return
         cfg = plan.config
         self.publisher.submit(self.topics.runs, RunEvent, dict(
-            run_id=self.run_id, kind=kind, preset=plan.preset, policy=plan.policy,
+            run_id=self.run_id, kind=kind, preset=plan.preset, policy=plan.policy, fusion=plan.fusion,
             checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
             detection_delay_steps=cfg.detection_delay_steps, planned_steps=planned_steps, step=step,
             epoch=epoch, finished=finished, reason=reason), droppable=False)

@@ -3,7 +3,8 @@
 The plan is the Guard's settings plus the run's recovery policy: a preset
 (``Guard(..., preset="large")``, ``GuardConfig(preset=...)`` or the
 ``SPIKEGUARD_PRESET`` environment variable, in that order) and policy
-overrides on top of it, validated as a :class:`PolicyConfig`. The Guard
+overrides on top of it, validated as a :class:`PolicyConfig` (and, under the
+key ``"fusion"``, FusionConfig overrides for the run's fusion). The Guard
 publishes it on the compacted ``runs`` topic (RunEvent) so fusion and the
 actuator use the run's own settings, wherever they run.
 
@@ -39,6 +40,7 @@ class RunPlan:
     preset: str | None
     policy: dict[str, Any] = field(default_factory=dict)  # overrides only (over the preset)
     min_rollback_steps: int = 0
+    fusion: dict[str, Any] = field(default_factory=dict)  # FusionConfig overrides (policy["fusion"])
 
     @property
     def reach(self) -> int:
@@ -52,6 +54,7 @@ def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any
 
     name = preset or cfg.preset or os.environ.get("SPIKEGUARD_PRESET") or None
     overrides = {**cfg.policy, **(policy or {})}
+    fusion = _fusion_overrides(overrides.pop("fusion", None) or {})
     chosen = get_preset(name) if name else None  # ConfigError for an unknown name
     try:
         full = chosen.policy_config(**overrides) if chosen else _policy_config(overrides)
@@ -59,7 +62,7 @@ def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any
         raise ConfigError(f"policy overrides of run do not validate as PolicyConfig: {exc}") from exc
     if chosen is not None and "checkpoint_every" not in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"checkpoint_every": chosen.checkpoint_interval_steps})
-    plan = RunPlan(cfg, name, overrides, full.rollback_min_steps_before_onset)
+    plan = RunPlan(cfg, name, overrides, full.rollback_min_steps_before_onset, fusion)
     problem = check(plan)
     if problem and (name or overrides):
         raise ConfigError(problem)
@@ -71,18 +74,22 @@ def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any
 
 def check(plan: RunPlan) -> str | None:
     """The reason the plan cannot work, or None."""
+    from spikeguard.actuators.run_settings import cadence_problem  # the actuator checks the same
+
     cfg = plan.config
-    if cfg.checkpoint_every <= 0:
-        return None  # only on-demand checkpoints: the policy asks for them itself
-    need = plan.min_rollback_steps + cfg.detection_delay_steps
-    if plan.reach < need:
-        return (f"keep_checkpoints={cfg.keep_checkpoints} x checkpoint_every={cfg.checkpoint_every} keeps "
-                f"checkpoints only {plan.reach} steps back ((keep - 1) x every), but a rollback needs one "
-                f"rollback_min_steps_before_onset={plan.min_rollback_steps} steps before an onset found "
-                f"detection_delay_steps={cfg.detection_delay_steps} later ({need} steps): raise "
-                f"keep_checkpoints to {-(-need // cfg.checkpoint_every) + 1} or checkpoint_every to "
-                f"{-(-need // max(1, cfg.keep_checkpoints - 1))}")
-    return None
+    return cadence_problem(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.detection_delay_steps,
+                           plan.min_rollback_steps)
+
+
+def _fusion_overrides(overrides: Any) -> dict[str, Any]:
+    """``policy["fusion"]``: FusionConfig overrides for the run, checked here as fusion will."""
+    from spikeguard.processors.fusion import FusionConfig
+
+    try:
+        FusionConfig.model_validate(dict(overrides))
+    except (ValidationError, TypeError, ValueError) as exc:
+        raise ConfigError(f"policy['fusion'] of run does not validate as FusionConfig: {exc}") from exc
+    return dict(overrides)
 
 
 def _policy_config(overrides: dict[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from spikeguard.schemas.events import (
     CheckpointEvent,
     DeadLetter,
     Decision,
+    RunEvent,
     StepEvent,
     Verdict,
 )
@@ -38,6 +39,7 @@ _MARKERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("checkpoint_id", CheckpointEvent),
     ("detector", Verdict),
     ("loss", StepEvent),
+    ("checkpoint_every", RunEvent),
 )
 
 

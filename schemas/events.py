@@ -331,17 +331,6 @@ class DeadLetter(_Event):
         return value if len(value) <= 4096 else value[:4096] + "…"
 
 
-EVENT_TYPES: tuple[type[_Event], ...] = (
-    StepEvent,
-    Verdict,
-    Decision,
-    Action,
-    Ack,
-    CheckpointEvent,
-    DeadLetter,
-)
-
-
 class RunEvent(_Event):
     """A run's start or end, with the settings it runs under (the compacted ``runs`` topic, keyed by run_id).
 
@@ -355,6 +344,9 @@ class RunEvent(_Event):
     policy: dict[str, Any] = Field(
         default_factory=dict, description="PolicyConfig overrides over the preset's values"
     )
+    fusion: dict[str, Any] = Field(
+        default_factory=dict, description="FusionConfig overrides over the fusion stage's own settings"
+    )
     checkpoint_every: int = Field(0, ge=0, description="steps between periodic checkpoints; 0 = on demand")
     keep_checkpoints: int = Field(1, ge=1)
     detection_delay_steps: int = Field(0, ge=0)
@@ -365,4 +357,14 @@ class RunEvent(_Event):
     reason: str = ""
     time: float = Field(default_factory=time.time)
 
-# Not in EVENT_TYPES yet: tests/schemas pins that set; dec adds RunEvent there with the test.
+
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    StepEvent,
+    Verdict,
+    Decision,
+    Action,
+    Ack,
+    CheckpointEvent,
+    DeadLetter,
+    RunEvent,
+)

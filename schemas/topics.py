@@ -59,6 +59,14 @@ class Topics:
     def all(self) -> list[str]:
         return [self.prefix + name for name in TOPICS]
 
+    def compacted(self) -> list[str]:
+        """The topics that must be created compacted (``create_topics(..., compacted=True)``).
+
+        Create them before anything creates them plain: a worker creates its inputs
+        (fusion and the actuator read ``runs``) when it starts.
+        """
+        return [self.runs]
+
     def state(self, component: str) -> str:
         """The compacted topic holding a component's state snapshots."""
         return f"{self.prefix}state.{component}"

@@ -35,11 +35,14 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
         return DetectorStage(topics, name, lambda run_id: detector_cls(config),
                              signing_key=settings.signing_key)
     if name == "fusion":
-        return FusionStage(topics, lambda run_id: Fusion(settings.fusion, run_id=run_id))
+        # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
+        return FusionStage(topics, lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
+                           defaults=settings.fusion)
     if name == "actuator":
         return ActuatorStage(
             topics,
-            lambda run_id: RecoveryPolicy(settings.policy, run_id=run_id),
+            lambda run_id, config=None: RecoveryPolicy(config or settings.policy, run_id=run_id),
             signing_key=settings.signing_key,
+            defaults=settings.policy,
         )
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")

@@ -39,7 +39,11 @@ class ActionRejected(SpikeguardError):
     """An action failed its signature check or names an impossible step."""
 
 
-class StepRejected(SpikeguardError):
+class RecordRejected(SpikeguardError):
+    """A decodable record a stage refuses (``Stage.admit``): the worker sends it to the DLQ with the reason."""
+
+
+class StepRejected(RecordRejected):
     """A decodable step event a detector stage refuses to judge; the message says why."""
 
 
@@ -49,3 +53,7 @@ class StepNotAuthenticated(StepRejected):
 
 class StepOutOfOrder(StepRejected):
     """A step at or before one already judged in the same epoch (a replay, or forged)."""
+
+
+class RunSettingsRejected(RecordRejected):
+    """A run's settings (RunEvent preset or overrides) that do not validate; the run keeps the defaults."""

@@ -113,6 +113,7 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     if settings.engine == "embedded":
+        bus.create_topics(topics.compacted(), compacted=True)  # before the workers create them plain
         bus.create_topics(topics.all())
         # The in-process pipeline refuses steps not signed with this key; a Guard handed
         # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
@@ -131,6 +132,7 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     # within connect_timeout_s leaves the trainer with its local protections.
     try:
         bus.probe(settings.connect_timeout_s)  # type: ignore[attr-defined]
+        bus.create_topics(topics.compacted(), compacted=True)
         bus.create_topics(topics.all())
     except BusError as exc:
         log.warning("spikeguard: Kafka at %s is unreachable, training goes on with the local "

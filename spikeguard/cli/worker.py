@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(settings.metrics_port)
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
+    bus.create_topics(topics.compacted(), compacted=True)  # before the workers create their inputs
     bus.create_topics(topics.all())
     workers = [
         Worker(bus, build_stage(name, settings, topics), metrics=default_metrics(),

@@ -89,6 +89,10 @@ class PerRunStage(Stage, Generic[T]):
         for run_id in run_ids:
             self.runs.pop(run_id, None)
 
+    def end_runs(self, run_ids: Iterable[str]) -> None:
+        """These runs ended (a RunEvent end): drop their state."""
+        self.forget(run_ids)
+
 
 def group_by_run(events: Sequence[BaseModel]) -> dict[str, list[BaseModel]]:
     """Events per run, each run's list in arrival order (dicts keep insertion order)."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import SchemaError, SpikeguardError, StepRejected
+from spikeguard.errors import RecordRejected, SchemaError, SpikeguardError
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
@@ -182,14 +182,14 @@ class Worker:
         items, sources = self._decode_all(records)
         if self._admit is None:
             return items, sources
-        # A stage may refuse decodable records (unauthenticated or replayed steps):
+        # A stage may refuse decodable records (unauthenticated or replayed steps, bad run settings):
         # they go to the DLQ with the stage's reason, before any state sees them.
         kept: list[tuple[str, BaseModel]] = []
         kept_sources: list[Record] = []
         for item, record in zip(items, sources):
             try:
                 self._admit(*item)
-            except StepRejected as exc:
+            except RecordRejected as exc:
                 self._to_dlq(record, exc)
                 continue
             kept.append(item)

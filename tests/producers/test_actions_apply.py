@@ -118,16 +118,25 @@ def test_bad_parameters_fail_without_killing_training(bus, tmp_path):
     assert guard.lr.scale == 1.0 and guard.epoch == 1
 
 
+def _naming_step_0(bus, bare, key):
+    from spikeguard.producers.actions import operator_evidence
+    from spikeguard.schemas import Topics, sign_action
+
+    step0 = next(e for e in (decode(r.value, StepEvent) for r in bus.read_all(Topics().steps)) if e.step == 0)
+    return sign_action(bare.model_copy(update={"evidence": operator_evidence(step0)}), key)
+
+
 def test_signatures_duplicates_lateness_and_other_runs(bus, tmp_path):
     tiny = Tiny()
     guard = make_guard(tiny, bus, tmp_path, signing_key="k3y")
-    good = action(K.SCALE_LR, 2, factor=0.5, key="k3y")
+    train(guard, tiny, 1)  # with a key, a state-changing action names a step the trainer published
+    good = _naming_step_0(bus, action(K.SCALE_LR, 2, factor=0.5), "k3y")
     forged = action(K.SCALE_LR, 2, factor=0.1, key="wrong")
     unsigned = action(K.SCALE_LR, 2, factor=0.1)
     other_run = action(K.SCALE_LR, 2, factor=0.1, run_id="someone-else", key="k3y")
     send(bus, good, forged, unsigned, other_run, good, guard=guard)  # the good one twice (re-delivery)
     train(guard, tiny, 6)
-    late = action(K.SCALE_LR, 1, factor=0.5, key="k3y")
+    late = _naming_step_0(bus, action(K.SCALE_LR, 1, factor=0.5), "k3y")
     send(bus, late, guard=guard)
     train(guard, tiny, 8)
     guard.close()

@@ -8,7 +8,8 @@ import math
 from hypothesis import strategies as st
 
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Verdict,
+    Ack, AckStatus, Action, ActionKind, CheckpointEvent, DeadLetter, Decision, RunEvent, StepEvent,
+    Verdict,
 )
 
 # Scalars a forger would try: huge and negative integers, non-finite floats in both
@@ -37,6 +38,8 @@ VALID = {
               status=AckStatus.APPLIED.value, step=4),
     CheckpointEvent: dict(run_id="r", step=3, checkpoint_id="c", healthy=True),
     DeadLetter: dict(source_topic="t", value="x", error="E", reason="why"),
+    RunEvent: dict(run_id="r", kind="start", preset="large", policy={"spike_patience_steps": 4},
+                   checkpoint_every=50, keep_checkpoints=4, detection_delay_steps=25),
 }
 
 

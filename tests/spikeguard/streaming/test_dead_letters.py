@@ -8,7 +8,8 @@ from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import (
-    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Topics, Verdict,
+    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, RunEvent, StepEvent, Topics,
+    Verdict,
     decision_id, decode, encode,
 )
 from spikeguard.settings import load_settings
@@ -31,6 +32,8 @@ def good_event(topic: str, step: int):
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=False)
     if topic == TOPICS.checkpoints:
         return CheckpointEvent(run_id="r", step=step, checkpoint_id=f"c{step}", healthy=True)
+    if topic == TOPICS.runs:
+        return RunEvent(run_id="r", kind="start", step=step)
     return Ack(run_id="r", action_id=f"a{step}", kind=ActionKind.CLIP, status=AckStatus.APPLIED,
                step=step)
 
