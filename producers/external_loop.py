@@ -17,9 +17,9 @@ around the framework's own optimizer step, for a callback to drive:
 
 Step numbers are the framework's: each half is told the framework's global
 step. The Guard's LR factor is applied around the framework's
-``optimizer.step()`` by the optimizer's own step pre/post hooks, so the
-scheduler reads and writes its own values and the factor composes with them
-(lr.py).
+``optimizer.step()`` (set at the end of the first half, put back by the
+optimizer's step post-hook), so the scheduler reads and writes its own values
+and the factor composes with them (lr.py).
 
 The framework owns the data loader and cannot be made to re-read a batch
 (its iterator lives inside its loop), so the data is a stream that never goes
@@ -99,32 +99,40 @@ class BatchStream:
 
 
 class LRScaleHooks:
-    """The Guard's LR factor around an optimizer step the framework makes (torch step hooks)."""
+    """The Guard's LR factor around an optimizer step the framework makes.
+
+    The factor goes in at the end of the first half (``apply``), once the actions
+    due are applied, and the scheduled values come back in the optimizer's step
+    post-hook, before the framework steps its scheduler. Not in a step pre-hook:
+    Lightning calls ``optimizer.step(closure)`` and runs the backward and
+    ``on_before_optimizer_step`` inside it, after the pre-hooks.
+    """
 
     def __init__(self, lr: Any, optimizer: torch.optim.Optimizer) -> None:
         self.lr = lr
-        self._saved: list[Any] | None = None
-        self.handles = [optimizer.register_step_pre_hook(self._before),
-                        optimizer.register_step_post_hook(self._after)]
         self.optimizer = optimizer
+        self._saved: list[Any] | None = None
+        self.handle = optimizer.register_step_post_hook(lambda *_: self.restore())
 
-    def _before(self, optimizer: Any, *_: Any) -> None:
-        if self.lr.scale == 1.0:
+    def apply(self) -> None:
+        if self.lr.scale == 1.0 or self._saved is not None:
             return
-        self._saved = [g["lr"] for g in optimizer.param_groups]
-        for g, lr in zip(optimizer.param_groups, self._saved):
+        groups = self.optimizer.param_groups
+        self._saved = [g["lr"] for g in groups]
+        for g, lr in zip(groups, self._saved):
             value = (lr.item() if isinstance(lr, torch.Tensor) else lr) * self.lr.scale
             g["lr"] = lr.clone().fill_(value) if isinstance(lr, torch.Tensor) else value
 
-    def _after(self, optimizer: Any, *_: Any) -> None:
+    def restore(self) -> None:
+        """The scheduled values back (the scheduler steps from its own value, never the scaled one)."""
         if self._saved is not None:
-            for g, lr in zip(optimizer.param_groups, self._saved):
-                g["lr"] = lr  # the scheduler steps from its own value, never the scaled one
+            for g, lr in zip(self.optimizer.param_groups, self._saved):
+                g["lr"] = lr
             self._saved = None
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.restore()
+        self.handle.remove()
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -195,6 +203,7 @@ class FrameworkGuard(Guard):
                 self.counters["skipped_updates"] += 1
         self._step = dict(step=step, stats=stats, reason=reason, nonfinite=nonfinite,
                           skipped_data=skipped_data, lr=self.lr.effective())
+        self.hooks.apply()
         return reason is None
 
     def after_update(self) -> bool:
@@ -202,6 +211,7 @@ class FrameworkGuard(Guard):
         found, self._step = self._step, None
         if found is None:
             return False  # no first half (e.g. a micro-batch of an accumulation)
+        self.hooks.restore()  # (already done unless the framework skipped optimizer.step, e.g. fp16 overflow)
         step, stats, reason = found["step"], found["stats"], found["reason"]
         batches = self.position.record(step)
         if reason != "held":

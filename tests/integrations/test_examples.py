@@ -60,3 +60,18 @@ def test_hf_trainer_survives_nan_batches():
     clean, poisoned = run_example("hf_trainer", "none"), run_example("hf_trainer", "nan")
     assert poisoned["rollbacks"] + poisoned["skipped_updates"] >= 1
     assert abs(poisoned["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
+
+
+@pytest.mark.slow
+def test_lightning_trainer_rolls_back_a_spike_and_ends_as_the_clean_run():
+    pytest.importorskip("lightning")
+    check_recovers("lightning_trainer")
+    assert run_example("lightning_trainer", "spike")["global_step"] == 300
+
+
+@pytest.mark.slow
+def test_lightning_trainer_survives_nan_batches():
+    pytest.importorskip("lightning")
+    clean, poisoned = run_example("lightning_trainer", "none"), run_example("lightning_trainer", "nan")
+    assert poisoned["rollbacks"] + poisoned["skipped_updates"] >= 1
+    assert abs(poisoned["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
