@@ -62,7 +62,6 @@ class BatchStream:
         self.ran_out = False
         self.skip_ranges: list[list[int]] = []
         self._span = (-1, -1, 0)
-        self._skipped_in_step = 0
 
     def read(self) -> bool:
         """The framework read its next batch; True when that batch is inside a skip window."""
@@ -71,14 +70,12 @@ class BatchStream:
         self.last_index = index
         first, _, count = self._span
         self._span = (index if count == 0 else first, index, count + 1)
-        bad = self.skipped(index)
-        self._skipped_in_step += bad
-        return bad
+        return self.skipped(index)
 
-    def take_skipped(self) -> int:
-        """Batches inside a skip window read since the last call."""
-        n, self._skipped_in_step = self._skipped_in_step, 0
-        return n
+    def span_skipped(self) -> bool:
+        """Whether a batch read since the last ``take_span`` (this step's) is inside a skip window."""
+        first, last, count = self._span
+        return count > 0 and any(a <= last and first <= b for a, b in self.skip_ranges)
 
     def take_span(self) -> tuple[int, int, int]:
         span, self._span = self._span, (-1, -1, 0)
@@ -179,12 +176,12 @@ class FrameworkGuard(Guard):
         due = self.actions.due(step)
         stats, grads = self.stats.compute(loss)
         nonfinite = not stats.finite
-        skipped_data = self.stream.take_skipped() > 0
         held = any(a.kind in INTERRUPTING for a in due)
         if held:
             self._held = due  # applied after the framework's step, in order
         elif due:
             self._apply(due, step)
+        skipped_data = self.stream.span_skipped()  # (a skip window applied just now counts too)
         reason = None
         if held or skipped_data:
             reason = "held"

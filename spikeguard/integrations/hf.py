@@ -81,6 +81,10 @@ class SpikeguardCallback(TrainerCallback):
                                     **self.guard_kwargs)
         self.guard.max_steps = state.max_steps
         self.guard.step_count = state.global_step
+        # A Trainer resumed at step n skips n x accumulation batches of its data (its own sampler
+        # state, skip_first_batches): the batch count starts there too.
+        self.guard.stream.position = max(self.guard.stream.position,
+                                         state.global_step * args.gradient_accumulation_steps)
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **_: Any) -> None:

@@ -73,6 +73,9 @@ class SpikeguardCallback(Callback):
                                     config=config, **self.guard_kwargs)
         self.guard.max_steps = trainer.max_steps if trainer.max_steps > 0 else None
         self.guard.step_count = trainer.global_step
+        # Resumed mid-run: the batches before the resumed step were read by the first run.
+        self.guard.stream.position = max(self.guard.stream.position,
+                                         trainer.global_step * trainer.accumulate_grad_batches)
         if self._restored is not None:  # resumed from a Lightning checkpoint
             self.guard.epoch = max(self.guard.epoch, int(self._restored.get("epoch", 0)))
             self.guard.parts.load_state_dict(self._restored.get("parts", {}))

@@ -214,3 +214,28 @@ def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, b
     batch = {(e.epoch, e.step): e.batch_index for e in events}
     assert batch[(1, 10)] == 14 and batch[(0, 10)] == 10
     assert [a.status for a in acks(bus) if a.kind == ActionKind.ROLLBACK] == [AckStatus.APPLIED]
+
+
+def test_published_loss_is_the_trainers_own_with_gradient_accumulation(tmp_path, bus):
+    """4 micro-batches per step: one StepEvent per optimizer step, numbered by global_step,
+    with the loss the Trainer itself logs for that step (its micro-batch losses added up)."""
+    logged: dict[int, float] = {}
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                logged[state.global_step - 1] = logs["loss"]
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=4, max_grad_norm=0.0, seed=0, use_cpu=True,
+                             report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1)
+    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, Logs()]).train()
+    events = steps(bus)
+    assert [e.step for e in events] == list(range(6))
+    assert [e.batch_index for e in events] == [3, 7, 11, 15, 19, 23]  # the last micro-batch of each
+    for e in events:
+        assert e.loss == pytest.approx(logged[e.step], abs=2e-4)  # (the Trainer rounds its logs)
