@@ -101,8 +101,9 @@ class SpikeguardCallback(TrainerCallback):
         if guard is None or not guard.after_update():
             return
         if guard.rolled_back:
+            if state.max_steps > 0 and state.global_step >= state.max_steps:
+                control.should_training_stop = False  # the flow callback saw the old last step
             state.global_step = guard.step_count  # the checkpoint's step: scheduler and steps agree
-            control.should_training_stop = False  # (the flow callback may have seen the old last step)
         if guard.should_stop:
             log.warning("spikeguard: stopping training at step %d: %s", state.global_step, guard.stop_reason)
             control.should_training_stop = True

@@ -239,3 +239,24 @@ def test_published_loss_is_the_trainers_own_with_gradient_accumulation(tmp_path,
     assert [e.batch_index for e in events] == [3, 7, 11, 15, 19, 23]  # the last micro-batch of each
     for e in events:
         assert e.loss == pytest.approx(logged[e.step], abs=2e-4)  # (the Trainer rounds its logs)
+
+
+def test_rollback_at_the_last_step_still_trains_to_max_steps(tmp_path, bus):
+    box: dict = {}
+
+    def rollback_at_13(step):
+        if step == 13 and box["guard"].guard.epoch == 0:
+            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
+
+    rec = Recorder(on_begin=rollback_at_13)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=14, per_device_train_batch_size=8,
+                             max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none", save_strategy="no",
+                             disable_tqdm=True, logging_steps=5)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
+    trainer.train()
+    assert rec.global_steps == list(range(14)) + list(range(10, 14))
+    assert trainer.state.global_step == 14 and guard.guard.finished
