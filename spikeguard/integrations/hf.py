@@ -86,6 +86,10 @@ class SpikeguardCallback(TrainerCallback):
         self.guard.stream.position = max(self.guard.stream.position,
                                          state.global_step * args.gradient_accumulation_steps)
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            log.info("spikeguard: the Trainer clips gradients at max_grad_norm=%g before its callbacks "
+                     "run, so the gradient norms published are the clipped ones; max_grad_norm=0 leaves "
+                     "clipping to spikeguard", args.max_grad_norm)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.guard is None:
