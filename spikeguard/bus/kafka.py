@@ -336,6 +336,16 @@ class KafkaBus(Bus):
         finally:
             admin.close()
 
+    def delete_records(self, topic: str, before: Mapping[int, int], timeout: float = 30.0) -> None:
+        admin = self._connect("admin client", lambda: KafkaAdminClient(**self._config()))
+        try:
+            admin.delete_records({TopicPartition(topic, p): o for p, o in before.items()},
+                                 timeout_ms=int(timeout * 1000))
+        except KafkaError as exc:
+            raise BusError(f"could not delete records of {topic!r} below {dict(before)}: {exc!r}") from exc
+        finally:
+            admin.close()
+
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
         deadline = time.monotonic() + timeout
         config = {**self._config(), "group_id": None, "enable_auto_commit": False,
