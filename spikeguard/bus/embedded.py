@@ -105,7 +105,13 @@ class EmbeddedBus(Bus):
         # A capped log is cut back to max_records once it holds this many more.
         self._cap_slack = 0 if max_records is None else max(1, max_records // 8)
         self.data_dir = Path(data_dir) if data_dir is not None else None
-        self._cond = threading.Condition()
+        # One lock for everything; each consumer waits on a condition of its own
+        # over it, so an append wakes only the readers of its topic: in a
+        # trainer's process every needless wake-up is a GIL hand-off that the
+        # training thread pays for.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._readers: dict[str, set[EmbeddedConsumer]] = {}
         self._topics: dict[str, _Topic] = {}
         self._groups: dict[str, _Group] = {}
         self._member_ids = itertools.count()
@@ -126,7 +132,7 @@ class EmbeddedBus(Bus):
             if not name or "/" in name or name.startswith("_"):
                 raise ValueError(f"invalid topic name {name!r}")
             topic = self._topics[name] = _Topic(name, self.partitions, compacted)
-            self._cond.notify_all()  # consumers waiting on a missing topic re-check
+            self._wake_everyone()  # consumers waiting on a missing topic re-check
             for group in self._groups.values():
                 group.generation += 1
         return topic
@@ -146,7 +152,9 @@ class EmbeddedBus(Bus):
         cap = self.max_records
         with self._cond:
             topics = self._topics
+            touched: set[str] = set()
             for topic_name, key, value, headers, event in items:
+                touched.add(topic_name)
                 topic = topics.get(topic_name) or self._topic(topic_name)
                 # One partition: every key maps to 0, no need to hash it.
                 partition = partition_for(key, partitions) if partitions > 1 else 0
@@ -166,7 +174,10 @@ class EmbeddedBus(Bus):
                     log.trim(log.end - cap)
                 if recording is not None:
                     recording.append(record)
-            self._cond.notify_all()
+            readers = self._readers
+            for name in touched:
+                for consumer in readers.get(name, ()):
+                    consumer._wake.notify()
 
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
         """Every record ``topic`` still holds (all of them without retention)."""
@@ -263,19 +274,30 @@ class EmbeddedBus(Bus):
                 self._retain(name, partition)
 
     # -- groups (called under self._cond) -------------------------------------
+    def _wake_everyone(self) -> None:
+        """Every waiting consumer re-checks (a rebalance, a new topic)."""
+        self._cond.notify_all()
+        for readers in self._readers.values():
+            for consumer in readers:
+                consumer._wake.notify()
+
     def _join(self, consumer: EmbeddedConsumer) -> int:
         member = next(self._member_ids)
         group = self._groups.setdefault(consumer.group, _Group())
         group.members[member] = consumer
         group.generation += 1
-        self._cond.notify_all()
+        for topic in consumer.topics:
+            self._readers.setdefault(topic, set()).add(consumer)
+        self._wake_everyone()
         return member
 
     def _leave(self, consumer: EmbeddedConsumer) -> None:
+        for topic in consumer.topics:
+            self._readers.get(topic, set()).discard(consumer)
         group = self._groups.get(consumer.group)
         if group and group.members.pop(consumer.member, None) is not None:
             group.generation += 1
-            self._cond.notify_all()
+            self._wake_everyone()
 
     def _assignment(self, group_name: str, member: int) -> set[TopicPartition]:
         """Range-style assignment: each topic's partitions split over its subscribers."""

@@ -9,6 +9,7 @@ runs under the bus's lock (``bus._cond``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ class EmbeddedConsumer(Consumer):
         self._generation = -1
         self._next = 0  # round-robin start, so one busy partition cannot starve the others
         self._closed = False
+        # Notified by the bus when a topic it reads gets records, or its group changes.
+        self._wake = threading.Condition(bus._lock)
         with bus._cond:
             self.member = bus._join(self)
 
@@ -87,7 +90,7 @@ class EmbeddedConsumer(Consumer):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return []
-                    bus._cond.wait(remaining)
+                    self._wake.wait(remaining)
 
     def _take(self, max_records: int) -> list[Record]:
         owned = sorted(self._owned)
