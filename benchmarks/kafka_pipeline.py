@@ -17,6 +17,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -58,8 +59,10 @@ def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | N
     """The README's workers under ``prefix``, one process each; stopped (SIGTERM) on exit."""
     env = {**os.environ, "SPIKEGUARD_TOPIC_PREFIX": prefix, "SPIKEGUARD_SIGNING_KEY": key,
            "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, **(extra_env or {})}
+    # Logs to files, not pipes: a pipe nobody reads fills up and blocks the worker that logs.
+    logs = Path(tempfile.mkdtemp(prefix="spikeguard-bench-workers-"))
     procs = [subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", name], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=open(logs / f"{name}.log", "w"))
              for name in names]
     try:
         bus = KafkaBus(bootstrap)
@@ -68,7 +71,8 @@ def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | N
         while True:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"a worker exited at start: {dead[0].stderr.read()[-2000:]}")
+                name = dead[0].args[-1]
+                raise RuntimeError(f"worker {name} exited at start: {(logs / f'{name}.log').read_text()[-2000:]}")
             if set(groups) <= bus.active_groups(groups):
                 break
             if time.monotonic() > deadline:

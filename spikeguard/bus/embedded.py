@@ -329,10 +329,16 @@ class EmbeddedProducer(Producer):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
+        event: BaseModel | None = None,
     ) -> None:
+        """``event``: the (frozen) model ``value`` encodes, handed to consumers as is.
+
+        A trainer's publisher passes it, so the in-process detectors read the
+        step without decoding its JSON again.
+        """
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append([(topic, as_key(key), bytes(value), headers or (), None)])
+        self._bus._append([(topic, as_key(key), bytes(value), headers or (), event)])
 
     def publish_events(self, events: Iterable[tuple[str, BaseModel]]) -> None:
         # The event object travels as is (it is frozen); its bytes are made

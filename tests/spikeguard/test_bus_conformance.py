@@ -341,6 +341,18 @@ def test_deleted_records_are_gone_and_offsets_stay_absolute(bus: Bus, stack: con
     assert [r.offset for r in drain(first, 1)] == [50]
 
 
+def test_a_state_snapshot_over_a_megabyte_round_trips(bus: Bus, stack: contextlib.ExitStack) -> None:
+    """Fusion's snapshot of a partition with many runs passed Kafka's default 1 MB and crashed the worker."""
+    name = unique("state")
+    if isinstance(bus, KafkaBus):
+        _created_on_kafka.append((bus.bootstrap_servers, name))
+    bus.create_topics([name], compacted=True)
+    snapshot = b"{" + b"x" * (3 * 1024 * 1024) + b"}"
+    publish(bus, name, [("0", snapshot)])
+    [record] = bus.read_all(name, timeout=30)
+    assert record.value == snapshot
+
+
 # -- Kafka specifics the embedded engine has no counterpart for -----------------
 
 

@@ -152,3 +152,18 @@ def test_retention_settings_are_validated(name: str, value: int) -> None:
 
     with pytest.raises(ConfigError, match=name):
         load_settings({name: value}, env={})
+
+
+def test_a_published_event_reaches_consumers_without_a_decode() -> None:
+    """The trainer's publisher hands the embedded bus the event with its bytes: nobody decodes it again."""
+    from spikeguard.producers.publisher import BackgroundPublisher
+    from spikeguard.schemas import StepEvent, encode
+
+    bus = EmbeddedBus(partitions=1)
+    consumer = bus.consumer("detector", ["steps"])
+    publisher = BackgroundPublisher(bus.producer(), "run-1", threaded=False)
+    event = StepEvent(run_id="run-1", step=7, loss=1.5)
+    publisher.submit("steps", None, event)
+    [record] = consumer.poll(timeout=0.1)
+    assert record.cached(StepEvent) is event
+    assert record.value == encode(event)
