@@ -39,8 +39,9 @@ def embedded_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int
                 if topic is None:
                     continue
                 for partition, records in enumerate(topic.logs):
-                    done = group.committed.get((topic_name, partition), 0)
-                    found[(group_name, topic_name, partition)] = max(0, len(records) - done)
+                    # Offsets are absolute (retention trims the front): lag is end - committed.
+                    done = group.committed.get((topic_name, partition), records.beginning)
+                    found[(group_name, topic_name, partition)] = max(0, records.end - done)
     return found
 
 

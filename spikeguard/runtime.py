@@ -45,7 +45,9 @@ def make_bus(settings: Settings) -> Bus:
             session_timeout_ms=int(settings.session_timeout_s * 1000),
             heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )
-    return EmbeddedBus(partitions=settings.partitions, data_dir=settings.data_dir)
+    return EmbeddedBus(partitions=settings.partitions, data_dir=settings.data_dir,
+                       keep_consumed=settings.embedded_keep_consumed,
+                       max_records=settings.embedded_max_records)
 
 
 @dataclass

@@ -96,6 +96,20 @@ class Settings(BaseModel):
     data_dir: str | None = Field(
         None, description="embedded bus: record every topic here so the run can be replayed"
     )
+    embedded_keep_consumed: int = Field(
+        1000,
+        ge=0,
+        description="embedded bus: records a partition keeps in memory behind the lowest offset its "
+        "consumer groups committed (what read_all and a late reader still see); older ones are "
+        "dropped, so a long run's memory stays flat (the recording in data_dir keeps everything)",
+    )
+    embedded_max_records: int = Field(
+        100_000,
+        ge=1,
+        description="embedded bus: at most this many records per partition in memory, consumed or "
+        "not; a component further behind than this loses the oldest and resumes at the earliest "
+        "left (as Kafka's auto_offset_reset=earliest), with a warning",
+    )
     signing_key: SecretStr | None = Field(
         None,
         description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones; "

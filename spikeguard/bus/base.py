@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from spikeguard.schemas.codec import decode, encode
 
@@ -215,6 +215,14 @@ class Bus(ABC):
     @abstractmethod
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
         """Every record of ``topic`` up to its current end, outside any group."""
+
+    @abstractmethod
+    def delete_records(self, topic: str, before: "Mapping[int, int]") -> None:
+        """Drop the records of each partition below ``before[partition]`` (Kafka's DeleteRecords).
+
+        Offsets stay as they were; a consumer positioned below what is left
+        resumes at the earliest record (or the end, for a group that starts there).
+        """
 
     def close(self) -> None:
         pass

@@ -2,8 +2,17 @@
 
 It is the engine spikeguard runs on by default, not a test double: the same
 delivery rules as Kafka (per-key order within a partition, committed group
-offsets, partitions split among a group's members), thread-safe, with an
-optional directory that records every topic so a run can be replayed later.
+offsets, partitions split among a group's members, absolute offsets that
+trimming never reuses), thread-safe, with an optional directory that records
+every topic so a run can be replayed later.
+
+Memory stays bounded in a long run when the bus is given a retention (a
+trainer's runtime does, from settings): a partition keeps ``keep_consumed``
+records behind the lowest offset its consumer groups committed, and never
+more than ``max_records`` in all. A consumer that asks for a trimmed offset
+resumes at the earliest record (or the end, for a group that starts at the
+end), as Kafka's ``auto_offset_reset`` does. The recording, if any, keeps
+everything on disk regardless.
 """
 
 from __future__ import annotations
@@ -14,13 +23,12 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from pydantic import BaseModel
 
 from spikeguard.bus.base import (
     Bus,
-    Consumer,
     Headers,
     Producer,
     RebalanceCallback,
@@ -29,40 +37,81 @@ from spikeguard.bus.base import (
     as_key,
     partition_for,
 )
+from spikeguard.bus.embedded_consumer import EmbeddedConsumer
+from spikeguard.bus.embedded_log import CompactedLog, PartitionLog
 from spikeguard.bus.recording import Recording
+
+__all__ = ["EmbeddedBus", "EmbeddedConsumer", "EmbeddedProducer"]
+
+# Consumed records are dropped in chunks of at least this many, so that the
+# list shift a trim costs is spread over many appends.
+_MIN_TRIM = 64
 
 
 class _Topic:
     def __init__(self, name: str, partitions: int, compacted: bool) -> None:
         self.name = name
-        # A compacted topic replaces an older record of the same key by None,
-        # so memory stays bounded for state snapshots; offsets never move.
-        self.logs: list[list[Record | None]] = [[] for _ in range(partitions)]
+        # A compacted topic keeps only the newest record per key, so memory
+        # stays bounded for state snapshots; offsets never move.
+        kind = CompactedLog if compacted else PartitionLog
+        self.logs: list[PartitionLog | CompactedLog] = [kind() for _ in range(partitions)]
         self.compacted = compacted
-        self.latest: dict[tuple[int, bytes | None], int] = {}
 
 
 class _Group:
     def __init__(self) -> None:
-        self.members: dict[int, "EmbeddedConsumer"] = {}
+        self.members: dict[int, EmbeddedConsumer] = {}
         self.committed: dict[TopicPartition, int] = {}
         self.generation = 0
 
 
 class EmbeddedBus(Bus):
-    """In-process topics. ``data_dir`` records every record (and group offsets) to disk."""
+    """In-process topics.
+
+    Args:
+        partitions: Of every topic.
+        data_dir: Record every record (and group offsets) there, to reopen or replay.
+        keep_consumed: Records a partition keeps behind the lowest offset its
+            groups committed (None: keep every consumed record, the default
+            for a bus made directly, e.g. by a backtest that reads it back).
+        max_records: Cap on the records a partition holds, consumed or not
+            (None: no cap). A group further behind loses the oldest and
+            resumes at the earliest record left. Compacted topics hold one
+            record per key and are not capped.
+    """
 
     engine = "embedded"
 
-    def __init__(self, partitions: int = 4, data_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        partitions: int = 4,
+        data_dir: str | os.PathLike | None = None,
+        *,
+        keep_consumed: int | None = None,
+        max_records: int | None = None,
+    ) -> None:
         # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
         # Guard handed the bus directly signs its steps as that pipeline requires.
         self.signing_key = None
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
+        if keep_consumed is not None and keep_consumed < 0:
+            raise ValueError(f"keep_consumed must be >= 0 or None, got {keep_consumed}")
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be >= 1 or None, got {max_records}")
         self.partitions = partitions
+        self.keep_consumed = keep_consumed
+        self.max_records = max_records
+        # A capped log is cut back to max_records once it holds this many more.
+        self._cap_slack = 0 if max_records is None else max(1, max_records // 8)
         self.data_dir = Path(data_dir) if data_dir is not None else None
-        self._cond = threading.Condition()
+        # One lock for everything; each consumer waits on a condition of its own
+        # over it, so an append wakes only the readers of its topic: in a
+        # trainer's process every needless wake-up is a GIL hand-off that the
+        # training thread pays for.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._readers: dict[str, set[EmbeddedConsumer]] = {}
         self._topics: dict[str, _Topic] = {}
         self._groups: dict[str, _Group] = {}
         self._member_ids = itertools.count()
@@ -83,7 +132,7 @@ class EmbeddedBus(Bus):
             if not name or "/" in name or name.startswith("_"):
                 raise ValueError(f"invalid topic name {name!r}")
             topic = self._topics[name] = _Topic(name, self.partitions, compacted)
-            self._cond.notify_all()  # consumers waiting on a missing topic re-check
+            self._wake_everyone()  # consumers waiting on a missing topic re-check
             for group in self._groups.values():
                 group.generation += 1
         return topic
@@ -100,9 +149,12 @@ class EmbeddedBus(Bus):
         now_ms = int(time.time() * 1000)
         partitions = self.partitions
         recording = self._recording
+        cap = self.max_records
         with self._cond:
             topics = self._topics
+            touched: set[str] = set()
             for topic_name, key, value, headers, event in items:
+                touched.add(topic_name)
                 topic = topics.get(topic_name) or self._topic(topic_name)
                 # One partition: every key maps to 0, no need to hash it.
                 partition = partition_for(key, partitions) if partitions > 1 else 0
@@ -110,29 +162,79 @@ class EmbeddedBus(Bus):
                 record = Record(
                     topic_name,
                     partition,
-                    len(log),
+                    log.end,
                     key,
                     value,
                     tuple((str(k), bytes(v)) for k, v in headers) if headers else (),
                     now_ms,
                     event=event,
                 )
-                if topic.compacted:
-                    previous = topic.latest.get((partition, key))
-                    if previous is not None:
-                        log[previous] = None
-                    topic.latest[(partition, key)] = record.offset
                 log.append(record)
+                if cap is not None and len(log) >= cap + self._cap_slack and not log.compacted:
+                    log.trim(log.end - cap)
                 if recording is not None:
                     recording.append(record)
-            self._cond.notify_all()
+            readers = self._readers
+            for name in touched:
+                for consumer in readers.get(name, ()):
+                    consumer._wake.notify()
 
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        """Every record ``topic`` still holds (all of them without retention)."""
         with self._cond:
             found = self._topics.get(topic)
             if found is None:
                 return []
-            return [r for log in found.logs for r in log if r is not None]
+            return [r for log in found.logs for r in log.held()]
+
+    # -- offsets and retention ------------------------------------------------
+    def beginning_offset(self, topic: str, partition: int) -> int:
+        """The oldest offset ``topic[partition]`` can still deliver (Kafka's log start offset)."""
+        with self._cond:
+            return self._topic(topic).logs[partition].beginning
+
+    def end_offset(self, topic: str, partition: int) -> int:
+        """The offset the next record of ``topic[partition]`` gets."""
+        with self._cond:
+            return self._topic(topic).logs[partition].end
+
+    def retained(self, topic: str) -> int:
+        """How many records ``topic`` holds in memory, all partitions together."""
+        with self._cond:
+            found = self._topics.get(topic)
+            return 0 if found is None else sum(len(log) for log in found.logs)
+
+    def delete_records(self, topic: str, before: Mapping[int, int]) -> None:
+        """Drop the records below ``before[partition]`` (as Kafka's DeleteRecords does)."""
+        with self._cond:
+            logs = self._topic(topic).logs
+            for partition, offset in before.items():
+                logs[partition].trim(offset)
+
+    def _retain(self, topic_name: str, partition: int) -> None:
+        """Drop what every group interested in the partition has committed, but ``keep_consumed``.
+
+        Called under the lock after a commit. A group with a member reading the
+        topic but no commit yet holds everything; a group without members keeps
+        holding what it has not committed (a worker restarting resumes there),
+        up to the cap.
+        """
+        keep = self.keep_consumed
+        topic = self._topics.get(topic_name)
+        if keep is None or topic is None or topic.compacted:
+            return
+        log = topic.logs[partition]
+        tp = (topic_name, partition)
+        floor = None
+        for group in self._groups.values():
+            committed = group.committed.get(tp)
+            if committed is None:
+                if not any(topic_name in member.topics for member in group.members.values()):
+                    continue
+                committed = log.beginning
+            floor = committed if floor is None else min(floor, committed)
+        if floor is not None and floor - keep - log.beginning >= max(_MIN_TRIM, keep // 4):
+            log.trim(floor - keep)
 
     # -- clients --------------------------------------------------------------
     def producer(self) -> Producer:
@@ -146,7 +248,7 @@ class EmbeddedBus(Bus):
         from_beginning: bool = True,
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
-    ) -> "EmbeddedConsumer":
+    ) -> EmbeddedConsumer:
         return EmbeddedConsumer(self, group, list(topics), from_beginning, on_assign, on_revoke)
 
     def close(self) -> None:
@@ -159,27 +261,43 @@ class EmbeddedBus(Bus):
         for name, logs in topics.items():
             topic = self._topic(name)
             for partition, stored in enumerate(logs):
-                topic.logs[partition] = [
-                    Record(name, partition, offset, key, value, headers, timestamp)
-                    for offset, (key, value, headers, timestamp) in enumerate(stored)
-                ]
+                log = topic.logs[partition]
+                for offset, (key, value, headers, timestamp) in enumerate(stored):
+                    log.append(Record(name, partition, offset, key, value, headers, timestamp))
         for name, committed in groups.items():
             self._groups.setdefault(name, _Group()).committed.update(committed)
+        # A long recorded run comes back within the same bounds as a live one.
+        for name, topic in self._topics.items():
+            for partition, log in enumerate(topic.logs):
+                if self.max_records is not None and len(log) > self.max_records and not log.compacted:
+                    log.trim(log.end - self.max_records)
+                self._retain(name, partition)
 
     # -- groups (called under self._cond) -------------------------------------
-    def _join(self, consumer: "EmbeddedConsumer") -> int:
+    def _wake_everyone(self) -> None:
+        """Every waiting consumer re-checks (a rebalance, a new topic)."""
+        self._cond.notify_all()
+        for readers in self._readers.values():
+            for consumer in readers:
+                consumer._wake.notify()
+
+    def _join(self, consumer: EmbeddedConsumer) -> int:
         member = next(self._member_ids)
         group = self._groups.setdefault(consumer.group, _Group())
         group.members[member] = consumer
         group.generation += 1
-        self._cond.notify_all()
+        for topic in consumer.topics:
+            self._readers.setdefault(topic, set()).add(consumer)
+        self._wake_everyone()
         return member
 
-    def _leave(self, consumer: "EmbeddedConsumer") -> None:
+    def _leave(self, consumer: EmbeddedConsumer) -> None:
+        for topic in consumer.topics:
+            self._readers.get(topic, set()).discard(consumer)
         group = self._groups.get(consumer.group)
         if group and group.members.pop(consumer.member, None) is not None:
             group.generation += 1
-            self._cond.notify_all()
+            self._wake_everyone()
 
     def _assignment(self, group_name: str, member: int) -> set[TopicPartition]:
         """Range-style assignment: each topic's partitions split over its subscribers."""
@@ -194,6 +312,7 @@ class EmbeddedBus(Bus):
                 if members[partition % len(members)] == member:
                     mine.add((topic, partition))
         return mine
+
 
 # A run's key as bytes, one shared object per run rather than one per record
 # (the bus keeps every record; bytes are immutable, so sharing is safe).
@@ -210,10 +329,16 @@ class EmbeddedProducer(Producer):
         value: bytes,
         key: str | bytes | None = None,
         headers: Headers | None = None,
+        event: BaseModel | None = None,
     ) -> None:
+        """``event``: the (frozen) model ``value`` encodes, handed to consumers as is.
+
+        A trainer's publisher passes it, so the in-process detectors read the
+        step without decoding its JSON again.
+        """
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append([(topic, as_key(key), bytes(value), headers or (), None)])
+        self._bus._append([(topic, as_key(key), bytes(value), headers or (), event)])
 
     def publish_events(self, events: Iterable[tuple[str, BaseModel]]) -> None:
         # The event object travels as is (it is frozen); its bytes are made
@@ -232,134 +357,3 @@ class EmbeddedProducer(Producer):
 
     def close(self) -> None:
         self.flush()
-
-
-class EmbeddedConsumer(Consumer):
-    def __init__(
-        self,
-        bus: EmbeddedBus,
-        group: str,
-        topics: list[str],
-        from_beginning: bool,
-        on_assign: RebalanceCallback | None,
-        on_revoke: RebalanceCallback | None,
-    ) -> None:
-        if not group:
-            raise ValueError("a consumer needs a group name")
-        self._bus = bus
-        self.group = group
-        self.topics = topics
-        self._from_beginning = from_beginning
-        self._on_assign = on_assign
-        self._on_revoke = on_revoke
-        self._owned: set[TopicPartition] = set()
-        self._positions: dict[TopicPartition, int] = {}
-        self._generation = -1
-        self._next = 0  # round-robin start, so one busy partition cannot starve the others
-        self._closed = False
-        with bus._cond:
-            self.member = bus._join(self)
-
-    def _rebalance(self) -> None:
-        """Adopt the group's current assignment (callbacks run outside the lock)."""
-        bus = self._bus
-        while True:
-            with bus._cond:
-                group = bus._groups[self.group]
-                if self._generation == group.generation:
-                    return
-                self._generation = group.generation
-                wanted = bus._assignment(self.group, self.member)
-                lost = self._owned - wanted
-                gained = wanted - self._owned
-                self._owned = wanted
-                for tp in lost:
-                    self._positions.pop(tp, None)
-                for tp in gained:
-                    start = group.committed.get(tp)
-                    if start is None:
-                        start = 0 if self._from_beginning else len(bus._topics[tp[0]].logs[tp[1]])
-                    self._positions[tp] = start
-            if lost and self._on_revoke:
-                self._on_revoke(lost)
-            if gained and self._on_assign:
-                self._on_assign(gained)
-
-    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
-        if self._closed:
-            raise RuntimeError("poll on a closed consumer")
-        deadline = time.monotonic() + max(0.0, timeout)
-        bus = self._bus
-        while True:
-            self._rebalance()
-            with bus._cond:
-                if self._generation == bus._groups[self.group].generation:
-                    batch = self._take(max_records)
-                    if batch:
-                        return batch
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return []
-                    bus._cond.wait(remaining)
-
-    def _take(self, max_records: int) -> list[Record]:
-        owned = sorted(self._owned)
-        batch: list[Record] = []
-        if not owned:
-            return batch
-        start = self._next % len(owned)
-        self._next += 1
-        for tp in owned[start:] + owned[:start]:
-            topic = self._bus._topics[tp[0]]
-            log = topic.logs[tp[1]]
-            position = self._positions[tp]
-            if topic.compacted:  # may hold None (replaced records): skip them
-                while position < len(log) and len(batch) < max_records:
-                    record = log[position]
-                    position += 1
-                    if record is not None:
-                        batch.append(record)
-            else:  # no holes: one slice
-                chunk = log[position : position + max_records - len(batch)]
-                batch += chunk
-                position += len(chunk)
-            self._positions[tp] = position
-            if len(batch) >= max_records:
-                break
-        return batch
-
-    def commit(self) -> None:
-        bus = self._bus
-        with bus._cond:
-            group = bus._groups[self.group]
-            current = bus._assignment(self.group, self.member)
-            # Only partitions this member still owns: after a rebalance the new
-            # owner's progress must not be overwritten by a stale member.
-            for tp in self._owned & current:
-                group.committed[tp] = self._positions[tp]
-            if bus._recording is not None:
-                bus._recording.save_offsets(self.group, group.committed)
-
-    def assignment(self) -> set[TopicPartition]:
-        self._rebalance()
-        return set(self._owned)
-
-    def seek(self, topic: str, partition: int, offset: int) -> None:
-        tp = (topic, partition)
-        if tp not in self._owned:
-            raise ValueError(f"seek on {topic}[{partition}], which this consumer does not own")
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
-        self._positions[tp] = offset
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._bus._cond:
-            self._bus._leave(self)
-        # A closed consumer never rebalances again; dropping the callbacks
-        # (usually bound methods of its worker, which holds this consumer)
-        # breaks the cycle, so the bus and its records are freed by reference
-        # counting instead of waiting for a full, slow GC pass.
-        self._on_assign = self._on_revoke = None

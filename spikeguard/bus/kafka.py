@@ -53,8 +53,9 @@ def _record(r: Any) -> Record:
 class _KafkaProducer(Producer):
     """Idempotent producer; ``flush`` reports every send that failed."""
 
-    def __init__(self, config: dict[str, Any]):
-        self._producer = KafkaProducer(**config, enable_idempotence=True, acks="all", linger_ms=5)
+    def __init__(self, config: dict[str, Any], max_request_size: int = 1024 * 1024):
+        self._producer = KafkaProducer(**config, enable_idempotence=True, acks="all", linger_ms=5,
+                                       max_request_size=max_request_size)
         self._pending: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
 
@@ -181,6 +182,9 @@ class KafkaBus(Bus):
         session_timeout_ms / heartbeat_interval_ms: Of every consumer group
             member (kafka-python's defaults, 45 s / 3 s, when None).
         consumer_options: Further kafka-python consumer settings; they win over the above.
+        max_message_bytes: Largest record a producer sends, and the ``max.message.bytes``
+            of the compacted topics :meth:`create_topics` makes: a worker's state snapshot
+            (fusion's, with many runs in a partition) passes Kafka's default 1 MB.
     """
 
     engine = "kafka"
@@ -203,6 +207,7 @@ class KafkaBus(Bus):
         session_timeout_ms: int | None = None,
         heartbeat_interval_ms: int | None = None,
         consumer_options: Mapping[str, Any] | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
     ):
         if isinstance(sasl_password, str):
             sasl_password = SecretStr(sasl_password)
@@ -219,6 +224,7 @@ class KafkaBus(Bus):
         self.session_timeout_ms = session_timeout_ms
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.consumer_options = dict(consumer_options or {})
+        self.max_message_bytes = max_message_bytes
         self._members: dict[str, int] = {}  # consumers opened per group (static member names)
         self._members_lock = threading.Lock()
 
@@ -250,7 +256,7 @@ class KafkaBus(Bus):
             raise BusError(f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc!r}") from exc
 
     def producer(self) -> Producer:
-        return self._connect("producer", _KafkaProducer, self._config())
+        return self._connect("producer", _KafkaProducer, self._config(), self.max_message_bytes)
 
     def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
                  on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:
@@ -322,7 +328,8 @@ class KafkaBus(Bus):
             missing = [t for t in names if t not in set(admin.list_topics())]
             if not missing:
                 return
-            configs = {"cleanup.policy": "compact"} if compacted else {}
+            configs = ({"cleanup.policy": "compact", "max.message.bytes": str(self.max_message_bytes)}
+                       if compacted else {})
             spec = {t: {"num_partitions": self.partitions, "replication_factor": self.replication_factor,
                         "configs": configs} for t in missing}
             result = admin.create_topics(spec, raise_errors=False)
@@ -333,6 +340,16 @@ class KafkaBus(Bus):
             admin.wait_for_topics(missing, timeout_ms=30_000)
         except KafkaError as exc:
             raise BusError(f"could not create topics {names}: {exc!r}") from exc
+        finally:
+            admin.close()
+
+    def delete_records(self, topic: str, before: Mapping[int, int], timeout: float = 30.0) -> None:
+        admin = self._connect("admin client", lambda: KafkaAdminClient(**self._config()))
+        try:
+            admin.delete_records({TopicPartition(topic, p): o for p, o in before.items()},
+                                 timeout_ms=int(timeout * 1000))
+        except KafkaError as exc:
+            raise BusError(f"could not delete records of {topic!r} below {dict(before)}: {exc!r}") from exc
         finally:
             admin.close()
 

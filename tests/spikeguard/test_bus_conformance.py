@@ -320,6 +320,39 @@ def test_a_new_group_can_start_at_the_end(bus: Bus, stack: contextlib.ExitStack)
     assert all(r.value.startswith(b"later-") for r in records) and len(records) == len(later)
 
 
+def test_deleted_records_are_gone_and_offsets_stay_absolute(bus: Bus, stack: contextlib.ExitStack) -> None:
+    """What retention does to a log: the front goes, offsets never move, readers resume at the earliest."""
+    topic = new_topic(bus)
+    publish(bus, topic, [("run-a", f"run-a:{i}".encode()) for i in range(50)])
+    first = open_consumer(stack, bus, unique("group"), topic)
+    [partition] = {r.partition for r in drain(first, 50)}
+
+    bus.delete_records(topic, {partition: 30})
+
+    fresh = drain(open_consumer(stack, bus, unique("group"), topic), 20)
+    assert [r.offset for r in fresh] == list(range(30, 50))
+    assert [r.value for r in fresh] == [f"run-a:{i}".encode() for i in range(30, 50)]
+    assert [r.offset for r in bus.read_all(topic)] == list(range(30, 50))
+    # A reader asking for a deleted offset gets the earliest left (auto_offset_reset=earliest).
+    first.seek(topic, partition, 5)
+    again = drain(first, 20)
+    assert [r.offset for r in again] == list(range(30, 50))
+    publish(bus, topic, [("run-a", b"run-a:50")])
+    assert [r.offset for r in drain(first, 1)] == [50]
+
+
+def test_a_state_snapshot_over_a_megabyte_round_trips(bus: Bus, stack: contextlib.ExitStack) -> None:
+    """Fusion's snapshot of a partition with many runs passed Kafka's default 1 MB and crashed the worker."""
+    name = unique("state")
+    if isinstance(bus, KafkaBus):
+        _created_on_kafka.append((bus.bootstrap_servers, name))
+    bus.create_topics([name], compacted=True)
+    snapshot = b"{" + b"x" * (3 * 1024 * 1024) + b"}"
+    publish(bus, name, [("0", snapshot)])
+    [record] = bus.read_all(name, timeout=30)
+    assert record.value == snapshot
+
+
 # -- Kafka specifics the embedded engine has no counterpart for -----------------
 
 

@@ -1,0 +1,149 @@
+"""Closed-loop latency on a real broker: a step's publish -> its decision, and -> the action, at the trainer.
+
+The README's six workers (one process each) on a fresh topic prefix.
+``--runs`` concurrent runs publish signed step events at ``--rate`` steps/s
+in all (paced, round-robin over the runs, as many trainers would), each run
+a simulated ``sudden_spike`` run so that the pipeline has incidents to act
+on. A reader on the ``decisions`` and ``actions`` topics (what a trainer's
+inbox reads) stamps each arrival; latency is arrival - publish of the step
+the record is about (a decision's step; an action's evidence step).
+
+Aim: p50 <= 20 ms, p99 <= 100 ms (publish -> action) at 1,000 steps/s over 100 runs.
+When the pipeline's throughput (bench_kafka_throughput.py) is below the
+input rate, the backlog grows for as long as the input lasts and latency
+with it: the figures then say how far behind the pipeline fell, and
+``lag_growth`` how fast.
+
+    python benchmarks/bench_kafka_latency.py [--bootstrap HOST:PORT] [--rate 1000] [--runs 100] [--seconds 20] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from kafka import KafkaConsumer, KafkaProducer
+
+from spikeguard.schemas import Action, Decision, Topics, Verdict, decode, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
+from kafka_pipeline import broker, new_key, new_prefix, signed_steps, workers  # noqa: E402
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+class Reader(threading.Thread):
+    """Stamps every decision and action as it arrives."""
+
+    def __init__(self, bootstrap: str, topics: Topics) -> None:
+        super().__init__(daemon=True)
+        self.topics = topics
+        self.consumer = KafkaConsumer(topics.decisions, topics.actions, topics.verdicts, bootstrap_servers=bootstrap,
+                                      group_id=f"bench-trainer-{uuid.uuid4().hex[:6]}",
+                                      auto_offset_reset="earliest", enable_auto_commit=False,
+                                      fetch_max_wait_ms=5)
+        self.decisions: list[tuple[str, int, float]] = []
+        self.actions: list[tuple[str, int, float, str]] = []
+        self.verdicts: list[tuple[str, int, float, str]] = []  # where the time goes: the detectors' hop
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            for tp, batch in self.consumer.poll(timeout_ms=100, max_records=10_000).items():
+                now = time.perf_counter()
+                for record in batch:
+                    if tp.topic == self.topics.decisions:
+                        d = decode(record.value, Decision)
+                        self.decisions.append((d.run_id, d.step, now))
+                    elif tp.topic == self.topics.verdicts:
+                        v = decode(record.value, Verdict)
+                        self.verdicts.append((v.run_id, v.step, now, v.detector))
+                    else:
+                        a = decode(record.value, Action)
+                        step = a.evidence.step if a.evidence is not None else a.apply_at_step
+                        self.actions.append((a.run_id, step, now, a.kind.value))
+        self.consumer.close()
+
+
+def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float) -> dict:
+    key, prefix = new_key(), new_prefix()
+    topics = Topics(prefix)
+    per_run = max(200, int(rate * seconds / runs))
+    events = signed_steps(runs, per_run, key, scenario="sudden_spike")
+    order = [(run[i].run_id, run[i].step, encode(run[i])) for i in range(per_run) for run in events]
+    with workers(bootstrap, prefix, key):
+        reader = Reader(bootstrap, topics)
+        reader.start()
+        time.sleep(2.0)  # the reader joined its group
+        producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=1)
+        published: dict[tuple[str, int], float] = {}
+        start = time.perf_counter()
+        for n, (run_id, step, value) in enumerate(order):
+            due = start + n / rate
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            published[(run_id, step)] = time.perf_counter()
+            producer.send(topics.steps, value, key=run_id.encode())
+        producer.flush()
+        input_s = time.perf_counter() - start
+        deadline = time.monotonic() + drain_s
+        while len(reader.decisions) < len(order) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        reader.stopping.set()
+        reader.join(timeout=10)
+        producer.close()
+    to_decision = [t - published[(r, s)] for r, s, t in reader.decisions if (r, s) in published]
+    to_action = [t - published[(r, s)] for r, s, t, _ in reader.actions if (r, s) in published]
+    first_half = [t - published[(r, s)] for r, s, t in reader.decisions
+                  if (r, s) in published and published[(r, s)] - start < input_s / 2]
+    by_detector: dict[str, list[float]] = {}
+    for r, s, t, detector in reader.verdicts:
+        if (r, s) in published:
+            by_detector.setdefault(detector, []).append(t - published[(r, s)])
+    kinds: dict[str, int] = {}
+    for *_, kind in reader.actions:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {
+        "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
+        "decided": len(to_decision), "actions": len(to_action), "action_kinds": kinds,
+        "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
+        "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},
+        "verdict_p50_ms": {d: _pct(v, 0.5) for d, v in sorted(by_detector.items())},
+        # Latency late vs early in the input: > 1 means a backlog that grows (throughput below the rate).
+        "lag_growth": round(statistics.median(to_decision) / statistics.median(first_half), 2)
+        if first_half and to_decision else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP"))
+    parser.add_argument("--rate", type=float, default=1000.0, help="steps/s over all runs")
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long the input lasts")
+    parser.add_argument("--drain", type=float, default=90.0, help="seconds to wait for the last decisions")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with broker(args.bootstrap) as bootstrap:
+        report = measure(bootstrap, args.rate, args.runs, args.seconds, args.drain)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

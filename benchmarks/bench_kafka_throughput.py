@@ -1,0 +1,158 @@
+"""Pipeline throughput on a real broker, next to a raw kafka-python loop on the same broker, same run.
+
+- ``pipeline``: the README's six workers (``spikeguard worker NAME``, one
+  process each). ``--steps`` signed step events of ``--runs`` simulated runs
+  are published as fast as the producer goes; the rate is decisions out of
+  fusion per second between the 10th and the 90th percentile of their
+  arrival (the steady state: the pipeline's sustained rate, what it keeps up
+  with at bounded lag; faster input only grows the lag).
+- ``raw``: the same records through a bare kafka-python consumer -> producer
+  loop (poll, send each to another topic, flush, commit), the ceiling a
+  Python worker on this client and machine can reach.
+
+Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
+
+    python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100] [--json]
+
+Without ``--bootstrap`` (or ``SPIKEGUARD_TEST_BOOTSTRAP``) a local broker is
+started with scripts/kafka_local.sh and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from kafka import KafkaConsumer, KafkaProducer
+
+from spikeguard.bus.kafka import KafkaBus
+from spikeguard.schemas import Topics, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
+from kafka_pipeline import broker, new_key, signed_steps, new_prefix, workers  # noqa: E402
+
+
+def _values(runs: int, steps: int, key: str) -> list[tuple[bytes, bytes]]:
+    """(key, value) of every step, interleaved across runs as concurrent trainers would publish."""
+    per_run = signed_steps(runs, steps // runs, key)
+    return [(run[i].run_id.encode(), encode(run[i])) for i in range(steps // runs) for run in per_run]
+
+
+def _steady_rate(arrivals: list[float]) -> float:
+    """Decisions per second between the 10th and the 90th percentile of their arrival."""
+    arrivals = sorted(arrivals)
+    lo, hi = arrivals[len(arrivals) // 10], arrivals[(9 * len(arrivals)) // 10]
+    if hi - lo < 0.5:  # too few polls in between to time a steady state: the whole span
+        return len(arrivals) / max(arrivals[-1], 1e-9)
+    return (len(arrivals) * 0.8) / (hi - lo)
+
+
+def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
+             profile: str | None = None) -> dict:
+    prefix = new_prefix()
+    topics = Topics(prefix)
+    with workers(bootstrap, prefix, key) as procs:
+        spies = profile_workers(procs, profile, seconds=timeout) if profile else []
+        reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
+                               auto_offset_reset="earliest", enable_auto_commit=False)
+        reader.poll(timeout_ms=2000)  # join before the first decision
+        producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
+        started = time.perf_counter()
+        for k, v in records:
+            producer.send(topics.steps, v, key=k)
+        producer.flush()
+        published = time.perf_counter() - started
+        arrivals: list[float] = []
+        deadline = time.monotonic() + timeout
+        while len(arrivals) < len(records) and time.monotonic() < deadline:
+            for batch in reader.poll(timeout_ms=500, max_records=10_000).values():
+                now = time.perf_counter() - started
+                arrivals += [now] * len(batch)
+        reader.close()
+        producer.close()
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled so far
+            spy.wait(timeout=30)
+    return {"published_per_s": round(len(records) / published), "decisions": len(arrivals),
+            "steps": len(records), "end_to_end_s": round(arrivals[-1], 2) if arrivals else None,
+            # Only a run that decided every step has a sustained rate to report.
+            "steps_per_s": round(_steady_rate(arrivals)) if len(arrivals) == len(records) else 0,
+            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0}
+
+
+def profile_workers(procs: list, directory: str, seconds: float) -> list[subprocess.Popen]:
+    """py-spy (``pip install py-spy``) sampling each worker into DIRECTORY/NAME.raw (collapsed stacks)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    spies = []
+    for proc in procs:
+        name = proc.args[-1]
+        spies.append(subprocess.Popen(
+            ["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
+             "--duration", str(int(seconds)), "--output", f"{directory}/{name}.raw"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # attached before the first step is published
+    return spies
+
+
+def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> dict:
+    source, sink = f"raw-{uuid.uuid4().hex[:8]}", f"raw-{uuid.uuid4().hex[:8]}"
+    KafkaBus(bootstrap, partitions=4).create_topics([source, sink])
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
+    for k, v in records:
+        producer.send(source, v, key=k)
+    producer.flush()
+    consumer = KafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:6]}",
+                             auto_offset_reset="earliest", enable_auto_commit=False)
+    done, started = 0, None
+    deadline = time.monotonic() + timeout
+    while done < len(records) and time.monotonic() < deadline:
+        batches = consumer.poll(timeout_ms=1000, max_records=500)
+        if not batches:
+            continue
+        started = started or time.perf_counter()
+        for batch in batches.values():
+            for record in batch:
+                producer.send(sink, record.value, key=record.key)
+            done += len(batch)
+        producer.flush()
+        consumer.commit()
+    elapsed = time.perf_counter() - (started or time.perf_counter())
+    consumer.close()
+    producer.close()
+    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP"))
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=100.0, help="seconds the pipeline gets to decide every step")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    key = new_key()
+    records = _values(args.runs, args.steps, key)
+    with broker(args.bootstrap) as bootstrap:
+        raw_result = raw(bootstrap, records, args.timeout)
+        pipe_result = pipeline(bootstrap, records, key, args.timeout, args.profile)
+    report = {"steps": len(records), "runs": args.runs, "raw": raw_result, "pipeline": pipe_result,
+              "ratio": round(pipe_result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s")
+        print(f"pipeline (6 workers):  {pipe_result['steps_per_s']:>7,} steps/s sustained; "
+              f"{pipe_result['decisions']}/{len(records)} decided, last after {pipe_result['end_to_end_s']} s")
+        print(f"ratio {report['ratio']:.2f} (aim >= 0.5x raw and >= 10,000 steps/s)")
+
+
+if __name__ == "__main__":
+    main()
