@@ -390,7 +390,7 @@ class Guard(Checkpointing):
             if self.rank == 0 and action.action_id in self.ledger:
                 outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
             else:
-                if action.kind in ANOMALY_KINDS:
+                if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
                     self._keep_incident(action)  # before a rollback moves the data and the store
                 outcome = apply_action(self, action, self.step_count)
                 self.ledger.record(action.action_id)

@@ -76,7 +76,7 @@ class IncidentRecorder:
             except OSError:
                 shutil.copyfile(info.path, kept)
         record = IncidentBatches(self.run_id, incident_id, onset_step, epoch,
-                                 str(kept) if kept else None, info.step if info else None,
+                                 kept.name if kept else None, info.step if info else None,
                                  self.samples.between(onset_step - self.lookback, now_step))
         path = record.write(self.directory / f"{incident_id}.json")
         self.written[incident_id] = path

@@ -8,7 +8,12 @@ of them) or, for the LR blow-up, once (so a rollback undoes it):
 
 - ``spike``: a few batches with inputs scaled x10^4 (a corrupted batch);
 - ``nan``: a few batches poisoned with NaN inputs;
-- ``divergence``: the learning rate is multiplied by 400, once.
+- ``divergence``: the learning rate is multiplied by 400, once;
+- ``poison``: three samples *in the dataset* have inputs x10^4; the demo
+  plants them in the batch of step ``fault_step`` (``spikeguard inspect``
+  finds them from the incident's record);
+- ``flaky``: the device corrupts the first computation of steps
+  ``fault_step..`` once each (NaN); a re-run (``verify_reruns``) is clean.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-FAULTS = ("none", "spike", "nan", "divergence")
+FAULTS = ("none", "spike", "nan", "divergence", "poison", "flaky")
+POISON_SLOTS = (5, 17, 29)  # positions in the poisoned batch of the three planted samples
 
 
 def corpus() -> str:
@@ -37,18 +43,20 @@ class CharWindows(Dataset):
 
     def __init__(self, ids: torch.Tensor, context: int, vocab: int) -> None:
         self.ids, self.context, self.vocab = ids, context, vocab
+        self.poisoned: dict[int, float] = {}  # index -> input scale (the ``poison`` fault)
 
     def __len__(self) -> int:
         return len(self.ids) - self.context
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ids[i:i + self.context], self.ids[i + self.context]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.ids[i:i + self.context], self.ids[i + self.context], self.poisoned.get(int(i), 1.0)
 
     def collate(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One-hot inputs for the whole batch at once (floats, so a fault can scale them)."""
-        windows = torch.stack([w for w, _ in items])
+        windows = torch.stack([w for w, _, _ in items])
         x = nn.functional.one_hot(windows, self.vocab).float().reshape(len(items), -1)
-        return x, torch.stack([t for _, t in items])
+        scale = torch.tensor([s for _, _, s in items]).unsqueeze(1)
+        return x * scale, torch.stack([t for _, t, _ in items])
 
 
 class CharMLP(nn.Module):
@@ -134,3 +142,34 @@ def blow_up_lr(problem: Problem, factor: float) -> None:
     for group in problem.optimizer.param_groups:
         group["lr"] *= factor
     problem.scheduler.base_lrs = [lr * factor for lr in problem.scheduler.base_lrs]
+
+
+def plant_poison(problem: Problem, data_seed: int, setup: DemoSetup) -> list[int]:
+    """The ``poison`` fault: three dataset samples x``spike_scale``, placed where the guarded
+    loader's first epoch reads batch ``fault_step`` (its order is seeded per epoch by the
+    Guard's data wrapper: producers/data.py), so the run meets them at that step."""
+    from spikeguard.producers.data import epoch_seed
+
+    dataset = problem.loader.dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch_seed(data_seed, 0)))
+    batch = order[setup.fault_step * setup.batch_size:(setup.fault_step + 1) * setup.batch_size]
+    planted = [int(batch[i]) for i in POISON_SLOTS]
+    dataset.poisoned.update({i: setup.spike_scale for i in planted})
+    return planted
+
+
+def inspect_setup():
+    """``spikeguard inspect INCIDENT --setup spikeguard.demo.model:inspect_setup`` for the demo's
+    runs (the default DemoSetup and seed 0; a ``poison`` run's planted samples are re-planted)."""
+    from spikeguard.forensics.inspect import InspectSetup
+
+    setup = DemoSetup()
+    problem = build(0, setup)
+    plant_poison(problem, 0, setup)
+    dataset = problem.loader.dataset
+
+    def per_sample_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+    return InspectSetup(problem.model, dataset, dataset.collate, per_sample_loss)

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.data import GuardedLoader
-from spikeguard.demo.model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject
+from spikeguard.demo.model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject, plant_poison
 from spikeguard.producers.guard import Guard
 from spikeguard.schemas import Decision, decode
 
@@ -55,6 +56,9 @@ class DemoOutcome:
     losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, epoch, loss)
     detections: list[tuple[int, int, str]] = field(default_factory=list)  # (step, epoch, type)
     actions: list[dict] = field(default_factory=list)
+    transient_steps: int = 0  # steps a re-run found different (the ``flaky`` fault)
+    planted: list[int] = field(default_factory=list)  # the ``poison`` fault's sample ids
+    incident_files: list[str] = field(default_factory=list)  # for ``spikeguard inspect``
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -80,17 +84,20 @@ def _train_step(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 def run_demo(fault: str = "spike", seed: int = 0, guarded: bool = True, setup: DemoSetup | None = None,
              runtime: Any = None, progress: Progress | None = None,
-             config: GuardConfig | None = None) -> DemoOutcome:
+             config: GuardConfig | None = None, keep_incidents: str | None = None) -> DemoOutcome:
+    """``keep_incidents``: a directory to copy the Guard's incident records (forensics) into."""
     setup = setup or DemoSetup()
     torch.set_num_threads(1)
     problem = build(seed, setup)
+    planted = plant_poison(problem, seed, setup) if fault == "poison" else []
     tally: Counter = Counter()
     _count_nonfinite_updates(problem.optimizer, tally)
     started = time.monotonic()
     if guarded:
-        outcome = _guarded(problem, fault, seed, setup, runtime, progress, tally, config)
+        outcome = _guarded(problem, fault, seed, setup, runtime, progress, tally, config, keep_incidents)
     else:
         outcome = _unguarded(problem, fault, seed, setup, progress, tally)
+    outcome.planted = planted
     outcome.final_eval_loss = evaluate(problem)
     outcome.nonfinite_updates = tally["nonfinite"]
     outcome.seconds = round(time.monotonic() - started, 2)
@@ -106,7 +113,8 @@ def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
         for x, y in loader:
             if fault == "divergence" and step == setup.fault_step:
                 blow_up_lr(problem, setup.lr_blowup)
-            loss = _train_step(problem, inject(fault, loader.last_index, x, setup), y)
+            loss = _train_step(problem, _flaky(inject(fault, loader.last_index, x, setup), fault, step,
+                                               setup, set()), y)
             problem.optimizer.step()
             problem.scheduler.step()
             outcome.losses.append((step, 0, float(loss.detach())))
@@ -119,6 +127,22 @@ def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
     return outcome
 
 
+def _flaky(x: torch.Tensor, fault: str, step: int, setup: DemoSetup, struck: set) -> torch.Tensor:
+    """The ``flaky`` fault: the device corrupts the first computation of each fault step, once."""
+    if fault != "flaky" or not setup.fault_step <= step < setup.fault_step + setup.fault_batches \
+            or step in struck:
+        return x
+    struck.add(step)
+    return x * float("nan")
+
+
+def _recompute(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's loss and gradients again (the Guard's re-run; it cleared the gradients)."""
+    loss = nn.functional.cross_entropy(problem.model(x), y)
+    loss.backward()
+    return loss
+
+
 def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
     """The demo trainer obeys only actions signed with its pipeline's key, as a real one does."""
     key = getattr(getattr(runtime, "settings", None), "signing_key", None)
@@ -128,7 +152,8 @@ def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
 
 
 def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime: Any,
-             progress: Progress | None, tally: Counter, config: GuardConfig | None) -> DemoOutcome:
+             progress: Progress | None, tally: Counter, config: GuardConfig | None,
+             keep_incidents: str | None = None) -> DemoOutcome:
     outcome = DemoOutcome(fault, True, seed, 0, math.nan)
     owned = runtime is None
     if owned:
@@ -143,14 +168,15 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
     workdir = tempfile.mkdtemp(prefix="spikeguard-demo-")
     run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
     cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
-                                resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
+                                resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
+                                verify_reruns=1)  # a suspicious step is re-run once: flaky or data?
     cfg = _checking_signatures(cfg, runtime)
     # The run names the policy its pipeline applies, so the Guard checks its checkpoint
     # cadence against it (and publishes it on the runs topic) rather than the defaults.
     policy = runtime.settings.policy.model_dump(mode="json", exclude_defaults=True)
     guard = Guard(problem.model, problem.optimizer, problem.scheduler, run_id=run_id,
                   bus=runtime.bus, topics=runtime.topics, config=cfg, policy=policy)
-    blown = False
+    blown, struck = False, set()
     try:
         data = guard.data(problem.loader, max_steps=setup.steps)
         while guard.step_count < setup.steps and not guard.should_stop:
@@ -159,8 +185,9 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
                     blow_up_lr(problem, setup.lr_blowup)  # once: a rollback undoes it
                     blown = True
                 step, epoch = guard.step_count, guard.epoch
-                loss = _train_step(problem, inject(fault, data.last_index, x, setup), y)
-                guard.step(loss)
+                x = inject(fault, data.last_index, x, setup)
+                loss = _train_step(problem, _flaky(x, fault, step, setup, struck), y)
+                guard.step(loss, closure=lambda x=x, y=y: _recompute(problem, x, y))
                 outcome.losses.append((step, epoch, float(loss.detach())))
                 if progress:
                     progress(guard.step_count, setup.steps, float(loss.detach()))
@@ -169,6 +196,11 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
         decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
         if owned:
             runtime.close()
+        incidents = Path(workdir) / "incidents"
+        if keep_incidents and incidents.is_dir():
+            shutil.copytree(incidents, keep_incidents, dirs_exist_ok=True)
+            outcome.incident_files = sorted(str(Path(keep_incidents) / f.name)
+                                            for f in incidents.glob("*.json"))
         shutil.rmtree(workdir, ignore_errors=True)
     mine = [d for d in decisions if d.run_id == run_id and d.is_anomaly and not d.preventive]
     outcome.detections = [(d.step, d.epoch, d.type.value) for d in mine]
@@ -176,6 +208,7 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
     outcome.steps = guard.step_count
     outcome.rollbacks = guard.counters["rollbacks"]
     outcome.skipped_updates = guard.counters["skipped_updates"]
+    outcome.transient_steps = guard.counters["transient_steps"]
     ranges = guard.loader.skip_ranges if guard.loader is not None else []
     outcome.skipped_batches = sum(b - a + 1 for a, b in ranges)
     outcome.actions = list(guard.applied)

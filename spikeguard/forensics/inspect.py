@@ -55,6 +55,9 @@ def inspect_incident(incident: IncidentBatches, setup: InspectSetup, out_dir: st
     """Rank the incident's samples through its pre-onset checkpoint; write JSON and HTML."""
     if incident.checkpoint is None:
         raise SpikeguardError(f"incident {incident.incident_id}: no checkpoint before its onset was kept")
+    if not Path(incident.checkpoint).is_file():
+        raise SpikeguardError(f"incident {incident.incident_id}: its checkpoint {incident.checkpoint} is "
+                              f"missing (keep the .pt file next to the incident's .json)")
     body = torch.load(incident.checkpoint, map_location="cpu", weights_only=True)
     setup.model.load_state_dict(body["model"])
     items = [(sid, batch["step"], setup.dataset[sid]) for batch in incident.batches for sid in batch["ids"]]

@@ -41,7 +41,7 @@ class IncidentBatches:
     incident_id: str
     onset_step: int
     epoch: int
-    checkpoint: str | None  # path of the checkpoint taken before the onset
+    checkpoint: str | None  # the checkpoint taken before the onset (relative: to the file's directory)
     checkpoint_step: int | None
     batches: list[dict] = field(default_factory=list)  # [{"step": int, "ids": [...]}], in step order
 
@@ -58,11 +58,14 @@ class IncidentBatches:
         path = Path(path)
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
-            return cls(**body)
+            record = cls(**body)
         except FileNotFoundError:
             raise IncidentFileError(f"{path}: no such incident file") from None
         except (ValueError, TypeError) as exc:
             raise IncidentFileError(f"{path}: not a spikeguard incident file ({exc})") from None
+        if record.checkpoint and not Path(record.checkpoint).is_absolute():
+            record.checkpoint = str(path.parent / record.checkpoint)  # the directory may have moved
+        return record
 
 
 @dataclass(frozen=True)
