@@ -211,9 +211,14 @@ class EmbeddedProducer(Producer):
         key: str | bytes | None = None,
         headers: Headers | None = None,
     ) -> None:
-        if not isinstance(value, (bytes, bytearray)):
+        if value is None:  # a tombstone: a compacted topic forgets the key
+            if key is None:
+                raise TypeError("a tombstone (value None) needs a key")
+        elif not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append([(topic, as_key(key), bytes(value), headers or (), None)])
+        else:
+            value = bytes(value)
+        self._bus._append([(topic, as_key(key), value, headers or (), None)])
 
     def publish_events(self, events: Iterable[tuple[str, BaseModel]]) -> None:
         # The event object travels as is (it is frozen); its bytes are made
