@@ -122,6 +122,10 @@ class DetectorStage(PerRunStage[Detector]):
             self._judged.pop(run_id, None)
             self._ending.pop(run_id, None)
 
+    def shrink(self) -> None:
+        super().shrink()
+        self._newest, self._judged, self._ending = dict(self._newest), dict(self._judged), dict(self._ending)
+
     def inputs(self) -> dict[str, type[BaseModel]]:
         return {self.topics.steps: StepEvent, self.topics.runs: RunEvent}
 

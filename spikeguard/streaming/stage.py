@@ -95,11 +95,14 @@ class PerRunStage(Stage, Generic[T]):
         #: run_id -> wall time of its newest record (see :meth:`touch`).
         self.last_seen: dict[str, float] = {}
         self._ended: dict[str, None] = {}  # ordered set: tombstones go out in end order
+        self._high = 0  # most runs held since the dicts were last rebuilt
 
     def run(self, run_id: str) -> T:
         found = self.runs.get(run_id)
         if found is None:
             found = self.runs[run_id] = self.factory(run_id)
+            if len(self.runs) > self._high:
+                self._high = len(self.runs)
         return found
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
@@ -127,6 +130,16 @@ class PerRunStage(Stage, Generic[T]):
         run_ids = list(run_ids)
         self.forget(run_ids)  # subclasses drop their own per-run extras there
         self._ended.update(dict.fromkeys(run_ids))
+        if len(self.runs) < self._high // 4:
+            # A dict keeps the table of its largest size: after a wave of runs has
+            # ended, rebuild the per-run dicts so that their memory goes too.
+            self._high = len(self.runs)
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Rebuild the per-run dicts at their present size (subclasses add theirs)."""
+        self.runs = dict(self.runs)
+        self.last_seen = dict(self.last_seen)
 
     def drain_ended(self) -> list[str]:
         ended = list(self._ended)

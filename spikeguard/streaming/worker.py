@@ -102,6 +102,7 @@ class Worker:
         self._last_snapshot = time.monotonic()
         self._next_sweep = 0.0
         self._idled = 0  # of the runs ended since the last drain, how many for idling
+        self._high = 0  # most runs in _run_partition since it was last rebuilt
         self._in_memory = self.metrics.runs_in_memory.labels(stage.name)
         self._stop = threading.Event()
         # Compacted inputs (the runs topic) may hold tombstones: no event, nothing to judge.
@@ -188,9 +189,13 @@ class Worker:
                 self.metrics.runs_evicted.labels(self.stage.name, "ended").inc(len(ended) - self._idled)
             self._idled = 0
             due = now + self.metrics_linger_s
+            self._high = max(self._high, len(self._run_partition))
             for run_id in ended:
                 self._run_partition.pop(run_id, None)
                 self._linger.append((due, run_id))
+            if len(self._run_partition) < self._high // 4:  # its table shrinks with the runs
+                self._run_partition = dict(self._run_partition)
+                self._high = len(self._run_partition)
             if self._saver is not None:
                 self._saver.ended(ended)
         linger = self._linger
