@@ -298,11 +298,16 @@ class Worker:
         return kept, kept_sources
 
     def _decode_all(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
-        if len(self._models) == 1:  # every stage but the actuator
-            ((topic, model),) = self._models.items()
+        models = self._models
+        if len(models) == 1:  # fusion: one input topic
+            ((topic, model),) = models.items()
             events = [record.cached(model) for record in records]
             if all(map(_IS_NOT_NONE, events)):  # all decoded already (the embedded bus)
                 return list(zip(repeat(topic), events)), records
+        else:
+            events = [record.cached(models[record.topic]) for record in records]
+            if all(map(_IS_NOT_NONE, events)):
+                return list(zip(map(_TOPIC, records), events)), records
         items: list[tuple[str, BaseModel]] = []
         sources: list[Record] = []
         for record in records:
