@@ -39,6 +39,9 @@ class Checkpointer:
         self._dirty_partitions: set[int] = set()
         self._dirty_runs: set[str] = set()
         self._tombstones: dict[str, None] = {}
+        # Runs with a live record on the state topic: only they need a tombstone (a new
+        # group reads every past run's end on the compacted runs topic).
+        self._stored: set[str] = set()
         # (topic, partition) -> run_id -> first offset not yet in that run's restored state.
         self._skip: dict[TopicPartition, dict[str, int]] = {}
         self._legacy: set[int] = set()
@@ -97,7 +100,9 @@ class Checkpointer:
                 if (topic, partition) in self.positions
             }
             runs = self.stage.snapshot(sorted(by_partition.get(partition, ())))
-            self.store.save(producer, partition, offsets, runs)
+            refused = self.store.save(producer, partition, offsets, runs)
+            self._stored.update(runs)
+            self._stored.difference_update(refused)  # tombstoned already
             if partition in self._legacy:  # superseded by the record just written
                 self.store.delete_legacy(producer, partition)
                 self._legacy.discard(partition)
@@ -109,8 +114,10 @@ class Checkpointer:
         if not self._tombstones:
             return False
         back = set(alive)
-        gone = [run_id for run_id in self._tombstones if run_id not in back]
+        gone = [run_id for run_id in self._tombstones
+                if run_id not in back and run_id in self._stored]
         self._tombstones.clear()
+        self._stored.difference_update(gone)
         self.store.delete_runs(producer, gone)
         return bool(gone)
 
@@ -143,6 +150,7 @@ class Checkpointer:
             return
         for run_id in snapshot["runs"]:
             run_partition[run_id] = partition
+        self._stored.update(snapshot["runs"])
         if self.store.has_legacy(partition):
             self._legacy.add(partition)
         for topic, offset in snapshot["offsets"].items():
@@ -160,7 +168,9 @@ class Checkpointer:
         """These partitions (and their runs) moved away: nothing of theirs is saved by us now."""
         partitions = {p for _, p in lost}
         self._dirty_partitions -= partitions
-        self._dirty_runs.difference_update(runs)
+        runs = set(runs)
+        self._dirty_runs -= runs
+        self._stored -= runs  # the new owner tombstones them when they end
         for tp in lost:
             self._skip.pop(tp, None)
             self.positions.pop(tp, None)

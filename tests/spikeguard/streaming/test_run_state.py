@@ -202,6 +202,18 @@ def test_a_run_that_ends_is_dropped_tombstoned_and_its_series_removed():
     assert set(again.stage.runs) == {"b"}
 
 
+def test_the_end_of_a_run_never_saved_writes_nothing():
+    # A new group reads every past run's end on the compacted runs topic: no tombstone flood.
+    bus = EmbeddedBus(partitions=1)
+    worker = make_worker(bus, snapshot_interval_s=0)
+    publish_steps(bus, range(2), runs=("a",))
+    for old in ("old-1", "old-2", "old-3"):
+        end_run(bus, old, last_step=100)
+    drain(worker)
+    worker.checkpoint()
+    assert set(state_records(bus)) == {"sum/run/a", "sum/partition/0"}
+
+
 def test_an_end_read_before_the_runs_last_steps_waits_for_them():
     reference = EmbeddedBus(partitions=1)
     publish_steps(reference, range(10), runs=("a",))
