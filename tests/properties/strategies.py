@@ -8,7 +8,8 @@ import math
 from hypothesis import strategies as st
 
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Verdict,
+    Ack, AckStatus, Action, ActionKind, CheckpointEvent, DeadLetter, Decision, RunEvent, StepEvent,
+    Verdict,
 )
 
 # Scalars a forger would try: huge and negative integers, non-finite floats in both
@@ -36,6 +37,7 @@ VALID = {
     Ack: dict(run_id="r", action_id="a", kind=ActionKind.SCALE_LR.value,
               status=AckStatus.APPLIED.value, step=4),
     CheckpointEvent: dict(run_id="r", step=3, checkpoint_id="c", healthy=True),
+    RunEvent: dict(run_id="r", kind="start", step=0, checkpoint_every=50, keep_checkpoints=4),
     DeadLetter: dict(source_topic="t", value="x", error="E", reason="why"),
 }
 
