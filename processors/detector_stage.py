@@ -20,6 +20,14 @@ record, which the worker sends to the DLQ with the reason:
   look like a replay. A run's first step may be any step (a resumed run).
 
 Steps and epochs themselves are bounded by the schema (below 2**53).
+
+The stage also reads the compacted ``runs`` topic: a run's end (the Guard's
+``RunEvent`` of kind ``end``) drops its detector (:meth:`end_runs`; the worker
+tombstones its saved state and removes its metric series). The end and the
+run's last steps travel on different topics, so the end may be read first: the
+run is then ended once its step ``end.step - 1`` (of the end's epoch) has been
+judged, never before; a run whose last steps never come is evicted by the
+worker's idle TTL.
 """
 
 from __future__ import annotations
@@ -32,9 +40,10 @@ from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import StepNotAuthenticated, StepOutOfOrder
 from spikeguard.processors.detectors.base import Detector
-from spikeguard.schemas import StepEvent, Topics, Verdict, step_signature_problem
+from spikeguard.schemas import RunEvent, StepEvent, Topics, Verdict, step_signature_problem
 from spikeguard.streaming.stage import Output, PerRunStage, group_by_run
 
+_TOPIC = itemgetter(0)
 _EVENT = itemgetter(1)
 _RUN_ID = attrgetter("run_id")
 
@@ -61,9 +70,15 @@ class DetectorStage(PerRunStage[Detector]):
         self.max_epoch_gap = max_epoch_gap  # one epoch per rollback
         # run_id -> rank -> (epoch, step) of the newest admitted step.
         self._newest: dict[str, dict[int, tuple[int, int]]] = {}
+        # run_id -> (epoch, step) of the newest step judged, and of the last step of a
+        # run whose end was read before that step was judged.
+        self._judged: dict[str, tuple[int, int]] = {}
+        self._ending: dict[str, tuple[int, int]] = {}
 
     def admit(self, topic: str, event: StepEvent) -> None:
         """Raise a StepRejected subclass naming why ``event`` must not be judged."""
+        if type(event) is RunEvent:
+            return  # not a step: nothing to authenticate or order here
         if self.signing_key is not None:
             problem = step_signature_problem(event, self.signing_key)
             if problem is not None:
@@ -104,19 +119,55 @@ class DetectorStage(PerRunStage[Detector]):
         super().forget(run_ids)
         for run_id in run_ids:
             self._newest.pop(run_id, None)
+            self._judged.pop(run_id, None)
+            self._ending.pop(run_id, None)
+
+    def shrink(self) -> None:
+        super().shrink()
+        self._newest, self._judged, self._ending = dict(self._newest), dict(self._judged), dict(self._ending)
 
     def inputs(self) -> dict[str, type[BaseModel]]:
-        return {self.topics.steps: StepEvent}
+        return {self.topics.steps: StepEvent, self.topics.runs: RunEvent}
 
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
-        events = list(map(_EVENT, items))
+        if self.topics.runs not in map(_TOPIC, items):  # the usual batch: steps only
+            return self._judge(list(map(_EVENT, items)))
+        out: list[Output] = []
+        steps: list[StepEvent] = []
+        for topic, event in items:  # in order: a run's end comes after the steps before it
+            if topic != self.topics.runs:
+                steps.append(event)  # type: ignore[arg-type]
+                continue
+            if steps:
+                out += self._judge(steps)
+                steps = []
+            self._on_run_event(event)  # type: ignore[arg-type]
+        if steps:
+            out += self._judge(steps)
+        return out
+
+    def _judge(self, events: list[StepEvent]) -> list[Output]:
         if one_run(events):  # the usual batch: no need to regroup
             verdicts = with_values(self.run(events[0].run_id).update_many(events), events)  # type: ignore[attr-defined]
+            self._judged[events[0].run_id] = (events[-1].epoch, events[-1].step)
         else:
             verdicts = []
             for run_id, run_events in group_by_run(events).items():
                 verdicts += with_values(self.run(run_id).update_many(run_events), run_events)
+                self._judged[run_id] = (run_events[-1].epoch, run_events[-1].step)  # type: ignore[attr-defined]
+        if self._ending:
+            self.end_runs([run_id for run_id, last in self._ending.items()
+                           if self._judged.get(run_id, (-1, -1)) >= last])
         return list(zip(repeat(self.topics.verdicts), verdicts))
+
+    def _on_run_event(self, event: RunEvent) -> None:
+        if event.kind != "end":
+            return
+        last = (event.epoch, event.step - 1)
+        if event.run_id in self.runs and self._judged.get(event.run_id, (-1, -1)) < last:
+            self._ending[event.run_id] = last  # its last steps are still on their way
+        else:
+            self.end_runs([event.run_id])
 
 
 def with_values(verdicts: list[Verdict], events: Sequence[StepEvent]) -> list[Verdict]:

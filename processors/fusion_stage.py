@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from pydantic import BaseModel
 
@@ -126,3 +126,8 @@ class FusionStage(RunSettingsStage):
     def flush(self) -> list[Output]:
         topic = self.topics.decisions
         return [(topic, d) for fusion in self.runs.values() for d in fusion.flush()]
+
+    def flush_runs(self, run_ids: Iterable[str]) -> list[Output]:
+        """An idle run is evicted: its pending steps are decided first, not dropped."""
+        topic = self.topics.decisions
+        return [(topic, d) for run_id in run_ids if run_id in self.runs for d in self.runs[run_id].flush()]

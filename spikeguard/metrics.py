@@ -57,6 +57,14 @@ class Metrics:
         self.unreadable_snapshots = Counter("spikeguard_state_snapshots_unreadable_total",
             "State snapshots that could not be read (that partition started afresh).",
             ["component"], registry=r)
+        self.state_refused = Counter("spikeguard_state_records_refused_total",
+            "Run states not saved because their record would exceed the record size limit "
+            "(a restart starts that run afresh).", ["component"], registry=r)
+        self.runs_evicted = Counter("spikeguard_runs_evicted_total",
+            "Runs a worker dropped from memory, by why (ended, idle).", ["component", "reason"],
+            registry=r)
+        self.runs_in_memory = Gauge("spikeguard_runs_in_memory",
+            "Runs whose state a worker holds in memory.", ["component"], registry=r)
         self.batch_seconds = Histogram(
             "spikeguard_batch_processing_seconds",
             "Time to process one polled batch, publishing and flushing included.",

@@ -97,6 +97,9 @@ def start_workers(
             snapshots=runtime.bus.engine != "embedded" or runtime.settings.data_dir is not None,
             snapshot_interval_s=runtime.settings.snapshot_interval_s,
             poll_timeout_s=0.05,
+            run_idle_ttl_s=runtime.settings.worker.run_idle_ttl_s,
+            max_state_record_bytes=runtime.settings.worker.max_state_record_bytes,
+            metrics_linger_s=runtime.settings.worker.ended_run_metrics_linger_s,
         )
         thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
         runtime.workers.append(worker)

@@ -25,6 +25,7 @@ from spikeguard.errors import ConfigError
 from spikeguard.processors.detectors import CONFIGS
 from spikeguard.processors.fusion import FusionConfig
 from spikeguard.producers.config import GuardConfig
+from spikeguard.streaming.config import WorkerConfig
 from spikeguard.settings_sources import (
     CONFIG_ENV,
     ENV_PREFIX,
@@ -135,6 +136,7 @@ class Settings(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     alerting: AlertingConfig = Field(default_factory=AlertingConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
 
     @field_validator("signing_key", "sasl_password", mode="before")
     @classmethod

@@ -334,11 +334,17 @@ class EmbeddedProducer(Producer):
         """``event``: the (frozen) model ``value`` encodes, handed to consumers as is.
 
         A trainer's publisher passes it, so the in-process detectors read the
-        step without decoding its JSON again.
+        step without decoding its JSON again. ``value`` None is a tombstone: a
+        compacted topic forgets the key.
         """
-        if not isinstance(value, (bytes, bytearray)):
+        if value is None:
+            if key is None:
+                raise TypeError("a tombstone (value None) needs a key")
+        elif not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
-        self._bus._append([(topic, as_key(key), bytes(value), headers or (), event)])
+        else:
+            value = bytes(value)
+        self._bus._append([(topic, as_key(key), value, headers or (), event)])
 
     def publish_events(self, events: Iterable[tuple[str, BaseModel]]) -> None:
         # The event object travels as is (it is frozen); its bytes are made

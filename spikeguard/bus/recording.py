@@ -17,7 +17,7 @@ from typing import IO
 from spikeguard.bus.base import Record, TopicPartition
 
 # (key, value, headers, timestamp_ms) of one stored record, in offset order.
-Stored = tuple[bytes | None, bytes, tuple[tuple[str, bytes], ...], int]
+Stored = tuple[bytes | None, bytes | None, tuple[tuple[str, bytes], ...], int]
 _GROUPS = "_groups"
 
 
@@ -37,11 +37,14 @@ class Recording:
         line: dict[str, object] = {"o": record.offset, "t": record.timestamp_ms}
         if record.key is not None:
             line["k"] = base64.b64encode(record.key).decode()
-        value = record.value or b""
-        try:
-            line["v"] = value.decode("utf-8")
-        except UnicodeDecodeError:
-            line["vb"] = base64.b64encode(value).decode()
+        value = record.value
+        if value is None:  # a tombstone
+            line["n"] = 1
+        else:
+            try:
+                line["v"] = value.decode("utf-8")
+            except UnicodeDecodeError:
+                line["vb"] = base64.b64encode(value).decode()
         if record.headers:
             line["h"] = [[k, base64.b64encode(v).decode()] for k, v in record.headers]
         handle.write(json.dumps(line) + "\n")
@@ -96,7 +99,8 @@ def _read_log(path: Path) -> list[Stored]:
                 handle.truncate(good)
                 break
             good += len(raw)
-            value = line["v"].encode() if "v" in line else base64.b64decode(line["vb"])
+            value = (None if "n" in line else
+                     line["v"].encode() if "v" in line else base64.b64decode(line["vb"]))
             key = base64.b64decode(line["k"]) if "k" in line else None
             headers = tuple((k, base64.b64decode(v)) for k, v in line.get("h", ()))
             stored.append((key, value, headers, line["t"]))

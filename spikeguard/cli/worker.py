@@ -12,6 +12,7 @@ import argparse
 import gc
 import logging
 import signal
+import sys
 import threading
 
 from spikeguard.cli._common import add_settings_flags, settings_from
@@ -69,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
     bus.create_topics(topics.all())
     workers = [
         Worker(bus, build_stage(name, settings, topics), metrics=default_metrics(),
-               snapshot_interval_s=settings.snapshot_interval_s)
+               snapshot_interval_s=settings.snapshot_interval_s,
+               run_idle_ttl_s=settings.worker.run_idle_ttl_s,
+               max_state_record_bytes=settings.worker.max_state_record_bytes,
+               metrics_linger_s=settings.worker.ended_run_metrics_linger_s)
         for name in names
     ]
     stopping = threading.Event()
@@ -95,5 +99,13 @@ def run(args: argparse.Namespace) -> int:
     while any(t.is_alive() for t in threads):
         for thread in threads:
             thread.join(timeout=0.5)
+        if any(w.failure is not None for w in workers):
+            for worker in workers:  # one component down: the process goes, its supervisor restarts it
+                worker.stop()
     bus.close()
+    failed = [w.failure_reason for w in workers if w.failure is not None]
+    if failed:
+        # Non-zero, so that a restart-on-failure supervisor brings the worker back.
+        print(f"spikeguard worker: cannot go on: {'; '.join(failed)}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -8,7 +8,9 @@ per-run state is saved and restored (for crash-safe restarts).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from itertools import repeat
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 from pydantic import BaseModel
@@ -57,21 +59,50 @@ class Stage(ABC):
         """Adopt what :meth:`snapshot` returned (replacing those runs' state)."""
 
     def forget(self, run_ids: Iterable[str]) -> None:
-        """Drop these runs' state (their partition moved to another worker)."""
+        """Drop these runs' state (their partition moved to another worker): no tombstone."""
+
+    def end_runs(self, run_ids: Iterable[str]) -> None:
+        """These runs ended (or idled out): drop their state and queue their tombstones."""
+
+    def drain_ended(self) -> list[str]:
+        """Runs ended since the last call; the worker tombstones their saved state."""
+        return []
+
+    def touch(self, run_ids: Iterable[str], now: float) -> None:
+        """These runs had records at wall time ``now`` (idle eviction counts from there)."""
+
+    def idle_runs(self, now: float, ttl_s: float) -> list[str]:
+        """Runs held in memory with no record for more than ``ttl_s`` seconds."""
+        return []
+
+    def flush_runs(self, run_ids: Iterable[str]) -> list[Output]:
+        """What these runs still hold, emitted before they are evicted for idling (default none)."""
+        return []
 
 
 class PerRunStage(Stage, Generic[T]):
-    """A stage holding one object per run, built by ``factory(run_id)``."""
+    """A stage holding one object per run, built by ``factory(run_id)``.
+
+    A run's object is dropped when the run ends (:meth:`end_runs`, called by a
+    stage that reads the run's end) or when it has had no record for the
+    worker's idle TTL: memory follows the live runs, not every run ever seen.
+    """
 
     def __init__(self, topics: Topics, factory: Callable[[str], T]) -> None:
         super().__init__(topics)
         self.factory = factory
         self.runs: dict[str, T] = {}
+        #: run_id -> wall time of its newest record (see :meth:`touch`).
+        self.last_seen: dict[str, float] = {}
+        self._ended: dict[str, None] = {}  # ordered set: tombstones go out in end order
+        self._high = 0  # most runs held since the dicts were last rebuilt
 
     def run(self, run_id: str) -> T:
         found = self.runs.get(run_id)
         if found is None:
             found = self.runs[run_id] = self.factory(run_id)
+            if len(self.runs) > self._high:
+                self._high = len(self.runs)
         return found
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
@@ -82,12 +113,45 @@ class PerRunStage(Stage, Generic[T]):
         }
 
     def restore(self, state: dict[str, Any]) -> None:
+        now = time.time()
         for run_id, run_state in state.items():
             self.run(run_id).load_state_dict(run_state)  # type: ignore[attr-defined]
+            # Restored, so alive (a batch rewound after end_runs must not tombstone it),
+            # and its idle time counts from now, not from before a restart.
+            self._ended.pop(run_id, None)
+            self.last_seen[run_id] = now
 
     def forget(self, run_ids: Iterable[str]) -> None:
         for run_id in run_ids:
             self.runs.pop(run_id, None)
+            self.last_seen.pop(run_id, None)
+
+    def end_runs(self, run_ids: Iterable[str]) -> None:
+        run_ids = list(run_ids)
+        self.forget(run_ids)  # subclasses drop their own per-run extras there
+        self._ended.update(dict.fromkeys(run_ids))
+        if len(self.runs) < self._high // 4:
+            # A dict keeps the table of its largest size: after a wave of runs has
+            # ended, rebuild the per-run dicts so that their memory goes too.
+            self._high = len(self.runs)
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Rebuild the per-run dicts at their present size (subclasses add theirs)."""
+        self.runs = dict(self.runs)
+        self.last_seen = dict(self.last_seen)
+
+    def drain_ended(self) -> list[str]:
+        ended = list(self._ended)
+        self._ended.clear()
+        return ended
+
+    def touch(self, run_ids: Iterable[str], now: float) -> None:
+        self.last_seen.update(zip(run_ids, repeat(now)))
+
+    def idle_runs(self, now: float, ttl_s: float) -> list[str]:
+        oldest = now - ttl_s
+        return [run_id for run_id, seen in self.last_seen.items() if seen < oldest]
 
     def end_runs(self, run_ids: Iterable[str]) -> None:
         """These runs ended (a RunEvent end): drop their state."""

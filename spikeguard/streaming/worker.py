@@ -2,8 +2,15 @@
 
 poll a batch -> decode (bad records to the DLQ with the reason) -> the stage
 -> publish outputs -> flush (the broker acknowledged them) -> every so often
-snapshot the state with the offsets it corresponds to -> commit. A worker
-never dies on a bad record, and never commits past what it has published.
+save the state of the runs that changed with the offsets it corresponds to
+-> commit -> tombstone the runs that ended. A worker never dies on a bad
+record, and never commits past what it has published.
+
+Memory follows the live runs: a run whose end the stage reads, or with no
+record for ``run_idle_ttl_s``, is dropped with its per-run metric series.
+When the worker cannot go on (the broker refuses what it must publish, say),
+:meth:`Worker.run` returns with :attr:`Worker.failure` set and saves nothing
+past what was delivered; ``spikeguard worker`` then exits non-zero.
 """
 
 from __future__ import annotations
@@ -11,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, deque
 from functools import partial
+from typing import Callable
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
 
@@ -24,16 +32,15 @@ from spikeguard.errors import RecordRejected, SchemaError, SpikeguardError
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
+from spikeguard.streaming.checkpointer import Checkpointer
 from spikeguard.streaming.stage import Output, Stage
-from spikeguard.streaming.state_store import StateStore
+from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
 from spikeguard.schemas import Ack, StepEvent, encode
 
 log = logging.getLogger(__name__)
 
 _TOPIC = attrgetter("topic")
-_TOPIC_PARTITION = attrgetter("topic", "partition")
 _PARTITION = attrgetter("partition")
-_OFFSET = attrgetter("offset")
 _TIMESTAMP = attrgetter("timestamp_ms")
 _RUN_ID = attrgetter("run_id")
 _EVENT = itemgetter(1)
@@ -54,6 +61,10 @@ class Worker:
         snapshot_interval_s: float = 2.0,
         max_records: int = 1000,
         poll_timeout_s: float = 0.2,
+        run_idle_ttl_s: float = 3600.0,
+        max_state_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        clock: Callable[[], float] = time.time,
+        metrics_linger_s: float = 60.0,
     ) -> None:
         self.bus = bus
         self.stage = stage
@@ -61,6 +72,13 @@ class Worker:
         self.max_records = max_records
         self.poll_timeout_s = poll_timeout_s
         self.snapshot_interval_s = snapshot_interval_s
+        self.run_idle_ttl_s = run_idle_ttl_s
+        self.clock = clock  # wall time: idle eviction and the stage's deadlines
+        # An ended run's series stay this long, so that the next scrape still sees its last values.
+        self.metrics_linger_s = metrics_linger_s
+        self._linger: deque[tuple[float, str]] = deque()
+        #: Why the loop stopped on its own (None: it was stopped, or still runs).
+        self.failure: BaseException | None = None
         topics = stage.topics
         self.group = f"{topics.prefix}{stage.name}"
         self.dlq_topic = topics.dlq
@@ -70,17 +88,27 @@ class Worker:
         self._reads_steps_or_acks = any(
             issubclass(model, (StepEvent, Ack)) for model in self._models.values()
         )
+        unreadable = self.metrics.unreadable_snapshots.labels(stage.name).inc
         self._store = StateStore(
-            bus, topics.state(stage.name),
-            on_unreadable=self.metrics.unreadable_snapshots.labels(stage.name).inc,
+            bus, topics.state(stage.name), on_unreadable=unreadable, component=stage.name,
+            max_record_bytes=max_state_record_bytes,
+            on_refused=self.metrics.state_refused.labels(stage.name).inc,
         ) if snapshots else None
+        self._saver = Checkpointer(self._store, stage, self._models, self.group,
+                                   on_unadoptable=unreadable) if self._store else None
         self._producer = bus.producer()
-        self._partition_runs: dict[int, set[str]] = defaultdict(set)
-        self._dirty: set[int] = set()
-        self._positions: dict[tuple[str, int], int] = {}
+        # Which partition each run in memory came from (to forget it when the partition moves).
+        self._run_partition: dict[str, int] = {}
         self._last_snapshot = time.monotonic()
+        self._next_sweep = 0.0
+        self._idled = 0  # of the runs ended since the last drain, how many for idling
+        self._high = 0  # most runs in _run_partition since it was last rebuilt
+        self._in_memory = self.metrics.runs_in_memory.labels(stage.name)
         self._stop = threading.Event()
-        bus.create_topics(list(self._models) + [self.dlq_topic])
+        # Compacted inputs (the runs topic) may hold tombstones: no event, nothing to judge.
+        self._compacted = {topics.runs} & set(self._models)
+        bus.create_topics(list(self._compacted), compacted=True)
+        bus.create_topics([t for t in self._models if t not in self._compacted] + [self.dlq_topic])
         if self._store is not None:
             self._store.ensure_topic()
         self._consumer = bus.consumer(
@@ -93,8 +121,20 @@ class Worker:
         try:
             while not self._stop.is_set():
                 self.run_once()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, this worker cannot go on
+            self.failure = exc
+            log.error("%s: cannot go on: %s: %s", self.group, type(exc).__name__, exc,
+                      exc_info=True)
         finally:
             self.close()
+
+    @property
+    def failure_reason(self) -> str | None:
+        """One line saying why the loop stopped on its own, or None."""
+        if self.failure is None:
+            return None
+        text = " ".join(str(self.failure).split()) or "(no message)"
+        return f"{self.stage.name}: {type(self.failure).__name__}: {text[:500]}"
 
     def run_once(self, timeout: float | None = None) -> int:
         """One poll-process-publish cycle; returns how many records it consumed."""
@@ -102,8 +142,16 @@ class Worker:
             self.max_records, self.poll_timeout_s if timeout is None else timeout
         )
         started = time.perf_counter()
-        outputs = self._process(records) if records else []
-        outputs += self.stage.tick(time.time())
+        now = self.clock()
+        outputs = self._process(records, now) if records else []
+        ticked = self.stage.tick(now)
+        if ticked:
+            if self._saver is not None:  # a deadline that decides changes its run's state
+                self._saver.changed(map(_RUN_ID, map(_EVENT, ticked)))
+            outputs += ticked
+        if now >= self._next_sweep:
+            outputs += self._evict_idle(now)
+        self._drop_ended(now)
         self._publish(outputs)
         if records:
             observe_ignored(self.metrics, self.stage)
@@ -111,12 +159,53 @@ class Worker:
             self.metrics.batch_seconds.labels(self.stage.name).observe(
                 time.perf_counter() - started
             )
-        if self._store is None:
+        if self._saver is None:
             if records:
                 self._consumer.commit()
-        elif records and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
+        elif self._saver.pending and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.checkpoint()
         return len(records)
+
+    def _evict_idle(self, now: float) -> list[Output]:
+        """Runs with no record for the idle TTL: what they still hold goes out, then they go."""
+        # Every tenth of the TTL (at most a minute): the scan is O(runs), not per batch.
+        self._next_sweep = now + min(60.0, self.run_idle_ttl_s / 10)
+        idle = self.stage.idle_runs(now, self.run_idle_ttl_s)
+        if not idle:
+            return []
+        outputs = self.stage.flush_runs(idle)
+        self.stage.end_runs(idle)
+        self._idled += len(idle)
+        self.metrics.runs_evicted.labels(self.stage.name, "idle").inc(len(idle))
+        log.info("%s: %d runs idle for over %.0fs evicted", self.group, len(idle),
+                 self.run_idle_ttl_s)
+        return outputs
+
+    def _drop_ended(self, now: float) -> None:
+        """Forget the runs the stage ended: their partition entry, their metrics; queue tombstones."""
+        ended = self.stage.drain_ended()
+        if ended:
+            if len(ended) > self._idled:
+                self.metrics.runs_evicted.labels(self.stage.name, "ended").inc(len(ended) - self._idled)
+            self._idled = 0
+            due = now + self.metrics_linger_s
+            self._high = max(self._high, len(self._run_partition))
+            for run_id in ended:
+                self._run_partition.pop(run_id, None)
+                self._linger.append((due, run_id))
+            if len(self._run_partition) < self._high // 4:  # its table shrinks with the runs
+                self._run_partition = dict(self._run_partition)
+                self._high = len(self._run_partition)
+            if self._saver is not None:
+                self._saver.ended(ended)
+        linger = self._linger
+        while linger and linger[0][0] <= now:
+            run_id = linger.popleft()[1]
+            if run_id not in self._run_partition:  # not back since
+                self.metrics.forget_run(run_id)
+        runs = getattr(self.stage, "runs", None)
+        if runs is not None:
+            self._in_memory.set(len(runs))
 
     def drain(self) -> list[Output]:
         """End of input: let the stage emit what it still holds, and publish it."""
@@ -129,26 +218,38 @@ class Worker:
         self._stop.set()
 
     def close(self) -> None:
-        try:
-            self._producer.flush()
-            if self._store is not None:
-                self.checkpoint()
-            else:
-                self._consumer.commit()
-        except Exception:  # closing must not hide the error that stopped the loop
-            log.exception("%s: could not save state on close", self.group)
+        # After a failure, outputs of the last batch may be undelivered: saving or
+        # committing now would skip them for good. The next start redoes them.
+        if self.failure is None:
+            try:
+                self._producer.flush()
+                if self._saver is not None:
+                    self.checkpoint()
+                else:
+                    self._consumer.commit()
+            except Exception:  # closing must not hide the error that stopped the loop
+                log.exception("%s: could not save state on close", self.group)
         self._consumer.close()
         self._producer.close()
 
     # -- processing -----------------------------------------------------------
-    def _process(self, records: list[Record]) -> list[Output]:
-        items, sources = self._decode(records)
+    def _process(self, records: list[Record], now: float) -> list[Output]:
+        live = records
+        if self._saver is not None:
+            self._saver.advance(records)
+            live = self._saver.unseen(records)
+        if self._compacted:
+            live = [r for r in live if r.topic not in self._compacted or r.value is not None]
+        items, sources = self._decode(live)
         self._track(records, sources, items)
         if not items:
             return []
         # The batch is a transaction on the state of its runs: a failure puts
         # them back as they were, so the retry below counts nothing twice.
         run_ids = set(map(_RUN_ID, map(_EVENT, items)))
+        self.stage.touch(run_ids, now)
+        if self._saver is not None:
+            self._saver.changed(run_ids)
         before = self.stage.snapshot(run_ids)
         try:
             return self.stage.handle_batch(items)
@@ -197,11 +298,16 @@ class Worker:
         return kept, kept_sources
 
     def _decode_all(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
-        if len(self._models) == 1:  # every stage but the actuator
-            ((topic, model),) = self._models.items()
+        models = self._models
+        if len(models) == 1:  # fusion: one input topic
+            ((topic, model),) = models.items()
             events = [record.cached(model) for record in records]
             if all(map(_IS_NOT_NONE, events)):  # all decoded already (the embedded bus)
                 return list(zip(repeat(topic), events)), records
+        else:
+            events = [record.cached(models[record.topic]) for record in records]
+            if all(map(_IS_NOT_NONE, events)):
+                return list(zip(map(_TOPIC, records), events)), records
         items: list[tuple[str, BaseModel]] = []
         sources: list[Record] = []
         for record in records:
@@ -218,19 +324,12 @@ class Worker:
         self, records: list[Record], sources: list[Record], items: list[tuple[str, BaseModel]]
     ) -> None:
         """Positions, runs per partition and input metrics of one polled batch."""
-        if self._store is not None:  # positions and dirty partitions serve snapshots only
-            # A batch holds each partition's records in offset order: the last wins.
-            last = dict(zip(map(_TOPIC_PARTITION, records), map(_OFFSET, records)))
-            for tp, offset in last.items():
-                self._positions[tp] = offset + 1
-            self._dirty.update(map(_PARTITION, sources))
-        # Which runs each partition holds (to forget them when it moves away).
+        # Which partition each run came from (to forget its runs when it moves away).
         partitions = set(map(_PARTITION, sources))
         if len(partitions) == 1:
-            self._partition_runs[partitions.pop()].update(map(_RUN_ID, map(_EVENT, items)))
+            self._run_partition.update(zip(map(_RUN_ID, map(_EVENT, items)), repeat(partitions.pop())))
         else:
-            for partition, run_id in zip(map(_PARTITION, sources), map(_RUN_ID, map(_EVENT, items))):
-                self._partition_runs[partition].add(run_id)
+            self._run_partition.update(zip(map(_RUN_ID, map(_EVENT, items)), map(_PARTITION, sources)))
         # Counted per batch, not per record: label look-ups cost a microsecond each.
         name = self.stage.name
         topics = Counter(map(_TOPIC, records)) if len(self._models) > 1 else {
@@ -264,54 +363,32 @@ class Worker:
 
     # -- state ----------------------------------------------------------------
     def checkpoint(self) -> None:
-        """Snapshot the state of every partition touched since the last one, then commit."""
-        if self._store is not None:
-            for partition in sorted(self._dirty):
-                offsets = {
-                    topic: self._positions[(topic, partition)]
-                    for topic in self._models
-                    if (topic, partition) in self._positions
-                }
-                runs = self.stage.snapshot(self._partition_runs[partition])
-                self._store.save(self._producer, partition, offsets, runs)
+        """Save the runs changed since the last checkpoint and the positions, commit, then tombstone."""
+        if self._saver is not None:
+            self._saver.save(self._producer, self._run_partition)
             self._producer.flush()
-        self._dirty.clear()
         self._consumer.commit()
+        if self._saver is not None and self._saver.tombstone(
+            self._producer, getattr(self.stage, "runs", ())
+        ):
+            self._producer.flush()
         self._last_snapshot = time.monotonic()
 
     def _on_assign(self, gained: set[tuple[str, int]]) -> None:
-        if self._store is None:
-            return
-        self._store.invalidate()  # the previous owner may have written since we read it
-        for partition in sorted({p for _, p in gained}):
-            snapshot = self._store.load(partition)
-            if not snapshot:
-                continue
-            try:
-                self.stage.restore(snapshot["runs"])
-            except (SpikeguardError, ValueError, KeyError, TypeError) as exc:
-                # A state this code cannot adopt (another layout version, say): the
-                # partition starts afresh from the committed offsets, said and counted.
-                self.stage.forget(snapshot["runs"])
-                self.metrics.unreadable_snapshots.labels(self.stage.name).inc()
-                log.warning("%s: cannot restore partition %d (%s: %s); it starts afresh",
-                            self.group, partition, type(exc).__name__, exc)
-                continue
-            self._partition_runs[partition] = set(snapshot["runs"])
-            for topic, offset in snapshot["offsets"].items():
-                if (topic, partition) in gained:
-                    self._consumer.seek(topic, partition, offset)
-                    self._positions[(topic, partition)] = offset
-            log.info("%s: restored partition %d (%d runs)", self.group, partition,
-                     len(snapshot["runs"]))
+        if self._saver is not None:
+            self._saver.assign(gained, self._consumer, self._run_partition)
 
     def _on_revoke(self, lost: set[tuple[str, int]]) -> None:
         # Save what we have before the partitions move, then let go of their runs.
-        if self._store is not None and self._dirty:
+        if self._saver is not None and self._saver.pending:
             try:
                 self.checkpoint()
             except Exception:
                 log.exception("%s: snapshot on revoke failed", self.group)
-        for partition in {p for _, p in lost}:
-            self.stage.forget(self._partition_runs.pop(partition, set()))
-            self._dirty.discard(partition)
+        partitions = {p for _, p in lost}
+        gone = [run for run, p in self._run_partition.items() if p in partitions]
+        self.stage.forget(gone)
+        for run_id in gone:
+            del self._run_partition[run_id]
+        if self._saver is not None:
+            self._saver.revoke(lost, gone)

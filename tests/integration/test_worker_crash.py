@@ -129,3 +129,47 @@ def test_killed_worker_resumes_with_identical_verdicts(kafka_bootstrap, tmp_path
     assert 0 <= redone < before / 2, (redone, before)
     assert restarted.returncode == 0, log.read_text()
     bus.close()
+
+
+def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka_bootstrap, tmp_path):
+    """The verdicts topic takes records of at most 200 bytes: the worker's first verdicts are
+    refused (MessageSizeTooLargeError, as a snapshot over 1 MB was), so it cannot go on."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from spikeguard.bus.kafka import KafkaBus
+
+    prefix = f"refused-{uuid.uuid4().hex[:8]}."
+    topics = Topics(prefix)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(topics.verdicts, 1, 1, topic_configs={"max.message.bytes": "200"})])
+    admin.close()
+    bus = KafkaBus(kafka_bootstrap)
+    bus.create_topics(topics.all())
+    producer = bus.producer()
+    for event in generate("sudden_spike", 200, 0, run_id="refused").events:
+        producer.publish(topics.steps, encode(event), key="refused")
+    producer.flush()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix],
+        env={**env, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap},
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("spikeguard worker: cannot go on: statistical: DeliveryError: "), last
+    assert "MessageSizeTooLarge" in last and topics.verdicts in last, last
+    # Nothing committed past the verdicts the broker refused: a restart judges those steps again.
+    from kafka import KafkaConsumer, TopicPartition
+
+    group = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=f"{prefix}statistical",
+                          enable_auto_commit=False)
+    try:
+        committed = [group.committed(TopicPartition(topics.steps, p))
+                     for p in group.partitions_for_topic(topics.steps)]
+    finally:
+        group.close()
+    assert all(getattr(c, "offset", c) in (None, 0) for c in committed), committed
+    assert bus.read_all(topics.state("statistical")) == []  # and no snapshot claims them done
+    bus.close()

@@ -6,6 +6,8 @@ of confidence 0.7 is an anomaly under the first and not under the second.
 
 from __future__ import annotations
 
+import time
+
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import build_stage
 from spikeguard.schemas import AnomalyType, DeadLetter, Decision, RunEvent, Topics, Verdict, decode, encode
@@ -121,3 +123,13 @@ def test_the_guards_plan_carries_fusion_overrides_under_policy_fusion_and_refuse
     assert plan.fusion == {"threshold": 0.9} and plan.policy == {"spike_patience_steps": 4}
     with pytest.raises(ConfigError, match="FusionConfig"):
         make_plan(GuardConfig(), policy={"fusion": {"threshold": 7.0}})
+
+
+def test_an_idle_run_evicted_with_a_step_still_pending_gets_that_decision_first():
+    bus = EmbeddedBus(partitions=1)
+    worker = make_worker(bus)
+    publish(bus, worker, *step("quiet", 0, only=("rules",)))  # the other detectors never answer
+    assert decisions(bus, "quiet") == {} and "quiet" in worker.stage.runs
+    out = worker._evict_idle(time.time() + worker.run_idle_ttl_s + 1)
+    assert [d.step for _, d in out] == [0]
+    assert "quiet" not in worker.stage.runs

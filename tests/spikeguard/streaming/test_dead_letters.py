@@ -8,9 +8,8 @@ from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import (
-    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, RunEvent, StepEvent, Topics,
-    Verdict,
-    decision_id, decode, encode,
+    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Topics, Verdict,
+    RunEvent, decision_id, decode, encode,
 )
 from spikeguard.settings import load_settings
 
@@ -30,10 +29,10 @@ def good_event(topic: str, step: int):
         return Verdict(run_id="r", step=step, detector="rules", is_anomaly=False)
     if topic == TOPICS.decisions:
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=False)
-    if topic == TOPICS.checkpoints:
-        return CheckpointEvent(run_id="r", step=step, checkpoint_id=f"c{step}", healthy=True)
     if topic == TOPICS.runs:
         return RunEvent(run_id="r", kind="start", step=step)
+    if topic == TOPICS.checkpoints:
+        return CheckpointEvent(run_id="r", step=step, checkpoint_id=f"c{step}", healthy=True)
     return Ack(run_id="r", action_id=f"a{step}", kind=ActionKind.CLIP, status=AckStatus.APPLIED,
                step=step)
 
@@ -48,12 +47,14 @@ def test_malformed_records_on_every_input_topic_reach_the_dlq(component):
     producer = bus.producer()
     inputs = list(worker.stage.inputs())
     for topic in inputs:
+        # A compacted topic (runs) keeps only the newest record of a key: one key each there.
+        keys = (f"r{n}" if topic == TOPICS.runs else "r" for n in range(13))
         for step in range(5):
-            producer.publish(topic, encode(good_event(topic, step)), key="r")
+            producer.publish(topic, encode(good_event(topic, step)), key=next(keys))
         for value, _, _ in BAD:
-            producer.publish(topic, value, key="r")
+            producer.publish(topic, value, key=next(keys))
         for step in range(5, 10):
-            producer.publish(topic, encode(good_event(topic, step)), key="r")
+            producer.publish(topic, encode(good_event(topic, step)), key=next(keys))
     while worker.run_once(timeout=0):
         pass
 

@@ -9,6 +9,7 @@ from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
 from spikeguard.processors.detectors.base import Detector
 from spikeguard.processors.detector_stage import DetectorStage
+from spikeguard.streaming.state_store import StateStore
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import DeadLetter, StepEvent, Topics, Verdict, decode, encode
 
@@ -132,7 +133,8 @@ def test_offsets_are_committed_only_with_a_snapshot():
     assert group.committed.get((TOPICS.steps, 0)) is None  # no snapshot yet: nothing committed
     worker.checkpoint()
     assert group.committed[(TOPICS.steps, 0)] == 10
-    snapshot = json.loads(bus.read_all(TOPICS.state("sum"))[-1].value)
+    # Read back through the store: one record per run plus the partition's positions.
+    snapshot = StateStore(bus, TOPICS.state("sum")).load(0)
     assert snapshot == {"offsets": {TOPICS.steps: 10}, "runs": {"a": {"total": 29.0, "seen": 10}}}
 
 
@@ -255,8 +257,6 @@ def test_a_real_detector_retried_after_a_failure_learns_each_good_step_once():
 
 
 def test_the_state_store_gives_each_partition_its_own_snapshot():
-    from spikeguard.streaming.state_store import StateStore
-
     bus = EmbeddedBus(partitions=3)
     store = StateStore(bus, TOPICS.state("sum"))
     store.ensure_topic()

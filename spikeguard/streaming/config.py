@@ -1,0 +1,32 @@
+"""A worker's settings (``SPIKEGUARD_WORKER__<FIELD>``, ``--set worker.<field>=...``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_idle_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a run with no record for this long is evicted from the worker's memory "
+        "and its saved state tombstoned (a trainer that died never says it ended); a record "
+        "arriving later starts the run afresh",
+    )
+    max_state_record_bytes: int = Field(
+        DEFAULT_MAX_RECORD_BYTES,
+        ge=1024,
+        description="largest state record a worker writes (one run's state); a bigger one is "
+        "refused with a logged reason and spikeguard_state_records_refused_total, never sent "
+        "to a broker that would reject it (Kafka's default limit is 1 MiB)",
+    )
+    ended_run_metrics_linger_s: float = Field(
+        60.0,
+        ge=0,
+        description="an ended or evicted run's per-run metric series are removed this long "
+        "after it goes, so that the next Prometheus scrape still sees its last values",
+    )
