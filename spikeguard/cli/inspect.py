@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from spikeguard.forensics.inspect import TOP, inspect_incident, load_setup
-from spikeguard.forensics.samples import IncidentBatches
+TOP = 20  # (the forensics modules import torch: only when the command runs, never in a worker)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from spikeguard.forensics.inspect import inspect_incident, load_setup
+    from spikeguard.forensics.samples import IncidentBatches
+
     report = inspect_incident(IncidentBatches.read(args.incident), load_setup(args.setup), args.out, args.top)
     if args.json:
         print(json.dumps(report, default=str))

@@ -9,7 +9,8 @@ of them) or, for the LR blow-up, once (so a rollback undoes it):
 - ``spike``: a few batches with inputs scaled x10^4 (a corrupted batch);
 - ``nan``: a few batches poisoned with NaN inputs;
 - ``divergence``: the learning rate is multiplied by 400, once;
-- ``poison``: three samples *in the dataset* have inputs x10^4; the demo
+- ``poison``: three samples *in the dataset* are garbage (their inputs get
+  noise of amplitude ``spike_scale``, the same on every read); the demo
   plants them in the batch of step ``fault_step`` (``spikeguard inspect``
   finds them from the incident's record);
 - ``flaky``: the device corrupts the first computation of steps
@@ -43,20 +44,27 @@ class CharWindows(Dataset):
 
     def __init__(self, ids: torch.Tensor, context: int, vocab: int) -> None:
         self.ids, self.context, self.vocab = ids, context, vocab
-        self.poisoned: dict[int, float] = {}  # index -> input scale (the ``poison`` fault)
+        self.poisoned: dict[int, float] = {}  # index -> noise amplitude (the ``poison`` fault)
 
     def __len__(self) -> int:
         return len(self.ids) - self.context
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        return self.ids[i:i + self.context], self.ids[i + self.context], self.poisoned.get(int(i), 1.0)
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        amplitude = self.poisoned.get(int(i))
+        noise = None
+        if amplitude is not None:  # garbage bytes, the same ones on every read (seeded by index)
+            noise = amplitude * torch.randn(self.context * self.vocab,
+                                            generator=torch.Generator().manual_seed(int(i)))
+        return self.ids[i:i + self.context], self.ids[i + self.context], noise
 
     def collate(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One-hot inputs for the whole batch at once (floats, so a fault can scale them)."""
         windows = torch.stack([w for w, _, _ in items])
         x = nn.functional.one_hot(windows, self.vocab).float().reshape(len(items), -1)
-        scale = torch.tensor([s for _, _, s in items]).unsqueeze(1)
-        return x * scale, torch.stack([t for _, t, _ in items])
+        for row, (_, _, noise) in enumerate(items):
+            if noise is not None:
+                x[row] += noise
+        return x, torch.stack([t for _, t, _ in items])
 
 
 class CharMLP(nn.Module):
@@ -145,7 +153,7 @@ def blow_up_lr(problem: Problem, factor: float) -> None:
 
 
 def plant_poison(problem: Problem, data_seed: int, setup: DemoSetup) -> list[int]:
-    """The ``poison`` fault: three dataset samples x``spike_scale``, placed where the guarded
+    """The ``poison`` fault: three garbage dataset samples, placed where the guarded
     loader's first epoch reads batch ``fault_step`` (its order is seeded per epoch by the
     Guard's data wrapper: producers/data.py), so the run meets them at that step."""
     from spikeguard.producers.data import epoch_seed

@@ -96,6 +96,15 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                      "20 steps before the onset. Layers: a layer's squared share of the gradient norm that "
                      "rose by 0.1 or more while its own norm left its range (robust z &ge; 6 against "
                      "the 50 steps before), earliest first.</p>")
+    if t.reruns:
+        transient = [f"{s} (epoch {e})" for s, e, r in t.reruns if r == "transient"]
+        reproducible = [f"{s} (epoch {e})" for s, e, r in t.reruns if r == "reproducible"]
+        parts.append(
+            "<h2>Re-run steps</h2><p>The Guard re-ran suspicious steps once from the same state "
+            f"(verify_reruns). <b>Transient</b> (the re-run differed: suspect the device; skipped, no "
+            f"rollback): {len(transient)}{': steps ' + _e(', '.join(transient)) if transient else ''}. "
+            f"Reproducible (the data or the optimisation; the policy applied): {len(reproducible)}"
+            f"{': steps ' + _e(', '.join(reproducible)) if reproducible else ''}.</p>")
     parts.append("<h2>What the trainer did</h2>")
     if not t.actions:
         parts.append("<p class='muted'>No action was sent.</p>")

@@ -75,6 +75,8 @@ class Timeline:
     actions: list[ActionRow]
     rollbacks: list[tuple[int, int, int]]  # (from step, to step, new epoch)
     checkpoints: int
+    # Steps the Guard re-ran (verify_reruns): (step, epoch, "transient" | "reproducible").
+    reruns: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def epochs(self) -> list[int]:
@@ -175,4 +177,5 @@ def build_timeline(run: RunRecord) -> Timeline:
         run.run_id, points, anomalies,
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
         checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
+        reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
     )

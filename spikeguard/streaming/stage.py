@@ -153,10 +153,6 @@ class PerRunStage(Stage, Generic[T]):
         oldest = now - ttl_s
         return [run_id for run_id, seen in self.last_seen.items() if seen < oldest]
 
-    def end_runs(self, run_ids: Iterable[str]) -> None:
-        """These runs ended (a RunEvent end): drop their state."""
-        self.forget(run_ids)
-
 
 def group_by_run(events: Sequence[BaseModel]) -> dict[str, list[BaseModel]]:
     """Events per run, each run's list in arrival order (dicts keep insertion order)."""
