@@ -26,8 +26,8 @@ Confidence is 0.5 at the threshold and 1 at the ceiling.
 Lifecycle: warm-up (``is_anomaly=False``, ``confidence=0``,
 ``signals={"warmup": 1}``) until ``warmup_steps`` healthy rows are buffered;
 fit; refit every ``warmup_steps`` healthy rows until the buffer is full (a
-young run drifts fast), then every ``refit_every`` (3000: a fit costs ~0.1-0.2 s,
-so it stays under ~70 us a step, and the rolling features already follow the
+young run drifts fast), then every ``refit_every`` (3000: a fit costs ~0.1 s,
+so it costs ~30 us a step, and the rolling features already follow the
 run in between). "Healthy" is judged by the rolling baselines (every residual
 within ``healthy_gate_z``), not by the forest: a buffer that only admits what
 the forest likes stops following a drifting run, and then the forest flags
@@ -85,7 +85,7 @@ class MLConfig(BaseModel):
     buffer_size: int = Field(1024, ge=16, description="newest healthy rows the forest is fitted on")
     refit_every: int = Field(
         3000, ge=16, description="healthy rows between refits once the buffer is full: a fit costs "
-        "~0.1-0.2 s, so 3000 keeps it under ~70 us a step, and the features follow the run between"
+        "~0.1 s, so 3000 keeps it near 30 us a step, and the features follow the run between"
     )
     n_estimators: int = Field(50, ge=1, le=1000, description="trees in the forest")
     max_samples: int = Field(256, ge=2, description="rows drawn per tree (depth limit log2 of it)")
