@@ -5,7 +5,8 @@
 detected, recall, precision, F1, false alarm episodes and false alarms per 10k
 clean steps (incidents: ``outlier_step`` marks are the guard's skips and are
 counted apart, as ``skips/10k``) and the median delay; then, per detector and
-set, what removing it costs (detections lost, false alarms removed). The
+set, what it adds: the incidents it alone detects, the false incident alarms it
+alone raises, and the guard-skip marks per 10k with and without it. The
 detectors run in-process with default settings and fusion expecting exactly the
 detectors kept (a removed detector is not waited for), as the worker would with
 that detector switched off.
@@ -91,17 +92,22 @@ def ablate(runs: list[tuple[str, list[StepEvent], list | None]]) -> list[dict]:
 
 
 def contributions(rows: list[dict]) -> list[dict]:
-    """Per detector and set: detections it alone brings, and false alarms it alone brings."""
-    full = {r["set"]: r for r in rows if r["config"] == "all"}
+    """Per detector and set: the incidents it alone detects, the false incident alarms it alone
+    raises (``outlier_step`` skips apart), and the guard-skip marks per 10k with and without it."""
+    incidents = {(r["config"], r["set"].removesuffix(" (incidents)")): r
+                 for r in rows if r["set"].endswith(" (incidents)")}
+    marks = {(r["config"], r["set"]): r for r in rows if not r["set"].endswith(" (incidents)")}
     out = []
-    for r in rows:
-        if r["config"] == "all" or r["set"].endswith("(incidents)"):
+    for (config, group), r in incidents.items():
+        if config == "all":
             continue
-        a = full[r["set"]]
-        out.append({"detector": r["config"][1:], "set": r["set"],
+        a = incidents["all", group]
+        out.append({"detector": config[1:], "set": group,
                     "adds_detections": a["detected"] - r["detected"],
                     "adds_false_alarms": a["false_alarms"] - r["false_alarms"],
-                    "f1_without": r["f1"], "f1_with": a["f1"]})
+                    "f1_without": r["f1"], "f1_with": a["f1"],
+                    "skips_without": marks[config, group]["skips_per_10k"],
+                    "skips_with": marks["all", group]["skips_per_10k"]})
     return out
 
 
@@ -148,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = ablate(runs)
     _table(rows, ("config", "set", "episodes", "detected", "recall", "precision", "f1",
                   "false_alarms", "fa_per_10k", "skips_per_10k", "median_delay"))
-    print("\nwhat each detector adds (all detectors vs all but it):")
+    print("\nwhat each detector adds (incidents; all detectors vs all but it; skips per 10k):")
     _table(contributions(rows), ("detector", "set", "adds_detections", "adds_false_alarms",
-                                 "f1_without", "f1_with"))
+                                 "f1_without", "f1_with", "skips_without", "skips_with"))
     return 0
 
 
