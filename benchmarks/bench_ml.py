@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n / o:.2f}" for n, o in zip(rates["now"], rates[args.against]))
         print(f"{name:>7}  {line}")
     fits = fit_times(args.trials)
-    print(f"    fit  IsolationForest+compile {fits['sklearn']:.0f} ms, fit_forest {fits['fit_forest']:.0f} ms "
+    print(f"    fit  IsolationForest+compile {fits['sklearn']:.0f} ms, "
+          f"fit_forest {fits['fit_forest']:.0f} ms "
           f"({fits['sklearn'] / fits['fit_forest']:.1f}x)")
     return 0
 

@@ -1,4 +1,4 @@
-"""The isolation forest of the ``ml`` detector: sklearn's trees, grown without its bookkeeping, walked by numpy.
+"""The ``ml`` detector's isolation forest: sklearn's trees, grown without its bookkeeping, walked by numpy.
 
 sklearn's ``IsolationForest.score_samples`` loops over trees in Python (~6 ms per
 call even for one row), so a fitted forest is flattened into arrays and walked

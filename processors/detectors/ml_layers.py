@@ -171,7 +171,8 @@ class LayerShares:
         _ew(self.total, lg, c.alpha, clip, c.min_sd)
         self.n += 1
         if len(self.layers) > c.max_layers:  # forget the least important: it is near the floor anyway
-            for name in sorted(self.layers, key=lambda k: self.layers[k][0])[: len(self.layers) - c.max_layers]:
+            extra = len(self.layers) - c.max_layers
+            for name in sorted(self.layers, key=lambda k: self.layers[k][0])[:extra]:
                 del self.layers[name]
 
     # -- state ---------------------------------------------------------------
