@@ -45,7 +45,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.decision_table import (
-    DEFAULT_PRECEDENCE, WARNING_TYPES, is_critical, urgency,
+    DEFAULT_PRECEDENCE, FULL_WEIGHT_TYPES, WARNING_TYPES, is_critical, urgency,
 )
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, Decision, Urgency, Verdict
@@ -315,7 +315,10 @@ class Fusion:
                     warnings.append(v)
                 continue
             anomalous.append(v)
-            miss *= 1.0 - cfg.weights.get(name, cfg.default_weight) * v.confidence
+            weight = cfg.weights.get(name, cfg.default_weight)
+            if v.type in FULL_WEIGHT_TYPES:  # a finding only its detector can make
+                weight = 1.0
+            miss *= 1.0 - weight * v.confidence
         score = 1.0 - miss
         critical = [v for v in anomalous if is_critical(v)]
         common: dict[str, Any] = dict(

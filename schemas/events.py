@@ -71,6 +71,8 @@ class AnomalyType(str, Enum):
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     BAD_BATCH = "bad_batch"
     ML_OUTLIER = "ml_outlier"
+    # One layer's share of the gradient norm far above its own baseline (the ml detector).
+    LAYER_BLOWUP = "layer_blowup"
     # One isolated step far out (a bad batch): the guard's local skip answers it, never a rollback.
     OUTLIER_STEP = "outlier_step"
     # Predictor warnings: preventive, never a rollback on their own.

@@ -1,37 +1,50 @@
-"""The ``ml`` detector: an isolation forest over a run's own healthy behaviour.
+"""The ``ml`` detector: a run's layer-share composition and an isolation forest over its healthy steps.
 
-Per run, it learns what ordinary steps look like in a scale-free feature space
-(loss residual, step change, volatility ratio, grad-norm residual,
-update-size residual; see :mod:`spikeguard.processors.features`), clamped
-below so that a falling loss or a calm stretch is never "unusual", and calls a
-step an ``ML_OUTLIER`` when its anomaly score passes a threshold calibrated at
-each fit. One voice among several: never critical.
+Two views, one verdict per step:
 
-Calibration: a forest's scores saturate — a row beyond every training extreme
-scores about the same as the most extreme training rows — so the threshold is
-placed ``threshold_margin`` of the way from a high quantile of the training
-scores to that ceiling (the score of a row just beyond all of them).
+* **Layer shares** (:mod:`.ml_layers`): when a step carries per-layer gradient
+  norms, each reported layer's share of the squared total norm is compared with
+  its own baseline. One layer taking most of the gradient while the total norm
+  moves < 2x and the loss not at all is a ``LAYER_BLOWUP``, naming the layer and
+  its share before and after. Fusion counts this verdict at full weight
+  (:data:`~spikeguard.processors.decision_table.FULL_WEIGHT_TYPES`): no other
+  detector sees it, so it must be able to decide alone.
+* **Isolation forest**: per run, it learns what ordinary steps look like in a
+  scale-free feature space (loss residual, step change, volatility ratio,
+  grad-norm residual, update-size residual; see
+  :mod:`spikeguard.processors.features`), clamped below so that a falling loss
+  or a calm stretch is never "unusual", and calls a step an ``ML_OUTLIER`` when
+  its anomaly score passes a threshold calibrated at each fit. One voice among
+  several (fusion weight 0.5): never critical, never alone.
+
+Forest calibration: a forest's scores saturate — a row beyond every training
+extreme scores about the same as the most extreme training rows — so the
+threshold is placed ``threshold_margin`` of the way from a high quantile of the
+training scores to that ceiling (the score of a row just beyond all of them).
 Confidence is 0.5 at the threshold and 1 at the ceiling.
 
 Lifecycle: warm-up (``is_anomaly=False``, ``confidence=0``,
 ``signals={"warmup": 1}``) until ``warmup_steps`` healthy rows are buffered;
 fit; refit every ``warmup_steps`` healthy rows until the buffer is full (a
-young run drifts fast), then every ``refit_every``, on the newest
-``buffer_size`` healthy rows. "Healthy" is judged by the rolling baselines
-(every residual within ``healthy_gate_z``), not by the forest: a buffer that
-only admits what the forest likes stops following a drifting run, and then the
-forest flags everything. A non-finite step never enters features or buffer and
-is an outlier with ``nonfinite_confidence``.
+young run drifts fast), then every ``refit_every`` (3000: a fit costs ~0.1 s,
+so it costs ~30 us a step, and the rolling features already follow the
+run in between). "Healthy" is judged by the rolling baselines (every residual
+within ``healthy_gate_z``), not by the forest: a buffer that only admits what
+the forest likes stops following a drifting run, and then the forest flags
+everything. A non-finite step never enters features or buffer and is an outlier
+with ``nonfinite_confidence``.
 
 Batching without look-ahead: features depend only on earlier events (never on
-verdicts), so ``update_many`` computes the batch's rows first (on a copy of the
-features), scores them with the current forest in one vectorised pass, and
-rescores the rest of the batch only when a refit happens inside it. ``update``
-walks the forest for its one row: both give identical verdicts. The forest is never pickled: ``state_dict``
-keeps the rows it was fitted on, the rows since, and the fit count, and
-``load_state_dict`` refits (same rows + same seed => same trees => same scores).
-State is bounded: at most ``buffer_size + max(warmup_steps, refit_every)`` rows
-of five rounded floats (at most ~160 kB of JSON with the defaults; ~40 bytes a row).
+verdicts), so ``update_many`` computes the batch's rows first, in one pass over
+a copy of the features and one vectorised clean-up, scores them with the current
+forest in one walk, and rescores the rest of the batch only when a refit happens
+inside it; each step then advances the real features in place. ``update`` walks
+the forest for its one row: both give identical verdicts. The forest is never
+pickled: ``state_dict`` keeps the rows it was fitted on, the rows since, and the
+fit count, and ``load_state_dict`` refits (same rows + same seed => same trees
+=> same scores). State is bounded: at most ``buffer_size + max(warmup_steps,
+refit_every)`` rows of five rounded floats (at most ~160 kB of JSON with the
+defaults; ~40 bytes a row), plus at most ``layers.max_layers`` share tracks.
 """
 
 from __future__ import annotations
@@ -40,15 +53,18 @@ import math
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
-import sklearn
 from pydantic import BaseModel, ConfigDict, Field
-from sklearn.ensemble import IsolationForest
 
-from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.detectors.base import Detector, validate_verdict
+from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
+from spikeguard.processors.detectors.ml_layers import LayerConfig, LayerFinding, LayerShares
 from spikeguard.processors.features import ML_FEATURES, FeatureConfig, RollingFeatures
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
+__all__ = ["CompiledForest", "MLConfig", "MLDetector", "MLState"]
+
 _BOUND = 1e6  # keeps extreme-but-finite features finite in float32
+_WIDTH = len(ML_FEATURES)
 _RESIDUALS = [ML_FEATURES.index(n) for n in ("loss_z", "loss_step", "grad_z", "update_z")]
 
 
@@ -60,12 +76,16 @@ class MLConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     features: FeatureConfig = Field(default_factory=FeatureConfig, description="rolling features")
+    layers: LayerConfig = Field(
+        default_factory=LayerConfig, description="layer-share model (steps with per-layer norms)"
+    )
     warmup_steps: int = Field(
         200, ge=16, description="healthy rows before the first fit, and between early refits"
     )
     buffer_size: int = Field(1024, ge=16, description="newest healthy rows the forest is fitted on")
     refit_every: int = Field(
-        3000, ge=16, description="healthy rows between refits, once the buffer is full"
+        3000, ge=16, description="healthy rows between refits once the buffer is full: a fit costs "
+        "~0.1 s, so 3000 keeps it near 30 us a step, and the features follow the run between"
     )
     n_estimators: int = Field(50, ge=1, le=1000, description="trees in the forest")
     max_samples: int = Field(256, ge=2, description="rows drawn per tree (depth limit log2 of it)")
@@ -87,90 +107,37 @@ class MLConfig(BaseModel):
     )
 
 
-def _path_length(n: np.ndarray) -> np.ndarray:
-    """Average unsuccessful-search path length in a BST of n points (Liu et al. 2008)."""
-    n = np.asarray(n, dtype=np.float64)
-    out = np.zeros_like(n)
-    big = n > 2
-    out[n == 2] = 1.0
-    out[big] = 2.0 * (np.log(n[big] - 1.0) + np.euler_gamma) - 2.0 * (n[big] - 1.0) / n[big]
-    return out
-
-
-class CompiledForest:
-    """A fitted IsolationForest's trees as flat arrays, walked for all rows and trees at once.
-
-    sklearn's ``score_samples`` loops over trees in Python (~6 ms per call even for
-    one row); this walks every tree level by level in numpy instead. Leaf path
-    lengths are rounded to multiples of 2**-20 so that their sums are exact, and
-    hence identical whatever the batch size or summation order.
-    """
-
-    def __init__(self, forest: IsolationForest) -> None:
-        trees = [est.tree_ for est in forest.estimators_]
-        width = max(t.node_count for t in trees)
-        t_count = len(trees)
-        left = np.tile(np.arange(width), (t_count, 1))
-        right, feature = left.copy(), np.zeros((t_count, width), dtype=np.intp)
-        threshold = np.full((t_count, width), np.inf)
-        leaf_value = np.zeros((t_count, width))
-        self.depth = 0
-        for i, t in enumerate(trees):
-            k = t.node_count
-            depth = np.zeros(k, dtype=np.intp)
-            frontier, level = np.zeros(1, dtype=np.intp), 0
-            while frontier.size:  # breadth-first: one numpy step per level
-                kids = np.concatenate((t.children_left[frontier], t.children_right[frontier]))
-                frontier, level = kids[kids >= 0], level + 1
-                depth[frontier] = level
-            inner = t.children_left[:k] >= 0
-            left[i, :k] = np.where(inner, t.children_left[:k], np.arange(k))
-            right[i, :k] = np.where(inner, t.children_right[:k], np.arange(k))
-            feature[i, :k] = np.where(inner, t.feature[:k], 0)
-            threshold[i, :k] = np.where(inner, t.threshold[:k], np.inf)
-            leaf_value[i, :k] = depth + _path_length(t.n_node_samples[:k])
-            self.depth = max(self.depth, int(depth.max()))
-        offset = (np.arange(t_count) * width)[:, None]
-        self.left, self.right = (left + offset).ravel(), (right + offset).ravel()
-        self.feature, self.threshold = feature.ravel(), threshold.ravel()
-        self.leaf_value = (np.round(leaf_value * 2.0**20) / 2.0**20).ravel()
-        self.roots = offset
-        self.norm = t_count * float(_path_length(np.array([forest.max_samples_]))[0])
-
-    def path_sums(self, rows: np.ndarray) -> np.ndarray:
-        """Sum over trees of each row's path length (exact; smaller = more isolated)."""
-        x = np.asarray(rows, dtype=np.float32).astype(np.float64)  # sklearn compares in float32
-        n = x.shape[0]
-        flat_x = x.T.ravel()  # feature f of row j at f * n + j
-        cols = np.arange(n)
-        node = np.repeat(self.roots, n, axis=1)
-        for _ in range(self.depth):
-            value = flat_x[self.feature[node] * n + cols]
-            node = np.where(value <= self.threshold[node], self.left[node], self.right[node])
-        return self.leaf_value[node].sum(axis=0)
-
-    def score(self, path_sum: float) -> float:
-        """The anomaly score in (0, 1] (sklearn's ``-score_samples``); 0.5 is ordinary."""
-        return math.pow(2.0, -path_sum / self.norm) if self.norm > 0 else 1.0
+def _clean(raw: np.ndarray) -> np.ndarray:
+    """Rows (or one row) made finite and bounded, rounded so the buffer is exact and short in
+    JSON (far below the noise). Elementwise: a batch's matrix gives each row's own result."""
+    raw = np.nan_to_num(raw, nan=0.0, posinf=_BOUND, neginf=-_BOUND).clip(-_BOUND, _BOUND)
+    return np.round(raw, 4)
 
 
 class _Batch:
-    """The rows of a batch's steps, computed ahead, and their path sums in one forest walk.
+    """A batch's rows, computed ahead on one copy of the features, and their forest path sums.
 
-    Exact: leaf path lengths are rounded so that sums do not depend on the batch,
-    and the rows come from the very code ``score`` runs, on a copy of the features.
+    ``items[i]`` is the i-th step's row index in ``rows``, or why it has none. Exact: the
+    rows come from the same feature updates the steps then apply in place, and leaf path
+    lengths are rounded so that sums do not depend on the batch.
     """
 
-    def __init__(self, detector: MLDetector, events: Sequence[StepEvent]) -> None:
-        ahead = MLState(detector.state.features)
-        rows: list[np.ndarray] = []
-        self.index: dict[int, int] = {}  # id(event) -> its row
+    def __init__(self, state: MLState, events: Sequence[StepEvent], floor: float) -> None:
+        ahead = state.features.copy()
+        raws: list[list[float]] = []
+        self.items: list[int | str] = []
         for event in events:
-            row, ahead.features = detector._row(event, ahead)
-            if not isinstance(row, str):
-                self.index[id(event)] = len(rows)
-                rows.append(row)
-        self.rows = np.array(rows).reshape(-1, len(ML_FEATURES))
+            if not event.finite:
+                self.items.append("non_finite")  # never enters the features
+                continue
+            f = ahead.update_event(event)
+            if f is None:
+                self.items.append("warmup")
+            else:
+                self.items.append(len(raws))
+                raws.append(f.ml_vector(floor))
+        self.rows = _clean(np.array(raws, dtype=np.float64).reshape(-1, _WIDTH))
+        self.cursor = 0  # the step being judged
         self._forest: CompiledForest | None = None
         self._first = 0
         self._sums: list[float] = []
@@ -183,14 +150,15 @@ class _Batch:
 
 
 class MLState:
-    """One run's features, the forest's training rows and the forest fitted on them."""
+    """One run's features, the forest's training rows, the forest, and the layer-share model."""
 
     __slots__ = ("features", "fitted", "pending", "fits", "forest", "threshold", "median",
-                 "ceiling", "row", "healthy")
+                 "ceiling", "row", "healthy", "layers")
 
-    def __init__(self, features: RollingFeatures) -> None:
+    def __init__(self, features: RollingFeatures, layers: LayerShares) -> None:
         self.features = features
-        self.fitted = np.zeros((0, len(ML_FEATURES)))  # rows the current forest was fitted on
+        self.layers = layers
+        self.fitted = np.zeros((0, _WIDTH))  # rows the current forest was fitted on
         self.pending: list[np.ndarray] = []  # healthy rows since that fit
         self.fits = 0
         self.forest: CompiledForest | None = None
@@ -199,15 +167,22 @@ class MLState:
         self.healthy = False  # ... and whether it may train the forest
 
 
+def _shares(event: StepEvent) -> dict[str, float] | None:
+    if not event.top_grad_norms or not event.finite:  # the usual case: one cheap test
+        return None
+    return LayerShares.shares(event.grad_norm, event.top_grad_norms)
+
+
 class MLDetector(Detector[MLState]):
     name: ClassVar[str] = "ml"
+    state_version: ClassVar[int] = 2  # 2: the layer-share model
 
     def __init__(self, config: MLConfig | None = None) -> None:
         self.config = config or MLConfig()
         super().__init__()
 
     def fresh(self) -> MLState:
-        return MLState(RollingFeatures(self.config.features))
+        return MLState(RollingFeatures(self.config.features), LayerShares(self.config.layers))
 
     _batch: _Batch | None = None
 
@@ -219,49 +194,76 @@ class MLDetector(Detector[MLState]):
         f, after = state.features.peek_event(event)
         if f is None:
             return "warmup", after
-        # Rounded so the buffer is exact and short in JSON; far below the noise.
-        raw = np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)
-        raw = np.nan_to_num(raw, nan=0.0, posinf=_BOUND, neginf=-_BOUND).clip(-_BOUND, _BOUND)
-        return np.round(raw, 4), after
+        return _clean(np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)), after
+
+    def _current(self, event: StepEvent, state: MLState) -> np.ndarray | str:
+        batch = self._batch
+        if batch is None:
+            return self.scored(event, state, self._row)[0]
+        item = batch.items[batch.cursor]
+        return item if isinstance(item, str) else batch.rows[item]
 
     def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
         # The rows of a batch are known before any of it is judged (features depend on
         # earlier events only, never on verdicts), so the forest walks them in one pass.
-        if len(events) > 1 and all(event.epoch == self.epoch for event in events):
-            self._batch = _Batch(self, events)
-        try:
+        if len(events) < 2 or any(event.epoch != self.epoch for event in events):
             return super().update_many(events)
+        batch = self._batch = _Batch(self.state, events, -self.config.downside_clip)
+        out = []
+        try:
+            for i, event in enumerate(events):
+                batch.cursor = i
+                out.append(self.update(event))
         finally:
             self._batch = None
+        return out
 
     def score(self, event: StepEvent, state: MLState) -> Verdict:
-        row, _ = self.scored(event, state, self._row)
+        row = self._current(event, state)
+        if isinstance(row, str) and row == "non_finite":
+            return self._plain(event, row)
+        shares = _shares(event)
+        if shares is not None:
+            found = state.layers.judge(event.grad_norm, shares)
+            if found is not None and found.blowup:
+                return self._blowup(event, state, found, row)
         if isinstance(row, str):
             return self._plain(event, row)
         forest = state.forest
         if forest is None:
             return self._plain(event, "warmup")
         batch = self._batch
-        if batch is None or id(event) not in batch.index:
+        if batch is None:
             path_sum = float(forest.path_sums(row[None, :])[0])
         else:
-            path_sum = batch.path_sum(batch.index[id(event)], forest)
+            path_sum = batch.path_sum(batch.items[batch.cursor], forest)
         return self._judged(event, state, forest.score(path_sum), float(row[0]))
 
     def track(self, event: StepEvent, state: MLState, verdict: Verdict) -> None:
-        row, state.features = self.scored(event, state, self._row)
+        if self._batch is None:
+            row, state.features = self.scored(event, state, self._row)
+        else:  # the batch computed the row ahead: advance the features in place, no copy
+            row = self._current(event, state)
+            if event.finite:
+                state.features.update_event(event)
         state.row = None if isinstance(row, str) else row
         # Healthy (may train the forest): no residual beyond what the rolling baselines call
         # normal. Judged without the forest, so that the buffer keeps following a drifting run.
-        state.healthy = state.row is not None and bool(
-            row[_RESIDUALS].max() <= self.config.healthy_gate_z
+        state.healthy = (
+            state.row is not None
+            and bool(row[_RESIDUALS].max() <= self.config.healthy_gate_z)
+            and verdict.type is not AnomalyType.LAYER_BLOWUP
         )
+        shares = _shares(event)
+        if shares is not None:  # winsorized: a blow-up cannot drag its own baseline
+            state.layers.learn(event.grad_norm, shares)
 
     def protects(self, verdict: Verdict) -> bool:
         # The forest's own verdict does not gate its training rows: a buffer that
         # admits only what the forest likes stops following a drifting run, and then
         # the forest flags everything. Rows are gated by the rolling baselines instead
-        # (``healthy_gate_z``, in ``track``); a non-finite step has no row at all.
+        # (``healthy_gate_z``, in ``track``); a non-finite step has no row at all; the
+        # layer shares learn winsorized (see ml_layers).
         return False
 
     def learn(self, event: StepEvent, state: MLState) -> None:
@@ -285,14 +287,9 @@ class MLDetector(Detector[MLState]):
     def _build(self, state: MLState) -> None:
         """(Re)build the forest of fit ``state.fits`` from ``state.fitted``: deterministic."""
         c = self.config
-        # The rows are finite and the parameters validated by MLConfig: skip sklearn's re-checks.
-        with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
-            forest = IsolationForest(
-                n_estimators=c.n_estimators,
-                max_samples=min(c.max_samples, len(state.fitted)),
-                random_state=c.random_state + state.fits - 1,
-            ).fit(state.fitted)
-        state.forest = compiled = CompiledForest(forest)
+        state.forest = compiled = fit_forest(
+            state.fitted, c.n_estimators, c.max_samples, c.random_state + state.fits - 1
+        )
         train = np.power(2.0, -compiled.path_sums(state.fitted) / compiled.norm)
         # An isolation forest cannot tell "far beyond the healthy tail" from "at it": scores
         # saturate at about the score of a row beyond every training extreme. So the
@@ -306,17 +303,13 @@ class MLDetector(Detector[MLState]):
     # -- verdicts ------------------------------------------------------------
     def _plain(self, event: StepEvent, why: str) -> Verdict:
         bad = why == "non_finite"
-        return Verdict(
-            run_id=event.run_id,
-            step=event.step,
-            epoch=event.epoch,
-            detector=self.name,
-            is_anomaly=bad,
-            type=AnomalyType.ML_OUTLIER if bad else AnomalyType.NONE,
-            confidence=self.config.nonfinite_confidence if bad else 0.0,
-            rules=["non_finite"] if bad else [],
-            signals={why: 1},
-        )
+        return validate_verdict({
+            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+            "detector": self.name, "is_anomaly": bad,
+            "type": AnomalyType.ML_OUTLIER if bad else AnomalyType.NONE,
+            "confidence": self.config.nonfinite_confidence if bad else 0.0,
+            "rules": ["non_finite"] if bad else [], "signals": {why: 1},
+        })
 
     def _judged(self, event: StepEvent, state: MLState, score: float, loss_z: float) -> Verdict:
         threshold = state.threshold
@@ -327,17 +320,34 @@ class MLDetector(Detector[MLState]):
         else:
             span = max(threshold - state.median, 1e-9)
             confidence = min(max(0.5 * (score - state.median) / span, 0.0), 0.5)
-        return Verdict(
-            run_id=event.run_id,
-            step=event.step,
-            epoch=event.epoch,
-            detector=self.name,
-            is_anomaly=outlier,
-            type=AnomalyType.ML_OUTLIER if outlier else AnomalyType.NONE,
-            confidence=confidence,
-            rules=["isolation_forest"] if outlier else [],
-            signals={"score": score, "threshold": threshold, "loss_z": loss_z},
-        )
+        return validate_verdict({
+            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+            "detector": self.name, "is_anomaly": outlier,
+            "type": AnomalyType.ML_OUTLIER if outlier else AnomalyType.NONE,
+            "confidence": confidence, "rules": ["isolation_forest"] if outlier else [],
+            "signals": {"score": score, "threshold": threshold, "loss_z": loss_z},
+        })
+
+    def _blowup(self, event: StepEvent, state: MLState, found: LayerFinding,
+                row: np.ndarray | str) -> Verdict:
+        """A layer-local blow-up: which layer, its share before and now, and what the rest did."""
+        signals: dict[str, Any] = {
+            "layer": found.layer, "share": round(found.share, 4),
+            "share_before": round(found.share_before, 4), "share_z": round(found.z, 2),
+            "grad_ratio": round(found.grad_ratio, 3),
+        }
+        if not isinstance(row, str):  # the loss (and update size) beside it, in noise s.d.
+            signals["loss_z"] = round(float(row[0]), 3)
+            if event.update_norm is not None:
+                signals["update_z"] = round(float(row[ML_FEATURES.index("update_z")]), 3)
+        return validate_verdict({
+            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+            "detector": self.name, "is_anomaly": True, "type": AnomalyType.LAYER_BLOWUP,
+            "confidence": state.layers.confidence(found), "rules": ["layer_share"],
+            "message": f"{found.layer} carries {found.share:.0%} of the squared gradient norm "
+                       f"(baseline {found.share_before:.1%}); total norm x{found.grad_ratio:.2f}",
+            "signals": signals, "loss": event.loss, "grad_norm": event.grad_norm,
+        })
 
     # -- state ---------------------------------------------------------------
     def copy(self, state: MLState) -> MLState:
@@ -347,6 +357,7 @@ class MLDetector(Detector[MLState]):
         for name in MLState.__slots__:
             setattr(twin, name, getattr(state, name))
         twin.features = state.features.copy()
+        twin.layers = state.layers.copy()
         twin.pending = list(state.pending)
         return twin
 
@@ -356,13 +367,15 @@ class MLDetector(Detector[MLState]):
             "fits": state.fits,
             "fitted": state.fitted.tolist(),
             "pending": [row.tolist() for row in state.pending],
+            "layers": state.layers.state_dict(),
         }
 
     def load(self, data: dict[str, Any]) -> MLState:
         state = self.fresh()
         state.features.load_state_dict(data["features"])
+        state.layers.load_state_dict(data["layers"])
         state.fits = int(data["fits"])
-        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, len(ML_FEATURES))
+        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH)
         state.pending = [np.array(row, dtype=np.float64) for row in data["pending"]]
         if state.fits:
             self._build(state)

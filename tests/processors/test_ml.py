@@ -152,3 +152,17 @@ def test_absurd_finite_values_neither_crash_nor_poison_the_run() -> None:
     assert verdicts[500].is_anomaly and verdicts[500].confidence > 0.5
     assert sum(v.is_anomaly for v in verdicts[300:]) <= 10
     assert np.isfinite(np.array(det.state_dict()["fitted"])).all()
+
+
+@pytest.mark.parametrize(("n", "seed"), [(50, 5), (300, 3), (1024, 17)])
+def test_fit_forest_grows_exactly_the_trees_isolation_forest_grows(n: int, seed: int) -> None:
+    from spikeguard.processors.detectors.ml_forest import fit_forest
+
+    rng = np.random.default_rng(n)
+    rows = np.round(rng.normal(size=(n, len(ML_FEATURES))), 4)
+    reference = CompiledForest(
+        IsolationForest(n_estimators=30, max_samples=min(256, n), random_state=seed).fit(rows))
+    ours = fit_forest(rows, 30, 256, seed)
+    for name in ("left", "right", "feature", "threshold", "leaf_value"):
+        assert np.array_equal(getattr(ours, name), getattr(reference, name)), name
+    assert ours.norm == reference.norm and ours.depth == reference.depth

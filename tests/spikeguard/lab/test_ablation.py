@@ -18,3 +18,19 @@ def test_each_detector_is_removed_once_and_the_statistical_one_carries_real_spik
     # without it only the non-finite steps and the extreme divergence are left
     assert rows["-statistical", "real-spikes"]["recall"] <= 0.25
     assert rows["-ml", "real-spikes"]["recall"] == 1.0  # ml adds nothing here (see the report)
+
+
+def test_the_ml_detector_alone_catches_the_layer_blowups_and_adds_no_false_alarm():
+    from spikeguard.lab.ablation import contributions
+    from spikeguard.lab.layer_runs import layer_set
+
+    runs = [(group, r.events, r.labels if r.layer else None) for group, r in layer_set((1,), steps=600)]
+    rows = {(r["config"], r["set"]): r for r in ablate(runs)}
+    assert rows["all", "layer-blowup"]["detected"] == rows["all", "layer-blowup"]["episodes"] == 2
+    assert rows["all", "layer-blowup"]["false_alarms"] == 0 and rows["all", "layer-healthy"]["false_alarms"] == 0
+    assert rows["-ml", "layer-blowup"]["detected"] == 0  # nobody else sees a layer-local blow-up
+    for other in ("statistical", "rules", "predictor"):
+        assert rows[f"-{other}", "layer-blowup"]["detected"] == 2
+    adds = {(c["detector"], c["set"]): c for c in contributions(list(rows.values()))}
+    assert adds["ml", "layer-blowup"]["adds_detections"] == 2
+    assert adds["ml", "layer-healthy"]["adds_false_alarms"] == 0
