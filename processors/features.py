@@ -174,9 +174,10 @@ class _Track:
 #: Steps already peeked, shared by every RollingFeatures in the process (see
 #: :meth:`RollingFeatures.peek_event`): (content key, id(event)) -> (event, features, after).
 _PEEKED: dict[tuple[Any, int], tuple[Any, "Features | None", "RollingFeatures"]] = {}
-#: Enough for a few batches of look-ahead (the ML detector peeks a whole batch before
-#: judging it, the predictor comes after it); the oldest entries go first.
-PEEK_CACHE_SIZE = 8192
+#: Two batches of look-ahead (the ML detector peeks a worker's whole batch, 2000 records
+#: at most offline, before judging it; the predictor comes after it); the oldest go first.
+#: Each entry holds an event and a features object, a few KiB: the cache stays ~10-15 MiB.
+PEEK_CACHE_SIZE = 4096
 _unique_keys = itertools.count(1)
 
 
