@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -154,9 +155,13 @@ class _Track:
         ]
 
     def copy(self) -> _Track:
+        # Spelled out: a getattr/setattr loop over __slots__ cost 3x as much (hot path).
         twin = _Track.__new__(_Track)
-        for name in _Track.__slots__:
-            setattr(twin, name, getattr(self, name))
+        twin.n, twin.fast, twin.slow, twin.var = self.n, self.fast, self.slow, self.var
+        twin.var_short, twin.dvar, twin.last, twin.scale = (
+            self.var_short, self.dvar, self.last, self.scale
+        )
+        twin.abs_floor, twin.rel_floor, twin.c = self.abs_floor, self.rel_floor, self.c
         return twin
 
     def load(self, s: list[float]) -> None:
@@ -164,6 +169,16 @@ class _Track:
         self.fast, self.slow, self.var, self.var_short, self.dvar, self.last, self.scale = (
             float(v) for v in s[1:]
         )
+
+
+#: Steps already peeked, shared by every RollingFeatures in the process (see
+#: :meth:`RollingFeatures.peek_event`): (content key, id(event)) -> (event, features, after).
+_PEEKED: dict[tuple[Any, int], tuple[Any, "Features | None", "RollingFeatures"]] = {}
+#: Two batches of look-ahead (the ML detector peeks a worker's whole batch, 2000 records
+#: at most offline, before judging it; the predictor comes after it); the oldest go first.
+#: Each entry holds an event and a features object, a few KiB: the cache stays ~10-15 MiB.
+PEEK_CACHE_SIZE = 4096
+_unique_keys = itertools.count(1)
 
 
 def _log_pos(x: float | None) -> float | None:
@@ -183,6 +198,10 @@ class RollingFeatures:
         self._prev_loss = math.nan
         self._prev_resid = 0.0
         self._cov1 = 0.0  # EW mean of r_t * r_(t-1): negative when the loss alternates
+        # Names this object's content: equal keys, equal content. Fresh objects of equal
+        # configs are equal; a copy keeps its original's key; whatever changes in place
+        # gets a key of its own.
+        self._key: Any = ("fresh", self.config)
 
     @property
     def ready(self) -> bool:
@@ -204,6 +223,7 @@ class RollingFeatures:
         """Features of this step (None while bootstrapping or for a non-finite loss), then learn."""
         if not math.isfinite(loss):
             return None  # a non-finite value teaches nothing; the caller judges it
+        self._key = next(_unique_keys)  # changed in place: no longer equal to any other
         c = self.config
         lt, gt, ut, st = self._loss, self._grad, self._upd, self._step
         warm = lt.n >= c.min_steps
@@ -255,7 +275,7 @@ class RollingFeatures:
     def copy(self) -> RollingFeatures:
         """An independent copy (the config is shared: it is frozen)."""
         twin = RollingFeatures.__new__(RollingFeatures)
-        twin.config = self.config
+        twin.config, twin._key = self.config, self._key
         twin._loss, twin._grad = self._loss.copy(), self._grad.copy()
         twin._upd, twin._step = self._upd.copy(), self._step.copy()
         twin._prev_loss, twin._prev_resid, twin._cov1 = (
@@ -268,12 +288,30 @@ class RollingFeatures:
 
         Lets a detector score a step without learning it; adopting the returned
         copy is then the same as having called :meth:`update_event`.
+
+        The result is a pure function of this object's content and the event, so
+        it is computed once per process: the ML detector peeks a batch ahead and
+        again when it judges it, and the predictor's features, which learn the
+        same finite steps from the same start, have the same content (a
+        key, not a comparison, says so). The returned object may thus be shared:
+        it is never changed in place here, and must not be elsewhere (change a
+        :meth:`copy`). The event is held by the cache, so its ``id`` is not reused.
         """
+        key = (self._key, id(event))
+        hit = _PEEKED.get(key)
+        if hit is not None and hit[0] is event:
+            return hit[1], hit[2]
         after = self.copy()
-        return after.update_event(event), after
+        features = after.update_event(event)
+        after._key = next(_unique_keys)  # also when update_event learnt nothing: a new object
+        if len(_PEEKED) >= PEEK_CACHE_SIZE:
+            _PEEKED.pop(next(iter(_PEEKED)), None)  # the oldest
+        _PEEKED[key] = (event, features, after)
+        return features, after
 
     def restart(self) -> None:
         """After a rollback: the next loss does not follow the previous one."""
+        self._key = next(_unique_keys)
         self._prev_loss = math.nan
         self._prev_resid = 0.0
 
@@ -287,6 +325,7 @@ class RollingFeatures:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._key = next(_unique_keys)
         for key, track in (
             ("loss", self._loss),
             ("grad", self._grad),

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.detectors.base import Detector, validate_verdict
 from spikeguard.processors.features import FeatureConfig, Features, RollingFeatures
 from spikeguard.schemas import AnomalyType, HealthLevel, StepEvent, Verdict
 
@@ -102,6 +102,21 @@ class PredictorConfig(BaseModel):
 
 _HEALTH = (HealthLevel.EXCELLENT, HealthLevel.GOOD, HealthLevel.WARNING, HealthLevel.CONCERNING)
 _RANK = {h: i for i, h in enumerate(_HEALTH + (HealthLevel.CRITICAL,))}
+
+
+def _with_features(state: PredictorState, features: RollingFeatures) -> PredictorState:
+    """A copy of ``state`` holding ``features`` (spelled out: this runs at every step)."""
+    twin = PredictorState(features)
+    twin.warning, twin.lr_warning, twin.prev_lr = state.warning, state.lr_warning, state.prev_lr
+    twin.max_lr, twin.best, twin.improved_at = state.max_lr, state.best, state.improved_at
+    return twin
+
+
+def _adopt(state: PredictorState, after: PredictorState) -> None:
+    """Make ``state`` what ``after`` is (in place: the detector holds ``state``)."""
+    state.features, state.warning, state.lr_warning = after.features, after.warning, after.lr_warning
+    state.prev_lr, state.max_lr = after.prev_lr, after.max_lr
+    state.best, state.improved_at = after.best, after.improved_at
 
 
 def _at_least(health: HealthLevel, floor: HealthLevel) -> HealthLevel:
@@ -175,17 +190,13 @@ class PredictorDetector(Detector[PredictorState]):
         if after is None:
             state.warning = True
             return
-        for name in PredictorState.__slots__:
-            setattr(state, name, getattr(after, name))
+        _adopt(state, after)
 
     def learn(self, event: StepEvent, state: PredictorState) -> None:
         """Nothing beyond :meth:`track`: see the class docstring."""
 
     def copy(self, state: PredictorState) -> PredictorState:
-        twin = PredictorState(state.features.copy())
-        for name in PredictorState.__slots__[1:]:
-            setattr(twin, name, getattr(state, name))
-        return twin
+        return _with_features(state, state.features.copy())
 
     def _assess(self, event: StepEvent, state: PredictorState) -> _Assessment:
         c = self.config
@@ -193,8 +204,7 @@ class PredictorDetector(Detector[PredictorState]):
             return _Assessment(AnomalyType.INSTABILITY_WARNING, 1.0, 1.0, HealthLevel.CRITICAL,
                                {"non_finite": 1}, ["non_finite"], None)
         f, features = state.features.peek_event(event)
-        after = self.copy(state)
-        after.features = features
+        after = _with_features(state, features)  # the features are new already: no copy
         stalled = self._stalled(event.step, after)
         lr, prev_lr, max_lr = event.lr, state.prev_lr, state.max_lr
         after.prev_lr = lr
@@ -280,20 +290,24 @@ class PredictorDetector(Detector[PredictorState]):
     def _verdict(self, event: StepEvent, kind: AnomalyType, conf: float, p: float,
                  health: HealthLevel, signals: dict[str, Any],
                  rules: list[str] | None = None) -> Verdict:
-        return Verdict(
-            run_id=event.run_id,
-            step=event.step,
-            epoch=event.epoch,
-            detector=self.name,
-            is_anomaly=kind is not AnomalyType.NONE,
-            type=kind,
-            confidence=min(max(conf, 0.0), 1.0),
-            rules=rules or [],
-            signals=signals,
-            instability_probability=p,
-            horizon_steps=self.config.horizon_steps,
-            health=health,
-        )
+        # Validated as a dict (no BaseModel.__init__ frame), with the step's own values,
+        # which the detector stage would otherwise add in a copy of the verdict.
+        return validate_verdict({
+            "run_id": event.run_id,
+            "step": event.step,
+            "epoch": event.epoch,
+            "detector": self.name,
+            "is_anomaly": kind is not AnomalyType.NONE,
+            "type": kind,
+            "confidence": min(max(conf, 0.0), 1.0),
+            "rules": rules or [],
+            "signals": signals,
+            "loss": event.loss,
+            "grad_norm": event.grad_norm,
+            "instability_probability": p,
+            "horizon_steps": self.config.horizon_steps,
+            "health": health,
+        })
 
     # -- state ---------------------------------------------------------------
     def dump(self, state: PredictorState) -> dict[str, Any]:

@@ -159,13 +159,14 @@ class RulesDetector(Detector[RulesState]):
             return validate_verdict({
                 "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
                 "detector": self.name, "is_anomaly": False, "signals": signals,
+                "loss": loss, "grad_norm": grad,
             })
         fired.sort(key=_ORDER.__getitem__)
         kind, confidence, critical = RULES[fired[0]]
         return Verdict(
             run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
             is_anomaly=True, type=kind, confidence=confidence, critical=critical,
-            rules=fired, signals=signals, message=", ".join(fired),
+            rules=fired, signals=signals, message=", ".join(fired), loss=loss, grad_norm=grad,
         )
 
     def track(self, event: StepEvent, state: RulesState, verdict: Verdict) -> None:

@@ -269,6 +269,7 @@ class StatisticalDetector(Detector[StatisticalState]):
                  z: float, jump: float, message: str) -> Verdict:
         return Verdict(
             run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+            loss=event.loss, grad_norm=event.grad_norm,
             is_anomaly=True, type=kind, confidence=confidence, rules=[rule],
             signals={"z": round(z, 3), "jump": round(jump, 4)}, message=message,
         )
@@ -281,6 +282,7 @@ class StatisticalDetector(Detector[StatisticalState]):
             what, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad)
             return Verdict(
                 run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                loss=event.loss, grad_norm=event.grad_norm,
                 is_anomaly=True, type=AnomalyType.NON_FINITE, confidence=1.0, critical=True,
                 rules=[f"{what}_non_finite"], message=f"{what} is {value}",
             )
@@ -308,6 +310,7 @@ class StatisticalDetector(Detector[StatisticalState]):
                     # it is an explosion; a loss that reacts speaks for itself above.
                     return Verdict(
                         run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                        loss=event.loss, grad_norm=event.grad_norm,
                         is_anomaly=False, confidence=0.3,
                         signals={"z": round(gz, 3), "jump": round(gjump, 4), "grad_norm_jump": 1},
                         message=f"grad_norm jumped x{math.exp(gjump):.1f} with the loss calm; "
@@ -318,6 +321,7 @@ class StatisticalDetector(Detector[StatisticalState]):
             if code == CANDIDATE:  # suspicious, not (yet) an anomaly: said, not acted upon
                 return Verdict(
                     run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
+                    loss=event.loss, grad_norm=event.grad_norm,
                     is_anomaly=False, confidence=0.3,
                     signals={"z": round(z, 3), "jump": round(jump, 4)},
                     message=f"{signal} jumped; waiting to see whether it heals",
@@ -325,6 +329,7 @@ class StatisticalDetector(Detector[StatisticalState]):
             return validate_verdict({
                 "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
                 "detector": self.name, "is_anomaly": False,
+                "loss": event.loss, "grad_norm": event.grad_norm,
             })
         kind, rule, threshold = self._meaning[signal, code]
         return self._verdict(event, kind, _confidence(z, threshold), rule, z, jump,

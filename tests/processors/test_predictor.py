@@ -202,3 +202,49 @@ def test_absurd_finite_values_do_not_break_it() -> None:
     verdicts = PredictorDetector().update_many(events)
     assert all(0.0 <= v.instability_probability <= 1.0 for v in verdicts)
     assert not any(v.is_anomaly for v in verdicts[600:])  # the run is judged normally again
+
+
+# -- features peeked once per process (processors.features) ----------------------
+def test_features_peeked_by_two_detectors_are_computed_once_and_equal_their_own():
+    from spikeguard.processors.detectors.ml import MLDetector
+    from spikeguard.processors.features import RollingFeatures
+
+    events = run(300, seed=3)
+    ml, predictor = MLDetector(), PredictorDetector()
+    for i in range(0, len(events), 50):  # ML first, as in the pipeline, in batches
+        ml.update_many(events[i:i + 50])
+        predictor.update_many(events[i:i + 50])
+    # Same start, same finite steps: the two detectors hold one and the same object ...
+    assert ml.state.features is predictor.state.features
+    # ... whose content is what learning every step one by one gives.
+    alone = RollingFeatures()
+    for event in events:
+        alone.update_event(event)
+    assert json.dumps(alone.state_dict()) == json.dumps(predictor.state.features.state_dict())
+
+
+def test_features_changed_in_place_are_not_mistaken_for_their_old_content():
+    from spikeguard.processors.features import RollingFeatures
+
+    events = run(60, seed=4)
+    base = RollingFeatures()
+    for event in events[:40]:
+        base.update_event(event)
+    twin = base.copy()
+    probe = events[40]
+    f, after = base.peek_event(probe)
+    assert twin.peek_event(probe)[1] is after  # equal content: shared
+    for changed in (
+        lambda g: g.update_event(events[41]),
+        lambda g: g.restart(),
+        lambda g: g.load_state_dict(RollingFeatures().state_dict()),
+    ):
+        g = base.copy()
+        changed(g)
+        expected = g.copy()  # what peeking g must give: its own content, learnt afresh
+        got, g_after = g.peek_event(probe)
+        assert g_after is not after
+        want = expected.update_event(probe)
+        assert json.dumps(g_after.state_dict()) == json.dumps(expected.state_dict())
+        assert (got is None) == (want is None) and (got is None or tuple(got) == tuple(want))
+    assert base.peek_event(probe) == (f, after)  # the original's entry still holds

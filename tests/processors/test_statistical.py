@@ -314,3 +314,23 @@ def test_rolling_median() -> None:
     copy = RollingMedian(4)
     copy.load_state_dict(med.state_dict())
     assert copy.values() == med.values() and copy.get() == med.get()
+
+
+def test_level_baseline_is_the_median_and_mad_of_its_window_exactly():
+    # The MAD is found by bisection over the two sorted sides of the median; it must be
+    # the very float the plain definition gives (sorted distances), ties and all.
+    rng = random.Random(11)
+    for _ in range(3000):
+        monitor = statistical.StatisticalConfig().level.monitor()
+        n = rng.randint(monitor.min_values, monitor.window)
+        pool = [0.0, 0.5, 1.0, -2.0] if rng.random() < 0.3 else None
+        values = [rng.choice(pool) if pool else rng.gauss(0.0, rng.choice([1e-6, 1.0, 1e3]))
+                  for _ in range(n)]
+        monitor.load_state_dict({"hist": values, "elevated": 0, "best": math.inf, "cusum": 0.0,
+                                 "seen": 0})
+        s = sorted(values)
+        h = n // 2
+        med = s[h] if n % 2 else 0.5 * (s[h - 1] + s[h])
+        d = sorted(abs(x - med) for x in s)
+        mad = d[h] if n % 2 else 0.5 * (d[h - 1] + d[h])
+        assert monitor.baseline() == (med, mad * level.MAD_TO_SIGMA)
