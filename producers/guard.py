@@ -39,9 +39,9 @@ import torch
 
 from spikeguard.producers.amp import ScalerControl
 from spikeguard.producers.async_checkpoint import AsyncSaver
+from spikeguard.producers.applying import ActionApplying
 from spikeguard.producers.checkpointing import Checkpointing
-from spikeguard.producers.actions import (ANOMALY_KINDS, ActionFailed, ActionQueue, Handler, Outcome,
-                                          apply_action)
+from spikeguard.producers.actions import ActionFailed, ActionQueue, Handler
 from spikeguard.producers.checkpoints import CheckpointStore
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig
@@ -61,12 +61,12 @@ from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipRule
 from spikeguard.producers.stats import GradStats
-from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
+from spikeguard.schemas import Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
 
 
-class Guard(Checkpointing):
+class Guard(Checkpointing, ActionApplying):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
@@ -372,55 +372,6 @@ class Guard(Checkpointing):
             log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",
                      step, decision.signal, decision.loss_z, decision.grad_z)
         return "outlier_step" if decision.skip else None
-
-    def _collect(self, step: int) -> None:
-        if self.inbox is None:
-            return
-        if self.waiter is not None:
-            self.inbox.poll_now(0.0)
-        for action in self.inbox.take():
-            outcome = self.actions.receive(action, step)
-            if outcome is not None:
-                self._ack(outcome)
-                self.inbox.resolved(1)
-
-    def _apply(self, due: list[Action], step: int) -> bool:
-        interrupted = False
-        for action in due:
-            if self.rank == 0 and action.action_id in self.ledger:
-                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
-            else:
-                if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
-                    self._keep_incident(action)  # before a rollback moves the data and the store
-                outcome = apply_action(self, action, self.step_count)
-                self.ledger.record(action.action_id)
-            applied = outcome is None or outcome.status is AckStatus.APPLIED
-            if applied and action.kind in ANOMALY_KINDS:
-                self.health.on_anomaly()
-                self._incident_found(action)
-            if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
-                interrupted = True
-            if outcome is not None:
-                self._ack(outcome)
-            self._resolved += 1
-        return interrupted
-
-    def _finish_actions(self) -> None:
-        if self._resolved:
-            self._persist_ledger()
-            if self.inbox is not None:
-                self.inbox.resolved(self._resolved)
-            self._resolved = 0
-
-    def _ack(self, outcome: Outcome) -> None:
-        a = outcome.action
-        self.applied.append({"step": outcome.step, "epoch": self.epoch, "kind": a.kind.value,
-                             "status": outcome.status.value, "result": outcome.result,
-                             "action_id": a.action_id})
-        if outcome.status is AckStatus.APPLIED:
-            self.counters["actions_applied"] += 1
-        self.counters["acks"] += 1
-        self.events.ack(outcome)
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

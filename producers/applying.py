@@ -1,0 +1,62 @@
+"""How the Guard takes in actions: received and checked, applied at their step, acknowledged.
+
+A mixin of :class:`~spikeguard.producers.guard.Guard` (it uses the Guard's
+inbox, queue, ledger and events); kept apart so that the Guard's step reads
+as the training step it is.
+"""
+
+from __future__ import annotations
+
+from spikeguard.producers.actions import ANOMALY_KINDS, Outcome, apply_action
+from spikeguard.schemas import AckStatus, Action, ActionKind
+
+
+class ActionApplying:
+    def _collect(self, step: int) -> None:
+        if self.inbox is None:
+            return
+        if self.waiter is not None:
+            self.inbox.poll_now(0.0)
+        for action in self.inbox.take():
+            outcome = self.actions.receive(action, step)
+            if outcome is not None:
+                self._ack(outcome)
+                self.inbox.resolved(1)
+
+    def _apply(self, due: list[Action], step: int) -> bool:
+        interrupted = False
+        for action in due:
+            if self.rank == 0 and action.action_id in self.ledger:
+                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
+            else:
+                if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
+                    self._keep_incident(action)  # before a rollback moves the data and the store
+                outcome = apply_action(self, action, self.step_count)
+                self.ledger.record(action.action_id)
+            applied = outcome is None or outcome.status is AckStatus.APPLIED
+            if applied and action.kind in ANOMALY_KINDS:
+                self.health.on_anomaly()
+                self._incident_found(action)
+            if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
+                interrupted = True
+            if outcome is not None:
+                self._ack(outcome)
+            self._resolved += 1
+        return interrupted
+
+    def _finish_actions(self) -> None:
+        if self._resolved:
+            self._persist_ledger()
+            if self.inbox is not None:
+                self.inbox.resolved(self._resolved)
+            self._resolved = 0
+
+    def _ack(self, outcome: Outcome) -> None:
+        a = outcome.action
+        self.applied.append({"step": outcome.step, "epoch": self.epoch, "kind": a.kind.value,
+                             "status": outcome.status.value, "result": outcome.result,
+                             "action_id": a.action_id})
+        if outcome.status is AckStatus.APPLIED:
+            self.counters["actions_applied"] += 1
+        self.counters["acks"] += 1
+        self.events.ack(outcome)
