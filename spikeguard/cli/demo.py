@@ -3,7 +3,10 @@
 A character-level MLP language model learns the source of a standard-library
 module (no downloads). ``--fault`` injects trouble at step 100: ``spike``
 (corrupted batches), ``nan`` (poisoned batches), ``divergence`` (a learning-rate
-blow-up). The whole pipeline runs on the embedded bus (Kafka when
+blow-up), ``poison`` (three garbage samples in the dataset: ``spikeguard inspect``
+finds them from the incident record kept in ``--forensics``), ``flaky`` (a
+one-off device fault: the Guard re-runs the step, finds it transient, skips it
+without a rollback). The whole pipeline runs on the embedded bus (Kafka when
 SPIKEGUARD_BOOTSTRAP_SERVERS is set); ``--no-guard`` trains the same thing
 unprotected. ``--plot`` writes the run's report: a PNG of the loss and
 gradient norm marking anomalies, incidents, actions and rollbacks, re-run
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 # Kept here, not imported: importing spikeguard.producers loads torch, and
 # building the CLI parser (every command's --help) must stay cheap.
 # tests/spikeguard/demo/test_demo_cli.py checks they match spikeguard.demo.model.
-FAULTS = ("none", "spike", "nan", "divergence")
+FAULTS = ("none", "spike", "nan", "divergence", "poison", "flaky")
 DEFAULT_STEPS = 300
 
 
@@ -41,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="report image, and PNG-name.html beside it "
                              "(default spikeguard-demo.png; '' for none)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--forensics", default="spikeguard-demo-forensics", metavar="DIR",
+                        help="keep the incident records (sample ids, pre-onset checkpoint) here for "
+                             "spikeguard inspect (default spikeguard-demo-forensics; '' for none)")
     parser.add_argument("--config", metavar="FILE",
                         help="settings file (TOML, or YAML with pyyaml); default: $SPIKEGUARD_CONFIG. "
                              "Its values, and SPIKEGUARD_* variables, win over the demo's tuned policy")
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         runtime = open_runtime(demo_settings(args.config))
     try:
         outcome = run_demo(args.fault, seed=args.seed, guarded=not args.no_guard, setup=setup,
-                           progress=progress, runtime=runtime)
+                           progress=progress, runtime=runtime, keep_incidents=args.forensics or None)
         page = None
         if args.plot:
             from spikeguard.demo.plot import report_outcome
@@ -113,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"detected: {len(outcome.detections)} anomalous steps from step {first[0]} ({', '.join(kinds)})")
     for a in outcome.actions:
         print(f"  step {a['step']:4d} (epoch {a['epoch']})  {a['kind']:<14} {a['status']:<9} {a['result']}")
+    if outcome.transient_steps:
+        print(f"re-run steps found transient (suspect the device; skipped, no rollback): "
+              f"{outcome.transient_steps}")
+    for path in outcome.incident_files:
+        print(f"incident record: {path}\n  which samples? spikeguard inspect {path} "
+              f"--setup spikeguard.demo.model:inspect_setup")
     if args.plot:
         print(f"report: {args.plot} and {page}")
     return 0
