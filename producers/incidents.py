@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spikeguard.forensics.provenance import SampleIdTap, SampleIds, StepSamples
-from spikeguard.forensics.samples import IncidentBatches
+from spikeguard.forensics.record import IncidentBatches
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 TOP = 20  # (the forensics modules import torch: only when the command runs, never in a worker)
 
@@ -23,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("incident", help="an incident file the Guard wrote (incidents/*.json)")
     parser.add_argument("--setup", required=True, metavar="MODULE:FUNCTION",
                         help="returns an InspectSetup (model, dataset, collate, loss_fn)")
-    parser.add_argument("--out", default=".", help="where to write the JSON and HTML (default: .)")
+    parser.add_argument("--out", help="where to write the JSON and HTML (default: beside the incident "
+                                      "file, where spikeguard report --incidents finds them)")
     parser.add_argument("--top", type=int, default=TOP, help=f"how many samples to list (default {TOP})")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=_run)
@@ -31,9 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from spikeguard.forensics.inspect import inspect_incident, load_setup
-    from spikeguard.forensics.samples import IncidentBatches
+    from spikeguard.forensics.record import IncidentBatches
 
-    report = inspect_incident(IncidentBatches.read(args.incident), load_setup(args.setup), args.out, args.top)
+    out = args.out or str(Path(args.incident).parent)
+    report = inspect_incident(IncidentBatches.read(args.incident), load_setup(args.setup), out, args.top)
     if args.json:
         print(json.dumps(report, default=str))
         return 0
@@ -42,5 +45,5 @@ def _run(args: argparse.Namespace) -> int:
     for i, row in enumerate(report["top"][:10], 1):
         print(f"  {i:2d}. sample {row['sample_id']} (step {row['step']}): score {row['score']}, "
               f"loss {row['loss']:.4g} (z {row['loss_z']}), grad norm {row['grad_norm']:.4g} (z {row['grad_z']})")
-    print(f"skip list: {report['skip_ids']}; written to {args.out}")
+    print(f"skip list: {report['skip_ids']}; written to {out}")
     return 0

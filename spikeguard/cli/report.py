@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
     parser.add_argument("--out", metavar="DIR", help="write RUN.png and RUN.html per run here")
     parser.add_argument("--export", metavar="FILE", help="write the runs' events as a JSONL export")
+    parser.add_argument("--incidents", metavar="DIR",
+                        help="the Guard's incident records (and spikeguard inspect's output) to show "
+                             "per incident in the HTML")
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -100,7 +103,7 @@ def _load(args: argparse.Namespace, topics: Topics, runs: set[str] | None):
         bus.close()
 
 
-def _write_files(recorded: dict, out: str) -> list[str]:
+def _write_files(recorded: dict, out: str, incidents: str | None = None) -> list[str]:
     from spikeguard.reporting import build_timeline
     from spikeguard.reporting.figure import draw
     from spikeguard.reporting.page import write
@@ -111,7 +114,7 @@ def _write_files(recorded: dict, out: str) -> list[str]:
     directory.mkdir(exist_ok=True)
     written = []
     for run_id, record in recorded.items():
-        timeline = build_timeline(record)
+        timeline = build_timeline(record, incidents)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
         png, page = directory / f"{safe}.png", directory / f"{safe}.html"
         draw(timeline, str(png))
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         from spikeguard.reporting import export_jsonl
 
         export_jsonl(recorded, args.export)
-    written = _write_files(recorded, args.out) if args.out else []
+    written = _write_files(recorded, args.out, args.incidents) if args.out else []
     if args.json:
         print(json.dumps({**report, "files": written} if written else report, indent=2))
         return 0

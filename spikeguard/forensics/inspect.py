@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from spikeguard.errors import SpikeguardError
-from spikeguard.forensics.samples import IncidentBatches, LossFn, rank_samples
+from spikeguard.forensics.record import IncidentBatches
+from spikeguard.forensics.samples import LossFn, rank_samples
 
 TOP = 20
 

@@ -1,8 +1,8 @@
 """Which samples caused an incident: replay its batches from the checkpoint before the onset.
 
 The Guard writes, at each incident, the sample ids of the batches in its
-window and the checkpoint taken before the onset (``IncidentBatches``, one
-JSON file). Here every one of those samples goes through that checkpoint's
+window and the checkpoint taken before the onset (``record.IncidentBatches``,
+one JSON file). Here every one of those samples goes through that checkpoint's
 model alone: its own loss and its own gradient norm. A sample that caused a
 spike stands out on one of the two (a corrupted input blows up the gradient,
 a wrong target the loss), so each sample's score is the larger of the two
@@ -13,59 +13,17 @@ person and for a skip list; it changes nothing by itself.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from spikeguard.errors import SpikeguardError
 
 SampleId = int | str
 #: ``loss_fn(model, batch) -> per-sample losses`` (reduction "none"), for a collated batch.
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-class IncidentFileError(SpikeguardError):
-    """An incident file that is missing, unreadable, or not spikeguard's."""
-
-
-@dataclass
-class IncidentBatches:
-    """What the Guard keeps about an incident so it can be inspected later."""
-
-    run_id: str
-    incident_id: str
-    onset_step: int
-    epoch: int
-    checkpoint: str | None  # the checkpoint taken before the onset (relative: to the file's directory)
-    checkpoint_step: int | None
-    batches: list[dict] = field(default_factory=list)  # [{"step": int, "ids": [...]}], in step order
-
-    def write(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)), encoding="utf-8")
-        tmp.replace(path)
-        return path
-
-    @classmethod
-    def read(cls, path: str | Path) -> "IncidentBatches":
-        path = Path(path)
-        try:
-            body = json.loads(path.read_text(encoding="utf-8"))
-            record = cls(**body)
-        except FileNotFoundError:
-            raise IncidentFileError(f"{path}: no such incident file") from None
-        except (ValueError, TypeError) as exc:
-            raise IncidentFileError(f"{path}: not a spikeguard incident file ({exc})") from None
-        if record.checkpoint and not Path(record.checkpoint).is_absolute():
-            record.checkpoint = str(path.parent / record.checkpoint)  # the directory may have moved
-        return record
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,19 @@ def _layers(moves: list[dict]) -> str:
         for m in moves[:3])
 
 
+def _samples(found: dict | None) -> str:
+    if not found:
+        return "<span class='muted'>no record (report --incidents DIR)</span>"
+    text = (f"{found['samples']} sample ids of {found['batches']} batches, checkpoint of step "
+            f"{found['checkpoint_step']}: <code>{_e(found['record'])}</code>")
+    if found["top"]:
+        text += "<br>top offenders (spikeguard inspect): " + ", ".join(
+            f"{_e(row['sample_id'])} (score {row['score']})" for row in found["top"])
+    else:
+        text += "<br><span class='muted'>rank them: spikeguard inspect RECORD --setup MODULE:FUNCTION</span>"
+    return text
+
+
 def render(timeline: "Timeline", png_path: str | None = None) -> str:
     t = timeline
     parts = [f"<!doctype html><html><head><meta charset='utf-8'>"
@@ -74,7 +87,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
     else:
         parts.append("<table><tr><th>onset (wall clock)</th><th>steps</th><th>epoch</th>"
                      "<th>type</th><th>urgency</th><th>loss vs baseline</th><th>detectors</th>"
-                     "<th>rules</th><th>critical</th><th>layers that moved first</th></tr>")
+                     "<th>rules</th><th>critical</th><th>layers that moved first</th><th>samples</th></tr>")
         for i in t.incidents:
             ratio = ""
             if i.loss is not None and i.baseline and math.isfinite(i.loss):
@@ -91,7 +104,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                 f"<td class='{_e(i.urgency)}'>{_e(i.urgency)}</td>"
                 f"<td>{_num(i.loss)} vs {_num(i.baseline)}{ratio}</td><td>{said}</td>"
                 f"<td>{_e(', '.join(i.rules))}</td><td>{'yes' if i.critical else 'no'}</td>"
-                f"<td>{_layers(i.layers)}</td></tr>")
+                f"<td>{_layers(i.layers)}</td><td>{_samples(i.samples)}</td></tr>")
         parts.append("</table><p class='muted'>Baseline: median of the finite losses of the "
                      "20 steps before the onset. Layers: a layer's squared share of the gradient norm that "
                      "rose by 0.1 or more while its own norm left its range (robust z &ge; 6 against "

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from spikeguard.forensics import attribute
+from spikeguard.forensics.record import summary
 from spikeguard.reporting.load import RunRecord
 from spikeguard.schemas import StepEvent
 from spikeguard.schemas import Urgency
@@ -49,6 +50,7 @@ class Incident:
     rules: list[str] = field(default_factory=list)
     critical: bool = False
     layers: list[dict] = field(default_factory=list)  # forensics.layers.LayerMove, first mover first
+    samples: dict | None = None  # forensics.record.summary: the incident's record, if one was given
 
 
 @dataclass
@@ -100,7 +102,8 @@ def _history(run: RunRecord, epoch: int) -> list[StepEvent]:
     return [latest[s] for s in sorted(latest)]
 
 
-def build_timeline(run: RunRecord) -> Timeline:
+def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline:
+    """``incidents_dir``: where the Guard's incident records are (and ``spikeguard inspect``'s output)."""
     points: list[StepPoint] = []
     index_of: dict[tuple[int, int], int] = {}
     trained: dict[int, int] = {}  # step -> first epoch it was trained in
@@ -173,6 +176,8 @@ def build_timeline(run: RunRecord) -> Timeline:
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
     for incident in incidents.values():
         incident.layers = [m.as_dict() for m in attribute(_history(run, incident.epoch), incident.onset_step)]
+        if incidents_dir is not None:
+            incident.samples = summary(incidents_dir, run.run_id, incident.incident_id)
     return Timeline(
         run.run_id, points, anomalies,
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from spikeguard.forensics.samples import IncidentBatches  # noqa: E402
+from spikeguard.forensics.record import IncidentBatches  # noqa: E402
 from spikeguard.producers.incidents import IncidentRecorder  # noqa: E402
 
 

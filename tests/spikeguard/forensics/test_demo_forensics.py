@@ -27,7 +27,7 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
     outcome = _demo("poison", tmp_path)
     assert len(outcome.planted) == 3 and outcome.incident_files
     assert main(["inspect", outcome.incident_files[0], "--setup", "spikeguard.demo.model:inspect_setup",
-                 "--out", str(tmp_path / "out"), "--json"]) == 0
+                 "--json"]) == 0  # written beside the record, where the report looks
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(outcome.planted) <= {row["sample_id"] for row in report["top"][:5]}
     assert set(outcome.planted) <= set(report["skip_ids"])
@@ -38,6 +38,13 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
     onset = next(i for i in timeline.incidents if i.onset_step >= 100)
     # The planted inputs are x10^4 one-hot rows: the first layer's gradient is the one that blows up.
     assert onset.layers and onset.layers[0]["layer"] == "net.0.weight"
+
+    assert main(["report", "--data-dir", str(tmp_path / "bus"), "--out", str(tmp_path / "report"),
+                 "--incidents", str(tmp_path / "incidents")]) == 0
+    page = next((tmp_path / "report").glob("*.html")).read_text()
+    assert "net.0.weight: share" in page
+    assert "top offenders (spikeguard inspect): " + ", ".join(
+        f"{row['sample_id']} (score {row['score']})" for row in report["top"][:5]) in page
 
 
 def test_the_flaky_demo_re_runs_its_faulty_steps_as_transient_and_the_report_says_so(tmp_path, capsys):

@@ -65,7 +65,7 @@ def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None)
 
 def test_the_three_planted_samples_come_out_in_the_top_five(tmp_path):
     from spikeguard.forensics.inspect import InspectSetup, inspect_incident
-    from spikeguard.forensics.samples import IncidentBatches
+    from spikeguard.forensics.record import IncidentBatches
 
     model, dataset = _problem()
     # The local skip rule would take these updates out at once (no incident to inspect): the

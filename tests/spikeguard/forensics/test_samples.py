@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from spikeguard.forensics.provenance import SampleIdTap, StepSamples  # noqa: E402
-from spikeguard.forensics.samples import IncidentBatches, IncidentFileError, rank_samples  # noqa: E402
+from spikeguard.forensics.record import IncidentBatches, IncidentFileError  # noqa: E402
+from spikeguard.forensics.samples import rank_samples  # noqa: E402
 
 
 class _Tagged(TensorDataset):
