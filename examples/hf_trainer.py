@@ -14,7 +14,6 @@ The integration itself is the ``callbacks=[SpikeguardCallback(...)]`` line.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import tempfile
@@ -30,16 +29,8 @@ from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-# The policy's defaults are sized for runs of many thousand steps; this one has 300.
-SHORT_RUN = {
-    "policy.rollback_min_steps_before_onset": 20,
-    "policy.skip_extra_batches": 4,
-    "policy.lr_restore_healthy_steps": 10,
-    "policy.lr_restore_factor": 1.5,
-    "policy.clip_mode": "adaptive",
-    "policy.divergence_step_interval_steps": 10,
-    "policy.preventive_min_interval_steps": 50,
-}
+from _shared import SHORT_RUN, finish  # noqa: E402  (this directory)
+
 
 
 class Chars(Dataset):
@@ -124,12 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
               "skipped_updates": g.counters["skipped_updates"], "updates": g.counters["updates"],
               "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
               "seconds": round(time.monotonic() - started, 1)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"final eval loss {eval_loss:.4f}, {result['rollbacks']} rollback(s), "
-              f"{result['skipped_updates']} skipped update(s), {result['seconds']} s")
-    return result
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

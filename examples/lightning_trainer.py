@@ -12,7 +12,6 @@ integration itself is the ``callbacks=[SpikeguardCallback(...)]`` argument.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import tempfile
@@ -23,31 +22,17 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from spikeguard.integrations.lightning import SpikeguardCallback
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-# The policy's defaults are sized for runs of many thousand steps; this one has 300.
-SHORT_RUN = {
-    "policy.rollback_min_steps_before_onset": 20,
-    "policy.skip_extra_batches": 4,
-    "policy.lr_restore_healthy_steps": 10,
-    "policy.lr_restore_factor": 1.5,
-    "policy.clip_mode": "adaptive",
-    "policy.divergence_step_interval_steps": 10,
-    "policy.preventive_min_interval_steps": 50,
-}
-CONTEXT, VOCAB = 8, 128
+from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows  # noqa: E402  (this directory)
 
 
-def windows(ids: torch.Tensor) -> TensorDataset:
-    """(one-hot window of CONTEXT characters, next character) at every position."""
-    starts = torch.arange(len(ids) - CONTEXT)
-    x = ids[starts[:, None] + torch.arange(CONTEXT)]
-    return TensorDataset(nn.functional.one_hot(x, VOCAB).float().reshape(len(x), -1), ids[starts + CONTEXT])
+
 
 
 class CharMLP(L.LightningModule):
@@ -130,12 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
               "skipped_updates": g.counters["skipped_updates"], "updates": g.counters["updates"],
               "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
               "seconds": round(time.monotonic() - started, 1)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"final eval loss {eval_loss:.4f}, {result['rollbacks']} rollback(s), "
-              f"{result['skipped_updates']} skipped update(s), {result['seconds']} s")
-    return result
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":
