@@ -100,6 +100,7 @@ def start_workers(
             run_idle_ttl_s=runtime.settings.worker.run_idle_ttl_s,
             max_state_record_bytes=runtime.settings.worker.max_state_record_bytes,
             metrics_linger_s=runtime.settings.worker.ended_run_metrics_linger_s,
+            batch_linger_s=runtime.settings.worker.embedded_batch_linger_s,
         )
         thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
         runtime.workers.append(worker)
