@@ -112,7 +112,8 @@ def main() -> None:
     else:
         for kind in kinds:
             row = report[kind]
-            print(f"{kind:12s} {row['steps_per_s']:9.0f} steps/s  {row['cpu_us_per_step']:7.0f} µs CPU/step  "
+            print(f"{kind:12s} {row['steps_per_s']:9.0f} steps/s  "
+                  f"{row['cpu_us_per_step']:7.0f} µs CPU/step  "
                   f"lag at end {row['lag']:.0f}")
         print(f"ratio embedded/unpublished: {report['ratio']:.2f}, process/unpublished: "
               f"{report['ratio_process']:.2f} (aim >= 0.9); CPU in the trainer's process "

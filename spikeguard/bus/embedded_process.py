@@ -134,8 +134,8 @@ class ChildPipeline:
             raise BusError("the embedded pipeline process did not start "
                            f"within {STARTUP_TIMEOUT_S:.0f}s (see its stderr)")
         linger = settings.worker.embedded_batch_linger_s
-        self.forwarder = Forwarder(bus, inputs_of(topics), f"{topics.prefix}{BRIDGE_GROUP}",  # type: ignore[arg-type]
-                                   self._down, linger).start()
+        group = f"{topics.prefix}{BRIDGE_GROUP}"
+        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down, linger).start()
         self.receiver = threading.Thread(target=receive, args=(bus, self._up),
                                          name="spikeguard-bridge-up", daemon=True)
         self.receiver.start()
@@ -160,8 +160,7 @@ class ChildPipeline:
 
 def child_main(down_fd: int, up_fd: int) -> int:
     """The child: a bus, the pipeline's workers on it, and the two bridge ends."""
-    from spikeguard.runtime import Runtime, start_workers
-    from spikeguard.runtime import make_bus
+    from spikeguard.runtime import Runtime, make_bus, start_workers
 
     down = Connection(down_fd, writable=False)
     up = Connection(up_fd, readable=False)

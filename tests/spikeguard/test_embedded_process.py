@@ -93,8 +93,9 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
             if len(dead) >= 3 * 4:
                 break
             threading.Event().wait(0.1)
-        assert sorted((d.consumer.rsplit(".", 1)[1], decode(d.value, StepEvent).step) for d in dead) == sorted(
-            (name, s) for name in ("statistical", "rules", "ml", "predictor") for s in range(3))
+        refused = sorted((d.consumer.rsplit(".", 1)[1], decode(d.value, StepEvent).step) for d in dead)
+        assert refused == sorted((name, s) for name in ("statistical", "rules", "ml", "predictor")
+                                 for s in range(3))
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert bus.read_all(topics.actions) == []
     finally:
