@@ -7,9 +7,13 @@ noise hits them alike:
   (statistics, the local skip rule) and nothing on any bus;
 - ``embedded``: ``Guard(...)`` as a user writes it: the in-process bus and
   the whole pipeline (four detectors, fusion, actuator) as threads of the
-  trainer's process.
+  trainer's process;
+- ``process``: the same with ``worker.embedded_process``: the pipeline's
+  workers in a child process bridged to the trainer's bus (its lag is the
+  bridge's: steps not yet handed to the child).
 
-Reported: steps/s of each (median over rounds), their ratio (aim >= 0.9),
+Reported: steps/s and CPU time in the trainer's process per step of each
+(median over rounds), the ratios to ``unpublished`` (aim >= 0.9),
 and how far the pipeline was behind when the loop ended (records the
 detectors had not yet committed): a pipeline that keeps up costs less than
 one that is dropping behind, so the ratio is only honest with the lag beside it.
@@ -52,8 +56,19 @@ def _lag(guard: Guard) -> int:
 
 def run(kind: str, steps: int, directory: str) -> dict:
     model, opt, x, y = make()
-    config = GuardConfig(checkpoint_dir=directory, checkpoint_every=0, resume=False)
-    guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, connect=(kind == "embedded"))
+    runtime = None
+    if kind == "process":
+        from spikeguard.runtime import open_runtime
+        from spikeguard.settings import load_settings
+
+        runtime = open_runtime(load_settings({"worker": {"embedded_process": True}}))
+        config = GuardConfig(checkpoint_dir=directory, checkpoint_every=0, resume=False,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+    else:
+        config = GuardConfig(checkpoint_dir=directory, checkpoint_every=0, resume=False)
+        guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, connect=(kind == "embedded"))
     warm = max(1, steps // 10)
     for i in range(steps):
         if i == warm:
@@ -66,6 +81,8 @@ def run(kind: str, steps: int, directory: str) -> dict:
     cpu = time.process_time() - cpu_start
     lag = _lag(guard)
     guard.close()
+    if runtime is not None:
+        runtime.close()
     return {"steps_per_s": (steps - warm) / wall, "cpu_us_per_step": 1e6 * cpu / (steps - warm), "lag": lag}
 
 
@@ -76,23 +93,31 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    kinds = ("unpublished", "embedded")
+    kinds = ("unpublished", "embedded", "process")
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for kind in kinds if r % 2 == 0 else reversed(kinds):
+            for kind in kinds if r % 2 == 0 else tuple(reversed(kinds)):
                 results[kind].append(run(kind, args.steps, f"{tmp}/{kind}-{r}"))
     report = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in results.items()}
-    report["ratio"] = report["embedded"]["steps_per_s"] / report["unpublished"]["steps_per_s"]
+    base = report["unpublished"]
+    report["ratio"] = report["embedded"]["steps_per_s"] / base["steps_per_s"]
+    report["ratio_process"] = report["process"]["steps_per_s"] / base["steps_per_s"]
+    # The trainer's own CPU per step, unpublished / with: what the pipeline takes from this process.
+    report["cpu_ratio"] = base["cpu_us_per_step"] / report["embedded"]["cpu_us_per_step"]
+    report["cpu_ratio_process"] = base["cpu_us_per_step"] / report["process"]["cpu_us_per_step"]
     report["steps"], report["rounds"] = args.steps, args.rounds
     if args.json:
         print(json.dumps(report))
     else:
         for kind in kinds:
             row = report[kind]
-            print(f"{kind:12s} {row['steps_per_s']:9.0f} steps/s  {row['cpu_us_per_step']:7.0f} µs CPU/step  "
+            print(f"{kind:12s} {row['steps_per_s']:9.0f} steps/s  "
+                  f"{row['cpu_us_per_step']:7.0f} µs CPU/step  "
                   f"lag at end {row['lag']:.0f}")
-        print(f"ratio embedded/unpublished: {report['ratio']:.2f} (aim >= 0.9)")
+        print(f"ratio embedded/unpublished: {report['ratio']:.2f}, process/unpublished: "
+              f"{report['ratio_process']:.2f} (aim >= 0.9); CPU in the trainer's process "
+              f"{report['cpu_ratio']:.2f} and {report['cpu_ratio_process']:.2f}")
 
 
 if __name__ == "__main__":

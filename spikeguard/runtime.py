@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from spikeguard.bus import Bus, EmbeddedBus
-from spikeguard.errors import BusError
+from spikeguard.errors import BusError, ConfigError
 from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.pipeline_watch import PipelineWatch
@@ -100,6 +100,7 @@ def start_workers(
             run_idle_ttl_s=runtime.settings.worker.run_idle_ttl_s,
             max_state_record_bytes=runtime.settings.worker.max_state_record_bytes,
             metrics_linger_s=runtime.settings.worker.ended_run_metrics_linger_s,
+            batch_linger_s=runtime.settings.worker.embedded_batch_linger_s,
         )
         thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
         runtime.workers.append(worker)
@@ -115,6 +116,9 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
     for this process and shared with its actuator through ``runtime.settings``.
     """
     settings = ensure_signing_key(settings or load_settings(), "the trainer's guard")
+    if settings.engine == "embedded" and settings.worker.embedded_process and settings.data_dir:
+        raise ConfigError("worker.embedded_process: not with data_dir (two processes would "
+                          "record into one directory); unset one of them")
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     if settings.engine == "embedded":
@@ -124,6 +128,11 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
         bus.signing_key = settings.signing_key
         runtime = Runtime(bus, topics, settings)
+        if settings.worker.embedded_process:  # the workers' GIL apart from the trainer's
+            from spikeguard.bus.embedded_process import ChildPipeline
+
+            runtime.closers.append(ChildPipeline(runtime).close)
+            return runtime
         start_workers(runtime, metrics=metrics)
         from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts
 

@@ -30,3 +30,18 @@ class WorkerConfig(BaseModel):
         description="an ended or evicted run's per-run metric series are removed this long "
         "after it goes, so that the next Prometheus scrape still sees its last values",
     )
+    embedded_batch_linger_s: float = Field(
+        0.002,
+        ge=0,
+        le=1.0,
+        description="in the embedded pipeline (worker threads in the trainer's process), how "
+        "long a worker woken by new records waits for more before working on them: fewer "
+        "wake-ups, less of the trainer's time and GIL, for this much added latency per hop "
+        "(0: work on every wake-up)",
+    )
+    embedded_process: bool = Field(
+        False,
+        description="embedded mode: run the pipeline's workers in a child process bridged to "
+        "the trainer's in-process bus, instead of as threads of the trainer's process (their "
+        "Python work then no longer shares the trainer's GIL); not with data_dir",
+    )

@@ -65,6 +65,7 @@ class Worker:
         max_state_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         clock: Callable[[], float] = time.time,
         metrics_linger_s: float = 60.0,
+        batch_linger_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.stage = stage
@@ -77,6 +78,9 @@ class Worker:
         # An ended run's series stay this long, so that the next scrape still sees its last values.
         self.metrics_linger_s = metrics_linger_s
         self._linger: deque[tuple[float, str]] = deque()
+        # Woken by fewer than max_records, wait this long for more: one wake-up, snapshot,
+        # flush and round of metrics per batch, not per record, for that much latency.
+        self.batch_linger_s = batch_linger_s
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
@@ -141,6 +145,9 @@ class Worker:
         records = self._consumer.poll(
             self.max_records, self.poll_timeout_s if timeout is None else timeout
         )
+        if records and self.batch_linger_s > 0 and len(records) < self.max_records:
+            self._pause(self.batch_linger_s)
+            records += self._consumer.poll(self.max_records - len(records), 0)
         started = time.perf_counter()
         now = self.clock()
         outputs = self._process(records, now) if records else []
@@ -165,6 +172,9 @@ class Worker:
         elif self._saver.pending and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.checkpoint()
         return len(records)
+
+    def _pause(self, seconds: float) -> None:  # the stop event: stop() cuts it short
+        self._stop.wait(seconds)
 
     def _evict_idle(self, now: float) -> list[Output]:
         """Runs with no record for the idle TTL: what they still hold goes out, then they go."""
