@@ -20,7 +20,8 @@ from typing import Any
 
 def decision_key(decision_id: str) -> int:
     """The 64 bits of ``decision_id`` that stand for it (signed, to fit an ``array('q')``)."""
-    return int.from_bytes(blake2b(decision_id.encode(), digest_size=8).digest(), "little", signed=True)
+    digest = blake2b(decision_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class SeenDecisions:
@@ -39,7 +40,7 @@ class SeenDecisions:
         return isinstance(decision_id, str) and decision_key(decision_id) in self._keys
 
     def add(self, decision_id: str, step: int, window: int) -> None:
-        """Remember ``decision_id`` at ``step``, forgetting the oldest ones before ``step - window``."""
+        """Remember ``decision_id`` at ``step``; forget the oldest, before ``step - window``."""
         self._steps.append(step)
         self._keys.append(decision_key(decision_id))
         oldest, steps = step - window, self._steps
