@@ -40,11 +40,10 @@ a copy of the features and one vectorised clean-up, scores them with the current
 forest in one walk, and rescores the rest of the batch only when a refit happens
 inside it; each step then advances the real features in place. ``update`` walks
 the forest for its one row: both give identical verdicts. The forest is never
-pickled: ``state_dict`` keeps the rows it was fitted on, the rows since, and the
-fit count, and ``load_state_dict`` refits (same rows + same seed => same trees
-=> same scores). State is bounded: at most ``buffer_size + max(warmup_steps,
-refit_every)`` rows of five rounded floats (at most ~160 kB of JSON with the
-defaults; ~40 bytes a row), plus at most ``layers.max_layers`` share tracks.
+pickled: ``state_dict`` keeps its rows, the rows since and the fit count, and
+``load_state_dict`` refits (same rows + seed => same trees). State is bounded:
+``buffer_size + max(warmup_steps, refit_every)`` rows of five floats (40 bytes
+a row in memory, ~160 kB of JSON at most), ``layers.max_layers`` share tracks.
 """
 
 from __future__ import annotations
@@ -354,14 +353,12 @@ class MLDetector(Detector[MLState]):
         })
 
     # -- state ---------------------------------------------------------------
-    # The rollback history's snapshots: the features and layer shares pickled (~0.5 kB),
-    # the rest shared. ``pending`` only grows by append until a refit replaces it, so a
-    # snapshot is the buffer and its length then: rows are held once, not per snapshot.
-    _SHARED = ("fitted", "forest", "fits", "threshold", "median", "ceiling", "row", "healthy")
+    # Snapshots: features and layers pickled (~0.5 kB); fitted rows and ``pending`` shared (a refit
+    # replaces them; pending only grows till then). No forest: ~0.5 MB, rebuilt on need.
+    _SHARED = ("fitted", "fits", "row", "healthy")
 
     def pack(self, state: MLState) -> tuple[bytes, Rows, int, tuple[Any, ...]]:
-        head = pickle.dumps((state.features.state_dict(), state.layers.state_dict()),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        head = pickle.dumps((state.features.state_dict(), state.layers.state_dict()), protocol=5)
         shared = tuple(getattr(state, name) for name in self._SHARED)
         return head, state.pending, len(state.pending), shared
 
@@ -371,9 +368,15 @@ class MLDetector(Detector[MLState]):
         features, layers = pickle.loads(head)
         state.features.load_state_dict(features)
         state.layers.load_state_dict(layers)
-        state.pending = pending.prefix(count)  # rows of its own: the restored run appends to them
+        state.pending = pending.prefix(count)  # its own: the restored run appends to it
         for name, value in zip(self._SHARED, shared):
             setattr(state, name, value)
+        live = self.state
+        if state.fits and live.fits == state.fits and live.fitted is state.fitted:  # no refit since
+            for name in ("forest", "threshold", "median", "ceiling"):
+                setattr(state, name, getattr(live, name))
+        elif state.fits:  # a rollback to before a refit: the same rows and seed give the same trees
+            self._build(state)
         return state
 
     def dump(self, state: MLState) -> dict[str, Any]:
