@@ -47,6 +47,7 @@ from typing import Any
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
 from spikeguard.actuators.incidents import Incident, IncidentBook
+from spikeguard.actuators.seen import SeenDecisions
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
@@ -86,7 +87,7 @@ class RecoveryPolicy:
         # Decisions admitted, across epochs: the policy's clock, in observed steps (a re-run
         # after a rollback counts again: that is training time spent).
         self.observed_steps = 0
-        self.seen: OrderedDict[str, int] = OrderedDict()  # decision id -> step, this epoch
+        self.seen = SeenDecisions()  # decision ids admitted this epoch, within the window
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
         self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at
         self.healthy_streak = 0
@@ -174,10 +175,7 @@ class RecoveryPolicy:
             self.counts["duplicate" if d.decision_id in self.seen else "late"] += 1
             return False
         self.high_water = d.step
-        self.seen[d.decision_id] = d.step
-        oldest = d.step - self.config.seen_window_steps
-        while self.seen and next(iter(self.seen.values())) < oldest:
-            self.seen.popitem(last=False)
+        self.seen.add(d.decision_id, d.step, self.config.seen_window_steps)
         self.observed_steps += 1
         return True
 
@@ -327,7 +325,7 @@ class RecoveryPolicy:
             "epoch": self.epoch,
             "high_water": self.high_water,
             "observed_steps": self.observed_steps,
-            "seen": [[k, v] for k, v in self.seen.items()],
+            "seen": self.seen.state_dict(),
             "tail": self.tail,
             "pending_spike": self.pending_spike,
             "healthy_streak": self.healthy_streak,
@@ -347,7 +345,7 @@ class RecoveryPolicy:
         self.epoch, self.high_water = state["epoch"], state["high_water"]
         # "tick": the name in snapshots written before the rename.
         self.observed_steps = state["observed_steps"] if "observed_steps" in state else state["tick"]
-        self.seen = OrderedDict((k, v) for k, v in state["seen"])
+        self.seen.load_state_dict(state["seen"])
         self.tail, self.pending_spike = state["tail"], state["pending_spike"]
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]
         self.last_preventive_tick = state["last_preventive_tick"]

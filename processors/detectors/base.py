@@ -11,6 +11,9 @@ A detector defines four pure pieces and a state codec:
   down), the inputs of rolling features. Defaults to nothing.
 * ``learn(event, state)`` — what a *normal* step teaches: the baselines.
 * ``dump(state)`` / ``load(data)`` — the state as JSON types and back.
+* ``pack(state)`` / ``unpack(packed)`` — the state as the rollback history keeps
+  it: by default the pickled ``dump`` (a few kB, against tens of kB as live
+  objects); a detector with large parts it never changes in place shares them.
 
 Everything around them is done here, once, for every detector:
 
@@ -34,6 +37,7 @@ bounded (independent of run length).
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Generic, Sequence, TypeVar
 
@@ -62,7 +66,7 @@ class Detector(ABC, Generic[S]):
     def __init__(self, *, snapshot_every: int = 50, max_snapshots: int = 16) -> None:
         # 50: the trainer's default checkpoint cadence, so a rollback target usually has
         # a snapshot of its own (producers.config.GuardConfig.checkpoint_every).
-        self.history: StateHistory[S] = StateHistory(snapshot_every, max_snapshots)
+        self.history: StateHistory[Any] = StateHistory(snapshot_every, max_snapshots)
         self.state: S = self.fresh()
         self.epoch = 0  # the newest epoch seen
         self._last_step = -1  # the last step judged in it (-1: none, or not known since a load)
@@ -105,6 +109,18 @@ class Detector(ABC, Generic[S]):
         """An independent copy of ``state`` (for the rollback history)."""
         return self.load(self.dump(state))
 
+    def pack(self, state: S) -> Any:
+        """``state`` as the rollback history keeps it: compact, and unchanged by later steps.
+
+        Pickle, not JSON: it keeps NaN, infinities and every float exactly, and is
+        faster; the bytes never leave this process (the history is not saved).
+        """
+        return pickle.dumps(self.dump(state), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def unpack(self, packed: Any) -> S:
+        """A new state from what :meth:`pack` returned (the packed value stays as it was)."""
+        return self.load(pickle.loads(packed))
+
     def stale(self, event: StepEvent) -> Verdict:
         """The verdict on a late step from before a rollback: no news, nothing learnt."""
         return validate_verdict({
@@ -135,7 +151,7 @@ class Detector(ABC, Generic[S]):
             self._roll_back(event)
         history = self.history
         if history.due(event.step):
-            history.save(event.step, self.copy(self.state))
+            history.save(event.step, self.pack(self.state))
         state = self.state
         verdict = self.score(event, state)
         self.track(event, state, verdict)
@@ -155,7 +171,7 @@ class Detector(ABC, Generic[S]):
         self.epoch = event.epoch
         if 0 <= self._last_step < event.step:
             return  # a new epoch that re-runs nothing: the state is already right
-        found = self.history.rewind(event.step, self.copy)
+        found = self.history.rewind(event.step, self.unpack)
         # Nothing kept from that far back: start over (warm-up is silent).
         self.state = self.fresh() if found is None else found[1]
 

@@ -40,16 +40,16 @@ a copy of the features and one vectorised clean-up, scores them with the current
 forest in one walk, and rescores the rest of the batch only when a refit happens
 inside it; each step then advances the real features in place. ``update`` walks
 the forest for its one row: both give identical verdicts. The forest is never
-pickled: ``state_dict`` keeps the rows it was fitted on, the rows since, and the
-fit count, and ``load_state_dict`` refits (same rows + same seed => same trees
-=> same scores). State is bounded: at most ``buffer_size + max(warmup_steps,
-refit_every)`` rows of five rounded floats (at most ~160 kB of JSON with the
-defaults; ~40 bytes a row), plus at most ``layers.max_layers`` share tracks.
+pickled: ``state_dict`` keeps its rows, the rows since and the fit count, and
+``load_state_dict`` refits (same rows + seed => same trees). State is bounded:
+``buffer_size + max(warmup_steps, refit_every)`` rows of five floats (40 bytes
+a row in memory, ~160 kB of JSON at most), ``layers.max_layers`` share tracks.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from spikeguard.processors.detectors.base import Detector, validate_verdict
 from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
 from spikeguard.processors.detectors.ml_layers import LayerConfig, LayerFinding, LayerShares
+from spikeguard.processors.detectors.ml_rows import Rows
 from spikeguard.processors.features import ML_FEATURES, FeatureConfig, RollingFeatures
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -159,7 +160,7 @@ class MLState:
         self.features = features
         self.layers = layers
         self.fitted = np.zeros((0, _WIDTH))  # rows the current forest was fitted on
-        self.pending: list[np.ndarray] = []  # healthy rows since that fit
+        self.pending = Rows(_WIDTH)  # healthy rows since that fit
         self.fits = 0
         self.forest: CompiledForest | None = None
         self.threshold = self.median = self.ceiling = math.nan  # in score units
@@ -279,8 +280,10 @@ class MLDetector(Detector[MLState]):
         else:
             due = c.refit_every
         if len(state.pending) >= due:
-            state.fitted = np.vstack([state.fitted, *state.pending])[-c.buffer_size :]
-            state.pending = []
+            # A copy of the newest rows: a view would keep every row stacked here alive.
+            stacked = np.vstack([state.fitted, state.pending.matrix()])
+            state.fitted = stacked[-c.buffer_size :].copy()
+            state.pending = Rows(_WIDTH)
             state.fits += 1
             self._build(state)
 
@@ -350,23 +353,38 @@ class MLDetector(Detector[MLState]):
         })
 
     # -- state ---------------------------------------------------------------
-    def copy(self, state: MLState) -> MLState:
-        # The fitted rows and the forest are replaced at a refit, never changed in
-        # place: a snapshot shares them, and costs the features and a list.
-        twin = MLState.__new__(MLState)
-        for name in MLState.__slots__:
-            setattr(twin, name, getattr(state, name))
-        twin.features = state.features.copy()
-        twin.layers = state.layers.copy()
-        twin.pending = list(state.pending)
-        return twin
+    # Snapshots: features and layers pickled (~0.5 kB); fitted rows and ``pending`` shared (a refit
+    # replaces them; pending only grows till then). No forest: ~0.5 MB, rebuilt on need.
+    _SHARED = ("fitted", "fits", "row", "healthy")
+
+    def pack(self, state: MLState) -> tuple[bytes, Rows, int, tuple[Any, ...]]:
+        head = pickle.dumps((state.features.state_dict(), state.layers.state_dict()), protocol=5)
+        shared = tuple(getattr(state, name) for name in self._SHARED)
+        return head, state.pending, len(state.pending), shared
+
+    def unpack(self, packed: tuple[bytes, Rows, int, tuple[Any, ...]]) -> MLState:
+        head, pending, count, shared = packed
+        state = self.fresh()
+        features, layers = pickle.loads(head)
+        state.features.load_state_dict(features)
+        state.layers.load_state_dict(layers)
+        state.pending = pending.prefix(count)  # its own: the restored run appends to it
+        for name, value in zip(self._SHARED, shared):
+            setattr(state, name, value)
+        live = self.state
+        if state.fits and live.fits == state.fits and live.fitted is state.fitted:  # no refit since
+            for name in ("forest", "threshold", "median", "ceiling"):
+                setattr(state, name, getattr(live, name))
+        elif state.fits:  # a rollback to before a refit: the same rows and seed give the same trees
+            self._build(state)
+        return state
 
     def dump(self, state: MLState) -> dict[str, Any]:
         return {
             "features": state.features.state_dict(),
             "fits": state.fits,
             "fitted": state.fitted.tolist(),
-            "pending": [row.tolist() for row in state.pending],
+            "pending": state.pending.tolist(),
             "layers": state.layers.state_dict(),
         }
 
@@ -376,7 +394,7 @@ class MLDetector(Detector[MLState]):
         state.layers.load_state_dict(data["layers"])
         state.fits = int(data["fits"])
         state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH)
-        state.pending = [np.array(row, dtype=np.float64) for row in data["pending"]]
+        state.pending = Rows.from_rows(_WIDTH, data["pending"])
         if state.fits:
             self._build(state)
         return state

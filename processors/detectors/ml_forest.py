@@ -105,8 +105,11 @@ class CompiledForest:
             leaf_value[i, :k] = depth + _path_length(t.n_node_samples[:k])
             self.depth = max(self.depth, int(depth.max()))
         offset = (np.arange(t_count) * width)[:, None]
-        self.left, self.right = (left + offset).ravel(), (right + offset).ravel()
-        self.feature, self.threshold = feature.ravel(), threshold.ravel()
+        # Node and feature indices as int32 (a forest has far fewer than 2**31 nodes): the
+        # same walk, 150 of the ~500 kB a run's forest held as int64.
+        self.left = (left + offset).ravel().astype(np.int32)
+        self.right = (right + offset).ravel().astype(np.int32)
+        self.feature, self.threshold = feature.ravel().astype(np.int32), threshold.ravel()
         self.leaf_value = (np.round(leaf_value * 2.0**20) / 2.0**20).ravel()
         self.roots = offset
         self.norm = t_count * float(_path_length(np.array([forest.max_samples_]))[0])

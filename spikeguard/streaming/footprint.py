@@ -3,8 +3,9 @@
 Used by the scale test and ``benchmarks/bench_scale_runs.py`` to report memory
 per run without tracing every allocation (tracemalloc slows a 10,000-run load
 several times over). It follows containers, instance attributes and slots,
-counts numpy arrays by their buffers, and counts every object once. Classes,
-modules and functions are shared code, not per-run state: not counted.
+counts numpy arrays by their buffers (a view by its base's), and counts every
+object once. Classes, modules and functions are shared code, not per-run
+state: not counted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def deep_size(*roots: Any, exclude: Iterable[Any] = ()) -> int:
         elif isinstance(obj, (str, bytes, bytearray, int, float, complex, bool)) or obj is None:
             continue
         else:
+            if type(obj).__module__ == "numpy" and getattr(obj, "base", None) is not None:
+                stack.append(obj.base)  # a view: what it keeps alive is its base
             attrs = getattr(obj, "__dict__", None)
             if attrs is not None:
                 stack.append(attrs)
