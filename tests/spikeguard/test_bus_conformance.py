@@ -108,8 +108,12 @@ def drain(consumer: Consumer, count: int, timeout: float = 30.0, max_records: in
     return records
 
 
-def wait_assigned(consumers: list[Consumer], topic: str, timeout: float = 30.0) -> None:
-    """Poll every member until the group's partitions are split among all of them."""
+def wait_assigned(consumers: list[Consumer], topic: str, timeout: float = 90.0) -> None:
+    """Poll every member until the group's partitions are split among all of them.
+
+    On Kafka a member learns of a rebalance only on a heartbeat or poll, and one
+    that joins late can take a few session timeouts to settle on a loaded
+    machine: a generous deadline, since the test is about the split, not its speed."""
     everything = {(topic, p) for p in range(PARTITIONS)}
     deadline = time.monotonic() + timeout
     while True:
