@@ -11,7 +11,8 @@ Two sources, in this order:
   workers prefetching ahead, so each batch takes the next ``len(batch)``
   recorded indices.
 
-Anything else (an iterable dataset without an id function) records nothing,
+Anything else (an iterable dataset, or a batch sampler other than torch's
+own, without an id function) records nothing,
 and ``inspect`` says so. Memory is bounded: ``StepSamples`` keeps ``window``
 steps.
 """
@@ -61,9 +62,14 @@ class SampleIdTap:
         self.source = "user" if sample_ids is not None else self._install(loader)
 
     def _install(self, loader: Any) -> str:
+        from torch.utils.data import BatchSampler
+
         batch_sampler = getattr(loader, "batch_sampler", None)
         inner = getattr(batch_sampler, "sampler", None)
-        if inner is None or getattr(loader, "_dataset_kind", 0) != 0:  # 0: map-style
+        # Only torch's own BatchSampler over a map-style dataset (0) is known to draw one index
+        # per sample in batch order; another batch sampler (accelerate's shards, a bucketing
+        # one) could yield other indices than it was handed: no ids rather than wrong ones.
+        if inner is None or type(batch_sampler) is not BatchSampler or getattr(loader, "_dataset_kind", 0) != 0:
             return "none"
         if not isinstance(inner, _RecordingSampler):
             batch_sampler.sampler = _RecordingSampler(inner, self.drawn)

@@ -86,3 +86,19 @@ def test_an_incident_file_round_trips_and_a_bad_one_is_named(tmp_path):
         IncidentBatches.read(tmp_path / "bad.json")
     with pytest.raises(IncidentFileError, match="no such incident file"):
         IncidentBatches.read(tmp_path / "missing.json")
+
+
+def test_a_batch_sampler_of_its_own_records_nothing_rather_than_wrong_ids():
+    class Buckets(torch.utils.data.Sampler):
+        def __init__(self):
+            self.sampler = range(10)  # looks like a BatchSampler, draws otherwise
+
+        def __iter__(self):
+            return iter([[9, 0], [5, 4]])
+
+        def __len__(self):
+            return 2
+
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=Buckets())
+    tap = SampleIdTap(loader)
+    assert tap.source == "none" and tap.ids(next(iter(loader))[0]) is None
