@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, Sequence
 from pydantic import BaseModel
 
 from spikeguard.processors.detector_stage import one_run
-from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.processors.fusion import Fusion
+from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.processors.run_settings import RunSettingsStage, handled_through, over
 from spikeguard.schemas import RunEvent, Topics, Verdict
 from spikeguard.streaming.stage import Output

@@ -83,7 +83,7 @@ def check(plan: RunPlan) -> str | None:
 
 def _fusion_overrides(overrides: Any) -> dict[str, Any]:
     """``policy["fusion"]``: FusionConfig overrides for the run, checked here as fusion will."""
-    from spikeguard.processors.fusion import FusionConfig
+    from spikeguard.processors.fusion_config import FusionConfig
 
     try:
         FusionConfig.model_validate(dict(overrides))

@@ -23,7 +23,7 @@ from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.alerting.config import AlertingConfig
 from spikeguard.errors import ConfigError
 from spikeguard.processors.detectors import CONFIGS
-from spikeguard.processors.fusion import FusionConfig
+from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.producers.config import GuardConfig
 from spikeguard.streaming.config import WorkerConfig
 from spikeguard.settings_sources import (

@@ -29,7 +29,8 @@ from typing import Iterable, Iterator, Sequence
 
 from spikeguard.lab.evaluation import Mark, marks_from_decisions, score_run, summarize
 from spikeguard.processors.detectors import CONFIGS, DETECTORS
-from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.processors.fusion import Fusion
+from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.schemas import StepEvent, Verdict
 
 ALL = ("statistical", "rules", "ml", "predictor")

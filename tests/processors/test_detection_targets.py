@@ -23,7 +23,8 @@ from spikeguard.lab.baselines import NaiveBaseline, SixSigmaBaseline, flag_run
 from spikeguard.processors.detectors.rules import RulesDetector
 from spikeguard.processors.detectors.statistical import StatisticalDetector
 from spikeguard.lab.evaluation import marks_from_decisions, score_run, summarize
-from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.processors.fusion import Fusion
+from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.lab.simulate import ANOMALY_KINDS, default_suite
 
 SEEDS = (0, 1, 2)

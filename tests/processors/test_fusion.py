@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from spikeguard.actuators import RecoveryPolicy
 from spikeguard.processors.decision_table import CRITICAL_TYPES
-from spikeguard.processors.fusion import Fusion, FusionConfig
+from spikeguard.processors.fusion import Fusion
+from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.schemas import ActionKind
 from spikeguard.schemas import AnomalyType as T
 from spikeguard.schemas import Decision, Urgency, Verdict
