@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from functools import partial
 from typing import Callable
 from itertools import repeat
@@ -33,6 +33,7 @@ from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
 from spikeguard.streaming.checkpointer import Checkpointer
+from spikeguard.streaming.run_sweep import RunSweep
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
 from spikeguard.schemas import Ack, StepEvent, encode
@@ -75,9 +76,6 @@ class Worker:
         self.snapshot_interval_s = snapshot_interval_s
         self.run_idle_ttl_s = run_idle_ttl_s
         self.clock = clock  # wall time: idle eviction and the stage's deadlines
-        # An ended run's series stay this long, so that the next scrape still sees its last values.
-        self.metrics_linger_s = metrics_linger_s
-        self._linger: deque[tuple[float, str]] = deque()
         # Woken by fewer than max_records, wait this long for more: one wake-up, snapshot,
         # flush and round of metrics per batch, not per record, for that much latency.
         self.batch_linger_s = batch_linger_s
@@ -104,10 +102,7 @@ class Worker:
         # Which partition each run in memory came from (to forget it when the partition moves).
         self._run_partition: dict[str, int] = {}
         self._last_snapshot = time.monotonic()
-        self._next_sweep = 0.0
-        self._idled = 0  # of the runs ended since the last drain, how many for idling
-        self._high = 0  # most runs in _run_partition since it was last rebuilt
-        self._in_memory = self.metrics.runs_in_memory.labels(stage.name)
+        self._sweep = RunSweep(stage, self.metrics, run_idle_ttl_s, metrics_linger_s, self.group)
         self._stop = threading.Event()
         # Compacted inputs (the runs topic) may hold tombstones: no event, nothing to judge.
         self._compacted = {topics.runs} & set(self._models)
@@ -156,8 +151,7 @@ class Worker:
             if self._saver is not None:  # a deadline that decides changes its run's state
                 self._saver.changed(map(_RUN_ID, map(_EVENT, ticked)))
             outputs += ticked
-        if now >= self._next_sweep:
-            outputs += self._evict_idle(now)
+        outputs += self._sweep.evict_idle(now)
         self._drop_ended(now)
         self._publish(outputs)
         if records:
@@ -177,45 +171,13 @@ class Worker:
         self._stop.wait(seconds)
 
     def _evict_idle(self, now: float) -> list[Output]:
-        """Runs with no record for the idle TTL: what they still hold goes out, then they go."""
-        # Every tenth of the TTL (at most a minute): the scan is O(runs), not per batch.
-        self._next_sweep = now + min(60.0, self.run_idle_ttl_s / 10)
-        idle = self.stage.idle_runs(now, self.run_idle_ttl_s)
-        if not idle:
-            return []
-        outputs = self.stage.flush_runs(idle)
-        self.stage.end_runs(idle)
-        self._idled += len(idle)
-        self.metrics.runs_evicted.labels(self.stage.name, "idle").inc(len(idle))
-        log.info("%s: %d runs idle for over %.0fs evicted", self.group, len(idle),
-                 self.run_idle_ttl_s)
-        return outputs
+        return self._sweep.evict_idle(now, force=True)
 
     def _drop_ended(self, now: float) -> None:
         """Forget the runs the stage ended: their partition entry, their metrics; queue tombstones."""
-        ended = self.stage.drain_ended()
-        if ended:
-            if len(ended) > self._idled:
-                self.metrics.runs_evicted.labels(self.stage.name, "ended").inc(len(ended) - self._idled)
-            self._idled = 0
-            due = now + self.metrics_linger_s
-            self._high = max(self._high, len(self._run_partition))
-            for run_id in ended:
-                self._run_partition.pop(run_id, None)
-                self._linger.append((due, run_id))
-            if len(self._run_partition) < self._high // 4:  # its table shrinks with the runs
-                self._run_partition = dict(self._run_partition)
-                self._high = len(self._run_partition)
-            if self._saver is not None:
-                self._saver.ended(ended)
-        linger = self._linger
-        while linger and linger[0][0] <= now:
-            run_id = linger.popleft()[1]
-            if run_id not in self._run_partition:  # not back since
-                self.metrics.forget_run(run_id)
-        runs = getattr(self.stage, "runs", None)
-        if runs is not None:
-            self._in_memory.set(len(runs))
+        ended = self._sweep.ended(now, self._run_partition)
+        if ended and self._saver is not None:
+            self._saver.ended(ended)
 
     def drain(self) -> list[Output]:
         """End of input: let the stage emit what it still holds, and publish it."""
