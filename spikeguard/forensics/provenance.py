@@ -89,8 +89,8 @@ class SampleIdTap:
         n = _batch_len(batch)
         if n is None or n > len(self.drawn):
             return None
-        return [int(self.drawn.popleft()) if hasattr(self.drawn[0], "__index__") else self.drawn.popleft()
-                for _ in range(n)]
+        taken = [self.drawn.popleft() for _ in range(n)]
+        return [int(i) if hasattr(i, "__index__") else i for i in taken]  # (tensor indices as ints)
 
     def skip(self, batch: Any) -> None:
         """A batch the wrapper drew and dropped (a skip window): its ids are consumed too."""

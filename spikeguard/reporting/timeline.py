@@ -174,8 +174,12 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
+    histories: dict[int, list[StepEvent]] = {}  # one per epoch, however many incidents it has
     for incident in incidents.values():
-        incident.layers = [m.as_dict() for m in attribute(_history(run, incident.epoch), incident.onset_step)]
+        history = histories.get(incident.epoch)
+        if history is None:
+            history = histories[incident.epoch] = _history(run, incident.epoch)
+        incident.layers = [m.as_dict() for m in attribute(history, incident.onset_step)]
         if incidents_dir is not None:
             incident.samples = summary(incidents_dir, run.run_id, incident.incident_id)
     return Timeline(
