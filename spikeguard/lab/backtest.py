@@ -27,10 +27,10 @@ from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
+from spikeguard.lab.backtest_pump import BATCH, DirectPipeline
+
 JUDGES = ("statistical", "rules", "ml", "predictor", "fusion")
 _NEVER = 10**12
-#: Records a worker takes per poll: the detectors' batch.
-BATCH = 2000
 #: Steps per segment of a streamed backtest: a multiple of BATCH (see OfflinePipeline).
 SEGMENT_STEPS = 2 * BATCH  # ~55 MiB of records and events on top of ~140 MiB of imports
 
@@ -148,11 +148,12 @@ class OfflinePipeline:
         workers = detectors + others
         stager = bus.consumer("offline.stager", [staged.verdicts])
         # Where each step stands in the input: verdicts are released in that order.
-        order = {
-            (e.run_id, e.epoch, e.step): i  # type: ignore[attr-defined]
-            for i, (topic, e) in enumerate(inputs)
-            if topic == topics.steps
-        }
+        # A step given twice (a replay, which the detectors refuse) keeps its first
+        # place: at the second, fusion would have decided past it and drop its verdicts.
+        order: dict[tuple, int] = {}
+        for i, (topic, e) in enumerate(inputs):
+            if topic == topics.steps:
+                order.setdefault((e.run_id, e.epoch, e.step), i)  # type: ignore[attr-defined]
         readers = {topic: bus.consumer(f"offline.reader.{topic}", [topic]) for topic in self.outputs}
         busy = True
         while busy:
@@ -206,21 +207,23 @@ def backtest_stream(
 
     Memory stays that of one segment (``segment_steps`` steps) whatever the
     length of ``events``; the decisions are the same for any multiple of BATCH.
+    The stages are driven directly (:class:`~.backtest_pump.DirectPipeline`),
+    with the batches the bus pump (:class:`OfflinePipeline`) would give them.
     """
     if segment_steps <= 0 or segment_steps % BATCH:
         raise ValueError(f"segment_steps must be a positive multiple of {BATCH}, got {segment_steps}")
-    settings = settings or load_settings(env={})
-    topics = Topics(settings.topic_prefix)
-    pipeline = OfflinePipeline(settings, JUDGES, {topics.decisions: Decision}, metrics)
-    segment: list[tuple[str, BaseModel]] = []
+    pipeline = DirectPipeline(offline(settings or load_settings(env={})), metrics)
+    segment: list[StepEvent] = []
     for event in events:
-        segment.append((topics.steps, event))
+        segment.append(event)
         if len(segment) == segment_steps:
-            yield from pipeline.feed(segment)[topics.decisions]  # type: ignore[misc]
+            with paused_gc():  # not around the yield: the caller's code runs there
+                decisions = pipeline.feed(segment)
+            yield from decisions
             segment = []
-    if segment:
-        yield from pipeline.feed(segment)[topics.decisions]  # type: ignore[misc]
-    yield from pipeline.finish()[topics.decisions]  # type: ignore[misc]
+    with paused_gc():
+        decisions = pipeline.feed(segment) + pipeline.finish()
+    yield from decisions
 
 
 def replay_events(
