@@ -7,12 +7,15 @@ error messages (the parsing helpers are runfile's own). ``on_progress`` is
 told how many characters were consumed, every :data:`PROGRESS_EVERY` lines,
 so a progress bar can follow the file's size without a second pass.
 
-CSV rows go in chunks of :data:`CHUNK_ROWS`, a column at a time: the cells
-are converted by ``map(int/float)`` over whole columns, the checks run once
-per chunk, and the schema's validator is called without BaseModel's frame. A
-chunk with anything unusual in it (an empty or malformed cell, steps out of
-order, a bad label) goes row by row through runfile's own rules instead, so
-the events and the error messages are runfile's, whichever path read them.
+CSV rows go in chunks of :data:`CHUNK_ROWS` lines, a column at a time: the
+cells are converted by ``map(int/float)`` over whole columns and validated in
+bulk (the steps' range once per chunk, each run id once through the schema),
+and the events of a chunk whose every cell is filled are built without a
+validator call each (:func:`_built`, what pydantic's ``model_construct`` does,
+minus its Python loop over the fields). A chunk with anything unusual in it (an
+empty or malformed cell, steps out of order, a bad label, a blank line) goes
+row by row through runfile's own rules instead, so the events and the error
+messages are runfile's, whichever path read them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from spikeguard.lab.runfile import (
     _parse_int,
 )
 from spikeguard.schemas import StepEvent
+from spikeguard.schemas.events import MAX_COUNTER
 
 PROGRESS_EVERY = 2000
 Progress = Callable[[int], None]
@@ -99,36 +103,64 @@ class _Columns:
         self.step_at, self.loss_at = index["step"], index["loss"]
         self.run_at, self.label_at = index.get("run_id"), index.get("label")
         self.run_id = run_id
+        self.last: dict[str, int] = {}  # each run's newest step read so far
+        self.checked: set[str] = set()  # run ids the schema has accepted
 
 
 def _csv(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
-    # Chunks of rows go through _chunk, a column at a time (C-speed conversions, the
-    # checks once per chunk, the schema's validator without BaseModel.__init__'s frame).
-    # A chunk it cannot vouch for, however little is odd in it, goes through _rows, the
-    # row-by-row loop of runfile._read_csv: it yields the same events, and raises
-    # the same error at the same line. So the fast path never has to be right about
-    # a broken file, only about a clean one, where both give the same values (the
-    # same int()/float() parse each cell).
+    # Chunks of lines go through _chunk, a column at a time (C-speed conversions, the
+    # checks once per chunk, no validator call per row). A chunk it cannot vouch for,
+    # however little is odd in it, goes through _rows, the row-by-row loop of
+    # runfile._read_csv: it yields the same events, and raises the same error at the
+    # same line. So the fast path never has to be right about a broken file, only
+    # about a clean one, where both give the same values (the same int()/float()
+    # parse each cell).
+    lines = iter(lines)
     reader = csv.reader(lines)
     columns = _Columns(csv_header(reader, name), run_id)
-    last: dict[str, int] = {}
+    line = reader.line_num  # lines read so far
+    while True:
+        raw = list(itertools.islice(lines, CHUNK_ROWS))
+        if not raw:
+            return
+        if any('"' in text for text in raw):  # quoting: a record may span lines
+            yield from _quoted(csv.reader(itertools.chain(raw, lines)), line, columns, name)
+            return
+        rows = list(csv.reader(raw))  # no quotes: one line, one record
+        events = _chunk(rows, columns, columns.last) if all(rows) else None
+        if events is None:
+            numbers = range(line + 1, line + 1 + len(rows))
+            kept = [(row, n) for row, n in zip(rows, numbers) if not _blank(row)]
+            yield from _rows([r for r, _ in kept], [n for _, n in kept], columns, name,
+                             columns.last)
+        else:
+            yield from events
+        line += len(raw)
+
+
+def _quoted(reader, offset: int, columns: _Columns, name: str) -> Iterator[StepEvent]:
+    """The rest of a file with quoted cells: chunks as in _csv, line numbers from the reader."""
     while True:
         rows: list[list[str]] = []
         line_numbers: list[int] = []
         for row in reader:
-            if not (row and row[0].strip()) and not any(cell.strip() for cell in row):
-                continue  # a blank line
+            if _blank(row):
+                continue
             rows.append(row)
-            line_numbers.append(reader.line_num)
+            line_numbers.append(offset + reader.line_num)
             if len(rows) == CHUNK_ROWS:
                 break
         if not rows:
             return
-        events = _chunk(rows, columns, last)
+        events = _chunk(rows, columns, columns.last)
         if events is None:
-            yield from _rows(rows, line_numbers, columns, name, last)
+            yield from _rows(rows, line_numbers, columns, name, columns.last)
         else:
             yield from events
+
+
+def _blank(row: list[str]) -> bool:
+    return not (row and row[0].strip()) and not any(cell.strip() for cell in row)
 
 
 def _chunk(rows: list[list[str]], c: _Columns, last: dict[str, int]) -> list[StepEvent] | None:
@@ -164,7 +196,9 @@ def _chunk(rows: list[list[str]], c: _Columns, last: dict[str, int]) -> list[Ste
         if all(None not in values for _, values in optional):  # the usual file: every cell filled
             keys = (*base, *(column for column, _ in optional))  # a time column wins, as below
             values = zip(runs, steps, losses, map(float, steps), *(v for _, v in optional))
-            events = [_validate_step(dict(zip(keys, row))) for row in values]
+            if max(steps) > MAX_COUNTER or not _runs_valid(set(runs), c.checked):
+                return None
+            events = _built(keys, values)
         else:
             events = []
             for i, step in enumerate(steps):
@@ -179,6 +213,58 @@ def _chunk(rows: list[list[str]], c: _Columns, last: dict[str, int]) -> list[Ste
     except ValueError:  # pydantic's ValidationError: _rows names the row and the column
         return None
     last.update(newest)
+    return events
+
+
+# What _built may skip: every other field of a StepEvent takes its default, and the
+# ones it sets are a run id (checked once per run), a step (range checked per chunk) and floats.
+_DEFAULTS = {
+    name: field.get_default(call_default_factory=True)
+    for name, field in StepEvent.model_fields.items()
+}
+_FACTORIES = tuple(
+    name for name, field in StepEvent.model_fields.items() if field.default_factory is not None
+)
+_PLAIN = StepEvent.__pydantic_post_init__ is None and not StepEvent.__private_attributes__
+
+
+def _runs_valid(runs: set[str], checked: set[str]) -> bool:
+    """True when the schema accepts every run id (each validated once per file)."""
+    for run in runs - checked:
+        try:
+            _validate_step({"run_id": run, "step": 0, "loss": 0.0, "time": 0.0})
+        except ValueError:
+            return False
+        checked.add(run)
+    return True
+
+
+def _built(keys: tuple[str, ...], values: Iterable[tuple]) -> list[StepEvent]:
+    """StepEvents of already-valid field values, as ``StepEvent.model_construct`` builds them.
+
+    The values are of the declared types (the caller converted and checked them
+    in bulk), so the validator would return them unchanged; what it would add
+    is the defaults, fresh for the mutable ones. The events compare equal to
+    validated ones, with the same ``model_fields_set``.
+    """
+    if not _PLAIN:  # a schema with a post-init or private attributes: the validator then
+        return [_validate_step(dict(zip(keys, row))) for row in values]
+    new, setattr_ = object.__new__, object.__setattr__
+    template = dict(_DEFAULTS)  # the fields in their declared order, as validated events hold them
+    fresh = [name for name in _FACTORIES if name not in keys]
+    fields_set = frozenset(keys)
+    events = []
+    for row in values:
+        data = template.copy()
+        data.update(zip(keys, row))
+        for name in fresh:
+            data[name] = _DEFAULTS[name].copy()
+        event = new(StepEvent)
+        setattr_(event, "__dict__", data)
+        setattr_(event, "__pydantic_fields_set__", set(fields_set))
+        setattr_(event, "__pydantic_extra__", None)
+        setattr_(event, "__pydantic_private__", None)
+        events.append(event)
     return events
 
 

@@ -85,3 +85,61 @@ def test_a_bad_row_in_a_later_chunk_is_named_as_read_steps_names_it(tmp_path, ba
     assert str(streamed.value) == str(whole.value)
     assert f"bad.csv:{at + 2}:" in str(streamed.value) and message in str(streamed.value)
     assert len(read) == at  # every good step before it was read, as the row-by-row reader did
+
+
+def test_events_built_in_bulk_are_the_validated_events(tmp_path):
+    """The fast path builds events without a validator call each: they must be indistinguishable."""
+    from spikeguard.schemas import StepEvent
+
+    path = tmp_path / "clean.csv"
+    _write(path, _clean_rows(3))
+    built = list(iter_steps(path))
+    for event in built[:5] + built[-5:]:
+        fields = {name: getattr(event, name) for name in event.model_fields_set}
+        validated = StepEvent(**fields)
+        assert event == validated
+        assert event.model_fields_set == validated.model_fields_set
+        assert list(event.__dict__) == list(validated.__dict__)
+        assert event.model_dump_json() == validated.model_dump_json()
+    assert built[0].top_grad_norms == {} and built[0].top_grad_norms is not built[1].top_grad_norms
+    with pytest.raises(Exception):  # still frozen
+        built[0].loss = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        ("{i},1.0,1.0,1e-3,r 1,0,1.0", "run_id"),  # a run id the schema refuses
+        ("9007199254740992,1.0,1.0,1e-3,r1,0,1.0", "step"),  # past 2**53 - 1
+    ],
+)
+def test_what_the_bulk_checks_refuse_is_named_as_read_steps_names_it(tmp_path, bad_row, message):
+    rows = _clean_rows()
+    at = CHUNK_ROWS + 40
+    rows[at + 1] = bad_row.format(i=at)
+    path = tmp_path / "bad.csv"
+    _write(path, rows)
+    with pytest.raises(RunFileError) as streamed:
+        list(iter_steps(path))
+    with pytest.raises(RunFileError) as whole:
+        read_steps(path)
+    assert str(streamed.value) == str(whole.value)
+    assert f":{at + 2}:" in str(streamed.value) and message in str(streamed.value)
+
+
+def test_quoted_cells_and_a_record_over_two_lines_read_as_read_steps(tmp_path):
+    rows = _clean_rows(4)
+    rows[CHUNK_ROWS + 5] = rows[CHUNK_ROWS + 5].replace(",r1,", ',"r1",')
+    rows[CHUNK_ROWS + 9] = rows[CHUNK_ROWS + 9].replace(",r1,", ',"r1",').replace(
+        f",{1000.0 + CHUNK_ROWS + 8}", ',"\n' + f'{1000.0 + CHUNK_ROWS + 8}"')
+    rows.insert(CHUNK_ROWS + 20, "")
+    path = tmp_path / "quoted.csv"
+    _write(path, rows)
+    assert _dumped(iter_steps(path)) == _dumped(read_steps(path)[0])
+    rows[CHUNK_ROWS + 30] = "1,abc,1.0,1e-3,r1,0,1.0"  # a bad line after the record over two lines
+    _write(path, rows)
+    with pytest.raises(RunFileError) as streamed:
+        list(iter_steps(path))
+    with pytest.raises(RunFileError) as whole:
+        read_steps(path)
+    assert str(streamed.value) == str(whole.value)
