@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from itertools import repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Sequence
 import time
 
@@ -42,17 +42,22 @@ log = logging.getLogger(__name__)
 #: Records a worker takes per poll: the detectors' and fusion's batch (the bus pump's too).
 BATCH = 2000
 _EVENT = itemgetter(1)
+_RUN_ID = attrgetter("run_id")
 
 
 class DirectPipeline:
     """All detectors + fusion over steps, fed segment by segment; decisions out."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None,
+                 detectors: Sequence[str] | None = None) -> None:
+        """``detectors``: all by default; fewer to measure what one costs (fusion's
+        ``expected`` should then name the same)."""
         from spikeguard.components import DETECTOR_NAMES, build_stage
 
         self.topics = Topics(settings.topic_prefix)
         self.metrics = metrics  # batch counts only: no per-record work offline
-        self._detectors = [build_stage(name, settings, self.topics) for name in DETECTOR_NAMES]
+        names = DETECTOR_NAMES if detectors is None else detectors
+        self._detectors = [build_stage(name, settings, self.topics) for name in names]
         self._fusion = build_stage("fusion", settings, self.topics)
 
     def feed(self, steps: Sequence[StepEvent]) -> list[Decision]:
@@ -123,7 +128,7 @@ class DirectPipeline:
         if not items:
             return []
         self._count(stage, "records_in", items[0][0], len(items))
-        run_ids = {event.run_id for _, event in items}
+        run_ids = set(map(_RUN_ID, map(_EVENT, items)))
         before = stage.snapshot(run_ids)
         try:
             return stage.handle_batch(items)
