@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from itertools import islice
 from typing import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -213,17 +214,19 @@ def backtest_stream(
     if segment_steps <= 0 or segment_steps % BATCH:
         raise ValueError(f"segment_steps must be a positive multiple of {BATCH}, got {segment_steps}")
     pipeline = DirectPipeline(offline(settings or load_settings(env={})), metrics)
-    segment: list[StepEvent] = []
-    for event in events:
-        segment.append(event)
-        if len(segment) == segment_steps:
-            with paused_gc():  # not around the yield: the caller's code runs there
-                decisions = pipeline.feed(segment)
-            yield from decisions
-            segment = []
-    with paused_gc():
-        decisions = pipeline.feed(segment) + pipeline.finish()
-    yield from decisions
+    events = iter(events)
+    while True:
+        # Reading a segment makes ~100k small objects: with the collector on, each
+        # pass would walk the whole heap (the models, the forest) for nothing.
+        with paused_gc():  # not around the yield: the caller's code runs there
+            segment = list(islice(events, segment_steps))
+            last = len(segment) < segment_steps
+            decisions = pipeline.feed(segment)
+            if last:
+                decisions += pipeline.finish()
+        yield from decisions
+        if last:
+            return
 
 
 def replay_events(

@@ -104,3 +104,13 @@ def test_the_pump_can_be_fed_segment_by_segment_then_finished() -> None:
 def test_segment_size_changes_nothing(segment: int) -> None:
     events = generate("oscillation", 4500, seed=10, run_id="o").events
     assert direct(events, segment) == on_the_bus(events)
+
+
+def test_a_far_future_step_is_refused_by_both() -> None:
+    """Steps past the stage's max_step_gap are refused one by one, in a batch or not."""
+    events = generate("sudden_spike", 2400, seed=11, run_id="j").events
+    jump = [e.model_copy(update={"step": e.step + 3_000_000}) for e in events[2300:]]
+    events = events[:2300] + jump
+    expected = on_the_bus(events)
+    assert len(expected) == 2300  # the jumped steps are all refused (each is far past the last admitted)
+    assert direct(events) == expected
