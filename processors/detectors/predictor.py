@@ -31,7 +31,7 @@ decisions, never rollbacks. Pure and bounded: O(1) state, a small JSON dict.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -198,12 +198,49 @@ class PredictorDetector(Detector[PredictorState]):
     def copy(self, state: PredictorState) -> PredictorState:
         return _with_features(state, state.features.copy())
 
+    def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
+        """:meth:`update` for each event in turn, with the features advanced in place.
+
+        Every finite step's features are adopted whatever its verdict (see
+        :meth:`track`), so scoring on a copy and adopting it is the same as
+        advancing the run's own features; only the first step of a batch
+        copies them (peeked features may be shared, see
+        :meth:`~spikeguard.processors.features.RollingFeatures.peek_event`).
+        Non-finite steps and new epochs take :meth:`update` itself.
+        """
+        verdicts = []
+        owned = None  # the state whose features this batch has copied: its own to change
+        history = self.history
+        for event in events:
+            if event.epoch != self.epoch or not event.finite:
+                verdicts.append(self.update(event))
+                owned = None
+                continue
+            if history.due(event.step):
+                history.save(event.step, self.pack(self.state))
+            state = self.state
+            if owned is not state:
+                state.features = state.features.copy()
+                owned = state
+            features = state.features
+            a = self._judge(event, state, features.update_event(event), features)
+            verdicts.append(self._verdict(event, a.kind, a.conf, a.p, a.health, a.signals, a.rules))
+            _adopt(state, a.after)  # type: ignore[arg-type]
+            self._memo = None
+            self._last_step = event.step
+        return verdicts
+
     def _assess(self, event: StepEvent, state: PredictorState) -> _Assessment:
-        c = self.config
         if not event.finite:  # the instability is here: say so, learn nothing
             return _Assessment(AnomalyType.INSTABILITY_WARNING, 1.0, 1.0, HealthLevel.CRITICAL,
                                {"non_finite": 1}, ["non_finite"], None)
         f, features = state.features.peek_event(event)
+        return self._judge(event, state, f, features)
+
+    def _judge(self, event: StepEvent, state: PredictorState, f: Features | None,
+               features: RollingFeatures) -> _Assessment:
+        """The assessment of a finite step, given its features and the features after it."""
+        c = self.config
         after = _with_features(state, features)  # the features are new already: no copy
         stalled = self._stalled(event.step, after)
         lr, prev_lr, max_lr = event.lr, state.prev_lr, state.max_lr

@@ -249,3 +249,46 @@ def test_features_changed_in_place_are_not_mistaken_for_their_old_content():
         assert json.dumps(g_after.state_dict()) == json.dumps(expected.state_dict())
         assert (got is None) == (want is None) and (got is None or tuple(got) == tuple(want))
     assert base.peek_event(probe) == (f, after)  # the original's entry still holds
+
+
+def _mixed_events() -> list[StepEvent]:
+    """Oscillation, non-finite steps, then a rollback re-running steps."""
+    from spikeguard.lab.simulate import generate
+
+    first = generate("oscillation", 900, seed=3, run_id="m").events
+    events = [e.model_copy(update={"loss": math.nan}) if e.step in (300, 301, 640) else
+              e.model_copy(update={"grad_norm": math.inf}) if e.step == 420 else e for e in first[:700]]
+    rerun = generate("gradual_spike", 400, seed=5, run_id="m").events
+    return events + [e.model_copy(update={"epoch": 1, "step": 450 + i}) for i, e in enumerate(rerun)]
+
+
+def _dump(verdicts) -> list[str]:
+    return [v.model_dump_json() for v in verdicts]
+
+
+def test_update_many_is_update_step_by_step() -> None:
+    """The batch path advances features in place: the verdicts and state are update()'s."""
+    events = _mixed_events()
+    assert any(not e.finite for e in events) and events[-1].epoch == 1
+    one_by_one = PredictorDetector()
+    expected = _dump(one_by_one.update(e) for e in events)
+    assert any('"is_anomaly":true' in v for v in expected)
+    batched = PredictorDetector()
+    got = []
+    for start in range(0, len(events), 128):
+        got += batched.update_many(events[start:start + 128])
+    assert _dump(got) == expected
+    assert json.dumps(batched.state_dict()) == json.dumps(one_by_one.state_dict())
+
+
+def test_update_many_never_changes_features_it_shares() -> None:
+    """Peeked features are shared between detectors of equal content: a batch copies before changing."""
+    events = _mixed_events()[:400]
+    a, b, alone = PredictorDetector(), PredictorDetector(), PredictorDetector()
+    for e in events[:100]:  # same content, same events: b adopts the very objects a adopted
+        a.update(e)
+        b.update(e)
+        alone.update(e)
+    assert a.state.features is b.state.features
+    a.update_many(events[100:])
+    assert _dump(b.update_many(events[100:])) == _dump(alone.update(e) for e in events[100:])
