@@ -2,7 +2,7 @@
 
     python benchmarks/bench_backtest.py [--steps 100000] [--pairs 2] [--json results.json]
                                         [--memory [--memory-steps 1000000]]
-                                        [--workdir /tmp/spikeguard-bench] [--components]
+                                        [--workdir /tmp/spikeguard-bench] [--split] [--components]
 
 Whole process (the default), on CSVs made by ``spikeguard simulate stable``
 (cached in --workdir, made once):
@@ -19,6 +19,9 @@ Whole process (the default), on CSVs made by ``spikeguard simulate stable``
   the --steps file's peak is reported, and the default run (throughput,
   two pairs) takes well under 3 minutes.
 
+``--split`` adds, in one process, the CPU time of each part of a backtest of
+the --steps file (reading, each stage, the pump around them), for all the
+detectors and without the ML one: where the whole-process figure goes.
 ``--components`` adds the older in-process table: the pipeline
 (``backtest_events``), each detector alone through ``update_many`` in batches
 of 500, the baselines through ``update``, one after the other on the same
@@ -248,6 +251,67 @@ def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, see
     }
 
 
+def measure_split(path: str, steps: int) -> dict:
+    """In one process, CPU seconds of each part of a backtest of ``path``: what the
+    whole-process figure is made of, and what the pipeline costs without the ML detector."""
+    import gc
+
+    from spikeguard.lab.backtest import SEGMENT_STEPS, offline
+    from spikeguard.lab.backtest_input import iter_steps
+    from spikeguard.lab.backtest_pump import DirectPipeline
+    from spikeguard.settings import load_settings
+
+    started = time.process_time()
+    gc.disable()
+    events = list(iter_steps(path))
+    gc.enable()
+    reading = time.process_time() - started
+    settings = offline(load_settings(env={}))
+    without_ml = settings.model_copy(update={"fusion": settings.fusion.model_copy(
+        update={"expected": [n for n in settings.fusion.expected if n != "ml"]})})
+    out: dict = {"steps": len(events), "read_cpu_s": reading}
+    for name, config, detectors in (("all", settings, None),
+                                    ("without_ml", without_ml, ("statistical", "rules", "predictor"))):
+        pipeline = DirectPipeline(config, detectors=detectors)
+        spent: dict[str, float] = {}
+        for stage in (*pipeline._detectors, pipeline._fusion):
+            stage.handle_batch = _timed_batch(stage, spent)
+        started = time.process_time()
+        gc.disable()
+        for i in range(0, len(events), SEGMENT_STEPS):
+            pipeline.feed(events[i:i + SEGMENT_STEPS])
+        pipeline.finish()
+        gc.enable()
+        total = time.process_time() - started
+        out[name] = {"cpu_s": total, "steps_per_cpu_s": len(events) / total,
+                     "stages_cpu_s": spent, "pump_cpu_s": total - sum(spent.values())}
+    return out
+
+
+def _timed_batch(stage, spent: dict[str, float]):
+    handle = stage.handle_batch
+
+    def handle_batch(items):
+        started = time.process_time()
+        try:
+            return handle(items)
+        finally:
+            spent[stage.name] = spent.get(stage.name, 0.0) + time.process_time() - started
+    return handle_batch
+
+
+def render_split(split: dict) -> str:
+    n = split["steps"]
+    lines = [f"in-process split, {n:,} steps (CPU us per step):",
+             f"  reading the CSV: {1e6 * split['read_cpu_s'] / n:.1f}"]
+    for name in ("all", "without_ml"):
+        row = split[name]
+        parts = ", ".join(f"{k} {1e6 * v / n:.1f}" for k, v in row["stages_cpu_s"].items())
+        lines.append(f"  pipeline {name}: {row['steps_per_cpu_s']:,.0f} steps/CPU-s = {parts}, "
+                     f"pump {1e6 * row['pump_cpu_s'] / n:.1f}")
+    return "\n".join(lines)
+
+
 def render_process(report: dict) -> str:
     steps = report["steps"]
     rate, ratio = report["backtest_steps_per_s"], report["backtest_over_naive"]
@@ -291,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="sudden_spike", help="for --components")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--split", action="store_true",
+                        help="also the in-process split: reading, each stage, the pump; with and without ml")
     parser.add_argument("--naive-child", nargs=2, metavar=("FILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.naive_child:
@@ -299,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     report["process"] = measure_process(args.steps, args.memory_steps if args.memory else 0,
                                         args.pairs, args.workdir, args.seed)
     print(render_process(report["process"]))
+    if args.split:
+        report["split"] = measure_split(ensure_file(args.workdir, "stable", args.steps, args.seed),
+                                        args.steps)
+        print()
+        print(render_split(report["split"]))
     if args.components:
         report["components"] = measure(args.steps, args.scenario, args.seed)
         print()
