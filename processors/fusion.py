@@ -112,12 +112,57 @@ class Fusion:
         return out
 
     def add_many(self, verdicts: Iterable[Verdict], now: float) -> list[Decision]:
-        """The same as :meth:`add` for each verdict in turn, all decisions in one list."""
+        """The same as :meth:`add` for each verdict in turn, all decisions in one list.
+
+        A batch usually holds each step's verdicts together, one per expected detector:
+        such a group is decided at once (:meth:`_whole`), as :meth:`add` would decide
+        it at its last verdict, without the pending-set round trips."""
         out: list[Decision] = []
-        add = self._add
-        for verdict in verdicts:
-            add(verdict, now, out)
+        add, whole = self._add, self._whole
+        verdicts = verdicts if isinstance(verdicts, list) else list(verdicts)
+        size, i, n = len(self._expected), 0, len(verdicts)
+        while i < n:
+            if not self._heap and size and whole(verdicts[i:i + size], now, out):
+                i += size
+                continue
+            add(verdicts[i], now, out)
+            i += 1
         return out
+
+    def _whole(self, group: list[Verdict], now: float, out: list[Decision]) -> bool:
+        """Decide ``group`` now if it is one new step's verdicts, one per expected detector,
+        which :meth:`add` would decide at the last of them and not before; else False, unchanged.
+
+        Not before: none is critical, no expected detector has judged past the step or
+        stalled (watermarks only get fresher within the group), and the step-count
+        rules cannot fire for a lone pending step."""
+        step, epoch = group[0].step, self._epoch
+        if len(group) != len(self._expected) or step <= self._newest:  # (_decided <= _newest)
+            return False
+        names = set()
+        for v in group:
+            if v.step != step or v.epoch != epoch or (v.is_anomaly and is_critical(v)):
+                return False
+            names.add(v.detector)
+        if names != self._expected or self._deadline_steps is not None and self._deadline_steps <= 0:
+            return False  # (max_pending >= 1: a lone pending step never overflows it)
+        marks = self._marks
+        seen_at = now if self._epoch_seen_at is None else self._epoch_seen_at
+        for name in names:  # (no watermark is past the step: none is past _newest)
+            mark = marks.get(name)
+            if now - (seen_at if mark is None else mark[1]) >= self._deadline_s:
+                return False
+        self._epoch_seen_at = seen_at
+        pending = self._pending[step] = _Pending()
+        for v in group:
+            marks[v.detector] = (step, now)
+            pending.verdicts[v.detector] = v
+            if v.is_anomaly:
+                pending.flagged = True
+        self._newest = step
+        out.append(self._decide(step))
+        self._checked_at = now
+        return True
 
     def _add(self, verdict: Verdict, now: float, out: list[Decision]) -> None:
         if verdict.epoch != self._epoch:
