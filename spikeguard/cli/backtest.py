@@ -2,7 +2,8 @@
 
 FILE is CSV (header with at least ``step,loss``; optional ``grad_norm,lr,run_id``;
 ``nan``/``inf`` allowed) or JSONL of step events. The whole pipeline (all
-detectors + fusion) runs on the embedded bus, deterministically; OUT gets one
+detectors + fusion) runs as on the embedded bus, batch for batch, but with no
+bus between the stages, deterministically; OUT gets one
 JSON decision per line: every anomalous or preventive decision (``--all``: every step).
 The file is read and judged as a stream, so memory does not grow with its size;
 on a terminal a progress bar follows the file (none when stderr is not a TTY).

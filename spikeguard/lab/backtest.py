@@ -10,6 +10,10 @@ them (deadlines pushed out of reach) and decides the rest at the end.
 Input goes in segments (:class:`OfflinePipeline`), each run until every stage
 is idle, so a backtest's memory is one segment's whatever the file's length,
 and a replay can hand the actuator each checkpoint when the live run did.
+A backtest (steps in, decisions out) needs no bus between its stages:
+:func:`backtest_stream` hands them the same batches directly
+(:class:`~spikeguard.lab.backtest_pump.DirectPipeline`): no records, offsets or
+per-record metrics; a replay, with the actuator and its checkpoints, keeps the bus pump.
 """
 
 from __future__ import annotations
