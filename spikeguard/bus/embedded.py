@@ -93,6 +93,9 @@ class EmbeddedBus(Bus):
         # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
         # Guard handed the bus directly signs its steps as that pipeline requires.
         self.signing_key = None
+        # Set by a child-process pipeline (embedded_process.py): where the trainer's
+        # step fields go instead of this bus.
+        self.pipeline_link = None
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if keep_consumed is not None and keep_consumed < 0:
@@ -238,7 +241,7 @@ class EmbeddedBus(Bus):
 
     # -- clients --------------------------------------------------------------
     def producer(self) -> Producer:
-        return EmbeddedProducer(self)
+        return EmbeddedProducer(self) if self.pipeline_link is None else _LinkedProducer(self)
 
     def consumer(
         self,
@@ -354,6 +357,11 @@ class EmbeddedProducer(Producer):
             for topic, event in events
         )
 
+    def publish_records(self, records: Iterable[tuple[str, bytes | None, bytes | None, Headers]]) -> None:
+        """``(topic, key, value, headers)`` records as they came from another bus, under one lock
+        (one wake-up of each reader per batch)."""
+        self._bus._append((topic, key, value, headers, None) for topic, key, value, headers in records)
+
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.
         bus = self._bus
@@ -363,3 +371,15 @@ class EmbeddedProducer(Producer):
 
     def close(self) -> None:
         self.flush()
+
+
+class _LinkedProducer(EmbeddedProducer):
+    """A producer on the trainer's bus when the pipeline runs in a child process."""
+
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: object) -> bool:
+        """Hand the fields of step events to the pipeline as they are; False if it cannot take them.
+
+        The background publisher asks this first: the trainer's process then
+        neither builds, signs nor encodes its steps (embedded_process.py).
+        """
+        return self._bus.pipeline_link.ship_fields(topic, batch, signing_key)  # type: ignore[union-attr]

@@ -3,28 +3,43 @@
 With worker threads in the trainer's process, the pipeline's Python work (about
 a millisecond per step, most of it the ml detector) shares the trainer's GIL:
 a tiny model trains at a fraction of its speed. Here the workers run in a
-child process on a bus of their own, and two bridges copy records between the
-buses: the trainer's inputs to the pipeline (steps, runs, checkpoints, acks)
-go down, what the trainer and its user read (actions, decisions, dead letters)
-comes back. The trainer's process keeps one thread that wakes once per batch.
+child process on a bus of their own, and the trainer's process does as little
+per step as it can:
+
+- the Guard's step events go down as the field dicts the training thread
+  queued (:meth:`ChildPipeline.ship_fields`, called by the publisher's thread
+  once per batch): building, validating, signing and encoding them happens in
+  the child, off the trainer's GIL. They do not pass through the trainer's
+  bus (nothing there reads them);
+- whatever else lands on the trainer's bus for the pipeline (runs,
+  checkpoints, acks, steps published by anyone else) is copied down by a
+  :class:`Forwarder`, and what the trainer and its user read (actions,
+  decisions, dead letters) comes back up the same way, one message per batch:
+  a forwarder keeps adding to a batch while records keep coming (up to
+  ``max_linger_s``), so a fast run crosses in a few wake-ups a second, and
+  sends an action at once.
 
 The child is a fresh interpreter (``python -m spikeguard.bus.embedded_process``),
-not a fork of a process that holds threads and torch, and it does not re-import
-the user's script. Records cross as pickled ``(topic, key, value, headers)``
-batches over two pipes; the settings (with the signing key) cross once, over
-the pipe, never on a command line. The child stops when the trainer closes the
-runtime or when its input pipe closes (the trainer died).
+not a fork of a process that holds threads and torch (so it works where fork
+is unavailable, and it does not re-import the user's script). Records cross
+as pickled batches over two pipes; the settings (with the signing key) cross
+once, over the pipe, never on a command line. The child stops when the
+trainer closes the runtime or when its input pipe closes (the trainer died).
+If the child dies first, the trainer logs it once with its exit code and
+trains on with the Guard's local protections (:attr:`ChildPipeline.problem`).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
@@ -38,6 +53,8 @@ log = logging.getLogger(__name__)
 BRIDGE_GROUP = "bridge"
 READY = "ready"
 STARTUP_TIMEOUT_S = 120.0
+# Message kinds on the pipes: bus records as they are, or step fields still to be built.
+RECORDS, FIELDS = "records", "fields"
 
 
 def inputs_of(topics: Topics) -> list[str]:
@@ -54,13 +71,33 @@ def _wire(record: Record) -> tuple:
     return (record.topic, record.key, record.value, tuple(record.headers or ()))
 
 
-class Forwarder:
-    """Copies the records of ``topics`` from ``bus`` to ``conn``, one message per batch."""
+class Link:
+    """One end of a pipe that several threads write to (a forwarder and the publisher)."""
 
-    def __init__(self, bus: Bus, topics: list[str], group: str, conn: Connection,
-                 linger_s: float, poll_timeout_s: float = 0.05) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class Forwarder:
+    """Copies the records of ``topics`` from ``bus`` to ``link``, one message per batch.
+
+    Woken by a record, it waits ``linger_s`` at a time for more while more keep
+    coming, up to ``max_linger_s``: one send (and one wake-up of the other
+    side) per burst, not per record. A record of an ``urgent`` topic goes at once.
+    """
+
+    def __init__(self, bus: Bus, topics: list[str], group: str, link: Link,
+                 linger_s: float, max_linger_s: float = 0.0, urgent: tuple[str, ...] = (),
+                 poll_timeout_s: float = 0.05) -> None:
+        self.link = link
         self.linger_s = linger_s
+        self.max_linger_s = max(linger_s, max_linger_s)
+        self.urgent = frozenset(urgent)
         self.poll_timeout_s = poll_timeout_s
         self._stop = threading.Event()
         self._consumer = bus.consumer(group, topics)  # subscribed now: nothing published is missed
@@ -80,13 +117,24 @@ class Forwarder:
         finally:
             self._consumer.close()
 
+    def _is_urgent(self, records: list[Record]) -> bool:
+        return bool(self.urgent) and any(r.topic in self.urgent for r in records)
+
     def forward_once(self, timeout: float) -> int:
         records = self._consumer.poll(10_000, timeout)
-        if records and self.linger_s > 0:
-            self._stop.wait(self.linger_s)  # one message per batch, not per record
-            records += self._consumer.poll(10_000, 0)
+        if records and self.linger_s > 0 and not self._is_urgent(records):
+            deadline = time.monotonic() + self.max_linger_s
+            pause = self.linger_s
+            # A lone record (lockstep) goes after one pause; a stream is looked at ever less
+            # often (each look is a poll and a GIL hand-off) until the batch is old enough.
+            while not self._stop.wait(min(pause, max(0.0, deadline - time.monotonic()))):
+                more = self._consumer.poll(10_000, 0)
+                records += more
+                if not more or self._is_urgent(more) or time.monotonic() >= deadline:
+                    break
+                pause *= 2
         if records:
-            self.conn.send([_wire(r) for r in records])
+            self.link.send((RECORDS, [_wire(r) for r in records]))
             self._consumer.commit()
         return len(records)
 
@@ -95,16 +143,22 @@ class Forwarder:
         self.thread.join(timeout=10)
 
 
-def receive(bus: Bus, conn: Connection) -> None:
-    """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes."""
+def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") -> None:
+    """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes.
+
+    Step fields (only the child gets them) are built and signed here with the
+    pipeline's key; fields that do not make a valid step go to the DLQ.
+    """
     producer = bus.producer()
     try:
         while True:
-            batch = conn.recv()
-            if batch is None:
+            message = conn.recv()
+            if message is None:
                 return
-            for topic, key, value, headers in batch:
-                producer.publish(topic, value, key=key, headers=list(headers) or None)
+            if message[0] == FIELDS:
+                _publish_fields(producer, message[1], message[2], signing_key, dlq)
+            else:
+                producer.publish_records(message[1])  # type: ignore[attr-defined]
             producer.flush()
     except (EOFError, OSError):
         return
@@ -112,20 +166,48 @@ def receive(bus: Bus, conn: Connection) -> None:
         producer.close()
 
 
+def _publish_fields(producer: Any, topic: str, batch: list[dict], signing_key: Any, dlq: str) -> None:
+    from pydantic import ValidationError
+
+    from spikeguard.schemas import DeadLetter, StepEvent, encode, sign_step
+
+    events = []
+    for fields in batch:
+        try:
+            event = StepEvent(**fields)
+        except (ValidationError, TypeError) as exc:
+            log.warning("spikeguard: a trainer's step could not be built: %s", exc)
+            text = repr(fields)
+            letter = DeadLetter(source_topic=topic, partition=-1, offset=-1,
+                                key=str(fields.get("run_id")), value=text[:10_000],
+                                value_bytes=len(text), error=type(exc).__name__,
+                                reason=str(exc), consumer="spikeguard.bridge")
+            producer.publish(dlq, encode(letter), key=letter.key)
+            continue
+        events.append((topic, sign_step(event, signing_key) if signing_key is not None else event))
+    producer.publish_events(events)
+
+
 class ChildPipeline:
     """The trainer's side: the child process, one forwarder down, one receiver thread up."""
 
     def __init__(self, runtime: "Runtime") -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
+        self.topics = topics
+        self.signing_key = settings.signing_key
+        #: Why the pipeline is gone (the child died), or None while it runs.
+        self.problem: str | None = None
+        self._closing = False
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
+        self.started = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
             pass_fds=(down_r, up_w), close_fds=True,
         )
         os.close(down_r)
         os.close(up_w)
-        self._down = Connection(down_w, readable=False)
+        self._down = Link(Connection(down_w, readable=False))
         self._up = Connection(up_r, writable=False)
         self._down.send(settings)  # the key crosses the pipe, never argv or the environment
         # Steps published before the child's workers run would only queue up: wait for them.
@@ -133,16 +215,58 @@ class ChildPipeline:
             self.process.kill()
             raise BusError("the embedded pipeline process did not start "
                            f"within {STARTUP_TIMEOUT_S:.0f}s (see its stderr)")
-        linger = settings.worker.embedded_batch_linger_s
+        #: Seconds from launch to the child's workers running (imports, mostly).
+        self.startup_s = time.perf_counter() - self.started
+        worker = settings.worker
         group = f"{topics.prefix}{BRIDGE_GROUP}"
-        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down, linger).start()
-        self.receiver = threading.Thread(target=receive, args=(bus, self._up),
+        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down,
+                                   worker.embedded_batch_linger_s,
+                                   worker.embedded_bridge_max_linger_s).start()
+        self.receiver = threading.Thread(target=self._receive, args=(bus,),
                                          name="spikeguard-bridge-up", daemon=True)
         self.receiver.start()
+        bus.pipeline_link = self  # type: ignore[attr-defined]  # the publisher's way down
+
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool:
+        """Send these step fields down as they are; False if this pipeline cannot take them.
+
+        It takes them only for its own steps topic and when they would be signed
+        with its own key (it signs them in the child): a Guard with another key
+        publishes as before, and its steps are judged (refused) as before.
+        """
+        if (self.problem is not None or self._closing or topic != self.topics.steps
+                or not _same_key(signing_key, self.signing_key)):
+            return False
+        try:
+            self._down.send((FIELDS, topic, batch))
+        except (OSError, ValueError) as exc:  # the child is gone: the publisher falls back
+            self._lost(f"the bridge closed: {exc}")
+            return False
+        return True
+
+    def _receive(self, bus: Bus) -> None:
+        receive(bus, self._up)
+        if not self._closing:
+            code = self.process.poll()
+            if code is None:
+                try:
+                    code = self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
+            self._lost(f"it exited with code {code}" if code is not None else "its pipe closed")
+
+    def _lost(self, why: str) -> None:
+        if self.problem is not None or self._closing:
+            return
+        self.problem = f"the embedded pipeline process stopped: {why}"
+        log.error("spikeguard: %s; training goes on with the Guard's local protections only "
+                  "(non-finite and outlier skips): no rollbacks or other actions until restarted",
+                  self.problem)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Hand the child what the trainer published, let its workers save and stop, then wait."""
         self.forwarder.stop()
+        self._closing = True
         try:
             self._down.send(None)
         except OSError:
@@ -154,8 +278,16 @@ class ChildPipeline:
             log.warning("spikeguard: the embedded pipeline process did not stop; killing it")
             self.process.kill()
             self.process.wait()
-        self._down.close()
+        self._down.conn.close()
         self._up.close()
+
+
+def _same_key(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return False
+    from spikeguard.schemas.signing import _key_bytes
+
+    return hmac.compare_digest(_key_bytes(a), _key_bytes(b))
 
 
 def child_main(down_fd: int, up_fd: int) -> int:
@@ -163,26 +295,30 @@ def child_main(down_fd: int, up_fd: int) -> int:
     from spikeguard.runtime import Runtime, make_bus, start_workers
 
     down = Connection(down_fd, writable=False)
-    up = Connection(up_fd, readable=False)
+    up = Link(Connection(up_fd, readable=False))
     settings = down.recv()
+    if settings.worker.embedded_process_nice and hasattr(os, "nice"):  # the trainer first on busy cores
+        os.nice(settings.worker.embedded_process_nice)
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())
     bus.signing_key = settings.signing_key  # type: ignore[attr-defined]
     runtime = Runtime(bus, topics, settings)
+    worker = settings.worker
     forwarder = Forwarder(bus, outputs_of(topics), f"{topics.prefix}{BRIDGE_GROUP}", up,
-                          settings.worker.embedded_batch_linger_s)
+                          worker.embedded_batch_linger_s, worker.embedded_bridge_max_linger_s,
+                          urgent=(topics.actions,))
     start_workers(runtime)
     from spikeguard.alerting.service import start_monitoring  # /metrics and alerts live here
 
     start_monitoring(runtime)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
-    receive(bus, down)  # until the trainer closes the runtime (or dies)
+    receive(bus, down, settings.signing_key, topics.dlq)  # until the trainer closes the runtime (or dies)
     runtime.close()  # the workers stop (and save) as the threads of an embedded runtime do
     forwarder.stop()
-    up.close()
+    up.conn.close()
     return 0
 
 

@@ -45,3 +45,21 @@ class WorkerConfig(BaseModel):
         "the trainer's in-process bus, instead of as threads of the trainer's process (their "
         "Python work then no longer shares the trainer's GIL); not with data_dir",
     )
+    embedded_bridge_max_linger_s: float = Field(
+        0.05,
+        ge=0,
+        le=1.0,
+        description="with the pipeline in a child process: how long a bridge keeps adding "
+        "records to a batch while more keep coming (in steps of embedded_batch_linger_s) "
+        "before sending it; an action is sent at once. Fewer wake-ups of the trainer's "
+        "process for a fast run, at most this much added latency for decisions",
+    )
+    embedded_process_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="with the pipeline in a child process: its scheduling niceness (Unix, 0-19); "
+        "above 0, when every core is busy the trainer runs first and the pipeline falls behind "
+        "(it catches up when a core frees up; actions on steps too far back are refused as "
+        "stale). 0: the trainer's own priority",
+    )
