@@ -23,7 +23,7 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from pydantic import BaseModel
 
@@ -147,8 +147,9 @@ class EmbeddedBus(Bus):
     def _append(
         self,
         items: Iterable[tuple[str, bytes | None, bytes | None, Headers, object | None]],
+        make: Callable[..., Record] = Record,
     ) -> None:
-        """Append (topic, key, value, headers, event) records under one lock."""
+        """Append (topic, key, value, headers, event) records under one lock (``make`` builds each)."""
         now_ms = int(time.time() * 1000)
         partitions = self.partitions
         recording = self._recording
@@ -162,7 +163,7 @@ class EmbeddedBus(Bus):
                 # One partition: every key maps to 0, no need to hash it.
                 partition = partition_for(key, partitions) if partitions > 1 else 0
                 log = topic.logs[partition]
-                record = Record(
+                record = make(
                     topic_name,
                     partition,
                     log.end,
@@ -357,10 +358,12 @@ class EmbeddedProducer(Producer):
             for topic, event in events
         )
 
-    def publish_records(self, records: Iterable[tuple[str, bytes | None, bytes | None, Headers]]) -> None:
-        """``(topic, key, value, headers)`` records as they came from another bus, under one lock
-        (one wake-up of each reader per batch)."""
-        self._bus._append((topic, key, value, headers, None) for topic, key, value, headers in records)
+    def publish_records(
+        self, records: Iterable[tuple[str, bytes | None, bytes | None, Headers, BaseModel | None]]
+    ) -> None:
+        """``(topic, key, value, headers, event)`` records (from another bus), under one lock:
+        one wake-up of each reader per batch."""
+        self._bus._append(records)
 
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.

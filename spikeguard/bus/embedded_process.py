@@ -6,18 +6,18 @@ a tiny model trains at a fraction of its speed. Here the workers run in a
 child process on a bus of their own, and the trainer's process does as little
 per step as it can:
 
-- the Guard's step events go down as the field dicts the training thread
-  queued (:meth:`ChildPipeline.ship_fields`, called by the publisher's thread
-  once per batch): building, validating, signing and encoding them happens in
-  the child, off the trainer's GIL. They do not pass through the trainer's
-  bus (nothing there reads them);
-- whatever else lands on the trainer's bus for the pipeline (runs,
-  checkpoints, acks, steps published by anyone else) is copied down by a
-  :class:`Forwarder`, and what the trainer and its user read (actions,
-  decisions, dead letters) comes back up the same way, one message per batch:
-  a forwarder keeps adding to a batch while records keep coming (up to
-  ``max_linger_s``), so a fast run crosses in a few wake-ups a second, and
-  sends an action at once.
+- the Guard's step events stay the field dicts the training thread queued:
+  the publisher's thread appends them to the trainer's bus as
+  :class:`PendingStep` records (built and signed there only if somebody in
+  the trainer's process reads them), and they cross as fields; building,
+  validating, signing and encoding them happens in the child, off the
+  trainer's GIL;
+- two :class:`Forwarder` threads copy records between the buses: the
+  trainer's inputs to the pipeline (steps, runs, checkpoints, acks) go down,
+  what the trainer and its user read (actions, decisions, dead letters) comes
+  back, one message per batch. A forwarder keeps adding to a batch while
+  records keep coming (up to ``max_linger_s``), so a fast run crosses in a
+  few wake-ups a second; an action goes at once.
 
 The child is a fresh interpreter (``python -m spikeguard.bus.embedded_process``),
 not a fork of a process that holds threads and torch (so it works where fork
@@ -32,18 +32,20 @@ trains on with the Guard's local protections (:attr:`ChildPipeline.problem`).
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
-from spikeguard.schemas import Topics
+from spikeguard.schemas import StepEvent, Topics, encode, sign_step
 
 if TYPE_CHECKING:
     from spikeguard.runtime import Runtime
@@ -53,8 +55,7 @@ log = logging.getLogger(__name__)
 BRIDGE_GROUP = "bridge"
 READY = "ready"
 STARTUP_TIMEOUT_S = 120.0
-# Message kinds on the pipes: bus records as they are, or step fields still to be built.
-RECORDS, FIELDS = "records", "fields"
+RECORDS = "records"
 
 
 def inputs_of(topics: Topics) -> list[str]:
@@ -68,7 +69,57 @@ def outputs_of(topics: Topics) -> list[str]:
 
 
 def _wire(record: Record) -> tuple:
-    return (record.topic, record.key, record.value, tuple(record.headers or ()))
+    """``(topic, key, value, headers, fields)``: a pending step crosses as its fields."""
+    if type(record) is PendingStep:
+        return (record.topic, record.key, None, (), record.fields)
+    return (record.topic, record.key, record.value, tuple(record.headers or ()), None)
+
+
+class PendingStep(Record):
+    """A trainer's step on the trainer's bus, kept as the fields it was queued with.
+
+    The child builds and signs it; here it is built (and signed with the same
+    key: the same bytes, HMAC is deterministic) only when somebody reads it.
+    Fields that make no valid step read as their JSON, which no decoder takes.
+    """
+
+    __slots__ = ("fields", "signing_key")
+
+    def __init__(self, topic: str, partition: int, offset: int, key: bytes | None,
+                 value: bytes | None, headers: tuple = (), timestamp_ms: int = 0,
+                 cache: dict | None = None, event: Any = None, *, signing_key: Any = None) -> None:
+        super().__init__(topic, partition, offset, key, None, headers, timestamp_ms, cache={})
+        self.fields = event
+        self.signing_key = signing_key
+
+    def _step(self) -> StepEvent | None:
+        found = self._cache.get(StepEvent)  # type: ignore[union-attr]
+        if found is None and self._value is None:
+            try:
+                found = sign_step(StepEvent(**self.fields), self.signing_key)
+            except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+                self._value = json.dumps(self.fields, default=str).encode()
+                return None
+            self._cache[StepEvent] = found  # type: ignore[index]
+            self._value = encode(found)
+        return found
+
+    @property
+    def value(self) -> bytes | None:
+        self._step()
+        return self._value
+
+    @property
+    def cache(self) -> dict:
+        self._step()
+        return self._cache  # type: ignore[return-value]
+
+    @cache.setter
+    def cache(self, cache: dict) -> None:
+        self._cache = cache
+
+    def cached(self, model: type) -> Any:
+        return self._step() if model is StepEvent else None
 
 
 class Link:
@@ -155,10 +206,10 @@ def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") 
             message = conn.recv()
             if message is None:
                 return
-            if message[0] == FIELDS:
-                _publish_fields(producer, message[1], message[2], signing_key, dlq)
-            else:
-                producer.publish_records(message[1])  # type: ignore[attr-defined]
+            producer.publish_records([  # type: ignore[attr-defined]
+                (topic, key, value, headers, None) if fields is None
+                else _built(topic, key, fields, signing_key, dlq)
+                for topic, key, value, headers, fields in message[1]])
             producer.flush()
     except (EOFError, OSError):
         return
@@ -166,26 +217,22 @@ def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") 
         producer.close()
 
 
-def _publish_fields(producer: Any, topic: str, batch: list[dict], signing_key: Any, dlq: str) -> None:
+def _built(topic: str, key: bytes | None, fields: dict, signing_key: Any, dlq: str) -> tuple:
+    """The record of a step built from its fields, or of its dead letter."""
     from pydantic import ValidationError
 
-    from spikeguard.schemas import DeadLetter, StepEvent, encode, sign_step
+    from spikeguard.schemas import DeadLetter
 
-    events = []
-    for fields in batch:
-        try:
-            event = StepEvent(**fields)
-        except (ValidationError, TypeError) as exc:
-            log.warning("spikeguard: a trainer's step could not be built: %s", exc)
-            text = repr(fields)
-            letter = DeadLetter(source_topic=topic, partition=-1, offset=-1,
-                                key=str(fields.get("run_id")), value=text[:10_000],
-                                value_bytes=len(text), error=type(exc).__name__,
-                                reason=str(exc), consumer="spikeguard.bridge")
-            producer.publish(dlq, encode(letter), key=letter.key)
-            continue
-        events.append((topic, sign_step(event, signing_key) if signing_key is not None else event))
-    producer.publish_events(events)
+    try:
+        event = StepEvent(**fields)
+    except (ValidationError, TypeError) as exc:
+        log.warning("spikeguard: a trainer's step could not be built: %s", exc)
+        text = json.dumps(fields, default=str)
+        letter = DeadLetter(source_topic=topic, partition=-1, offset=-1, key=str(fields.get("run_id")),
+                            value=text[:10_000], value_bytes=len(text), error=type(exc).__name__,
+                            reason=str(exc), consumer="spikeguard.bridge")
+        return (dlq, key, encode(letter), (), None)
+    return (topic, key, None, (), sign_step(event, signing_key) if signing_key is not None else event)
 
 
 class ChildPipeline:
@@ -225,23 +272,22 @@ class ChildPipeline:
         self.receiver = threading.Thread(target=self._receive, args=(bus,),
                                          name="spikeguard-bridge-up", daemon=True)
         self.receiver.start()
+        self._bus = bus
         bus.pipeline_link = self  # type: ignore[attr-defined]  # the publisher's way down
 
     def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool:
-        """Send these step fields down as they are; False if this pipeline cannot take them.
+        """Take these step fields as they are (:class:`PendingStep`); False if this pipeline cannot.
 
-        It takes them only for its own steps topic and when they would be signed
-        with its own key (it signs them in the child): a Guard with another key
-        publishes as before, and its steps are judged (refused) as before.
+        Only for its own steps topic, and only when they would be signed with its
+        own key (the child signs them): a Guard with another key publishes as
+        before, and its steps are judged (refused) as before. Once the child is
+        gone the publisher builds its steps itself again, for whoever reads them.
         """
         if (self.problem is not None or self._closing or topic != self.topics.steps
                 or not _same_key(signing_key, self.signing_key)):
             return False
-        try:
-            self._down.send((FIELDS, topic, batch))
-        except (OSError, ValueError) as exc:  # the child is gone: the publisher falls back
-            self._lost(f"the bridge closed: {exc}")
-            return False
+        self._bus._append([(topic, _run_key(fields), None, (), fields) for fields in batch],
+                          partial(PendingStep, signing_key=self.signing_key))
         return True
 
     def _receive(self, bus: Bus) -> None:
@@ -280,6 +326,11 @@ class ChildPipeline:
             self.process.wait()
         self._down.conn.close()
         self._up.close()
+
+
+def _run_key(fields: dict) -> bytes | None:
+    run_id = fields.get("run_id")
+    return run_id.encode() if isinstance(run_id, str) else None
 
 
 def _same_key(a: Any, b: Any) -> bool:

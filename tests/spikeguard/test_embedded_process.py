@@ -19,6 +19,7 @@ import uuid
 import pytest
 import torch
 
+from spikeguard.bus import Record
 from spikeguard.errors import ConfigError
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
@@ -138,7 +139,8 @@ def _train(guard, model, optimizer, x, y, steps):
 
 
 def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_child(tmp_path):
-    from spikeguard.schemas.signing import VERIFIED_STEPS
+    from spikeguard.bus.embedded_process import PendingStep
+    from spikeguard.schemas.signing import VERIFIED_STEPS, step_signature_problem
 
     runtime = open_runtime(settings())
     try:
@@ -154,10 +156,16 @@ def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_ch
                                                       for r in bus.read_all(topics.decisions))
                                      if d.run_id == "fields"} >= set(range(60)))
         # The trainer's process neither built nor signed a step event: each went down as its
-        # fields, past the trainer's bus, and the child made, signed and judged it.
+        # fields, and the child made, signed and judged it.
         assert decided
-        assert bus.read_all(topics.steps) == []
         assert not [e for e, _ in VERIFIED_STEPS._marks.values() if e.run_id == "fields"]
+        held = bus.read_all(topics.steps)
+        assert len(held) == 60 and {type(r) for r in held} == {PendingStep}
+        # Read here, a step is built and signed on demand, as the child made it.
+        steps = [r.decoded(StepEvent) for r in held]
+        assert sorted(s.step for s in steps) == list(range(60))
+        assert all(step_signature_problem(decode(encode(s), StepEvent), runtime.settings.signing_key)
+                   is None for s in steps)
         assert guard.publisher.sent >= 60 and guard.publisher.failed == 0
         assert bus.read_all(topics.dlq) == []
         guard.close()
@@ -225,7 +233,7 @@ def test_a_child_that_dies_is_reported_and_training_goes_on(tmp_path, caplog):
         assert guard.step_count == 50
         guard.publisher.flush(10.0)
         # After the loss, steps are built here again and land on the trainer's bus.
-        published = runtime.bus.read_all(runtime.topics.steps)
+        published = [r for r in runtime.bus.read_all(runtime.topics.steps) if type(r) is Record]
         assert {decode(r.value, StepEvent).step for r in published} >= set(range(21, 50))
         guard.close()
     finally:
@@ -251,6 +259,6 @@ def test_a_burst_of_records_crosses_the_bridge_in_one_message():
         producer.publish(topics.decisions, b"d%d" % i, key="r")
     assert forwarder.forward_once(0) == 200
     kind, batch = read.recv()
-    assert kind == RECORDS and [value for _, _, value, _ in batch] == [b"d%d" % i for i in range(200)]
+    assert kind == RECORDS and [value for _, _, value, _, _ in batch] == [b"d%d" % i for i in range(200)]
     assert not read.poll(0)  # one message for the whole burst
     assert forwarder.forward_once(0) == 0 and not read.poll(0)  # committed: nothing twice
