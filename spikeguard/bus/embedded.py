@@ -148,8 +148,13 @@ class EmbeddedBus(Bus):
         self,
         items: Iterable[tuple[str, bytes | None, bytes | None, Headers, object | None]],
         make: Callable[..., Record] = Record,
+        wake: bool = True,
     ) -> None:
-        """Append (topic, key, value, headers, event) records under one lock (``make`` builds each)."""
+        """Append (topic, key, value, headers, event) records under one lock (``make`` builds each).
+
+        ``wake`` False: readers find them at their next poll (records that no
+        reader needs at once need not cost the writer's process a wake-up).
+        """
         now_ms = int(time.time() * 1000)
         partitions = self.partitions
         recording = self._recording
@@ -178,7 +183,7 @@ class EmbeddedBus(Bus):
                     log.trim(log.end - cap)
                 if recording is not None:
                     recording.append(record)
-            readers = self._readers
+            readers = self._readers if wake else {}
             for name in touched:
                 for consumer in readers.get(name, ()):
                     consumer._wake.notify()

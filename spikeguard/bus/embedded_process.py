@@ -7,13 +7,14 @@ child process on a bus of their own, and the trainer's process does as little
 per step as it can:
 
 - the Guard's step events stay the field dicts the training thread queued:
-  the publisher's thread appends them to the trainer's bus as
-  :class:`PendingStep` records (built and signed there only if somebody in
-  the trainer's process reads them), and they cross as fields; building,
-  validating, signing and encoding them happens in the child, off the
-  trainer's GIL;
+  the publisher's thread sends each batch of them down the pipe as it is,
+  and leaves them on the trainer's bus as :class:`PendingStep` records
+  (built and signed there only if somebody in the trainer's process reads
+  them), without waking anyone; building, validating, signing and encoding
+  them happens in the child, off the trainer's GIL;
 - two :class:`Forwarder` threads copy records between the buses: the
-  trainer's inputs to the pipeline (steps, runs, checkpoints, acks) go down,
+  trainer's other inputs to the pipeline (runs, checkpoints, acks, steps
+  published by anyone else) go down,
   what the trainer and its user read (actions, decisions, dead letters) comes
   back, one message per batch. A forwarder keeps adding to a batch while
   records keep coming (up to ``max_linger_s``), so a fast run crosses in a
@@ -69,9 +70,7 @@ def outputs_of(topics: Topics) -> list[str]:
 
 
 def _wire(record: Record) -> tuple:
-    """``(topic, key, value, headers, fields)``: a pending step crosses as its fields."""
-    if type(record) is PendingStep:
-        return (record.topic, record.key, None, (), record.fields)
+    """``(topic, key, value, headers, fields)`` as it crosses; ``fields`` only for a trainer's step."""
     return (record.topic, record.key, record.value, tuple(record.headers or ()), None)
 
 
@@ -185,7 +184,10 @@ class Forwarder:
                     break
                 pause *= 2
         if records:
-            self.link.send((RECORDS, [_wire(r) for r in records]))
+            # A pending step went down when it was published (ChildPipeline.ship_fields).
+            wired = [_wire(r) for r in records if type(r) is not PendingStep]
+            if wired:
+                self.link.send((RECORDS, wired))
             self._consumer.commit()
         return len(records)
 
@@ -286,8 +288,13 @@ class ChildPipeline:
         if (self.problem is not None or self._closing or topic != self.topics.steps
                 or not _same_key(signing_key, self.signing_key)):
             return False
-        self._bus._append([(topic, _run_key(fields), None, (), fields) for fields in batch],
-                          partial(PendingStep, signing_key=self.signing_key))
+        items = [(topic, _run_key(fields), None, (), fields) for fields in batch]
+        # For readers in this process; the forwarder only commits past them.
+        self._bus._append(items, partial(PendingStep, signing_key=self.signing_key), wake=False)
+        try:
+            self._down.send((RECORDS, items))
+        except (OSError, ValueError) as exc:  # the child is gone: the next batch is built here
+            self._lost(f"the bridge closed: {exc}")
         return True
 
     def _receive(self, bus: Bus) -> None:
