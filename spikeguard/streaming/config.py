@@ -34,10 +34,11 @@ class WorkerConfig(BaseModel):
         0.002,
         ge=0,
         le=1.0,
-        description="in the embedded pipeline (worker threads in the trainer's process), how "
-        "long a worker woken by new records waits for more before working on them: fewer "
-        "wake-ups, less of the trainer's time and GIL, for this much added latency per hop "
-        "(0: work on every wake-up)",
+        description="in the embedded pipeline (worker threads in the trainer's process, or in "
+        "its child process), how long a worker woken by new records waits for more before "
+        "working on them: fewer wake-ups, less of the trainer's time and GIL, for this much "
+        "added latency per hop (0: work on every wake-up); also the first pause of the child "
+        "process's bridges",
     )
     embedded_process: bool = Field(
         False,
