@@ -13,6 +13,7 @@ the bridge as one message.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import uuid
 
@@ -262,3 +263,13 @@ def test_a_burst_of_records_crosses_the_bridge_in_one_message():
     assert kind == RECORDS and [value for _, _, value, _, _ in batch] == [b"d%d" % i for i in range(200)]
     assert not read.poll(0)  # one message for the whole burst
     assert forwarder.forward_once(0) == 0 and not read.poll(0)  # committed: nothing twice
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is a Unix notion")
+def test_the_child_runs_at_the_niceness_asked_for():
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    runtime = open_runtime(settings(**{"worker.embedded_process_nice": 5}))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, runtime.child.process.pid) == min(19, mine + 5)
+    finally:
+        runtime.close()
