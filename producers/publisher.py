@@ -55,6 +55,9 @@ class BackgroundPublisher:
         self._idle = threading.Event()
         self._idle.set()
         self._pass_event = "event" in inspect.signature(producer.publish).parameters
+        # A pipeline in a child process takes step fields as queued (bus/embedded_process.py):
+        # building, signing and encoding them then happen there, off this process's GIL.
+        self._ship = getattr(producer, "ship_fields", None)
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name=f"spikeguard-publisher-{key}",
@@ -113,26 +116,30 @@ class BackgroundPublisher:
                 return self._steps.popleft()
             return None
 
+    def _steps_after(self, topic: str) -> list[Any]:
+        """The field dicts of the step events queued right behind the one just taken."""
+        batch = []
+        with self._lock:
+            steps = self._steps
+            while steps and steps[0][0] == topic and steps[0][1] is StepEvent:
+                batch.append(steps.popleft()[2])
+        return batch
+
     def _drain(self) -> None:
         while True:
             item = self._next()
             if item is None:
                 break
             topic, model, fields = item
-            try:
-                event = fields if model is None else model(**fields)
-                if self.signing_key is not None and isinstance(event, StepEvent):
-                    event = sign_step(event, self.signing_key)
-                if self._pass_event:
-                    self.producer.publish(topic, encode(event), key=self.key, event=event)
-                else:
-                    self.producer.publish(topic, encode(event), key=self.key)
-                self.sent += 1
-            except Exception as exc:  # noqa: BLE001 - the bus must never kill training
-                self.failed += 1
-                if self.failed <= 5 or self.failed % 1000 == 0:
-                    log.warning("spikeguard could not publish to %s (%d failures): %r",
-                                topic, self.failed, exc)
+            if model is StepEvent and self._ship is not None:
+                batch = [fields] + self._steps_after(topic)
+                if self._ship(topic, batch, self.signing_key):
+                    self.sent += len(batch)
+                    continue
+                for fields in batch:  # nobody takes them as they are: build them here
+                    self._publish(topic, model, fields)
+                continue
+            self._publish(topic, model, fields)
         try:
             self.producer.flush(timeout=5.0)
         except Exception as exc:  # noqa: BLE001
@@ -141,3 +148,19 @@ class BackgroundPublisher:
         with self._lock:
             if not self._steps and not self._control:
                 self._idle.set()
+
+    def _publish(self, topic: str, model: "type[BaseModel] | None", fields: Any) -> None:
+        try:
+            event = fields if model is None else model(**fields)
+            if self.signing_key is not None and isinstance(event, StepEvent):
+                event = sign_step(event, self.signing_key)
+            if self._pass_event:
+                self.producer.publish(topic, encode(event), key=self.key, event=event)
+            else:
+                self.producer.publish(topic, encode(event), key=self.key)
+            self.sent += 1
+        except Exception as exc:  # noqa: BLE001 - the bus must never kill training
+            self.failed += 1
+            if self.failed <= 5 or self.failed % 1000 == 0:
+                log.warning("spikeguard could not publish to %s (%d failures): %r",
+                            topic, self.failed, exc)

@@ -63,6 +63,8 @@ class Runtime:
     closers: list = field(default_factory=list)  # called after the threads stop (/metrics, alerts)
     problem: str | None = None
     watch: PipelineWatch | None = None
+    #: The pipeline's child process (``worker.embedded_process``): its ``problem`` says if it died.
+    child: object | None = None
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""
@@ -131,7 +133,8 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         if settings.worker.embedded_process:  # the workers' GIL apart from the trainer's
             from spikeguard.bus.embedded_process import ChildPipeline
 
-            runtime.closers.append(ChildPipeline(runtime).close)
+            runtime.child = ChildPipeline(runtime)
+            runtime.closers.append(runtime.child.close)
             return runtime
         start_workers(runtime, metrics=metrics)
         from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts

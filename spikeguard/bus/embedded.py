@@ -23,7 +23,7 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from pydantic import BaseModel
 
@@ -93,6 +93,9 @@ class EmbeddedBus(Bus):
         # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
         # Guard handed the bus directly signs its steps as that pipeline requires.
         self.signing_key = None
+        # Set by a child-process pipeline (embedded_process.py): where the trainer's
+        # step fields go instead of this bus.
+        self.pipeline_link = None
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if keep_consumed is not None and keep_consumed < 0:
@@ -144,8 +147,14 @@ class EmbeddedBus(Bus):
     def _append(
         self,
         items: Iterable[tuple[str, bytes | None, bytes | None, Headers, object | None]],
+        make: Callable[..., Record] = Record,
+        wake: bool = True,
     ) -> None:
-        """Append (topic, key, value, headers, event) records under one lock."""
+        """Append (topic, key, value, headers, event) records under one lock (``make`` builds each).
+
+        ``wake`` False: readers find them at their next poll (records that no
+        reader needs at once need not cost the writer's process a wake-up).
+        """
         now_ms = int(time.time() * 1000)
         partitions = self.partitions
         recording = self._recording
@@ -159,7 +168,7 @@ class EmbeddedBus(Bus):
                 # One partition: every key maps to 0, no need to hash it.
                 partition = partition_for(key, partitions) if partitions > 1 else 0
                 log = topic.logs[partition]
-                record = Record(
+                record = make(
                     topic_name,
                     partition,
                     log.end,
@@ -174,7 +183,7 @@ class EmbeddedBus(Bus):
                     log.trim(log.end - cap)
                 if recording is not None:
                     recording.append(record)
-            readers = self._readers
+            readers = self._readers if wake else {}
             for name in touched:
                 for consumer in readers.get(name, ()):
                     consumer._wake.notify()
@@ -238,7 +247,7 @@ class EmbeddedBus(Bus):
 
     # -- clients --------------------------------------------------------------
     def producer(self) -> Producer:
-        return EmbeddedProducer(self)
+        return EmbeddedProducer(self) if self.pipeline_link is None else _LinkedProducer(self)
 
     def consumer(
         self,
@@ -354,6 +363,13 @@ class EmbeddedProducer(Producer):
             for topic, event in events
         )
 
+    def publish_records(
+        self, records: Iterable[tuple[str, bytes | None, bytes | None, Headers, BaseModel | None]]
+    ) -> None:
+        """``(topic, key, value, headers, event)`` records (from another bus), under one lock:
+        one wake-up of each reader per batch."""
+        self._bus._append(records)
+
     def flush(self, timeout: float | None = None) -> None:
         # Appends are synchronous: acknowledged once publish returns.
         bus = self._bus
@@ -363,3 +379,15 @@ class EmbeddedProducer(Producer):
 
     def close(self) -> None:
         self.flush()
+
+
+class _LinkedProducer(EmbeddedProducer):
+    """A producer on the trainer's bus when the pipeline runs in a child process."""
+
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: object) -> bool:
+        """Hand the fields of step events to the pipeline as they are; False if it cannot take them.
+
+        The background publisher asks this first: the trainer's process then
+        neither builds, signs nor encodes its steps (embedded_process.py).
+        """
+        return self._bus.pipeline_link.ship_fields(topic, batch, signing_key)  # type: ignore[union-attr]

@@ -3,32 +3,50 @@
 With worker threads in the trainer's process, the pipeline's Python work (about
 a millisecond per step, most of it the ml detector) shares the trainer's GIL:
 a tiny model trains at a fraction of its speed. Here the workers run in a
-child process on a bus of their own, and two bridges copy records between the
-buses: the trainer's inputs to the pipeline (steps, runs, checkpoints, acks)
-go down, what the trainer and its user read (actions, decisions, dead letters)
-comes back. The trainer's process keeps one thread that wakes once per batch.
+child process on a bus of their own, and the trainer's process does as little
+per step as it can:
+
+- the Guard's step events stay the field dicts the training thread queued:
+  the publisher's thread sends each batch of them down the pipe as it is,
+  and leaves them on the trainer's bus as :class:`PendingStep` records
+  (built and signed there only if somebody in the trainer's process reads
+  them), without waking anyone; building, validating, signing and encoding
+  them happens in the child, off the trainer's GIL;
+- two :class:`Forwarder` threads copy records between the buses: the
+  trainer's other inputs to the pipeline (runs, checkpoints, acks, steps
+  published by anyone else) go down,
+  what the trainer and its user read (actions, decisions, dead letters) comes
+  back, one message per batch. A forwarder keeps adding to a batch while
+  records keep coming (up to ``max_linger_s``), so a fast run crosses in a
+  few wake-ups a second; an action goes at once.
 
 The child is a fresh interpreter (``python -m spikeguard.bus.embedded_process``),
-not a fork of a process that holds threads and torch, and it does not re-import
-the user's script. Records cross as pickled ``(topic, key, value, headers)``
-batches over two pipes; the settings (with the signing key) cross once, over
-the pipe, never on a command line. The child stops when the trainer closes the
-runtime or when its input pipe closes (the trainer died).
+not a fork of a process that holds threads and torch (so it works where fork
+is unavailable, and it does not re-import the user's script). Records cross
+as pickled batches over two pipes; the settings (with the signing key) cross
+once, over the pipe, never on a command line. The child stops when the
+trainer closes the runtime or when its input pipe closes (the trainer died).
+If the child dies first, the trainer logs it once with its exit code and
+trains on with the Guard's local protections (:attr:`ChildPipeline.problem`).
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
+import time
+from functools import partial
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
-from spikeguard.schemas import Topics
+from spikeguard.schemas import StepEvent, Topics, encode, sign_step
 
 if TYPE_CHECKING:
     from spikeguard.runtime import Runtime
@@ -38,6 +56,7 @@ log = logging.getLogger(__name__)
 BRIDGE_GROUP = "bridge"
 READY = "ready"
 STARTUP_TIMEOUT_S = 120.0
+RECORDS = "records"
 
 
 def inputs_of(topics: Topics) -> list[str]:
@@ -51,16 +70,84 @@ def outputs_of(topics: Topics) -> list[str]:
 
 
 def _wire(record: Record) -> tuple:
-    return (record.topic, record.key, record.value, tuple(record.headers or ()))
+    """``(topic, key, value, headers, fields)`` as it crosses; ``fields`` only for a trainer's step."""
+    return (record.topic, record.key, record.value, tuple(record.headers or ()), None)
+
+
+class PendingStep(Record):
+    """A trainer's step on the trainer's bus, kept as the fields it was queued with.
+
+    The child builds and signs it; here it is built (and signed with the same
+    key: the same bytes, HMAC is deterministic) only when somebody reads it.
+    Fields that make no valid step read as their JSON, which no decoder takes.
+    """
+
+    __slots__ = ("fields", "signing_key")
+
+    def __init__(self, topic: str, partition: int, offset: int, key: bytes | None,
+                 value: bytes | None, headers: tuple = (), timestamp_ms: int = 0,
+                 cache: dict | None = None, event: Any = None, *, signing_key: Any = None) -> None:
+        super().__init__(topic, partition, offset, key, None, headers, timestamp_ms, cache={})
+        self.fields = event
+        self.signing_key = signing_key
+
+    def _step(self) -> StepEvent | None:
+        found = self._cache.get(StepEvent)  # type: ignore[union-attr]
+        if found is None and self._value is None:
+            try:
+                found = sign_step(StepEvent(**self.fields), self.signing_key)
+            except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+                self._value = json.dumps(self.fields, default=str).encode()
+                return None
+            self._cache[StepEvent] = found  # type: ignore[index]
+            self._value = encode(found)
+        return found
+
+    @property
+    def value(self) -> bytes | None:
+        self._step()
+        return self._value
+
+    @property
+    def cache(self) -> dict:
+        self._step()
+        return self._cache  # type: ignore[return-value]
+
+    @cache.setter
+    def cache(self, cache: dict) -> None:
+        self._cache = cache
+
+    def cached(self, model: type) -> Any:
+        return self._step() if model is StepEvent else None
+
+
+class Link:
+    """One end of a pipe that several threads write to (a forwarder and the publisher)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self.conn.send(message)
 
 
 class Forwarder:
-    """Copies the records of ``topics`` from ``bus`` to ``conn``, one message per batch."""
+    """Copies the records of ``topics`` from ``bus`` to ``link``, one message per batch.
 
-    def __init__(self, bus: Bus, topics: list[str], group: str, conn: Connection,
-                 linger_s: float, poll_timeout_s: float = 0.05) -> None:
-        self.conn = conn
+    Woken by a record, it waits ``linger_s`` at a time for more while more keep
+    coming, up to ``max_linger_s``: one send (and one wake-up of the other
+    side) per burst, not per record. A record of an ``urgent`` topic goes at once.
+    """
+
+    def __init__(self, bus: Bus, topics: list[str], group: str, link: Link,
+                 linger_s: float, max_linger_s: float = 0.0, urgent: tuple[str, ...] = (),
+                 poll_timeout_s: float = 0.05) -> None:
+        self.link = link
         self.linger_s = linger_s
+        self.max_linger_s = max(linger_s, max_linger_s)
+        self.urgent = frozenset(urgent)
         self.poll_timeout_s = poll_timeout_s
         self._stop = threading.Event()
         self._consumer = bus.consumer(group, topics)  # subscribed now: nothing published is missed
@@ -80,13 +167,27 @@ class Forwarder:
         finally:
             self._consumer.close()
 
+    def _is_urgent(self, records: list[Record]) -> bool:
+        return bool(self.urgent) and any(r.topic in self.urgent for r in records)
+
     def forward_once(self, timeout: float) -> int:
         records = self._consumer.poll(10_000, timeout)
-        if records and self.linger_s > 0:
-            self._stop.wait(self.linger_s)  # one message per batch, not per record
-            records += self._consumer.poll(10_000, 0)
+        if records and self.linger_s > 0 and not self._is_urgent(records):
+            deadline = time.monotonic() + self.max_linger_s
+            pause = self.linger_s
+            # A lone record (lockstep) goes after one pause; a stream is looked at ever less
+            # often (each look is a poll and a GIL hand-off) until the batch is old enough.
+            while not self._stop.wait(min(pause, max(0.0, deadline - time.monotonic()))):
+                more = self._consumer.poll(10_000, 0)
+                records += more
+                if not more or self._is_urgent(more) or time.monotonic() >= deadline:
+                    break
+                pause *= 2
         if records:
-            self.conn.send([_wire(r) for r in records])
+            # A pending step went down when it was published (ChildPipeline.ship_fields).
+            wired = [_wire(r) for r in records if type(r) is not PendingStep]
+            if wired:
+                self.link.send((RECORDS, wired))
             self._consumer.commit()
         return len(records)
 
@@ -95,16 +196,22 @@ class Forwarder:
         self.thread.join(timeout=10)
 
 
-def receive(bus: Bus, conn: Connection) -> None:
-    """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes."""
+def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") -> None:
+    """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes.
+
+    Step fields (only the child gets them) are built and signed here with the
+    pipeline's key; fields that do not make a valid step go to the DLQ.
+    """
     producer = bus.producer()
     try:
         while True:
-            batch = conn.recv()
-            if batch is None:
+            message = conn.recv()
+            if message is None:
                 return
-            for topic, key, value, headers in batch:
-                producer.publish(topic, value, key=key, headers=list(headers) or None)
+            producer.publish_records([  # type: ignore[attr-defined]
+                (topic, key, value, headers, None) if fields is None
+                else _built(topic, key, fields, signing_key, dlq)
+                for topic, key, value, headers, fields in message[1]])
             producer.flush()
     except (EOFError, OSError):
         return
@@ -112,20 +219,44 @@ def receive(bus: Bus, conn: Connection) -> None:
         producer.close()
 
 
+def _built(topic: str, key: bytes | None, fields: dict, signing_key: Any, dlq: str) -> tuple:
+    """The record of a step built from its fields, or of its dead letter."""
+    from pydantic import ValidationError
+
+    from spikeguard.schemas import DeadLetter
+
+    try:
+        event = StepEvent(**fields)
+    except (ValidationError, TypeError) as exc:
+        log.warning("spikeguard: a trainer's step could not be built: %s", exc)
+        text = json.dumps(fields, default=str)
+        letter = DeadLetter(source_topic=topic, partition=-1, offset=-1, key=str(fields.get("run_id")),
+                            value=text[:10_000], value_bytes=len(text), error=type(exc).__name__,
+                            reason=str(exc), consumer="spikeguard.bridge")
+        return (dlq, key, encode(letter), (), None)
+    return (topic, key, None, (), sign_step(event, signing_key) if signing_key is not None else event)
+
+
 class ChildPipeline:
     """The trainer's side: the child process, one forwarder down, one receiver thread up."""
 
     def __init__(self, runtime: "Runtime") -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
+        self.topics = topics
+        self.signing_key = settings.signing_key
+        #: Why the pipeline is gone (the child died), or None while it runs.
+        self.problem: str | None = None
+        self._closing = False
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
+        self.started = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
             pass_fds=(down_r, up_w), close_fds=True,
         )
         os.close(down_r)
         os.close(up_w)
-        self._down = Connection(down_w, readable=False)
+        self._down = Link(Connection(down_w, readable=False))
         self._up = Connection(up_r, writable=False)
         self._down.send(settings)  # the key crosses the pipe, never argv or the environment
         # Steps published before the child's workers run would only queue up: wait for them.
@@ -133,16 +264,62 @@ class ChildPipeline:
             self.process.kill()
             raise BusError("the embedded pipeline process did not start "
                            f"within {STARTUP_TIMEOUT_S:.0f}s (see its stderr)")
-        linger = settings.worker.embedded_batch_linger_s
+        #: Seconds from launch to the child's workers running (imports, mostly).
+        self.startup_s = time.perf_counter() - self.started
+        worker = settings.worker
         group = f"{topics.prefix}{BRIDGE_GROUP}"
-        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down, linger).start()
-        self.receiver = threading.Thread(target=receive, args=(bus, self._up),
+        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down,
+                                   worker.embedded_batch_linger_s,
+                                   worker.embedded_bridge_max_linger_s).start()
+        self.receiver = threading.Thread(target=self._receive, args=(bus,),
                                          name="spikeguard-bridge-up", daemon=True)
         self.receiver.start()
+        self._bus = bus
+        bus.pipeline_link = self  # type: ignore[attr-defined]  # the publisher's way down
+
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool:
+        """Take these step fields as they are (:class:`PendingStep`); False if this pipeline cannot.
+
+        Only for its own steps topic, and only when they would be signed with its
+        own key (the child signs them): a Guard with another key publishes as
+        before, and its steps are judged (refused) as before. Once the child is
+        gone the publisher builds its steps itself again, for whoever reads them.
+        """
+        if (self.problem is not None or self._closing or topic != self.topics.steps
+                or not _same_key(signing_key, self.signing_key)):
+            return False
+        items = [(topic, _run_key(fields), None, (), fields) for fields in batch]
+        # For readers in this process; the forwarder only commits past them.
+        self._bus._append(items, partial(PendingStep, signing_key=self.signing_key), wake=False)
+        try:
+            self._down.send((RECORDS, items))
+        except (OSError, ValueError) as exc:  # the child is gone: the next batch is built here
+            self._lost(f"the bridge closed: {exc}")
+        return True
+
+    def _receive(self, bus: Bus) -> None:
+        receive(bus, self._up)
+        if not self._closing:
+            code = self.process.poll()
+            if code is None:
+                try:
+                    code = self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
+            self._lost(f"it exited with code {code}" if code is not None else "its pipe closed")
+
+    def _lost(self, why: str) -> None:
+        if self.problem is not None or self._closing:
+            return
+        self.problem = f"the embedded pipeline process stopped: {why}"
+        log.error("spikeguard: %s; training goes on with the Guard's local protections only "
+                  "(non-finite and outlier skips): no rollbacks or other actions until restarted",
+                  self.problem)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Hand the child what the trainer published, let its workers save and stop, then wait."""
         self.forwarder.stop()
+        self._closing = True
         try:
             self._down.send(None)
         except OSError:
@@ -154,8 +331,21 @@ class ChildPipeline:
             log.warning("spikeguard: the embedded pipeline process did not stop; killing it")
             self.process.kill()
             self.process.wait()
-        self._down.close()
+        self._down.conn.close()
         self._up.close()
+
+
+def _run_key(fields: dict) -> bytes | None:
+    run_id = fields.get("run_id")
+    return run_id.encode() if isinstance(run_id, str) else None
+
+
+def _same_key(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return False
+    from spikeguard.schemas.signing import _key_bytes
+
+    return hmac.compare_digest(_key_bytes(a), _key_bytes(b))
 
 
 def child_main(down_fd: int, up_fd: int) -> int:
@@ -163,26 +353,30 @@ def child_main(down_fd: int, up_fd: int) -> int:
     from spikeguard.runtime import Runtime, make_bus, start_workers
 
     down = Connection(down_fd, writable=False)
-    up = Connection(up_fd, readable=False)
+    up = Link(Connection(up_fd, readable=False))
     settings = down.recv()
+    if settings.worker.embedded_process_nice and hasattr(os, "nice"):  # the trainer first on busy cores
+        os.nice(settings.worker.embedded_process_nice)
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())
     bus.signing_key = settings.signing_key  # type: ignore[attr-defined]
     runtime = Runtime(bus, topics, settings)
+    worker = settings.worker
     forwarder = Forwarder(bus, outputs_of(topics), f"{topics.prefix}{BRIDGE_GROUP}", up,
-                          settings.worker.embedded_batch_linger_s)
+                          worker.embedded_batch_linger_s, worker.embedded_bridge_max_linger_s,
+                          urgent=(topics.actions,))
     start_workers(runtime)
     from spikeguard.alerting.service import start_monitoring  # /metrics and alerts live here
 
     start_monitoring(runtime)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
-    receive(bus, down)  # until the trainer closes the runtime (or dies)
+    receive(bus, down, settings.signing_key, topics.dlq)  # until the trainer closes the runtime (or dies)
     runtime.close()  # the workers stop (and save) as the threads of an embedded runtime do
     forwarder.stop()
-    up.close()
+    up.conn.close()
     return 0
 
 

@@ -34,14 +34,33 @@ class WorkerConfig(BaseModel):
         0.002,
         ge=0,
         le=1.0,
-        description="in the embedded pipeline (worker threads in the trainer's process), how "
-        "long a worker woken by new records waits for more before working on them: fewer "
-        "wake-ups, less of the trainer's time and GIL, for this much added latency per hop "
-        "(0: work on every wake-up)",
+        description="in the embedded pipeline (worker threads in the trainer's process, or in "
+        "its child process), how long a worker woken by new records waits for more before "
+        "working on them: fewer wake-ups, less of the trainer's time and GIL, for this much "
+        "added latency per hop (0: work on every wake-up); also the first pause of the child "
+        "process's bridges",
     )
     embedded_process: bool = Field(
         False,
         description="embedded mode: run the pipeline's workers in a child process bridged to "
         "the trainer's in-process bus, instead of as threads of the trainer's process (their "
         "Python work then no longer shares the trainer's GIL); not with data_dir",
+    )
+    embedded_bridge_max_linger_s: float = Field(
+        0.05,
+        ge=0,
+        le=1.0,
+        description="with the pipeline in a child process: how long a bridge keeps adding "
+        "records to a batch while more keep coming (in steps of embedded_batch_linger_s) "
+        "before sending it; an action is sent at once. Fewer wake-ups of the trainer's "
+        "process for a fast run, at most this much added latency for decisions",
+    )
+    embedded_process_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="with the pipeline in a child process: its scheduling niceness (Unix, 0-19); "
+        "above 0, when every core is busy the trainer runs first and the pipeline falls behind "
+        "(it catches up when a core frees up; actions on steps too far back are refused as "
+        "stale). 0: the trainer's own priority",
     )

@@ -4,23 +4,29 @@ A real model trains through a persistent loss spike with the pipeline in a
 child process: the rollback comes back over the bridge, is applied and acked;
 forged steps still land in the DLQ (now the child's, bridged back); the
 trainer's process runs no worker thread; closing the runtime stops the child.
+The trainer's own steps go down as fields (built and signed in the child);
+a guard with another key gets no such favour; fields that make no step go to
+the DLQ; a child that dies is reported and training goes on; a burst crosses
+the bridge as one message.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import uuid
 
 import pytest
 import torch
 
+from spikeguard.bus import Record
 from spikeguard.errors import ConfigError
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, DeadLetter, Decision, StepEvent, decode, encode,
+    Ack, AckStatus, Action, ActionKind, DeadLetter, Decision, StepEvent, Topics, decode, encode,
 )
 from spikeguard.schemas.signing import verify_action
 from spikeguard.settings import load_settings
@@ -107,3 +113,163 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
 def test_the_child_process_and_data_dir_do_not_go_together(tmp_path):
     with pytest.raises(ConfigError, match="embedded_process"):
         open_runtime(settings(data_dir=str(tmp_path)))
+
+
+def _wait_for(check, rounds=600):
+    """Poll ``check()`` until it is truthy (a bound on polling, not a timing assertion)."""
+    for _ in range(rounds):
+        found = check()
+        if found:
+            return found
+        threading.Event().wait(0.1)
+    return check()
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 8), torch.randn(32, 1)
+
+
+def _train(guard, model, optimizer, x, y, steps):
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss)
+
+
+def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_child(tmp_path):
+    from spikeguard.bus.embedded_process import PendingStep
+    from spikeguard.schemas.signing import VERIFIED_STEPS, step_signature_problem
+
+    runtime = open_runtime(settings())
+    try:
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id="fields", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        _train(guard, model, optimizer, x, y, 60)
+        guard.publisher.flush(10.0)
+        bus, topics = runtime.bus, runtime.topics
+        decided = _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
+                                                      for r in bus.read_all(topics.decisions))
+                                     if d.run_id == "fields"} >= set(range(60)))
+        # The trainer's process neither built nor signed a step event: each went down as its
+        # fields, and the child made, signed and judged it.
+        assert decided
+        assert not [e for e, _ in VERIFIED_STEPS._marks.values() if e.run_id == "fields"]
+        held = bus.read_all(topics.steps)
+        assert len(held) == 60 and {type(r) for r in held} == {PendingStep}
+        # Read here, a step is built and signed on demand, as the child made it.
+        steps = [r.decoded(StepEvent) for r in held]
+        assert sorted(s.step for s in steps) == list(range(60))
+        assert all(step_signature_problem(decode(encode(s), StepEvent), runtime.settings.signing_key)
+                   is None for s in steps)
+        assert guard.publisher.sent >= 60 and guard.publisher.failed == 0
+        assert bus.read_all(topics.dlq) == []
+        guard.close()
+    finally:
+        runtime.close()
+    assert runtime.child.problem is None and runtime.child.process.returncode == 0
+
+
+def test_a_guard_with_another_key_is_not_vouched_for_by_the_child(tmp_path):
+    from pydantic import SecretStr
+
+    runtime = open_runtime(settings())
+    try:
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                             signing_key=SecretStr("not the pipeline's key, not at all"))
+        guard = Guard(model, optimizer, run_id="stranger", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        _train(guard, model, optimizer, x, y, 3)
+        guard.publisher.flush(10.0)
+        bus, topics = runtime.bus, runtime.topics
+        # Its steps are published (signed with its own key) as before, and refused as before.
+        dead = _wait_for(lambda: [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
+                         if len(bus.read_all(topics.dlq)) >= 3 * 4 else None)
+        assert len(bus.read_all(topics.steps)) == 3
+        assert {d.error for d in dead} == {"StepNotAuthenticated"}
+        assert sorted({decode(d.value, StepEvent).step for d in dead}) == [0, 1, 2]
+        guard.close()
+    finally:
+        runtime.close()
+
+
+def test_fields_that_make_no_step_go_to_the_dlq_and_the_child_goes_on():
+    runtime = open_runtime(settings())
+    try:
+        bus, topics, child = runtime.bus, runtime.topics, runtime.child
+        key = runtime.settings.signing_key
+        assert child.ship_fields(topics.steps, [dict(run_id="bad", step=-1, loss=1.0)], key)
+        assert child.ship_fields(topics.steps, [dict(run_id="good", step=0, loss=1.0)], key)
+        dead = _wait_for(lambda: [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)])
+        assert [(d.error, d.key, d.consumer) for d in dead] == [
+            ("ValidationError", "bad", "spikeguard.bridge")]
+        assert "step" in dead[0].reason
+        assert _wait_for(lambda: [r for r in bus.read_all(topics.decisions)
+                                  if decode(r.value, Decision).run_id == "good"])
+        # Not for another topic, nor with another key: those the child does not take.
+        assert not child.ship_fields(topics.acks, [dict(run_id="good", step=1, loss=1.0)], key)
+        assert not child.ship_fields(topics.steps, [dict(run_id="good", step=1, loss=1.0)], "other")
+    finally:
+        runtime.close()
+
+
+def test_a_child_that_dies_is_reported_and_training_goes_on(tmp_path, caplog):
+    runtime = open_runtime(settings())
+    try:
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id="orphan", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        _train(guard, model, optimizer, x, y, 20)
+        runtime.child.process.kill()
+        assert _wait_for(lambda: runtime.child.problem)
+        _train(guard, model, optimizer, x, y, 30)  # no exception: the local protections go on
+        assert guard.step_count == 50
+        guard.publisher.flush(10.0)
+        # After the loss, steps are built here again and land on the trainer's bus.
+        published = [r for r in runtime.bus.read_all(runtime.topics.steps) if type(r) is Record]
+        assert {decode(r.value, StepEvent).step for r in published} >= set(range(21, 50))
+        guard.close()
+    finally:
+        runtime.close()
+    assert "exited with code -9" in runtime.child.problem
+    assert [r for r in caplog.records if r.levelname == "ERROR"
+            and "exited with code -9" in r.getMessage() and "local protections" in r.getMessage()]
+
+
+def test_a_burst_of_records_crosses_the_bridge_in_one_message():
+    from multiprocessing import Pipe
+
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.bus.embedded_process import RECORDS, Forwarder, Link
+
+    bus, topics = EmbeddedBus(partitions=1), Topics()
+    bus.create_topics([topics.decisions])
+    read, write = Pipe(duplex=False)
+    forwarder = Forwarder(bus, [topics.decisions], "bridge", Link(write), linger_s=0.001,
+                          max_linger_s=0.5)
+    producer = bus.producer()
+    for i in range(200):
+        producer.publish(topics.decisions, b"d%d" % i, key="r")
+    assert forwarder.forward_once(0) == 200
+    kind, batch = read.recv()
+    assert kind == RECORDS and [value for _, _, value, _, _ in batch] == [b"d%d" % i for i in range(200)]
+    assert not read.poll(0)  # one message for the whole burst
+    assert forwarder.forward_once(0) == 0 and not read.poll(0)  # committed: nothing twice
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is a Unix notion")
+def test_the_child_runs_at_the_niceness_asked_for():
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    runtime = open_runtime(settings(**{"worker.embedded_process_nice": 5}))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, runtime.child.process.pid) == min(19, mine + 5)
+    finally:
+        runtime.close()
