@@ -71,6 +71,7 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
                                auto_offset_reset="earliest", enable_auto_commit=False)
         reader.poll(timeout_ms=2000)  # join before the first decision
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
+        cpu_before = {f"{proc.args[-1]}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)}
         started = time.perf_counter()
         for k, v in records:
             producer.send(topics.steps, v, key=k)
@@ -82,6 +83,8 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
             for batch in reader.poll(timeout_ms=500, max_records=10_000).values():
                 now = time.perf_counter() - started
                 arrivals += [now] * len(batch)
+        cpu = {name: _cpu_seconds(proc.pid) - cpu_before[f"{name}#{n}"]
+               for n, proc in enumerate(procs) for name in [proc.args[-1]]}
         reader.close()
         producer.close()
         for spy in spies:
@@ -91,7 +94,20 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
             "steps": len(records), "end_to_end_s": round(arrivals[-1], 2) if arrivals else None,
             # Only a run that decided every step has a sustained rate to report.
             "steps_per_s": round(_steady_rate(arrivals)) if len(arrivals) == len(records) else 0,
-            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0}
+            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0,
+            # CPU the workers spent per step (user + system, from /proc): unlike the rates,
+            # it hardly moves with what else runs on a shared machine.
+            "cpu_us_per_step": {name: round(1e6 * seconds / len(records)) for name, seconds in cpu.items()},
+            "cpu_us_per_step_total": round(1e6 * sum(cpu.values()) / len(records))}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def profile_workers(procs: list, directory: str, seconds: float) -> list[subprocess.Popen]:
@@ -123,13 +139,14 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
     producer.flush()
     consumer = KafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:6]}",
                              auto_offset_reset="earliest", enable_auto_commit=False)
-    done, started = 0, None
+    done, started, cpu_started = 0, None, 0.0
     deadline = time.monotonic() + timeout
     while done < len(records) and time.monotonic() < deadline:
         batches = consumer.poll(timeout_ms=1000, max_records=500)
         if not batches:
             continue
-        started = started or time.perf_counter()
+        if started is None:
+            started, cpu_started = time.perf_counter(), time.process_time()
         for batch in batches.values():
             for record in batch:
                 producer.send(sink, record.value, key=record.key)
@@ -137,9 +154,12 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
         producer.flush()
         consumer.commit()
     elapsed = time.perf_counter() - (started or time.perf_counter())
+    cpu = time.process_time() - cpu_started if started is not None else 0.0
     consumer.close()
     producer.close()
-    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0}
+    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0,
+            # This process (the loop and kafka-python's threads): one consume + one produce per record.
+            "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
 
 
 def main() -> None:
@@ -167,11 +187,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s")
+    print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
+          f"{raw_result['cpu_us_per_step']} us CPU per record")
     for layout, result in report["pipelines"].items():
         print(f"pipeline {layout:<11} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
               f"sustained, ratio {result['ratio']:.2f}; {result['decisions']}/{len(records)} decided, "
-              f"last after {result['end_to_end_s']} s")
+              f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
+              f"({result['cpu_us_per_step']})")
     print("aim: >= 10,000 steps/s and >= 0.5x raw")
 
 if __name__ == "__main__":
