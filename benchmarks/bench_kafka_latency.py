@@ -1,6 +1,9 @@
 """Closed-loop latency on a real broker: a step's publish -> its decision, and -> the action, at the trainer.
 
-The README's six workers (one process each) on a fresh topic prefix.
+The README's workers on a fresh topic prefix, in each ``--layout``:
+``independent`` (six processes, one per component, the default in DESIGN.md)
+and ``cohosted`` (``worker detectors`` hosting the four detectors behind one
+consumer, then fusion and actuator: three processes).
 ``--runs`` concurrent runs publish signed step events at ``--rate`` steps/s
 in all (paced, round-robin over the runs, as many trainers would), each run
 a simulated ``sudden_spike`` run so that the pipeline has incidents to act
@@ -14,7 +17,8 @@ input rate, the backlog grows for as long as the input lasts and latency
 with it: the figures then say how far behind the pipeline fell, and
 ``lag_growth`` how fast.
 
-    python benchmarks/bench_kafka_latency.py [--bootstrap HOST:PORT] [--rate 1000] [--runs 100] [--seconds 20] [--json]
+    python benchmarks/bench_kafka_latency.py [--bootstrap HOST:PORT] [--rate 1000] [--runs 100] [--seconds 20]
+        [--layout independent|cohosted|both] [--json]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from spikeguard.schemas import Action, Decision, Topics, Verdict, decode, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import broker, new_key, new_prefix, signed_steps, workers  # noqa: E402
+from kafka_pipeline import LAYOUTS, broker, new_key, new_prefix, signed_steps, workers  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -58,32 +62,40 @@ class Reader(threading.Thread):
         self.actions: list[tuple[str, int, float, str]] = []
         self.verdicts: list[tuple[str, int, float, str]] = []  # where the time goes: the detectors' hop
         self.stopping = threading.Event()
+        self.arrived = 0  # decisions stamped so far (the drain loop waits on it)
 
     def run(self) -> None:
+        # Stamped now, decoded after the run: decoding ~5,000 records/s here would take
+        # CPU from the workers on a 2-core machine and lengthen what is measured.
+        stamped: list[tuple[str, bytes, float]] = []
         while not self.stopping.is_set():
             for tp, batch in self.consumer.poll(timeout_ms=100, max_records=10_000).items():
                 now = time.perf_counter()
-                for record in batch:
-                    if tp.topic == self.topics.decisions:
-                        d = decode(record.value, Decision)
-                        self.decisions.append((d.run_id, d.step, now))
-                    elif tp.topic == self.topics.verdicts:
-                        v = decode(record.value, Verdict)
-                        self.verdicts.append((v.run_id, v.step, now, v.detector))
-                    else:
-                        a = decode(record.value, Action)
-                        step = a.evidence.step if a.evidence is not None else a.apply_at_step
-                        self.actions.append((a.run_id, step, now, a.kind.value))
+                stamped += [(tp.topic, record.value, now) for record in batch]
+                if tp.topic == self.topics.decisions:
+                    self.arrived += len(batch)
         self.consumer.close()
+        for topic, value, now in stamped:
+            if topic == self.topics.decisions:
+                d = decode(value, Decision)
+                self.decisions.append((d.run_id, d.step, now))
+            elif topic == self.topics.verdicts:
+                v = decode(value, Verdict)
+                self.verdicts.append((v.run_id, v.step, now, v.detector))
+            else:
+                a = decode(value, Action)
+                step = a.evidence.step if a.evidence is not None else a.apply_at_step
+                self.actions.append((a.run_id, step, now, a.kind.value))
 
 
-def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float) -> dict:
+def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float,
+            layout: str = "independent") -> dict:
     key, prefix = new_key(), new_prefix()
     topics = Topics(prefix)
     per_run = max(200, int(rate * seconds / runs))
     events = signed_steps(runs, per_run, key, scenario="sudden_spike")
     order = [(run[i].run_id, run[i].step, encode(run[i])) for i in range(per_run) for run in events]
-    with workers(bootstrap, prefix, key):
+    with workers(bootstrap, prefix, key, names=LAYOUTS[layout]):
         reader = Reader(bootstrap, topics)
         reader.start()
         time.sleep(2.0)  # the reader joined its group
@@ -100,10 +112,10 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
         producer.flush()
         input_s = time.perf_counter() - start
         deadline = time.monotonic() + drain_s
-        while len(reader.decisions) < len(order) and time.monotonic() < deadline:
+        while reader.arrived < len(order) and time.monotonic() < deadline:
             time.sleep(0.2)
         reader.stopping.set()
-        reader.join(timeout=10)
+        reader.join(timeout=300)  # decodes what it stamped
         producer.close()
     to_decision = [t - published[(r, s)] for r, s, t in reader.decisions if (r, s) in published]
     to_action = [t - published[(r, s)] for r, s, t, _ in reader.actions if (r, s) in published]
@@ -117,7 +129,7 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
     for *_, kind in reader.actions:
         kinds[kind] = kinds.get(kind, 0) + 1
     return {
-        "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
+        "layout": layout, "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
         "decided": len(to_decision), "actions": len(to_action), "action_kinds": kinds,
         "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
         "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},
@@ -135,10 +147,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the input lasts")
     parser.add_argument("--drain", type=float, default=90.0, help="seconds to wait for the last decisions")
+    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
+                        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     with broker(args.bootstrap) as bootstrap:
-        report = measure(bootstrap, args.rate, args.runs, args.seconds, args.drain)
+        report = {layout: measure(bootstrap, args.rate, args.runs, args.seconds, args.drain, layout)
+                  for layout in layouts}
     if args.json:
         print(json.dumps(report))
     else:

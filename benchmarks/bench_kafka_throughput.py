@@ -1,7 +1,9 @@
 """Pipeline throughput on a real broker, next to a raw kafka-python loop on the same broker, same run.
 
-- ``pipeline``: the README's six workers (``spikeguard worker NAME``, one
-  process each). ``--steps`` signed step events of ``--runs`` simulated runs
+- ``pipeline``: the README's workers in each ``--layout``: ``independent``,
+  six processes (``spikeguard worker NAME`` each, the default), and
+  ``cohosted``, three (``worker detectors`` hosting the four detectors behind
+  one consumer, ``worker fusion``, ``worker actuator``). ``--steps`` signed step events of ``--runs`` simulated runs
   are published as fast as the producer goes; the rate is decisions out of
   fusion per second between the 10th and the 90th percentile of their
   arrival (the steady state: the pipeline's sustained rate, what it keeps up
@@ -12,7 +14,11 @@
 
 Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
-    python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100] [--json]
+    python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100]
+        [--layout independent|cohosted|both] [--profile DIR] [--json]
+
+Within one run every pipeline and the raw loop share the broker and the
+machine: the ratios are the figures to compare across runs.
 
 Without ``--bootstrap`` (or ``SPIKEGUARD_TEST_BOOTSTRAP``) a local broker is
 started with scripts/kafka_local.sh and stopped afterwards.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +43,7 @@ from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import broker, new_key, signed_steps, new_prefix, workers  # noqa: E402
+from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, workers  # noqa: E402
 
 
 def _values(runs: int, steps: int, key: str) -> list[tuple[bytes, bytes]]:
@@ -55,15 +62,16 @@ def _steady_rate(arrivals: list[float]) -> float:
 
 
 def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
-             profile: str | None = None) -> dict:
+             profile: str | None = None, layout: str = "independent") -> dict:
     prefix = new_prefix()
     topics = Topics(prefix)
-    with workers(bootstrap, prefix, key) as procs:
+    with workers(bootstrap, prefix, key, names=LAYOUTS[layout]) as procs:
         spies = profile_workers(procs, profile, seconds=timeout) if profile else []
         reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
                                auto_offset_reset="earliest", enable_auto_commit=False)
         reader.poll(timeout_ms=2000)  # join before the first decision
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
+        cpu_before = {f"{proc.args[-1]}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)}
         started = time.perf_counter()
         for k, v in records:
             producer.send(topics.steps, v, key=k)
@@ -75,6 +83,8 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
             for batch in reader.poll(timeout_ms=500, max_records=10_000).values():
                 now = time.perf_counter() - started
                 arrivals += [now] * len(batch)
+        cpu = {name: _cpu_seconds(proc.pid) - cpu_before[f"{name}#{n}"]
+               for n, proc in enumerate(procs) for name in [proc.args[-1]]}
         reader.close()
         producer.close()
         for spy in spies:
@@ -84,7 +94,20 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
             "steps": len(records), "end_to_end_s": round(arrivals[-1], 2) if arrivals else None,
             # Only a run that decided every step has a sustained rate to report.
             "steps_per_s": round(_steady_rate(arrivals)) if len(arrivals) == len(records) else 0,
-            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0}
+            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0,
+            # CPU the workers spent per step (user + system, from /proc): unlike the rates,
+            # it hardly moves with what else runs on a shared machine.
+            "cpu_us_per_step": {name: round(1e6 * seconds / len(records)) for name, seconds in cpu.items()},
+            "cpu_us_per_step_total": round(1e6 * sum(cpu.values()) / len(records))}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def profile_workers(procs: list, directory: str, seconds: float) -> list[subprocess.Popen]:
@@ -94,11 +117,17 @@ def profile_workers(procs: list, directory: str, seconds: float) -> list[subproc
     for proc in procs:
         name = proc.args[-1]
         spies.append(subprocess.Popen(
-            ["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
+            [_py_spy(), "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
              "--duration", str(int(seconds)), "--output", f"{directory}/{name}.raw"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # attached before the first step is published
     return spies
+
+
+def _py_spy() -> str:
+    """py-spy on the PATH, else the one installed next to this interpreter (an unactivated venv)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else "py-spy")
 
 
 def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> dict:
@@ -110,13 +139,14 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
     producer.flush()
     consumer = KafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:6]}",
                              auto_offset_reset="earliest", enable_auto_commit=False)
-    done, started = 0, None
+    done, started, cpu_started = 0, None, 0.0
     deadline = time.monotonic() + timeout
     while done < len(records) and time.monotonic() < deadline:
         batches = consumer.poll(timeout_ms=1000, max_records=500)
         if not batches:
             continue
-        started = started or time.perf_counter()
+        if started is None:
+            started, cpu_started = time.perf_counter(), time.process_time()
         for batch in batches.values():
             for record in batch:
                 producer.send(sink, record.value, key=record.key)
@@ -124,9 +154,12 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
         producer.flush()
         consumer.commit()
     elapsed = time.perf_counter() - (started or time.perf_counter())
+    cpu = time.process_time() - cpu_started if started is not None else 0.0
     consumer.close()
     producer.close()
-    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0}
+    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0,
+            # This process (the loop and kafka-python's threads): one consume + one produce per record.
+            "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
 
 
 def main() -> None:
@@ -136,23 +169,32 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=100.0, help="seconds the pipeline gets to decide every step")
     parser.add_argument("--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR")
+    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
+                        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     key = new_key()
     records = _values(args.runs, args.steps, key)
+    layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     with broker(args.bootstrap) as bootstrap:
         raw_result = raw(bootstrap, records, args.timeout)
-        pipe_result = pipeline(bootstrap, records, key, args.timeout, args.profile)
-    report = {"steps": len(records), "runs": args.runs, "raw": raw_result, "pipeline": pipe_result,
-              "ratio": round(pipe_result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
+        pipes = {layout: pipeline(bootstrap, records, key, args.timeout,
+                                  f"{args.profile}/{layout}" if args.profile else None, layout)
+                 for layout in layouts}
+    report = {"steps": len(records), "runs": args.runs, "raw": raw_result,
+              "pipelines": {layout: {**result, "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
+                            for layout, result in pipes.items()}}
     if args.json:
         print(json.dumps(report))
-    else:
-        print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s")
-        print(f"pipeline (6 workers):  {pipe_result['steps_per_s']:>7,} steps/s sustained; "
-              f"{pipe_result['decisions']}/{len(records)} decided, last after {pipe_result['end_to_end_s']} s")
-        print(f"ratio {report['ratio']:.2f} (aim >= 0.5x raw and >= 10,000 steps/s)")
-
+        return
+    print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
+          f"{raw_result['cpu_us_per_step']} us CPU per record")
+    for layout, result in report["pipelines"].items():
+        print(f"pipeline {layout:<11} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
+              f"sustained, ratio {result['ratio']:.2f}; {result['decisions']}/{len(records)} decided, "
+              f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
+              f"({result['cpu_us_per_step']})")
+    print("aim: >= 10,000 steps/s and >= 0.5x raw")
 
 if __name__ == "__main__":
     main()

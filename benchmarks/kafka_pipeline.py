@@ -5,6 +5,10 @@
 - :func:`workers`: ``spikeguard worker NAME`` for the six components, as the
   README starts them, each its own process, under a fresh topic prefix so
   that runs never see each other's records; waits until every group has a member.
+  :data:`LAYOUTS` names the two ways to run them: ``independent`` (six
+  processes, the default in DESIGN.md) and ``cohosted`` (``worker detectors``
+  hosting the four detectors behind one consumer, then fusion and actuator:
+  three processes).
 - :func:`signed_steps`: simulated runs' step events, signed as a trainer's Guard
   signs them (the pipeline refuses unsigned steps).
 """
@@ -28,6 +32,12 @@ from spikeguard.components import COMPONENTS
 from spikeguard.schemas import StepEvent, Topics, sign_step
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Layout -> the `spikeguard worker NAME` processes it runs.
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "independent": COMPONENTS,
+    "cohosted": ("detectors", "fusion", "actuator"),
+}
 
 
 def _free_port() -> int:

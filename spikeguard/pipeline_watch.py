@@ -15,7 +15,7 @@ import logging
 import threading
 
 from spikeguard.bus import Bus
-from spikeguard.components import COMPONENTS
+from spikeguard.components import COMPONENTS, DETECTOR_NAMES
 from spikeguard.errors import BusError
 from spikeguard.schemas import Topics
 
@@ -30,6 +30,8 @@ class PipelineWatch:
         self.bus, self.topics, self.where = bus, topics, where
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.groups = {f"{topics.prefix}{name}": name for name in COMPONENTS}
+        # `spikeguard worker detectors` runs the four detectors under one group.
+        self.cohosted = f"{topics.prefix}detectors"
         self.missing: list[str] | None = None  # None until a check succeeded
         self._failed = False
         self._stop = threading.Event()
@@ -38,14 +40,15 @@ class PipelineWatch:
     def check(self) -> list[str] | None:
         """The components with no live worker (None if the broker did not say); logs changes."""
         try:
-            live = self.bus.active_groups(self.groups, self.timeout_s)  # type: ignore[attr-defined]
+            live = self.bus.active_groups([*self.groups, self.cohosted], self.timeout_s)  # type: ignore[attr-defined]
         except BusError as exc:
             if not self._failed:  # once per outage, not once per check
                 log.warning("spikeguard: could not check for pipeline workers on %s: %s", self.where, exc)
             self._failed = True
             return None
         self._failed = False
-        missing = [name for group, name in self.groups.items() if group not in live]
+        missing = [name for group, name in self.groups.items() if group not in live
+                   and not (name in DETECTOR_NAMES and self.cohosted in live)]
         if missing != self.missing:
             self._say(missing, first=self.missing is None)
         self.missing = missing

@@ -19,7 +19,8 @@ import torch
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import Runtime, open_runtime
-from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, Topics, decode
+from spikeguard.components import DETECTOR_NAMES
+from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, Topics, Verdict, decode
 from spikeguard.settings import load_settings
 
 STEPS = 260
@@ -89,32 +90,43 @@ def test_embedded_loop(tmp_path):
 
 
 @pytest.mark.kafka
-def test_kafka_loop(tmp_path, kafka_bootstrap):
+@pytest.mark.parametrize("layout", [
+    ("all",),  # every component as a thread of one `spikeguard worker all` process
+    ("detectors", "fusion", "actuator"),  # the four detectors co-hosted behind one consumer
+], ids=["worker-all", "cohosted-detectors"])
+def test_kafka_loop(tmp_path, kafka_bootstrap, layout):
     from spikeguard.bus.kafka import KafkaBus
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}."
     key = "e2e-signing-key-" + uuid.uuid4().hex
     env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": key}
-    log = tmp_path / "worker.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "spikeguard", "worker", "all", "--topic-prefix", prefix],
+    logs = [tmp_path / f"worker-{name}.log" for name in layout]
+    workers = [subprocess.Popen(
+        [sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-    )
+    ) for name, log in zip(layout, logs)]
     try:
         deadline = time.monotonic() + 60
-        while "spikeguard worker:" not in log.read_text():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        for worker, log in zip(workers, logs):
+            while "spikeguard worker:" not in log.read_text():
+                assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
         bus = KafkaBus(kafka_bootstrap)
         topics = Topics(prefix)
         guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
         time.sleep(1.0)  # the last acks reach the broker
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
+        if "detectors" in layout:  # each co-hosted detector published its own verdicts
+            verdicts = read(bus, topics.verdicts, Verdict, "kafka-run")
+            assert {v.detector for v in verdicts} == set(DETECTOR_NAMES)
         bus.close()
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-    assert worker.returncode == 0, log.read_text()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    for worker, log in zip(workers, logs):
+        assert worker.returncode == 0, log.read_text()

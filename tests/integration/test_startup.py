@@ -190,3 +190,29 @@ def test_workers_that_stop_mid_run_are_said_and_so_is_their_return(kafka_bootstr
         for consumer in members.values():
             consumer.close()
         bus.close()
+
+
+@pytest.mark.kafka
+def test_cohosted_detectors_count_as_the_four_detectors(kafka_bootstrap, caplog):
+    """`spikeguard worker detectors` runs the four detectors under one group: the watch sees them."""
+    from spikeguard.bus.kafka import KafkaBus
+    from spikeguard.pipeline_watch import PipelineWatch
+    from spikeguard.schemas import Topics
+
+    prefix = f"watch-{uuid.uuid4().hex[:8]}."
+    topics = Topics(prefix)
+    bus = KafkaBus(kafka_bootstrap, session_timeout_ms=6000, heartbeat_interval_ms=1000)
+    bus.create_topics(topics.all())
+    members = {name: bus.consumer(f"{prefix}{name}", [topics.steps]) for name in ("detectors", "fusion")}
+    watch = PipelineWatch(bus, topics, kafka_bootstrap, interval_s=0)
+    try:
+        for consumer in members.values():
+            joined(consumer)
+        with caplog.at_level(logging.WARNING, logger="spikeguard.pipeline_watch"):
+            assert watch.check() == ["actuator"]
+            members.pop("detectors").close()  # leaves its group: the four are missing again
+            assert watch.check() == ["statistical", "rules", "ml", "predictor", "actuator"]
+    finally:
+        for consumer in members.values():
+            consumer.close()
+        bus.close()

@@ -393,3 +393,49 @@ def test_kafka_python_checksums_records_in_c():
 
     assert util._crc32c is not util.crc32c_py
     assert util.calc_crc32c(memoryview(b"123456789")) == 0xE3069283  # the CRC-32C check value
+
+
+@pytest.mark.kafka
+def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: str, stack) -> None:
+    """The producer picks a key's partition itself (cached per flush): it must be kafka-python's
+    (and the Java client's) murmur2 choice, so that one run never spreads over two partitions
+    whichever client wrote it."""
+    from kafka import KafkaProducer
+
+    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
+    ours, theirs = new_topic(bus, "ours"), new_topic(bus, "theirs")
+    items = keyed(40, 3)
+    publish(bus, ours, items)
+    plain = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    try:
+        for key, value in items:
+            plain.send(theirs, value, key=key.encode())
+        plain.flush(timeout=30)
+    finally:
+        plain.close()
+    where = []
+    for topic in (ours, theirs):
+        records = drain(open_consumer(stack, bus, unique("g"), topic), len(items))
+        where.append({r.key: r.partition for r in records})
+        assert_order_per_key(records)
+    assert where[0] == where[1] and len(set(where[0].values())) == PARTITIONS
+
+
+@pytest.mark.kafka
+def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack) -> None:
+    """A worker flushes once per batch: until then its records stay in the producer
+    (up to ``linger_ms``), so the batch leaves as one request per partition."""
+    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    topic = new_topic(bus)
+    consumer = open_consumer(stack, bus, unique("g"), topic)
+    wait_assigned([consumer], topic)
+    producer = bus.producer()
+    stack.callback(producer.close)
+    items = keyed(8, 25)
+    for key, value in items:
+        producer.publish(topic, value, key=key)
+    assert consumer.poll(timeout=1.5) == []  # held: no flush yet, and the linger is a minute
+    producer.flush(timeout=30)
+    records = drain(consumer, len(items))
+    assert len(records) == len(items)
+    assert_order_per_key(records)
