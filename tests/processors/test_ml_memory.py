@@ -1,0 +1,164 @@
+"""The ``ml`` detector at 10,000 runs a worker: what a run holds, and that holding less changes no verdict."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from spikeguard.processors.detectors.ml import MLConfig, MLDetector, MLState
+from spikeguard.processors.features import RollingFeatures
+from spikeguard.schemas import StepEvent
+from spikeguard.streaming.footprint import deep_size
+from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES
+
+# The buffer fills after 3 fits; then refit_every > buffer_size, so rows are skipped.
+SMALL = MLConfig(warmup_steps=64, buffer_size=128, refit_every=300, n_estimators=20)
+
+
+def stream(n: int, seed: int = 0, epoch: int = 0, start: int = 0) -> list[StepEvent]:
+    """A healthy run (falling loss, heavy-tailed noise) with a spike every 97 steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(start, start + n)
+    loss = 2.5 + 2.0 * np.exp(-t / 300) + 0.02 * rng.standard_t(5, n)
+    loss[t % 97 == 3] *= 1.5
+    grad = np.exp(np.log(0.5) + 0.05 * rng.standard_normal(n))
+    return [StepEvent(run_id="r", step=int(s), epoch=epoch, time=0.0, loss=float(loss[i]),
+                      grad_norm=float(grad[i]), lr=1e-3) for i, s in enumerate(t)]
+
+
+def batched(det: MLDetector, events: list[StepEvent], size: int = 250) -> list:
+    return [v for i in range(0, len(events), size) for v in det.update_many(events[i : i + size])]
+
+
+class Recording(MLDetector):
+    """Remembers every row it learnt from: what the buffer should be made of."""
+
+    def __init__(self, config: MLConfig) -> None:
+        self.learnt: list[np.ndarray] = []
+        super().__init__(config)
+
+    def learn(self, event: StepEvent, state: MLState) -> None:
+        if state.healthy:
+            self.learnt.append(state.row.astype(np.float32))
+        super().learn(event, state)
+
+
+def test_the_forest_is_fitted_on_the_newest_rows_though_older_ones_are_not_kept() -> None:
+    det = Recording(SMALL)
+    batched(det, stream(2500, seed=1))
+    assert det.state.fits >= 7  # three while the buffer fills, then every 300 rows
+    assert np.array_equal(det.state.fitted, np.array(det.learnt[: len(det.learnt) - det.state.since])[-128:])
+    # Of the rows since the fit, only those the next fit takes are held.
+    assert len(det.state.pending) == max(0, det.state.since - (300 - 128))
+    assert len(det.state_dict()["pending"]) <= SMALL.buffer_size
+
+
+def test_a_state_of_version_2_loads_and_judges_the_same() -> None:
+    """Version 2 kept every row since the fit: it loads, keeping those the next fit takes."""
+    events = stream(1800, seed=2)
+    straight = batched(Recording(SMALL), events)
+    first = Recording(SMALL)
+    before = batched(first, events[:1234])
+    old = json.loads(json.dumps(first.state_dict()))
+    since = old.pop("since_fit")
+    assert 0 < since - len(old["pending"])  # rows were skipped: the old layout had them all
+    old["pending"] = [r.tolist() for r in first.learnt[len(first.learnt) - since :]]
+    old["version"] = 2
+    second = MLDetector(SMALL)
+    second.load_state_dict(old)
+    assert before + batched(second, events[1234:]) == straight
+
+
+def test_a_batch_computes_each_steps_features_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    update = RollingFeatures.update
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(RollingFeatures, "update", counted)
+    events = stream(1000, seed=3)
+    det = MLDetector(SMALL)
+    batched(det, events)
+    assert calls[0] == len(events)  # it was twice that: once ahead, once in place
+
+
+@pytest.mark.parametrize("size", [1, 7, 250])
+def test_snapshots_taken_inside_batches_put_back_the_same_state(size: int) -> None:
+    """Rollbacks to snapshots inside batches: every batch size judges the re-run alike."""
+    def run(size: int) -> tuple[list, dict]:
+        det = MLDetector(SMALL)
+        out = batched(det, stream(1400, seed=4), size)
+        out += batched(det, stream(300, seed=5, epoch=1, start=1150), size)  # back 250 steps
+        out += batched(det, stream(500, seed=6, epoch=2, start=1400), size)  # back 50
+        return out, det.state_dict()
+
+    assert run(size) == run(1000)
+
+
+def test_a_released_forest_comes_back_the_same() -> None:
+    events = stream(2000, seed=7)
+    kept = MLDetector(SMALL)
+    straight = batched(kept, events)
+    det = MLDetector(SMALL)
+    out = []
+    for i in range(0, len(events), 100):  # quiet between every batch
+        out += det.update_many(events[i : i + 100])
+        was_fitted = det.state.forest is not None
+        assert det.release() == was_fitted and det.state.forest is None
+        assert det.release() is False
+    assert out == straight
+    assert det.state.fits == kept.state.fits
+    forest = det.state.forest or det._forest(det.state)
+    for name in ("left", "right", "feature", "threshold", "leaf_value", "roots"):
+        assert np.array_equal(getattr(forest, name), getattr(kept.state.forest, name)), name
+
+
+@pytest.fixture(scope="module")
+def default_run() -> dict:
+    """Default settings: the run just before a refit with a full buffer (the most rows it holds),
+    and 300 steps after it (its snapshots then also hold the previous fit's rows)."""
+    det = MLDetector()
+    events = stream(5000, seed=8)
+    out: dict = {"detector": det}
+    i = 0
+    while not (det.state.fits == 6 and det.state.since >= 2950):  # refit 7 comes at 3000
+        det.update_many(events[i : i + 10])
+        i += 10
+    out["before"] = (deep_size(det), det.state_dict(), i)
+    while det.state.fits == 6:
+        det.update_many(events[i : i + 10])
+        i += 10
+    det.update_many(events[i : i + 300])
+    out["after"] = (deep_size(det), det.state_dict(), i + 300)
+    return out
+
+
+def test_the_json_state_at_its_largest_fits_a_state_record(default_run: dict) -> None:
+    _, state, _ = default_run["before"]
+    assert len(state["fitted"]) == 1024 and len(state["pending"]) > 900  # nearly two buffers
+    size = len(json.dumps(state).encode())
+    assert size < 100_000 < DEFAULT_MAX_RECORD_BYTES  # ~160 kB before: it kept all 3000
+
+
+def test_a_run_holds_under_100_kB(default_run: dict) -> None:
+    """Forest ~35 kB, two buffers of float32 rows ~41 kB, features, layers and snapshots."""
+    for when in ("before", "after"):
+        size, _, _ = default_run[when]
+        assert size < 100_000, when  # ~600 kB before
+
+
+def test_the_largest_state_round_trips_through_json(default_run: dict) -> None:
+    _, state, at = default_run["before"]
+    restored = MLDetector()
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    twin = MLDetector()
+    events = stream(5000, seed=8)
+    batched(twin, events[:at], 10)
+    more = events[at : at + 500]  # a refit among them
+    assert batched(restored, more) == batched(twin, more)
+    assert restored.state.fits == 7 and math.isfinite(restored.state.threshold)
