@@ -26,9 +26,9 @@ Confidence is 0.5 at the threshold and 1 at the ceiling.
 Lifecycle: warm-up (``is_anomaly=False``, ``confidence=0``,
 ``signals={"warmup": 1}``) until ``warmup_steps`` healthy rows are buffered;
 fit; refit every ``warmup_steps`` healthy rows until the buffer is full (a
-young run drifts fast), then every ``refit_every`` (3000: a fit costs ~0.1 s,
-so it costs ~30 us a step, and the rolling features already follow the
-run in between). "Healthy" is judged by the rolling baselines (every residual
+young run drifts fast), then every ``refit_every`` (3000: a fit and its
+calibration cost ~12 ms, ~4 us a step, and the rolling features already
+follow the run in between). "Healthy" is judged by the rolling baselines (every residual
 within ``healthy_gate_z``), not by the forest: a buffer that only admits what
 the forest likes stops following a drifting run, and then the forest flags
 everything. A non-finite step never enters features or buffer and is an outlier
@@ -223,9 +223,10 @@ class MLDetector(Detector[MLState]):
         if not state.healthy:
             return
         state.since += 1
-        if state.since > self._skipped(state):
+        due = self._due(state)
+        if state.since > due - self.config.buffer_size:  # else the next fit cannot use it
             state.pending.append(row)
-        if state.since >= self._due(state):
+        if state.since >= due:
             size = self.config.buffer_size
             if len(state.pending) >= size:  # every row it takes is pending: share them
                 state.fitted = state.pending.freeze()[-size:]

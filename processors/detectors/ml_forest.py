@@ -52,24 +52,71 @@ def fit_forest(rows: np.ndarray, n_estimators: int, max_samples: int, seed: int)
     draws = min(max_samples, n)
     depth = int(np.ceil(np.log2(max(draws, 2))))
     trees = []
-    # The rows are finite and the parameters validated by MLConfig: skip sklearn's re-checks.
     rng = np.random.RandomState(seed)
-    with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
-        for tree_seed in rng.randint(_MAX_INT, size=n_estimators):
-            rng.seed(tree_seed)  # re-seeding one generator: what RandomState(tree_seed) gives
-            splitter_seed = rng.randint(_MAX_INT)  # sklearn's _set_random_states
-            rng.seed(tree_seed)  # _generate_bagging_indices starts again from the tree's seed
-            sample_without_replacement(width, width, random_state=rng)  # the features: all, drawn
-            picked = np.sort(sample_without_replacement(n, draws, random_state=rng))
-            # sklearn weighs the drawn rows 1 and the others 0, and its splitter skips
-            # zero-weight rows, keeping the order of the rest: the drawn rows alone, in row
-            # order and unweighted, are the same tree at a fraction of the cost (sklearn
-            # validated a 1024-row weight vector per tree: ~35 % of a fit).
-            tree = ExtraTreeRegressor(max_features=1, splitter="random", max_depth=depth,
-                                      random_state=splitter_seed)
-            tree.fit(x[picked], y[picked], check_input=False)
-            trees.append(tree)
+    for tree_seed in rng.randint(_MAX_INT, size=n_estimators):
+        rng.seed(tree_seed)  # re-seeding one generator: what RandomState(tree_seed) gives
+        splitter_seed = rng.randint(_MAX_INT)  # sklearn's _set_random_states
+        rng.seed(tree_seed)  # _generate_bagging_indices starts again from the tree's seed
+        sample_without_replacement(width, width, random_state=rng)  # the features: all, drawn
+        picked = np.sort(sample_without_replacement(n, draws, random_state=rng))
+        # sklearn weighs the drawn rows 1 and the others 0, and its splitter skips
+        # zero-weight rows, keeping the order of the rest: the drawn rows alone, in row
+        # order and unweighted, are the same tree at a fraction of the cost (sklearn
+        # validated a 1024-row weight vector per tree: ~35 % of a fit).
+        trees.append(_grow(x[picked], y[picked], depth, splitter_seed, rng))
     return CompiledForest(_Fitted(trees, draws))
+
+
+class _Grown(NamedTuple):
+    tree_: object  # sklearn's Tree, as a fitted estimator holds it
+
+
+def _grow_public(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
+                 rng: np.random.RandomState) -> object:
+    """One tree through ``ExtraTreeRegressor.fit``, its checks skipped (the rows are finite)."""
+    tree = ExtraTreeRegressor(max_features=1, splitter="random", max_depth=depth, random_state=seed)
+    with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
+        tree.fit(x, y, check_input=False)
+    return tree
+
+
+def _grow_direct(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
+                 rng: np.random.RandomState) -> object:
+    """What ``ExtraTreeRegressor(max_features=1, splitter="random", max_depth=depth,
+    random_state=seed).fit(x, y)`` builds, straight from sklearn's tree builder.
+
+    ``fit`` spent most of a 256-row tree's time on its own bookkeeping (a new
+    RandomState per call, parameter resolution). Private API, stable since sklearn 1.4 (when
+    the splitter took ``monotonic_cst``); :func:`_grow` falls back to ``fit`` if it moves,
+    and the tests pin the trees against ``IsolationForest`` either way.
+    """
+    from sklearn.tree._criterion import MSE
+    from sklearn.tree._splitter import RandomSplitter
+    from sklearn.tree._tree import DepthFirstTreeBuilder, Tree
+
+    n, width = x.shape
+    rng.seed(seed)  # what check_random_state(seed) would make: the splitter draws its seed from it
+    # fit's resolved defaults: 1 feature per split, min_samples_leaf 1, min_weight_leaf 0,
+    # min_samples_split 2, min_impurity_decrease 0, no monotonic constraints.
+    splitter = RandomSplitter(MSE(1, n), 1, 1, 0.0, rng, None)
+    tree = Tree(width, np.ones(1, dtype=np.intp), 1)
+    DepthFirstTreeBuilder(splitter, 2, 1, 0.0, depth, 0.0).build(
+        tree, x, np.ascontiguousarray(y.reshape(-1, 1), dtype=np.float64), None, None)
+    return _Grown(tree)
+
+
+def _grow(x: np.ndarray, y: np.ndarray, depth: int, seed: int, rng: np.random.RandomState) -> object:
+    global _grow_with
+    try:
+        return _grow_with(x, y, depth, seed, rng)
+    except (ImportError, TypeError, AttributeError, ValueError):
+        if _grow_with is _grow_public:
+            raise
+        _grow_with = _grow_public  # this sklearn's internals moved: the public way from now on
+        return _grow_with(x, y, depth, seed, rng)
+
+
+_grow_with = _grow_direct
 
 
 def _path_length(n: np.ndarray) -> np.ndarray:

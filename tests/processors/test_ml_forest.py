@@ -69,3 +69,20 @@ def test_wide_forests_switch_to_int32_indices() -> None:
     forest = IsolationForest(n_estimators=200, max_samples=1024, random_state=3).fit(rows)
     probe = rows[:300]
     assert np.array_equal(compiled.path_sums(probe), reference_path_sums(forest, probe))
+
+
+def test_trees_from_sklearns_builder_are_those_fit_grows_and_fit_is_the_fallback(monkeypatch) -> None:
+    from spikeguard.processors.detectors import ml_forest
+
+    rows = heavy_rows(np.random.default_rng(5), 700)
+    direct = fit_forest(rows, 20, 256, 9)
+
+    def moved(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise TypeError("__cinit__() takes exactly 7 positional arguments")  # a future sklearn
+
+    monkeypatch.setattr(ml_forest, "_grow_with", moved)
+    monkeypatch.setattr(ml_forest, "_grow_public", ml_forest._grow_public)
+    fallback = fit_forest(rows, 20, 256, 9)
+    assert ml_forest._grow_with is ml_forest._grow_public
+    for name in ("left", "right", "feature", "threshold", "leaf_value", "roots"):
+        assert np.array_equal(getattr(direct, name), getattr(fallback, name)), name

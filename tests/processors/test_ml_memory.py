@@ -162,3 +162,35 @@ def test_the_largest_state_round_trips_through_json(default_run: dict) -> None:
     more = events[at : at + 500]  # a refit among them
     assert batched(restored, more) == batched(twin, more)
     assert restored.state.fits == 7 and math.isfinite(restored.state.threshold)
+
+
+def test_the_ml_worker_releases_quiet_runs_forests_and_judges_them_the_same() -> None:
+    from spikeguard.processors.detectors.ml_stage import MLStage
+    from spikeguard.schemas import Topics
+
+    topics = Topics("t.")
+    a = [e.model_copy(update={"run_id": "a"}) for e in stream(1600, seed=10)]
+    b = [e.model_copy(update={"run_id": "b"}) for e in stream(1600, seed=11)]
+
+    def verdicts(stage: MLStage, events: list[StepEvent], now: float) -> list:
+        stage.touch({e.run_id for e in events}, now)
+        out = stage.handle_batch([(topics.steps, e) for e in events])
+        stage.tick(now)
+        return [v for _, v in out]
+
+    stage = MLStage(topics, lambda run_id: MLDetector(SMALL), release_idle_s=60.0)
+    kept = MLStage(topics, lambda run_id: MLDetector(SMALL), release_idle_s=1e9)
+    first = verdicts(stage, a[:1000] + b[:1000], now=0.0)
+    assert first == verdicts(kept, a[:1000] + b[:1000], now=0.0)
+    assert verdicts(stage, b[1000:1200], now=50.0) == verdicts(kept, b[1000:1200], now=50.0)
+    assert stage.runs["a"].state.forest is not None  # quiet for 50 s: kept
+    assert stage.tick(100.0) == [] and stage.released == 1  # a quiet for 100 s, b for 50 s
+    assert stage.runs["a"].state.forest is None and stage.runs["b"].state.forest is not None
+    stage.tick(110.0)
+    assert stage.released == 1  # swept at 100 s: the next sweep is due at 115 s
+    stage.tick(120.0)
+    assert stage.released == 2 and stage.runs["b"].state.forest is None
+    assert stage.runs["a"].state.fits > 0  # its rows stay: the forest comes back from them
+    rest = a[1000:] + b[1200:]
+    assert verdicts(stage, rest, now=120.0) == verdicts(kept, rest, now=120.0)
+    assert stage.runs["a"].state.forest is not None
