@@ -45,12 +45,15 @@ identical verdicts. The forest is never pickled: ``state_dict`` keeps its rows,
 the rows since and the fit count, and ``load_state_dict`` refits (same rows +
 seed => same trees).
 
-Memory, for a worker holding 10,000 runs (~80 kB a run at steady state, from
-~600 kB): rows are float32 (20 bytes; the forest sees float32 anyway), the
-compiled forest is ~40 kB (:mod:`.ml_forest`), and of the healthy rows since a
-fit only those the next fit can use are kept: it takes the newest
+Memory, for a worker holding 10,000 runs (~88 kB a run on average, 101 kB at
+most, from ~600 kB): rows are float32 (20 bytes; the forest sees float32
+anyway), the compiled forest is ~36 kB (:mod:`.ml_forest`), and of the healthy
+rows since a fit only those the next fit can use are kept: it takes the newest
 ``buffer_size``, so once the buffer is full the first ``refit_every -
-buffer_size`` rows of each round are counted, not stored. State is bounded:
+buffer_size`` rows of each round are counted, not stored. Rows are held once
+however many rollback snapshots share them: a refit adopts the pending block
+as its rows, and while the buffer fills the fits take windows of one block
+(:class:`~.ml_rows.Arena`). State is bounded:
 at most ``2 * buffer_size`` rows of five floats (~90 kB of JSON at most),
 ``layers.max_layers`` share tracks. :meth:`MLDetector.release` drops a quiet
 run's forest; the next step that needs it refits it from the same rows.
@@ -69,7 +72,7 @@ from spikeguard.processors.detectors.ml_batch import clean
 from spikeguard.processors.detectors.ml_config import MLConfig
 from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
 from spikeguard.processors.detectors.ml_layers import LayerFinding, LayerShares
-from spikeguard.processors.detectors.ml_rows import Rows, as_json
+from spikeguard.processors.detectors.ml_rows import Arena, Rows, as_json
 from spikeguard.processors.features import ML_FEATURES, RollingFeatures
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -82,13 +85,14 @@ _RESIDUALS = [ML_FEATURES.index(n) for n in ("loss_z", "loss_step", "grad_z", "u
 class MLState:
     """One run's features, the forest's training rows, the forest, and the layer-share model."""
 
-    __slots__ = ("features", "fitted", "pending", "since", "fits", "forest", "threshold", "median",
-                 "ceiling", "row", "healthy", "layers")
+    __slots__ = ("features", "fitted", "arena", "pending", "since", "fits", "forest", "threshold",
+                 "median", "ceiling", "row", "healthy", "layers")
 
     def __init__(self, features: RollingFeatures, layers: LayerShares) -> None:
         self.features = features
         self.layers = layers
         self.fitted = np.zeros((0, _WIDTH), dtype=np.float32)  # rows the current forest was fitted on
+        self.arena: Arena | None = None  # the block ``fitted`` is a window of, while the buffer fills
         self.since = 0  # healthy rows since that fit
         self.pending = Rows(_WIDTH)  # ... the newest of which the next fit will use
         self.fits = 0
@@ -115,7 +119,9 @@ class MLDetector(Detector[MLState]):
         super().__init__()
 
     def fresh(self) -> MLState:
-        return MLState(RollingFeatures(self.config.features), LayerShares(self.config.layers))
+        state = MLState(RollingFeatures(self.config.features), LayerShares(self.config.layers))
+        state.pending = Rows(_WIDTH, self.config.buffer_size)  # it never holds more
+        return state
 
     _batch: _Batch | None = None
 
@@ -229,10 +235,12 @@ class MLDetector(Detector[MLState]):
         if state.since >= due:
             size = self.config.buffer_size
             if len(state.pending) >= size:  # every row it takes is pending: share them
-                state.fitted = state.pending.freeze()[-size:]
-            else:  # a copy of the newest rows: a view would keep every row stacked here alive
-                state.fitted = np.vstack([state.fitted, state.pending.matrix()])[-size:].copy()
-            state.pending = Rows(_WIDTH)
+                state.fitted, state.arena = state.pending.freeze()[-size:], None
+            else:  # the buffer fills: the previous fit's rows and these, one block for all
+                state.arena, state.fitted = Arena.extend(
+                    state.arena, state.fitted, state.pending.matrix(), size, size + due)
+                state.pending.moved_to(state.fitted[len(state.fitted) - len(state.pending) :])
+            state.pending = Rows(_WIDTH, size)
             state.since = 0
             state.fits += 1
             self._build(state)
@@ -324,7 +332,7 @@ class MLDetector(Detector[MLState]):
     # Snapshots: features and layers pickled (~0.5 kB); fitted rows and ``pending`` shared (a refit
     # replaces them; pending only grows till then). No forest: ~40 kB, rebuilt on need. The
     # last step's row and health are not kept: learn() has used them before the next step.
-    _SHARED = ("fitted", "fits", "since")
+    _SHARED = ("fitted", "arena", "fits", "since")
 
     def pack(self, state: MLState) -> tuple[bytes, Rows | None, int, tuple[Any, ...]]:
         features = state.features
@@ -373,7 +381,8 @@ class MLDetector(Detector[MLState]):
         rows = data["pending"]
         state.since = int(data.get("since_fit", len(rows)))
         kept = max(0, state.since - self._skipped(state))  # a version 2 state kept them all
-        state.pending = Rows.from_rows(_WIDTH, rows[len(rows) - kept :] if kept else [])
+        state.pending = Rows.from_rows(_WIDTH, rows[len(rows) - kept :] if kept else [],
+                                       self.config.buffer_size)
         if state.fits:
             self._build(state)
         return state
