@@ -7,14 +7,16 @@ Rows (each detector fresh per trial, on the same events, one thread):
 - ``plain``: a simulated ``stable`` run (loss, grad norm, LR; no per-layer norms):
   the rolling features, the isolation forest's batched walk and its refits;
 - ``layers``: the same run with eight per-layer norms a step (top 5 reported),
-  which adds the layer-share model.
+  which adds the layer-share model;
+- ``fit``: one forest fit on 1024 rows: sklearn's ``IsolationForest`` + compile
+  against :func:`fit_forest` (and fit_forest at REV with ``--against``).
 
-``--against REV`` loads ``processors/detectors/ml.py`` as it was at git revision
-REV (``fc5ab08``: before issue 16's work on it) and runs it interleaved with the
-current one, trial by trial, so that the ratio is taken within one run on a
-shared machine. The fit row times one forest fit on 1024 rows: sklearn's
-``IsolationForest`` + compile against :func:`fit_forest`. A benchmark: it
-reports, it does not fail.
+Rates are steps per second of the process's CPU time (``wall`` beside it): on a
+machine shared with other work the CPU time drifts far less than the wall time.
+``--against REV`` runs the same trials on the whole package as it was at git
+revision REV (exported with ``git archive`` and imported in a child process),
+interleaved trial by trial with the working tree's, so that the ratio is taken
+within one run. A benchmark: it reports, it does not fail.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy loads its thread pool
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -35,6 +38,11 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 BATCH = 500
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# pyproject.toml's [tool.setuptools.package-dir]: the top-level folders under one import name.
+PACKAGE_DIRS = {"spikeguard": "spikeguard", "spikeguard/schemas": "schemas",
+                "spikeguard/producers": "producers", "spikeguard/processors": "processors",
+                "spikeguard/actuators": "actuators"}
 
 
 def with_layers(events: list, seed: int = 0) -> list:
@@ -49,77 +57,97 @@ def with_layers(events: list, seed: int = 0) -> list:
     return out
 
 
-def load_at(rev: str):
-    """The MLDetector class of ml.py at git revision ``rev``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "-C", root, "show", f"{rev}:processors/detectors/ml.py"],
-                            check=True, capture_output=True, text=True).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"ml_at_{rev}", f.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through it
-    spec.loader.exec_module(module)
-    return module.MLDetector
+def export(rev: str, into: str) -> str:
+    """The package as it was at ``rev``, laid out to import as ``spikeguard``; its root."""
+    src, root = os.path.join(into, "src"), os.path.join(into, "root")
+    os.makedirs(src)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+    for target, folder in PACKAGE_DIRS.items():
+        shutil.copytree(os.path.join(src, folder), os.path.join(root, target), dirs_exist_ok=True)
+    return root
 
 
-def rate(cls, events: list) -> float:
-    detector = cls()
-    started = time.perf_counter()
-    for i in range(0, len(events), BATCH):
-        detector.update_many(events[i : i + BATCH])
-    return len(events) / (time.perf_counter() - started)
+def one_trial(steps: int) -> dict[str, float]:
+    """One trial of every row, in this process (whichever package it imports)."""
+    from spikeguard.lab.simulate import generate
+    from spikeguard.processors.detectors.ml import MLDetector
+    from spikeguard.processors.detectors.ml_forest import fit_forest
+
+    plain = generate("stable", steps, 0).events
+    out: dict[str, float] = {}
+    for name, events in (("plain", plain), ("layers", with_layers(plain))):
+        detector = MLDetector()
+        cpu, wall = time.process_time(), time.perf_counter()
+        for i in range(0, len(events), BATCH):
+            detector.update_many(events[i : i + BATCH])
+        out[name] = len(events) / (time.process_time() - cpu)
+        out[name + "_wall"] = len(events) / (time.perf_counter() - wall)
+    rows = np.round(np.random.default_rng(0).normal(size=(1024, 5)), 4)
+    fits = []
+    for i in range(3):
+        cpu = time.process_time()
+        fit_forest(rows, 50, 256, i)
+        fits.append(time.process_time() - cpu)
+    out["fit_forest_ms"] = statistics.median(fits) * 1000
+    return out
 
 
-def fit_times(trials: int) -> dict[str, float]:
+def sklearn_fit_ms(trials: int) -> float:
     import sklearn
     from sklearn.ensemble import IsolationForest
 
-    from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
+    from spikeguard.processors.detectors.ml_forest import CompiledForest
 
     rows = np.round(np.random.default_rng(0).normal(size=(1024, 5)), 4)
-    out: dict[str, list[float]] = {"sklearn": [], "fit_forest": []}
+    times = []
     for i in range(trials * 3):
-        started = time.perf_counter()
+        cpu = time.process_time()
         with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
             CompiledForest(IsolationForest(n_estimators=50, max_samples=256, random_state=i).fit(rows))
-        out["sklearn"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        fit_forest(rows, 50, 256, i)
-        out["fit_forest"].append(time.perf_counter() - started)
-    return {k: statistics.median(v) * 1000 for k, v in out.items()}
+        times.append(time.process_time() - cpu)
+    return statistics.median(times) * 1000
+
+
+def child(steps: int, pythonpath: str | None) -> dict[str, float]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath  # ahead of the editable install of the working tree
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--steps", str(steps)],
+                          env=env, cwd=pythonpath or ROOT, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--against", metavar="REV", help="git revision of ml.py to compare with")
+    parser.add_argument("--against", metavar="REV", help="git revision to compare with")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one trial
     args = parser.parse_args(argv)
-    from spikeguard.lab.simulate import generate
-    from spikeguard.processors.detectors.ml import MLDetector
-
-    plain = generate("stable", args.steps, 0).events
-    sets = {"plain": plain, "layers": with_layers(plain)}
-    classes = {"now": MLDetector}
-    if args.against:
-        classes = {args.against: load_at(args.against), **classes}
-    print(f"ml detector alone, {args.steps} steps, batches of {BATCH}, median of {args.trials} trials")
-    for name, events in sets.items():
-        rates: dict[str, list[float]] = {k: [] for k in classes}
-        for _ in range(args.trials):
-            for label, cls in classes.items():
-                rates[label].append(rate(cls, events))
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        line = "  ".join(f"{k}: {v:,.0f} steps/s" for k, v in med.items())
+    if args.one:
+        print(json.dumps(one_trial(args.steps)))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"now": None}
         if args.against:
-            line += f"  ratio now/{args.against}: " + "/".join(
-                f"{n / o:.2f}" for n, o in zip(rates["now"], rates[args.against]))
-        print(f"{name:>7}  {line}")
-    fits = fit_times(args.trials)
-    print(f"    fit  IsolationForest+compile {fits['sklearn']:.0f} ms, "
-          f"fit_forest {fits['fit_forest']:.0f} ms "
-          f"({fits['sklearn'] / fits['fit_forest']:.1f}x)")
+            trees = {args.against: export(args.against, tmp), "now": None}
+        results: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
+        for _ in range(args.trials):  # interleaved: both see the same machine
+            for label, path in trees.items():
+                results[label].append(child(args.steps, path))
+    print(f"ml detector alone, {args.steps} steps, batches of {BATCH}, median of {args.trials} "
+          "trials, steps per CPU second (wall)")
+    for row in ("plain", "layers"):
+        med = {k: statistics.median(r[row] for r in v) for k, v in results.items()}
+        wall = {k: statistics.median(r[row + "_wall"] for r in v) for k, v in results.items()}
+        line = "  ".join(f"{k}: {med[k]:,.0f} ({wall[k]:,.0f})" for k in results)
+        if args.against:
+            line += f"  now/{args.against}: {med['now'] / med[args.against]:.2f}x"
+        print(f"{row:>7}  {line}")
+    fits = {k: statistics.median(r["fit_forest_ms"] for r in v) for k, v in results.items()}
+    print(f"    fit  IsolationForest+compile {sklearn_fit_ms(args.trials):.1f} ms, fit_forest "
+          + ", ".join(f"{k}: {v:.1f} ms" for k, v in fits.items()) + " (CPU, 1024 rows, 50 trees)")
     return 0
 
 

@@ -29,6 +29,11 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     from spikeguard.processors.fusion_stage import FusionStage
 
     topics = topics or Topics(settings.topic_prefix)
+    if name == "ml":  # the detector stage, plus releasing quiet runs' forests
+        from spikeguard.processors.detectors.ml_stage import MLStage
+
+        return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
+                       signing_key=settings.signing_key)
     if name in DETECTOR_NAMES:
         detector_cls = DETECTORS[name]
         config = getattr(settings, name)

@@ -26,9 +26,9 @@ Confidence is 0.5 at the threshold and 1 at the ceiling.
 Lifecycle: warm-up (``is_anomaly=False``, ``confidence=0``,
 ``signals={"warmup": 1}``) until ``warmup_steps`` healthy rows are buffered;
 fit; refit every ``warmup_steps`` healthy rows until the buffer is full (a
-young run drifts fast), then every ``refit_every`` (3000: a fit costs ~0.1 s,
-so it costs ~30 us a step, and the rolling features already follow the
-run in between). "Healthy" is judged by the rolling baselines (every residual
+young run drifts fast), then every ``refit_every`` (3000: a fit and its
+calibration cost ~12 ms, ~4 us a step, and the rolling features already
+follow the run in between). "Healthy" is judged by the rolling baselines (every residual
 within ``healthy_gate_z``), not by the forest: a buffer that only admits what
 the forest likes stops following a drifting run, and then the forest flags
 everything. A non-finite step never enters features or buffer and is an outlier
@@ -38,12 +38,25 @@ Batching without look-ahead: features depend only on earlier events (never on
 verdicts), so ``update_many`` computes the batch's rows first, in one pass over
 a copy of the features and one vectorised clean-up, scores them with the current
 forest in one walk, and rescores the rest of the batch only when a refit happens
-inside it; each step then advances the real features in place. ``update`` walks
-the forest for its one row: both give identical verdicts. The forest is never
-pickled: ``state_dict`` keeps its rows, the rows since and the fit count, and
-``load_state_dict`` refits (same rows + seed => same trees). State is bounded:
-``buffer_size + max(warmup_steps, refit_every)`` rows of five floats (40 bytes
-a row in memory, ~160 kB of JSON at most), ``layers.max_layers`` share tracks.
+inside it. That copy, once through the batch, becomes the run's features: each
+step's features are computed once (a rollback snapshot due inside the batch
+takes a copy on the way). ``update`` walks the forest for its one row: both give
+identical verdicts. The forest is never pickled: ``state_dict`` keeps its rows,
+the rows since and the fit count, and ``load_state_dict`` refits (same rows +
+seed => same trees).
+
+Memory, for a worker holding 10,000 runs (~88 kB a run on average, 101 kB at
+most, from ~600 kB): rows are float32 (20 bytes; the forest sees float32
+anyway), the compiled forest is ~36 kB (:mod:`.ml_forest`), and of the healthy
+rows since a fit only those the next fit can use are kept: it takes the newest
+``buffer_size``, so once the buffer is full the first ``refit_every -
+buffer_size`` rows of each round are counted, not stored. Rows are held once
+however many rollback snapshots share them: a refit adopts the pending block
+as its rows, and while the buffer fills the fits take windows of one block
+(:class:`~.ml_rows.Arena`). State is bounded:
+at most ``2 * buffer_size`` rows of five floats (~90 kB of JSON at most),
+``layers.max_layers`` share tracks. :meth:`MLDetector.release` drops a quiet
+run's forest; the next step that needs it refits it from the same rows.
 """
 
 from __future__ import annotations
@@ -53,114 +66,35 @@ import pickle
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-
 from spikeguard.processors.detectors.base import Detector, validate_verdict
+from spikeguard.processors.detectors.ml_batch import Batch as _Batch
+from spikeguard.processors.detectors.ml_batch import clean
+from spikeguard.processors.detectors.ml_config import MLConfig
 from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
-from spikeguard.processors.detectors.ml_layers import LayerConfig, LayerFinding, LayerShares
-from spikeguard.processors.detectors.ml_rows import Rows
-from spikeguard.processors.features import ML_FEATURES, FeatureConfig, RollingFeatures
+from spikeguard.processors.detectors.ml_layers import LayerFinding, LayerShares
+from spikeguard.processors.detectors.ml_rows import Arena, Rows, as_json
+from spikeguard.processors.features import ML_FEATURES, RollingFeatures
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
 __all__ = ["CompiledForest", "MLConfig", "MLDetector", "MLState"]
 
-_BOUND = 1e6  # keeps extreme-but-finite features finite in float32
 _WIDTH = len(ML_FEATURES)
 _RESIDUALS = [ML_FEATURES.index(n) for n in ("loss_z", "loss_step", "grad_z", "update_z")]
-
-
-class MLConfig(BaseModel):
-    """Defaults: 50 trees x 256 rows and a refit every 3000 healthy steps keep it above
-    20k steps/s; the threshold flags ~0.5 % of the (heavy-tailed) real NanoGPT steps,
-    nearly all of them real upward jumps, and ~0.1 % of simulated healthy steps."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    features: FeatureConfig = Field(default_factory=FeatureConfig, description="rolling features")
-    layers: LayerConfig = Field(
-        default_factory=LayerConfig, description="layer-share model (steps with per-layer norms)"
-    )
-    warmup_steps: int = Field(
-        200, ge=16, description="healthy rows before the first fit, and between early refits"
-    )
-    buffer_size: int = Field(1024, ge=16, description="newest healthy rows the forest is fitted on")
-    refit_every: int = Field(
-        3000, ge=16, description="healthy rows between refits once the buffer is full: a fit costs "
-        "~0.1 s, so 3000 keeps it near 30 us a step, and the features follow the run between"
-    )
-    n_estimators: int = Field(50, ge=1, le=1000, description="trees in the forest")
-    max_samples: int = Field(256, ge=2, description="rows drawn per tree (depth limit log2 of it)")
-    random_state: int = Field(0, ge=0, description="seed; fit number n uses random_state + n - 1")
-    threshold_quantile: float = Field(
-        0.995, gt=0.5, lt=1.0, description="quantile of the training scores the threshold starts at"
-    )
-    threshold_margin: float = Field(
-        0.75, ge=0.0, lt=1.0, description="fraction of the way from there to the score ceiling"
-    )
-    healthy_gate_z: float = Field(
-        6.0, gt=0.0, description="a row may train the forest when no residual exceeds this (s.d.)"
-    )
-    downside_clip: float = Field(
-        1.0, ge=0.0, description="features are clamped at minus this: only the upward side is news"
-    )
-    nonfinite_confidence: float = Field(
-        0.95, ge=0.0, le=1.0, description="confidence of the verdict on a NaN/Inf step"
-    )
-
-
-def _clean(raw: np.ndarray) -> np.ndarray:
-    """Rows (or one row) made finite and bounded, rounded so the buffer is exact and short in
-    JSON (far below the noise). Elementwise: a batch's matrix gives each row's own result."""
-    raw = np.nan_to_num(raw, nan=0.0, posinf=_BOUND, neginf=-_BOUND).clip(-_BOUND, _BOUND)
-    return np.round(raw, 4)
-
-
-class _Batch:
-    """A batch's rows, computed ahead on one copy of the features, and their forest path sums.
-
-    ``items[i]`` is the i-th step's row index in ``rows``, or why it has none. Exact: the
-    rows come from the same feature updates the steps then apply in place, and leaf path
-    lengths are rounded so that sums do not depend on the batch.
-    """
-
-    def __init__(self, state: MLState, events: Sequence[StepEvent], floor: float) -> None:
-        ahead = state.features.copy()
-        raws: list[list[float]] = []
-        self.items: list[int | str] = []
-        for event in events:
-            if not event.finite:
-                self.items.append("non_finite")  # never enters the features
-                continue
-            f = ahead.update_event(event)
-            if f is None:
-                self.items.append("warmup")
-            else:
-                self.items.append(len(raws))
-                raws.append(f.ml_vector(floor))
-        self.rows = _clean(np.array(raws, dtype=np.float64).reshape(-1, _WIDTH))
-        self.cursor = 0  # the step being judged
-        self._forest: CompiledForest | None = None
-        self._first = 0
-        self._sums: list[float] = []
-
-    def path_sum(self, i: int, forest: CompiledForest) -> float:
-        if forest is not self._forest or i < self._first:  # first use, or a refit since
-            self._forest, self._first = forest, i
-            self._sums = forest.path_sums(self.rows[i:]).tolist()
-        return self._sums[i - self._first]
 
 
 class MLState:
     """One run's features, the forest's training rows, the forest, and the layer-share model."""
 
-    __slots__ = ("features", "fitted", "pending", "fits", "forest", "threshold", "median",
-                 "ceiling", "row", "healthy", "layers")
+    __slots__ = ("features", "fitted", "arena", "pending", "since", "fits", "forest", "threshold",
+                 "median", "ceiling", "row", "healthy", "layers")
 
     def __init__(self, features: RollingFeatures, layers: LayerShares) -> None:
         self.features = features
         self.layers = layers
-        self.fitted = np.zeros((0, _WIDTH))  # rows the current forest was fitted on
-        self.pending = Rows(_WIDTH)  # healthy rows since that fit
+        self.fitted = np.zeros((0, _WIDTH), dtype=np.float32)  # rows the current forest was fitted on
+        self.arena: Arena | None = None  # the block ``fitted`` is a window of, while the buffer fills
+        self.since = 0  # healthy rows since that fit
+        self.pending = Rows(_WIDTH)  # ... the newest of which the next fit will use
         self.fits = 0
         self.forest: CompiledForest | None = None
         self.threshold = self.median = self.ceiling = math.nan  # in score units
@@ -176,14 +110,18 @@ def _shares(event: StepEvent) -> dict[str, float] | None:
 
 class MLDetector(Detector[MLState]):
     name: ClassVar[str] = "ml"
-    state_version: ClassVar[int] = 2  # 2: the layer-share model
+    # 2: the layer-share model; 3: "pending" holds only the rows the next fit uses, "since_fit"
+    # counts them all (a version 2 state is read as well).
+    state_version: ClassVar[int] = 3
 
     def __init__(self, config: MLConfig | None = None) -> None:
         self.config = config or MLConfig()
         super().__init__()
 
     def fresh(self) -> MLState:
-        return MLState(RollingFeatures(self.config.features), LayerShares(self.config.layers))
+        state = MLState(RollingFeatures(self.config.features), LayerShares(self.config.layers))
+        state.pending = Rows(_WIDTH, self.config.buffer_size)  # it never holds more
+        return state
 
     _batch: _Batch | None = None
 
@@ -195,7 +133,7 @@ class MLDetector(Detector[MLState]):
         f, after = state.features.peek_event(event)
         if f is None:
             return "warmup", after
-        return _clean(np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)), after
+        return clean(np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)), after
 
     def _current(self, event: StepEvent, state: MLState) -> np.ndarray | str:
         batch = self._batch
@@ -209,12 +147,18 @@ class MLDetector(Detector[MLState]):
         # earlier events only, never on verdicts), so the forest walks them in one pass.
         if len(events) < 2 or any(event.epoch != self.epoch for event in events):
             return super().update_many(events)
-        batch = self._batch = _Batch(self.state, events, -self.config.downside_clip)
+        state = self.state
+        batch = self._batch = _Batch(state, events, -self.config.downside_clip, self.history)
         out = []
         try:
             for i, event in enumerate(events):
                 batch.cursor = i
                 out.append(self.update(event))
+            state.features = batch.after
+        except BaseException:
+            # Stopped part-way: the run's features move past the steps it has tracked.
+            state.features = batch.features_before(batch.tracked, state.features)
+            raise
         finally:
             self._batch = None
         return out
@@ -230,7 +174,7 @@ class MLDetector(Detector[MLState]):
                 return self._blowup(event, state, found, row)
         if isinstance(row, str):
             return self._plain(event, row)
-        forest = state.forest
+        forest = self._forest(state)
         if forest is None:
             return self._plain(event, "warmup")
         batch = self._batch
@@ -243,11 +187,11 @@ class MLDetector(Detector[MLState]):
     def track(self, event: StepEvent, state: MLState, verdict: Verdict) -> None:
         if self._batch is None:
             row, state.features = self.scored(event, state, self._row)
-        else:  # the batch computed the row ahead: advance the features in place, no copy
+        else:  # the batch computed the row and the features ahead (adopted at its end)
             row = self._current(event, state)
-            if event.finite:
-                state.features.update_event(event)
-        state.row = None if isinstance(row, str) else row
+            self._batch.tracked = self._batch.cursor + 1
+        # A copy: a batch's row is a view that would keep the batch's whole matrix alive.
+        state.row = None if isinstance(row, str) else row.copy()
         # Healthy (may train the forest): no residual beyond what the rolling baselines call
         # normal. Judged without the forest, so that the buffer keeps following a drifting run.
         state.healthy = (
@@ -267,25 +211,57 @@ class MLDetector(Detector[MLState]):
         # layer shares learn winsorized (see ml_layers).
         return False
 
+    def _due(self, state: MLState) -> int:
+        """Healthy rows after which the next fit happens (fixed between two fits)."""
+        c = self.config
+        if not state.fits:
+            return c.warmup_steps
+        if len(state.fitted) < c.buffer_size:  # refit often while the buffer fills: early runs drift fast
+            return min(c.warmup_steps, c.refit_every)
+        return c.refit_every
+
+    def _skipped(self, state: MLState) -> int:
+        """Rows since the fit that the next fit cannot use: it takes the newest ``buffer_size``."""
+        return max(0, self._due(state) - self.config.buffer_size)
+
     def learn(self, event: StepEvent, state: MLState) -> None:
+        row, state.row = state.row, None
         if not state.healthy:
             return
-        c = self.config
-        state.pending.append(state.row)
-        fitted = len(state.fitted)
-        if state.forest is None:
-            due = c.warmup_steps
-        elif fitted < c.buffer_size:  # refit often while the buffer fills: early runs drift fast
-            due = min(c.warmup_steps, c.refit_every)
-        else:
-            due = c.refit_every
-        if len(state.pending) >= due:
-            # A copy of the newest rows: a view would keep every row stacked here alive.
-            stacked = np.vstack([state.fitted, state.pending.matrix()])
-            state.fitted = stacked[-c.buffer_size :].copy()
-            state.pending = Rows(_WIDTH)
+        state.since += 1
+        due = self._due(state)
+        if state.since > due - self.config.buffer_size:  # else the next fit cannot use it
+            state.pending.append(row)
+        if state.since >= due:
+            size = self.config.buffer_size
+            if len(state.pending) >= size:  # every row it takes is pending: share them
+                state.fitted, state.arena = state.pending.freeze()[-size:], None
+            else:  # the buffer fills: the previous fit's rows and these, one block for all
+                state.arena, state.fitted = Arena.extend(
+                    state.arena, state.fitted, state.pending.matrix(), size, size + due)
+                state.pending.moved_to(state.fitted[len(state.fitted) - len(state.pending) :])
+            state.pending = Rows(_WIDTH, size)
+            state.since = 0
             state.fits += 1
             self._build(state)
+
+    def release(self) -> bool:
+        """Drop the run's live forest (a quiet run's biggest part); True if there was one.
+
+        The rows it was fitted on stay, so the next step that needs it refits it: the same
+        rows and seed grow the same trees, and every verdict is as if it had stayed.
+        """
+        state = self.state
+        if state.forest is None:
+            return False
+        state.forest = None
+        return True
+
+    def _forest(self, state: MLState) -> CompiledForest | None:
+        """The run's forest; refitted here if :meth:`release` dropped it."""
+        if state.forest is None and state.fits:
+            self._build(state)
+        return state.forest
 
     def _build(self, state: MLState) -> None:
         """(Re)build the forest of fit ``state.fits`` from ``state.fitted``: deterministic."""
@@ -297,7 +273,7 @@ class MLDetector(Detector[MLState]):
         # An isolation forest cannot tell "far beyond the healthy tail" from "at it": scores
         # saturate at about the score of a row beyond every training extreme. So the
         # threshold sits a fraction of the way from a high training quantile to that ceiling.
-        beyond = state.fitted.max(axis=0) + 1.0
+        beyond = state.fitted.max(axis=0).astype(np.float64) + 1.0
         state.ceiling = compiled.score(float(compiled.path_sums(beyond[None, :])[0]))
         quantile = float(np.quantile(train, c.threshold_quantile))
         state.median = float(np.median(train))
@@ -354,21 +330,28 @@ class MLDetector(Detector[MLState]):
 
     # -- state ---------------------------------------------------------------
     # Snapshots: features and layers pickled (~0.5 kB); fitted rows and ``pending`` shared (a refit
-    # replaces them; pending only grows till then). No forest: ~0.5 MB, rebuilt on need.
-    _SHARED = ("fitted", "fits", "row", "healthy")
+    # replaces them; pending only grows till then). No forest: ~40 kB, rebuilt on need. The
+    # last step's row and health are not kept: learn() has used them before the next step.
+    _SHARED = ("fitted", "arena", "fits", "since")
 
-    def pack(self, state: MLState) -> tuple[bytes, Rows, int, tuple[Any, ...]]:
-        head = pickle.dumps((state.features.state_dict(), state.layers.state_dict()), protocol=5)
+    def pack(self, state: MLState) -> tuple[bytes, Rows | None, int, tuple[Any, ...]]:
+        features = state.features
+        batch = self._batch
+        if batch is not None and state is self.state:  # inside a batch: moved on at its end
+            features = batch.features_before(batch.cursor, features)
+        head = pickle.dumps((features.state_dict(), state.layers.state_dict()), protocol=5)
         shared = tuple(getattr(state, name) for name in self._SHARED)
-        return head, state.pending, len(state.pending), shared
+        count = len(state.pending)
+        return head, state.pending if count else None, count, shared
 
-    def unpack(self, packed: tuple[bytes, Rows, int, tuple[Any, ...]]) -> MLState:
+    def unpack(self, packed: tuple[bytes, Rows | None, int, tuple[Any, ...]]) -> MLState:
         head, pending, count, shared = packed
         state = self.fresh()
         features, layers = pickle.loads(head)
         state.features.load_state_dict(features)
         state.layers.load_state_dict(layers)
-        state.pending = pending.prefix(count)  # its own: the restored run appends to it
+        if pending is not None:  # its own: the restored run appends to it
+            state.pending = pending.prefix(count)
         for name, value in zip(self._SHARED, shared):
             setattr(state, name, value)
         live = self.state
@@ -383,7 +366,8 @@ class MLDetector(Detector[MLState]):
         return {
             "features": state.features.state_dict(),
             "fits": state.fits,
-            "fitted": state.fitted.tolist(),
+            "fitted": as_json(state.fitted),
+            "since_fit": state.since,
             "pending": state.pending.tolist(),
             "layers": state.layers.state_dict(),
         }
@@ -393,8 +377,17 @@ class MLDetector(Detector[MLState]):
         state.features.load_state_dict(data["features"])
         state.layers.load_state_dict(data["layers"])
         state.fits = int(data["fits"])
-        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH)
-        state.pending = Rows.from_rows(_WIDTH, data["pending"])
+        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH).astype(np.float32)
+        rows = data["pending"]
+        state.since = int(data.get("since_fit", len(rows)))
+        kept = max(0, state.since - self._skipped(state))  # a version 2 state kept them all
+        state.pending = Rows.from_rows(_WIDTH, rows[len(rows) - kept :] if kept else [],
+                                       self.config.buffer_size)
         if state.fits:
             self._build(state)
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") == 2:  # the same keys, every row since the fit kept
+            state = {**state, "version": self.state_version}
+        super().load_state_dict(state)
