@@ -275,7 +275,7 @@ def measure_split(path: str, steps: int) -> dict:
         pipeline = DirectPipeline(config, detectors=detectors)
         spent: dict[str, float] = {}
         for stage in (*pipeline._detectors, pipeline._fusion):
-            stage.handle_batch = _timed_batch(stage, spent)
+            stage.handle_batch = timed_batch(stage, spent)
         started = time.process_time()
         gc.disable()
         for i in range(0, len(events), SEGMENT_STEPS):
@@ -288,7 +288,7 @@ def measure_split(path: str, steps: int) -> dict:
     return out
 
 
-def _timed_batch(stage, spent: dict[str, float]):
+def timed_batch(stage, spent: dict[str, float]):
     handle = stage.handle_batch
 
     def handle_batch(items):

@@ -37,7 +37,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_backtest import backtest_command, ensure_file, run_child  # noqa: E402
+from bench_backtest import backtest_command, ensure_file, run_child, timed_batch  # noqa: E402
 
 FLAT = 1.25  # a growth ratio up to this counts as flat (shared-machine noise is ~10-20%)
 
@@ -75,19 +75,8 @@ def measure_inside(steps: int, workdir: str, seed: int) -> dict:
     pipeline = DirectPipeline(offline(load_settings(env={})))
     spent: dict[str, float] = {}
 
-    def timed(stage):
-        handle = stage.handle_batch
-
-        def handle_batch(items):
-            started = time.process_time()
-            try:
-                return handle(items)
-            finally:
-                spent[stage.name] = spent.get(stage.name, 0.0) + time.process_time() - started
-        stage.handle_batch = handle_batch
-
     for stage in (*pipeline._detectors, pipeline._fusion):
-        timed(stage)
+        stage.handle_batch = timed_batch(stage, spent)
     path = ensure_file(workdir, "stable", steps, seed)
     segments: list[dict[str, float]] = []
     segment: list = []
