@@ -215,7 +215,6 @@ class ConfluentConsumer(Consumer):
         self.on_assign, self.on_revoke = on_assign, on_revoke
         self._assigning: dict[tuple[str, int], int] | None = None  # seeks asked for inside on_assign
         self._gained: set[tuple[str, int]] = set()
-        self._closing = False
         self._consumer = ck.Consumer(config)
         try:
             self._consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked,
@@ -241,8 +240,8 @@ class ConfluentConsumer(Consumer):
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
         lost = {(tp.topic, tp.partition) for tp in partitions}
         try:
-            # Leaving on close is not a rebalance the owner acts on (kafka-python does not call it either).
-            if lost and self.on_revoke is not None and not self._closing:
+            # Also on close, as kafka-python (>= 3) does: the owner saves what it holds while it still owns it.
+            if lost and self.on_revoke is not None:
                 self.on_revoke(lost)
         finally:
             consumer.unassign()
@@ -303,5 +302,4 @@ class ConfluentConsumer(Consumer):
                 time.sleep(0.01)
 
     def close(self) -> None:
-        self._closing = True
         self._consumer.close()

@@ -113,3 +113,19 @@ def test_confluent_a_failing_rebalance_callback_raises_its_own_error_from_poll(k
     consumer = open_consumer(stack, bus, unique("group"), topic, on_assign=refuse)
     with pytest.raises(LookupError, match="no snapshot"):
         drain(consumer, 4, timeout=30)
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"])
+def test_closing_a_member_revokes_its_partitions_on_either_client(kafka_bootstrap: str, stack, kind) -> None:
+    """kafka-python (>= 3) calls on_revoke when a member closes, so a worker saves what it owns; so must librdkafka."""
+    bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
+    topic = new_topic(bus)
+    revoked: list[set[tuple[str, int]]] = []
+    consumer = bus.consumer(unique("group"), [topic], on_revoke=revoked.append)
+    try:
+        wait_assigned([consumer], topic)
+        assert revoked == []
+    finally:
+        consumer.close()
+    assert revoked == [{(topic, p) for p in range(PARTITIONS)}]
