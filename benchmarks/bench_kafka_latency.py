@@ -18,7 +18,7 @@ with it: the figures then say how far behind the pipeline fell, and
 ``lag_growth`` how fast.
 
     python benchmarks/bench_kafka_latency.py [--bootstrap HOST:PORT] [--rate 1000] [--runs 100] [--seconds 20]
-        [--layout independent|cohosted|both] [--json]
+        [--layout independent|cohosted|both] [--client kafka-python|confluent|both] [--json]
 """
 
 from __future__ import annotations
@@ -89,13 +89,13 @@ class Reader(threading.Thread):
 
 
 def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float,
-            layout: str = "independent") -> dict:
+            layout: str = "independent", client: str = "kafka-python") -> dict:
     key, prefix = new_key(), new_prefix()
     topics = Topics(prefix)
     per_run = max(200, int(rate * seconds / runs))
     events = signed_steps(runs, per_run, key, scenario="sudden_spike")
     order = [(run[i].run_id, run[i].step, encode(run[i])) for i in range(per_run) for run in events]
-    with workers(bootstrap, prefix, key, names=LAYOUTS[layout]):
+    with workers(bootstrap, prefix, key, names=LAYOUTS[layout], client=client):
         reader = Reader(bootstrap, topics)
         reader.start()
         time.sleep(2.0)  # the reader joined its group
@@ -129,7 +129,7 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
     for *_, kind in reader.actions:
         kinds[kind] = kinds.get(kind, 0) + 1
     return {
-        "layout": layout, "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
+        "layout": layout, "client": client, "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
         "decided": len(to_decision), "actions": len(to_action), "action_kinds": kinds,
         "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
         "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},
@@ -149,12 +149,16 @@ def main() -> None:
     parser.add_argument("--drain", type=float, default=90.0, help="seconds to wait for the last decisions")
     parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
                         help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
+    parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="kafka-python",
+                        help="the workers' Kafka library (settings.kafka_client); results keyed CLIENT/LAYOUT")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
+    clients = ["kafka-python", "confluent"] if args.client == "both" else [args.client]
     with broker(args.bootstrap) as bootstrap:
-        report = {layout: measure(bootstrap, args.rate, args.runs, args.seconds, args.drain, layout)
-                  for layout in layouts}
+        report = {f"{client}/{layout}": measure(bootstrap, args.rate, args.runs, args.seconds, args.drain,
+                                                layout, client)
+                  for client in clients for layout in layouts}
     if args.json:
         print(json.dumps(report))
     else:

@@ -8,14 +8,20 @@
   fusion per second between the 10th and the 90th percentile of their
   arrival (the steady state: the pipeline's sustained rate, what it keeps up
   with at bounded lag; faster input only grows the lag).
+- ``--client``: which library the workers speak Kafka with (``kafka_client``:
+  ``kafka-python``, ``confluent`` for confluent-kafka on librdkafka, or
+  ``both``, one after the other on the same broker); pipelines are reported
+  as ``CLIENT/LAYOUT``.
 - ``raw``: the same records through a bare kafka-python consumer -> producer
   loop (poll, send each to another topic, flush, commit), the ceiling a
-  Python worker on this client and machine can reach.
+  Python worker on this client and machine can reach; the reference of every
+  ratio, whatever the client. ``raw_confluent`` (when confluent runs): the
+  same loop on confluent-kafka, that client's ceiling.
 
 Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
     python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100]
-        [--layout independent|cohosted|both] [--profile DIR] [--json]
+        [--layout independent|cohosted|both] [--client kafka-python|confluent|both] [--profile DIR] [--json]
 
 Within one run every pipeline and the raw loop share the broker and the
 machine: the ratios are the figures to compare across runs.
@@ -62,10 +68,10 @@ def _steady_rate(arrivals: list[float]) -> float:
 
 
 def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
-             profile: str | None = None, layout: str = "independent") -> dict:
+             profile: str | None = None, layout: str = "independent", client: str = "kafka-python") -> dict:
     prefix = new_prefix()
     topics = Topics(prefix)
-    with workers(bootstrap, prefix, key, names=LAYOUTS[layout]) as procs:
+    with workers(bootstrap, prefix, key, names=LAYOUTS[layout], client=client) as procs:
         spies = profile_workers(procs, profile, seconds=timeout) if profile else []
         reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
                                auto_offset_reset="earliest", enable_auto_commit=False)
@@ -162,6 +168,42 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
             "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
 
 
+def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> dict:
+    """:func:`raw` on confluent-kafka: poll one, take what is ready, produce each, flush, commit."""
+    import confluent_kafka as ck
+
+    source, sink = f"raw-{uuid.uuid4().hex[:8]}", f"raw-{uuid.uuid4().hex[:8]}"
+    KafkaBus(bootstrap, partitions=4).create_topics([source, sink])
+    producer = ck.Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random"})
+    for k, v in records:
+        producer.produce(source, v, k)
+        producer.poll(0)
+    producer.flush()
+    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex[:6]}",
+                            "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer.subscribe([source])
+    done, started, cpu_started = 0, None, 0.0
+    deadline = time.monotonic() + timeout
+    while done < len(records) and time.monotonic() < deadline:
+        first = consumer.poll(1.0)
+        if first is None:
+            continue
+        if started is None:
+            started, cpu_started = time.perf_counter(), time.process_time()
+        batch = [first, *consumer.consume(499, 0)]
+        for m in batch:
+            if m.error() is None:
+                producer.produce(sink, m.value(), m.key())
+                done += 1
+        producer.flush()
+        consumer.commit(asynchronous=False)
+    elapsed = time.perf_counter() - (started or time.perf_counter())
+    cpu = time.process_time() - cpu_started if started is not None else 0.0
+    consumer.close()
+    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0,
+            "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP"))
@@ -171,26 +213,35 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR")
     parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
                         help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
+    parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="both",
+                        help="the workers' Kafka library (settings.kafka_client); the raw reference stays kafka-python")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     key = new_key()
     records = _values(args.runs, args.steps, key)
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
+    clients = ["kafka-python", "confluent"] if args.client == "both" else [args.client]
     with broker(args.bootstrap) as bootstrap:
         raw_result = raw(bootstrap, records, args.timeout)
-        pipes = {layout: pipeline(bootstrap, records, key, args.timeout,
-                                  f"{args.profile}/{layout}" if args.profile else None, layout)
-                 for layout in layouts}
-    report = {"steps": len(records), "runs": args.runs, "raw": raw_result,
-              "pipelines": {layout: {**result, "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
-                            for layout, result in pipes.items()}}
+        extra = {"raw_confluent": raw_confluent(bootstrap, records, args.timeout)} if "confluent" in clients else {}
+        pipes = {f"{client}/{layout}": pipeline(bootstrap, records, key, args.timeout,
+                                                f"{args.profile}/{client}-{layout}" if args.profile else None,
+                                                layout, client)
+                 for client in clients for layout in layouts}
+    report = {"steps": len(records), "runs": args.runs, "raw": raw_result, **extra,
+              "pipelines": {name: {**result, "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
+                            for name, result in pipes.items()}}
     if args.json:
         print(json.dumps(report))
         return
     print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
           f"{raw_result['cpu_us_per_step']} us CPU per record")
-    for layout, result in report["pipelines"].items():
-        print(f"pipeline {layout:<11} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
+    if extra:
+        print(f"raw confluent-kafka loop: {extra['raw_confluent']['steps_per_s']:>7,} steps/s, "
+              f"{extra['raw_confluent']['cpu_us_per_step']} us CPU per record")
+    for name, result in report["pipelines"].items():
+        layout = name.split("/")[1]
+        print(f"pipeline {name:<24} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
               f"sustained, ratio {result['ratio']:.2f}; {result['decisions']}/{len(records)} decided, "
               f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
               f"({result['cpu_us_per_step']})")

@@ -65,10 +65,14 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | None = None,
-            names: tuple[str, ...] = COMPONENTS, timeout: float = 90.0) -> Iterator[list[subprocess.Popen]]:
-    """The README's workers under ``prefix``, one process each; stopped (SIGTERM) on exit."""
+            names: tuple[str, ...] = COMPONENTS, timeout: float = 90.0,
+            client: str = "kafka-python") -> Iterator[list[subprocess.Popen]]:
+    """The README's workers under ``prefix``, one process each; stopped (SIGTERM) on exit.
+
+    ``client`` is their ``kafka_client`` (``kafka-python`` or ``confluent``).
+    """
     env = {**os.environ, "SPIKEGUARD_TOPIC_PREFIX": prefix, "SPIKEGUARD_SIGNING_KEY": key,
-           "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, **(extra_env or {})}
+           "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client, **(extra_env or {})}
     # Logs to files, not pipes: a pipe nobody reads fills up and blocks the worker that logs.
     logs = Path(tempfile.mkdtemp(prefix="spikeguard-bench-workers-"))
     procs = [subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", name], env=env,

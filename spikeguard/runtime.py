@@ -30,7 +30,12 @@ def make_bus(settings: Settings) -> Bus:
     if settings.bootstrap_servers:
         from spikeguard.bus.kafka import KafkaBus  # kafka-python is only needed here
 
-        return KafkaBus(
+        kind = KafkaBus
+        if settings.kafka_client == "confluent":
+            from spikeguard.bus.confluent import ConfluentBus  # ConfigError naming the extra if missing
+
+            kind = ConfluentBus
+        return kind(
             settings.bootstrap_servers,
             client_id=settings.client_id,
             security_protocol=settings.security_protocol,

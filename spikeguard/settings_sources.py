@@ -41,6 +41,7 @@ NOT_SETTINGS: dict[str, str] = {
     "SPIKEGUARD_PRESET": "the trainer's Guard: the preset when none is passed (producers/run_plan.py)",
 }
 NOT_SETTINGS_PREFIXES: dict[str, str] = {
+    # (SPIKEGUARD_KAFKA_CLIENT is the kafka_client setting: a real setting wins over a prefix)
     "SPIKEGUARD_KAFKA_": "scripts/kafka_local.sh: the local broker (ports, heap, TLS, timeouts)",
     "SPIKEGUARD_TEST_": "tests and benchmarks (e.g. SPIKEGUARD_TEST_BOOTSTRAP)",
 }
@@ -119,11 +120,13 @@ def settings_from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[st
     found: dict[str, str] = {}
     wrong: list[str] = []
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or is_other_variable(name):
+        if not name.startswith(ENV_PREFIX):
             continue
         dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-        if unknown_part(model, dotted) is None:
+        if unknown_part(model, dotted) is None:  # a setting, even under a reserved prefix (KAFKA_CLIENT)
             found[dotted] = value
+            continue
+        if is_other_variable(name):
             continue
         close = closest_setting(model, dotted)
         if close is not None:

@@ -141,6 +141,7 @@ class KafkaBus(Bus):
     """
 
     engine = "kafka"
+    client = "kafka-python"  # the library speaking Kafka (spikeguard.bus.confluent: "confluent")
 
     def __init__(
         self,

@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     threads = [threading.Thread(target=w.run, name=w.stage.name) for w in workers]
     for thread in threads:
         thread.start()
-    print(f"spikeguard worker: {', '.join(names)} on {settings.engine} "
+    client = f" via {settings.kafka_client}" if settings.engine == "kafka" else ""
+    print(f"spikeguard worker: {', '.join(names)} on {settings.engine}{client} "
           f"({settings.bootstrap_servers or 'in-process'}), prefix {settings.topic_prefix!r}",
           flush=True)
     while any(t.is_alive() for t in threads):

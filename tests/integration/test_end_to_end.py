@@ -94,12 +94,15 @@ def test_embedded_loop(tmp_path):
     ("all",),  # every component as a thread of one `spikeguard worker all` process
     ("detectors", "fusion", "actuator"),  # the four detectors co-hosted behind one consumer
 ], ids=["worker-all", "cohosted-detectors"])
-def test_kafka_loop(tmp_path, kafka_bootstrap, layout):
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])  # settings.kafka_client
+def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client):
+    from spikeguard.bus.confluent import ConfluentBus
     from spikeguard.bus.kafka import KafkaBus
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}."
     key = "e2e-signing-key-" + uuid.uuid4().hex
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": key}
+    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": key,
+           "SPIKEGUARD_KAFKA_CLIENT": client}
     logs = [tmp_path / f"worker-{name}.log" for name in layout]
     workers = [subprocess.Popen(
         [sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
@@ -111,7 +114,8 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout):
             while "spikeguard worker:" not in log.read_text():
                 assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-        bus = KafkaBus(kafka_bootstrap)
+            assert f"on kafka via {client} " in log.read_text()  # the workers speak Kafka with it
+        bus = (ConfluentBus if client == "confluent" else KafkaBus)(kafka_bootstrap)  # the trainer too
         topics = Topics(prefix)
         guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
         time.sleep(1.0)  # the last acks reach the broker

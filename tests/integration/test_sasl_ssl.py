@@ -149,3 +149,28 @@ def test_a_wrong_password_is_reported_without_either_password(sasl_broker, tmp_p
     assert "Authentication" in shown or "authentication" in shown or "SASL" in shown
     for secret in (wrong, sasl_broker["password"]):
         assert secret not in shown
+
+
+def test_the_confluent_client_round_trips_over_sasl_ssl_without_showing_the_password(sasl_broker, caplog):
+    """The librdkafka names of the same settings (sasl.*, ssl.ca.location) reach a SCRAM-over-TLS broker."""
+    from spikeguard.bus.confluent import ConfluentBus
+
+    password = sasl_broker["password"]
+    bus = ConfluentBus(sasl_broker["bootstrap"], security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+                       sasl_username=USER, sasl_password=password, ssl_cafile=sasl_broker["cafile"])
+    topic = f"sasl-confluent-{uuid.uuid4().hex[:8]}"
+    with caplog.at_level(logging.DEBUG):
+        bus.create_topics([topic])
+        producer = bus.producer()
+        producer.publish(topic, b"over-tls", key="run-1", headers=[("h", b"1")])
+        producer.close()
+        consumer = bus.consumer(f"g-{uuid.uuid4().hex[:6]}", [topic])
+        try:
+            deadline, records = time.monotonic() + 60, []
+            while not records and time.monotonic() < deadline:
+                records = consumer.poll(timeout=0.5)
+            consumer.commit()
+        finally:
+            consumer.close()
+    assert [(r.key, r.value, r.headers) for r in records] == [(b"run-1", b"over-tls", (("h", b"1"),))]
+    assert password not in caplog.text and password not in repr(bus) and password not in repr(bus._rdkafka_config())

@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from spikeguard.bus.base import Bus, Consumer, Record
 from spikeguard.bus.embedded import EmbeddedBus
+from spikeguard.bus.confluent import ConfluentBus
 from spikeguard.bus.kafka import KafkaBus
 from spikeguard.errors import DeliveryError
 
@@ -28,14 +29,16 @@ PARTITIONS = 4
 FAST_GROUPS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 200, "max_poll_interval_ms": 20000}
 
 
-@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka),
+                        pytest.param("confluent", marks=pytest.mark.kafka)])
 def bus(request: pytest.FixtureRequest) -> Iterator[Bus]:
     if request.param == "embedded":
         engine: Bus = EmbeddedBus(partitions=PARTITIONS)
     else:
         bootstrap = request.getfixturevalue("kafka_bootstrap")
-        engine = KafkaBus(bootstrap, client_id="spikeguard-tests", partitions=PARTITIONS,
-                          consumer_options=FAST_GROUPS)
+        kind = ConfluentBus if request.param == "confluent" else KafkaBus
+        engine = kind(bootstrap, client_id="spikeguard-tests", partitions=PARTITIONS,
+                      consumer_options=FAST_GROUPS)
     with engine:
         yield engine
 
@@ -368,8 +371,12 @@ def test_kafka_bus_keeps_secrets_out_of_its_repr() -> None:
     assert config["sasl_plain_password"] == "hunter2" and config["sasl_plain_username"] == "svc"
 
 
+KAFKA_CLIENTS = pytest.mark.parametrize("kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"])
+
+
 @pytest.mark.kafka
-def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str) -> None:
+@KAFKA_CLIENTS
+def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
     from kafka import KafkaAdminClient
 
     topic = unique("small")
@@ -377,7 +384,7 @@ def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str) -> N
     with KafkaAdminClient(bootstrap_servers=kafka_bootstrap) as admin:
         admin.create_topics({topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
                             wait_for_metadata=True)
-    producer = KafkaBus(kafka_bootstrap).producer()
+    producer = kind(kafka_bootstrap).producer()
     try:
         producer.publish(topic, b"x" * 10_000, key="big")
         with pytest.raises(DeliveryError, match=topic):
@@ -396,13 +403,14 @@ def test_kafka_python_checksums_records_in_c():
 
 
 @pytest.mark.kafka
-def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: str, stack) -> None:
+@KAFKA_CLIENTS
+def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: str, stack, kind) -> None:
     """The producer picks a key's partition itself (cached per flush): it must be kafka-python's
     (and the Java client's) murmur2 choice, so that one run never spreads over two partitions
     whichever client wrote it."""
     from kafka import KafkaProducer
 
-    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
+    bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
     ours, theirs = new_topic(bus, "ours"), new_topic(bus, "theirs")
     items = keyed(40, 3)
     publish(bus, ours, items)
@@ -422,10 +430,11 @@ def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: 
 
 
 @pytest.mark.kafka
-def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack) -> None:
+@KAFKA_CLIENTS
+def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack, kind) -> None:
     """A worker flushes once per batch: until then its records stay in the producer
     (up to ``linger_ms``), so the batch leaves as one request per partition."""
-    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
     topic = new_topic(bus)
     consumer = open_consumer(stack, bus, unique("g"), topic)
     wait_assigned([consumer], topic)
@@ -439,3 +448,4 @@ def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str
     records = drain(consumer, len(items))
     assert len(records) == len(items)
     assert_order_per_key(records)
+
