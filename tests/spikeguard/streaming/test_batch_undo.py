@@ -127,3 +127,26 @@ def test_fusion_undo_state_keeps_the_verdicts_and_puts_the_state_back_exactly():
     again = Fusion(run_id="a")
     again.load_state_dict(json.loads(before))
     assert json.dumps(again.state_dict(), sort_keys=True) == before
+
+
+def test_the_policy_undo_state_copies_its_seen_window_and_puts_the_state_back_exactly():
+    from spikeguard.actuators.policy import RecoveryPolicy
+
+    def decision(step: int) -> Decision:
+        return Decision(decision_id=f"d-{step}", run_id="a", step=step, is_anomaly=False)
+
+    policy = RecoveryPolicy(run_id="a")
+    for step in range(50):
+        policy.on_decision(decision(step))
+    before = json.dumps(policy.state_dict(), sort_keys=True)
+    point = policy.undo_state()
+    assert type(point["seen"]) is not list  # a copy of the window's arrays, not 50 [key, step] lists
+    for step in range(50, 80):
+        policy.on_decision(decision(step))
+    policy.on_decision(decision(10))  # a duplicate, counted
+    assert json.dumps(policy.state_dict(), sort_keys=True) != before
+    policy.load_state_dict(point)
+    assert json.dumps(policy.state_dict(), sort_keys=True) == before
+    policy.on_decision(decision(50))  # the restored window is its own: the point stays as taken
+    policy.load_state_dict(point)
+    assert json.dumps(policy.state_dict(), sort_keys=True) == before
