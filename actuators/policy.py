@@ -319,13 +319,13 @@ class RecoveryPolicy:
         if run_id != self.run_id:
             raise ForeignRunError(f"event for run {run_id!r} reached the policy of {self.run_id!r}")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, keep_seen: bool = False) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "epoch": self.epoch,
             "high_water": self.high_water,
             "observed_steps": self.observed_steps,
-            "seen": self.seen.state_dict(),
+            "seen": self.seen.copy() if keep_seen else self.seen.state_dict(),
             "tail": self.tail,
             "pending_spike": self.pending_spike,
             "healthy_streak": self.healthy_streak,
@@ -336,6 +336,9 @@ class RecoveryPolicy:
             "recovery": self.recovery.state_dict(),
             "incidents": self.incidents.state_dict(),
         }
+
+    def undo_state(self) -> dict[str, Any]:  # Stage.undo_point, per batch: the window as arrays
+        return self.state_dict(keep_seen=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["run_id"] != self.run_id:

@@ -53,12 +53,21 @@ class SeenDecisions:
     def clear(self) -> None:
         del self._steps[:], self._keys[:]
 
+    def copy(self) -> SeenDecisions:
+        """An independent copy: two array copies (a batch's undo point), not a list of pairs."""
+        twin = SeenDecisions()
+        twin._steps, twin._keys = self._steps[:], self._keys[:]
+        return twin
+
     def state_dict(self) -> list[list[int]]:
         """``[key, step]`` pairs, oldest first."""
         return [[key, step] for key, step in zip(self._keys, self._steps)]
 
     def load_state_dict(self, pairs: list[list[Any]]) -> None:
         """Adopt :meth:`state_dict`'s pairs; an id's text (a state saved before keys) is hashed."""
+        if isinstance(pairs, SeenDecisions):  # a copy (RecoveryPolicy.undo_state): copied again
+            self._steps, self._keys = pairs._steps[:], pairs._keys[:]
+            return
         self.clear()
         for ident, step in pairs:
             self._keys.append(decision_key(ident) if isinstance(ident, str) else int(ident))

@@ -71,10 +71,17 @@ class CoHostedDetectors(Stage):
         return out
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        return self._by_run([stage.snapshot for stage in self.stages], run_ids)
+
+    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        return self._by_run([stage.undo_point for stage in self.stages], run_ids)
+
+    def _by_run(self, takes: list, run_ids: Iterable[str]) -> dict[str, Any]:
+        """``{run_id: {detector: state}}`` from each hosted stage's ``take(run_ids)``."""
         run_ids = list(run_ids)
         state: dict[str, dict[str, Any]] = {}
-        for stage in self.stages:
-            for run_id, run_state in stage.snapshot(run_ids).items():
+        for stage, take in zip(self.stages, takes):
+            for run_id, run_state in take(run_ids).items():
                 state.setdefault(run_id, {})[stage.name] = run_state
         return state
 

@@ -356,7 +356,8 @@ class Fusion:
         return (not is_critical(v), self._rank.get(v.detector, len(self._rank)), -v.confidence)
 
     # -- state ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, keep_verdicts: bool = False) -> dict[str, Any]:
+        dump = list if keep_verdicts else lambda vs: [v.model_dump(mode="json") for v in vs]
         return {
             "epoch": self._epoch, "decided": self._decided, "newest": self._newest,
             "onset": self._onset, "last_anomaly": self._last_anomaly,
@@ -366,11 +367,11 @@ class Fusion:
             "grad_norm_baseline": self._grad_baseline.state_dict(),
             "marks": {name: list(mark) for name, mark in self._marks.items()},
             "epoch_seen_at": self._epoch_seen_at,
-            "pending": [
-                {"step": step, "verdicts": [v.model_dump(mode="json") for v in p.verdicts.values()]}
-                for step, p in sorted(self._pending.items())
-            ],
+            "pending": [{"step": s, "verdicts": dump(p.verdicts.values())} for s, p in sorted(self._pending.items())],
         }
+
+    def undo_state(self) -> dict[str, Any]:  # Stage.undo_point, per batch: frozen verdicts need no dump
+        return self.state_dict(keep_verdicts=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset_epoch(int(state["epoch"]))
@@ -390,7 +391,7 @@ class Fusion:
         for item in state["pending"]:
             p = self._pending[int(item["step"])] = _Pending()
             for raw in item["verdicts"]:
-                v = Verdict.model_validate(raw)
+                v = raw if type(raw) is Verdict else Verdict.model_validate(raw)  # (undo_state)
                 p.verdicts[v.detector] = v
                 p.flagged = p.flagged or v.is_anomaly
                 p.critical = p.critical or (v.is_anomaly and is_critical(v))

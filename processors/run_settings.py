@@ -165,7 +165,13 @@ class RunSettingsStage(PerRunStage):
 
     # -- state: the run's given settings and a pending end travel with its object ----
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
-        out = super().snapshot(run_ids)
+        return self._with_settings(super().snapshot(run_ids))
+
+    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        # A batch may start or end a run: undoing it puts its settings and end back too.
+        return self._with_settings(super().undo_point(run_ids))
+
+    def _with_settings(self, out: dict[str, Any]) -> dict[str, Any]:
         for run_id, state in out.items():
             if run_id in self._given:
                 state[SETTINGS_KEY] = self._given[run_id]

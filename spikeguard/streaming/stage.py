@@ -56,7 +56,16 @@ class Stage(ABC):
 
     @abstractmethod
     def restore(self, state: dict[str, Any]) -> None:
-        """Adopt what :meth:`snapshot` returned (replacing those runs' state)."""
+        """Adopt what :meth:`snapshot` or :meth:`undo_point` returned (replacing those runs' state)."""
+
+    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        """These runs' state now, for :meth:`restore` to put back if the coming batch fails.
+
+        Taken before every batch, for the batch's runs only, and almost never used:
+        it must be cheap. It never leaves the process, so unlike :meth:`snapshot` it
+        may hold live immutable objects instead of their JSON (default: the snapshot).
+        """
+        return self.snapshot(run_ids)
 
     def forget(self, run_ids: Iterable[str]) -> None:
         """Drop these runs' state (their partition moved to another worker): no tombstone."""
@@ -111,6 +120,16 @@ class PerRunStage(Stage, Generic[T]):
             for run_id in run_ids
             if run_id in self.runs
         }
+
+    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        # A run's object may keep its undo state cheaper than its state_dict (``undo_state``,
+        # which its load_state_dict also takes): the per-batch copy need not be JSON.
+        runs, out = self.runs, {}
+        for run_id in run_ids:
+            found = runs.get(run_id)
+            if found is not None:
+                out[run_id] = getattr(found, "undo_state", found.state_dict)()  # type: ignore[attr-defined]
+        return out
 
     def restore(self, state: dict[str, Any]) -> None:
         now = time.time()

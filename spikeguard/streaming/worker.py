@@ -222,7 +222,7 @@ class Worker:
         self.stage.touch(run_ids, now)
         if self._saver is not None:
             self._saver.changed(run_ids)
-        before = self.stage.snapshot(run_ids)
+        before = self.stage.undo_point(run_ids)
         try:
             return self.stage.handle_batch(items)
         except Exception:
@@ -233,7 +233,7 @@ class Worker:
         outputs: list[Output] = []
         for item, record in zip(items, sources):
             run_ids = {item[1].run_id}  # type: ignore[attr-defined]
-            before = self.stage.snapshot(run_ids)
+            before = self.stage.undo_point(run_ids)
             try:
                 outputs += self.stage.handle_batch([item])
             except Exception as exc:

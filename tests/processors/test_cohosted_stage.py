@@ -126,3 +126,21 @@ def test_the_saved_state_holds_every_detector_per_run():
     fresh = CoHostedDetectors([build_stage(name, SETTINGS, TOPICS) for name in DETECTOR_NAMES])
     fresh.restore(json.loads(json.dumps(state)))  # as read back from the state topic
     assert json.loads(json.dumps(fresh.snapshot(["run-1", "run-2"]))) == json.loads(json.dumps(state))
+
+
+def test_a_checkpoint_saves_only_the_runs_changed_since_the_last_one():
+    # The periodic save writes a run's four detector states only if a batch touched the run:
+    # an idle run costs the save nothing, however many runs the worker holds.
+    bus = EmbeddedBus(partitions=1)
+    events = steps()
+    publish(bus, events[:100])
+    worker = cohosted_worker(bus, snapshot_interval_s=0)  # a checkpoint after every batch
+    drain([worker])
+    store = TOPICS.state("detectors")
+    assert {r.key for r in bus.read_all(store)} >= {b"detectors/run/run-1", b"detectors/run/run-2"}
+    saved = max(r.offset for r in bus.read_all(store))  # (compacted: read by offset, not by index)
+    publish(bus, [e for e in events[100:160] if e.run_id == "run-1"])
+    drain([worker])
+    after = [r.key for r in bus.read_all(store) if r.offset > saved]
+    assert b"detectors/run/run-1" in after
+    assert all(not key.startswith(b"detectors/run/") or key == b"detectors/run/run-1" for key in after)
