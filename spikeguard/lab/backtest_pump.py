@@ -158,7 +158,7 @@ class DirectPipeline:
             return []
         self._count(stage, "records_in", items[0][0], len(items))
         run_ids = set(map(_RUN_ID, map(_EVENT, items)))
-        before = stage.snapshot(run_ids)
+        before = stage.undo_point(run_ids)
         try:
             return stage.handle_batch(items)
         except Exception:
@@ -167,7 +167,7 @@ class DirectPipeline:
         outputs: list[tuple[str, Any]] = []
         for item in items:
             run_ids = {item[1].run_id}
-            before = stage.snapshot(run_ids)
+            before = stage.undo_point(run_ids)
             try:
                 outputs += stage.handle_batch([item])
             except Exception:
