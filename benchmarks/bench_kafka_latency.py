@@ -61,27 +61,33 @@ class Reader(threading.Thread):
         self.decisions: list[tuple[str, int, float]] = []
         self.actions: list[tuple[str, int, float, str]] = []
         self.verdicts: list[tuple[str, int, float, str]] = []  # where the time goes: the detectors' hop
+        # Each record's CreateTime (set by its producer's send, wall clock, ms): splits the
+        # latency into hops (step -> its last verdict produced -> decision produced -> read).
+        self.created: dict[tuple[str, str, int], float] = {}
         self.stopping = threading.Event()
         self.arrived = 0  # decisions stamped so far (the drain loop waits on it)
 
     def run(self) -> None:
         # Stamped now, decoded after the run: decoding ~5,000 records/s here would take
         # CPU from the workers on a 2-core machine and lengthen what is measured.
-        stamped: list[tuple[str, bytes, float]] = []
+        stamped: list[tuple[str, bytes, float, int]] = []
         while not self.stopping.is_set():
             for tp, batch in self.consumer.poll(timeout_ms=100, max_records=10_000).items():
                 now = time.perf_counter()
-                stamped += [(tp.topic, record.value, now) for record in batch]
+                stamped += [(tp.topic, record.value, now, record.timestamp) for record in batch]
                 if tp.topic == self.topics.decisions:
                     self.arrived += len(batch)
         self.consumer.close()
-        for topic, value, now in stamped:
+        for topic, value, now, created_ms in stamped:
             if topic == self.topics.decisions:
                 d = decode(value, Decision)
                 self.decisions.append((d.run_id, d.step, now))
+                self.created[("decision", d.run_id, d.step)] = created_ms / 1000
             elif topic == self.topics.verdicts:
                 v = decode(value, Verdict)
                 self.verdicts.append((v.run_id, v.step, now, v.detector))
+                key = ("verdict", v.run_id, v.step)  # the step's last verdict to be produced
+                self.created[key] = max(self.created.get(key, 0.0), created_ms / 1000)
             else:
                 a = decode(value, Action)
                 step = a.evidence.step if a.evidence is not None else a.apply_at_step
@@ -101,6 +107,7 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
         time.sleep(2.0)  # the reader joined its group
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=1)
         published: dict[tuple[str, int], float] = {}
+        published_wall: dict[tuple[str, int], float] = {}
         start = time.perf_counter()
         for n, (run_id, step, value) in enumerate(order):
             due = start + n / rate
@@ -108,6 +115,7 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
             if wait > 0:
                 time.sleep(wait)
             published[(run_id, step)] = time.perf_counter()
+            published_wall[(run_id, step)] = time.time()
             producer.send(topics.steps, value, key=run_id.encode())
         producer.flush()
         input_s = time.perf_counter() - start
@@ -125,6 +133,11 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
     for r, s, t, detector in reader.verdicts:
         if (r, s) in published:
             by_detector.setdefault(detector, []).append(t - published[(r, s)])
+    to_verdicts = [reader.created[("verdict", r, s)] - w for (r, s), w in published_wall.items()
+                   if ("verdict", r, s) in reader.created]
+    verdicts_to_decision = [reader.created[("decision", r, s)] - reader.created[("verdict", r, s)]
+                            for (r, s) in published_wall
+                            if ("decision", r, s) in reader.created and ("verdict", r, s) in reader.created]
     kinds: dict[str, int] = {}
     for *_, kind in reader.actions:
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -134,6 +147,11 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
         "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
         "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},
         "verdict_p50_ms": {d: _pct(v, 0.5) for d, v in sorted(by_detector.items())},
+        # By the records' CreateTime (1 ms resolution, same clock): step published -> its last
+        # verdict sent by a detector; that verdict sent -> the decision sent by fusion.
+        "hops_ms": {"step_to_last_verdict_sent": {"p50": _pct(to_verdicts, 0.5), "p99": _pct(to_verdicts, 0.99)},
+                    "last_verdict_to_decision_sent": {"p50": _pct(verdicts_to_decision, 0.5),
+                                                      "p99": _pct(verdicts_to_decision, 0.99)}},
         # Latency late vs early in the input: > 1 means a backlog that grows (throughput below the rate).
         "lag_growth": round(statistics.median(to_decision) / statistics.median(first_half), 2)
         if first_half and to_decision else None,
