@@ -180,8 +180,20 @@ class Detector(ABC, Generic[S]):
         """The run's state as JSON types, with its layout version."""
         return {"version": self.state_version, "epoch": self.epoch, **self.dump(self.state)}
 
+    def undo_state(self) -> dict[str, Any]:
+        """The run's state for a worker's per-batch undo (``Stage.undo_point``): never saved.
+
+        Taken before every batch and almost never used, so it is the state as the
+        rollback history packs it, not its JSON: the ML detector's pack shares its
+        rows (their JSON was most of a co-hosted detectors worker's undo, py-spy).
+        :meth:`load_state_dict` takes it back.
+        """
+        if type(self).state_dict is not Detector.state_dict:  # a layout of its own: its own JSON
+            return self.state_dict()
+        return {"version": self.state_version, "epoch": self.epoch, "undo": self.pack(self.state)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt what :meth:`state_dict` returned.
+        """Adopt what :meth:`state_dict` (or :meth:`undo_state`) returned.
 
         The rollback history stays when the epoch is the same: its snapshots are
         states this run went through (a retried batch goes through them again).
@@ -192,7 +204,7 @@ class Detector(ABC, Generic[S]):
                 f"{self.name} detector state has version {version!r}; "
                 f"this code reads version {self.state_version}"
             )
-        self.state = self.load(state)
+        self.state = self.unpack(state["undo"]) if "undo" in state else self.load(state)
         self._last_step = -1
         if int(state["epoch"]) != self.epoch:
             self.history.clear()  # another timeline's snapshots

@@ -252,7 +252,8 @@ def test_a_real_detector_retried_after_a_failure_learns_each_good_step_once():
     clean.update_many([
         StepEvent(run_id="a", step=s, loss=float(s % 7) + 0.5, time=0.0) for s in (0, 1, 3, 4)
     ])
-    assert stage.runs["a"].state_dict() == clean.state_dict()
+    # Compared as JSON text: NaN fields are equal there, not only when they are the same float object.
+    assert json.dumps(stage.runs["a"].state_dict(), sort_keys=True) == json.dumps(clean.state_dict(), sort_keys=True)
     assert stage.runs["a"].state_dict()["loss"]["n"] == 4  # four good steps, each learnt once
 
 
