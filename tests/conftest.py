@@ -90,3 +90,21 @@ def stderr_of(command: list[str], on_a_terminal: bool) -> str:
 def terminal_stderr():
     """``terminal_stderr(command, on_a_terminal)``: see :func:`stderr_of`."""
     return stderr_of
+
+
+@pytest.fixture
+def regression_loader():
+    """``make(samples)``: a seeded noisy linear regression as a shuffled DataLoader (batch 32).
+
+    What the guarded end-to-end runs train on: small enough for CPU, and its loss is
+    steady enough that an injected spike is the only incident.
+    """
+    import torch
+
+    def make(samples: int = 8192):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(samples, 8, generator=generator)
+        y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+
+    return make

@@ -25,14 +25,7 @@ STEPS = 480
 BAD_BATCHES = range(398, 406)  # just before a checkpoint (400): the old cadence kept none 100 back
 
 
-def problem():
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(8192, 8, generator=generator)
-    y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(8192, 1, generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
-
-
-def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path):
+def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path, regression_loader):
     settings = load_settings({"topic_prefix": f"defaults-{uuid.uuid4().hex[:8]}."}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
@@ -43,7 +36,7 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path
         config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, lockstep_timeout=30.0, data_seed=0,
                              resume=False, signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id="defaults", config=config, bus=runtime.bus, topics=runtime.topics)
-        for x, y in guard.data(problem(), epochs=10, max_steps=STEPS):
+        for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             if guard.loader.last_index in BAD_BATCHES:
                 y = y * 40.0 + 25.0
             optimizer.zero_grad()

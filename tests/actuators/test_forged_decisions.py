@@ -34,13 +34,6 @@ FORGE_AT = (40, 70, 100, 125)  # trainer steps at which a forged decision is wri
 RUN = "victim"
 
 
-def problem():
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 8, generator=generator)
-    y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(4096, 1, generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
-
-
 def forged(step: int, published: dict[int, StepEvent]) -> Decision:
     """A critical non-finite decision for ``step``; its evidence absent, or not what was published."""
     evidence = None
@@ -52,7 +45,7 @@ def forged(step: int, published: dict[int, StepEvent]) -> Decision:
                     incident_onset_step=step, evidence=evidence)
 
 
-def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(tmp_path):
+def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(tmp_path, regression_loader):
     settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}."}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
@@ -65,7 +58,7 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
                              signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
-        for x, y in guard.data(problem(), epochs=10, max_steps=STEPS):
+        for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
             if guard.epoch == 0 and guard.step_count in FORGE_AT:
                 published = {e.step: e for e in (decode(r.value, StepEvent) for r in bus.read_all(topics.steps))
                              if e.run_id == RUN}

@@ -40,14 +40,7 @@ def settings(**extra):
                           "worker": {"embedded_process": True}, **extra}, env={})
 
 
-def problem():
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(8192, 8, generator=generator)
-    y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(8192, 1, generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
-
-
-def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path):
+def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, regression_loader):
     # (other tests' runtimes may have left daemon threads behind: only new ones count)
     before = {t.ident for t in threading.enumerate()}
     runtime = open_runtime(settings())
@@ -61,7 +54,7 @@ def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path):
                              data_seed=0, resume=False, signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id="child", config=config, bus=runtime.bus,
                       topics=runtime.topics)
-        for x, y in guard.data(problem(), epochs=10, max_steps=STEPS):
+        for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             if guard.loader.last_index in BAD_BATCHES:
                 y = y * 40.0 + 25.0
             optimizer.zero_grad()
