@@ -183,12 +183,16 @@ class Detector(ABC, Generic[S]):
     def undo_state(self) -> dict[str, Any]:
         """The run's state for a worker's per-batch undo (``Stage.undo_point``): never saved.
 
-        Taken before every batch and almost never used, so it is the state as the
-        rollback history packs it, not its JSON: the ML detector's pack shares its
-        rows (their JSON was most of a co-hosted detectors worker's undo, py-spy).
+        Taken before every batch and almost never used. A detector whose ``pack`` is its
+        own gives the state as the rollback history packs it, not its JSON: the ML
+        detector's pack shares its rows (their JSON was most of a co-hosted detectors
+        worker's undo, py-spy); the others give their ``state_dict``.
         :meth:`load_state_dict` takes it back.
         """
-        if type(self).state_dict is not Detector.state_dict:  # a layout of its own: its own JSON
+        cls = type(self)
+        # Only a pack of its own is cheaper than the JSON (the default pack pickles the dump);
+        # a layout of its own (state_dict overridden) must come back through its own loader.
+        if cls.pack is Detector.pack or cls.state_dict is not Detector.state_dict:
             return self.state_dict()
         return {"version": self.state_version, "epoch": self.epoch, "undo": self.pack(self.state)}
 
