@@ -246,6 +246,7 @@ class ChildPipeline:
         self.signing_key = settings.signing_key
         #: Why the pipeline is gone (the child died), or None while it runs.
         self.problem: str | None = None
+        self._lost_lock = threading.Lock()
         self._closing = False
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
@@ -294,23 +295,29 @@ class ChildPipeline:
         try:
             self._down.send((RECORDS, items))
         except (OSError, ValueError) as exc:  # the child is gone: the next batch is built here
-            self._lost(f"the bridge closed: {exc}")
+            self._lost(f"the bridge closed: {exc}", wait_s=1.0)  # the trainer's thread: brief
         return True
 
     def _receive(self, bus: Bus) -> None:
         receive(bus, self._up)
         if not self._closing:
-            code = self.process.poll()
-            if code is None:
-                try:
-                    code = self.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    code = None
-            self._lost(f"it exited with code {code}" if code is not None else "its pipe closed")
+            self._lost("its pipe closed")
 
-    def _lost(self, why: str) -> None:
-        if self.problem is not None or self._closing:
-            return
+    def _lost(self, why: str, wait_s: float = 5.0) -> None:
+        with self._lost_lock:  # both threads may notice: report once
+            if self.problem is not None or self._closing:
+                return
+            self._report_lost(why, wait_s)
+
+    def _report_lost(self, why: str, wait_s: float) -> None:
+        # Whichever side noticed first (the publisher's send or the receiver's
+        # read), the exit code is what tells a user why: a kill, a crash, an OOM.
+        try:
+            code = self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None:
+            why = f"it exited with code {code} ({why})"
         self.problem = f"the embedded pipeline process stopped: {why}"
         log.error("spikeguard: %s; training goes on with the Guard's local protections only "
                   "(non-finite and outlier skips): no rollbacks or other actions until restarted",

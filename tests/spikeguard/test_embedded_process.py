@@ -266,3 +266,20 @@ def test_the_child_runs_at_the_niceness_asked_for():
         assert os.getpriority(os.PRIO_PROCESS, runtime.child.process.pid) == min(19, mine + 5)
     finally:
         runtime.close()
+
+
+def test_a_pipe_broken_on_send_still_names_the_exit_code():
+    # The trainer's publisher can see the broken pipe before the receiver thread
+    # sees the child's end: the report must name the exit code either way.
+    runtime = open_runtime(settings())
+    child = runtime.child
+    try:
+        child.process.kill()
+        child.process.wait(timeout=10)
+        assert _wait_for(lambda: child.problem)
+        child.problem = None  # as if the send had lost the race to the receiver
+        child._lost("the bridge closed: [Errno 32] Broken pipe")
+        assert "exited with code -9" in child.problem
+        assert "Broken pipe" in child.problem
+    finally:
+        runtime.close()
