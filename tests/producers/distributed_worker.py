@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import traceback
 from pathlib import Path
 
 import torch
@@ -16,6 +18,24 @@ from spikeguard.schemas import Ack, Action, ActionKind, Topics, decode, encode
 
 
 def run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None = None) -> None:
+    """One rank; what made it fail (an exception, a fatal signal) is left in ``rank{N}.err``.
+
+    torch.multiprocessing reports one rank's error; when one rank dies, the other's
+    "connection closed by peer" can be the one reported, so each rank keeps its own.
+    """
+    err = Path(out_dir, f"rank{rank}.err")
+    with err.open("w") as fault_file:
+        faulthandler.enable(file=fault_file)  # a crash in C (a signal) leaves its stack too
+        try:
+            _run(rank, world, port, out_dir, outlier_at)
+        except BaseException:
+            fault_file.write(traceback.format_exc())
+            raise
+        finally:
+            faulthandler.disable()
+
+
+def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None) -> None:
     """``outlier_at``: rank 1 alone gets a bad (finite) batch at that step, and no actions are sent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -25,10 +25,15 @@ def _spawn(tmp_path, *extra) -> None:
             mp.spawn(distributed_worker.run, args=(2, _free_port(), str(tmp_path), *extra), nprocs=2,
                      join=True)
             return
-        except mp.ProcessRaisedException as exc:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            ranks = "\n".join(f"--- rank{r}.err:\n{_text(tmp_path / f'rank{r}.err')}" for r in (0, 1))
             # The free port can be taken by another process between the probe and the bind.
-            if attempt or not any(w in str(exc) for w in ("Address already in use", "EADDRINUSE")):
-                raise
+            if attempt or not any(w in f"{exc}{ranks}" for w in ("Address already in use", "EADDRINUSE")):
+                raise AssertionError(f"a rank failed: {exc}\n{ranks}") from exc
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else "(none)"
 
 
 def test_two_ranks_apply_the_same_actions_at_the_same_steps(tmp_path):
