@@ -6,7 +6,10 @@ The model is built from ``GPT2Config`` with random weights (nothing is
 downloaded) and learns the next character of a standard-library module's
 source. ``--fault spike`` multiplies the logits of three training batches by
 10^4 (a corrupted batch), ``--fault nan`` makes them NaN; the pipeline runs
-embedded (no Kafka), in lockstep so one seed gives one result. The last line
+embedded (no Kafka), in lockstep (each step waits for its decision, so the
+spike is caught at the same step every run; when a follow-up action such as
+the learning rate's restore lands can still vary by a step, so the final loss
+varies by ~0.05% between runs). The last line
 printed with ``--json`` is one JSON object (final_eval_loss, rollbacks, ...).
 The integration itself is the ``callbacks=[SpikeguardCallback(...)]`` line.
 """

@@ -7,7 +7,10 @@ place of the loader, ``guard.step(loss)`` in place of ``optimizer.step();
 scheduler.step()``. ``--fault spike`` scales the inputs of three batches by
 10^4 (a corrupted batch), ``--fault nan`` makes them NaN; faults live in the
 data (by global batch index), so data the guard skips is gone for good. The
-pipeline runs embedded (no Kafka), in lockstep so one seed gives one result.
+pipeline runs embedded (no Kafka), in lockstep (each step waits for its decision, so the
+spike is caught at the same step every run; when a follow-up action such as
+the learning rate's restore lands can still vary by a step, so the final loss
+varies by ~0.05% between runs).
 The last line printed with ``--json`` is one JSON object (final_eval_loss,
 rollbacks, ...).
 """
