@@ -166,6 +166,13 @@ class Metrics:
             "spikeguard_run_actions_total", "Actions issued for a run, by kind.",
             ["run_id", "kind"], registry=r,
         )
+        self.run_reruns = Counter(
+            "spikeguard_run_reruns_total",
+            "Suspicious steps the Guard re-ran once (verify_reruns=1), by outcome: transient "
+            "(the re-run was clean: a device or data-loading fault, the update skipped) or "
+            "reproducible (the step itself is bad).",
+            ["run_id", "outcome"], registry=r,
+        )
         self.runs_tracked = Gauge(
             "spikeguard_runs_tracked", "Runs this process keeps per-run series for.", registry=r
         )
@@ -328,14 +335,20 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
     """Per-run gauges from the newest step of each run, and acks by status."""
     newest: dict[str, StepEvent] = {}
     acks: dict[tuple[str, str], int] = {}
+    reruns: dict[tuple[str, str], int] = {}
     for _, event in items:
         if isinstance(event, StepEvent):
             newest[event.run_id] = event
+            if event.rerun is not None:  # rare: a suspicious step the Guard re-ran
+                key = (event.run_id, event.rerun)
+                reruns[key] = reruns.get(key, 0) + 1
         elif isinstance(event, Ack):
             key = (event.kind.value, event.status.value)
             acks[key] = acks.get(key, 0) + 1
     for labels, count in acks.items():
         metrics.acks.labels(*labels).inc(count)
+    for (run_id, outcome), count in reruns.items():
+        metrics.run_labels(metrics.run_reruns, run_id, outcome).inc(count)
     for run_id, event in newest.items():
         metrics.run_loss.labels(run_id).set(event.loss)
         if event.grad_norm is not None:

@@ -196,3 +196,17 @@ def test_the_embedded_guard_serves_metrics_when_asked(tmp_path, monkeypatch):
                                      {"kind": "rollback"}) >= 1
     with pytest.raises(OSError):
         _scrape(port)  # closed with the runtime
+
+
+def test_steps_the_guard_re_ran_are_counted_by_outcome_and_go_with_the_run():
+    metrics, registry = _fresh()
+    steps = [StepEvent(run_id="a", step=s, loss=1.0, grad_norm=1.0, rerun=rerun,
+                       skip_reason="transient" if rerun == "transient" else None)
+             for s, rerun in ((1, None), (2, "transient"), (3, "reproducible"), (4, "transient"))]
+    observe_inputs(metrics, [("s", e) for e in steps[:2]])
+    observe_inputs(metrics, [("s", e) for e in steps[2:]])  # a second batch adds to the first
+    get = registry.get_sample_value
+    assert get("spikeguard_run_reruns_total", {"run_id": "a", "outcome": "transient"}) == 2
+    assert get("spikeguard_run_reruns_total", {"run_id": "a", "outcome": "reproducible"}) == 1
+    metrics.forget_run("a")
+    assert get("spikeguard_run_reruns_total", {"run_id": "a", "outcome": "transient"}) is None
