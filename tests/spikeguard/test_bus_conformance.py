@@ -432,8 +432,8 @@ def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
 def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack, kind) -> None:
-    """A worker flushes once per batch: until then its records stay in the producer
-    (up to ``linger_ms``), so the batch leaves as one request per partition."""
+    """A worker sends (send_now) or flushes once per batch: until then its records stay in the
+    producer (up to ``linger_ms``), so the batch leaves as one request per partition."""
     bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
     topic = new_topic(bus)
     consumer = open_consumer(stack, bus, unique("g"), topic)
