@@ -21,7 +21,8 @@
 Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
     python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100]
-        [--layout independent|cohosted|both] [--client kafka-python|confluent|both] [--profile DIR] [--json]
+        [--layout independent|cohosted|both] [--client kafka-python|confluent|both] [--profile DIR]
+        [--worker-env NAME=VALUE ...] [--json]
 
 Within one run every pipeline and the raw loop share the broker and the
 machine: the ratios are the figures to compare across runs.
@@ -68,10 +69,11 @@ def _steady_rate(arrivals: list[float]) -> float:
 
 
 def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
-             profile: str | None = None, layout: str = "independent", client: str = "kafka-python") -> dict:
+             profile: str | None = None, layout: str = "independent", client: str = "kafka-python",
+             worker_env: dict[str, str] | None = None) -> dict:
     prefix = new_prefix()
     topics = Topics(prefix)
-    with workers(bootstrap, prefix, key, names=LAYOUTS[layout], client=client) as procs:
+    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client) as procs:
         spies = profile_workers(procs, profile, seconds=timeout) if profile else []
         reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
                                auto_offset_reset="earliest", enable_auto_commit=False)
@@ -215,8 +217,12 @@ def main() -> None:
                         help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
     parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="both",
                         help="the workers' Kafka library (settings.kafka_client); the raw reference stays kafka-python")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
+                        "(wait for acknowledgements after every batch) for an A/B; repeatable")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    worker_env = dict(item.split("=", 1) for item in args.worker_env)
     key = new_key()
     records = _values(args.runs, args.steps, key)
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
@@ -226,7 +232,7 @@ def main() -> None:
         extra = {"raw_confluent": raw_confluent(bootstrap, records, args.timeout)} if "confluent" in clients else {}
         pipes = {f"{client}/{layout}": pipeline(bootstrap, records, key, args.timeout,
                                                 f"{args.profile}/{client}-{layout}" if args.profile else None,
-                                                layout, client)
+                                                layout, client, worker_env)
                  for client in clients for layout in layouts}
     report = {"steps": len(records), "runs": args.runs, "raw": raw_result, **extra,
               "pipelines": {name: {**result, "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}

@@ -159,6 +159,26 @@ class Producer(ABC):
     def flush(self, timeout: float | None = None) -> None:
         """Block until every queued record is acknowledged; raise DeliveryError if one was not."""
 
+    def send_now(self) -> None:
+        """Start sending every queued record now, without waiting for the broker's acknowledgements.
+
+        A worker calls it at the end of each batch, so its outputs leave at once
+        (not after the client's linger) while it goes on with the next batch;
+        :meth:`flush` still says whether they were delivered. Raises
+        :class:`~spikeguard.errors.DeliveryError` for a record already known lost.
+        This default waits, as :meth:`flush` does (right for an engine whose
+        publish is its acknowledgement).
+        """
+        self.flush()
+
+    def unacknowledged(self) -> int:
+        """How many published records may still be unacknowledged (0 right after :meth:`flush`).
+
+        An upper bound (records acknowledged since the last look may still count):
+        a worker flushes when it passes its limit, so the backlog stays bounded.
+        """
+        return 0
+
     def close(self) -> None:
         """Flush and release resources."""
 

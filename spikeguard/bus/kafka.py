@@ -134,10 +134,14 @@ class KafkaBus(Bus):
         max_message_bytes: Largest record a producer sends, and the ``max.message.bytes``
             of the compacted topics :meth:`create_topics` makes: a worker's state snapshot
             (fusion's, with many runs in a partition) passes Kafka's default 1 MB.
-        linger_ms: How long a producer's records may wait for a ``flush`` before they
-            go out anyway. Every spikeguard caller flushes at the end of its batch
-            (the worker, the Guard's sender thread, the CLI tools), so this is not a
-            delay they see: it lets a batch go out whole, one request per partition.
+        linger_ms: How long a producer's records may wait for a ``flush`` (or a
+            ``send_now``) before they go out anyway. Every spikeguard caller flushes or
+            sends at the end of its batch (the worker, the Guard's sender thread, the
+            CLI tools), so this is not a delay they see: it lets a batch go out whole,
+            one request per partition. None: the client's own choice, 500 ms on
+            kafka-python (whose ``send_now`` sends at once), 2 ms on confluent
+            (librdkafka has no call that sends without waiting: its linger is
+            how long a worker's outputs wait; see spikeguard.bus.confluent).
     """
 
     engine = "kafka"
@@ -162,7 +166,7 @@ class KafkaBus(Bus):
         heartbeat_interval_ms: int | None = None,
         consumer_options: Mapping[str, Any] | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
-        linger_ms: int = 500,
+        linger_ms: int | None = None,
     ):
         if isinstance(sasl_password, str):
             sasl_password = SecretStr(sasl_password)
@@ -213,7 +217,7 @@ class KafkaBus(Bus):
 
     def producer(self) -> Producer:
         return self._connect("producer", KafkaBusProducer, self._config(), self.max_message_bytes,
-                             self.linger_ms)
+                             500 if self.linger_ms is None else self.linger_ms)
 
     def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
                  on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from kafka import KafkaProducer
@@ -29,14 +30,29 @@ class KafkaBusProducer(Producer):
     partition, and the sender thread is woken once per partition batch, not
     every few records as a short linger does while a worker is still
     publishing (each wake-up costs the publishing thread a socket write).
+
+    :meth:`send_now` makes the queued batches ready without waiting for their
+    acknowledgements: kafka-python has no public call for it, so it does the
+    first half of ``KafkaProducer.flush`` (the accumulator's ``begin_flush``,
+    which makes every partition's batch sendable whatever its linger, and a
+    sender wake-up) and keeps the flag raised only until the sender drained the
+    batches queued then. Lowered when the next batch starts publishing, not at
+    once: the sender thread may not have looked yet, and lowered too early the
+    batch would wait the whole linger; lowered, because while it is raised each
+    record is sent as soon as the sender gets the GIL, a request per few records.
     """
 
     def __init__(self, config: dict[str, Any], max_request_size: int = 1024 * 1024,
                  linger_ms: int = 500, batch_size: int = 256 * 1024):
         self._producer = KafkaProducer(**config, enable_idempotence=True, acks="all", linger_ms=linger_ms,
                                        batch_size=batch_size, max_request_size=max_request_size)
-        self._pending: list[tuple[str, Any]] = []
+        # (topic, future) of every record not yet known acknowledged, oldest first.
+        self._pending: deque[tuple[str, Any]] = deque()
         self._lock = threading.Lock()
+        self._accumulator = self._producer._accumulator  # for send_now: see the class docstring
+        self._sending = False  # send_now raised the accumulator's flush flag
+        self._queued: list[Any] = []  # the batches queued at the last send_now
+        self._lost: list[tuple[str, Any]] = []  # failed, seen by send_now or unacknowledged, not yet raised
         # (topic, key) -> partition, as kafka-python's default partitioner picks it; that
         # partitioner builds a set and a sorted list of the topic's partitions per record.
         # Emptied at every flush, so a topic given more partitions is seen within a batch.
@@ -63,15 +79,70 @@ class KafkaBusProducer(Producer):
         with self._lock:
             self._pending.append((topic, future))
 
+    def publish_events(self, events: Any) -> None:
+        # Looked at once per batch, not per record: the look costs more than a record.
+        if self._sending and self._drained():
+            self._lower()
+        super().publish_events(events)
+
+    def send_now(self) -> None:
+        with self._lock:
+            self._forget_acknowledged()
+            lost, self._lost = self._lost, []
+        if lost:  # reported once: the worker stops on it, and flush() need not say it again
+            self._raise(lost)
+        if self._sending and self._drained():
+            self._lower()
+        self._queued = [b for b in self._accumulator._incomplete.all() if b.drained is None]
+        if self._queued:
+            if not self._sending:
+                self._accumulator.begin_flush()
+                self._sending = True
+            self._producer._sender.wakeup()
+
+    def _drained(self) -> bool:
+        """The sender took (or gave up on) every batch queued at the last send_now."""
+        return all(batch.drained is not None or batch.is_done for batch in self._queued)
+
+    def _lower(self) -> None:
+        self._accumulator._flushes_in_progress.decrement()
+        self._sending = False
+
+    def _forget_acknowledged(self) -> None:
+        """Drop the oldest records the broker acknowledged; keep those that failed (caller locks)."""
+        pending = self._pending
+        # Done in order within a partition, nearly so across them: stop at the first not done.
+        while pending and pending[0][1].is_done:
+            topic, future = pending.popleft()
+            if future.exception is not None:
+                self._lost.append((topic, future))
+
+    def unacknowledged(self) -> int:
+        with self._lock:
+            self._forget_acknowledged()
+            return len(self._pending)
+
+    @staticmethod
+    def _raise(lost: list[tuple[str, Any]]) -> None:
+        failed: dict[str, tuple[int, str]] = {}
+        for topic, future in lost:
+            count, first = failed.get(topic, (0, repr(future.exception)))
+            failed[topic] = (count + 1, first)
+        detail = "; ".join(f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items())
+        raise DeliveryError(f"the broker did not acknowledge {detail}")
+
     def flush(self, timeout: float | None = None) -> None:
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = self._lost + list(self._pending)
+            self._pending, self._lost = deque(), []
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._producer.flush(timeout=timeout)
         except KafkaError:
             pass  # the futures below say which records are missing
         self._partitions.clear()
+        if self._sending:  # everything was drained: send_now's flag can go
+            self._lower()
         # The usual case, every record acknowledged, is read off the futures' fields;
         # only the others are waited on (get() builds each record's metadata).
         pending = [(topic, future) for topic, future in pending

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                snapshot_interval_s=settings.snapshot_interval_s,
                run_idle_ttl_s=settings.worker.run_idle_ttl_s,
                max_state_record_bytes=settings.worker.max_state_record_bytes,
+               max_unacked_records=settings.worker.max_unacked_records,
                metrics_linger_s=settings.worker.ended_run_metrics_linger_s)
         for name in names
     ]

@@ -30,6 +30,13 @@ class WorkerConfig(BaseModel):
         description="an ended or evicted run's per-run metric series are removed this long "
         "after it goes, so that the next Prometheus scrape still sees its last values",
     )
+    max_unacked_records: int = Field(
+        10_000,
+        ge=0,
+        description="outputs a worker may have sent and not yet seen acknowledged before it waits "
+        "for the broker; it never waits per batch otherwise, only at its checkpoint (state and "
+        "offsets are saved after every output before them is acknowledged). 0: wait after every batch",
+    )
     embedded_batch_linger_s: float = Field(
         0.002,
         ge=0,

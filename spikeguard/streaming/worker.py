@@ -1,10 +1,18 @@
 """The worker loop: the only code that polls, publishes and commits.
 
 poll a batch -> decode (bad records to the DLQ with the reason) -> the stage
--> publish outputs -> flush (the broker acknowledged them) -> every so often
-save the state of the runs that changed with the offsets it corresponds to
--> commit -> tombstone the runs that ended. A worker never dies on a bad
-record, and never commits past what it has published.
+-> publish outputs and send them at once -> every so often flush (the broker
+acknowledged every output so far), save the state of the runs that changed
+with the offsets it corresponds to -> commit -> tombstone the runs that ended.
+A worker never dies on a bad record, and never saves or commits past what the
+broker has acknowledged.
+
+The loop does not wait for a batch's acknowledgements before it polls the
+next (a wait per batch was a quarter of a busy worker's time, and a step
+waits for whole cycles at every hop); the wait happens at the checkpoint, or
+when more than ``max_unacked_records`` outputs are outstanding, so memory
+stays bounded. A send that fails stops the worker at the next batch or
+checkpoint, before anything past it is saved.
 
 Memory follows the live runs: a run whose end the stage reads, or with no
 record for ``run_idle_ttl_s``, is dropped with its per-run metric series.
@@ -28,7 +36,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import RecordRejected, SchemaError, SpikeguardError
+from spikeguard.errors import DeliveryError, RecordRejected, SchemaError, SpikeguardError
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
@@ -67,6 +75,7 @@ class Worker:
         clock: Callable[[], float] = time.time,
         metrics_linger_s: float = 60.0,
         batch_linger_s: float = 0.0,
+        max_unacked_records: int = 10_000,
     ) -> None:
         self.bus = bus
         self.stage = stage
@@ -79,6 +88,8 @@ class Worker:
         # Woken by fewer than max_records, wait this long for more: one wake-up, snapshot,
         # flush and round of metrics per batch, not per record, for that much latency.
         self.batch_linger_s = batch_linger_s
+        # Outputs sent but not yet acknowledged before the loop waits for them (0: after every batch).
+        self.max_unacked_records = max_unacked_records
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
@@ -104,6 +115,7 @@ class Worker:
         self._last_snapshot = time.monotonic()
         self._sweep = RunSweep(stage, self.metrics, run_idle_ttl_s, metrics_linger_s, self.group)
         self._stop = threading.Event()
+        self._revoke_failure: DeliveryError | None = None
         # Compacted inputs (the runs topic) may hold tombstones: no event, nothing to judge.
         self._compacted = {topics.runs} & set(self._models)
         bus.create_topics(list(self._compacted), compacted=True)
@@ -143,6 +155,8 @@ class Worker:
         if records and self.batch_linger_s > 0 and len(records) < self.max_records:
             self._pause(self.batch_linger_s)
             records += self._consumer.poll(self.max_records - len(records), 0)
+        if self._revoke_failure is not None:  # a delivery failure the rebalance callback (in poll) saw
+            raise self._revoke_failure
         started = time.perf_counter()
         now = self.clock()
         outputs = self._process(records, now) if records else []
@@ -154,9 +168,10 @@ class Worker:
         outputs += self._sweep.evict_idle(now)
         self._drop_ended(now)
         self._publish(outputs)
+        if records or outputs:
+            self._send()
         if records:
             observe_ignored(self.metrics, self.stage)
-            self._producer.flush()
             self.metrics.batch_seconds.labels(self.stage.name).observe(
                 time.perf_counter() - started
             )
@@ -166,6 +181,16 @@ class Worker:
         elif self._saver.pending and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.checkpoint()
         return len(records)
+
+    def _send(self) -> None:
+        """Send what the batch published; wait for acknowledgements only when it must."""
+        producer = self._producer
+        if self._saver is None or self.max_unacked_records <= 0:
+            producer.flush()  # commits follow every batch: they need its acknowledgements
+            return
+        producer.send_now()
+        if producer.unacknowledged() > self.max_unacked_records:
+            producer.flush()
 
     def _pause(self, seconds: float) -> None:  # the stop event: stop() cuts it short
         self._stop.wait(seconds)
@@ -336,6 +361,9 @@ class Worker:
     # -- state ----------------------------------------------------------------
     def checkpoint(self) -> None:
         """Save the runs changed since the last checkpoint and the positions, commit, then tombstone."""
+        # Every output sent so far must be acknowledged before a state or an offset past
+        # its input is: a failure raises here, and nothing is saved.
+        self._producer.flush()
         if self._saver is not None:
             self._saver.save(self._producer, self._run_partition)
             self._producer.flush()
@@ -355,6 +383,11 @@ class Worker:
         if self._saver is not None and self._saver.pending:
             try:
                 self.checkpoint()
+            except DeliveryError as exc:
+                # Outputs of partitions kept may be lost too: the loop stops on it (not here,
+                # inside the consumer's poll), before its next checkpoint saves past them.
+                self._revoke_failure = exc
+                log.exception("%s: snapshot on revoke failed", self.group)
             except Exception:
                 log.exception("%s: snapshot on revoke failed", self.group)
         partitions = {p for _, p in lost}

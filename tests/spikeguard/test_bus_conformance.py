@@ -432,8 +432,8 @@ def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
 def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack, kind) -> None:
-    """A worker flushes once per batch: until then its records stay in the producer
-    (up to ``linger_ms``), so the batch leaves as one request per partition."""
+    """A worker sends (send_now) or flushes once per batch: until then its records stay in the
+    producer (up to ``linger_ms``), so the batch leaves as one request per partition."""
     bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
     topic = new_topic(bus)
     consumer = open_consumer(stack, bus, unique("g"), topic)
@@ -449,3 +449,76 @@ def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str
     assert len(records) == len(items)
     assert_order_per_key(records)
 
+
+
+def test_send_now_delivers_without_a_flush_which_then_confirms(bus: Bus, stack: contextlib.ExitStack) -> None:
+    """A worker sends each batch's outputs at once and waits for their acknowledgements only at
+    its checkpoint: what send_now sent reaches a consumer with no flush, and flush then
+    leaves nothing unacknowledged."""
+    topic = new_topic(bus)
+    consumer = open_consumer(stack, bus, unique("g"), topic)
+    wait_assigned([consumer], topic)
+    producer = bus.producer()
+    stack.callback(producer.close)
+    first, second = keyed(8, 10), [(k, v + b"+") for k, v in keyed(8, 10)]
+    for key, value in first:
+        producer.publish(topic, value, key=key)
+    producer.send_now()
+    assert len(drain(consumer, len(first))) == len(first)
+    for key, value in second:  # the next batch, while the first may still be unacknowledged
+        producer.publish(topic, value, key=key)
+    producer.send_now()
+    assert producer.unacknowledged() <= len(first) + len(second)
+    records = drain(consumer, len(second))
+    assert sorted(r.value for r in records) == sorted(v for _, v in second)
+    producer.flush(timeout=30)
+    assert producer.unacknowledged() == 0
+
+
+@pytest.mark.kafka
+def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(kafka_bootstrap: str, stack) -> None:
+    """kafka-python's send_now makes the queued batches sendable (its linger is a minute here), and
+    only those: a worker's next batch is held again until its own send_now, so it leaves whole."""
+    from spikeguard.schemas import StepEvent, decode
+
+    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    topic = new_topic(bus)
+    consumer = open_consumer(stack, bus, unique("g"), topic)
+    wait_assigned([consumer], topic)
+    producer = bus.producer()
+    stack.callback(producer.close)
+    for batch in range(3):
+        events = [StepEvent(run_id=f"run-{r}", step=batch * 10 + s, loss=1.0, time=0.0)
+                  for s in range(10) for r in range(8)]
+        producer.publish_events([(topic, event) for event in events])
+        assert consumer.poll(timeout=1.0) == []  # held: no send_now yet, and the linger is a minute
+        producer.send_now()
+        records = drain(consumer, len(events))
+        assert sorted((e.run_id, e.step) for e in (decode(r.value, StepEvent) for r in records)) == \
+            sorted((e.run_id, e.step) for e in events)
+    producer.flush(timeout=30)
+    assert producer.unacknowledged() == 0
+
+
+@pytest.mark.kafka
+@KAFKA_CLIENTS
+def test_kafka_send_now_raises_once_a_send_is_known_lost(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
+    """send_now does not wait, but a failure it has heard of stops the caller there (a worker
+    then saves nothing past it)."""
+    from kafka import KafkaAdminClient
+
+    topic = unique("small")
+    _created_on_kafka.append((kafka_bootstrap, topic))
+    with KafkaAdminClient(bootstrap_servers=kafka_bootstrap) as admin:
+        admin.create_topics({topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
+                            wait_for_metadata=True)
+    producer = kind(kafka_bootstrap).producer()
+    try:
+        producer.publish(topic, b"x" * 10_000, key="big")
+        deadline = time.monotonic() + 30
+        with pytest.raises(DeliveryError, match=topic):
+            while time.monotonic() < deadline:
+                producer.send_now()
+                time.sleep(0.05)
+    finally:
+        producer.close()

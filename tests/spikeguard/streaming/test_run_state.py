@@ -335,3 +335,21 @@ def test_the_older_one_record_per_partition_layout_is_still_restored():
     saved = state_records(bus)
     assert saved["0"] is None  # superseded: tombstoned
     assert saved["sum/partition/0"]["offsets"] == {TOPICS.steps: 6}
+
+
+def test_a_state_with_non_finite_and_large_numbers_reads_back_as_json_dumps_wrote_it():
+    """State records are encoded with pydantic's JSON (faster than json.dumps): what a
+    restarted worker reads back must be exactly what json.dumps would have given it."""
+    import math
+
+    bus = EmbeddedBus(partitions=1)
+    store = StateStore(bus, TOPICS.state("sum"))
+    store.ensure_topic()
+    state = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "tiny": 5e-324, "third": 1 / 3,
+             "big": 2**80, "rows": [[0.1, -2.5e300], (1, 2)], "text": "é\n\"", "none": None, "flag": True}
+    store.save(bus.producer(), 0, {TOPICS.steps: 7}, {"a": state})
+    loaded = StateStore(bus, TOPICS.state("sum")).load(0)
+    expected = json.loads(json.dumps(state))
+    got = loaded["runs"]["a"]
+    assert math.isnan(got.pop("nan")) and math.isnan(expected.pop("nan"))
+    assert got == expected and type(got["big"]) is int and loaded["offsets"] == {TOPICS.steps: 7}
