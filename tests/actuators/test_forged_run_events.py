@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -53,8 +54,13 @@ def until_refused(bus, topics, count: int, within_s: float = 60.0) -> None:
     raise AssertionError(f"fewer than {count} run events refused within {within_s} s")
 
 
-def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_back(tmp_path, regression_loader):
-    settings = load_settings({"topic_prefix": f"forgedrun-{uuid.uuid4().hex[:8]}."}, env={})
+@pytest.mark.parametrize("child", [False, True], ids=["threads", "child-process"])
+def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_back(
+        tmp_path, regression_loader, child):
+    # child-process: the Guard's signed run events and the forgeries cross the bridge to the
+    # workers in another interpreter, and their dead letters come back.
+    settings = load_settings({"topic_prefix": f"forgedrun-{uuid.uuid4().hex[:8]}.",
+                              "worker": {"embedded_process": child}}, env={})
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         bus, topics = runtime.bus, runtime.topics
         torch.manual_seed(0)
@@ -78,9 +84,9 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             guard.step(loss)
-        stages = {w.stage.name: w.stage for w in runtime.workers}
-        fusion_weights = stages["fusion"].run(RUN).config.weights
-        policy_distance = stages["actuator"].run(RUN).config.rollback_min_steps_before_onset
+        stages = {w.stage.name: w.stage for w in runtime.workers}  # none here with a child process
+        applied = None if child else (stages["fusion"].run(RUN).config.weights,
+                                      stages["actuator"].run(RUN).config.rollback_min_steps_before_onset)
         guard.close()
         letters = [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
         ends = [e for e in (decode(r.value, RunEvent) for r in bus.read_all(topics.runs)) if e.kind == "end"]
@@ -88,8 +94,8 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
     # The Guard signs its run events; every stage applied its start (no overrides: the defaults)
     # and refused nothing of it (only the forged two are dead letters below).
     assert [e.reason for e in ends] == ["finished"] and ends[0].signature
-    assert fusion_weights == settings.fusion.weights
-    assert policy_distance == settings.policy.rollback_min_steps_before_onset
+    if not child:
+        assert applied == (settings.fusion.weights, settings.policy.rollback_min_steps_before_onset)
     # Each forged start went to the DLQ from every stage that reads the runs topic, with the reason.
     refused = [(l.consumer, l.reason) for l in letters if l.source_topic == topics.runs]
     consumers = {c.removeprefix(topics.prefix) for c, _ in refused}
