@@ -5,7 +5,9 @@ Each run gets the recovery policy its RunEvent names (preset, overrides:
 under the stage's own, and when it does the run's policy takes over with the
 state so far (see :mod:`spikeguard.processors.run_settings`). A start whose
 checkpoint cadence cannot give the run's policy a rollback target is answered
-with one warning ALERT, which the trainer logs.
+with one warning ALERT, which the trainer logs. The key that signs the actions
+also authenticates the run events: one not signed by the run's Guard goes to
+the DLQ and changes nothing (``RunSettingsStage.admit``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ class ActuatorStage(RunSettingsStage):
         defaults: PolicyConfig | None = None,
         end_grace_seconds: float = 30.0,
     ) -> None:
-        super().__init__(topics, factory, end_grace_seconds)
-        self.signing_key = signing_key
+        super().__init__(topics, factory, end_grace_seconds, signing_key)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
         self._ignored: Counter[str] = Counter()

@@ -21,7 +21,9 @@ record, which the worker sends to the DLQ with the reason:
 
 Steps and epochs themselves are bounded by the schema (below 2**53).
 
-The stage also reads the compacted ``runs`` topic: a run's end (the Guard's
+The stage also reads the compacted ``runs`` topic: with a signing key, a run
+event not signed with it is refused like a step
+(:class:`~spikeguard.errors.RunEventNotAuthenticated`); a run's end (the Guard's
 ``RunEvent`` of kind ``end``) drops its detector (:meth:`end_runs`; the worker
 tombstones its saved state and removes its metric series). The end and the
 run's last steps travel on different topics, so the end may be read first: the
@@ -40,6 +42,7 @@ from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import StepNotAuthenticated, StepOutOfOrder
 from spikeguard.processors.detectors.base import Detector
+from spikeguard.processors.run_settings import authenticate
 from spikeguard.schemas import RunEvent, StepEvent, Topics, Verdict, step_signature_problem
 from spikeguard.streaming.stage import Output, PerRunStage, group_by_run
 
@@ -77,8 +80,9 @@ class DetectorStage(PerRunStage[Detector]):
 
     def admit(self, topic: str, event: StepEvent) -> None:
         """Raise a StepRejected subclass naming why ``event`` must not be judged."""
-        if type(event) is RunEvent:
-            return  # not a step: nothing to authenticate or order here
+        if isinstance(event, RunEvent):  # an end drops the run's state: only the run's own
+            authenticate(event, self.signing_key)
+            return  # not a step: nothing to order here
         if self.signing_key is not None:
             problem = step_signature_problem(event, self.signing_key)
             if problem is not None:

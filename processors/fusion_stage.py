@@ -3,7 +3,8 @@
 A run's RunEvent (the ``runs`` topic) may carry FusionConfig overrides (its
 ``fusion`` field); they apply to that run over this stage's own settings,
 from when the start arrives (see :mod:`.run_settings` for order, bad
-settings and ends).
+settings and ends). With a signing key, only the run events the run's Guard
+signed are applied; the rest go to the DLQ (``RunSettingsStage.admit``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Sequence
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from spikeguard.processors.detector_stage import one_run
 from spikeguard.processors.fusion import Fusion
@@ -41,8 +42,9 @@ class FusionStage(RunSettingsStage):
     name = "fusion"
 
     def __init__(self, topics: Topics, factory: Callable[..., Fusion],
-                 defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0) -> None:
-        super().__init__(topics, factory, end_grace_seconds)
+                 defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0,
+                 signing_key: SecretStr | None = None) -> None:
+        super().__init__(topics, factory, end_grace_seconds, signing_key)
         self.defaults = defaults or FusionConfig()
         self._ignored: Counter[str] = Counter()
 

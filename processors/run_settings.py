@@ -18,6 +18,11 @@ than it reads:
   (:class:`~spikeguard.errors.RunSettingsRejected`: the worker sends it to the
   DLQ with the reason) and the run keeps the stage's defaults; the stage
   never dies on it.
+- **Trust.** These records steer a run (a start's settings, an end that drops
+  its state), so with a signing key a stage admits only those the run's Guard
+  signed (:func:`authenticate`): anything else goes to the DLQ as
+  :class:`~spikeguard.errors.RunEventNotAuthenticated` and changes nothing.
+  Without a key (``--insecure``, backtests, replays) every run event is taken.
 - **Ends.** A run's end may also overtake its last verdicts or decisions. The
   stage therefore ends a run (``Stage.end_runs``: its state is dropped) only
   once it has handled the run's last step, or after ``grace_seconds`` of wall
@@ -34,15 +39,29 @@ import time
 from abc import abstractmethod
 from typing import Any, Callable, Iterable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
-from spikeguard.errors import RunSettingsRejected
+from spikeguard.errors import RunEventNotAuthenticated, RunSettingsRejected
 from spikeguard.schemas import RunEvent
+from spikeguard.schemas.signing import run_event_signature_problem
 from spikeguard.streaming.stage import PerRunStage
 
 # Keys of the run's entry in a stage snapshot, next to the object's own state.
 SETTINGS_KEY = "run_settings"
 END_KEY = "run_end"
+
+
+def authenticate(event: RunEvent, key: SecretStr | None) -> None:
+    """Raise RunEventNotAuthenticated ("run X start: no signature ...") unless ``event`` is the run's own.
+
+    Every stage that reads the runs topic calls it from its ``admit`` (no key: nothing to check).
+    """
+    if key is None:
+        return
+    problem = run_event_signature_problem(event, key)
+    if problem is not None:
+        raise RunEventNotAuthenticated(f"run {event.run_id} {event.kind}: {problem}; refused, the run's "
+                                       "settings and state are unchanged")
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], what: str, run_id: str) -> Any:
@@ -111,8 +130,10 @@ class RunSettingsStage(PerRunStage):
     step is handled (:meth:`handled`).
     """
 
-    def __init__(self, topics: Any, factory: Callable[..., Any], end_grace_seconds: float = 30.0) -> None:
+    def __init__(self, topics: Any, factory: Callable[..., Any], end_grace_seconds: float = 30.0,
+                 signing_key: SecretStr | None = None) -> None:
         super().__init__(topics, factory)
+        self.signing_key = signing_key  # with a key, only the run's own (signed) run events are applied
         self._given: dict[str, dict[str, Any]] = {}  # run_id -> the RunEvent fields this stage uses
         self.ending = EndingRuns(end_grace_seconds)
 
@@ -129,8 +150,11 @@ class RunSettingsStage(PerRunStage):
         """True when the run's object has handled its last step (``end_step - 1`` of ``end_epoch``)."""
 
     def admit(self, topic: str, event: BaseModel) -> None:
-        """Refuse a run start whose settings do not validate (to the DLQ, with the reason)."""
-        if type(event) is RunEvent and event.kind == "start":
+        """Refuse (to the DLQ, with the reason) a run event not signed with the key, and a start whose settings do not validate."""
+        if not isinstance(event, RunEvent):  # a subclass too: the stage handles it as a run event
+            return
+        authenticate(event, self.signing_key)
+        if event.kind == "start":
             given = self.given(event)
             if given:
                 self.settings_of(event.run_id, given)

@@ -7,9 +7,10 @@ that is sent first and dropped from only if it, too, overflows.
 
 The training thread hands over plain field dicts; building and encoding the
 pydantic model happens on the sender thread (tens of microseconds a step
-that the training loop does not pay). With a signing key, step events are
-signed there too: the workers judge only steps signed with the run's key, so
-nobody else can make the pipeline act on this run.
+that the training loop does not pay). With a signing key, step events and the
+run's start and end are signed there too: the workers judge only steps, and
+apply only run settings, signed with the run's key, so nobody else can make
+the pipeline act on this run or disarm it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pydantic import BaseModel, SecretStr
 
 from spikeguard.bus import Producer
 from spikeguard.metrics import Metrics, default_metrics
-from spikeguard.schemas import StepEvent, encode, sign_step
+from spikeguard.schemas import RunEvent, StepEvent, encode, sign_step
+from spikeguard.schemas.signing import sign_run_event
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +154,11 @@ class BackgroundPublisher:
     def _publish(self, topic: str, model: "type[BaseModel] | None", fields: Any) -> None:
         try:
             event = fields if model is None else model(**fields)
-            if self.signing_key is not None and isinstance(event, StepEvent):
-                event = sign_step(event, self.signing_key)
+            if self.signing_key is not None:
+                if isinstance(event, StepEvent):
+                    event = sign_step(event, self.signing_key)
+                elif isinstance(event, RunEvent):
+                    event = sign_run_event(event, self.signing_key)
             if self._pass_event:
                 self.producer.publish(topic, encode(event), key=self.key, event=event)
             else:

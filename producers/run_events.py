@@ -59,7 +59,11 @@ class RunEvents:
 
     def run(self, kind: str, plan: Any, planned_steps: int | None, step: int, epoch: int,
             finished: bool, reason: str) -> None:
-        """The run's start or end with its settings, on the compacted runs topic (never dropped)."""
+        """The run's start or end with its settings, on the compacted runs topic (never dropped).
+
+        Signed with the run's key by the publisher, as steps are: the workers apply
+        only a start or end the run's own Guard signed (processors/run_settings.py).
+        """
         if not self.rank0_on:
             return
         cfg = plan.config

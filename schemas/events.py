@@ -358,6 +358,8 @@ class RunEvent(_Event):
     finished: bool = Field(False, description="end: the run completed its plan (it will not be resumed)")
     reason: str = ""
     time: float = Field(default_factory=time.time)
+    # Optional on the wire (a record without it still decodes); a stage with the key refuses it.
+    signature: str | None = Field(None, description="hex HMAC-SHA256 of the run's key, see schemas.signing")
 
 
 EVENT_TYPES: tuple[type[_Event], ...] = (

@@ -1,9 +1,12 @@
-"""HMAC-SHA256 signatures on actions and step events.
+"""HMAC-SHA256 signatures on actions, step events and run events.
 
 Actions are signed so a trainer obeys only its actuator; step events are
 signed by the trainer so that only the trainer can make the pipeline decide
 (and sign actions) about its run: forged steps would otherwise buy signed
-actions. Both use the run's one signing key.
+actions. Run events (a run's start and end on the compacted runs topic) are
+signed by the trainer too: they carry the settings fusion and the actuator
+apply to the run, and an end drops the run's detector state, so a forged one
+could disarm a run its writer does not own. All use the run's one signing key.
 
 The signed payload is the action's canonical JSON without the signature
 field: sorted keys, no spaces (non-finite floats as Python's NaN/Infinity
@@ -30,7 +33,7 @@ from pydantic import SecretStr
 
 from pydantic import BaseModel
 
-from spikeguard.schemas.events import Action, StepEvent
+from spikeguard.schemas.events import Action, RunEvent, StepEvent
 
 
 def _key_bytes(key: SecretStr | str | bytes) -> bytes:
@@ -126,4 +129,22 @@ def step_signature_problem(event: StepEvent, key: SecretStr | str | bytes) -> st
     if not hmac.compare_digest(_digest(event, key), event.signature):
         return "bad step signature (forged, altered, or signed with another key)"
     VERIFIED_STEPS.mark(event, key)
+    return None
+
+
+def sign_run_event(event: RunEvent, key: SecretStr | str | bytes) -> RunEvent:
+    """A copy of the trainer's run start or end carrying its signature."""
+    return event.model_copy(update={"signature": _digest(event, key)})
+
+
+def run_event_signature_problem(event: RunEvent, key: SecretStr | str | bytes) -> str | None:
+    """Why ``event`` is not authentic under ``key`` (None when it is); constant-time comparison.
+
+    Not cached like steps: a run has two run events (a start and an end), so
+    hashing each once per stage costs nothing worth remembering.
+    """
+    if not event.signature:
+        return "no signature (the run's Guard signs its run events: forged, or from a trainer without the key)"
+    if not hmac.compare_digest(_digest(event, key), event.signature):
+        return "bad signature (forged, altered, or signed with another key)"
     return None

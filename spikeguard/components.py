@@ -41,8 +41,9 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
                              signing_key=settings.signing_key)
     if name == "fusion":
         # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
+        # The key authenticates the run events whose settings it applies (no key: taken as they come).
         return FusionStage(topics, lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
-                           defaults=settings.fusion)
+                           defaults=settings.fusion, signing_key=settings.signing_key)
     if name == "actuator":
         return ActuatorStage(
             topics,

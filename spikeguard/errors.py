@@ -57,3 +57,7 @@ class StepOutOfOrder(StepRejected):
 
 class RunSettingsRejected(RecordRejected):
     """A run's settings (RunEvent preset or overrides) that do not validate; the run keeps the defaults."""
+
+
+class RunEventNotAuthenticated(RecordRejected):
+    """A run start or end without a valid signature of the run's key; it changes nothing (forged, or keyless)."""

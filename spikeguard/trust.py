@@ -3,9 +3,12 @@
 Actions are obeyed only when they carry a valid HMAC of the run's key. Without
 a key a trainer would obey anything written to the actions topic, so:
 
-- **Kafka**: the guard and the actuator refuse to start without
+- **Kafka**: the guard, the actuator and fusion refuse to start without
   ``SPIKEGUARD_SIGNING_KEY``, unless the user opts out with ``--insecure`` /
-  ``SPIKEGUARD_INSECURE=1``; the opt-out is one WARNING line at start.
+  ``SPIKEGUARD_INSECURE=1``; the opt-out is one WARNING line at start. The
+  same key signs the trainer's steps and run events (a run's start and end,
+  with the settings fusion and the actuator apply to it): a worker with the
+  key refuses the unsigned ones, so a forger can neither steer nor disarm a run.
 - **Embedded**: the trainer and its pipeline threads are one process, so a
   random key made at start (and never shown) is all they need to share.
 """
@@ -41,12 +44,13 @@ def ensure_signing_key(settings: Settings, who: str) -> Settings:
     if settings.insecure:
         log.warning(
             "spikeguard: INSECURE: %s runs without a signing key (--insecure / SPIKEGUARD_INSECURE=1): "
-            "actions are not signed or checked, anyone who can write %sactions steers the run",
-            who, settings.topic_prefix,
+            "actions are not signed or checked and run events are taken unchecked, anyone who can "
+            "write %sactions or %sruns steers the run",
+            who, settings.topic_prefix, settings.topic_prefix,
         )
         return settings
     raise MissingSigningKey(
         f"{who} refuses to start on Kafka without a signing key: set SPIKEGUARD_SIGNING_KEY "
-        "(the same secret for the trainers and the actuator), or opt out explicitly with "
+        "(the same secret for the trainers and the workers), or opt out explicitly with "
         "--insecure / SPIKEGUARD_INSECURE=1"
     )

@@ -44,8 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument(
         "--insecure", action="store_true", default=None,
-        help="on Kafka, run the actuator without SPIKEGUARD_SIGNING_KEY (unsigned actions; "
-        "anyone who can write the actions topic steers the runs). Also SPIKEGUARD_INSECURE=1",
+        help="on Kafka, run the actuator or fusion without SPIKEGUARD_SIGNING_KEY (unsigned actions, "
+        "run events taken unchecked: anyone who can write the actions or runs topic steers the "
+        "runs). Also SPIKEGUARD_INSECURE=1",
     )
     parser.add_argument(
         "--instance-id", metavar="NAME",
@@ -69,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
                              instance_id=args.instance_id)
     names = COMPONENTS if args.name == "all" else (args.name,)
-    if "actuator" in names:  # the one component that signs what trainers obey
+    # The actuator signs what trainers obey; fusion and the actuator apply each run's own
+    # settings from the runs topic, which only the key tells from a forger's.
+    keyed = [name for name in ("fusion", "actuator") if name in names]
+    if keyed:
         # Without a key (and no --insecure) this raises: main() prints the one-line reason, exit 2.
-        settings = ensure_signing_key(settings, "the actuator worker")
+        settings = ensure_signing_key(settings, f"the {' and '.join(keyed)} worker")
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 

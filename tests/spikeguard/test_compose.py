@@ -139,3 +139,17 @@ def test_prometheus_discovers_every_service_that_serves_metrics():
     assert set(dns["names"]) == serving and dns["port"] == 9400
     for name in serving:
         assert "--metrics-port" in compose()["services"][name]["command"]
+
+
+def test_every_worker_gets_the_signing_key_and_none_runs_without_it():
+    """Each worker authenticates what it reads (steps, run events) or signs (actions) with the run's key."""
+    from spikeguard.components import COMPONENTS
+
+    services = compose()["services"]
+    workers = {name: s for name, s in services.items() if s.get("command", [])[:2] == ["spikeguard", "worker"]}
+    assert {s["command"][2] for s in workers.values()} == set(COMPONENTS)
+    for name, service in workers.items():
+        env = service.get("environment", {})
+        # ${VAR:?message}: compose refuses to start rather than run a worker without the key.
+        assert re.fullmatch(r"\$\{SPIKEGUARD_SIGNING_KEY:\?[^}]+\}", env.get("SPIKEGUARD_SIGNING_KEY", "")), name
+        assert "SPIKEGUARD_INSECURE" not in env and "--insecure" not in service["command"], name

@@ -182,11 +182,17 @@ def test_a_guard_with_another_key_is_not_vouched_for_by_the_child(tmp_path):
         guard.publisher.flush(10.0)
         bus, topics = runtime.bus, runtime.topics
         # Its steps are published (signed with its own key) as before, and refused as before.
-        dead = _wait_for(lambda: [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
-                         if len(bus.read_all(topics.dlq)) >= 3 * 4 else None)
+        def letters(topic):
+            return [d for d in (decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq))
+                    if d.source_topic == topic]
+
+        dead = _wait_for(lambda: letters(topics.steps) if len(letters(topics.steps)) >= 3 * 4 else None)
         assert len(bus.read_all(topics.steps)) == 3
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert sorted({decode(d.value, StepEvent).step for d in dead}) == [0, 1, 2]
+        # So is its run start (signed with its key too), by all six stages: its settings apply to nothing.
+        runs = _wait_for(lambda: letters(topics.runs) if len(letters(topics.runs)) >= 6 else None)
+        assert {d.error for d in runs} == {"RunEventNotAuthenticated"} and len(runs) == 6
         guard.close()
     finally:
         runtime.close()
