@@ -108,3 +108,23 @@ def regression_loader():
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
 
     return make
+
+
+@pytest.fixture
+def spiked_step():
+    """``step(guard, model, optimizer, x, y, bad_batches)``: one guarded step of the regression runs.
+
+    A batch whose index is in ``bad_batches`` has its targets corrupted (x40 + 25): a real,
+    persistent loss spike, the incident the guarded end-to-end runs must roll back.
+    """
+    import torch
+
+    def step(guard, model, optimizer, x, y, bad_batches) -> None:
+        if guard.loader.last_index in bad_batches:
+            y = y * 40.0 + 25.0
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss)
+
+    return step

@@ -25,7 +25,8 @@ STEPS = 480
 BAD_BATCHES = range(398, 406)  # just before a checkpoint (400): the old cadence kept none 100 back
 
 
-def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path, regression_loader):
+def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path, regression_loader,
+                                                                       spiked_step):
     settings = load_settings({"topic_prefix": f"defaults-{uuid.uuid4().hex[:8]}."}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
@@ -37,12 +38,7 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path
                              resume=False, signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id="defaults", config=config, bus=runtime.bus, topics=runtime.topics)
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
-            if guard.loader.last_index in BAD_BATCHES:
-                y = y * 40.0 + 25.0
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            guard.step(loss)
+            spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
         actions = [decode(r.value, Action) for r in runtime.bus.read_all(runtime.topics.actions)]
         acks = [decode(r.value, Ack) for r in runtime.bus.read_all(runtime.topics.acks)]

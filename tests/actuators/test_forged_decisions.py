@@ -45,7 +45,8 @@ def forged(step: int, published: dict[int, StepEvent]) -> Decision:
                     incident_onset_step=step, evidence=evidence)
 
 
-def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(tmp_path, regression_loader):
+def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(
+        tmp_path, regression_loader, spiked_step):
     settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}."}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
@@ -63,12 +64,7 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
                 published = {e.step: e for e in (decode(r.value, StepEvent) for r in bus.read_all(topics.steps))
                              if e.run_id == RUN}
                 forger.publish(topics.decisions, encode(forged(guard.step_count, published)), key=RUN)
-            if guard.loader.last_index in BAD_BATCHES:
-                y = y * 40.0 + 25.0
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            guard.step(loss)
+            spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
         actions = [a for a in (decode(r.value, Action) for r in bus.read_all(topics.actions)) if a.run_id == RUN]
         acks = {a.action_id: a for a in (decode(r.value, Ack) for r in bus.read_all(topics.acks)) if a.run_id == RUN}

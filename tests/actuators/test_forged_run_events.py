@@ -56,7 +56,7 @@ def until_refused(bus, topics, count: int, within_s: float = 60.0) -> None:
 
 @pytest.mark.parametrize("child", [False, True], ids=["threads", "child-process"])
 def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_back(
-        tmp_path, regression_loader, child):
+        tmp_path, regression_loader, spiked_step, child):
     # child-process: the Guard's signed run events and the forgeries cross the bridge to the
     # workers in another interpreter, and their dead letters come back.
     settings = load_settings({"topic_prefix": f"forgedrun-{uuid.uuid4().hex[:8]}.",
@@ -78,12 +78,7 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
                 until_refused(bus, topics, 6)
                 forger.publish(topics.runs, encode(sign_run_event(forged_start(reason="other key"),
                                                                   "not-the-runs-key")), key=RUN)
-            if guard.loader.last_index in BAD_BATCHES:
-                y = y * 40.0 + 25.0
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            guard.step(loss)
+            spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         stages = {w.stage.name: w.stage for w in runtime.workers}  # none here with a child process
         applied = None if child else (stages["fusion"].run(RUN).config.weights,
                                       stages["actuator"].run(RUN).config.rollback_min_steps_before_onset)

@@ -374,9 +374,8 @@ def test_kafka_bus_keeps_secrets_out_of_its_repr() -> None:
 KAFKA_CLIENTS = pytest.mark.parametrize("kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"])
 
 
-@pytest.mark.kafka
-@KAFKA_CLIENTS
-def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
+def _small_topic(kafka_bootstrap: str) -> str:
+    """A new topic whose broker refuses records over 2 KB: a send that is sure to fail."""
     from kafka import KafkaAdminClient
 
     topic = unique("small")
@@ -384,6 +383,13 @@ def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str, kind
     with KafkaAdminClient(bootstrap_servers=kafka_bootstrap) as admin:
         admin.create_topics({topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
                             wait_for_metadata=True)
+    return topic
+
+
+@pytest.mark.kafka
+@KAFKA_CLIENTS
+def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
+    topic = _small_topic(kafka_bootstrap)
     producer = kind(kafka_bootstrap).producer()
     try:
         producer.publish(topic, b"x" * 10_000, key="big")
@@ -505,13 +511,7 @@ def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(kafka_boo
 def test_kafka_send_now_raises_once_a_send_is_known_lost(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
     """send_now does not wait, but a failure it has heard of stops the caller there (a worker
     then saves nothing past it)."""
-    from kafka import KafkaAdminClient
-
-    topic = unique("small")
-    _created_on_kafka.append((kafka_bootstrap, topic))
-    with KafkaAdminClient(bootstrap_servers=kafka_bootstrap) as admin:
-        admin.create_topics({topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
-                            wait_for_metadata=True)
+    topic = _small_topic(kafka_bootstrap)
     producer = kind(kafka_bootstrap).producer()
     try:
         producer.publish(topic, b"x" * 10_000, key="big")

@@ -40,7 +40,7 @@ def settings(**extra):
                           "worker": {"embedded_process": True}, **extra}, env={})
 
 
-def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, regression_loader):
+def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, regression_loader, spiked_step):
     # (other tests' runtimes may have left daemon threads behind: only new ones count)
     before = {t.ident for t in threading.enumerate()}
     runtime = open_runtime(settings())
@@ -55,12 +55,7 @@ def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, reg
         guard = Guard(model, optimizer, run_id="child", config=config, bus=runtime.bus,
                       topics=runtime.topics)
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
-            if guard.loader.last_index in BAD_BATCHES:
-                y = y * 40.0 + 25.0
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            guard.step(loss)
+            spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
         bus, topics = runtime.bus, runtime.topics
         actions = [decode(r.value, Action) for r in bus.read_all(topics.actions)]
