@@ -6,6 +6,7 @@ calls) so that each stays one idea; :meth:`KafkaBus.producer` builds it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -17,6 +18,8 @@ from kafka.partitioner.default import murmur2
 
 from spikeguard.bus.base import Headers, Producer, as_key
 from spikeguard.errors import DeliveryError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KafkaBusProducer"]
 
@@ -51,6 +54,7 @@ class KafkaBusProducer(Producer):
         self._lock = threading.Lock()
         self._accumulator = self._producer._accumulator  # for send_now: see the class docstring
         self._sending = False  # send_now raised the accumulator's flush flag
+        self._send_now_unavailable = False  # kafka-python's internals were not as send_now needs
         self._queued: list[Any] = []  # the batches queued at the last send_now
         self._lost: list[tuple[str, Any]] = []  # failed, seen by send_now or unacknowledged, not yet raised
         # (topic, key) -> partition, as kafka-python's default partitioner picks it; that
@@ -81,11 +85,23 @@ class KafkaBusProducer(Producer):
 
     def publish_events(self, events: Any) -> None:
         # Looked at once per batch, not per record: the look costs more than a record.
-        if self._sending and self._drained():
+        if self._sending and not self._send_now_unavailable and self._drained():
             self._lower()
         super().publish_events(events)
 
     def send_now(self) -> None:
+        if self._send_now_unavailable:
+            self.flush()
+            return
+        try:
+            self._send_now()
+        except AttributeError as exc:  # a kafka-python whose internals moved: latency, not records
+            log.warning("spikeguard: this kafka-python has no %s: sending without waiting is off, each "
+                        "batch waits for its acknowledgements as before", exc)
+            self._send_now_unavailable = True
+            self.flush()
+
+    def _send_now(self) -> None:
         with self._lock:
             self._forget_acknowledged()
             lost, self._lost = self._lost, []
@@ -141,7 +157,7 @@ class KafkaBusProducer(Producer):
         except KafkaError:
             pass  # the futures below say which records are missing
         self._partitions.clear()
-        if self._sending:  # everything was drained: send_now's flag can go
+        if self._sending and not self._send_now_unavailable:  # all drained: send_now's flag can go
             self._lower()
         # The usual case, every record acknowledged, is read off the futures' fields;
         # only the others are waited on (get() builds each record's metadata).

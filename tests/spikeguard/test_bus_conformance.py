@@ -507,6 +507,25 @@ def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(kafka_boo
 
 
 @pytest.mark.kafka
+def test_kafka_python_send_now_waits_as_flush_does_when_its_internals_are_gone(kafka_bootstrap: str,
+                                                                               stack) -> None:
+    """send_now reaches into kafka-python's accumulator (no public call does it): a kafka-python
+    whose internals moved must cost latency, never records, and never the worker."""
+    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    topic = new_topic(bus)
+    consumer = open_consumer(stack, bus, unique("g"), topic)
+    wait_assigned([consumer], topic)
+    producer = bus.producer()
+    stack.callback(producer.close)
+    producer._accumulator = object()  # as if a new kafka-python had renamed what send_now uses
+    for key, value in keyed(8, 10):
+        producer.publish(topic, value, key=key)
+    producer.send_now()  # no AttributeError: it waits for the acks instead
+    assert producer.unacknowledged() == 0
+    assert len(drain(consumer, 80)) == 80
+
+
+@pytest.mark.kafka
 @KAFKA_CLIENTS
 def test_kafka_send_now_raises_once_a_send_is_known_lost(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
     """send_now does not wait, but a failure it has heard of stops the caller there (a worker
