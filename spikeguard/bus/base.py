@@ -11,6 +11,7 @@ import zlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from spikeguard.errors import DeliveryError
 from spikeguard.schemas.codec import decode, encode
 
 M = TypeVar("M")
@@ -133,6 +134,16 @@ def partition_for(key: bytes | None, partitions: int, fallback: int = 0) -> int:
     if key is None:
         return fallback % partitions
     return zlib.crc32(key) % partitions
+
+
+def undelivered(failed: Mapping[str, tuple[int, str]], *more: str) -> DeliveryError:
+    """The error for records the broker did not acknowledge: per topic, how many and the first error.
+
+    ``failed`` maps a topic to (records lost, the first one's error); ``more`` adds problems
+    of other kinds. Every Kafka client's ``flush`` and ``send_now`` say it the same way.
+    """
+    problems = [f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items()]
+    return DeliveryError(f"the broker did not acknowledge {'; '.join([*problems, *more])}")
 
 
 class Producer(ABC):

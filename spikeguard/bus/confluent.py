@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from spikeguard.bus.base import Consumer, Headers, Producer, RebalanceCallback, Record, as_key
+from spikeguard.bus.base import Consumer, Headers, Producer, RebalanceCallback, Record, as_key, undelivered
 from spikeguard.bus.kafka import KafkaBus, _Masked
 from spikeguard.errors import BusError, ConfigError, DeliveryError
 
@@ -189,12 +189,10 @@ class ConfluentProducer(Producer):
         with self._lock:
             failed, self._failed = self._failed, {}
             topics, self._topics = self._topics, set()
-        problems = [f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items()]
-        if left:
-            problems.append(f"{left} record(s) still unacknowledged after {timeout}s "
-                            f"(published to {sorted(topics)})")
-        if problems:
-            raise DeliveryError(f"the broker did not acknowledge {'; '.join(problems)}")
+        still = [f"{left} record(s) still unacknowledged after {timeout}s (published to {sorted(topics)})"
+                 ] if left else []
+        if failed or still:
+            raise undelivered(failed, *still)
 
     def send_now(self) -> None:
         # The linger (SEND_LINGER_MS by default) sends them; flush(0) lifts it for the broker
@@ -203,8 +201,7 @@ class ConfluentProducer(Producer):
         with self._lock:
             failed, self._failed = self._failed, {}
         if failed:  # reported once: the worker stops on it, and flush() need not say it again
-            problems = [f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items()]
-            raise DeliveryError(f"the broker did not acknowledge {'; '.join(problems)}")
+            raise undelivered(failed)
 
     def unacknowledged(self) -> int:
         return len(self._producer)  # queued, in flight, or with a delivery report not yet served

@@ -16,7 +16,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
-from spikeguard.bus.base import Headers, Producer, as_key
+from spikeguard.bus.base import Headers, Producer, as_key, undelivered
 from spikeguard.errors import DeliveryError
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,7 @@ class KafkaBusProducer(Producer):
         for topic, future in lost:
             count, first = failed.get(topic, (0, repr(future.exception)))
             failed[topic] = (count + 1, first)
-        detail = "; ".join(f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items())
-        raise DeliveryError(f"the broker did not acknowledge {detail}")
+        raise undelivered(failed)
 
     def flush(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -176,8 +175,7 @@ class KafkaBusProducer(Producer):
             count, first = failed.get(topic, (0, why))
             failed[topic] = (count + 1, first)
         if failed:
-            detail = "; ".join(f"topic {t!r}: {n} record(s), first error {why}" for t, (n, why) in failed.items())
-            raise DeliveryError(f"the broker did not acknowledge {detail}")
+            raise undelivered(failed)
 
     def close(self) -> None:
         try:
