@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 from pydantic import SecretStr
 
-from spikeguard.bus.base import Bus, Consumer, Record
+from spikeguard.bus.base import Bus, Consumer, Producer, Record
 from spikeguard.bus.embedded import EmbeddedBus
 from spikeguard.bus.confluent import ConfluentBus
 from spikeguard.bus.kafka import KafkaBus
@@ -435,17 +435,23 @@ def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: 
     assert where[0] == where[1] and len(set(where[0].values())) == PARTITIONS
 
 
+def reader_and_producer(stack: contextlib.ExitStack, bus: Bus) -> tuple[str, Consumer, Producer]:
+    """A new topic, a consumer already assigned to it, and a producer (both closed with ``stack``)."""
+    topic = new_topic(bus)
+    consumer = open_consumer(stack, bus, unique("g"), topic)
+    wait_assigned([consumer], topic)
+    producer = bus.producer()
+    stack.callback(producer.close)
+    return topic, consumer, producer
+
+
 @pytest.mark.kafka
 @KAFKA_CLIENTS
 def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack, kind) -> None:
     """A worker sends (send_now) or flushes once per batch: until then its records stay in the
     producer (up to ``linger_ms``), so the batch leaves as one request per partition."""
     bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
-    topic = new_topic(bus)
-    consumer = open_consumer(stack, bus, unique("g"), topic)
-    wait_assigned([consumer], topic)
-    producer = bus.producer()
-    stack.callback(producer.close)
+    topic, consumer, producer = reader_and_producer(stack, bus)
     items = keyed(8, 25)
     for key, value in items:
         producer.publish(topic, value, key=key)
@@ -456,16 +462,11 @@ def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str
     assert_order_per_key(records)
 
 
-
 def test_send_now_delivers_without_a_flush_which_then_confirms(bus: Bus, stack: contextlib.ExitStack) -> None:
     """A worker sends each batch's outputs at once and waits for their acknowledgements only at
     its checkpoint: what send_now sent reaches a consumer with no flush, and flush then
     leaves nothing unacknowledged."""
-    topic = new_topic(bus)
-    consumer = open_consumer(stack, bus, unique("g"), topic)
-    wait_assigned([consumer], topic)
-    producer = bus.producer()
-    stack.callback(producer.close)
+    topic, consumer, producer = reader_and_producer(stack, bus)
     first, second = keyed(8, 10), [(k, v + b"+") for k, v in keyed(8, 10)]
     for key, value in first:
         producer.publish(topic, value, key=key)
@@ -488,11 +489,7 @@ def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(kafka_boo
     from spikeguard.schemas import StepEvent, decode
 
     bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
-    topic = new_topic(bus)
-    consumer = open_consumer(stack, bus, unique("g"), topic)
-    wait_assigned([consumer], topic)
-    producer = bus.producer()
-    stack.callback(producer.close)
+    topic, consumer, producer = reader_and_producer(stack, bus)
     for batch in range(3):
         events = [StepEvent(run_id=f"run-{r}", step=batch * 10 + s, loss=1.0, time=0.0)
                   for s in range(10) for r in range(8)]
@@ -512,11 +509,7 @@ def test_kafka_python_send_now_waits_as_flush_does_when_its_internals_are_gone(k
     """send_now reaches into kafka-python's accumulator (no public call does it): a kafka-python
     whose internals moved must cost latency, never records, and never the worker."""
     bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
-    topic = new_topic(bus)
-    consumer = open_consumer(stack, bus, unique("g"), topic)
-    wait_assigned([consumer], topic)
-    producer = bus.producer()
-    stack.callback(producer.close)
+    topic, consumer, producer = reader_and_producer(stack, bus)
     producer._accumulator = object()  # as if a new kafka-python had renamed what send_now uses
     for key, value in keyed(8, 10):
         producer.publish(topic, value, key=key)
