@@ -18,10 +18,10 @@ want="$(sha256sum "$here/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "spikeguard: installing dependencies into $venv (torch is large; first time only)" >&2
   "$venv/bin/python" "$here/scripts/requirements.py" "$here/pyproject.toml" >"$cache/requirements.txt"
-  "$venv/bin/pip" install -q -r "$cache/requirements.txt" >&2
+  "$venv/bin/python" -m pip install -q -r "$cache/requirements.txt" >&2
   echo "$want" >"$stamp"
 fi
 # The project itself: an editable install of *this* clone, cheap and redone
 # every time, so a venv shared by several clones points at the right one.
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2
 echo "$venv"
