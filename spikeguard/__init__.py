@@ -1,16 +1,53 @@
 """spikeguard keeps PyTorch training runs alive through loss spikes.
 
     from spikeguard import Guard
-    guard = Guard(model, optimizer, scheduler, run_id="my-run")
+    guard = Guard(model, optimizer, scheduler, run_id="my-run", mode="observe")
+
+The names a user touches are here: ``Guard`` and ``GuardConfig`` for a plain
+loop, ``HFCallback`` and ``LightningCallback`` for HF Trainer and Lightning,
+``InspectSetup`` for ``spikeguard inspect --setup``. Each loads on first use,
+so ``import spikeguard`` needs neither torch nor any framework (the workers
+import this package and never install them).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("spikeguard")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
+
+#: public name -> (module, attribute there)
+_LAZY = {
+    "Guard": ("spikeguard.producers.guard", "Guard"),
+    "GuardConfig": ("spikeguard.producers.config", "GuardConfig"),
+    "HFCallback": ("spikeguard.integrations.hf", "SpikeguardCallback"),
+    "LightningCallback": ("spikeguard.integrations.lightning", "SpikeguardCallback"),
+    "InspectSetup": ("spikeguard.forensics.inspect", "InspectSetup"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from spikeguard.forensics.inspect import InspectSetup
+    from spikeguard.integrations.hf import SpikeguardCallback as HFCallback
+    from spikeguard.integrations.lightning import SpikeguardCallback as LightningCallback
+    from spikeguard.producers.config import GuardConfig
+    from spikeguard.producers.guard import Guard
 
 
-def __getattr__(name: str):
-    # Lazy: the CLI and the workers import spikeguard without needing torch.
-    if name == "Guard":
-        from spikeguard.producers.guard import Guard
-
-        return Guard
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(import_module(module), attribute)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module 'spikeguard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -13,6 +13,7 @@ import logging
 import pkgutil
 import sys
 
+from spikeguard import __version__
 from spikeguard.errors import SpikeguardError
 
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keeps PyTorch training runs alive through loss spikes.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"spikeguard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
