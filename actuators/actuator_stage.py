@@ -65,7 +65,6 @@ class ActuatorStage(RunSettingsStage):
     # -- processing ----------------------------------------------------------------
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
         out: list[Output] = []
-        topic = self.topics.actions
         now = time.time()
         for _, event in items:
             if isinstance(event, RunEvent):

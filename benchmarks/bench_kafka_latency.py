@@ -144,7 +144,8 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
     for *_, kind in reader.actions:
         kinds[kind] = kinds.get(kind, 0) + 1
     return {
-        "layout": layout, "client": client, "rate": rate, "runs": runs, "steps": len(order), "achieved_rate": round(len(order) / input_s),
+        "layout": layout, "client": client, "rate": rate, "runs": runs, "steps": len(order),
+        "achieved_rate": round(len(order) / input_s),
         "decided": len(to_decision), "actions": len(to_action), "action_kinds": kinds,
         "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
         "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},

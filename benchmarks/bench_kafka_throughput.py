@@ -235,7 +235,8 @@ def main() -> None:
                                                 layout, client, worker_env)
                  for client in clients for layout in layouts}
     report = {"steps": len(records), "runs": args.runs, "raw": raw_result, **extra,
-              "pipelines": {name: {**result, "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
+              "pipelines": {name: {**result,
+                                   "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
                             for name, result in pipes.items()}}
     if args.json:
         print(json.dumps(report))

@@ -35,9 +35,10 @@ BENCHMARKS: list[tuple[str, str, list[str], bool]] = [
     ("grad_stats", "bench_grad_stats.py", ["--rounds", "5", "--json", "{out}/grad_stats.json"], False),
     ("embedded_cost", "bench_embedded_cost.py", ["--steps", "2000", "--rounds", "3", "--json"], False),
     ("scale_runs", "bench_scale_runs.py", ["--runs", "2000", "--json"], False),
-    ("kafka_throughput", "bench_kafka_throughput.py", ["--bootstrap", "{bootstrap}", "--client", "both", "--layout", "both", "--json"], True),
-    ("kafka_latency", "bench_kafka_latency.py", ["--bootstrap", "{bootstrap}", "--client", "both", "--layout", "cohosted", "--seconds", "15", "--json"],
-     True),
+    ("kafka_throughput", "bench_kafka_throughput.py",
+     ["--bootstrap", "{bootstrap}", "--client", "both", "--layout", "both", "--json"], True),
+    ("kafka_latency", "bench_kafka_latency.py",
+     ["--bootstrap", "{bootstrap}", "--client", "both", "--layout", "cohosted", "--seconds", "15", "--json"], True),
 ]
 
 

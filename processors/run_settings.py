@@ -150,7 +150,8 @@ class RunSettingsStage(PerRunStage):
         """True when the run's object has handled its last step (``end_step - 1`` of ``end_epoch``)."""
 
     def admit(self, topic: str, event: BaseModel) -> None:
-        """Refuse (to the DLQ, with the reason) a run event not signed with the key, and a start whose settings do not validate."""
+        """Refuse (to the DLQ, with the reason) a run event not signed with the key, and a start
+        whose settings do not validate."""
         if not isinstance(event, RunEvent):  # a subclass too: the stage handles it as a run event
             return
         authenticate(event, self.signing_key)

@@ -80,7 +80,9 @@ class RerunCheck:
         self.counts[verdict] += 1
         return verdict
 
-    def judge(self, closure: Closure | None, params: list[torch.nn.Parameter], stats: Any) -> tuple[Any, Verdict | None]:
+    def judge(
+        self, closure: Closure | None, params: list[torch.nn.Parameter], stats: Any
+    ) -> tuple[Any, Verdict | None]:
         """The Guard's use: ``(stats to publish, verdict)``. A transient step publishes the
         re-run's loss and norm (what the data really gives), so the pipeline does not act on a
         fault the device made; its per-layer norms are unknown (the first run's were the fault's)."""

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
                 event = decode(record.value, StepEvent)
             except Exception:  # noqa: BLE001 - not a step of this run: the DLQ is the workers' business
                 continue
-            if event.run_id == args.run_id and (newest is None or (event.epoch, event.step) > (newest.epoch, newest.step)):
+            newer = newest is None or (event.epoch, event.step) > (newest.epoch, newest.step)
+            if event.run_id == args.run_id and newer:
                 newest = event
         if newest is None:
             raise BusError(f"no step of run {args.run_id!r} on {topics.steps}: nothing to name as evidence")

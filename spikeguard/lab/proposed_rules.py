@@ -9,9 +9,9 @@ median of the last ``window`` (100) *accepted* points and the noise scale
 1.4826 x their MAD (a flagged point is never accepted, so a spike cannot
 inflate its own baseline, unlike OLMo-core's rule); it judges once
 ``min_values`` (20) points are in. A point is elevated when it is at least
-``z`` (6) noise units AND ``min_ratio`` (x1.25) above the baseline. The first elevated point is an ``outlier_step`` (delay 0: the
-right response is to skip that update and record the batch); a second
-elevated point in a row makes it a ``spike`` (an incident); a run of
+``z`` (6) noise units AND ``min_ratio`` (x1.25) above the baseline. The
+first elevated point is an ``outlier_step`` (delay 0: the right response is
+to skip that update and record the batch); a second elevated point in a row makes it a ``spike`` (an incident); a run of
 ``divergence_points`` (20) elevated points, or a point ``divergence_ratio``
 (x10) above the baseline, is a ``divergence``. After ``relearn_after`` (200)
 elevated points in a row the baseline starts over (a lasting level shift is

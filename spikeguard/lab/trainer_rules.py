@@ -30,8 +30,9 @@ was checked (sources read with the project's code/issue search, 2026-11-30):
   #546) exceeds ``ewm_ratio_to_skip_batch``. metaseq ships it off (-1) and
   leaves the number to the user: ``ratio`` 2.0 here is our choice, a
   doubling, as llm-foundry's default multiplier (not 1.5: that is the
-  labelling rule's ratio, and would make this rule the labels' echo). Skipped losses are kept out of the mean (the issue's reading of
-  metaseq; the PR excerpts we could read do not show it either way).
+  labelling rule's ratio, and would make this rule the labels' echo).
+  Skipped losses are kept out of the mean (our reading of metaseq; the PR
+  excerpts we could read do not show it either way).
   Non-finite losses are flagged (metaseq's trainer stops on them).
 - :class:`AxolotlRobustZ`: a robust z-score on the median and 1.4826 x MAD of
   the last 100 accepted values, outliers kept out of the history, applied to

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import DeliveryError, RecordRejected, SchemaError, SpikeguardError
+from spikeguard.errors import DeliveryError, RecordRejected, SchemaError
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )

@@ -453,7 +453,7 @@ def test_unacknowledged_rollback_times_out_with_an_alert() -> None:
     assert policy.observed_steps > 0 and policy.high_water == 529
 
 
-# --- determinism, state, bounded memory ---------------------------------------------------------------------------------
+# --- determinism, state, bounded memory ---------------------------------------------------------------------
 def _scenario(policy: RecoveryPolicy, snapshot_at: int | None = None) -> list[dict]:
     """A trainer-like run with most situations: acks at once, re-runs after rollbacks.
 
@@ -553,7 +553,7 @@ def test_a_decision_without_an_incident_is_an_incident_of_its_own() -> None:
     assert not hasattr(policy.config, "incident_gap_steps")
 
 
-# --- config -------------------------------------------------------------------------------------------------------------
+# --- config -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, field", [
     ({"spike_types": (T.LOSS_SPIKE, T.NON_FINITE)}, "non_finite"),
     ({"clip_norm_initial": 50.0}, "clip_norm_initial"),

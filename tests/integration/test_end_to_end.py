@@ -18,7 +18,7 @@ import torch
 
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
-from spikeguard.runtime import Runtime, open_runtime
+from spikeguard.runtime import open_runtime
 from spikeguard.components import DETECTOR_NAMES
 from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, Topics, Verdict, decode
 from spikeguard.settings import load_settings

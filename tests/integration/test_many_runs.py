@@ -9,7 +9,6 @@ died for good. The embedded test runs by default; the Kafka one (real broker, th
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import subprocess

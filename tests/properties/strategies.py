@@ -37,7 +37,6 @@ VALID = {
     Ack: dict(run_id="r", action_id="a", kind=ActionKind.SCALE_LR.value,
               status=AckStatus.APPLIED.value, step=4),
     CheckpointEvent: dict(run_id="r", step=3, checkpoint_id="c", healthy=True),
-    RunEvent: dict(run_id="r", kind="start", step=0, checkpoint_every=50, keep_checkpoints=4),
     DeadLetter: dict(source_topic="t", value="x", error="E", reason="why"),
     RunEvent: dict(run_id="r", kind="start", preset="large", policy={"spike_patience_steps": 4},
                    checkpoint_every=50, keep_checkpoints=4, detection_delay_steps=25),

@@ -1,9 +1,16 @@
 """Settings: flags over SPIKEGUARD_* variables over defaults; bad values name their field."""
 
+import json
+import os
+import re
+from pathlib import Path
+
 import pytest
 
+from spikeguard.cli import main
 from spikeguard.errors import ConfigError
-from spikeguard.settings import load_settings, parse_assignments
+from spikeguard.settings import Settings, load_settings, parse_assignments
+from spikeguard.settings_sources import NOT_SETTINGS, NOT_SETTINGS_PREFIXES, is_other_variable, unknown_part
 
 
 def test_defaults_are_the_embedded_bus():
@@ -77,16 +84,7 @@ def test_the_kafka_bus_gets_membership_settings_and_numbers_static_members():
     assert bus._static_member("other") == "w1"
 
 
-# --- a config file, a mistyped variable, `spikeguard settings` (issue 14) ---------------
-
-import json
-import os
-import re
-from pathlib import Path
-
-from spikeguard.cli import main
-from spikeguard.settings import Settings
-from spikeguard.settings_sources import NOT_SETTINGS, NOT_SETTINGS_PREFIXES, is_other_variable, unknown_part
+# --- a config file, a mistyped variable, `spikeguard settings` ---------------
 
 REPO = Path(__file__).resolve().parents[2]
 
