@@ -1,0 +1,73 @@
+"""Lint and type check the project, as CI does: ``python scripts/lint.py``.
+
+Runs ``ruff check`` over the repository and ``mypy`` over the package, both
+with the settings in pyproject.toml, and exits non-zero if either finds
+anything. It never reformats: ``ruff format`` is for the files you touch.
+
+mypy cannot follow the package-dir mapping of pyproject.toml (``schemas/`` is
+``spikeguard.schemas``, ...), so it checks a tree of symbolic links that puts
+the four top-level folders under ``spikeguard/``, kept with mypy's cache
+outside the clone (``$SPIKEGUARD_CACHE``, default ``~/.cache/spikeguard``):
+a warm run takes seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: top-level folder -> where it installs under the one import name (pyproject.toml's package-dir)
+MAPPED = {"schemas": "schemas", "producers": "producers", "processors": "processors", "actuators": "actuators"}
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("SPIKEGUARD_CACHE", Path.home() / ".cache" / "spikeguard"))
+    # One tree per clone: two clones sharing the cache must not check each other's files.
+    return base / "mypy" / hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+
+
+def package_tree(where: Path) -> Path:
+    """``where/spikeguard``: links to every entry of ``spikeguard/`` plus the mapped folders."""
+    tree = where / "spikeguard"
+    tree.mkdir(parents=True, exist_ok=True)
+    wanted = {entry.name: entry for entry in (ROOT / "spikeguard").iterdir() if entry.name != "__pycache__"}
+    wanted.update({name: ROOT / folder for name, folder in MAPPED.items()})
+    for link in tree.iterdir():
+        if link.name not in wanted or link.resolve() != wanted[link.name].resolve():
+            link.unlink()
+    for name, target in wanted.items():
+        if not (tree / name).is_symlink():
+            (tree / name).symlink_to(target)
+    return tree
+
+
+def run_ruff(paths: list[str]) -> int:
+    return subprocess.call([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"), *paths],
+                           cwd=ROOT)
+
+
+def run_mypy(targets: list[str] | None = None) -> int:
+    cache = cache_dir()
+    tree = package_tree(cache / "src")
+    command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+               "--cache-dir", str(cache / "cache"), *(targets or [tree.name])]
+    return subprocess.call(command, cwd=tree.parent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ruff-only", action="store_true", help="skip the type check")
+    args = parser.parse_args(argv)
+    failed = run_ruff(["."]) != 0
+    if not args.ruff_only:
+        failed = run_mypy() != 0 or failed
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
