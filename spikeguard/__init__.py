@@ -30,7 +30,7 @@ _LAZY = {
     "InspectSetup": ("spikeguard.forensics.inspect", "InspectSetup"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["Guard", "GuardConfig", "HFCallback", "InspectSetup", "LightningCallback", "__version__"]
 
 if TYPE_CHECKING:
     from spikeguard.forensics.inspect import InspectSetup
