@@ -1,7 +1,7 @@
 """Closed-loop latency on a real broker: a step's publish -> its decision, and -> the action, at the trainer.
 
 The README's workers on a fresh topic prefix, in each ``--layout``:
-``independent`` (six processes, one per component, the default in DESIGN.md)
+``independent`` (six processes, one per component, the default in docs/design.md)
 and ``cohosted`` (``worker detectors`` hosting the four detectors behind one
 consumer, then fusion and actuator: three processes).
 ``--runs`` concurrent runs publish signed step events at ``--rate`` steps/s

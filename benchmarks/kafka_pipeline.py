@@ -6,7 +6,7 @@
   README starts them, each its own process, under a fresh topic prefix so
   that runs never see each other's records; waits until every group has a member.
   :data:`LAYOUTS` names the two ways to run them: ``independent`` (six
-  processes, the default in DESIGN.md) and ``cohosted`` (``worker detectors``
+  processes, the default in docs/design.md) and ``cohosted`` (``worker detectors``
   hosting the four detectors behind one consumer, then fusion and actuator:
   three processes).
 - :func:`signed_steps`: simulated runs' step events, signed as a trainer's Guard

@@ -8,7 +8,7 @@ most of a detector worker's CPU. Each detector still publishes its own
 verdicts, exactly as its own worker would (same detector name, same values);
 the batch commits after all of them are acknowledged.
 
-The independent workers stay the default (DESIGN.md): they scale and fail
+The independent workers stay the default (docs/design.md): they scale and fail
 one detector at a time. The two layouts do not share consumer groups or
 saved state (``{prefix}detectors`` and ``state.detectors`` here), so a switch
 from one to the other judges the retained steps again under the new group;
