@@ -5,7 +5,7 @@ policy counts it as a ``duplicate`` when its id is one it admitted within the
 last ``seen_window_steps`` steps of this epoch, else as ``late``. Kept as an
 ``OrderedDict`` of id text to step, that window cost ~180 bytes a decision:
 ~178 kB a run at the default 1000 steps, 1.7 GiB for the 10,000 runs a worker
-should hold in 1 GiB (issue 16). Here a decision is two 8-byte slots of two
+should hold in 1 GiB (docs/benchmarks.md). Here a decision is two 8-byte slots of two
 arrays: its step, and 64 bits of a BLAKE2b hash of its id (stable across
 processes, unlike ``hash()``, so a saved state reads back the same anywhere).
 Two ids agreeing on 64 bits would take ~2**32 decisions in one window.

@@ -1,4 +1,4 @@
-"""Backtest benchmarks: issue 16's first two rows, whole process, and a per-component table.
+"""Backtest benchmarks: throughput and memory, whole process, and a per-component table.
 
     python benchmarks/bench_backtest.py [--steps 100000] [--pairs 2] [--json results.json]
                                         [--memory [--memory-steps 1000000]]

@@ -6,7 +6,7 @@ Runs ``spikeguard worker all`` on a steady stream of one run's steps (20/s),
 kills it with SIGKILL, restarts it at once, and reports the seconds from the
 kill to the first decision the new process produced, for three settings:
 
-- ``dynamic, 45 s session``: kafka-python's defaults (what issue 10 §4 measured);
+- ``dynamic, 45 s session``: kafka-python's defaults;
 - ``dynamic, 10 s session``: spikeguard's default session, no instance id;
 - ``static membership``: ``SPIKEGUARD_INSTANCE_ID`` set (and the 10 s session).
 

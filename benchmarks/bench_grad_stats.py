@@ -17,7 +17,7 @@ The three run in turn within each round (order alternating), ``--calls``
 calls each, and the figure is the median over rounds of each call's median
 time, so machine noise hits them alike. Host reads of tensor values
 (``item``/``tolist``/``cpu``/``numpy``/``float``...) are counted per call.
-Aim (issue 16): stats <= 1.5x clip, and exactly one transfer per step.
+Aim: stats <= 1.5x clip, and exactly one transfer per step.
 A benchmark: it reports, it does not fail.
 """
 

@@ -1,4 +1,4 @@
-"""Growth benchmark: issue 16's last row, the backtest's measures at 10x more steps per run.
+"""Growth benchmark: the backtest's measures at 10x more steps per run.
 
     python benchmarks/bench_growth.py [--steps 10000] [--factor 10] [--pairs 1]
                                       [--workdir /tmp/spikeguard-bench] [--json results.json]

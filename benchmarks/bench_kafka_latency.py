@@ -1,6 +1,6 @@
 """Closed-loop latency on a real broker: a step's publish -> its decision, and -> the action, at the trainer.
 
-The README's workers on a fresh topic prefix, in each ``--layout``:
+The workers of docs/kafka.md on a fresh topic prefix, in each ``--layout``:
 ``independent`` (six processes, one per component, the default in docs/design.md)
 and ``cohosted`` (``worker detectors`` hosting the four detectors behind one
 consumer, then fusion and actuator: three processes).

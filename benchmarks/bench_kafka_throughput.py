@@ -1,6 +1,6 @@
 """Pipeline throughput on a real broker, next to a raw kafka-python loop on the same broker, same run.
 
-- ``pipeline``: the README's workers in each ``--layout``: ``independent``,
+- ``pipeline``: the workers of docs/kafka.md in each ``--layout``: ``independent``,
   six processes (``spikeguard worker NAME`` each, the default), and
   ``cohosted``, three (``worker detectors`` hosting the four detectors behind
   one consumer, ``worker fusion``, ``worker actuator``). ``--steps`` signed step events of ``--runs`` simulated runs

@@ -14,7 +14,7 @@ bookkeeping in recovery_ledger.py. ``--quick`` is the smaller configuration
 With ``--json`` the last line printed is
 ``{"clean": LOSS, "results": [{"fault", "strategy", "final_eval_loss",
 "wasted_steps", "rollbacks"}, ...]}``; a non-finite loss is written as the
-string "NaN" or "Infinity" (the project's JSON convention). Aims (issue 12):
+string "NaN" or "Infinity" (the project's JSON convention). Aims:
 for every fault spikeguard ends within 2 % of clean, no worse than the best
 other strategy (0.5 % slack), and wastes fewer steps than palm_manual; the
 table's last column says where it does not. A benchmark, not a test: it

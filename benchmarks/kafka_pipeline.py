@@ -1,9 +1,9 @@
-"""What the Kafka benchmarks share: a broker, the README's six workers, signed step events.
+"""What the Kafka benchmarks share: a broker, the six workers of docs/kafka.md, signed step events.
 
 - :func:`broker`: the one given (``--bootstrap`` / ``SPIKEGUARD_TEST_BOOTSTRAP``),
   else a local one started with ``scripts/kafka_local.sh`` and stopped after.
-- :func:`workers`: ``spikeguard worker NAME`` for the six components, as the
-  README starts them, each its own process, under a fresh topic prefix so
+- :func:`workers`: ``spikeguard worker NAME`` for the six components, as
+  docs/kafka.md starts them, each its own process, under a fresh topic prefix so
   that runs never see each other's records; waits until every group has a member.
   :data:`LAYOUTS` names the two ways to run them: ``independent`` (six
   processes, the default in docs/design.md) and ``cohosted`` (``worker detectors``
@@ -67,7 +67,7 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | None = None,
             names: tuple[str, ...] = COMPONENTS, timeout: float = 90.0,
             client: str = "kafka-python") -> Iterator[list[subprocess.Popen]]:
-    """The README's workers under ``prefix``, one process each; stopped (SIGTERM) on exit.
+    """The workers of docs/kafka.md under ``prefix``, one process each; stopped (SIGTERM) on exit.
 
     ``client`` is their ``kafka_client`` (``kafka-python`` or ``confluent``).
     """

@@ -1,9 +1,9 @@
-"""Every benchmark of issue 16's table, one after the other, with the time each took.
+"""Every benchmark of docs/benchmarks.md's speed table, one after the other, with the time each took.
 
     python benchmarks/run_all.py [--out DIR] [--bootstrap HOST:PORT] [--only NAME ...] [--list]
 
-Each benchmark runs as its own process with the arguments below (the README's
-table gives each row's command; these are the same, sized so that the whole
+Each benchmark runs as its own process with the arguments below (docs/benchmarks.md
+gives each row's command; these are the same, sized so that the whole
 set takes under 10 minutes on the 2-core machine), its output kept in
 ``DIR/NAME.txt`` (JSON where the benchmark writes it). The Kafka rows need a
 broker: without ``--bootstrap`` the project's own (``scripts/kafka_local.sh
@@ -12,7 +12,7 @@ first and stopped at the end. A benchmark that fails is reported and the
 others still run; the exit status is 1 if any failed.
 
 A benchmark reports, it does not judge: read each row's figures against its
-aim in its output or in the README.
+aim in its output or in docs/benchmarks.md.
 """
 
 from __future__ import annotations

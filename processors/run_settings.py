@@ -1,4 +1,4 @@
-"""A run's own settings, as its RunEvent on the compacted ``runs`` topic gives them (issue 9 §3).
+"""A run's own settings, as its RunEvent on the compacted ``runs`` topic gives them.
 
 The trainer's Guard publishes a RunEvent when the run starts and when it ends,
 both with the run's preset, policy overrides and checkpoint cadence. Fusion and

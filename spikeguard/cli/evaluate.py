@@ -241,7 +241,7 @@ def build_report(scores: dict[str, dict[str, list[RunScore]]]) -> dict:
 
 
 def targets(systems: dict) -> list[dict]:
-    """The issue's targets for the pipeline, each with whether it is met.
+    """The project's detection targets for the pipeline, each with whether it is met.
 
     Recall and precision apply only when there are labelled episodes. "F1 above a baseline" also holds when
     both are perfect (1.0), as nothing can be above that.
@@ -280,7 +280,7 @@ def targets(systems: dict) -> list[dict]:
         ]
         check(f"F1 above {baseline} on every scenario and overall", worse or "all", not worse)
     others = [systems[b]["rows"] for b in BASELINE_NAMES if b in systems]
-    if REAL_SPIKES in rows and others:  # the issue's real-data bar: beat every baseline
+    if REAL_SPIKES in rows and others:  # the real-data bar: beat every baseline
         best = max((r[REAL_SPIKES]["recall"] or 0) for r in others)
         mine = rows[REAL_SPIKES]["recall"] or 0
         check(f"recall on {REAL_SPIKES} above every baseline (best {best:.3f})", mine, mine > best)

@@ -38,7 +38,7 @@ was checked (sources read with the project's code/issue search, 2026-11-30):
   the last 100 accepted values, outliers kept out of the history, applied to
   the loss and to the gradient norm (axolotl's rule is a gradient-norm
   guard). We could not find its source in the searchable corpus, so this
-  follows the issue's description; the threshold (z > 6, the same number of
+  follows its published description; the threshold (z > 6, the same number of
   sigmas as OLMo-core's rule) and the 100-value warm-up are our choice.
 """
 

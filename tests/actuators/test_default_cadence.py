@@ -1,4 +1,4 @@
-"""With every default (trainer and pipeline), a rollback finds its target (issue 9 §3).
+"""With every default (trainer and pipeline), a rollback finds its target.
 
 Checkpoint every 50, keep 3 and roll back at least 100 steps before the onset
 used to leave no target: runs logged "no healthy checkpoint at least 100 steps

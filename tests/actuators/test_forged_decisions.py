@@ -1,4 +1,4 @@
-"""Forged decisions cannot steer a run (issue 10 §3, defence in depth), on the real closed loop.
+"""Forged decisions cannot steer a run (defence in depth), on the real closed loop.
 
 Anyone who can write the decisions topic can make the real actuator sign
 actions: its policy answers whatever decision it reads. What stops them is the

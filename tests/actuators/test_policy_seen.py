@@ -1,6 +1,6 @@
 """The policy's window of admitted decision ids: small, and telling duplicates from late ones as before.
 
-Issue 16: 10,000 runs through one actuator in <= 1 GiB. The window of ids
+The aim: 10,000 runs through one actuator in <= 1 GiB. The window of ids
 (1000 steps by default) was ~178 kB a run kept as id text in an OrderedDict.
 """
 

@@ -1,4 +1,4 @@
-"""The actuator applies each run's own policy from its RunEvent (issue 9 §3), on a real worker and bus.
+"""The actuator applies each run's own policy from its RunEvent, on a real worker and bus.
 
 The stage's own policy here is PolicyConfig's defaults (roll back at least 100
 steps before an onset); the run names the ``small`` preset (30 steps). A

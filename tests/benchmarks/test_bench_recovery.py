@@ -2,7 +2,7 @@
 
 The end-to-end test runs the benchmark script itself on its ``--tiny``
 configuration (a real transformer, the real embedded pipeline), so a broken
-strategy, a broken fault or a broken contract shows here, not in the README.
+strategy, a broken fault or a broken contract shows here, not in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/run_all.py names every row of issue 16's table with a script that exists."""
+"""benchmarks/run_all.py names every row of docs/benchmarks.md's speed table with a script that exists."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
     # backtest throughput + memory, growth, hook overhead, gradient statistics, embedded cost,
-    # scale in runs, Kafka throughput and latency: the issue's nine rows in eight commands.
+    # scale in runs, Kafka throughput and latency: nine rows in eight commands.
     assert set(rows) == {"backtest", "growth", "guard_overhead", "grad_stats", "embedded_cost",
                          "scale_runs", "kafka_throughput", "kafka_latency"}
     for name, command in rows.items():

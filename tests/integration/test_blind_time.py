@@ -139,5 +139,5 @@ def test_decisions_resume_within_seconds_after_kill_9_and_restart(kafka_bootstra
     blind = blind_time_after_kill(kafka_bootstrap, tmp_path, {"SPIKEGUARD_INSTANCE_ID": "blind-a"},
                                   limit=120)
     print(f"\nblind time after kill -9 + immediate restart (static membership): {blind:.1f} s")
-    # Aim 10 s (issue 10 §4); the process start itself (Python, torch) is part of it.
+    # Aim 10 s (docs/benchmarks.md); the process start itself (Python, torch) is part of it.
     assert blind < 25.0, f"decisions resumed only {blind:.1f}s after the kill"

@@ -1,6 +1,6 @@
-"""``spikeguard demo`` on a real broker recovers as it does embedded (issue 9 §4, "done when").
+"""``spikeguard demo`` on a real broker recovers as it does embedded.
 
-The six workers are started as the README says (``spikeguard worker NAME
+The six workers are started as docs/kafka.md says (``spikeguard worker NAME
 --bootstrap-servers ... --instance-id NAME-0``), with their own default
 settings; the demo process is a user's ``spikeguard demo`` with
 SPIKEGUARD_BOOTSTRAP_SERVERS set. The demo's tuned policy lives in the demo

@@ -1,8 +1,8 @@
 """10,000 concurrent runs on one detector worker: every verdict out, the worker alive, no state
 record near the broker's limit, and every run's memory given back when the runs end.
 
-Issue 10 §1: at ~6,500 runs the one-record-per-partition snapshot passed 1 MB and the worker
-died for good. The embedded test runs by default; the Kafka one (real broker, the
+Why: with one state record per partition, ~6,500 runs passed the broker's 1 MB limit and
+the worker died for good. The embedded test runs by default; the Kafka one (real broker, the
 ``spikeguard worker`` process) is marked kafka and slow.
 """
 

@@ -1,4 +1,4 @@
-"""An operator's stop reaches a keyed trainer on a real broker (the documented path, issue 10 §3).
+"""An operator's stop reaches a keyed trainer on a real broker (the documented path).
 
 With a signing key the Guard refuses state-changing actions that name no step
 it published; ``spikeguard stop RUN_ID`` signs its STOP with the key and

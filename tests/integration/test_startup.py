@@ -1,7 +1,7 @@
 """Starting a guard never blocks training: a bad broker address, or a broker with no workers.
 
-Issue 9 §4: a bad address blocked ``Guard()`` for 37 s before failing; a
-lockstep demo with no workers hung for 400 s without a word. Now the guard
+Why: a bad address could block ``Guard()`` for 37 s before failing, and a
+lockstep demo with no workers could hang for 400 s without a word. The guard
 starts at once with its local protections (the non-finite skip) and says in
 one WARNING line what is missing.
 """

@@ -290,8 +290,8 @@ def test_a_critical_step_waits_only_for_the_steps_before_it() -> None:
 
 
 def test_a_fast_detector_racing_ahead_does_not_change_any_decision() -> None:
-    """Issue 10 §5: the same run judged live (detectors in step) and after an outage (each
-    catching up at its own speed) gives the same decisions; the old 64-steps-behind rule did not."""
+    """The same run judged live (detectors in step) and after an outage (each
+    catching up at its own speed) gives the same decisions; a fixed 64-steps-behind rule would not."""
     rng = random.Random(3)
     script: dict[int, dict[str, Verdict]] = {}
     for step in range(300):

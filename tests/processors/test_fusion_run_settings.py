@@ -1,4 +1,4 @@
-"""Fusion applies each run's own FusionConfig overrides from its RunEvent (issue 9 §3), on a real worker.
+"""Fusion applies each run's own FusionConfig overrides from its RunEvent, on a real worker.
 
 The stage's own threshold is 0.55; the run asks for 0.9. A statistical verdict
 of confidence 0.7 is an anomaly under the first and not under the second.

@@ -1,6 +1,6 @@
 """A run's rollback history is kept compactly, and gives back exactly the state it saved.
 
-Issue 16's "scale in runs" row: 10,000 runs through one worker in <= 1 GiB, so
+The "scale in runs" aim (docs/benchmarks.md): 10,000 runs through one worker in <= 1 GiB, so
 about 100 kB a run at most. The history's 16 snapshots, kept as live Python
 objects, were most of a detector's memory (107 of 123 kB for a statistical
 run); kept packed (pickled state dicts) they are 24 kB.

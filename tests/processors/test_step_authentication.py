@@ -1,4 +1,4 @@
-"""Forged steps cannot obtain signed actions (issue 10 §3), and replayed steps are refused (§7).
+"""Forged steps cannot obtain signed actions, and replayed steps are refused.
 
 The whole pipeline runs on the real embedded bus: the four real detectors,
 fusion and the real actuator with its recovery policy, each in a Worker.
@@ -95,7 +95,7 @@ def test_without_a_key_unsigned_steps_are_judged():
     assert actions(bus) and letters(bus) == []
 
 
-# -- §7: steps from the past and the far future --------------------------------------
+# -- steps from the past and the far future -----------------------------------------
 
 def decisions(bus: EmbeddedBus) -> list[tuple]:
     from spikeguard.schemas import Decision

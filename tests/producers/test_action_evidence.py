@@ -1,4 +1,4 @@
-"""The trainer refuses an action whose evidence it did not publish itself (issue 10 §3).
+"""The trainer refuses an action whose evidence it did not publish itself.
 
 A real Guard trains a real model on the embedded bus; actions signed with the
 run's key arrive while it trains. The signature is good on all of them: only

@@ -1,4 +1,4 @@
-"""Checkpoints written off the training thread: a copy in the step, one write in flight (issue 9 §5)."""
+"""Checkpoints written off the training thread: a copy in the step, one write in flight."""
 
 from __future__ import annotations
 

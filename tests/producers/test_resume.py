@@ -1,4 +1,4 @@
-"""Resume says what it does, and a finished run is never resumed (issue 9 §5)."""
+"""Resume says what it does, and a finished run is never resumed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The run carries its own policy: preset, overrides, checked settings, runs topic (issue 9 §3)."""
+"""The run carries its own policy: preset, overrides, checked settings, runs topic."""
 
 from __future__ import annotations
 

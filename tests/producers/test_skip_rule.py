@@ -31,7 +31,7 @@ def test_the_rule_imports_without_torch():
 def test_an_isolated_outlier_is_skipped_and_kept_out_of_the_history():
     losses = _noisy(200, noise=0.01)
     spiked = list(losses)
-    spiked[150] *= 1.15  # +15 %: the size of the real one-step outliers of issue 11
+    spiked[150] *= 1.15  # +15 %: the size of the real one-step outliers in data/
     plain, rule = SkipRule(), SkipRule()
     for i, loss in enumerate(spiked):
         decision = rule.decide(loss, 1.0)

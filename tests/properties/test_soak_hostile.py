@@ -1,4 +1,4 @@
-"""Soak: 10,000 hostile records mixed into a real guarded run change nothing (issue 10).
+"""Soak: 10,000 hostile records mixed into a real guarded run change nothing.
 
 The demo's real model trains with a loss spike, guarded in lockstep on the
 embedded bus with the whole pipeline (four detectors, fusion, the actuator)

@@ -68,7 +68,7 @@ def test_non_finite_params_sign_and_verify(value: float) -> None:
     assert finite.signature != signed.signature
 
 
-# -- step events (issue 10 §3) -------------------------------------------------
+# -- step events --------------------------------------------------------------
 from spikeguard.schemas import StepEvent, sign_step, step_signature_problem  # noqa: E402
 
 

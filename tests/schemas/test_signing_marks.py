@@ -1,4 +1,4 @@
-"""A step is verified once per process, and the mark cannot be forged (issue 16, embedded cost).
+"""A step is verified once per process, and the mark cannot be forged (the embedded pipeline's cost).
 
 The stages of the embedded pipeline receive the very event object the trainer
 published; hashing it once for all of them is safe only if nothing but that
