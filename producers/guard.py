@@ -60,7 +60,7 @@ from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipRule
-from spikeguard.producers.stats import GradStats
+from spikeguard.producers.stats import GradStats, across_ranks
 from spikeguard.schemas import Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,8 @@ class Guard(Checkpointing, ActionApplying):
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
         stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
+            stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
         loss_scale = self.amp.scale()
         # Under a GradScaler an inf/NaN gradient with a finite loss is the scaler's own business.

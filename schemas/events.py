@@ -128,6 +128,13 @@ class StepEvent(_Event):
     rank: int = Field(0, ge=0, le=MAX_COUNTER)
     time: float = Field(default_factory=time.time, description="unix seconds")
     loss: float
+    loss_mean: float | None = Field(
+        None, description="with several ranks: the mean of the ranks' losses (the global batch's loss)"
+    )
+    loss_ranks: int | None = Field(
+        None, ge=1, le=MAX_COUNTER, description="with several ranks: how many; `loss` is then the "
+        "largest of their losses, so a spike in any rank's data is a spike of the run",
+    )
     grad_norm: float | None = Field(None, description="total L2 norm before clipping")
     lr: float | None = None
     loss_scale: float | None = Field(None, description="fp16 GradScaler scale, if any")
