@@ -224,23 +224,24 @@ def fsdp_read_error(rank: int, group: Any, where: Path) -> dict:
     return read_error(rank, group, where, sharded=True)
 
 
+SPIKE = range(40, 46)  # the steps whose batches are corrupted, on rank 1 only
+
+
 def spike(rank: int, group: Any, where: Path) -> dict:
-    """Rank 1's batches of steps 12..17 only are corrupted x1000; rank 0 publishes the steps."""
+    """Rank 1's batches of steps 40..45 only are corrupted x1000; rank 0 publishes the steps."""
     model, opt = _ddp(group)
     bus = EmbeddedBus() if rank == 0 else None
     guard = _guard(model, opt, group, where, bus=bus)
 
     def corrupt(step, xb, yb):
-        return (xb, yb * 1000.0) if rank == 1 and 12 <= step <= 17 else (xb, yb)
+        return (xb, yb * 1000.0) if rank == 1 and step in SPIKE else (xb, yb)
     losses: dict = {}
-    _train(guard, model, opt, guard.data(_data(rank), epochs=5), 24, corrupt, losses)
-    published = {}
+    _train(guard, model, opt, guard.data(_data(rank), epochs=5), 56, corrupt, losses)
+    events = []
     if bus is not None:
         guard.publisher.flush(5.0)
-        for r in bus.read_all(Topics().steps):
-            e = decode(r.value, StepEvent)
-            published[f"{e.epoch}/{e.step}"] = [e.loss, getattr(e, "loss_mean", None), getattr(e, "loss_ranks", None)]
-    return _end(guard, model, opt, losses=losses, published=published)
+        events = [decode(r.value, StepEvent).model_dump(mode="json") for r in bus.read_all(Topics().steps)]
+    return _end(guard, model, opt, losses=losses, events=events)
 
 
 def late(rank: int, group: Any, where: Path) -> dict:

@@ -110,17 +110,27 @@ def _agreed_after_read_error(r0: dict, r1: dict) -> None:
     assert r0["epoch"] == r1["epoch"] == 1 and r0["rollbacks"] == r1["rollbacks"] == 1
 
 
-def test_a_spike_on_one_ranks_data_is_published_as_the_runs(disagreement):
+def test_a_spike_on_one_ranks_data_is_published_and_judged_as_the_runs(disagreement):
+    from spikeguard.lab.backtest import backtest_events
+    from spikeguard.schemas import StepEvent
+
     r0, r1 = disagreement("spike")
-    published = r0["published"]
-    assert published
-    for key, (loss, mean, ranks) in published.items():
+    events = [StepEvent.model_validate(e) for e in r0["events"]]
+    assert len(events) == 56
+    for e in events:
+        key = f"{e.epoch}/{e.step}"
         local = (r0["losses"][key], r1["losses"][key])
-        assert loss == pytest.approx(max(local), rel=1e-6), key
-        assert mean == pytest.approx(sum(local) / 2, rel=1e-6), key
-        assert ranks == 2
-    healthy = sorted(published[f"0/{s}"][0] for s in range(4, 12))
-    assert published["0/12"][0] > 1000 * healthy[len(healthy) // 2]  # rank 1's batch, rank 0's event
+        assert e.loss == pytest.approx(max(local), rel=1e-6), key
+        assert e.loss_mean == pytest.approx(sum(local) / 2, rel=1e-6), key
+        assert e.loss_ranks == 2
+    healthy = sorted(e.loss for e in events if 20 <= e.step < 40)
+    first = disagreement_worker.SPIKE[0]
+    assert events[first].loss > 1000 * healthy[len(healthy) // 2]  # rank 1's batch, in rank 0's event
+    # The whole pipeline, on what rank 0 published, calls it a loss spike at its first step.
+    decisions = {d.step: d for d in backtest_events(events) if d.is_anomaly}
+    assert first in decisions, sorted(decisions)
+    assert decisions[first].type.value == "extreme_loss" and decisions[first].urgency.value == "critical", \
+        decisions[first]
 
 
 def test_a_late_rank_keeps_its_own_state_at_every_checkpoint(disagreement):
