@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator,
@@ -121,6 +121,10 @@ class BatchStats(BaseModel):
 
 class StepEvent(_Event):
     """One optimizer step of one rank of one run, as the trainer saw it."""
+
+    #: Fields added since steps were first signed: in the signed payload only when set
+    #: (schemas.signing), so a one-rank run's signed steps verify with readers that predate them.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"loss_mean", "loss_ranks"})
 
     run_id: RunId
     step: Step
