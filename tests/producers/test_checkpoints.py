@@ -198,3 +198,29 @@ def test_rotation_takes_a_checkpoints_checksum_along_and_a_rank_needs_its_own_fi
     rank1 = CheckpointStore(tmp_path, "r", keep=1, rank=1)
     with pytest.raises(CheckpointUnreadable, match="no state of rank 1"):
         rank1.load(rank1.newest())  # rank 0's random streams are not rank 1's
+
+
+def test_a_resume_passes_over_a_corrupt_newest_checkpoint_to_the_next_older(tmp_path, caplog):
+    """A job restarted after its newest checkpoint was cut short (a full disk, a copy that
+    died) resumes from the one before, with the reason logged, instead of dying on torch's
+    read error (or loading an altered file)."""
+    from producers_helpers import Tiny, train
+
+    from spikeguard.producers import Guard, GuardConfig
+
+    config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4, async_checkpoint=False)
+    tiny = Tiny()
+    guard = Guard(tiny.model, tiny.optimizer, run_id="r", connect=False, config=config.model_copy(
+        update={"resume": False}))
+    train(guard, tiny, 10)
+    guard.close(finished=False)
+    newest, older = guard.store.list(0)[:2]
+    assert (newest.step, older.step) == (8, 4)
+    raw = newest.path.read_bytes()
+    newest.path.write_bytes(raw[: len(raw) - 100])
+    again = Tiny(seed=1)
+    resumed = Guard(again.model, again.optimizer, run_id="r", connect=False, config=config)
+    assert resumed.resumed_from.step == 4 and resumed.step_count == 4
+    assert any("cannot be loaded" in r.getMessage() and "checksum mismatch" in r.getMessage()
+               for r in caplog.records)
+    resumed.close(finished=False)
