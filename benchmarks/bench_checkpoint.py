@@ -92,8 +92,8 @@ def main() -> None:
         for arm in arms:
             arm.guard.close()
         params = sum(p.numel() for p in arms[0].model.parameters())
-        size = sum(p.stat().st_size for p in arms[0].guard.store.directory.glob("ckpt-*"))
-        size //= max(1, len(list(arms[0].guard.store.directory.glob("ckpt-*"))))
+        size = sum(p.stat().st_size for p in arms[0].guard.store.directory.glob("ckpt-*.pt"))
+        size //= max(1, len(list(arms[0].guard.store.directory.glob("ckpt-*.pt"))))
     out = {"params": params, "checkpoint_bytes": size, "every": args.every,
            **{arm.name: arm.summary() for arm in arms}}
     if args.json:

@@ -8,6 +8,7 @@ as the training step it is.
 from __future__ import annotations
 
 from spikeguard.producers.actions import ANOMALY_KINDS, Outcome, apply_action
+from spikeguard.producers.distributed import failures
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
 
@@ -26,13 +27,18 @@ class ActionApplying:
     def _apply(self, due: list[Action], step: int) -> bool:
         interrupted = False
         for action in due:
-            if self.rank == 0 and action.action_id in self.ledger:
+            duplicate = self.rank == 0 and action.action_id in self.ledger
+            if self.sync.enabled:  # rank 0's ledger decides for every rank
+                duplicate = self.sync.share(duplicate)
+            if duplicate:
                 outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
             else:
                 if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
                     self._keep_incident(action)  # before a rollback moves the data and the store
                 outcome = apply_action(self, action, self.step_count)
                 self.ledger.record(action.action_id)
+                if self.sync.enabled:
+                    outcome = self._same_on_every_rank(action, outcome)
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:
                 self.health.on_anomaly()
@@ -43,6 +49,22 @@ class ActionApplying:
                 self._ack(outcome)
             self._resolved += 1
         return interrupted
+
+    def _same_on_every_rank(self, action: Action, outcome: Outcome | None) -> Outcome | None:
+        """Every rank applied ``action`` (the same broadcast list, at the same step), or none did.
+
+        When some ranks applied it and others failed, their states differ: every rank stops,
+        with the same message, and the action is acked FAILED with it (a rollback agrees
+        within itself, checkpointing.py, so it never gets here split).
+        """
+        failed = outcome is not None and outcome.status is AckStatus.FAILED
+        errors = self.sync.outcomes(outcome.result if failed else None)
+        if all(e is None for e in errors) or all(e is not None for e in errors):
+            return outcome
+        message = (f"ranks disagree on {action.kind.value} {action.action_id}: "
+                   f"{failures(errors)}; the run stops")
+        self.request_stop(message)
+        return Outcome(action, AckStatus.FAILED, self.step_count, message)
 
     def _finish_actions(self) -> None:
         if self._resolved:

@@ -7,42 +7,140 @@ the background (async_checkpoint.py); they are published and their requests
 acked once on disk, from the training thread (``_drain_saves``, every step).
 A checkpoint is marked healthy only if the trainer saw nothing wrong at that
 step (health.py).
+
+With several ranks, which checkpoint a rollback or a resume loads is decided
+once, by rank 0, and shared; every rank reads it (checksums checked) and the
+ranks agree before anything is applied: all load it, or all pass over it to
+the next older healthy one, or all fail with the same message
+(``_load_agreed``; docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from spikeguard.producers import lifecycle
-from spikeguard.producers.actions import Outcome
+from spikeguard.producers.actions import ActionFailed, Outcome
 from spikeguard.producers.async_checkpoint import SaveJob
+from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointUnreadable
 from spikeguard.producers.ledger import apply_restart_facts, restart_facts
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
 log = logging.getLogger("spikeguard.producers.guard")
 
 
+class Candidate(NamedTuple):
+    """A checkpoint as rank 0 names it to every rank."""
+
+    checkpoint_id: str
+    step: int
+    epoch: int
+
+    @classmethod
+    def of(cls, info: CheckpointInfo) -> "Candidate":
+        return cls(info.checkpoint_id, info.step, info.epoch)
+
+
+class Loaded(NamedTuple):
+    """What ``_load_agreed`` loaded on every rank (None: nothing), and what it passed over, why."""
+
+    info: CheckpointInfo | None
+    passed: list[str]
+
+
 class Checkpointing:
     def resume(self) -> Any:
         """Continue from the newest checkpoint of this run, if any (the ledger always applies);
-        a finished run is moved aside instead and started again (lifecycle.py)."""
+        a finished run is moved aside instead and started again (lifecycle.py).
+
+        Rank 0 decides (finished, or which checkpoints, newest first) and every rank
+        follows: a rank that starts later sees the same directory as rank 0 did.
+        """
         self.saver.wait()
-        peek = lifecycle.read_sidecar(self.store.directory)
-        if peek is not None and peek.get("finished"):
-            if self.rank == 0:  # the directory is shared: one rank moves it aside
+        decision: Any = None
+        if self.rank == 0:
+            peek = lifecycle.read_sidecar(self.store.directory)
+            if peek is not None and peek.get("finished"):
                 archived = lifecycle.archive_finished(self.store.directory)
                 log.warning(lifecycle.finished_message(self.run_id, peek, archived))
+                decision = "finished"
+            else:
+                decision = [Candidate.of(c) for c in self.store.list(0)]
+        decision = self.sync.share(decision)
+        if decision == "finished":
             return None
         side = self.ledger.read() or {}
-        info = self.store.newest()
+        loaded = self._load_agreed(decision) if decision else None
+        info = loaded.info if loaded is not None else None
         if info is not None:
-            self.load_state_dict(self.store.load(info))
             self.step_count, self.epoch = info.step, info.epoch
             self.resumed_from = info  # (its checkpoint is on disk: _start saves no initial one)
             log.warning(lifecycle.resume_message(self.run_id, info, self.store.directory))
+        elif decision:
+            log.error("spikeguard: run %s: none of its %d checkpoints could be read on every rank "
+                      "(%s); training from step 0", self.run_id, len(decision), "; ".join(loaded.passed))
         self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
         return info
+
+    # -- which checkpoint: decided once, by rank 0; loaded by every rank or by none ------
+    def _rollback_candidates(self, target_step: int, checkpoint_id: str | None) -> tuple[list[Candidate], str]:
+        """Rank 0's choice for a rollback to ``target_step``, and the older healthy ones to fall
+        back to, newest first; with a note when the named checkpoint is not the one chosen."""
+        info = self.store.find(checkpoint_id) if checkpoint_id else None
+        note = ""
+        if info is None or info.step > target_step:
+            info = self.store.newest_healthy(max_step=target_step)
+            if checkpoint_id:
+                note = f" (checkpoint {checkpoint_id} not found; newest healthy at or before {target_step})"
+        if info is None:
+            return [], note
+        older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]
+        return [Candidate.of(c) for c in [info, *older]], note
+
+    def _load_agreed(self, candidates: list["Candidate"]) -> "Loaded":
+        """Load the first of ``candidates`` (the same list on every rank) that every rank can read.
+
+        Each rank reads its files (checksums checked), then the ranks agree: when any rank
+        could not read a checkpoint, every rank passes over it to the next. A sharded
+        model's shards are read (collectively) only once every rank has its files. What
+        was read is applied only when every rank has it all in memory; should applying
+        still fail on a rank, every rank stops with the same message (ActionFailed).
+        """
+        passed: list[str] = []
+        for cand in candidates:
+            body, error = None, None
+            try:
+                info = self.store.find(cand.checkpoint_id)
+                if info is None:
+                    raise CheckpointUnreadable(f"checkpoint {cand.checkpoint_id} is not on disk")
+                body = self.store.load(info)
+            except CheckpointUnreadable as exc:
+                error = str(exc)
+            error = self.sync.agree(error)
+            if error is None and self.sharded:
+                try:
+                    body = self.parts.read(body, self.rank)
+                except Exception as exc:  # noqa: BLE001 - DCP raises on every rank when one fails
+                    error = f"{type(exc).__name__}: {exc}"[:1000]
+                error = self.sync.agree(error)
+            if error is not None:
+                log.error("spikeguard: checkpoint %s (step %d) cannot be loaded: %s; trying the next "
+                          "older one", cand.checkpoint_id, cand.step, error)
+                passed.append(f"step {cand.step} ({cand.checkpoint_id}): {error}")
+                continue
+            try:
+                self.load_state_dict(body)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+                log.exception("spikeguard: loading checkpoint %s failed", cand.checkpoint_id)
+                error = f"{type(exc).__name__}: {exc}"[:1000]
+            error = self.sync.agree(error)
+            if error is not None:  # some rank's state is half loaded: no rank trains on
+                message = f"loading checkpoint {cand.checkpoint_id} (step {cand.step}) failed: {error}"
+                self.request_stop(message)
+                raise ActionFailed(message + "; the run stops")
+            return Loaded(info, passed)
+        return Loaded(None, passed)
 
     def _persist_ledger(self) -> None:
         if self.rank == 0:

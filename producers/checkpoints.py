@@ -17,6 +17,15 @@ means its shards are complete. The directory has no health flag in its name,
 so demoting a checkpoint renames the file only; rank 0 deletes the
 directory with the file, and on start the directories no file refers to
 (a crash between the two writes).
+
+Every file has its SHA-256 beside it (``ckpt-<id>[.rank<r>].sha256``, computed
+while the file is written, stored after it is in place; no health flag in
+its name either). Loading checks it first: a truncated or altered file is
+refused with :class:`CheckpointUnreadable`, as is one that torch cannot read,
+or a rank's missing companion, so that the caller can fall back to an older
+checkpoint instead of loading garbage (checkpointing.py). A file without its
+checksum (a crash between the two writes, or written before checksums) is
+loaded unverified.
 """
 
 from __future__ import annotations
@@ -32,13 +41,42 @@ from typing import Any
 
 import torch
 
-from spikeguard.producers.atomic import atomic_write, remove_stale_temps
+from spikeguard.errors import SpikeguardError
+from spikeguard.producers.atomic import atomic_write, atomic_write_bytes, remove_stale_temps
 from spikeguard.producers.sharded import DCP_KEY
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: one entry per Guard part (format 1 nested lr/clip/health/ledger under "guard")
 _NAME = re.compile(r"^ckpt-e(\d+)-s(\d+)-([hu])-(c-[0-9a-f]+)(?:\.rank(\d+))?\.pt$")
+_SUM = re.compile(r"^ckpt-(c-[0-9a-f]+)(?:\.rank(\d+))?\.sha256$")
+
+
+class CheckpointUnreadable(SpikeguardError):
+    """This rank cannot load a checkpoint: a file is missing, truncated, altered or unreadable."""
+
+
+class _Hashing:
+    """A writable file that hashes what goes through it (torch.save writes through ``write``)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def checkpoint_id(run_id: str, step: int, epoch: int = 0) -> str:
@@ -83,6 +121,7 @@ class CheckpointStore:
         remove_stale_temps(self.directory, owned=lambda target: _rank_of(target) == self.rank)
         if rank == 0:
             self._remove_orphan_shards()
+        self._remove_orphan_sums()
 
     # -- listing --------------------------------------------------------------
     def list(self, rank: int | None = None) -> list[CheckpointInfo]:
@@ -123,7 +162,15 @@ class CheckpointStore:
         payload = self._save_shards(payload, cid)
         body = dict(payload, format=FORMAT, checkpoint_id=cid, step=step, epoch=epoch,
                     healthy=healthy, run_id=self.run_id)
-        atomic_write(path, lambda handle: torch.save(body, handle))
+        checksum = self.sum_path(cid)
+        checksum.unlink(missing_ok=True)  # (a stale one must not vouch for the new file)
+        hashing: list[_Hashing] = []
+
+        def write(handle: Any) -> None:
+            hashing.append(_Hashing(handle))
+            torch.save(body, hashing[0])
+        atomic_write(path, write)
+        atomic_write_bytes(checksum, hashing[0].sha256.hexdigest().encode())
         info = CheckpointInfo(cid, step, epoch, healthy, path, self.rank)
         for other in self.list():
             # The same step saved again with the other health flag: one file per id.
@@ -153,9 +200,22 @@ class CheckpointStore:
         removed = [c for c in found if c.path not in keep]
         for c in removed:
             c.path.unlink(missing_ok=True)
+            self.sum_path(c.checkpoint_id).unlink(missing_ok=True)
             if self.rank == 0:
                 shutil.rmtree(self.shard_dir(c.checkpoint_id), ignore_errors=True)
         return removed
+
+    def sum_path(self, cid: str, rank: int | None = None) -> Path:
+        """Where the SHA-256 of ``rank``'s file of checkpoint ``cid`` is (this rank's by default)."""
+        rank = self.rank if rank is None else rank
+        return self.directory / (f"ckpt-{cid}.rank{rank}.sha256" if rank else f"ckpt-{cid}.sha256")
+
+    def _remove_orphan_sums(self) -> None:
+        known = {c.checkpoint_id for c in self.list()}
+        for path in self.directory.glob("ckpt-c-*.sha256"):
+            m = _SUM.match(path.name)
+            if m and int(m.group(2) or 0) == self.rank and m.group(1) not in known:
+                path.unlink(missing_ok=True)
 
     # -- sharded state (torch.distributed.checkpoint) ---------------------------
     def shard_dir(self, cid: str) -> Path:
@@ -190,17 +250,35 @@ class CheckpointStore:
 
     # -- reading --------------------------------------------------------------
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
-        """The checkpoint's payload, plus this rank's companion file under ``"rank_state"``."""
-        body = torch.load(info.path, map_location="cpu", weights_only=True)
+        """The checkpoint's payload, plus this rank's companion file under ``"rank_state"``.
+
+        Raises :class:`CheckpointUnreadable` when a file this rank needs is missing,
+        fails its checksum, or cannot be read.
+        """
+        body = self._read(info.path, self.sum_path(info.checkpoint_id, 0))
         if body.get("format") == 1:  # the guard's parts were nested then
             nested = body.pop("guard", {})
             body.update(lr=nested.get("lr"), clip=nested.get("clip"), health=nested.get("health"),
                         ledger=nested.get("ledger"), format=FORMAT)
         if body.get("format") != FORMAT:
-            raise ValueError(f"{info.path}: unknown checkpoint format {body.get('format')!r}")
+            raise CheckpointUnreadable(f"{info.path.name}: unknown checkpoint format {body.get('format')!r}")
         if self.rank:
             companion = next((c for c in self.list() if c.checkpoint_id == info.checkpoint_id), None)
-            if companion is not None:
-                body["rank_state"] = self._with_shard_paths(
-                    torch.load(companion.path, map_location="cpu", weights_only=True))
+            if companion is None:
+                raise CheckpointUnreadable(f"checkpoint {info.checkpoint_id} (step {info.step}) has no "
+                                           f"state of rank {self.rank} (its companion file is missing)")
+            body["rank_state"] = self._with_shard_paths(self._read(companion.path, self.sum_path(
+                info.checkpoint_id)))
         return self._with_shard_paths(body)
+
+    def _read(self, path: Path, checksum: Path) -> dict[str, Any]:
+        try:
+            expected = checksum.read_text().strip() if checksum.exists() else None
+            if expected is not None and file_sha256(path) != expected:
+                raise CheckpointUnreadable(f"{path.name}: checksum mismatch (the file is truncated "
+                                           "or altered)")
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except CheckpointUnreadable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any read error: this checkpoint is unusable here
+            raise CheckpointUnreadable(f"{path.name}: cannot be read: {type(exc).__name__}: {exc}") from exc

@@ -1,9 +1,12 @@
 """Several ranks, one decision: the same action at the same step everywhere.
 
 How ranks agree: only rank 0 reads the actions topic. At every step each
-rank contributes two flags to one tiny all-reduce (MAX): "my loss or gradient
-is non-finite" and — rank 0 only — "I have actions due now". The flags ride
-along with the step statistics, so they cost no extra device-to-host
+rank contributes a short vector of the same length to one all-gather: "my
+loss or gradient is non-finite", — rank 0 only — "I have actions due now",
+its loss and its gradient norm. Every rank combines the same rows alike
+(the flags by MAX; the loss by MAX and mean, which the step event
+publishes: a spike on any rank's data is a spike of the run). The vector
+rides along with the step statistics, so it costs no extra device-to-host
 transfer. When the reduced "due" flag is set, rank 0 broadcasts the due
 actions (``broadcast_object_list``) and every rank applies that same list,
 in that order, before this step's update. When any rank saw a non-finite
@@ -12,9 +15,14 @@ what was applied at which step, whatever the timing of the bus; a rank that
 is not rank 0 needs no bus connection at all.
 
 Checkpoints are taken at the same steps on every rank (the decision is
-deterministic): rank 0 writes the full file, the other ranks a companion
-file with their own RNG state; the checkpoint directory must be one every
-rank can read. A sharded model (FSDP2, DTensor) is written with
+deterministic; the first one, before any step, is decided by rank 0 and
+shared, so a rank that starts late still writes its own): rank 0 writes the
+full file, the other ranks a companion file with their own RNG state; the
+checkpoint directory must be one every rank can read. Which checkpoint a
+rollback or a resume loads is decided once, by rank 0, after its own saves
+are on disk, and shared; every rank then reports whether it could read it
+(``agree``), and all load it, or all fall back to the next older one, or all
+fail with the same message (checkpointing.py). A sharded model (FSDP2, DTensor) is written with
 torch.distributed.checkpoint, every rank its own shards (sharded.py).
 
 With a sharded model each rank holds a slice of every gradient, so a norm of
@@ -56,32 +64,69 @@ class RankSync:
 
     def flags(self, local_nonfinite: torch.Tensor, due: bool, loss: torch.Tensor,
               grad_norm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """All-reduced (MAX) flags, loss and gradient norm, on device, not synced.
+        """Every rank's flags, loss and gradient norm, combined; on device, not synced.
 
         ``any_nonfinite``: some rank saw a non-finite loss or gradient; ``any_due``:
         rank 0 has actions due; ``max_loss`` / ``max_grad_norm``: the largest of any
         rank, the inputs of the local skip rule, so that every rank decides alike
-        (non-finite values become +inf, which the rule never judges).
+        (non-finite values become +inf, which the rule never judges); ``run_loss``
+        and ``mean_loss``: the ranks' largest and mean loss as they are (a NaN on any
+        rank stays NaN), what the step event publishes (see stats.across_ranks).
+
+        One all-gather of a fixed-length vector per rank: its shape never depends on
+        the rank (which gradients it has, whether it has any).
         """
         def finite(t: torch.Tensor | None) -> torch.Tensor:
             if t is None:
                 return torch.tensor(-1.0, device=self.device)  # no gradient: below any norm
             t = t.detach().to(self.device).float().reshape(())
             return torch.where(torch.isfinite(t), t, torch.full_like(t, float("inf")))
+        raw_loss = loss.detach().to(self.device).float().reshape(())
         vec = torch.stack([local_nonfinite.to(self.device).float().reshape(()),
                            torch.tensor(1.0 if due else 0.0, device=self.device),
-                           finite(loss), finite(grad_norm)])
+                           finite(loss), finite(grad_norm), raw_loss])
         if self.enabled:
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-        return {"any_nonfinite": vec[0], "any_due": vec[1], "max_loss": vec[2], "max_grad_norm": vec[3]}
+            gathered = [torch.empty_like(vec) for _ in range(self.world_size)]
+            dist.all_gather(gathered, vec, group=self.group)
+            rows = torch.stack(gathered)
+        else:
+            rows = vec.reshape(1, -1)
+        top = rows.max(dim=0).values
+        losses = rows[:, 4]
+        return {"any_nonfinite": top[0], "any_due": top[1], "max_loss": top[2], "max_grad_norm": top[3],
+                # (torch.max propagates NaN; the mean of the ranks' losses is the global batch's)
+                "run_loss": losses.max(), "mean_loss": losses.mean()}
 
     def broadcast(self, payload: list[dict] | None) -> list[dict]:
         """Rank 0's ``payload`` on every rank."""
+        return self.share(payload) or []
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank: a decision taken once, by rank 0 (any picklable value)."""
         if not self.enabled:
-            return payload or []
-        box = [payload if self.rank == 0 else None]
+            return value
+        box = [value if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0] or []
+        return box[0]
+
+    def outcomes(self, error: str | None) -> list[str | None]:
+        """Every rank's outcome of the same step (None: it succeeded), in rank order, on every rank."""
+        if not self.enabled:
+            return [error]
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        return errors
+
+    def agree(self, error: str | None) -> str | None:
+        """None when every rank succeeded, else one message naming each rank that failed and
+        why: the same text on every rank."""
+        return failures(self.outcomes(error))
+
+
+def failures(errors: list[str | None]) -> str | None:
+    """One message for the ranks that failed (None: none did)."""
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    return "; ".join(failed) or None
 
     def barrier(self) -> None:
         if self.enabled:
@@ -98,19 +143,32 @@ def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
-def sharded_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def sharded_norms(tensors: Sequence[torch.Tensor | None],
+                  like: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """The 2-norm of every whole tensor, on device, from this rank's slices: one all-reduce.
 
-    Plain tensors beside the DTensors count as replicated (rank 0's copy).
+    Plain tensors beside the DTensors count as replicated (rank 0's copy). ``None``
+    (a parameter without a gradient on this rank) counts as zero, so that the reduced
+    vector has one entry per position on every rank: give every rank the same
+    positions (all parameters, not the ones that happen to have a gradient), and
+    ``like``, the parameters themselves, for where their mesh is.
     """
-    tensors = [_no_partial(t) for t in tensors]
-    group, coordinate = _mesh_group(tensors)
-    local = local_tensors(tensors)
-    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]) ** 2
-    weights = torch.tensor([_weight(t, coordinate) for t in tensors], device=squares.device)
+    tensors = [None if t is None else _no_partial(t) for t in tensors]
+    present = [t for t in tensors if t is not None]
+    group, coordinate = _mesh_group(list(like) if like is not None else present)
+    squares_of = iter(torch.stack([n.float() for n in torch._foreach_norm(local_tensors(present))]) ** 2
+                      if present else [])
+    zero = torch.zeros((), device=_device(present or like))
+    squares = torch.stack([next(squares_of) if t is not None else zero for t in tensors])
+    weights = torch.tensor([0.0 if t is None else _weight(t, coordinate) for t in tensors],
+                           device=squares.device)
     squares = squares * weights
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     return squares.sqrt()
+
+
+def _device(tensors: Sequence[torch.Tensor] | None) -> torch.device:
+    return local_tensors(tensors[:1])[0].device if tensors else torch.device("cpu")
 
 
 def _no_partial(t: torch.Tensor) -> torch.Tensor:

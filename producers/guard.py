@@ -61,7 +61,7 @@ from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipRule
-from spikeguard.producers.stats import GradStats
+from spikeguard.producers.stats import GradStats, across_ranks
 from spikeguard.schemas import Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,8 @@ class Guard(Checkpointing, ActionApplying):
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
         stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
+            stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
         loss_scale = self.amp.scale()
         # Under a GradScaler an inf/NaN gradient with a finite loss is the scaler's own business.
@@ -307,16 +309,19 @@ class Guard(Checkpointing, ActionApplying):
         self.parts.load_state_dict(body, self.rank)
 
     def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str:
+        """Every rank calls it at the same step; rank 0 chooses the checkpoint, every rank loads
+        that one (or, when a rank cannot read it, all the next older healthy one), or all fail."""
         self.saver.wait()  # the checkpoint it needs may still be being written
         self._drain_saves()
-        info = self.store.find(checkpoint_id) if checkpoint_id else None
-        note = ""
-        if info is None or info.step > target_step:
-            info = self.store.newest_healthy(max_step=target_step)
-            note = f" (checkpoint {checkpoint_id} not found; newest healthy at or before {target_step})"
+        # Rank 0 chooses once its own saves are on disk (waited for above); the rest follow.
+        candidates, note = self.sync.share(
+            self._rollback_candidates(target_step, checkpoint_id) if self.rank == 0 else None)
+        loaded = self._load_agreed(candidates)
+        info = loaded.info
+        if loaded.passed:
+            note += f" (passed over {'; '.join(loaded.passed)})"
         if info is None:
-            raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to")
-        self.load_state_dict(self.store.load(info))
+            raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to{note}")
         self.epoch += 1
         self.step_count = info.step
         self.should_stop = False
@@ -352,11 +357,13 @@ class Guard(Checkpointing, ActionApplying):
             self._started = True
             self.events.run("start", self.plan, self.max_steps, self.step_count, self.epoch, False,
                             "resumed" if self.resumed_from is not None else "new")
-            if self.store.newest() is None and self.saver.in_flight is None:
-                self._save("periodic")  # a rollback target before anything can go wrong
+            # A rollback target before anything can go wrong, on every rank or on none: rank 0
+            # decides (a rank that starts late would find rank 0's checkpoint and skip its own).
+            if self.sync.share(self.store.newest() is None and self.saver.in_flight is None):
+                self._save("periodic")
 
     def _riders(self, due: bool):
-        """The rank flags, all-reduced on device, ride along with the statistics' one transfer."""
+        """The ranks' flags and losses, gathered on device, ride along with the statistics' one transfer."""
         if not self.sync.enabled:
             return None
         if self.amp.enabled:  # an inf gradient is the scaler's overflow; only the loss counts here

@@ -161,10 +161,22 @@ class StateParts:
         return {name: part.state_dict() for name, part in self.parts.items()
                 if rank == 0 or name in self.per_rank}
 
+    def read(self, body: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+        """``body`` with what its parts keep outside it read into memory (a part's ``read_state``:
+        a sharded model's DCP directory, a collective); loading it afterwards reads no file."""
+        own = body.get("rank_state", {}) if rank else {}
+        for name, part in self.parts.items():
+            read_state = getattr(part, "read_state", None)
+            source = own if rank and name in self.per_rank else body
+            if read_state is not None and source.get(name) is not None:
+                source[name] = read_state(source[name])
+        return body
+
     def load_state_dict(self, body: dict[str, Any], rank: int = 0) -> None:
         """Load every part found in ``body``; a rank's own parts come from ``body["rank_state"]``."""
         own = body.get("rank_state", {}) if rank else {}
         for name, part in self.parts.items():
-            state = own.get(name) if name in self.per_rank and own.get(name) is not None else body.get(name)
+            # (a rank's own part never comes from rank 0's file: rank 0's random streams are not its own)
+            state = own.get(name) if rank and name in self.per_rank else body.get(name)
             if state is not None:
                 part.load_state_dict(state)

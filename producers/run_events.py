@@ -32,7 +32,8 @@ class RunEvents:
         overflow = reason == "scaler_overflow"
         self.publisher.submit(self.topics.steps, StepEvent, dict(
             run_id=self.run_id, step=step, epoch=epoch, rank=self.rank, time=time.time(),
-            loss=stats.loss, grad_norm=None if overflow else stats.grad_norm, lr=lr,
+            loss=stats.loss, loss_mean=stats.loss_mean, loss_ranks=stats.ranks,
+            grad_norm=None if overflow else stats.grad_norm, lr=lr,
             loss_scale=loss_scale, param_norm=stats.param_norm,
             top_grad_norms={} if overflow else stats.top_grad_norms,
             nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,

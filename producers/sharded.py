@@ -8,8 +8,8 @@ the state-dict API of ``torch.distributed.checkpoint.state_dict`` (keys are
 parameter names, so the optimizer state follows the parameters), and the
 checkpoint store writes it into one directory per checkpoint with
 ``dcp.save``: each rank its own file, plus the metadata. Loading reads each
-rank's slices back in place (``dcp.load`` into the live state), then sets
-them through the same API.
+rank's slices into copies (``dcp.load``, collective: ``read_state``), then
+sets them through the same API, so a read that fails leaves the live state alone.
 
 The part's state is ``{DCP_KEY: {"model": ..., "optimizer": ...}, ...}``:
 the store writes what is under ``DCP_KEY`` with DCP and keeps the directory's
@@ -74,20 +74,33 @@ class ShardedState:
             groups = copy.deepcopy(self.optimizer.state_dict()["param_groups"])
         return {DCP_KEY: tensors, "optimizer_groups": groups}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def read_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with its DCP directory read into memory: collective (every rank reads its slices).
+
+        The slices are read into copies, never into the live model: a read that fails on
+        any rank (DCP raises on every rank then) leaves the model and the optimizer as they were.
+        """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.utils._pytree import tree_map_only
 
         tensors = state[DCP_KEY]
+        if not isinstance(tensors, str):
+            return state
+        template: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if state.get("optimizer_groups") is None:
+            # (an optimizer without state gets a zero-step one here, overwritten by the load)
+            template["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        template = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), template)
+        dcp.load(template, checkpoint_id=tensors)
+        return dict(state, **{DCP_KEY: template})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self.read_state(state)  # (already in memory when the Guard read it first)
+        tensors = state[DCP_KEY]
         groups = state.get("optimizer_groups")
-        if isinstance(tensors, str):  # a directory written by dcp.save: read this rank's slices in place
-            template: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-            if groups is None:
-                # (an optimizer without state gets a zero-step one here, overwritten by the load)
-                template["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.load(template, checkpoint_id=tensors)
-            tensors = template
         set_model_state_dict(self.model, tensors["model"])
         if groups is None:
             set_optimizer_state_dict(self.model, self.optimizer, tensors["optimizer"])

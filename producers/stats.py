@@ -14,7 +14,7 @@ a healthy step never pays for it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -32,6 +32,11 @@ class StepStats:
     batch: dict | None = None
     #: Named values that rode along with the same transfer (see ``GradStats.compute``).
     riders: dict[str, float] = field(default_factory=dict)
+    #: With several ranks (see ``across_ranks``): ``loss`` is the largest rank's, this the
+    #: ranks' mean, ``ranks`` how many; ``rank_loss`` this rank's own.
+    loss_mean: float | None = None
+    ranks: int | None = None
+    rank_loss: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -73,13 +78,20 @@ class GradStats:
         names, grads = self.grads()
         parts: list[torch.Tensor] = []
         device = grads[0].device if grads else torch.device("cpu")
+        sharded_norm_list = None
+        if self.sharded and self.params:
+            # A collective: every rank reduces one entry per parameter, gradient or not
+            # (a parameter unused on one rank must not change the vector's length there).
+            all_norms = sharded_norms([p.grad for p in self.params], like=self.params)
+            sharded_norm_list = all_norms[[i for i, p in enumerate(self.params) if p.grad is not None]]
+            device = all_norms.device
         loss_t = loss.detach().reshape(()).float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         parts.append(loss_t.to(device).reshape(1))
         k = min(self.top_k, len(grads))
         total = None
         if grads:
-            if self.sharded:  # the global norm, not this rank's slice; clipping scales the slices
-                norms, grads = sharded_norms(grads), local_tensors(grads)
+            if sharded_norm_list is not None:  # the global norm, not this rank's slice; clipping scales the slices
+                norms, grads = sharded_norm_list, local_tensors(grads)
             else:
                 norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
             total = torch.linalg.vector_norm(norms)
@@ -127,6 +139,19 @@ class GradStats:
         if grad_norm is not None and not math.isfinite(grad_norm):
             nonfinite = count_nonfinite(grads)  # rare path: a second transfer is fine here
         return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding), grads
+
+
+def across_ranks(stats: StepStats, world_size: int) -> StepStats:
+    """The step as the run saw it: the loss is the largest of any rank's, with their mean beside it.
+
+    The pipeline judges the run from rank 0's events; a spike in one rank's data
+    shows in that rank's loss only (the gradients are averaged, and so diluted), so
+    the published loss is the maximum across ranks (``RankSync.flags`` gathered
+    them with the step's statistics: no extra transfer).
+    """
+    r = stats.riders
+    return replace(stats, loss=r["run_loss"], loss_mean=r["mean_loss"], ranks=world_size,
+                   rank_loss=stats.loss)
 
 
 def count_nonfinite(tensors: Sequence[torch.Tensor]) -> int:

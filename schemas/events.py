@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator,
@@ -122,12 +122,23 @@ class BatchStats(BaseModel):
 class StepEvent(_Event):
     """One optimizer step of one rank of one run, as the trainer saw it."""
 
+    #: Fields added since steps were first signed: in the signed payload only when set
+    #: (schemas.signing), so a one-rank run's signed steps verify with readers that predate them.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"loss_mean", "loss_ranks"})
+
     run_id: RunId
     step: Step
     epoch: Epoch = 0
     rank: int = Field(0, ge=0, le=MAX_COUNTER)
     time: float = Field(default_factory=time.time, description="unix seconds")
     loss: float
+    loss_mean: float | None = Field(
+        None, description="with several ranks: the mean of the ranks' losses (the global batch's loss)"
+    )
+    loss_ranks: int | None = Field(
+        None, ge=1, le=MAX_COUNTER, description="with several ranks: how many; `loss` is then the "
+        "largest of their losses, so a spike in any rank's data is a spike of the run",
+    )
     grad_norm: float | None = Field(None, description="total L2 norm before clipping")
     lr: float | None = None
     loss_scale: float | None = Field(None, description="fp16 GradScaler scale, if any")

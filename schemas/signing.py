@@ -44,6 +44,11 @@ def _key_bytes(key: SecretStr | str | bytes) -> bytes:
 
 def canonical_payload(event: BaseModel) -> bytes:
     body = event.model_dump(mode="json", exclude={"signature"})
+    # Optional fields added after a record type was first signed are signed only when set,
+    # so a record without them has the digest a reader that predates them computes.
+    for name in getattr(type(event), "signed_when_set", ()):
+        if body.get(name) is None:
+            body.pop(name, None)
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 

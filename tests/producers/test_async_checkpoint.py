@@ -50,7 +50,7 @@ def test_the_write_runs_off_the_training_thread_on_a_copy_taken_in_the_step(bus,
     train(guard, tiny, 4)  # step 0's checkpoint is in flight, its write held at the gate
     assert store.writing.wait(10)
     assert guard.saver.in_flight is not None and guard.saver.in_flight.step == 0
-    assert list(store.directory.glob("ckpt-*")) == []  # the step did not wait for the disk
+    assert list(store.directory.glob("ckpt-*.pt")) == []  # the step did not wait for the disk
     store.gate.set()
     guard.saver.wait()
     assert threading.current_thread().name not in store.writers
@@ -83,7 +83,7 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_and_is_never_dropped(bus
     guard.saver.wait()
     assert not second.is_alive() and store.most_concurrent == 1
     assert guard.saver.waits == waits + 1 and guard.saver.wait_seconds > 0
-    assert len(list(store.directory.glob("ckpt-*"))) == 2
+    assert len(list(store.directory.glob("ckpt-*.pt"))) == 2
     guard.close()
     events = [decode(r.value, CheckpointEvent) for r in bus.read_all(guard.topics.checkpoints)]
     assert [(e.step, e.reason) for e in events if not e.deleted] == [(0, "periodic"), (2, "periodic"),

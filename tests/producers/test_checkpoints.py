@@ -154,6 +154,73 @@ def test_a_finished_runs_archive_takes_the_sharded_checkpoints_directories_along
     (shards / "__0_0.distcp").write_bytes(b"rank 0's part")
     (tmp_path / SIDECAR).write_text("{}")
     archived = lifecycle.archive_finished(tmp_path)
-    assert sorted(p.name for p in archived.iterdir()) == sorted([info.path.name, shards.name, SIDECAR])
+    assert sorted(p.name for p in archived.iterdir()) == sorted(
+        [info.path.name, store.sum_path(info.checkpoint_id).name, shards.name, SIDECAR])
     assert (archived / shards.name / "__0_0.distcp").read_bytes() == b"rank 0's part"
     assert not any(p.name.startswith(("ckpt-", "dcp-")) for p in tmp_path.iterdir())
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused_by_its_checksum(tmp_path):
+    """The SHA-256 written with a checkpoint catches what torch.load would not: a changed byte
+    inside a tensor's data (the zip's structure intact) loads silently without it."""
+    import zipfile
+
+    from spikeguard.producers.checkpoints import CheckpointUnreadable
+
+    store = CheckpointStore(tmp_path, "r", keep=3)
+    info = store.save({"w": torch.arange(64, dtype=torch.float32)}, step=5, epoch=0, healthy=True)
+    assert store.load(info)["w"].sum() == 2016.0
+    with zipfile.ZipFile(info.path) as z:
+        entry = next(i for i in z.infolist() if "/data/" in i.filename)
+    raw = bytearray(info.path.read_bytes())
+    header = entry.header_offset
+    at = header + 30 + int.from_bytes(raw[header + 26:header + 28], "little") \
+        + int.from_bytes(raw[header + 28:header + 30], "little") + 17
+    raw[at] ^= 0x40
+    info.path.write_bytes(bytes(raw))
+    assert torch.load(info.path, weights_only=True)["w"].sum() != 2016.0  # torch reads it as it is
+    with pytest.raises(CheckpointUnreadable, match="checksum mismatch"):
+        store.load(info)
+    info.path.write_bytes(bytes(raw[: len(raw) // 2]))
+    store.sum_path(info.checkpoint_id).unlink()  # no checksum: torch's own read error, named
+    with pytest.raises(CheckpointUnreadable, match="cannot be read"):
+        store.load(info)
+
+
+def test_rotation_takes_a_checkpoints_checksum_along_and_a_rank_needs_its_own_file(tmp_path):
+    from spikeguard.producers.checkpoints import CheckpointUnreadable
+
+    store = CheckpointStore(tmp_path, "r", keep=1)
+    first = store.save({"w": torch.zeros(2)}, step=0, epoch=0, healthy=False)
+    store.save({"w": torch.ones(2)}, step=5, epoch=0, healthy=False)
+    assert not first.path.exists() and not store.sum_path(first.checkpoint_id).exists()
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [".pt", ".sha256"]
+    rank1 = CheckpointStore(tmp_path, "r", keep=1, rank=1)
+    with pytest.raises(CheckpointUnreadable, match="no state of rank 1"):
+        rank1.load(rank1.newest())  # rank 0's random streams are not rank 1's
+
+
+def test_a_resume_passes_over_a_corrupt_newest_checkpoint_to_the_next_older(tmp_path, caplog):
+    """A job restarted after its newest checkpoint was cut short (a full disk, a copy that
+    died) resumes from the one before, with the reason logged, instead of dying on torch's
+    read error (or loading an altered file)."""
+    from producers_helpers import Tiny, train
+
+    from spikeguard.producers import Guard, GuardConfig
+
+    config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4, async_checkpoint=False)
+    tiny = Tiny()
+    guard = Guard(tiny.model, tiny.optimizer, run_id="r", connect=False, config=config.model_copy(
+        update={"resume": False}))
+    train(guard, tiny, 10)
+    guard.close(finished=False)
+    newest, older = guard.store.list(0)[:2]
+    assert (newest.step, older.step) == (8, 4)
+    raw = newest.path.read_bytes()
+    newest.path.write_bytes(raw[: len(raw) - 100])
+    again = Tiny(seed=1)
+    resumed = Guard(again.model, again.optimizer, run_id="r", connect=False, config=config)
+    assert resumed.resumed_from.step == 4 and resumed.step_count == 4
+    assert any("cannot be loaded" in r.getMessage() and "checksum mismatch" in r.getMessage()
+               for r in caplog.records)
+    resumed.close(finished=False)

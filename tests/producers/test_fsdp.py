@@ -105,3 +105,45 @@ def test_an_fsdp1_model_is_refused_with_the_reason(tmp_path):
                   config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_norms_reduction_has_one_entry_per_parameter_whatever_has_a_gradient(tmp_path):
+    """The all-reduce of the sharded norms is as long on every rank: a parameter this rank did
+    not use (no gradient) counts as zero, it does not shorten the vector (another rank that
+    used it would reduce a longer one: gloo aborts on the mismatch, NCCL may hang)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from spikeguard.producers.stats import GradStats
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _HalfUsed()
+        fully_shard(model)
+        stats = GradStats(list(model.named_parameters()))
+        model(torch.randn(3, 4)).sum().backward()
+        assert [p.grad is None for p in model.parameters()] == [False, False, True, True]
+        reduced = fsdp_worker._count_sum_all_reduces()
+        try:
+            result, grads = stats.compute(torch.tensor(1.0))
+        finally:
+            dist.all_reduce = reduced.real
+        assert reduced == [(4,)]  # every parameter, not the two with a gradient
+        expected = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm()
+                                                         for p in model.used.parameters()]))
+        assert result.grad_norm == pytest.approx(float(expected), rel=1e-6)
+        assert len(grads) == 2 and set(result.top_grad_norms) <= {"used.weight", "used.bias"}
+    finally:
+        dist.destroy_process_group()
+
+
+class _HalfUsed(torch.nn.Module):
+    """A model one of whose layers this rank does not use (another rank might)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)

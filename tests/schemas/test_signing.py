@@ -92,3 +92,17 @@ def test_a_signed_step_verifies_after_the_codec_and_only_with_its_key() -> None:
 def test_any_altered_field_breaks_a_step_signature(change) -> None:
     signed = sign_step(_step(), KEY)
     assert step_signature_problem(signed.model_copy(update=change), KEY) is not None
+
+
+def test_a_steps_cross_rank_fields_are_signed_when_set_and_absent_from_the_payload_when_not() -> None:
+    """loss_mean and loss_ranks came after steps were first signed: a one-rank step's payload is
+    the one a reader that predates them computes; a several-rank step's values are signed."""
+    import json
+
+    one_rank = _step()
+    body = json.loads(canonical_payload(one_rank))
+    assert "loss_mean" not in body and "loss_ranks" not in body
+    signed = sign_step(_step(loss_mean=0.5, loss_ranks=2), KEY)
+    assert step_signature_problem(signed, KEY) is None
+    for change in ({"loss_mean": 0.25}, {"loss_ranks": 4}, {"loss_mean": None}):
+        assert step_signature_problem(signed.model_copy(update=change), KEY) is not None
