@@ -196,8 +196,8 @@ class CharGRU(nn.Module):
 def char_lm(seed: int, steps: int, context: int = 32, batch: int = 16) -> HealthyTask:
     """A one-layer character GRU on made-up text, AdamW: a small language model's loss."""
     text = made_up_text(seed)
-    alphabet = sorted(set(text))
-    ids = torch.tensor([alphabet.index(c) for c in text])
+    alphabet = {c: i for i, c in enumerate(sorted(set(text)))}
+    ids = torch.tensor([alphabet[c] for c in text])
     starts = torch.arange(0, len(ids) - context - 1, context // 2)
     windows = ids[starts[:, None] + torch.arange(context + 1)]
     torch.manual_seed(seed)
