@@ -11,8 +11,6 @@ from spikeguard.actuators.config import PolicyConfig
 from spikeguard.cli import main
 from spikeguard.lab.baselines import BASELINES, flag_run
 from spikeguard.lab.false_actions import Checkpoints, FalseActions, PolicyActions, policy_actions
-from spikeguard.lab.local_skips import count_local_skips
-from spikeguard.producers.config import GuardConfig
 from spikeguard.schemas import AnomalyType, Decision, StepEvent
 
 
@@ -48,13 +46,6 @@ def test_checkpoints_rotate_as_the_guards_keeping_the_newest_healthy_one():
     kept = [c.step for c in book.kept]
     assert kept == [150, 350, 400, 450]  # the newest three, and the newest healthy one
     assert {c.step for c in announced if c.deleted} == set(range(0, 350, 50)) - {150}
-
-
-def test_local_skips_follow_the_guards_settings():
-    events = [StepEvent(run_id="r", step=s, loss=1.0 + 0.01 * math.sin(s)) for s in range(300)]
-    events[200] = events[200].model_copy(update={"loss": 3.0})
-    assert count_local_skips(events) == 1
-    assert count_local_skips(events, GuardConfig(skip_outliers=False)) == 0
 
 
 def noisy_run(path, steps: int = 600) -> list[float]:
