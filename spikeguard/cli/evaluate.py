@@ -7,18 +7,17 @@ scores real loss curves with real spikes against the lab's labels
 (``spikeguard.lab.labelling``), ``--healthy [DIR]`` real healthy runs (every
 alarm there is a false one); on real curves every logged point is one step.
 Without DIR they read the repository's ``data/`` (a clone has it; an installed
-package does not, and says so).
+package does not, and says so). For each system it prints, per scenario and
+overall: recall, precision (per alarm episode), F1, false alarms per 10k clean
+steps, median detection delay and the predictor's median lead time; then
+whether the pipeline meets the targets. Definitions: ``spikeguard.lab.evaluation``.
 
 ``--false-actions [PATH ...]`` reports, instead of scores, what each system
 would *do* to healthy runs, per kind and per 10k steps: the pipeline's stops,
 rollbacks, LR cuts and skipped batches (its decisions handed to the recovery
 policy) and the Guard's local skips, next to the steps each simple rule flags
 (``spikeguard.lab.false_actions``). Without PATH: the repository's
-``data/healthy`` runs (one kind each), ``data/modded-nanogpt`` and ``data/mlperf-bert``. For each system it
-prints, per scenario and overall: recall, precision (per alarm episode), F1,
-false alarms per 10k clean steps, median detection delay and the predictor's
-median lead time; then whether the pipeline meets the targets. Definitions:
-``spikeguard.lab.evaluation``.
+``data/healthy`` runs (one kind each), ``data/modded-nanogpt`` and ``data/mlperf-bert``.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def regression(batch: int, lr: float) -> Callable[[int, int], HealthyTask]:
         torch.manual_seed(seed)
         model = nn.Linear(8, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        return HealthyTask(model, optimizer, None, _loader(_regression_data(seed), batch, seed), _mse(model))
+        loader = _loader(_regression_data(seed), batch, seed)
+        return HealthyTask(model, optimizer, None, loader, _mse(model))
     return build
 
 
@@ -140,13 +141,15 @@ def lr_drop(seed: int, steps: int) -> HealthyTask:
     model = _mlp(16, 64, 4)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, steps // 2), gamma=0.1)
-    return HealthyTask(model, optimizer, scheduler, _loader(_noisy_blobs(seed), 16, seed), _cross_entropy(model))
+    loader = _loader(_noisy_blobs(seed), 16, seed)
+    return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
 def warm_restarts(seed: int, steps: int) -> HealthyTask:
-    """Cosine annealing with warm restarts: at each restart the LR jumps back up, and the loss with it."""
+    """Cosine annealing with warm restarts: at each restart the LR jumps back up, the loss with it."""
     model, optimizer, loader = _teacher_task(seed, lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=max(1, steps // 7), T_mult=2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=max(1, steps // 7),
+                                                                     T_mult=2)
     return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
@@ -166,7 +169,8 @@ def warmup(seed: int, steps: int) -> HealthyTask:
 
 _SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "our teacher", "a small bird", "the river")
 _VERBS = ("sees", "likes", "follows", "finds", "carries", "watches", "hears")
-_OBJECTS = ("the ball", "a red box", "the moon", "some bread", "the green door", "a long road", "the sea")
+_OBJECTS = ("the ball", "a red box", "the moon", "some bread", "the green door", "a long road",
+            "the sea")
 _ENDINGS = (".", " today.", " again.", " at night.", " in the rain.")
 
 
@@ -213,21 +217,28 @@ def char_lm(seed: int, steps: int, context: int = 32, batch: int = 16) -> Health
 
 
 KINDS: dict[str, HealthyKind] = {k.name: k for k in (
-    HealthyKind("regression_b1", "linear regression, batch 1, SGD 0.01 (stationary loss)", regression(1, 0.01)),
-    HealthyKind("regression_b4", "linear regression, batch 4, SGD 0.02 (stationary loss)", regression(4, 0.02)),
-    HealthyKind("regression_b32", "linear regression, batch 32, SGD 0.05 (stationary loss)", regression(32, 0.05)),
+    HealthyKind("regression_b1", "linear regression, batch 1, SGD 0.01 (stationary loss)",
+                regression(1, 0.01)),
+    HealthyKind("regression_b4", "linear regression, batch 4, SGD 0.02 (stationary loss)",
+                regression(4, 0.02)),
+    HealthyKind("regression_b32", "linear regression, batch 32, SGD 0.05 (stationary loss)",
+                regression(32, 0.05)),
     HealthyKind("classification_noisy_b1", "MLP, 4 classes, 20% label noise, batch 1, Adam 1e-3",
                 noisy_classification(1)),
     HealthyKind("classification_noisy_b4", "MLP, 4 classes, 20% label noise, batch 4, Adam 1e-3",
                 noisy_classification(4)),
     HealthyKind("classification_noisy_b32", "MLP, 4 classes, 20% label noise, batch 32, Adam 1e-3",
                 noisy_classification(32)),
-    HealthyKind("falling", "MLP on a teacher's labels, batch 32, Adam 1e-4: the loss falls all run", falling),
-    HealthyKind("lr_drop", "noisy classification, batch 16, Adam 1e-2 then 1e-3 half-way (benign drop)", lr_drop),
+    HealthyKind("falling", "MLP on a teacher's labels, batch 32, Adam 1e-4: the loss falls all run",
+                falling),
+    HealthyKind("lr_drop", "noisy classification, batch 16, Adam 1e-2 then 1e-3 half-way (benign drop)",
+                lr_drop),
     HealthyKind("warm_restarts", "teacher MLP, batch 16, Adam 3e-3, cosine with warm restarts "
                 "(T_0 = steps/7, x2)", warm_restarts),
-    HealthyKind("warmup", "teacher MLP, batch 16, Adam 3e-3, linear warm-up over steps/5 then cosine", warmup),
-    HealthyKind("char_lm", "character GRU (64 units) on made-up sentences, batch 16 x 32, AdamW 3e-3", char_lm),
+    HealthyKind("warmup", "teacher MLP, batch 16, Adam 3e-3, linear warm-up over steps/5 then cosine",
+                warmup),
+    HealthyKind("char_lm", "character GRU (64 units) on made-up sentences, batch 16 x 32, AdamW 3e-3",
+                char_lm),
 )}
 
 
@@ -299,8 +310,10 @@ versions and CPUs).
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spikeguard.lab.healthy_runs",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="data/healthy", help="folder for the CSVs (default data/healthy)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per run (default {DEFAULT_STEPS})")
+    parser.add_argument("--out", default="data/healthy",
+                        help="folder for the CSVs (default data/healthy)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), metavar="KIND",
                         help="only these kinds: " + ", ".join(KINDS))

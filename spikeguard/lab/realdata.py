@@ -88,7 +88,8 @@ def labels_for(folder: Path, labels: str | os.PathLike | None = None) -> Path:
     )
 
 
-def load_spike_set(path: str | os.PathLike | None = None, labels: str | os.PathLike | None = None) -> list[RealRun]:
+def load_spike_set(path: str | os.PathLike | None = None,
+                   labels: str | os.PathLike | None = None) -> list[RealRun]:
     """Every curve of the real-spike folder with its labels (a curve absent from them: no event)."""
     folder = spike_folder(path)
     truth = read_labels(labels_for(folder, labels))

@@ -1,9 +1,8 @@
-"""False actions on healthy runs: what the policy, the Guard's skip rule and each simple rule would do."""
+"""False actions on healthy runs: what the policy, the Guard's skip rule and each simple rule do."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -19,8 +18,9 @@ def healthy(step: int) -> Decision:
 
 
 def critical(step: int, incident: str) -> Decision:
-    return Decision(decision_id=f"d{step}", run_id="r", step=step, is_anomaly=True, type=AnomalyType.EXTREME_LOSS,
-                    confidence=1.0, critical=True, incident_id=incident, incident_onset_step=step, time=0.0)
+    return Decision(decision_id=f"d{step}", run_id="r", step=step, is_anomaly=True,
+                    type=AnomalyType.EXTREME_LOSS, confidence=1.0, critical=True, incident_id=incident,
+                    incident_onset_step=step, time=0.0)
 
 
 def test_a_healthy_run_gets_no_action():
@@ -67,10 +67,12 @@ def test_evaluate_reports_false_actions_per_kind_next_to_the_simple_rules(tmp_pa
     row = report["kinds"]["chi2"]
     assert row["steps"] == 600 and row["runs"] == 1
     assert set(row["pipeline"]["counts"]) == set(FalseActions._fields)
-    events = [StepEvent(run_id="chi2", step=s, loss=v) for s, v in enumerate(noisy_run(tmp_path / "x.csv"))]
+    losses = noisy_run(tmp_path / "again.csv")
+    events = [StepEvent(run_id="chi2", step=s, loss=v) for s, v in enumerate(losses)]
     for name in ("metaseq", "lightning"):
         flagged = sum(m.is_anomaly for m in flag_run(BASELINES[name](), events))
-        assert row[name]["count"] == flagged and row[name]["per_10k"] == pytest.approx(flagged * 10_000 / 600)
+        assert row[name]["count"] == flagged
+        assert row[name]["per_10k"] == pytest.approx(flagged * 10_000 / 600)
         assert row[name]["runs_flagged"] == (flagged > 0)
     assert report["rule_actions"] == {"metaseq": "skip", "lightning": "stop"}
     assert main(args[:-1]) == 0

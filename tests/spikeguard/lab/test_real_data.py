@@ -222,6 +222,6 @@ def test_nothing_in_the_project_points_outside_it():
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        offenders += [f"{path.relative_to(REPOSITORY)}:{n}" for n, line in enumerate(text.splitlines(), 1)
-                      if sibling in line]
+        offenders += [f"{path.relative_to(REPOSITORY)}:{n}"
+                      for n, line in enumerate(text.splitlines(), 1) if sibling in line]
     assert not offenders
