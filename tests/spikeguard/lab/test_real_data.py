@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -211,12 +212,22 @@ def test_evaluate_reads_the_repository_data_when_given_no_folder(capsys):
     assert rows["real-spikes"]["runs"] == 11 and rows["real-spikes"]["episodes"] > 0
 
 
+def project_files() -> list[Path]:
+    """The repository's files: those git tracks, else every file outside hidden folders."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPOSITORY, capture_output=True, check=True)
+        return [REPOSITORY / name for name in listed.stdout.decode().split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in REPOSITORY.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(REPOSITORY).parts)]
+
+
 def test_nothing_in_the_project_points_outside_it():
     """A user's clone has only the repository: no path may lead to the sibling data folder."""
     sibling = ".." + "/shared"  # spelt apart, so that this file does not match itself
     offenders = []
-    for path in REPOSITORY.rglob("*"):
-        if ".git" in path.parts or not path.is_file() or path.suffix in (".pyc", ".csv"):
+    for path in project_files():
+        if path.suffix == ".csv" or not path.is_file():
             continue
         try:
             text = path.read_text(encoding="utf-8")
