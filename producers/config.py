@@ -112,7 +112,7 @@ class GuardConfig(BaseModel):
         10_000, ge=16, description="applied action ids remembered (oldest forgotten first)"
     )
     # The local skip-step rule (producers/skip_rule.py); defaults chosen on the healthy
-    # modded-nanogpt runs and the AlgoPerf real-spike logs in ../shared/data.
+    # modded-nanogpt runs and the AlgoPerf real-spike logs (data/ in the repository).
     skip_outliers: bool = Field(
         True, description="skip the update of an isolated outlier step at once (local rule)"
     )

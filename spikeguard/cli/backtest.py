@@ -7,6 +7,11 @@ bus between the stages, deterministically; OUT gets one
 JSON decision per line: every anomalous or preventive decision (``--all``: every step).
 The file is read and judged as a stream, so memory does not grow with its size;
 on a terminal a progress bar follows the file (none when stderr is not a TTY).
+
+The summary also gives the updates the live Guard would have skipped on its own
+(its local skip rule, default settings, one rule per run: what the trainer does at
+once, before the pipeline hears of the step) and, for steps recorded from a live
+run, the skips the file records (``skip_reason``).
 """
 
 from __future__ import annotations
@@ -61,16 +66,19 @@ def progress_bar(path: str):
 def run(args: argparse.Namespace) -> int:
     from spikeguard.lab.backtest import backtest_stream
     from spikeguard.lab.backtest_input import iter_steps
+    from spikeguard.lab.local_skips import LocalSkips
 
     check_out(args.file, args.out)
     settings = settings_from(args)
     bar = progress_bar(args.file)
     steps = 0
+    skips = LocalSkips()
 
     def counted():
         nonlocal steps
         for event in iter_steps(args.file, on_progress=bar.update if bar else None):
             steps += 1
+            skips.observe(event)
             yield event
 
     # Decisions are written as they come, to OUT.part, renamed to OUT once the
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(
         f"backtest: {steps} steps, {anomalies} anomalous decisions, {len(incidents)} incidents, "
-        f"{written} lines -> {args.out} ({steps / max(elapsed, 1e-9):,.0f} steps/s)",
+        f"{written} lines -> {args.out} ({steps / max(elapsed, 1e-9):,.0f} steps/s); {skips.summary()}",
         file=sys.stderr,
     )
     return 0

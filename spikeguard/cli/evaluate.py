@@ -2,14 +2,22 @@
 
 By default the runs are the synthetic suite (every scenario x ``--seeds``;
 ``--scenario`` filters); ``--files`` scores labelled CSV/JSONL files instead
-(files without a label column count as clean runs). ``--real-spikes DIR``
+(files without a label column count as clean runs). ``--real-spikes [DIR]``
 scores real loss curves with real spikes against the lab's labels
-(``spikeguard.lab.labelling``), ``--healthy DIR`` real healthy runs (every
-alarm there is a false one); on real curves every logged point is one step. For each system it
-prints, per scenario and overall: recall, precision (per alarm episode), F1,
-false alarms per 10k clean steps, median detection delay and the predictor's
-median lead time; then whether the pipeline meets the targets. Definitions:
-``spikeguard.lab.evaluation``.
+(``spikeguard.lab.labelling``), ``--healthy [DIR]`` real healthy runs (every
+alarm there is a false one); on real curves every logged point is one step.
+Without DIR they read the repository's ``data/`` (a clone has it; an installed
+package does not, and says so). For each system it prints, per scenario and
+overall: recall, precision (per alarm episode), F1, false alarms per 10k clean
+steps, median detection delay and the predictor's median lead time; then
+whether the pipeline meets the targets. Definitions: ``spikeguard.lab.evaluation``.
+
+``--false-actions [PATH ...]`` reports, instead of scores, what each system
+would *do* to healthy runs, per kind and per 10k steps: the pipeline's stops,
+rollbacks, LR cuts and skipped batches (its decisions handed to the recovery
+policy) and the Guard's local skips, next to the steps each simple rule flags
+(``spikeguard.lab.false_actions``). Without PATH: the repository's
+``data/healthy`` runs (one kind each), ``data/modded-nanogpt`` and ``data/mlperf-bert``.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ SYSTEMS = {
 }
 BASELINE_NAMES = [name for name in SYSTEMS if name not in ("pipeline", "proposed", "pipeline+proposed")]
 REAL_SPIKES, HEALTHY = "real-spikes", "healthy"
+#: ``--real-spikes``/``--healthy`` given without a folder: the repository's data.
+IN_REPO = ""
 #: The healthy runs again, without the marks whose response is only to skip one update.
 HEALTHY_INCIDENTS = "healthy, skips excluded"
 OVERALL, CLEAN = "overall", "clean runs"
@@ -70,14 +80,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="only these scenarios: " + ", ".join(SCENARIOS))
     parser.add_argument("--files", nargs="+", metavar="FILE",
                         help="labelled CSV/JSONL runs instead of the synthetic suite")
-    parser.add_argument("--real-spikes", metavar="DIR",
-                        help="real curves with labelled spikes, e.g. ../shared/data/real-spikes "
-                             "(not in the repository)")
+    parser.add_argument("--real-spikes", metavar="DIR", nargs="?", const=IN_REPO,
+                        help="real curves with labelled spikes (no DIR: the repository's "
+                             "data/real-spikes)")
     parser.add_argument("--labels", metavar="FILE",
                         help="labels of --real-spikes (default: DIR/labels.csv, else the lab's)")
-    parser.add_argument("--healthy", metavar="DIR",
-                        help="real healthy runs, e.g. ../shared/data/modded-nanogpt "
-                             "(not in the repository)")
+    parser.add_argument("--healthy", metavar="DIR", nargs="?", const=IN_REPO,
+                        help="real healthy runs (no DIR: the repository's data/modded-nanogpt)")
+    parser.add_argument("--false-actions", metavar="PATH", nargs="*",
+                        help="healthy runs, by kind (a CSV or a folder per kind; none: the "
+                             "repository's data/healthy runs, data/modded-nanogpt, data/mlperf-bert): "
+                             "report each system's false actions per 10k steps instead of scores")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS),
                         default=[name for name in SYSTEMS if name != "pipeline+proposed"],
                         help="what to score (default: all but pipeline+proposed)")
@@ -94,10 +107,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _given(path: str | None) -> str | None:
+    """The folder a data-set option names; None (the loader takes the repository's) when bare."""
+    return path or None
+
+
+def _shown(path: str | None, in_repo: str) -> str | None:
+    """A data-set option as the report names it."""
+    return None if path is None else path or in_repo
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.files and (args.real_spikes or args.healthy):
-        print("evaluate: --files cannot be combined with --real-spikes/--healthy", file=sys.stderr)
+    real = args.real_spikes is not None or args.healthy is not None
+    if sum((bool(args.files), real, args.false_actions is not None)) > 1:
+        print("evaluate: --files, --real-spikes/--healthy and --false-actions cannot be combined",
+              file=sys.stderr)
         return 2
+    if args.false_actions is not None:
+        return false_actions_report(args)
     settings = settings_from(args) if any(n.startswith("pipeline") for n in args.systems) else None
     config = EvaluationConfig()
     scores: dict[str, dict[str, list[RunScore]]] = {name: {} for name in args.systems}
@@ -140,6 +167,70 @@ def _score(args, settings, config, scores, seconds) -> int:
     return total
 
 
+#: What each simple rule's flag does in its trainer (a false action on a healthy run).
+RULE_ACTIONS = {"naive": "flag", "six_sigma": "skip", "axolotl": "skip", "metaseq": "skip",
+                "lightning": "stop", "llm_foundry": "stop"}
+PIPELINE_COLUMNS = (("stops", "stops"), ("rollbacks", "rollbacks"), ("lr_cuts", "LR cuts"),
+                    ("skipped_batches", "skipped batches"), ("local_skips", "local skips"))
+
+
+def false_actions_report(args: argparse.Namespace) -> int:
+    """Per healthy kind: the pipeline's actions (policy and the Guard's local skips) and each
+    simple rule's flags, per 10k steps. On a healthy run every one of them is false."""
+    from spikeguard.lab.false_actions import pipeline_false_actions, rule_flags
+    from spikeguard.lab.realdata import healthy_kinds
+
+    settings = settings_from(args)
+    rules = [name for name in args.systems if name in RULE_ACTIONS]
+    try:
+        kinds = healthy_kinds(args.false_actions)
+    except SpikeguardError as exc:
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 2
+    report: dict = {"unit": "actions per 10,000 steps", "rule_actions": {r: RULE_ACTIONS[r] for r in rules},
+                    "kinds": {}}
+    for kind, runs in kinds.items():
+        started = time.perf_counter()
+        runs_events = [run.events for run in runs]
+        row: dict = {"runs": len(runs), "steps": sum(map(len, runs_events))}
+        if "pipeline" in args.systems:
+            counts = pipeline_false_actions(runs_events, settings)
+            row["pipeline"] = {**counts.per_10k(), "counts": counts._asdict()}
+        for name in rules:
+            flags = rule_flags(name, runs_events)
+            row[name] = {"per_10k": flags.flagged * 10_000 / max(flags.steps, 1), "count": flags.flagged,
+                         "runs_flagged": flags.runs_flagged}
+        report["kinds"][kind] = row
+        print(f"evaluate: {kind}: {row['steps']:,} steps, {time.perf_counter() - started:.1f} s",
+              file=sys.stderr)
+    print(json.dumps(report, indent=2) if args.json else render_false_actions(report))
+    return 0
+
+
+def render_false_actions(report: dict) -> str:
+    """One line per healthy kind: steps, the pipeline's actions, each rule's flags; per 10k steps."""
+    kinds = report["kinds"]
+    rules = list(report["rule_actions"])
+    with_pipeline = any("pipeline" in row for row in kinds.values())
+    header = ["kind", "runs", "steps"]
+    if with_pipeline:
+        header += [title for _, title in PIPELINE_COLUMNS]
+    header += [f"{r} ({report['rule_actions'][r]})" for r in rules]
+    table = [header]
+    for kind, row in kinds.items():
+        line = [kind, str(row["runs"]), f"{row['steps']:,}"]
+        if with_pipeline:
+            line += [_fmt(row["pipeline"][key], 1) for key, _ in PIPELINE_COLUMNS]
+        line += [f"{_fmt(row[r]['per_10k'], 1)} ({row[r]['runs_flagged']}/{row['runs']})" for r in rules]
+        table.append(line)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = [f"== false actions on healthy runs ({report['unit']}; pipeline: what the policy and the "
+             "Guard's local skip rule would do; rules: steps flagged (runs flagged/runs))"]
+    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+              for r in table]
+    return "\n".join(lines)
+
+
 def run_progress(runs):
     """A bar counting the runs scored, on a terminal only: scoring the default suite
     takes minutes, and a silent terminal looks hung."""
@@ -154,9 +245,11 @@ def _report(args, config, scores, seconds, total) -> int:
     )
     print(f"evaluate: {total:,} steps; {timing}", file=sys.stderr)
     if args.json:
-        real = args.real_spikes or args.healthy
-        report["inputs"] = {"files": args.files, "real_spikes": args.real_spikes,
-                            "labels": args.labels, "healthy": args.healthy,
+        real = args.real_spikes is not None or args.healthy is not None
+        report["inputs"] = {"files": args.files,
+                            "real_spikes": _shown(args.real_spikes, "data/real-spikes"),
+                            "labels": args.labels,
+                            "healthy": _shown(args.healthy, "data/modded-nanogpt"),
                             "seeds": None if args.files or real else args.seeds,
                             "scenarios": args.scenario, "loss_only": args.loss_only,
                             "incidents_only": args.incidents_only,
@@ -198,14 +291,14 @@ def loss_only(events, labels):
 
 
 def _runs(args) -> Iterator[tuple[str, list, list | None]]:
-    if args.real_spikes or args.healthy:
+    if args.real_spikes is not None or args.healthy is not None:
         from spikeguard.lab.realdata import load_healthy_set, load_spike_set
 
-        if args.real_spikes:
-            for run in load_spike_set(args.real_spikes, args.labels):
+        if args.real_spikes is not None:
+            for run in load_spike_set(_given(args.real_spikes), args.labels):
                 yield REAL_SPIKES, run.events, run.labels
-        if args.healthy:
-            for run in load_healthy_set(args.healthy):
+        if args.healthy is not None:
+            for run in load_healthy_set(_given(args.healthy)):
                 yield HEALTHY, run.events, None
         return
     if args.files:

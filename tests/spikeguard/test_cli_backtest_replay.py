@@ -180,3 +180,24 @@ def test_backtest_is_silent_but_for_its_summary_off_a_terminal(tmp_path, termina
     err = _backtest_stderr(tmp_path, terminal_stderr, on_a_terminal=False)
     assert err.count("\n") == 1 and err.startswith("backtest: 3000 steps")
     assert "%" not in err and "\r" not in err
+
+
+def test_backtest_reports_the_local_skips_the_live_guard_would_take(tmp_path, capsys):
+    """The Guard skips an isolated outlier's update itself, before the pipeline hears of it:
+    the backtest says so, with the Guard's own rule (which stands aside after two in a row)."""
+    source = tmp_path / "run.csv"
+    write_csv(source)  # x8 for six steps from 250, NaN at 400 (non-finite: the Guard's other rule)
+    assert main(["backtest", str(source), "--out", str(tmp_path / "out.jsonl")]) == 0
+    assert "; 2 local skips by the Guard's skip rule (steps 250, 251)" in capsys.readouterr().err
+
+
+def test_backtest_reports_the_skips_a_recorded_live_run_made(tmp_path, capsys):
+    source = tmp_path / "run.jsonl"
+    events = [StepEvent(run_id="j", step=s, loss=healthy_loss(s)) for s in range(300)]
+    events[120] = events[120].model_copy(update={"loss": 5 * events[120].loss, "skip_reason": "outlier_step"})
+    events[200] = StepEvent(run_id="j", step=200, loss=math.inf, skip_reason="non_finite")
+    source.write_bytes(b"\n".join(encode(e) for e in events) + b"\n")
+    assert main(["backtest", str(source), "--out", str(tmp_path / "out.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "1 local skips by the Guard's skip rule (steps 120)" in err
+    assert "recorded in the file: 1 non_finite, 1 outlier_step" in err

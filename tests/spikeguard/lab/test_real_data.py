@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from spikeguard.cli import main
 from spikeguard.cli.evaluate import system_marks
 from spikeguard.lab.baselines import BASELINES, flag_run
 from spikeguard.lab.evaluation import score_run, summarize
-from spikeguard.lab.realdata import RealDataError, load_healthy_set, load_spike_set
+from spikeguard.lab import realdata
+from spikeguard.lab.realdata import RealDataError, healthy_kinds, load_healthy_set, load_spike_set
 
 FIXTURES = Path(__file__).parents[2] / "data" / "real_spikes"
 
@@ -42,9 +44,9 @@ def test_each_logged_point_is_one_step_and_the_original_steps_are_kept(runs):
 
 
 def test_missing_data_says_what_to_pass(tmp_path):
-    with pytest.raises(RealDataError, match="not part of the repository"):
+    with pytest.raises(RealDataError, match="not found at .*pass the folder"):
         load_spike_set(tmp_path / "nowhere")
-    with pytest.raises(RealDataError, match="not part of the repository"):
+    with pytest.raises(RealDataError, match="not found at .*pass the folder"):
         load_healthy_set(tmp_path / "nowhere")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -66,7 +68,7 @@ def test_a_healthy_folder_is_all_clean_runs(runs):
 
 def test_evaluate_fails_clearly_without_the_data(tmp_path, capsys):
     assert main(["evaluate", "--real-spikes", str(tmp_path / "nowhere"), "--systems", "naive"]) == 2
-    assert "not part of the repository" in capsys.readouterr().err
+    assert "real-spike data not found at" in capsys.readouterr().err
 
 
 def score(name: str, runs) -> dict:
@@ -171,3 +173,66 @@ def test_pipeline_plus_proposed_is_the_union_of_both(runs):
 def test_files_and_real_sets_are_not_mixed(capsys):
     assert main(["evaluate", "--files", "x.csv", "--healthy", str(FIXTURES)]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+REPOSITORY = Path(__file__).parents[3]
+
+
+def test_from_a_clone_the_real_sets_default_to_the_repository_data():
+    spikes = load_spike_set()  # data/real-spikes/algoperf_submissions, with the lab's labels
+    assert len(spikes) == 11 and sum(len(r.truth) for r in spikes) > 0
+    healthy = load_healthy_set()  # data/modded-nanogpt
+    assert len(healthy) == 23 and all(r.labels is None for r in healthy)
+    kinds = healthy_kinds()
+    assert {"regression_b1", "char_lm", "modded-nanogpt", "mlperf-bert"} <= set(kinds)
+    assert len(kinds["mlperf-bert"]) == 15
+
+
+def test_every_data_source_carries_its_licence_and_sources():
+    data = REPOSITORY / "data"
+    for folder in ("real-spikes/algoperf_submissions", "real-spikes/bigscience_chronicles",
+                   "modded-nanogpt", "mlperf-bert"):
+        assert (data / folder / "LICENSE").is_file() and (data / folder / "SOURCES.md").is_file(), folder
+    assert (data / "healthy" / "SOURCES.md").is_file()  # made by the project: how, not a licence
+
+
+def test_outside_a_clone_the_missing_data_folder_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(realdata, "REPO_DATA", tmp_path / "data")  # an installed wheel has no data/
+    with pytest.raises(RealDataError, match="ship with the source repository.*pass the folder's path"):
+        load_spike_set()
+    with pytest.raises(RealDataError, match="ship with the source repository"):
+        healthy_kinds()
+    assert main(["evaluate", "--healthy", "--systems", "naive"]) == 2
+    assert "ship with the source repository" in capsys.readouterr().err
+
+
+def test_evaluate_reads_the_repository_data_when_given_no_folder(capsys):
+    assert main(["evaluate", "--real-spikes", "--systems", "metaseq", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["systems"]["metaseq"]["rows"]
+    assert rows["real-spikes"]["runs"] == 11 and rows["real-spikes"]["episodes"] > 0
+
+
+def project_files() -> list[Path]:
+    """The repository's files: those git tracks, else every file outside hidden folders."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPOSITORY, capture_output=True, check=True)
+        return [REPOSITORY / name for name in listed.stdout.decode().split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in REPOSITORY.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(REPOSITORY).parts)]
+
+
+def test_nothing_in_the_project_points_outside_it():
+    """A user's clone has only the repository: no path may lead to the sibling data folder."""
+    sibling = ".." + "/shared"  # spelt apart, so that this file does not match itself
+    offenders = []
+    for path in project_files():
+        if path.suffix == ".csv" or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        offenders += [f"{path.relative_to(REPOSITORY)}:{n}"
+                      for n, line in enumerate(text.splitlines(), 1) if sibling in line]
+    assert not offenders

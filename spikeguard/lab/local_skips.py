@@ -1,0 +1,71 @@
+"""The updates the live Guard would have skipped on its own, found offline.
+
+The Guard answers an isolated outlier step in the trainer, at once, with its
+skip rule (:mod:`spikeguard.producers.skip_rule`); the pipeline only hears of
+it afterwards. So a backtest that shows only the pipeline's decisions hides
+part of what the live run would have done. :class:`LocalSkips` runs the same
+rule, with the Guard's settings, over recorded steps (one rule per run, as
+each Guard has its own), and also counts what the file itself says was skipped
+(``StepEvent.skip_reason``, when the steps were recorded from a live run).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.skip_rule import SkipRule
+from spikeguard.schemas import StepEvent
+
+
+def skip_rule_of(guard: GuardConfig) -> SkipRule | None:
+    """The skip rule a Guard with ``guard`` settings runs (None when ``skip_outliers`` is off)."""
+    if not guard.skip_outliers:
+        return None
+    return SkipRule(z=guard.skip_z, min_jump=guard.skip_min_jump, grad_z=guard.skip_grad_z,
+                    grad_min_jump=guard.skip_grad_min_jump, window=guard.skip_window,
+                    min_history=guard.skip_min_history, max_run=guard.skip_max_run)
+
+
+class LocalSkips:
+    """Feed steps in order (any mix of runs); :attr:`skipped` lists (run_id, step) the rule skips."""
+
+    def __init__(self, guard: GuardConfig | None = None) -> None:
+        self.guard = guard or GuardConfig()
+        self.rules: dict[str, SkipRule | None] = {}
+        self.skipped: list[tuple[str, int]] = []
+        self.recorded: Counter[str] = Counter()  # skip_reason -> steps the file says were skipped
+
+    def observe(self, event: StepEvent) -> bool:
+        """True when the Guard's rule would skip this step's update."""
+        if event.skip_reason:
+            self.recorded[event.skip_reason] += 1
+        if event.run_id not in self.rules:
+            self.rules[event.run_id] = skip_rule_of(self.guard)
+        rule = self.rules[event.run_id]
+        if rule is None:
+            return False
+        grad = event.grad_norm if event.grad_norm is not None and event.grad_norm >= 0 else None
+        skip = rule.decide(event.loss, grad).skip
+        if skip:
+            self.skipped.append((event.run_id, event.step))
+        return skip
+
+    def summary(self, shown: int = 10) -> str:
+        """One line: how many skips, the first few steps, and what the file recorded."""
+        steps = ", ".join(str(step) for _, step in self.skipped[:shown])
+        more = ", ..." if len(self.skipped) > shown else ""
+        text = f"{len(self.skipped)} local skips by the Guard's skip rule"
+        if self.skipped:
+            text += f" (steps {steps}{more})"
+        if self.recorded:
+            text += "; recorded in the file: " + ", ".join(f"{n} {reason}" for reason, n in
+                                                             sorted(self.recorded.items()))
+        return text
+
+
+def count_local_skips(events: Iterable[StepEvent], guard: GuardConfig | None = None) -> int:
+    """How many updates of ``events`` the Guard's rule would skip."""
+    skips = LocalSkips(guard)
+    return sum(skips.observe(e) for e in events)

@@ -1,0 +1,35 @@
+"""The Guard's local skips, found offline: the same rule and settings as the live Guard, one rule per run."""
+
+from __future__ import annotations
+
+import math
+
+from spikeguard.lab.local_skips import LocalSkips, count_local_skips, skip_rule_of
+from spikeguard.producers.config import GuardConfig
+from spikeguard.schemas import StepEvent
+
+
+def flat(run_id: str = "r", steps: int = 300) -> list[StepEvent]:
+    return [StepEvent(run_id=run_id, step=s, loss=1.0 + 0.01 * math.sin(s)) for s in range(steps)]
+
+
+def test_an_isolated_outlier_is_skipped_with_the_guards_settings():
+    events = flat()
+    events[200] = events[200].model_copy(update={"loss": 3.0})
+    assert count_local_skips(events) == 1
+    assert count_local_skips(events, GuardConfig(skip_outliers=False)) == 0
+    assert count_local_skips(events, GuardConfig(skip_z=1000.0)) == 0  # the Guard's settings, not others
+
+
+def test_each_run_has_its_own_rule():
+    a, b = flat("a"), flat("b")
+    b = [e.model_copy(update={"loss": 10 * e.loss}) for e in b]  # another level: not an outlier of run a
+    skips = LocalSkips()
+    assert not any(skips.observe(e) for pair in zip(a, b) for e in pair)
+    assert skips.skipped == []
+
+
+def test_the_rule_is_the_guards():
+    rule = skip_rule_of(GuardConfig(skip_window=64, skip_min_history=16))
+    assert (rule.window, rule.min_history, rule.z) == (64, 16, GuardConfig().skip_z)
+    assert skip_rule_of(GuardConfig(skip_outliers=False)) is None
