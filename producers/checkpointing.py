@@ -17,6 +17,7 @@ from typing import Any
 from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import Outcome
 from spikeguard.producers.async_checkpoint import SaveJob
+from spikeguard.producers.io_faults import IOKind
 from spikeguard.producers.ledger import apply_restart_facts, restart_facts
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
@@ -101,9 +102,13 @@ class Checkpointing:
         for r in self.saver.completed():
             job, event = r.job, None
             if r.error is not None:
-                log.error("spikeguard: checkpoint at step %d failed: %r", job.step, r.error)
+                if isinstance(r.error, OSError):  # the disk's trouble, not the run's: once, counted
+                    self.io_faults.failed(IOKind.CHECKPOINT, r.error)
+                else:
+                    log.error("spikeguard: checkpoint at step %d failed: %r", job.step, r.error)
                 result, status = f"checkpoint failed: {r.error!r}", AckStatus.FAILED
             else:
+                self.io_faults.worked(IOKind.CHECKPOINT)
                 event = CheckpointEvent(run_id=self.run_id, step=job.step, epoch=job.epoch,
                                         checkpoint_id=r.info.checkpoint_id, path=str(r.info.path),
                                         healthy=job.healthy, batch_index=job.batch_index, reason=job.reason)

@@ -49,6 +49,7 @@ from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
+from spikeguard.producers.io_faults import IOFaults
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
@@ -92,7 +93,8 @@ class Guard(Checkpointing, ActionApplying):
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
         # torch.save off the training thread; a sharded model's DCP save is collective: on this one.
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
-        self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
+        self.io_faults = IOFaults(self.run_id)  # its own writes fail without ending the run
+        self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
         # The key: the Guard's own config, else its runtime's, else the one an embedded
         # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
         key = (cfg.signing_key or getattr(settings, "signing_key", None)
@@ -105,7 +107,8 @@ class Guard(Checkpointing, ActionApplying):
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
-        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window)  # forensics
+        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window,  # forensics
+                                          faults=self.io_faults)
         self.rerun = RerunCheck(cfg.verify_reruns)
         self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
                                   cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run

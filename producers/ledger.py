@@ -18,14 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.producers.atomic import atomic_write_bytes
+from spikeguard.producers.io_faults import IOFaults, IOKind
 
 SIDECAR = "spikeguard-ledger.json"
 
 
 class ActionLedger:
-    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000,
+                 faults: IOFaults | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.max_ids = max_ids
+        self.faults = faults if faults is not None else IOFaults()
         self._applied: OrderedDict[str, None] = OrderedDict()
 
     def __contains__(self, action_id: str) -> bool:
@@ -49,11 +52,14 @@ class ActionLedger:
             if action_id not in self._applied:
                 self.record(action_id)
 
-    def persist(self, extra: dict[str, Any]) -> None:
+    def persist(self, extra: dict[str, Any]) -> bool:
+        """Rewrite the sidecar; False when the write failed (reported by ``faults``, not raised:
+        the ids stay in memory and go into the next checkpoint)."""
         if self.path is None:
-            return
-        body = dict(extra, applied=list(self._applied))
-        atomic_write_bytes(self.path, json.dumps(body, default=_json_default).encode())
+            return True
+        data = json.dumps(dict(extra, applied=list(self._applied)), default=_json_default).encode()
+        path = self.path
+        return self.faults.attempt(IOKind.LEDGER, lambda: atomic_write_bytes(path, data))
 
     def read(self) -> dict[str, Any] | None:
         """The sidecar's content (and its ids merged in), or None when there is none."""
