@@ -145,7 +145,12 @@ class Checkpointing:
         self._drain_saves()
         onset = self._onset_of(action)
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
-        for info in self.store.demote(onset, self.epoch):
+        try:
+            demoted = self.store.demote(onset, self.epoch)
+        except OSError as exc:  # a read-only directory: they keep their names (the policy's rollback
+            self.io_faults.failed(IOKind.CHECKPOINT, exc)  # targets lie before the onset anyway)
+            return
+        for info in demoted:
             self.events.checkpoint(CheckpointEvent(
                 run_id=self.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
                 path=str(info.path), healthy=False), [])

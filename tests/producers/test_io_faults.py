@@ -7,8 +7,12 @@ of steps: checkpoints, the action ledger and an incident record all fail.
 
 from __future__ import annotations
 
+import builtins
 import errno
+import io
 import logging
+import os
+import tempfile
 
 import pytest
 from producers_helpers import Tiny, acks, action, make_guard, send, train
@@ -98,3 +102,68 @@ def test_only_os_errors_are_absorbed(tmp_path):
     with pytest.raises(ZeroDivisionError):  # a bug is a bug, not a disk problem
         faults.attempt(IOKind.LEDGER, lambda: 1 / 0)
     assert faults.attempt(IOKind.LEDGER, lambda: None) is True and not faults.failing(IOKind.LEDGER)
+
+
+class ReadOnlyDirectory:
+    """While ``on``, everything that would create, replace or link a file under ``root`` fails
+    with EROFS, as on a directory remounted read-only (reading still works)."""
+
+    def __init__(self, root, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.on, self.root = False, os.fspath(root)
+        real_mkstemp, real_replace, real_link, real_mkdir, real_open = (
+            tempfile.mkstemp, os.replace, os.link, os.mkdir, io.open)
+
+        def refuse(path) -> None:
+            if self.on and os.fspath(path).startswith(self.root):
+                raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+
+        def mkstemp(*args, dir=None, **kwargs):
+            refuse(dir if dir is not None else "")
+            return real_mkstemp(*args, dir=dir, **kwargs)
+
+        def replace(src, dst, **kwargs):
+            refuse(dst)
+            return real_replace(src, dst, **kwargs)
+
+        def link(src, dst, **kwargs):
+            refuse(dst)
+            return real_link(src, dst, **kwargs)
+
+        def mkdir(path, *args, **kwargs):
+            refuse(path)
+            return real_mkdir(path, *args, **kwargs)
+
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+                refuse(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        for owner, name, fake in ((tempfile, "mkstemp", mkstemp), (os, "replace", replace), (os, "link", link),
+                                  (os, "mkdir", mkdir), (io, "open", open_), (builtins, "open", open_)):
+            monkeypatch.setattr(owner, name, fake)
+
+
+def test_a_read_only_checkpoint_directory_never_stops_training(bus, tmp_path, monkeypatch):
+    directory = tmp_path / "ckpt"
+    read_only = ReadOnlyDirectory(directory, monkeypatch)
+    tiny = Tiny(seed=4)
+    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=10, async_checkpoint=False)
+    # An incident: its first action demotes (renames) the checkpoints taken after its onset and
+    # writes its forensic record, both of which fail on a read-only directory; then a rollback.
+    lr_lowered = action(ActionKind.SCALE_LR, 35, factor=0.5).model_copy(update={"incident_id": "inc-ro"})
+    rollback = action(ActionKind.ROLLBACK, 36, target_step=20).model_copy(update={"incident_id": "inc-ro"})
+
+    def on_step(guard, data, batch):
+        read_only.on = guard.step_count >= 22 or guard.epoch > 0
+        if guard.step_count == 34 and guard.epoch == 0:
+            send(bus, lr_lowered, rollback, guard=guard)
+
+    train(guard, tiny, 60, on_step)
+    read_only.on = False
+    guard.close()
+
+    assert guard.step_count == 60 and guard.counters["rollbacks"] == 1
+    by_id = {a.action_id: a for a in acks(bus)}
+    assert by_id[lr_lowered.action_id].status is by_id[rollback.action_id].status is AckStatus.APPLIED
+    for kind in IOKind:
+        assert guard.io_faults.counts[kind.value] >= 1, kind

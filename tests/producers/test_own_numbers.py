@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from producers_helpers import Tiny, acks, make_guard, send
 
 from spikeguard.actuators.config import PolicyConfig
@@ -165,7 +164,8 @@ def test_a_plan_whose_rollback_fails_applies_none_of_its_skip_lr_or_clipping(bus
     poison = lambda step, epoch, y: y * 40.0 if (step, epoch) == (bad_step, 0) else y  # noqa: E731
     run(guard, tiny, bad_step + 1, poison)
     clipping = guard.clipper.settings()
-    plan = signed_plan(bus, critical(bad_step, 0, AnomalyType.EXTREME_LOSS, evidence_of(published(bus)[(0, bad_step)])))
+    bad = evidence_of(published(bus)[(0, bad_step)])
+    plan = signed_plan(bus, critical(bad_step, 0, AnomalyType.EXTREME_LOSS, bad))
     assert [a.kind for a in plan][:2] == [ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES]
     guard.saver.wait()
     for info in guard.store.list():  # every checkpoint truncated: the rollback cannot read any
