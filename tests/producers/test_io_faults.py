@@ -167,3 +167,19 @@ def test_a_read_only_checkpoint_directory_never_stops_training(bus, tmp_path, mo
     assert by_id[lr_lowered.action_id].status is by_id[rollback.action_id].status is AckStatus.APPLIED
     for kind in IOKind:
         assert guard.io_faults.counts[kind.value] >= 1, kind
+
+
+def test_a_full_disk_at_start_does_not_stop_the_embedded_runtime_recording_to_data_dir(tmp_path, monkeypatch, caplog):
+    from spikeguard.runtime import open_runtime
+    from spikeguard.settings import Settings
+
+    disk = FullDisk(monkeypatch)
+    disk.full = True
+    caplog.set_level(logging.WARNING, logger="spikeguard")
+    runtime = open_runtime(Settings(data_dir=str(tmp_path / "recording")))
+    try:
+        assert runtime.bus is not None and disk.refused >= 1
+    finally:
+        runtime.close()
+    assert any("could not record the judging settings" in r.getMessage() and "disk full" in r.getMessage()
+               for r in caplog.records)
