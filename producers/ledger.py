@@ -11,6 +11,7 @@ rollback epoch, the data ranges to skip, and the settings actions changed.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.producers.atomic import atomic_write_bytes
-from spikeguard.producers.io_faults import IOFaults, IOKind
+from spikeguard.producers.io_faults import IOFaults, IOKind, describe
+
+log = logging.getLogger("spikeguard.producers.guard")
 
 SIDECAR = "spikeguard-ledger.json"
 
@@ -62,11 +65,20 @@ class ActionLedger:
         return self.faults.attempt(IOKind.LEDGER, lambda: atomic_write_bytes(path, data))
 
     def read(self) -> dict[str, Any] | None:
-        """The sidecar's content (and its ids merged in), or None when there is none."""
+        """The sidecar's content (and its ids merged in), or None when there is none or it is
+        unreadable (said in a WARNING: the checkpoint's own ids still apply)."""
         if self.path is None or not self.path.exists():
             return None
-        body = json.loads(self.path.read_text())
-        self.load_state_dict(body)
+        try:
+            body = json.loads(self.path.read_text())
+            if not isinstance(body, dict):
+                raise ValueError(f"a JSON {type(body).__name__}, not an object")
+            self.load_state_dict(body)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("spikeguard: the action ledger %s is unreadable (%s); going on with the ids "
+                        "and facts of the checkpoint (an action applied after it could apply again)",
+                        self.path, describe(exc))
+            return None
         return body
 
 

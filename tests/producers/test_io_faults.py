@@ -183,3 +183,18 @@ def test_a_full_disk_at_start_does_not_stop_the_embedded_runtime_recording_to_da
         runtime.close()
     assert any("could not record the judging settings" in r.getMessage() and "disk full" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_torn_ledger_sidecar_does_not_stop_a_resume(bus, tmp_path, caplog):
+    tiny = Tiny(seed=6)
+    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=5)
+    train(guard, tiny, 12)
+    guard.close(finished=False)
+    sidecar = tmp_path / "ckpt" / "spikeguard-ledger.json"
+    sidecar.write_bytes(sidecar.read_bytes()[:20])  # torn mid-write by a crash or a failing device
+
+    caplog.set_level(logging.WARNING, logger="spikeguard")
+    again = make_guard(Tiny(seed=6), bus, tmp_path, checkpoint_every=5, resume=True)
+    assert again.step_count == 10  # resumed from its newest checkpoint all the same
+    assert any("ledger" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+    again.close(finished=False)
