@@ -10,10 +10,10 @@ ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or SET_EPS
 without a registered handler), FAILED (bad parameters, no checkpoint to roll
 back to, a handler raised; or the rollback of the same decision failed or was
 refused: a decision's actions apply whole or not at all) or APPLIED with what
-was done. An action
-is due at its ``apply_at_step``; one that arrives later is applied at the next
-step and its ack says it was late. Actions that follow a ROLLBACK of the same
-decision are due at once (the rollback moved the step counter back).
+was done. An action is due at its ``apply_at_step``; one that arrives later is
+applied at the next step and its ack says it was late. Actions that follow a
+ROLLBACK of the same decision are due at once (the rollback moved the step
+counter back).
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ class ActionQueue:
                 log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                             action.action_id, action.run_id, problem)
                 return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
-        # Published is not anomalous: a decision's claim must be of the evidence's own step, and
-        # this trainer's own statistics must agree that step was what the decision says it was.
+        # Published is not the same as anomalous: a decision's claim must be of the evidence's own
+        # step, and this trainer's own statistics must agree the step was what the decision says.
         if action.claim is not None and action.kind in NEEDS_AGREEMENT:
             problem = self.published.claim_problem(action.claim, action.evidence)
             if problem is not None:
