@@ -188,3 +188,20 @@ def test_a_plan_whose_rollback_fails_applies_none_of_its_skip_lr_or_clipping(bus
     assert guard.counters["skipped_batches"] == 0 and guard.position.skip_ranges == []
     assert published(bus)[(0, 69)].lr == LR
     assert guard.clipper.settings() == clipping
+
+
+def test_without_local_skips_the_outlier_model_still_scores_and_backs_a_real_spike(bus, tmp_path):
+    tiny = Tiny(seed=14, lr=LR)
+    guard = make_guard(tiny, bus, tmp_path, signing_key=KEY, skip_outliers=False)
+    bad_step = 45
+    poison = lambda step, epoch, y: y * 40.0 if (step, epoch) == (bad_step, 0) else y  # noqa: E731
+    run(guard, tiny, bad_step + 1, poison)
+    bad = published(bus)[(0, bad_step)]
+    assert bad.skip_reason is None and guard.counters["outlier_skips"] == 0  # it did not skip...
+    assert guard.actions.published.view(0, bad_step).loss_z >= AGREE_Z  # ... but it scored
+    plan = signed_plan(bus, critical(bad_step, 0, AnomalyType.EXTREME_LOSS, evidence_of(bad)))
+    send(bus, *plan, guard=guard)
+    run(guard, tiny, 60, poison)
+    guard.close()
+    assert {a.status for a in acks(bus)} == {AckStatus.APPLIED}
+    assert guard.counters["rollbacks"] == 1
