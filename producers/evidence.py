@@ -13,10 +13,14 @@ judged locally (:class:`StepView`), and checks every action against it:
   epoch, anomaly type). Its evidence must be of that very step and epoch, and
   the trainer's own view of the step must agree it was anomalous for that
   type (:func:`disagreement`): a non-finite claim needs a non-finite loss or
-  gradient seen here; any other anomaly type needs that, or the local outlier
-  model (skip_rule.py) scoring the loss or gradient norm at least
-  :data:`AGREE_Z` robust sigmas above its baseline (a lower bar than
-  skipping: agreeing that a step was unusual is not acting on it alone).
+  gradient seen here (a GradScaler's overflow is normal); a loss-scale
+  collapse needs an overflow or a non-finite value; any other anomaly type a
+  non-finite value, or the local outlier model (skip_rule.py) scoring the
+  loss or gradient norm at least :data:`AGREE_Z` robust sigmas above its
+  baseline (a lower bar than skipping: agreeing that a step was unusual is
+  not acting on it alone). The claim is checked for the kinds that change the
+  run (``actions.NEEDS_AGREEMENT``); an ALERT, a CHECKPOINT and a RESTORE_LR
+  (back towards the user's own LR) are not.
 
 An action without a claim is a key holder's own command (``spikeguard
 stop``; see :func:`spikeguard.producers.actions.operator_evidence`): it is
