@@ -8,7 +8,7 @@ next epoch) gives different ones.
 
 from __future__ import annotations
 
-from spikeguard.schemas import Action, Evidence, action_id
+from spikeguard.schemas import Action, Claim, Evidence, action_id
 from spikeguard.schemas.actions import ActionParams, AlertParams
 
 
@@ -22,10 +22,12 @@ class ActionPlan:
         decision_id: str | None = None,
         incident_id: str | None = None,
         evidence: Evidence | None = None,
+        claim: Claim | None = None,
     ) -> None:
         self.run_id, self.cause, self.epoch = run_id, cause, epoch
         self.apply_at_step = apply_at_step
         self.decision_id, self.incident_id, self.evidence = decision_id, incident_id, evidence
+        self.claim = claim  # the decided step and type, which the trainer checks against its own
         self.items: list[tuple[ActionParams, str]] = []
 
     def add(self, params: ActionParams, reason: str) -> str:
@@ -52,6 +54,7 @@ class ActionPlan:
                 decision_id=self.decision_id,
                 incident_id=self.incident_id,
                 evidence=self.evidence,
+                claim=self.claim,
                 reason=reason,
             )
             for ordinal, (params, reason) in enumerate(self.items)

@@ -59,6 +59,7 @@ from spikeguard.schemas import (
     ActionKind,
     AnomalyType,
     CheckpointEvent,
+    Claim,
     Decision,
 )
 
@@ -104,7 +105,7 @@ class RecoveryPolicy:
         plan = ActionPlan(
             self.run_id, decision.decision_id, self.epoch,
             decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
-            decision.evidence,
+            decision.evidence, Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback

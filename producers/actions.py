@@ -1,22 +1,24 @@
 """Actions in the trainer: refuse, deduplicate, schedule, apply, answer.
 
 Every action gets exactly one Ack: REJECTED (bad/missing signature when a key
-is set; evidence that does not match what this trainer published, see
-:class:`PublishedSteps`; or, when a key is set, a state-changing action —
-anything but an ALERT, or any action naming a decision — with no evidence
-at all), DUPLICATE (its id was applied before — across rollbacks and
-restarts, see ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or
-SET_EPS without a registered handler), FAILED (bad parameters, no checkpoint
-to roll back to, a handler raised) or APPLIED with what was done. An action
-is due at its ``apply_at_step``; one that arrives later is applied at the next
-step and its ack says it was late. Actions that follow a ROLLBACK of the same
-decision are due at once (the rollback moved the step counter back).
+is set; evidence that does not match what this trainer published, or a
+decision's claim that the trainer's own view of the step does not back, see
+evidence.py; or, when a key is set, a state-changing action — anything but
+an ALERT, or any action naming a decision — with no evidence at all),
+DUPLICATE (its id was applied before — across rollbacks and restarts, see
+ledger.py), UNHANDLED (nobody can apply it: REDUCE_BATCH_SIZE or SET_EPS
+without a registered handler), FAILED (bad parameters, no checkpoint to roll
+back to, a handler raised; or the rollback of the same decision failed or was
+refused: a decision's actions apply whole or not at all) or APPLIED with what
+was done. An action is due at its ``apply_at_step``; one that arrives later is
+applied at the next step and its ack says it was late. Actions that follow a
+ROLLBACK of the same decision are due at once (the rollback moved the step
+counter back).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -25,6 +27,7 @@ from pydantic import SecretStr
 
 from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
+from spikeguard.producers.evidence import PublishedSteps
 from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence, StepEvent
 from spikeguard.schemas.actions import (
     AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
@@ -43,6 +46,10 @@ Handler = Callable[[Action, "Guard"], "str | None"]
 ANOMALY_KINDS = frozenset({ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionKind.SCALE_LR,
                            ActionKind.SET_LR, ActionKind.CLIP, ActionKind.STOP,
                            ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+# The kinds a decision's claim must be backed for (evidence.py): all that change the run,
+# except RESTORE_LR (it moves the LR back towards the user's own setting, after healthy steps).
+NEEDS_AGREEMENT = ANOMALY_KINDS
+MAX_BROKEN_PLANS = 1024  # decisions remembered whose rollback failed (oldest forgotten first)
 HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
 # The one kind that changes nothing in the run (it is logged): it needs no evidence
 # unless it answers a decision (then it was derived from steps, and says which).
@@ -59,54 +66,6 @@ class Outcome:
     status: AckStatus
     step: int
     result: str = ""
-
-
-def _same(a: float | None, b: float | None) -> bool:
-    # Values travel as JSON, which round-trips a float exactly; NaN is NaN's twin here.
-    if a is None or b is None:
-        return a is b
-    return a == b or (math.isnan(a) and math.isnan(b))
-
-
-class PublishedSteps:
-    """What this trainer published for its newest steps: (epoch, step) -> (loss, grad_norm).
-
-    Defence in depth behind step signatures: an action carries the evidence it
-    was decided on, and the trainer refuses one whose evidence it did not
-    publish itself (forged steps, or a pipeline fed someone else's data). The
-    window is bounded: evidence older than ``size`` steps cannot be checked and
-    is refused too, as is evidence from before this process started (a resumed
-    trainer remembers nothing it published before the restart).
-    """
-
-    def __init__(self, size: int = 4096) -> None:
-        self.size = size
-        self._values: OrderedDict[tuple[int, int], tuple[float, float | None]] = OrderedDict()
-
-    def remember(self, epoch: int, step: int, loss: float, grad_norm: float | None) -> None:
-        values = self._values
-        values[(epoch, step)] = (loss, grad_norm)
-        values.move_to_end((epoch, step))
-        while len(values) > self.size:
-            values.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def problem(self, evidence: Evidence) -> str | None:
-        """Why ``evidence`` is not what this trainer published (None when it is)."""
-        where = f"step {evidence.step} of epoch {evidence.epoch}"
-        found = self._values.get((evidence.epoch, evidence.step))
-        if found is None:
-            return (f"evidence names {where}, which this trainer did not publish (or not among "
-                    f"its last {self.size} steps)")
-        loss, grad_norm = found
-        if not _same(evidence.loss, loss):
-            return f"evidence loss {evidence.loss!r} at {where}, but this trainer published {loss!r}"
-        if not _same(evidence.grad_norm, grad_norm):
-            return (f"evidence grad_norm {evidence.grad_norm!r} at {where}, but this trainer "
-                    f"published {grad_norm!r}")
-        return None
 
 
 def operator_evidence(published: StepEvent) -> Evidence:
@@ -131,6 +90,26 @@ class ActionQueue:
         self.published = published if published is not None else PublishedSteps()
         self.pending: list[Action] = []
         self.urgent_decisions: set[str] = set()  # decisions whose rollback was applied
+        # Decisions whose rollback failed or was refused -> why: a plan applies whole or not at
+        # all, so its skip window, LR and clipping must not run without the rollback.
+        self.broken_plans: OrderedDict[str, str] = OrderedDict()
+
+    def plan_failed(self, action: Action, outcome: Outcome) -> None:
+        """``action`` was not applied: if it is its decision's rollback, the rest of the plan is off."""
+        if action.kind is not ActionKind.ROLLBACK or action.decision_id is None:
+            return
+        self.broken_plans[action.decision_id] = (
+            f"not applied: the rollback {action.action_id} of the same decision was "
+            f"{outcome.status.value} ({outcome.result}); a decision's actions apply whole or not at all")
+        while len(self.broken_plans) > MAX_BROKEN_PLANS:
+            self.broken_plans.popitem(last=False)
+
+    def broken_plan(self, action: Action) -> str | None:
+        """Why ``action`` must not apply because its plan's rollback did not (None: it may).
+        An ALERT still does: it changes nothing, and says what happened."""
+        if action.decision_id is None or action.kind is ActionKind.ALERT:
+            return None
+        return self.broken_plans.get(action.decision_id)
 
     def receive(self, action: Action, step: int) -> Outcome | None:
         """Queue ``action``, or the outcome to ack right away (refused or duplicate)."""
@@ -139,6 +118,13 @@ class ActionQueue:
             log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                         action.action_id, action.run_id, why)
             return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
+        # (only after the signature: a forged rollback must not call off a genuine plan)
+        outcome = self._screen(action, step)
+        if outcome is not None and outcome.status is AckStatus.REJECTED:
+            self.plan_failed(action, outcome)
+        return outcome
+
+    def _screen(self, action: Action, step: int) -> Outcome | None:
         # The signature says the run's pipeline made the action, not that the run's own
         # steps called for it: the actuator signs whatever its policy derives from the
         # decisions topic, and anyone who can write there could forge a decision. So with
@@ -156,6 +142,14 @@ class ActionQueue:
                 return Outcome(action, AckStatus.REJECTED, step, why)
         else:
             problem = self.published.problem(action.evidence)
+            if problem is not None:
+                log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
+                            action.action_id, action.run_id, problem)
+                return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
+        # Published is not the same as anomalous: a decision's claim must be of the evidence's own
+        # step, and this trainer's own statistics must agree the step was what the decision says.
+        if action.claim is not None and action.kind in NEEDS_AGREEMENT:
+            problem = self.published.claim_problem(action.claim, action.evidence)
             if problem is not None:
                 log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                             action.action_id, action.run_id, problem)

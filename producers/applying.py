@@ -27,11 +27,15 @@ class ActionApplying:
     def _apply(self, due: list[Action], step: int) -> bool:
         interrupted = False
         for action in due:
+            broken = self.actions.broken_plan(action)
             duplicate = self.rank == 0 and action.action_id in self.ledger
             if self.sync.enabled:  # rank 0's ledger decides for every rank
                 duplicate = self.sync.share(duplicate)
             if duplicate:
                 outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
+            elif broken is not None:  # its plan's rollback failed: the rest must not run without it
+                outcome = Outcome(action, AckStatus.FAILED, self.step_count, broken)
+                self.ledger.record(action.action_id)
             else:
                 if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
                     self._keep_incident(action)  # before a rollback moves the data and the store
@@ -39,6 +43,8 @@ class ActionApplying:
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
                     outcome = self._same_on_every_rank(action, outcome)
+                if outcome is not None and outcome.status is not AckStatus.APPLIED:
+                    self.actions.plan_failed(action, outcome)
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:
                 self.health.on_anomaly()

@@ -17,8 +17,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            flush_to_disk(handle)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -27,6 +26,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def flush_to_disk(handle: BinaryIO) -> None:
+    """Push ``handle``'s bytes to the disk: where a full disk or a failing device reports."""
+    handle.flush()
+    os.fsync(handle.fileno())
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

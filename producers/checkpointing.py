@@ -24,6 +24,7 @@ from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import ActionFailed, Outcome
 from spikeguard.producers.async_checkpoint import SaveJob
 from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointUnreadable
+from spikeguard.producers.io_faults import IOKind
 from spikeguard.producers.ledger import apply_restart_facts, restart_facts
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
@@ -199,9 +200,13 @@ class Checkpointing:
         for r in self.saver.completed():
             job, event = r.job, None
             if r.error is not None:
-                log.error("spikeguard: checkpoint at step %d failed: %r", job.step, r.error)
+                if isinstance(r.error, OSError):  # the disk's trouble, not the run's: once, counted
+                    self.io_faults.failed(IOKind.CHECKPOINT, r.error)
+                else:
+                    log.error("spikeguard: checkpoint at step %d failed: %r", job.step, r.error)
                 result, status = f"checkpoint failed: {r.error!r}", AckStatus.FAILED
             else:
+                self.io_faults.worked(IOKind.CHECKPOINT)
                 event = CheckpointEvent(run_id=self.run_id, step=job.step, epoch=job.epoch,
                                         checkpoint_id=r.info.checkpoint_id, path=str(r.info.path),
                                         healthy=job.healthy, batch_index=job.batch_index, reason=job.reason)
@@ -238,7 +243,12 @@ class Checkpointing:
         self._drain_saves()
         onset = self._onset_of(action)
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
-        for info in self.store.demote(onset, self.epoch):
+        try:
+            demoted = self.store.demote(onset, self.epoch)
+        except OSError as exc:  # a read-only directory: they keep their names (the policy's rollback
+            self.io_faults.failed(IOKind.CHECKPOINT, exc)  # targets lie before the onset anyway)
+            return
+        for info in demoted:
             self.events.checkpoint(CheckpointEvent(
                 run_id=self.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
                 path=str(info.path), healthy=False), [])

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from spikeguard.producers.data import merge_ranges
+from spikeguard.producers.evidence import own_view
 from spikeguard.producers.guard import Guard
 from spikeguard.schemas import ActionKind
 
@@ -182,13 +183,13 @@ class FrameworkGuard(Guard):
         elif due:
             self._apply(due, step)
         skipped_data = self.stream.span_skipped()  # (a skip window applied just now counts too)
-        reason = None
+        reason, scored = None, None
         if held or skipped_data:
             reason = "held"
         elif nonfinite and self.config.skip_nonfinite:
             reason = "non_finite"
-        elif self.skip_rule is not None:
-            reason = self._outlier(step, stats)
+        else:
+            reason, scored = self._outlier(step, stats)
         if reason is None:
             if stats.grad_norm is not None:
                 self.clipper.clip(grads, stats.grad_norm)
@@ -198,7 +199,7 @@ class FrameworkGuard(Guard):
             void_update(self.optimizer)
             if reason != "held":
                 self.counters["skipped_updates"] += 1
-        self._step = dict(step=step, stats=stats, reason=reason, nonfinite=nonfinite,
+        self._step = dict(step=step, stats=stats, reason=reason, nonfinite=nonfinite, scored=scored,
                           skipped_data=skipped_data, lr=self.lr.effective())
         self.hooks.apply()
         return reason is None
@@ -214,7 +215,8 @@ class FrameworkGuard(Guard):
         if reason != "held":
             self.events.step(step, self.epoch, stats, lr=found["lr"], reason=reason, loss_scale=None,
                              overflow_streak=0, batch_index=self.stream.last_index)
-            self.actions.published.remember(self.epoch, step, stats.loss, stats.grad_norm)
+            self.actions.published.remember(self.epoch, step, stats.loss, stats.grad_norm,
+                                            own_view(found["nonfinite"], False, found["scored"]))
             self.health.observe(step, not (found["nonfinite"] or reason == "outlier_step"))
             if reason in ("non_finite", "outlier_step"):
                 self.counters["skipped_update_batches"] += batches

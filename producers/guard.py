@@ -48,8 +48,10 @@ from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.evidence import own_view
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
+from spikeguard.producers.io_faults import IOFaults
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
@@ -60,7 +62,7 @@ from spikeguard.producers.run_plan import make_plan
 from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
-from spikeguard.producers.skip_rule import SkipRule
+from spikeguard.producers.skip_rule import SkipDecision, SkipRule
 from spikeguard.producers.stats import GradStats, across_ranks
 from spikeguard.schemas import Action, ActionKind, Topics
 
@@ -93,7 +95,8 @@ class Guard(Checkpointing, ActionApplying):
         self.store = CheckpointStore(directory, self.run_id, cfg.keep_checkpoints, self.rank)
         # torch.save off the training thread; a sharded model's DCP save is collective: on this one.
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
-        self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids)
+        self.io_faults = IOFaults(self.run_id)  # its own writes fail without ending the run
+        self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
         # The key: the Guard's own config, else its runtime's, else the one an embedded
         # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
         key = (cfg.signing_key or getattr(settings, "signing_key", None)
@@ -106,11 +109,13 @@ class Guard(Checkpointing, ActionApplying):
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
-        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window)  # forensics
+        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window,  # forensics
+                                          faults=self.io_faults)
         self.rerun = RerunCheck(cfg.verify_reruns)
+        # The local outlier model always scores (it backs decisions: evidence.py); it skips
+        # only with skip_outliers.
         self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
-                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
-                                  ) if cfg.skip_outliers else None
+                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run)
         # Everything a checkpoint holds and a rollback puts back, in load order.
         weights = ([("sharded", ShardedState(model, optimizer))] if self.sharded  # every rank its shards
                    else [("model", ModelPart(model)), ("optimizer", optimizer)])
@@ -220,8 +225,9 @@ class Guard(Checkpointing, ActionApplying):
                 self._finish_actions()
                 return False
         reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
-        if reason is None and self.skip_rule is not None and not overflow:
-            reason = self._outlier(step, stats)
+        scored = None
+        if reason is None and not overflow:
+            reason, scored = self._outlier(step, stats)
         rerun = None
         if reason is not None and self.rerun.enabled and not (self.sync.enabled or self.amp.enabled):
             # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
@@ -250,7 +256,8 @@ class Guard(Checkpointing, ActionApplying):
                          batch_index=self.loader.last_index if self.loader is not None else None,
                          rerun=rerun)
         self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
-                                        None if reason == "scaler_overflow" else stats.grad_norm)
+                                        None if reason == "scaler_overflow" else stats.grad_norm,
+                                        own_view(nonfinite, overflow, scored))
         if self.scheduler is not None:
             self.scheduler.step()
         self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset
@@ -370,16 +377,18 @@ class Guard(Checkpointing, ActionApplying):
             return lambda bad, loss, norm: self.sync.flags((~torch.isfinite(loss)).float(), due, loss, norm)
         return lambda bad, loss, norm: self.sync.flags(bad, due, loss, norm)
 
-    def _outlier(self, step: int, stats: Any) -> str | None:
-        """The local skip rule, on values every rank shares (the largest of any rank)."""
+    def _outlier(self, step: int, stats: Any) -> tuple[str | None, SkipDecision]:
+        """The local outlier model, on values every rank shares (the largest of any rank):
+        the skip reason (None: no skip, or skip_outliers is off) and its judgement."""
         r = stats.riders
         loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
         decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad)
-        if decision.skip:
+        skip = decision.skip and self.config.skip_outliers
+        if skip:
             self.counters["outlier_skips"] += 1
             log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",
                      step, decision.signal, decision.loss_z, decision.grad_z)
-        return "outlier_step" if decision.skip else None
+        return ("outlier_step" if skip else None), decision
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

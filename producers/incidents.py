@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from spikeguard.forensics.provenance import SampleIdTap, SampleIds, StepSamples
 from spikeguard.forensics.record import IncidentBatches
+from spikeguard.producers.io_faults import IOFaults, IOKind
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ LOOKBACK = 8  # steps before the onset whose batches may have caused it (the ski
 
 class IncidentRecorder:
     def __init__(self, directory: Path, run_id: str, window: int = 512, lookback: int = LOOKBACK,
-                 max_files: int = 100) -> None:
+                 max_files: int = 100, faults: IOFaults | None = None) -> None:
         self.directory = Path(directory) / "incidents"
         self.run_id = run_id
         self.samples = StepSamples(window)
@@ -37,6 +38,7 @@ class IncidentRecorder:
         self.tap: SampleIdTap | None = None
         self._pending: list = []
         self.written: dict[str, Path] = {}
+        self.faults = faults if faults is not None else IOFaults(run_id)
 
     def attach(self, loader: Any, sample_ids: SampleIds | None = None) -> None:
         self.tap = SampleIdTap(loader, sample_ids)
@@ -62,9 +64,22 @@ class IncidentRecorder:
 
     def incident(self, incident_id: str | None, onset_step: int, epoch: int, now_step: int,
                  checkpoint: Callable[[int], Any]) -> Path | None:
-        """Write the incident's file once; ``checkpoint(max_step)`` finds a healthy CheckpointInfo."""
+        """Write the incident's file once; ``checkpoint(max_step)`` finds a healthy CheckpointInfo.
+
+        A write that fails (full disk, read-only directory) is reported through ``faults``
+        and tried again at the incident's next action; the recovery never waits on it."""
         if not incident_id or incident_id in self.written or len(self.written) >= self.max_files:
             return None
+        try:
+            path = self._write(incident_id, onset_step, epoch, now_step, checkpoint)
+        except OSError as exc:
+            self.faults.failed(IOKind.INCIDENT, exc)
+            return None
+        self.faults.worked(IOKind.INCIDENT)
+        return path
+
+    def _write(self, incident_id: str, onset_step: int, epoch: int, now_step: int,
+               checkpoint: Callable[[int], Any]) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         info = checkpoint(onset_step - 1)
         kept = None

@@ -11,6 +11,7 @@ rollback epoch, the data ranges to skip, and the settings actions changed.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -18,14 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.producers.atomic import atomic_write_bytes
+from spikeguard.producers.io_faults import IOFaults, IOKind, describe
+
+log = logging.getLogger("spikeguard.producers.guard")
 
 SIDECAR = "spikeguard-ledger.json"
 
 
 class ActionLedger:
-    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000,
+                 faults: IOFaults | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.max_ids = max_ids
+        self.faults = faults if faults is not None else IOFaults()
         self._applied: OrderedDict[str, None] = OrderedDict()
 
     def __contains__(self, action_id: str) -> bool:
@@ -49,18 +55,30 @@ class ActionLedger:
             if action_id not in self._applied:
                 self.record(action_id)
 
-    def persist(self, extra: dict[str, Any]) -> None:
+    def persist(self, extra: dict[str, Any]) -> bool:
+        """Rewrite the sidecar; False when the write failed (reported by ``faults``, not raised:
+        the ids stay in memory and go into the next checkpoint)."""
         if self.path is None:
-            return
-        body = dict(extra, applied=list(self._applied))
-        atomic_write_bytes(self.path, json.dumps(body, default=_json_default).encode())
+            return True
+        data = json.dumps(dict(extra, applied=list(self._applied)), default=_json_default).encode()
+        path = self.path
+        return self.faults.attempt(IOKind.LEDGER, lambda: atomic_write_bytes(path, data))
 
     def read(self) -> dict[str, Any] | None:
-        """The sidecar's content (and its ids merged in), or None when there is none."""
+        """The sidecar's content (and its ids merged in), or None when there is none or it is
+        unreadable (said in a WARNING: the checkpoint's own ids still apply)."""
         if self.path is None or not self.path.exists():
             return None
-        body = json.loads(self.path.read_text())
-        self.load_state_dict(body)
+        try:
+            body = json.loads(self.path.read_text())
+            if not isinstance(body, dict):
+                raise ValueError(f"a JSON {type(body).__name__}, not an object")
+            self.load_state_dict(body)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("spikeguard: the action ledger %s is unreadable (%s); going on with the ids "
+                        "and facts of the checkpoint (an action applied after it could apply again)",
+                        self.path, describe(exc))
+            return None
         return body
 
 

@@ -221,6 +221,24 @@ class Evidence(BaseModel):
     )
 
 
+class Claim(BaseModel):
+    """What the decision behind an action said: which step (and epoch) was what.
+
+    The recovery policy copies it from the decision into every action it
+    derives; the trainer applies a state-changing action only if the action's
+    evidence is of this very step and its own statistics agree the step was
+    anomalous for this type (producers/evidence.py). An action without a claim
+    is a key holder's own command (an operator's), checked against its
+    evidence only.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: Step = Field(description="the step the decision was about")
+    epoch: Epoch = 0
+    type: AnomalyType = Field(AnomalyType.NONE, description="what the decision said the step was")
+
+
 class Decision(_Event):
     """Fusion's one decision for one (run_id, step): the pipeline's verdict on it.
 
@@ -271,6 +289,9 @@ class Action(_Event):
     incident_id: str | None = None
     evidence: Evidence | None = Field(
         None, description="what the decision rested on, for the trainer to check"
+    )
+    claim: Claim | None = Field(
+        None, description="the decided step and its anomaly type, for the trainer to check"
     )
     reason: str = ""
     signature: str | None = Field(None, description="hex HMAC-SHA256, see schemas.signing")

@@ -121,6 +121,13 @@ class Metrics:
             "Events a trainer dropped because its send queue was full (broker away).",
             registry=r,
         )
+        self.trainer_io_errors = Counter(
+            "spikeguard_trainer_io_errors_total",
+            "Writes of a trainer's Guard that failed (full disk, read-only directory); "
+            "training went on. By what was written: checkpoint, ledger, incident.",
+            ["what"],
+            registry=r,
+        )
         # -- per run (removed when the run ends) -------------------------------
         self.run_last_step = Gauge(
             "spikeguard_run_last_step", "Newest step a run's trainer published.", ["run_id"],

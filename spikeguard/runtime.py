@@ -146,9 +146,15 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
 
         start_monitoring(runtime, metrics)
         if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default
+            from spikeguard.producers.io_faults import describe
             from spikeguard.reporting.recorded_settings import save
 
-            save(settings, settings.data_dir)
+            try:
+                save(settings, settings.data_dir)
+            except OSError as exc:  # a convenience for later replays, never a reason not to train
+                log.warning("spikeguard: could not record the judging settings in %s: %s; training goes "
+                            "on (a replay of this recording needs the settings given again)",
+                            settings.data_dir, describe(exc))
         return runtime
     # Training must not wait on the network: a broker that does not answer
     # within connect_timeout_s leaves the trainer with its local protections.

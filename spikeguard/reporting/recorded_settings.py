@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spikeguard.producers.atomic import atomic_write_bytes
+
 if TYPE_CHECKING:
     from spikeguard.settings import Settings
 
@@ -21,11 +23,11 @@ JUDGEMENT = ("statistical", "rules", "ml", "predictor", "fusion", "policy")
 
 
 def save(settings: "Settings", directory: str | os.PathLike) -> Path:
+    """Write the judging settings beside a recording (atomically); an OSError is the caller's to
+    report: a trainer's runtime goes on without the file (runtime.py)."""
     path = Path(directory) / FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(settings.model_dump(mode="json", include=set(JUDGEMENT)), indent=1))
-    os.replace(tmp, path)
+    body = json.dumps(settings.model_dump(mode="json", include=set(JUDGEMENT)), indent=1)
+    atomic_write_bytes(path, body.encode())
     return path
 
 

@@ -81,3 +81,30 @@ def test_batch_stream_never_goes_back_but_merges_skips():
     fresh.load_state_dict(stream.state_dict())  # a restarted process takes the saved count
     assert fresh.position == 10 and fresh.skip_ranges == stream.skip_ranges
     assert [fresh.read() for _ in range(5)] == [False, False, True, True, True]
+
+
+def test_a_decisions_action_needs_the_framework_guards_own_numbers_to_agree(tmp_path, bus):
+    from spikeguard.schemas import AnomalyType, Claim
+
+    def claimed(kind: ActionKind, at: int, step: int, type_: AnomalyType, **params):
+        return action(kind, at, "ext", **params).model_copy(update={
+            "decision_id": f"d-{step}-{kind.value}", "claim": Claim(step=step, type=type_)})
+
+    sent = {}
+
+    def spike_at_40(guard, step):
+        if step == 40:  # the weights blown up: this step's loss is far out
+            with torch.no_grad():
+                for p in guard.model.parameters():
+                    p.mul_(30.0)
+        if step == 42:
+            sent["healthy"] = claimed(ActionKind.SCALE_LR, 42, 38, AnomalyType.EXTREME_LOSS, factor=0.5)
+            sent["spike"] = claimed(ActionKind.CLIP, 42, 40, AnomalyType.EXTREME_LOSS, max_norm=1.0)
+            send(bus, guard, sent["healthy"], sent["spike"])
+
+    guard = framework(tmp_path, bus, 45, spike_at_40)
+    by_id = {a.action_id: a for a in acks(bus)}
+    assert by_id[sent["healthy"].action_id].status is AckStatus.REJECTED
+    assert "this trainer saw" in by_id[sent["healthy"].action_id].result
+    assert by_id[sent["spike"].action_id].status is AckStatus.APPLIED
+    assert guard.clipper.settings()["max_norm"] == 1.0
