@@ -7,7 +7,7 @@ as the training step it is.
 
 from __future__ import annotations
 
-from spikeguard.producers.actions import ANOMALY_KINDS, Outcome, apply_action
+from spikeguard.producers.actions import ANOMALY_KINDS, Outcome
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
 
@@ -31,7 +31,7 @@ class ActionApplying:
             else:
                 if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
                     self._keep_incident(action)  # before a rollback moves the data and the store
-                outcome = apply_action(self, action, self.step_count)
+                outcome = self._apply_one(action)  # (the Guard's: mode, budget, said out loud)
                 self.ledger.record(action.action_id)
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:

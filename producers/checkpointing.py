@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from spikeguard.errors import ConfigError
 from spikeguard.producers import lifecycle
+from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.actions import Outcome
 from spikeguard.producers.async_checkpoint import SaveJob
 from spikeguard.producers.ledger import apply_restart_facts, restart_facts
@@ -24,15 +26,29 @@ log = logging.getLogger("spikeguard.producers.guard")
 
 
 class Checkpointing:
-    def resume(self) -> Any:
-        """Continue from the newest checkpoint of this run, if any (the ledger always applies);
-        a finished run is moved aside instead and started again (lifecycle.py)."""
+    def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
+        """Continue from the newest checkpoint of this run, as ``mode`` says (config.ResumeMode).
+
+        ``auto``: an unfinished run is resumed (the ledger always applies), a finished one is
+        moved aside and started again; ``must``: resume or raise ConfigError; ``never``: earlier
+        files are moved aside and the run starts from step 0. Each says so in one WARNING line
+        (lifecycle.py); a run_id with no files says nothing.
+        """
+        mode = ResumeMode(mode)
         self.saver.wait()
         peek = lifecycle.read_sidecar(self.store.directory)
-        if peek is not None and peek.get("finished"):
+        finished = peek is not None and bool(peek.get("finished"))
+        if mode is ResumeMode.MUST and (finished or self.store.newest() is None):
+            raise ConfigError(f"resume='must': run {self.run_id} has "
+                              f"{'only a finished run' if finished else 'no checkpoint'} in "
+                              f"{self.store.directory} to resume")
+        if finished or (mode is ResumeMode.NEVER and (peek is not None or self.store.newest() is not None)):
             if self.rank == 0:  # the directory is shared: one rank moves it aside
                 archived = lifecycle.archive_finished(self.store.directory)
-                log.warning(lifecycle.finished_message(self.run_id, peek, archived))
+                log.warning(lifecycle.finished_message(self.run_id, peek or {}, archived) if finished
+                            else lifecycle.fresh_message(self.run_id, archived))
+            return None
+        if mode is ResumeMode.NEVER:
             return None
         side = self.ledger.read() or {}
         info = self.store.newest()

@@ -189,6 +189,7 @@ class FrameworkGuard(Guard):
             reason = "non_finite"
         elif self.skip_rule is not None:
             reason = self._outlier(step, stats)
+        reason = self._local_skip(step, reason, stats)  # said out loud; observe mode: not taken
         if reason is None:
             if stats.grad_norm is not None:
                 self.clipper.clip(grads, stats.grad_norm)
