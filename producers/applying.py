@@ -25,6 +25,7 @@ class ActionApplying:
 
     def _apply(self, due: list[Action], step: int) -> bool:
         interrupted = False
+        self._weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
         for action in due:
             if self.rank == 0 and action.action_id in self.ledger:
                 outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")

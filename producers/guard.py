@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -143,7 +143,7 @@ class Guard(Checkpointing, ActionApplying):
         self.narrator = Narrator(self.run_id)
         self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
         self._rollback_listeners: list[Callable[[int, int], None]] = []
-        self._refused_decisions: set[str] = set()
+        self._refused_decisions: OrderedDict[str, str] = OrderedDict()  # decision -> why not applied
         self._outlier_note = "an isolated outlier step"  # the skip rule's words for the last one
         self.should_stop, self.stop_reason = False, None
         self.max_steps: int | None = None
@@ -449,8 +449,6 @@ class Guard(Checkpointing, ActionApplying):
         because = self._withhold_reason(action)
         if because is not None:
             self.counters["actions_withheld"] += 1
-            if action.decision_id:
-                self._refused_decisions.add(action.decision_id)  # the rest of its plan too
             self.narrator.withhold(action, would_do(action), because, self.step_count)
             return Outcome(action, AckStatus.REJECTED, self.step_count, f"not applied: {because}")
         before = self._cost()
@@ -464,10 +462,29 @@ class Guard(Checkpointing, ActionApplying):
             return "observe mode"
         if self.mode is GuardMode.SKIP_ONLY:
             return "skip-only mode (only the Guard's own update skips are taken)"
-        if action.decision_id is not None and action.decision_id in self._refused_decisions:
-            return "an earlier action of the same decision was not applied (a plan applies whole or not at all)"
-        return self.budget.refusal(self._asked(action), Spend(self.narrator.rerun_steps,
-                                                              self.counters["skipped_steps"]),
+        if action.decision_id is not None:
+            return self._refused_decisions.get(action.decision_id)  # weighed whole: _weigh_plans
+        return self._over_budget([action])
+
+    def _weigh_plans(self, due: list[Action]) -> None:
+        """Weigh each decision's plan whole against the recovery budget before any of it is applied:
+        a rollback must not go ahead when the skip window that comes with it is refused."""
+        if self.mode is not GuardMode.PROTECT:
+            return
+        for decision in dict.fromkeys(a.decision_id for a in due if a.decision_id is not None):
+            if decision in self._refused_decisions:
+                continue
+            plan = [a for a in (*due, *self.actions.pending) if a.decision_id == decision]
+            because = self._over_budget(plan)
+            if because is not None:
+                self._refused_decisions[decision] = f"its plan is {because}"
+                while len(self._refused_decisions) > 1000:
+                    self._refused_decisions.popitem(last=False)
+
+    def _over_budget(self, plan: list[Action]) -> str | None:
+        asked = [self._asked(a) for a in plan if a.kind in STEERING and a.action_id not in self.ledger]
+        total = Spend(sum(s.rerun_steps for s in asked), sum(s.skip_steps for s in asked))
+        return self.budget.refusal(total, Spend(self.narrator.rerun_steps, self.counters["skipped_steps"]),
                                    self.planned_steps())
 
     def _asked(self, action: Action) -> Spend:

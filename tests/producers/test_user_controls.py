@@ -127,16 +127,18 @@ def test_a_recovery_past_the_budget_is_refused_whole_and_said(bus, tmp_path, cap
     # 100 planned steps, 5 % = 5 steps of data, floor 0: the 12-step skip window is over it
     guard = make_guard(tiny, bus, tmp_path, max_skip_share=0.05, recovery_min_steps=0)
     guard.data(tiny.loader, max_steps=100)
-    why = dict(decision_id="d2", incident_id="inc-9", reason="loss spike at step 28")
-    send(bus, action_with(K.SKIP_BATCHES, 30, from_step=21, to_step=28, extra=4, **why),
-         action_with(K.SCALE_LR, 30, factor=0.5, **why), guard=guard)
+    # the rollback alone (10 steps of 100) is within budget; its skip window is not: the
+    # rollback must not go ahead without it (the same bad data would be read again)
+    send(bus, *[a.model_copy(update={"incident_id": "inc-9"}) for a in _plan()], guard=guard)
     train(guard, tiny, 100)
     guard.close()
-    assert guard.counters["skipped_batches"] == 0 and guard.lr.scale == 1.0  # the plan, whole
-    refused = [a for a in acks(bus) if a.kind in (K.SKIP_BATCHES, K.SCALE_LR)]
-    assert [a.status for a in refused] == [AckStatus.REJECTED] * 2
+    assert guard.counters["rollbacks"] == 0 and guard.counters["skipped_batches"] == 0
+    assert guard.lr.scale == 1.0  # the plan, whole
+    refused = [a for a in acks(bus) if a.kind in (K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR)]
+    assert [a.status for a in refused] == [AckStatus.REJECTED] * 3
     assert "over the recovery budget" in refused[0].result
-    assert any("would skip batches" in m and "over the recovery budget" in m for m in _warnings(caplog))
+    assert any(m.startswith("spikeguard: would rollback") and "over the recovery budget" in m
+               and "skip the data of 12 steps" in m for m in _warnings(caplog))
     assert guard.step_count == 100
 
 
