@@ -44,6 +44,7 @@ from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.data import merge_ranges
 from spikeguard.producers.guard import Guard
 from spikeguard.producers.ledger import apply_restart_facts
+from spikeguard.producers.narration import RunSummary
 from spikeguard.schemas import ActionKind
 
 log = logging.getLogger("spikeguard.producers.guard")
@@ -266,9 +267,9 @@ class FrameworkGuard(Guard):
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
         return interrupted
 
-    def close(self, finished: bool | None = None) -> None:
+    def close(self, finished: bool | None = None) -> RunSummary:
         self.hooks.remove()
-        super().close(finished)
+        return super().close(finished)
 
 
 def mean_loss(losses: list[torch.Tensor], summed: bool) -> torch.Tensor | float:
