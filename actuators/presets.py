@@ -1,11 +1,12 @@
-"""Model profiles: starting points for the training knobs the policy works with, and its thresholds.
+"""Model profiles: the policy's thresholds and the Guard's checkpoint cadence per model size.
 
-The training values are what the guard and the user's loop should start
-from (the policy itself only ever sends factors relative to them); the
-``policy`` overrides turn into a :class:`PolicyConfig`. Sources, loosely:
-GPT-2/GPT-3 and LLaMA learning rates per size, global-norm clipping at 1.0
-throughout, and PaLM's recovery (restart ~100 steps before a spike, skip
-200-500 batches). Larger models checkpoint more often in steps because a
+A preset holds only what the code uses: ``checkpoint_interval_steps`` (the
+Guard's ``checkpoint_every`` when the run does not set it) and the ``policy``
+overrides that turn into a :class:`PolicyConfig`. The run's own learning
+rate, warm-up and clipping stay the user's (the policy only ever sends
+factors relative to them). Sources, loosely: GPT-2/GPT-3 and LLaMA runs per
+size, and PaLM's recovery (restart ~100 steps before a spike, skip 200-500
+batches). Larger models checkpoint more often in steps because a
 lost step costs more, wait longer before trusting a recovered LR, and skip
 more data.
 
@@ -28,9 +29,6 @@ class Preset(BaseModel):
 
     name: str
     description: str
-    learning_rate: float = Field(gt=0.0, description="peak LR the run starts from")
-    clip_norm: float = Field(gt=0.0, description="global gradient-norm clip from the start")
-    warmup_steps: int = Field(ge=0, description="linear LR warm-up")
     checkpoint_interval_steps: int = Field(
         ge=1, description="periodic checkpoints (GuardConfig.checkpoint_every)"
     )
@@ -50,9 +48,6 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(
         name="small",
         description="up to ~150M parameters (GPT-2 small class): fast steps, cheap rollbacks",
-        learning_rate=6e-4,
-        clip_norm=1.0,
-        warmup_steps=1000,
         checkpoint_interval_steps=200,
         policy=dict(
             clip_norm_initial=1.0,
@@ -71,18 +66,12 @@ PRESETS: dict[str, Preset] = {
     "medium": Preset(
         name="medium",
         description="~350M-3B parameters (GPT-3 medium/XL class); the PolicyConfig defaults",
-        learning_rate=3e-4,
-        clip_norm=1.0,
-        warmup_steps=2000,
         checkpoint_interval_steps=100,
         policy={},
     ),
     "large": Preset(
         name="large",
         description="7B parameters and up (LLaMA/PaLM class): expensive steps, cautious recovery",
-        learning_rate=1.5e-4,
-        clip_norm=1.0,
-        warmup_steps=5000,
         checkpoint_interval_steps=50,
         policy=dict(
             clip_norm_initial=1.0,

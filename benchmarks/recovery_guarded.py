@@ -39,7 +39,8 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     workdir = tempfile.mkdtemp(prefix="spikeguard-bench-")
     run_id = f"bench-{fault.name}-{seed}-{time.monotonic_ns() % 10**9}"
     config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=4,
-                         resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
+                         resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
+                         max_rerun_share=0.5, max_skip_share=0.5)  # short runs, as the demo's
     guard = Guard(p.model, p.optimizer, p.scheduler, run_id=run_id, config=config, bus=runtime.bus,
                   topics=runtime.topics, scaler=scaler)
     try:

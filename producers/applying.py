@@ -7,7 +7,7 @@ as the training step it is.
 
 from __future__ import annotations
 
-from spikeguard.producers.actions import ANOMALY_KINDS, Outcome, apply_action
+from spikeguard.producers.actions import ANOMALY_KINDS, Outcome
 from spikeguard.producers.distributed import failures
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
@@ -26,6 +26,7 @@ class ActionApplying:
 
     def _apply(self, due: list[Action], step: int) -> bool:
         interrupted = False
+        self._weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
         for action in due:
             broken = self.actions.broken_plan(action)
             duplicate = self.rank == 0 and action.action_id in self.ledger
@@ -39,7 +40,7 @@ class ActionApplying:
             else:
                 if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
                     self._keep_incident(action)  # before a rollback moves the data and the store
-                outcome = apply_action(self, action, self.step_count)
+                outcome = self._apply_one(action)  # (the Guard's: mode, budget, said out loud)
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
                     outcome = self._same_on_every_rank(action, outcome)

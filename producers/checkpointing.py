@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+from spikeguard.errors import ConfigError
 from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import ActionFailed, Outcome
+from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.async_checkpoint import SaveJob
 from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointUnreadable
 from spikeguard.producers.io_faults import IOKind
@@ -51,25 +53,41 @@ class Loaded(NamedTuple):
 
 
 class Checkpointing:
-    def resume(self) -> Any:
-        """Continue from the newest checkpoint of this run, if any (the ledger always applies);
-        a finished run is moved aside instead and started again (lifecycle.py).
+    def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
+        """Continue from the newest checkpoint of this run, as ``mode`` says (config.ResumeMode).
 
-        Rank 0 decides (finished, or which checkpoints, newest first) and every rank
-        follows: a rank that starts later sees the same directory as rank 0 did.
+        ``auto``: an unfinished run is resumed (the ledger always applies), a finished one is
+        moved aside and started again; ``must``: resume or raise ConfigError; ``never``: earlier
+        files are moved aside and the run starts from step 0. Each says so in one WARNING line
+        (lifecycle.py); a run_id with no files says nothing.
+
+        Rank 0 decides (refuse, start afresh, or which checkpoints, newest first) and every
+        rank follows: a rank that starts later sees the same directory as rank 0 did.
         """
+        mode = ResumeMode(mode)
         self.saver.wait()
         decision: Any = None
         if self.rank == 0:
             peek = lifecycle.read_sidecar(self.store.directory)
-            if peek is not None and peek.get("finished"):
-                archived = lifecycle.archive_finished(self.store.directory)
-                log.warning(lifecycle.finished_message(self.run_id, peek, archived))
-                decision = "finished"
+            finished = peek is not None and bool(peek.get("finished"))
+            newest = self.store.newest()
+            if mode is ResumeMode.MUST and (finished or newest is None):
+                decision = ("refuse", f"resume='must': run {self.run_id} has "
+                            f"{'only a finished run' if finished else 'no checkpoint'} in "
+                            f"{self.store.directory} to resume")
+            elif finished or (mode is ResumeMode.NEVER and (peek is not None or newest is not None)):
+                archived = lifecycle.archive_finished(self.store.directory)  # the directory is shared
+                log.warning(lifecycle.finished_message(self.run_id, peek or {}, archived) if finished
+                            else lifecycle.fresh_message(self.run_id, archived))
+                decision = "fresh"
+            elif mode is ResumeMode.NEVER:
+                decision = "fresh"
             else:
                 decision = [Candidate.of(c) for c in self.store.list(0)]
         decision = self.sync.share(decision)
-        if decision == "finished":
+        if isinstance(decision, (tuple, list)) and decision and decision[0] == "refuse":
+            raise ConfigError(decision[1])
+        if decision == "fresh":
             return None
         side = self.ledger.read() or {}
         loaded = self._load_agreed(decision) if decision else None

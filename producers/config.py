@@ -6,9 +6,40 @@ itself, never stored here: this is only what a user would put in a file.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+
+class GuardMode(str, Enum):
+    """How far the Guard may act on its own findings.
+
+    ``protect``: everything the pipeline decides is applied (the default).
+    ``observe``: the whole pipeline runs and every action is logged, reported and
+    counted as what it *would* do; nothing is applied, not even the Guard's own
+    update skips. The mode for a first run on a new model.
+    ``skip-only``: only the Guard's own update skips (a non-finite or isolated
+    outlier step); the pipeline's actions are logged as what they would do.
+    """
+
+    PROTECT = "protect"
+    OBSERVE = "observe"
+    SKIP_ONLY = "skip-only"
+
+
+class ResumeMode(str, Enum):
+    """What a Guard does when its run_id already has checkpoints (as W&B's ``resume=``).
+
+    ``auto``: resume an unfinished run (a crash, a kill), start a finished one
+    afresh with its files moved aside; one WARNING line says which.
+    ``must``: resume, or raise if there is nothing unfinished to resume.
+    ``never``: always start from step 0; earlier checkpoints are moved aside.
+    """
+
+    AUTO = "auto"
+    MUST = "must"
+    NEVER = "never"
 
 
 class GuardConfig(BaseModel):
@@ -41,9 +72,32 @@ class GuardConfig(BaseModel):
         True, description="write checkpoints on a background thread (the step only copies the state "
         "to CPU memory); at most one write in flight, a save due meanwhile waits for it"
     )
-    resume: bool = Field(
-        True, description="start from the newest checkpoint of this run_id if there is one "
-        "(announced at WARNING); a finished run is moved aside and started again instead"
+    resume: ResumeMode = Field(
+        ResumeMode.AUTO, description="auto: resume an unfinished run of this run_id, start a finished "
+        "one afresh (its files moved aside); must: resume or raise; never: always start from step 0 "
+        "(earlier files moved aside). One WARNING line says what happened. true/false mean auto/never"
+    )
+    mode: GuardMode = Field(
+        GuardMode.PROTECT, description="protect: apply what the pipeline decides; observe: log, report "
+        "and count what it would do, apply nothing (a first run); skip-only: only the Guard's own "
+        "update skips"
+    )
+    max_skip_share: float = Field(
+        0.05, ge=0.0, le=1.0, description="recovery budget: the share of the run's steps whose data "
+        "skip windows may skip; an action past it is refused with a WARNING (the pipeline alerts)"
+    )
+    max_rerun_share: float = Field(
+        0.10, ge=0.0, le=1.0, description="recovery budget: the share of the run's steps rollbacks "
+        "may re-run; a rollback past it is refused with a WARNING (the pipeline alerts)"
+    )
+    recovery_min_steps: int = Field(
+        50, ge=0, description="recovery budget floor: re-running or skipping up to this many steps "
+        "(each) is always within budget, however short the run"
+    )
+    max_grad_norm: float | None = Field(
+        None, gt=0.0, description="the Guard clips gradients at this total norm after measuring them "
+        "(use it instead of your own clip_grad_norm_ before guard.step, which would hide the true "
+        "norm from the detectors); None: no clipping of the Guard's own unless an action asks"
     )
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
@@ -135,6 +189,19 @@ class GuardConfig(BaseModel):
         2, ge=1, description="outliers in a row still skipped; a longer run is not isolated, and "
         "is left to the pipeline (the rule then learns it)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resume_from_bool(cls, data: Any) -> Any:
+        # resume=True/False predates the three modes: True resumed (auto), False started over.
+        if isinstance(data, dict) and "resume" in data:
+            value = data["resume"]
+            text = value.strip().lower() if isinstance(value, str) else None
+            if value is True or text in ("true", "1", "yes"):
+                data = dict(data, resume=ResumeMode.AUTO)
+            elif value is False or text in ("false", "0", "no"):
+                data = dict(data, resume=ResumeMode.NEVER)
+        return data
 
     @model_validator(mode="after")
     def _skip_history_fits_window(self) -> "GuardConfig":

@@ -27,17 +27,27 @@ deterministic.
 
 Skip ranges (inclusive global indices) are jumped over; they are kept across
 rollbacks (bad data stays bad) and restored from the guard's ledger.
+
+How far it reads: ``epochs`` passes when given; else, with ``until_stopped``
+(the Guard sets it when ``guard.data(loader, max_steps=N)`` names the run's
+length), data epoch after data epoch until the Guard stops it at
+``max_steps``, so a skip window that used up data never shortens the run (the
+data is read again from its start, in the next epoch's order, and a WARNING
+says so); else one pass, to the end of the data epoch it is in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from spikeguard.producers import rng
+
+log = logging.getLogger("spikeguard.producers.guard")
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -73,6 +83,7 @@ class GuardedLoader:
         # (a reference run) reads the same order.
         self.seed = seed
         self.epochs = epochs
+        self.until_stopped = False  # read data epoch after data epoch until stop_when (max_steps)
         self.stop_when = stop_when
         self.before_batch = before_batch
         # Forensics (producers/incidents.py): every batch read, used or dropped, and each new
@@ -90,6 +101,7 @@ class GuardedLoader:
         self._next_index = 0  # the global index of what the live iterator yields next
         self._epoch_end = 0
         self._limit: int | None = None
+        self._newest_epoch = 0  # the furthest data epoch opened so far
         sampler = getattr(loader, "sampler", None)
         if isinstance(sampler, DistributedSampler):
             rank, world_size = sampler.rank, sampler.num_replicas
@@ -126,6 +138,10 @@ class GuardedLoader:
         self.skip_ranges = merge_ranges(self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())])
         self.seek(int(state["position"]))
 
+    def data_end(self) -> int | None:
+        """One past the last global index this iteration may read (None: no end, or not iterating)."""
+        return self._limit
+
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
             raise TypeError("the wrapped iterable has no length")
@@ -136,7 +152,7 @@ class GuardedLoader:
         bpe = self.batches_per_epoch
         if self.epochs is not None and bpe:
             self._limit = self.epochs * bpe
-        elif bpe:  # one pass: to the end of the data epoch we are in
+        elif bpe and not self.until_stopped:  # one pass: to the end of the data epoch we are in
             self._limit = (self.position // bpe + 1) * bpe
         else:
             self._limit = None
@@ -177,12 +193,26 @@ class GuardedLoader:
         epoch = position // bpe if bpe else 0
         first = epoch * bpe if bpe else 0
         self._epoch_end = first + bpe if bpe else 0
+        if bpe and epoch > self._newest_epoch:
+            self._newest_epoch = epoch
+            if self.until_stopped and self.epochs is None:
+                self._say_new_pass(epoch, first)
         self._iter = None  # (a worker pool of the old iterator shuts down with it)
         self._set_epoch(epoch)
         if self.on_open is not None:
             self.on_open()  # before iter(): workers draw indices as the iterator starts
         self._iter = iter(self.loader)
         self._next_index = first
+
+    def _say_new_pass(self, epoch: int, first: int) -> None:
+        """Another pass over the data to reach max_steps: a WARNING when skip windows made it needed."""
+        bpe = self.batches_per_epoch or 0
+        skipped = sum(max(0, min(b, first - 1) - max(a, first - bpe) + 1) for a, b in self.skip_ranges)
+        if skipped:
+            log.warning("spikeguard: skip windows dropped %d batches of data epoch %d: re-reading the data "
+                        "from its start (data epoch %d) to reach max_steps", skipped, epoch - 1, epoch)
+        else:
+            log.info("spikeguard: data epoch %d begins (reading on to max_steps)", epoch)
 
     def _advance(self) -> tuple[int, Any]:
         """The next batch at or after ``position`` outside the skip ranges; the ones before it are

@@ -33,15 +33,22 @@ are not published.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 
+from spikeguard.errors import ConfigError
+from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.data import merge_ranges
 from spikeguard.producers.evidence import own_view
 from spikeguard.producers.guard import Guard
+from spikeguard.producers.ledger import apply_restart_facts
+from spikeguard.producers.narration import RunSummary
 from spikeguard.schemas import ActionKind
+
+log = logging.getLogger("spikeguard.producers.guard")
 
 #: Actions that end the step they are due at; applied in the second half.
 INTERRUPTING = frozenset({ActionKind.ROLLBACK, ActionKind.STOP})
@@ -153,9 +160,16 @@ def void_update(optimizer: Any) -> None:
 
 
 class FrameworkGuard(Guard):
-    """A :class:`Guard` driven by a framework's callback through two halves of a step."""
+    """A :class:`Guard` driven by a framework's callback through two halves of a step.
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, **kwargs: Any) -> None:
+    ``framework_step`` is the framework's global step when training starts: above 0 it
+    resumed a run itself (model, optimizer, scheduler), and ``resume`` says whether the
+    Guard's own facts follow it (see :meth:`resume`).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, *,
+                 framework_step: int = 0, **kwargs: Any) -> None:
+        self.framework_step = framework_step
         super().__init__(model, optimizer, scheduler, **kwargs)
         self.stream = BatchStream()
         self.position.attach(self.stream)  # (a resumed data state is handed over here)
@@ -163,6 +177,28 @@ class FrameworkGuard(Guard):
         self._held: list[Any] = []  # due rollback/stop (and what came with them) for the second half
         self._step: dict[str, Any] | None = None  # the first half's findings, for the second
         self.rolled_back = False  # the last second half rolled back (the caller moves its step)
+
+    def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
+        """The framework resumes the model; the Guard never loads weights over it.
+
+        ``auto``: when the framework resumed, the Guard's own facts follow (applied action ids,
+        skip windows, LR factor, clipping, from its ledger file); when it starts at step 0, so
+        does the Guard (earlier files moved aside). ``must``: as auto, but a framework that did
+        not resume is an error. ``never``: the Guard always starts afresh.
+        """
+        mode = ResumeMode(mode)
+        if mode is ResumeMode.MUST and self.framework_step <= 0:
+            raise ConfigError(f"resume='must': the framework started run {self.run_id} at step 0; "
+                              "resume it from its checkpoint (or use resume='auto')")
+        if mode is ResumeMode.NEVER or self.framework_step <= 0:
+            return super().resume(ResumeMode.NEVER)
+        side = self.ledger.read() or {}
+        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
+        log.warning("spikeguard: the framework resumed run %s at step %d; the Guard's own state follows "
+                    "(%d applied actions, %d skip windows, LR factor %.3g)%s", self.run_id,
+                    self.framework_step, len(self.ledger), len(side.get("skip_ranges") or ()), self.lr.scale,
+                    "" if side else " (no ledger file found: nothing to carry over)")
+        return None
 
     def batch_read(self) -> bool:
         """The framework read a (micro-)batch for training; True when it is in a skip window."""
@@ -190,6 +226,7 @@ class FrameworkGuard(Guard):
             reason = "non_finite"
         else:
             reason, scored = self._outlier(step, stats)
+        reason = self._local_skip(step, reason, stats)  # said out loud; observe mode: not taken
         if reason is None:
             if stats.grad_norm is not None:
                 self.clipper.clip(grads, stats.grad_norm)
@@ -232,9 +269,9 @@ class FrameworkGuard(Guard):
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
         return interrupted
 
-    def close(self, finished: bool | None = None) -> None:
+    def close(self, finished: bool | None = None) -> RunSummary:
         self.hooks.remove()
-        super().close(finished)
+        return super().close(finished)
 
 
 def mean_loss(losses: list[torch.Tensor], summed: bool) -> torch.Tensor | float:

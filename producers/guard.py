@@ -8,6 +8,15 @@
         guard.step(loss)                         # was: optimizer.step(); scheduler.step()
     guard.close()
 
+What it does is said out loud: one WARNING line per action that changes the run
+(what, why, its cost, the incident), and ``close()`` logs and returns the run's
+summary (``summary()`` any time; narration.py). ``mode="observe"`` runs the whole
+pipeline and applies nothing, saying what it would do; ``mode="skip-only"`` takes
+only the Guard's own update skips (config.GuardMode). Recoveries are bounded by a
+budget (budget.py). A loop that keeps its own step count follows rollbacks with
+``guard.on_rollback(fn)`` or reads ``guard.step_count``. ``docs/guard.md`` is the
+user's guide to all of it.
+
 With gradient accumulation, iterate ``guard.data(loader)`` for the micro-batches
 and call ``guard.step(mean_loss)`` once per optimizer step, after the last
 backward: steps, checkpoints and skip windows count optimizer steps.
@@ -18,12 +27,11 @@ update at once when the loss or gradient is non-finite or the step is an
 isolated outlier (skip_rule.py), publishes the
 StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
 due (a CPU copy in the step, written in the background: async_checkpoint.py).
-A restarted run_id resumes with a WARNING; a finished one is not resumed
-(lifecycle.py). The run's preset and policy are checked when the Guard is
-built and published on the runs topic (run_plan.py). Step numbers count
-``step`` calls; a checkpoint "at step s" holds the state before step s runs.
-After a rollback to s the step counter is s again and the epoch (rollbacks
-applied so far) one higher.
+A restarted run_id resumes with a WARNING (``resume="auto"``, the default; "must"
+and "never" as config.ResumeMode says); a finished one is not resumed (lifecycle.py). The run's preset and policy are checked when the Guard is
+built and published on the runs topic (run_plan.py). Step numbers count ``step`` calls; a checkpoint "at step s" holds the
+state before step s runs. After a rollback to s the step counter is s again
+and the epoch (rollbacks applied so far) one higher.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import logging
 import math
 import os
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,10 +50,11 @@ from spikeguard.producers.amp import ScalerControl
 from spikeguard.producers.async_checkpoint import AsyncSaver
 from spikeguard.producers.applying import ActionApplying
 from spikeguard.producers.checkpointing import Checkpointing
-from spikeguard.producers.actions import ActionFailed, ActionQueue, Handler
+from spikeguard.producers.actions import ActionFailed, ActionQueue, Handler, Outcome, apply_action
+from spikeguard.producers.budget import RecoveryBudget, Spend
 from spikeguard.producers.checkpoints import CheckpointStore
 from spikeguard.producers.clipping import GradClipper
-from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
 from spikeguard.producers.data import GuardedLoader
 from spikeguard.producers.distributed import RankSync
 from spikeguard.producers.evidence import own_view
@@ -55,6 +64,7 @@ from spikeguard.producers.io_faults import IOFaults
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.producers.narration import STEERING, Cost, Narrator, RunSummary, would_do
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
 from spikeguard.producers.run_events import RunEvents
@@ -64,7 +74,7 @@ from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
 from spikeguard.producers.stats import GradStats, across_ranks
-from spikeguard.schemas import Action, ActionKind, Topics
+from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +84,8 @@ class Guard(Checkpointing, ActionApplying):
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
                  connect: bool = True, preset: str | None = None,
-                 policy: dict[str, Any] | None = None) -> None:
+                 policy: dict[str, Any] | None = None, mode: GuardMode | str | None = None,
+                 resume: ResumeMode | str | bool | None = None) -> None:
         self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py); FSDP1 refused, first
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
@@ -88,6 +99,10 @@ class Guard(Checkpointing, ActionApplying):
             self._runtime = open_runtime()
             bus, topics, settings = self._runtime.bus, topics or self._runtime.topics, self._runtime.settings
         cfg = config or getattr(settings, "guard", None) or GuardConfig()
+        given = {k: v for k, v in (("mode", mode), ("resume", resume)) if v is not None}
+        if given:  # the arguments win over the config (validated as the config's own fields)
+            checked = GuardConfig.model_validate(given)
+            cfg = cfg.model_copy(update={k: getattr(checked, k) for k in given})
         # The run's preset and policy, checked against the checkpoint settings (run_plan.py).
         self.plan = make_plan(cfg, preset, policy)
         self.config = cfg = self.plan.config
@@ -105,6 +120,8 @@ class Guard(Checkpointing, ActionApplying):
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
+        if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
+            self.clipper.set_fixed(cfg.max_grad_norm)
         self.lr = LRControl(optimizer)
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
@@ -125,17 +142,28 @@ class Guard(Checkpointing, ActionApplying):
             ("health", self.health), ("ledger", self.ledger), ("skip_rule", self.skip_rule),
             ("data", self.position)], per_rank=("rng", "sharded"))
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
+        #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
         self.step_count, self.epoch = 0, 0
+        self.mode = cfg.mode
+        self.narrator = Narrator(self.run_id)
+        self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
+        self._rollback_listeners: list[Callable[[int, int], None]] = []
+        self._refused_decisions: OrderedDict[str, str] = OrderedDict()  # decision -> why not applied
+        self._outlier_note = "an isolated outlier step"  # the skip rule's words for the last one
         self.should_stop, self.stop_reason = False, None
         self.max_steps: int | None = None
-        # With gradient accumulation a step reads several micro-batches, so skips are counted
-        # in both units: skipped_updates (optimizer steps the guard skipped itself) and
-        # skipped_update_batches (their micro-batches); skipped_steps and skipped_batches
-        # (data skipped by SKIP_BATCHES actions).
+        #: What the Guard did, counted (read it any time; ``summary()`` puts it in words):
+        #: steps (step calls, re-run ones included), updates (applied), skipped_updates (updates
+        #: the Guard skipped itself: non-finite, outlier, transient) and skipped_update_batches
+        #: (their micro-batches, with gradient accumulation), rollbacks, checkpoints,
+        #: actions_applied, acks, skipped_steps and skipped_batches (data skipped by skip
+        #: windows, in steps and in micro-batches), scaler_skips (a GradScaler's own
+        #: overflows), outlier_skips (outlier steps found), transient_steps (steps a re-run
+        #: found different), actions_withheld (not applied: mode or recovery budget).
         self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
                              rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
                              skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0,
-                             transient_steps=0)
+                             transient_steps=0, actions_withheld=0)
         self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
@@ -158,13 +186,16 @@ class Guard(Checkpointing, ActionApplying):
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
         self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)
-        if cfg.resume:
-            self.resume()
+        self.resume(cfg.resume)
 
     # -- the user's API ------------------------------------------------------
     def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None,
              sample_ids: Callable[[Any], list] | None = None) -> GuardedLoader:
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order.
+
+        ``max_steps`` is the run's length in optimizer steps: the Guard stops there, and reads
+        the data again from its start (the next data epoch) rather than end early, as when skip
+        windows used some of it up. Without ``max_steps`` and ``epochs`` it is one pass.
 
         ``sample_ids(batch)`` names the samples of a batch for incident forensics; by default
         a map-style loader's dataset indices are recorded (forensics/provenance.py).
@@ -178,6 +209,8 @@ class Guard(Checkpointing, ActionApplying):
                                                on_open=self.incidents.restart))
         elif epochs is not None:
             self.loader.epochs = epochs
+        # With the run's length known, the data is read again rather than the run cut short.
+        self.loader.until_stopped = self.max_steps is not None
         return self.loader
 
     @property
@@ -229,13 +262,15 @@ class Guard(Checkpointing, ActionApplying):
         if reason is None and not overflow:
             reason, scored = self._outlier(step, stats)
         rerun = None
-        if reason is not None and self.rerun.enabled and not (self.sync.enabled or self.amp.enabled):
+        if reason is not None and self.rerun.enabled and self.mode is not GuardMode.OBSERVE and not (
+                self.sync.enabled or self.amp.enabled):
             # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
             stats, rerun = self.rerun.judge(closure, [p for p in self.model.parameters() if p.requires_grad],
                                             stats)
             if rerun == "transient":
                 reason = "transient"
                 self.counters["transient_steps"] += 1
+        reason = self._local_skip(step, reason, stats)
         if reason is not None:
             self._zero_grads()
             self.amp.void()
@@ -276,10 +311,13 @@ class Guard(Checkpointing, ActionApplying):
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
         return reason is None
 
-    def close(self, finished: bool | None = None) -> None:
-        """Flush everything; ``finished`` (default: the planned steps ran, or the data ran out)."""
+    def close(self, finished: bool | None = None) -> RunSummary:
+        """Flush everything; ``finished`` (default: the planned steps ran, or the data ran out).
+
+        Logs the run's summary (one paragraph, WARNING) and returns it; see ``summary()``.
+        """
         if self._closed:
-            return
+            return self.summary()
         self._closed = True
         self.saver.close()
         self._drain_saves()
@@ -299,6 +337,9 @@ class Guard(Checkpointing, ActionApplying):
             self.publisher.close(self.config.flush_timeout)
         if self._runtime is not None:
             self._runtime.close()
+        summary = self.summary()
+        log.warning("%s", summary)
+        return summary
 
     def __enter__(self) -> "Guard":
         return self
@@ -329,11 +370,13 @@ class Guard(Checkpointing, ActionApplying):
             note += f" (passed over {'; '.join(loaded.passed)})"
         if info is None:
             raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to{note}")
+        from_step = self.step_count
         self.epoch += 1
         self.step_count = info.step
         self.should_stop = False
         self.position.rewind(info.step)
         self.counters["rollbacks"] += 1
+        self._rolled_back(from_step, info.step)
         return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.epoch}{note}"
 
     def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str:
@@ -343,6 +386,13 @@ class Guard(Checkpointing, ActionApplying):
         text = f"skipping batches {start}..{end}"
         if end - start + 1 != steps:  # gradient accumulation: say both
             text += f" ({end - start + 1} micro-batches, {steps} optimizer steps)"
+        ends = getattr(self.loader, "data_end", None)  # (a framework's stream has no end it knows)
+        data_end = ends() if ends is not None else None
+        if data_end is not None and end >= data_end:
+            log.warning("spikeguard: the skip window %d..%d reaches past the end of the data (its last "
+                        "batch is %d): this pass ends %d batches early; guard.data(loader, max_steps=N) "
+                        "reads the data again to reach N steps instead", start, end, data_end - 1,
+                        min(end, data_end - 1) - max(start, self.loader.position) + 1)
         return text
 
     # -- what actions call ---------------------------------------------------
@@ -386,10 +436,125 @@ class Guard(Checkpointing, ActionApplying):
         skip = decision.skip and self.config.skip_outliers
         if skip:
             self.counters["outlier_skips"] += 1
-            log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",
-                     step, decision.signal, decision.loss_z, decision.grad_z)
+            self._outlier_note = (f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
+                                  f"grad z={_z(decision.grad_z)})")
         return ("outlier_step" if skip else None), decision
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    # -- what the user sees and controls: mode, budget, narration, rollback listeners -----
+    def _local_skip(self, step: int, reason: str | None, stats: Any) -> str | None:
+        """Say the Guard's own update skip out loud; in observe mode say it would, and do not."""
+        if reason not in ("non_finite", "outlier_step", "transient"):
+            return reason
+        why = {"non_finite": f"non-finite loss or gradient (loss {stats.loss:.4g})",
+               "transient": "a re-run of the step came out different (a transient device fault)",
+               "outlier_step": self._outlier_note}[reason]
+        if self.mode is GuardMode.OBSERVE:
+            self.counters["actions_withheld"] += 1
+            self.narrator.would_skip_update(step, why)
+            return None
+        log.warning("spikeguard: skipped the update of step %d: %s; cost: 1 update, no rollback", step, why)
+        return reason
+
+    def _apply_one(self, action: Action) -> Outcome | None:
+        """Apply one due action, or withhold it (mode, recovery budget), saying which out loud."""
+        if action.kind not in STEERING:
+            return apply_action(self, action, self.step_count)
+        because = self._withhold_reason(action)
+        if because is not None:
+            self.counters["actions_withheld"] += 1
+            self.narrator.withhold(action, would_do(action), because, self.step_count)
+            return Outcome(action, AckStatus.REJECTED, self.step_count, f"not applied: {because}")
+        before = self._cost()
+        outcome = apply_action(self, action, self.step_count)
+        if outcome is not None and outcome.status is AckStatus.APPLIED:
+            self.narrator.took(action, outcome.result, before, self._cost())
+        return outcome
+
+    def _withhold_reason(self, action: Action) -> str | None:
+        if self.mode is GuardMode.OBSERVE:
+            return "observe mode"
+        if self.mode is GuardMode.SKIP_ONLY:
+            return "skip-only mode (only the Guard's own update skips are taken)"
+        if action.decision_id is not None:
+            return self._refused_decisions.get(action.decision_id)  # weighed whole: _weigh_plans
+        return self._over_budget([action])
+
+    def _weigh_plans(self, due: list[Action]) -> None:
+        """Weigh each decision's plan whole against the recovery budget before any of it is applied:
+        a rollback must not go ahead when the skip window that comes with it is refused."""
+        if self.mode is not GuardMode.PROTECT:
+            return
+        for decision in dict.fromkeys(a.decision_id for a in due if a.decision_id is not None):
+            if decision in self._refused_decisions:
+                continue
+            plan = [a for a in (*due, *self.actions.pending) if a.decision_id == decision]
+            because = self._over_budget(plan)
+            if because is not None:
+                self._refused_decisions[decision] = f"its plan is {because}"
+                while len(self._refused_decisions) > 1000:
+                    self._refused_decisions.popitem(last=False)
+
+    def _over_budget(self, plan: list[Action]) -> str | None:
+        asked = [self._asked(a) for a in plan if a.kind in STEERING and a.action_id not in self.ledger]
+        total = Spend(sum(s.rerun_steps for s in asked), sum(s.skip_steps for s in asked))
+        return self.budget.refusal(total, Spend(self.narrator.rerun_steps, self.counters["skipped_steps"]),
+                                   self.planned_steps())
+
+    def _asked(self, action: Action) -> Spend:
+        """What a rollback or skip window would cost, in steps, before it is applied."""
+        p = action.params
+        if action.kind is ActionKind.ROLLBACK:
+            info = self.store.newest_healthy(max_step=p.target_step)
+            return Spend(max(self.step_count - (info.step if info else p.target_step), 0), 0)
+        if action.kind is ActionKind.SKIP_BATCHES:
+            return Spend(0, max(p.to_step - p.from_step + 1, 0) + p.extra)
+        return Spend(0, 0)
+
+    def _cost(self) -> Cost:
+        c = self.counters
+        return Cost(self.step_count, self.narrator.rerun_steps, c["skipped_batches"], c["skipped_steps"],
+                    self.lr.effective())
+
+    def planned_steps(self) -> int:
+        """The run's length for the recovery budget: max_steps, else what the loader holds, else the
+        steps run so far."""
+        if self.max_steps is not None:
+            return self.max_steps
+        loader = self.loader
+        batches = getattr(loader, "batches_per_epoch", None)  # (a framework's stream has no length)
+        if batches:
+            spans = list(self.position.spans.values())
+            per_step = sum(b - a + 1 for a, b in spans) / len(spans) if spans else 1.0
+            return int(batches * (loader.epochs or 1) / max(per_step, 1.0))
+        return self.counters["steps"]
+
+    def on_rollback(self, listener: Callable[[int, int], None]) -> None:
+        """Call ``listener(from_step, to_step)`` after every rollback, once the state is restored.
+
+        ``from_step`` is the step that was about to run, ``to_step`` the step the run goes on
+        from (``guard.step_count``). A loop that keeps its own counter, or does something every
+        N steps, follows the Guard here. A listener that raises is logged, never fatal.
+        """
+        self._rollback_listeners.append(listener)
+
+    def _rolled_back(self, from_step: int, to_step: int) -> None:
+        for listener in self._rollback_listeners:
+            try:
+                listener(from_step, to_step)
+            except Exception:  # noqa: BLE001 - the user's listener must not kill training
+                log.exception("spikeguard: on_rollback listener %r raised", listener)
+
+    def summary(self) -> RunSummary:
+        """The run so far: incidents, actions taken and withheld, and the goodput."""
+        c, n = self.counters, self.narrator
+        return RunSummary(self.run_id, self.mode.value, self.step_count, c["steps"], n.rerun_steps,
+                          c["skipped_batches"], c["skipped_steps"], c["skipped_updates"],
+                          len(n.incidents), dict(n.applied), dict(n.withheld), self.lr.scale)
+
+
+def _z(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 

@@ -5,7 +5,9 @@ after the loader ran out of data), or when the user saved a ``"final"``
 checkpoint; the sidecar then records it. Starting a finished run_id again
 does not resume it (that trained 0 steps, silently): its files are moved
 aside to ``<checkpoint dir>/finished-<UTC time>/`` and the run starts from
-step 0. Resuming an unfinished run is announced in one WARNING line on the
+step 0. ``resume="never"`` moves any earlier files aside the same way, and
+``resume="must"`` raises when there is nothing unfinished to resume.
+Resuming an unfinished run is announced in one WARNING line on the
 ``spikeguard.producers.guard`` logger, which Python shows by default.
 """
 
@@ -56,6 +58,11 @@ def finished_message(run_id: str, side: dict[str, Any], archived: Path) -> str:
             f"{archived} (give each run its own run_id to keep them apart)")
 
 
+def fresh_message(run_id: str, archived: Path) -> str:
+    return (f"spikeguard: resume='never': run {run_id} starts from step 0; its earlier checkpoints were "
+            f"moved to {archived}")
+
+
 def resume_message(run_id: str, info: Any, directory: Path) -> str:
     return (f"spikeguard: resuming run {run_id} from step {info.step} (epoch {info.epoch}) of checkpoint "
-            f"{info.checkpoint_id} in {directory}; GuardConfig(resume=False) or a new run_id starts over")
+            f"{info.checkpoint_id} in {directory}; resume='never' or a new run_id starts over")

@@ -56,7 +56,8 @@ class RunEvents:
         a = outcome.action
         self.publisher.submit(self.topics.acks, Ack, dict(
             run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
-            step=outcome.step, rank=self.rank, result=outcome.result[:500]), droppable=False)
+            step=outcome.step, rank=self.rank, result=outcome.result[:500],
+            time=time.time()), droppable=False)  # sent now: a replay puts it among the steps by it
 
     def run(self, kind: str, plan: Any, planned_steps: int | None, step: int, epoch: int,
             finished: bool, reason: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from typing import TYPE_CHECKING
@@ -67,15 +68,29 @@ def demo_settings(config_file: str | None = None) -> "Settings":
                          config_file=config_file)
 
 
-def _progress_bar(step: int, total: int, loss: float) -> None:
-    if step % 5 and step < total:
-        return
-    width = 30
-    done = min(width, int(width * step / max(total, 1)))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step:4d}/{total}  loss {loss:8.3f}")
-    if step >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class _ProgressBar:
+    """One line on stderr, redrawn in place; a log line meanwhile starts on a line of its own."""
+
+    def __init__(self) -> None:
+        self.open = False  # the cursor is at the end of the bar
+
+    def __call__(self, step: int, total: int, loss: float) -> None:
+        if step % 5 and step < total:
+            return
+        width = 30
+        done = min(width, int(width * step / max(total, 1)))
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step:4d}/{total}  loss {loss:8.3f}")
+        self.open = step < total
+        if not self.open:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """A logging filter: end the bar's line before the Guard's WARNING lines are printed."""
+        if self.open:
+            sys.stderr.write("\n")
+            self.open = False
+        return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 150:
         raise SystemExit("spikeguard demo: --steps must be at least 150 (the fault strikes at step 100)")
     setup = DemoSetup(steps=args.steps)
-    progress = None if (args.quiet or args.json) else _progress_bar
+    progress = None if (args.quiet or args.json) else _ProgressBar()
+    for handler in logging.getLogger().handlers if progress is not None else ():
+        handler.addFilter(progress)
     runtime = None
     if not args.no_guard:
         # Opened here rather than by run_demo, so that the report can read the run back

@@ -9,9 +9,6 @@ from spikeguard.actuators.presets import PRESETS, get_preset
 
 # The policy settings worth a column in the overview; NAME shows them all.
 _COLUMNS = (
-    ("learning_rate", "lr", None),
-    ("clip_norm", "clip", None),
-    ("warmup_steps", "warmup", None),
     ("checkpoint_interval_steps", "ckpt every", None),
     ("rollback_min_steps_before_onset", "back >=", "policy"),
     ("skip_extra_batches", "skip extra", "policy"),

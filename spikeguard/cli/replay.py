@@ -1,6 +1,6 @@
 """``spikeguard replay``: re-judge recorded runs, and show what would change.
 
-Reads the recorded steps and checkpoints (from Kafka, or from a directory the
+Reads the recorded steps, checkpoints and acks (from Kafka, or from a directory the
 embedded bus recorded with ``data_dir``), runs the whole pipeline over them
 offline and deterministically, and prints how the new decisions and actions
 differ from the recorded ones: added (+), removed (-), changed (~), naming
@@ -24,7 +24,7 @@ import sys
 from spikeguard.bus import EmbeddedBus
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.errors import SchemaError, SpikeguardError
-from spikeguard.schemas import Action, CheckpointEvent, Decision, StepEvent, Topics, encode
+from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, StepEvent, Topics, encode
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs)
     recorded, _ = read_topic(bus, source.decisions, Decision, runs)
     recorded_actions, _ = read_topic(bus, source.actions, Action, runs)
-    found = replay_events(steps, checkpoints, settings)
+    acks, _ = read_topic(bus, source.acks, Ack, runs)  # the actuator hears what the trainer did
+    found = replay_events(steps, checkpoints, settings, acks)
     decisions = found[source.decisions]
     actions = found[source.actions]
 

@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
+    if args.changed and not rows:  # an empty answer looks like a broken command
+        print("all defaults: no flag, SPIKEGUARD_* variable or config file changes a setting")
+        return 0
     width = max((len(row["name"]) for row in rows), default=0)
     for row in rows:
         print(f"{row['name']:<{width}}  {json.dumps(row['value'])}  ({row['source']})")

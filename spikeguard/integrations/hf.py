@@ -29,6 +29,12 @@ What it does, through the Trainer's public callback events only:
   step hooks): the schedule goes on underneath.
 - ``stop`` sets ``control.should_training_stop``: the Trainer ends cleanly.
 
+``mode`` ("protect", "observe", "skip-only") and ``resume`` ("auto", "must",
+"never") are the plain Guard's (producers/config.py), with the same defaults.
+The Trainer resumes the model itself; with ``resume="auto"`` the Guard's own
+facts (applied action ids, skip windows, LR factor) follow a Trainer that
+resumed, and a Trainer that starts at step 0 starts the Guard afresh.
+
 The Trainer clips gradients (``max_grad_norm``, 1.0 by default) *before*
 ``on_pre_optimizer_step``, so with clipping on the gradient norm the Guard
 sees is the clipped one; ``max_grad_norm=0`` leaves clipping to the Guard
@@ -45,7 +51,7 @@ import torch
 from transformers import TrainerCallback
 
 from spikeguard.errors import SpikeguardError
-from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
 from spikeguard.producers.external_loop import FrameworkGuard, mean_loss
 
 log = logging.getLogger(__name__)
@@ -54,10 +60,13 @@ log = logging.getLogger(__name__)
 class SpikeguardCallback(TrainerCallback):
     """Guards a ``transformers.Trainer`` run; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
 
-    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None,
+    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None, *,
+                 mode: GuardMode | str | None = None, resume: ResumeMode | str | None = None,
                  **guard_kwargs: Any) -> None:
         self.run_id = run_id
         self.config = config
+        # As for the plain Guard (None: the config's, "protect" and "auto" by default).
+        self.mode, self.resume = mode, resume
         self.guard_kwargs = guard_kwargs
         self.guard: FrameworkGuard | None = None
         self._losses: list[torch.Tensor] = []
@@ -74,10 +83,11 @@ class SpikeguardCallback(TrainerCallback):
                        lr_scheduler: Any = None, **_: Any) -> None:
         if self.guard is not None:
             self.guard.close(finished=False)  # a second train() call: a new guarded stretch
-        # The Trainer resumes itself (resume_from_checkpoint); the Guard does not, unless told.
-        config = self.config or GuardConfig(
-            resume=False, checkpoint_dir=str(Path(args.output_dir) / "spikeguard"))
+        # The Trainer resumes the model itself (resume_from_checkpoint); the Guard's own facts
+        # follow it as ``resume`` says (FrameworkGuard.resume).
+        config = self.config or GuardConfig(checkpoint_dir=str(Path(args.output_dir) / "spikeguard"))
         self.guard = FrameworkGuard(model, optimizer, lr_scheduler, run_id=self.run_id, config=config,
+                                    mode=self.mode, resume=self.resume, framework_step=state.global_step,
                                     **self.guard_kwargs)
         self.guard.max_steps = state.max_steps
         self.guard.step_count = state.global_step

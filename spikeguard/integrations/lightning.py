@@ -20,6 +20,10 @@ Like ZClip's Lightning callback it uses public hooks only:
 - ``state_dict`` / ``load_state_dict`` put the Guard's own state (LR factor,
   clipping, applied-action ids, skip windows) into Lightning's checkpoints.
 
+``mode`` ("protect", "observe", "skip-only") and ``resume`` ("auto", "must",
+"never") are the plain Guard's, with the same defaults; Lightning resumes the
+model, and the Guard's own state rides in Lightning's checkpoints.
+
 Step numbers are ``trainer.global_step``. Lightning gives a callback no way
 to set it, so after a rollback the count goes on (the new epoch of the run
 marks the rollback) while model, optimizer, scheduler and RNG are the
@@ -39,7 +43,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from spikeguard.errors import ConfigError
-from spikeguard.producers.config import GuardConfig
+from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
 from spikeguard.producers.external_loop import FrameworkGuard, mean_loss
 
 log = logging.getLogger(__name__)
@@ -51,10 +55,13 @@ OWN_PARTS = ("lr", "clip", "health", "ledger", "skip_rule", "data")
 class SpikeguardCallback(Callback):
     """Guards a Lightning fit; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
 
-    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None,
+    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None, *,
+                 mode: GuardMode | str | None = None, resume: ResumeMode | str | None = None,
                  **guard_kwargs: Any) -> None:
         self.run_id = run_id
         self.config = config
+        # As for the plain Guard (None: the config's, "protect" and "auto" by default).
+        self.mode, self.resume = mode, resume
         self.guard_kwargs = guard_kwargs
         self.guard: FrameworkGuard | None = None
         self._losses: list[torch.Tensor] = []
@@ -67,10 +74,10 @@ class SpikeguardCallback(Callback):
                               "optimizer")
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
-        config = self.config or GuardConfig(resume=False, checkpoint_dir=str(
-            Path(trainer.default_root_dir) / "spikeguard"))
+        config = self.config or GuardConfig(checkpoint_dir=str(Path(trainer.default_root_dir) / "spikeguard"))
         self.guard = FrameworkGuard(pl_module, trainer.optimizers[0], scheduler, run_id=self.run_id,
-                                    config=config, **self.guard_kwargs)
+                                    config=config, mode=self.mode, resume=self.resume,
+                                    framework_step=trainer.global_step, **self.guard_kwargs)
         self.guard.max_steps = trainer.max_steps if trainer.max_steps > 0 else None
         self.guard.step_count = trainer.global_step
         # Resumed mid-run: the batches before the resumed step were read by the first run.

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from spikeguard.bus import EmbeddedBus
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
-from spikeguard.schemas import CheckpointEvent, Decision, StepEvent, Topics, Verdict
+from spikeguard.schemas import Ack, CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
 from spikeguard.lab.backtest_pump import BATCH, DirectPipeline
@@ -237,6 +237,7 @@ def replay_events(
     steps: Iterable[StepEvent],
     checkpoints: Iterable[CheckpointEvent],
     settings: Settings,
+    acks: Iterable[Ack] = (),
 ) -> dict[str, list[BaseModel]]:
     """Re-judge a recorded run: decisions and the actions the policy would take now.
 
@@ -244,7 +245,10 @@ def replay_events(
     the steps before it were decided, not all up front (a checkpoint taken
     after a rollback, or the deletion of the rollback's target, would change
     the rollback). So the steps run up to each checkpoint, the pipeline goes
-    idle, and only then is the checkpoint published.
+    idle, and only then is the checkpoint published. The trainer's acks go in
+    the same way, where the trainer sent them: without them the actuator never
+    hears that its rollback was applied (it alerts "not acknowledged", and its
+    LR restores after the rollback never come).
     """
     from spikeguard.schemas import Action
 
@@ -257,14 +261,15 @@ def replay_events(
         for topic, events in segment_found.items():
             found[topic] += events
 
-    for topic, segment in interleave(steps, checkpoints, topics):
+    for topic, segment in interleave(steps, checkpoints, topics, acks):
         collect(pipeline.feed([(topic, event) for event in segment]))
     collect(pipeline.finish())
     return found
 
 
 def interleave(
-    steps: Iterable[StepEvent], checkpoints: Iterable[CheckpointEvent], topics: Topics
+    steps: Iterable[StepEvent], checkpoints: Iterable[CheckpointEvent], topics: Topics,
+    acks: Iterable[Ack] = (),
 ) -> Iterator[tuple[str, list[BaseModel]]]:
     """Steps and checkpoints in the order the live run made them, as (topic, events) segments.
 
@@ -273,8 +278,14 @@ def interleave(
     right after the new one, under their own, older steps. So checkpoints keep
     their recorded order, a deletion travels with the checkpoint recorded just
     before it, and each such group goes in before the first step of its run at
-    or past its (epoch, step). Runs of steps are cut at SEGMENT_STEPS.
+    or past its (epoch, step). An ack goes in before the first step of its
+    run the trainer published after it (by the trainer's clock: both carry the
+    time they were sent; a rollback's ack comes before the re-run's first step,
+    whose step number is lower). Runs of steps are cut at SEGMENT_STEPS.
     """
+    answers: dict[str, list[Ack]] = {}
+    for a in sorted(acks, key=lambda a: a.time):
+        answers.setdefault(a.run_id, []).append(a)
     groups: dict[str, list[tuple[tuple[int, int], list[CheckpointEvent]]]] = {}
     for c in checkpoints:
         runs = groups.setdefault(c.run_id, [])
@@ -294,6 +305,16 @@ def interleave(
                 run = []
             yield topics.checkpoints, [c for _, group in queue[:due] for c in group]  # type: ignore[index]
             del queue[:due]  # type: ignore[index]
+        pending = answers.get(step.run_id)
+        sent = 0
+        while pending and sent < len(pending) and pending[sent].time <= step.time:
+            sent += 1
+        if sent:
+            if run:
+                yield topics.steps, run
+                run = []
+            yield topics.acks, pending[:sent]  # type: ignore[index]
+            del pending[:sent]  # type: ignore[index]
         run.append(step)
         if len(run) == SEGMENT_STEPS:
             yield topics.steps, run
@@ -303,3 +324,6 @@ def interleave(
     rest = [c for queue in groups.values() for _, group in queue for c in group]
     if rest:
         yield topics.checkpoints, rest
+    late = [a for pending in answers.values() for a in pending]
+    if late:
+        yield topics.acks, late

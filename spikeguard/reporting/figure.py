@@ -3,7 +3,10 @@
 Top: loss, the first pass in one colour and steps re-run after a rollback in
 another, anomalous steps as red crosses, each incident as a shaded span,
 actions as labelled triangles and rollbacks as arrows back to their target.
-Bottom: the gradient norm (log scale) on the same steps. Non-finite values,
+Middle: the gradient norm (log scale) on the same steps. Bottom: what the run
+was changed to: the LR each update used (the schedule times the Guard's
+factor, which LR actions change for the rest of the run) and, on the right
+axis, the data skip windows dropped so far (steps' worth). Non-finite values,
 which cannot be drawn, are marked at the top edge, and so are losses beyond
 the axis (which stops at 1.5x the 98th percentile so that one spike does not
 flatten the curve), with their value written beside them. Needs the ``[report]``
@@ -21,8 +24,8 @@ if TYPE_CHECKING:
     from spikeguard.reporting.timeline import Timeline
 
 WIDTH_IN, HEIGHT_IN, DPI = 12, 8, 100  # 1200 x 800 pixels
-FIRST, RERUN, ANOMALY, INCIDENT, ACTION, ROLLBACK = (
-    "#1f77b4", "#2ca02c", "#d62728", "#f4b6b6", "#ff7f0e", "#9467bd")
+FIRST, RERUN, ANOMALY, INCIDENT, ACTION, ROLLBACK, SKIPPED = (
+    "#1f77b4", "#2ca02c", "#d62728", "#f4b6b6", "#ff7f0e", "#9467bd", "#8c564b")
 
 
 def _pyplot():
@@ -62,6 +65,35 @@ def _ceiling(values: list[float]) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
+def _changes(timeline: "Timeline", ax_lr, label) -> None:
+    """The LR each update used, and the data skipped so far (a second y axis)."""
+    for segment in _segments(timeline.steps):
+        lrs = [p.lr if p.lr is not None and math.isfinite(p.lr) else float("nan") for p in segment]
+        rerun = segment[0].rerun
+        ax_lr.plot([p.step for p in segment], lrs, color=RERUN if rerun else FIRST, linewidth=1.0,
+                   linestyle="--" if rerun else "-", label=label("LR used" if not rerun else "LR used, re-run"))
+    ax_lr.set_ylabel("LR used")
+    ax_lr.grid(True, alpha=0.3)
+    ax_skip = ax_lr.twinx()
+    total, xs, ys = 0, [], []
+    for step, _, steps in sorted(timeline.data_skips, key=lambda s: (s[1], s[0])):
+        xs += [step, step]
+        ys += [total, total + steps]
+        total += steps
+    if xs:
+        last = max(p.step for p in timeline.steps) if timeline.steps else xs[-1]
+        xs, ys = [min(xs[0], 0), *xs, last], [0, *ys, total]
+        ax_skip.plot(xs, ys, color=SKIPPED, linewidth=1.2, drawstyle="steps-post",
+                     label="data skipped (steps' worth, total)")
+        ax_skip.legend(loc="upper right", fontsize=8)
+    ax_skip.set_ylabel("data skipped (steps)")
+    if not any(p.lr is not None for p in timeline.steps):
+        ax_lr.text(0.5, 0.5, "no LR recorded", transform=ax_lr.transAxes, ha="center", va="center",
+                   color="grey")
+    else:
+        ax_lr.legend(loc="upper left", fontsize=8)
+
+
 def draw(timeline: "Timeline", path: str, title: str | None = None) -> None:
     """Write ``timeline`` as a PNG of WIDTH_IN x HEIGHT_IN inches at DPI."""
     plt = _pyplot()
@@ -73,9 +105,9 @@ def draw(timeline: "Timeline", path: str, title: str | None = None) -> None:
 def figure(timeline: "Timeline", title: str | None = None):
     """The matplotlib figure (the caller closes it)."""
     plt = _pyplot()
-    fig, (ax_loss, ax_grad) = plt.subplots(
-        2, 1, figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, sharex=True,
-        gridspec_kw={"height_ratios": [3, 2]},
+    fig, (ax_loss, ax_grad, ax_lr) = plt.subplots(
+        3, 1, figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, sharex=True,
+        gridspec_kw={"height_ratios": [3, 2, 1.3]},
     )
     points = timeline.steps
     lo, hi = _ceiling([p.loss for p in points])
@@ -149,7 +181,8 @@ def figure(timeline: "Timeline", title: str | None = None):
     ax_loss.grid(True, alpha=0.3)
     ax_loss.legend(loc="upper right", fontsize=8, framealpha=0.9)
     ax_grad.set_ylabel("gradient norm (log)")
-    ax_grad.set_xlabel("optimizer step")
+    _changes(timeline, ax_lr, label)
+    ax_lr.set_xlabel("optimizer step")
     ax_grad.grid(True, alpha=0.3, which="both")
     if any(p.grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > 0
            for p in points):

@@ -31,6 +31,7 @@ class StepPoint:
     grad_norm: float | None
     time: float
     rerun: bool  # this step number was trained before, in an earlier epoch
+    lr: float | None = None  # the LR the step's update used: the schedule times the Guard's factor
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Timeline:
     checkpoints: int
     # Steps the Guard re-ran (verify_reruns): (step, epoch, "transient" | "reproducible").
     reruns: list[tuple[int, int, str]] = field(default_factory=list)
+    # Data skip windows applied: (step, epoch, steps' worth of data skipped).
+    data_skips: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def epochs(self) -> list[int]:
@@ -114,7 +117,7 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         first = trained.setdefault(event.step, event.epoch)
         index_of[key] = len(points)
         points.append(StepPoint(event.step, event.epoch, event.loss, event.grad_norm, event.time,
-                                rerun=first < event.epoch))
+                                rerun=first < event.epoch, lr=event.lr))
     verdicts: dict[tuple[int, int], dict[str, dict]] = {}
     for v in run.verdicts:
         verdicts.setdefault((v.epoch, v.step), {})[v.detector] = {
@@ -174,6 +177,8 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
+    data_skips = [(r.ack_step, r.ack_epoch or 0, _skipped_steps(r.params)) for r in rows
+                  if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None]
     histories: dict[int, list[StepEvent]] = {}  # one per epoch, however many incidents it has
     for incident in incidents.values():
         history = histories.get(incident.epoch)
@@ -187,4 +192,13 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
         checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
         reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
+        data_skips=data_skips,
     )
+
+
+def _skipped_steps(params: dict) -> int:
+    """Steps' worth of data a SKIP_BATCHES action drops: its window plus its extra."""
+    try:
+        return max(int(params["to_step"]) - int(params["from_step"]) + 1, 0) + int(params.get("extra", 0))
+    except (KeyError, TypeError, ValueError):
+        return 0

@@ -16,7 +16,13 @@ def test_three_profiles_with_valid_policies() -> None:
     assert list(PRESETS) == ["small", "medium", "large"]
     for preset in PRESETS.values():
         assert isinstance(preset.policy_config(), PolicyConfig)
-        assert preset.clip_norm >= preset.policy_config().min_clip_norm
+
+
+def test_a_preset_holds_only_values_the_code_uses() -> None:
+    # checkpoint_interval_steps is the Guard's checkpoint_every (run_plan.py); the policy
+    # becomes the PolicyConfig. An LR, clip or warm-up here would be shown and never used.
+    assert set(get_preset("small").model_dump()) == {"name", "description", "checkpoint_interval_steps",
+                                                      "policy"}
 
 
 def test_medium_is_the_default_policy() -> None:
@@ -25,8 +31,7 @@ def test_medium_is_the_default_policy() -> None:
 
 def test_larger_models_are_more_cautious() -> None:
     small, medium, large = (get_preset(n) for n in ("small", "medium", "large"))
-    assert small.learning_rate > medium.learning_rate > large.learning_rate
-    assert small.warmup_steps <= medium.warmup_steps <= large.warmup_steps
+    assert small.checkpoint_interval_steps > medium.checkpoint_interval_steps > large.checkpoint_interval_steps
     s, m, lg = (p.policy_config() for p in (small, medium, large))
     assert s.lr_restore_healthy_steps < m.lr_restore_healthy_steps < lg.lr_restore_healthy_steps
     assert s.skip_extra_batches < m.skip_extra_batches < lg.skip_extra_batches
@@ -52,13 +57,13 @@ def _cli(capsys: pytest.CaptureFixture, *argv: str) -> str:
 def test_cli_table(capsys: pytest.CaptureFixture) -> None:
     out = _cli(capsys)
     lines = out.splitlines()
-    assert lines[0].split()[:2] == ["name", "lr"]
+    assert lines[0].split()[:3] == ["name", "ckpt", "every"]
     assert [line.split()[0] for line in lines[1:4]] == ["small", "medium", "large"]
 
 
 def test_cli_one_profile(capsys: pytest.CaptureFixture) -> None:
     out = _cli(capsys, "large")
-    assert out.startswith("large:") and "rollback_min_steps_before_onset" in out and "0.00015" in out
+    assert out.startswith("large:") and "rollback_min_steps_before_onset" in out and "learning_rate" not in out
 
 
 def test_cli_json(capsys: pytest.CaptureFixture) -> None:

@@ -260,3 +260,29 @@ def test_rollback_at_the_last_step_still_trains_to_max_steps(tmp_path, bus):
     trainer.train()
     assert rec.global_steps == list(range(14)) + list(range(10, 14))
     assert trainer.state.global_step == 14 and guard.guard.finished
+
+
+def test_observe_mode_in_the_trainer_applies_nothing_and_resume_defaults_as_the_guard(tmp_path, bus):
+    box: dict = {}
+
+    def stop_at_7(step):
+        if step == 7:
+            send(bus, box["guard"].guard, action(ActionKind.STOP, 7, "hf-test", reason="test stop"),
+                 action(ActionKind.SCALE_LR, 7, "hf-test", factor=0.5))
+
+    rec = Recorder(on_begin=stop_at_7)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, mode="observe", config=GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=8,
+                             learning_rate=1e-2, max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none",
+                             save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
+    trainer.train()
+    assert trainer.state.global_step == 12  # not stopped
+    assert dict(rec.used_lr)[10] == pytest.approx(dict(rec.scheduled_lr)[10])  # LR not scaled
+    assert {a.kind: a.status for a in acks(bus)} == {ActionKind.STOP: AckStatus.REJECTED,
+                                                      ActionKind.SCALE_LR: AckStatus.REJECTED}
+    assert guard.guard.summary().withheld == {"stop": 1, "scale_lr": 1}
+    assert guard.guard.config.resume == GuardConfig().resume  # the same default as the plain Guard

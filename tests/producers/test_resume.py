@@ -55,7 +55,7 @@ def test_an_interrupted_run_resumes_and_says_so_in_one_warning_line(tmp_path, ca
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "resum" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "resum" in lines[0] and "my-run" in lines[0] and "step 20" in lines[0]
-    assert str(tmp_path / "ckpt") in lines[0] and "resume=False" in lines[0]  # how to opt out
+    assert str(tmp_path / "ckpt") in lines[0] and "resume='never'" in lines[0]  # how to opt out
     assert not all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters()))
 
 

@@ -315,3 +315,13 @@ def test_the_demo_command_takes_config(tmp_path, capsys):
         f"spikeguard demo: config file {path}: unknown setting 'policy.skip_extra_batchs' "
         "(did you mean 'policy.skip_extra_batches'?)\n"
     )
+
+
+def test_settings_changed_says_all_defaults_when_nothing_is_changed(monkeypatch, capsys):
+    for name in [n for n in os.environ if n.startswith("SPIKEGUARD_")]:
+        if not is_other_variable(name):
+            monkeypatch.delenv(name)
+    assert main(["settings", "--changed"]) == 0
+    assert capsys.readouterr().out.startswith("all defaults")
+    assert main(["settings", "--changed", "--json"]) == 0
+    assert capsys.readouterr().out == ""  # machine output: no rows

@@ -77,11 +77,18 @@ def test_the_timeline_marks_reruns_anomalies_and_the_rollback(recorded):
 
 def test_the_figure_has_axes_labels_and_a_legend(recorded):
     (record,) = load_directory(recorded).values()
-    fig = figure(build_timeline(record), title="t")
-    loss_axes, grad_axes = fig.axes
+    timeline = build_timeline(record)
+    fig = figure(timeline, title="t")
+    loss_axes, grad_axes, lr_axes, skip_axes = fig.axes
     assert loss_axes.get_ylabel() == "training loss"
-    assert grad_axes.get_xlabel() == "optimizer step"
+    assert lr_axes.get_xlabel() == "optimizer step"
     assert grad_axes.get_yscale() == "log"
+    # what the policy changed: the LR each update used (halved by the recovery), the data skipped
+    (lr_line, *_) = [line for line in lr_axes.get_lines() if line.get_label() == "LR used"]
+    used = [y for y in lr_line.get_ydata() if y == y]
+    assert min(used) < 0.75 * max(used)
+    (skipped,) = skip_axes.get_lines()
+    assert skipped.get_ydata()[-1] == sum(n for _, _, n in timeline.data_skips) > 0
     legend = [t.get_text() for t in loss_axes.get_legend().get_texts()]
     for entry in ("loss", "loss, re-run after rollback", "anomalous step", "incident",
                   "action applied", "rollback (arrow: to its checkpoint)",
@@ -89,7 +96,7 @@ def test_the_figure_has_axes_labels_and_a_legend(recorded):
         assert entry in legend
     texts = [t.get_text() for t in loss_axes.texts]
     assert any(t.startswith("rollback -> step") for t in texts)
-    assert loss_axes.get_xticklabels() or grad_axes.get_xticklabels()
+    assert loss_axes.get_xticklabels() or lr_axes.get_xticklabels()
 
 
 def test_a_jsonl_export_reports_the_same(recorded, tmp_path, capsys):

@@ -1,0 +1,125 @@
+"""What the Guard says about what it does: one WARNING line per action that changes the run,
+and a one-paragraph summary of the whole run.
+
+Every line a person reads names what was done, why (the action's reason),
+what it costs (steps to re-run, batches skipped, the LR the next update
+uses) and the incident it answers. Actions the Guard does not take (observe
+mode, skip-only mode, past the recovery budget) get the same line as what it
+*would* have done, and the reason it did not. Python shows WARNING by
+default, so none of this needs a logging set-up.
+
+The summary is what ``guard.close()`` logs and returns and ``guard.summary()``
+gives at any time: incidents, actions taken and withheld, and the goodput —
+the steps kept, the steps re-run after rollbacks, the batches skipped and
+the updates skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import NamedTuple
+
+from spikeguard.schemas import Action, ActionKind
+
+log = logging.getLogger("spikeguard.producers.guard")
+
+#: Kinds that change the run; ALERT only informs, CHECKPOINT only saves.
+STEERING = frozenset(ActionKind) - {ActionKind.ALERT, ActionKind.CHECKPOINT}
+
+
+class Cost(NamedTuple):
+    """What the run had spent on recovery at one moment (differences give an action's cost)."""
+
+    step: int
+    rerun_steps: int
+    skipped_batches: int
+    skipped_steps: int
+    lr: float
+
+
+class RunSummary(NamedTuple):
+    """The run as the Guard saw it; ``str()`` is the paragraph ``close()`` logs."""
+
+    run_id: str
+    mode: str
+    steps_kept: int  # the step counter: steps whose place in the run survived
+    steps_run: int  # every step, the re-run ones included
+    steps_rerun: int  # steps run again after rollbacks
+    batches_skipped: int  # batches skip windows dropped
+    steps_skipped: int  # the same, in optimizer steps' worth of data
+    updates_skipped: int  # optimizer updates the Guard skipped (non-finite, outlier, a re-run's verdict)
+    incidents: int
+    actions: dict[str, int]  # applied, by kind
+    withheld: dict[str, int]  # not applied (mode or budget), by kind
+    lr_scale: float  # the Guard's factor on the schedule now
+
+    def __str__(self) -> str:
+        def kinds(counts: dict[str, int]) -> str:
+            return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
+
+        text = (f"spikeguard run {self.run_id} ({self.mode} mode): {self.steps_kept} steps kept of "
+                f"{self.steps_run} run; {self.steps_rerun} re-run after rollbacks, "
+                f"{self.batches_skipped} batches ({self.steps_skipped} steps' data) skipped, "
+                f"{self.updates_skipped} update(s) skipped. {self.incidents} incident(s); "
+                f"actions applied: {kinds(self.actions)}; withheld: {kinds(self.withheld)}.")
+        if self.lr_scale != 1.0:
+            text += f" The LR ends at {self.lr_scale:.3g}x its schedule."
+        return text
+
+
+class Narrator:
+    """Says each action out loud and keeps the tallies of the summary."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.applied: Counter[str] = Counter()
+        self.withheld: Counter[str] = Counter()
+        self.incidents: set[str] = set()
+        self.rerun_steps = 0
+
+    def took(self, action: Action, result: str, before: Cost, after: Cost) -> None:
+        """An action that changed the run: one WARNING line with its cost."""
+        self.applied[action.kind.value] += 1
+        self._incident(action)
+        rerun = before.step - after.step if action.kind is ActionKind.ROLLBACK else 0
+        self.rerun_steps += max(rerun, 0)
+        costs = []
+        if rerun > 0:
+            costs.append(f"{rerun} steps to re-run")
+        if after.skipped_batches > before.skipped_batches:
+            costs.append(f"{after.skipped_batches - before.skipped_batches} batches skipped "
+                         f"({after.skipped_steps - before.skipped_steps} steps' data)")
+        costs.append(f"LR now {after.lr:.3g}")
+        log.warning("spikeguard: %s at step %d: %s; why: %s; cost: %s%s", action.kind.value,
+                    before.step, result, _why(action), ", ".join(costs), _of(action))
+
+    def withhold(self, action: Action, would: str, because: str, step: int) -> None:
+        """An action not taken: what it would have done, and why it was not."""
+        self.withheld[action.kind.value] += 1
+        self._incident(action)
+        log.warning("spikeguard: would %s at step %d (%s), not done: %s; why it was asked: %s%s",
+                    action.kind.value.replace("_", " "), step, would, because, _why(action), _of(action))
+
+    def would_skip_update(self, step: int, reason: str) -> None:
+        self.withheld["skip_update"] += 1
+        log.warning("spikeguard: would skip the update of step %d (%s), not done: observe mode", step,
+                    reason.replace("_", " "))
+
+    def _incident(self, action: Action) -> None:
+        if action.incident_id:
+            self.incidents.add(action.incident_id)
+
+
+def would_do(action: Action) -> str:
+    """What an action asks for, in words (its parameters)."""
+    fields = action.params.model_dump(mode="json", exclude_none=True)
+    return ", ".join(f"{k}={v}" for k, v in fields.items()) or "no parameters"
+
+
+def _why(action: Action) -> str:
+    return action.reason or "no reason given"
+
+
+def _of(action: Action) -> str:
+    return f" (incident {action.incident_id})" if action.incident_id else ""
