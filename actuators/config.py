@@ -59,6 +59,15 @@ class PolicyConfig(BaseModel):
         description="a spike (or a finite extreme loss) still anomalous this many steps later is "
         "rolled back; one the run absorbed by then (its clipping, its optimizer) is only watched",
     )
+    absorbed_grad_ratio: float = Field(
+        10.0, gt=1.0,
+        description="a finite extreme loss counts as absorbed only if its gradient norm stayed "
+        "within this many times the baseline (the run's clipping bounded the update) ...",
+    )
+    absorbed_loss_margin: float = Field(
+        0.1, ge=0.0,
+        description="... and the loss, a patience later, is back within baseline x (1 + this)",
+    )
     non_finite_skipped_by_trainer: bool = Field(
         True,
         description="the trainer skips a non-finite update itself (the Guard always does), so "
@@ -105,7 +114,7 @@ class PolicyConfig(BaseModel):
         description="a loss or gradient anomaly this many steps after an LR jump is LR-induced",
     )
     lr_jump_hold_steps: int = Field(
-        100, ge=0, le=1_000_000,
+        50, ge=0, le=1_000_000,
         description="after scaling back an LR jump, no LR restore for this many steps (the "
         "decisions do not say when a jump in the schedule ends)",
     )

@@ -61,6 +61,7 @@ normally first).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -89,6 +90,14 @@ MAX_ACK_RECORDS = 256
 LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
 _UNSETTLED = ("pending", "timed_out")
+
+
+def _grad_ratio(d: Decision) -> float | None:
+    """The decided step's gradient norm over its baseline (None: not in the evidence)."""
+    e = d.evidence
+    if e is None or e.grad_norm is None or not e.grad_norm_baseline:
+        return None
+    return e.grad_norm / e.grad_norm_baseline if math.isfinite(e.grad_norm) else math.inf
 
 
 class ForeignRunError(SpikeguardError, ValueError):
@@ -145,6 +154,11 @@ class RecoveryPolicy:
                        "update is skipped: see the step's skip_reason)",
                        "outlier_step: an isolated step needs no recovery")
             return plan.actions()
+        p = self.pending_spike
+        if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
+            ratio = _grad_ratio(decision)
+            p["grad_ratio"] = None if ratio is None or p.get("grad_ratio") is None \
+                else max(p["grad_ratio"], ratio)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:
@@ -244,8 +258,8 @@ class RecoveryPolicy:
             self._non_finite(plan, d, inc, what, grace)
         elif LR_JUMP_RULE in d.rules:
             self._lr_jump(plan, d, what)
-        elif self._lr_induced(plan, inc, what, strategy) and not d.critical:
-            pass  # scaled back; only critical evidence goes further
+        elif self._lr_induced(plan, inc, what, strategy) or inc.lr_induced:
+            self._after_lr_jump(plan, d, inc, what, strategy, grace)
         elif d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
             if not inc.noticed:
                 inc.noticed = True
@@ -286,7 +300,18 @@ class RecoveryPolicy:
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
         self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
                               "judge_at": d.step + self.config.spike_patience_steps,
-                              "critical": critical}
+                              "critical": critical, "grad_ratio": _grad_ratio(d)}
+
+    def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
+        """Whether a pending extreme loss left the run as it was: its gradient stayed bounded and
+        the loss is back at the baseline. Without the evidence to tell, it was not."""
+        cfg, e = self.config, d.evidence
+        ratio = p.get("grad_ratio")
+        if ratio is None or ratio > cfg.absorbed_grad_ratio or e is None:
+            return False
+        if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
+            return False
+        return e.loss <= e.loss_baseline * (1 + cfg.absorbed_loss_margin)
 
     def _non_finite(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, grace: bool) -> None:
         """The Guard skips a non-finite update itself; only a recurring one is recovered from."""
@@ -335,6 +360,18 @@ class RecoveryPolicy:
         self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
 
+    def _after_lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str,
+                       grace: bool) -> None:
+        """An LR-induced incident: the LR is already scaled back. An explosion gets clipping; a
+        loss still anomalous after the patience is rolled back to before the jump (no data skip:
+        the data is fine; the scaled-back LR holds on the re-run)."""
+        plan.response = Response.LR_INDUCED
+        if strategy == "explosion" and not inc.explosion_handled:
+            inc.explosion_handled = True
+            self.recovery.tighten_clip(plan, f"{what} after an LR jump", resend=True)
+        elif strategy in ("critical", "spike", "slow") and not grace and self.pending_spike is None:
+            self._pend(d, inc, critical=d.critical)
+
     def _explosion(self, plan: ActionPlan, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         inc.explosion_handled = True
@@ -375,12 +412,17 @@ class RecoveryPolicy:
         steps = d.step - p["start"]
         if d.is_anomaly and d.type is AnomalyType.NON_FINITE:
             return False  # the non-finite rule answers it
-        if d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP:
+        unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
+        if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
             inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
             self.healthy_streak = 0
             critical = bool(p.get("critical")) or d.critical
             still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
                      f"still anomalous {steps} steps later ({d.type.value} at step {d.step})")
+            if unabsorbed:
+                still = (f"extreme loss at step {p['start']} not absorbed: its gradient was not "
+                         f"bounded (x{p.get('grad_ratio') or float('nan'):.3g} the baseline) or the "
+                         f"loss is not back at the baseline {steps} steps later")
             if inc.lr_induced:
                 plan.response = Response.LR_INDUCED  # the data is fine: back, without skipping it
                 self._recover(plan, d, inc, 1.0, critical, f"{still}, after an LR jump",

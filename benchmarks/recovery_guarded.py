@@ -38,8 +38,11 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     scaler = fault.make_scaler()
     workdir = tempfile.mkdtemp(prefix="spikeguard-bench-")
     run_id = f"bench-{fault.name}-{seed}-{time.monotonic_ns() % 10**9}"
+    # verify_reruns=1: a suspicious step is re-run once (the demo's setting), so a transient
+    # device fault is told from a bad batch.
     config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=4,
-                         resume=False, lockstep=True, data_seed=seed, healthy_stretch=10)
+                         resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
+                         verify_reruns=0 if scaler is not None else 1)
     guard = Guard(p.model, p.optimizer, p.scheduler, run_id=run_id, config=config, bus=runtime.bus,
                   topics=runtime.topics, scaler=scaler)
     try:
@@ -55,7 +58,14 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
                 if scaler is not None:
                     scaler.unscale_(p.optimizer)  # the guard's statistics and clipping see true gradients
                 ledger.begin()
-                guard.step(loss)
+
+                def again(x=x, y=y, index=index) -> Any:  # the Guard's re-run: same batch, fresh pass
+                    redo = fault.loss(index, lm_loss(p.model, x, y))
+                    redo.backward()
+                    fault.grads(index, p.model)
+                    return redo
+
+                guard.step(loss, closure=again if scaler is None else None)
                 if guard.epoch != epoch:
                     ledger.rolled_back(guard.step_count, f"rollback decided at step {step}: "
                                                          f"back to step {guard.step_count}")

@@ -10,19 +10,22 @@ import pytest
 
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.actuators.responses import Response
-from spikeguard.schemas import Ack, AckStatus, ActionKind, AnomalyType as T, CheckpointEvent, Decision, decision_id, incident_id
+from spikeguard.schemas import Ack, AckStatus, ActionKind, Evidence, AnomalyType as T, CheckpointEvent, Decision, decision_id, incident_id
 
 R = "run-responses"
 K = ActionKind
 
 
 def dec(step: int, kind: T | None = None, *, onset: int | None = None, critical: bool | None = None,
-        confidence: float = 0.9, rules: tuple[str, ...] = ()) -> Decision:
+        confidence: float = 0.9, rules: tuple[str, ...] = (), loss: float = 2.0, grad: float = 1.0) -> Decision:
+    """A decision whose evidence has loss and gradient baselines 2.0 and 1.0."""
+    evidence = Evidence(step=step, loss=loss, grad_norm=grad, loss_baseline=2.0, grad_norm_baseline=1.0)
     if kind is None:
-        return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False)
+        return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False,
+                        evidence=evidence)
     onset = step if onset is None else onset
     return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True, type=kind,
-                    confidence=confidence, rules=list(rules),
+                    confidence=confidence, rules=list(rules), evidence=evidence,
                     critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
                     incident_id=incident_id(R, onset), incident_onset_step=onset)
 
@@ -70,10 +73,21 @@ def test_a_spike_the_run_absorbed_is_not_rolled_back() -> None:
     """A x100 loss for two steps that the run's own clipping made harmless: watched, no rollback."""
     policy = make()
     feed(policy, healthy(401, 800))
-    out = feed(policy, [dec(800, T.EXTREME_LOSS, onset=800), dec(801, T.EXTREME_LOSS, onset=800)]
-               + healthy(802, 1100))
+    spike = [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=1.0),
+             dec(801, T.EXTREME_LOSS, onset=800, loss=150.0, grad=1.0)]  # clipped: the norm stays
+    out = feed(policy, spike + healthy(802, 1100))
     assert not set(kinds(out)) & CHANGES, [a.reason for a in out]
     assert any(a.reason.startswith("[absorbed]") for a in out)
+
+
+def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> None:
+    """The update of a x1e4 input went through unclipped: the weights moved, the loss looking
+    normal a few steps later proves nothing."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    out = feed(policy, [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3)] + healthy(801, 804))
+    assert kinds(out)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+    assert "not absorbed" in out[0].reason
 
 
 def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouched() -> None:
