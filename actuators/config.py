@@ -114,7 +114,7 @@ class PolicyConfig(BaseModel):
         description="a loss or gradient anomaly this many steps after an LR jump is LR-induced",
     )
     lr_jump_hold_steps: int = Field(
-        50, ge=0, le=1_000_000,
+        20, ge=0, le=1_000_000,
         description="after scaling back an LR jump, no LR restore for this many steps (the "
         "decisions do not say when a jump in the schedule ends)",
     )

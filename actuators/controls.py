@@ -112,11 +112,12 @@ class Controls:
     # --- the recovery itself ---------------------------------------------------------------
     def recover(
         self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        lr_factor: float, tighten: bool, why: str, *, fall_back: bool = True, skip_data: bool = True,
+        lr_factor: float | None, tighten: bool, why: str, *, fall_back: bool = True, skip_data: bool = True,
     ) -> bool:
         """Roll back (or, with ``fall_back``, lower the LR and skip ahead); False if it did nothing.
 
         ``skip_data``: skip the batches that led into it (False when the cause was not the data).
+        ``lr_factor`` None: the rollback keeps the checkpoint's LR (what was lowered since is undone).
         """
         cfg = self.config
         onset = min(incident.onset_step, decision.step)
@@ -142,7 +143,7 @@ class Controls:
 
     def _roll_back(
         self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        target: Checkpoint, lr_factor: float, tighten: bool, why: str, skip_data: bool = True,
+        target: Checkpoint, lr_factor: float | None, tighten: bool, why: str, skip_data: bool = True,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
         rollback_id = plan.add(
@@ -161,7 +162,10 @@ class Controls:
         # The factor sent is relative to the LR the guard has right after the rollback.
         lr_before, pre = self.lr.state_dict(), self.lr.current
         at_target = self.lr.rewind(t)
-        desired = max(self.lr.floor, min(pre, at_target * lr_factor))
+        if lr_factor is None:  # the LR the guard has after the rollback, unchanged
+            desired = at_target if cfg.rollback_restores_lr else pre
+        else:
+            desired = max(self.lr.floor, min(pre, at_target * lr_factor))
         self.lr.set(t + 1, desired)  # from the re-run's first step on
         scale = desired / (at_target if cfg.rollback_restores_lr else pre)
         if scale < 1 - 1e-9:
@@ -193,11 +197,13 @@ class Controls:
         return record
 
     def _fall_back(
-        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float, tighten: bool, why: str
+        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float | None, tighten: bool,
+        why: str,
     ) -> None:
         cfg, s = self.config, decision.step
         missing = self._missing(onset)
-        self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
+        if lr_factor is not None:
+            self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
         plan.add(
             SkipBatchesParams(from_step=s, to_step=s, extra=cfg.skip_extra_batches),
             f"{why}; {missing}: batches already consumed cannot be skipped without a rollback, "

@@ -124,6 +124,7 @@ class RecoveryPolicy:
         self.last_non_finite_tick: int | None = None  # observed step of the latest non-finite decision
         self.lr_jump_tick: int | None = None  # observed step of an LR jump not yet answered
         self.lr_hold_until: int | None = None  # no LR restore before this observed step
+        self.lr_jump_harmful = False  # an LR jump needed a rollback: the next is scaled back at once
         self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
@@ -338,7 +339,16 @@ class RecoveryPolicy:
             self.recovery.raise_eps(plan, why)
 
     def _lr_jump(self, plan: ActionPlan, d: Decision, what: str) -> None:
-        """An LR jump alone changes nothing (a warm restart looks the same); a rise after it does."""
+        """An LR jump alone changes nothing (a warm restart looks the same); a rise after it does,
+        and so does a jump again after one that needed a rollback (the schedule repeats it)."""
+        cfg = self.config
+        if self.lr_jump_harmful:
+            plan.response = Response.LR_INDUCED
+            self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
+            self.recovery.lower_lr(plan, cfg.lr_jump_factor, f"{what}: the learning rate jumped again "
+                                   "after a jump that needed a rollback: back towards the schedule's "
+                                   f"trend at once, no restore for {cfg.lr_jump_hold_steps} steps")
+            return
         self.lr_jump_tick = self.observed_steps
         plan.response = Response.LR_JUMP_WATCHED
         plan.alert("warning", f"{what}: the learning rate jumped; watching: it is scaled back only "
@@ -424,8 +434,13 @@ class RecoveryPolicy:
                          f"bounded (x{p.get('grad_ratio') or float('nan'):.3g} the baseline) or the "
                          f"loss is not back at the baseline {steps} steps later")
             if inc.lr_induced:
-                plan.response = Response.LR_INDUCED  # the data is fine: back, without skipping it
-                self._recover(plan, d, inc, 1.0, critical, f"{still}, after an LR jump",
+                # The data is fine: back to before the jump, without skipping it, at the LR the
+                # checkpoint had. If the jump is in the schedule it comes again on the re-run,
+                # and is scaled back at once (it caused a rise once).
+                plan.response = Response.LR_INDUCED
+                self.lr_jump_harmful = True
+                self.lr_hold_until = None
+                self._recover(plan, d, inc, None, critical, f"{still}, after an LR jump",
                               confirmed=critical, skip_data=False)
             else:
                 plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
@@ -469,7 +484,7 @@ class RecoveryPolicy:
                 self.healthy_streak = 0
 
     def _recover(
-        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float, tighten: bool, why: str,
+        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float | None, tighten: bool, why: str,
         *, confirmed: bool | None = None, skip_data: bool = True,
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many.
@@ -523,6 +538,7 @@ class RecoveryPolicy:
             "last_non_finite_tick": self.last_non_finite_tick,
             "lr_jump_tick": self.lr_jump_tick,
             "lr_hold_until": self.lr_hold_until,
+            "lr_jump_harmful": self.lr_jump_harmful,
             "explosions": self.explosions,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
@@ -550,6 +566,7 @@ class RecoveryPolicy:
         self.last_non_finite_tick = state.get("last_non_finite_tick")
         self.lr_jump_tick = state.get("lr_jump_tick")
         self.lr_hold_until = state.get("lr_hold_until")
+        self.lr_jump_harmful = bool(state.get("lr_jump_harmful", False))
         self.explosions = int(state.get("explosions", 0))
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.counts = dict(state["counts"])

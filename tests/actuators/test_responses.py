@@ -191,3 +191,22 @@ def test_every_action_names_its_response() -> None:
                + [dec(s, T.LOSS_SPIKE, onset=1000) for s in range(1000, 1004)])
     names = {r.value for r in Response}
     assert out and all(a.reason.startswith("[") and a.reason[1:a.reason.index("]")] in names for a in out)
+
+
+def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scaled_back_when_it_recurs():
+    """The schedule's jump damaged the weights: back to before it without skipping the (good) data,
+    at the checkpoint's LR; the jump comes again on the re-run and is scaled back at once."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
+    assert [a.params.factor for a in out if a.kind is K.SCALE_LR] == [pytest.approx(0.1)]
+    assert kinds(out)[-1] is K.ROLLBACK and K.SKIP_BATCHES not in kinds(out)
+    rollback = out[-1]
+    assert rollback.params.target_step == 600 and rollback.reason.startswith("[lr_induced]")
+    policy.on_ack(Ack(run_id=R, action_id=rollback.action_id, kind=K.ROLLBACK, status=AckStatus.APPLIED,
+                      step=rollback.apply_at_step))
+    assert policy.recovery.lr.current == 1.0  # the checkpoint's LR
+    feed(policy, healthy(601, 750))
+    again = policy.on_decision(jump)
+    assert [(a.kind, a.params.factor) for a in again] == [(K.SCALE_LR, pytest.approx(0.1))]
