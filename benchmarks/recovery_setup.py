@@ -62,11 +62,10 @@ class BenchConfig:
     device: str = "cpu"
 
 
-# Quick: 9 faults x 6 strategies x 5 seeds + 5 clean = 275 runs on a shared 2-core machine, so
-# each run is a few seconds: 120 steps of a 2-layer, 32-wide model.
-QUICK = BenchConfig(steps=120, batch_size=12, block=32, d_model=32, heads=2, warmup=15, eval_windows=64,
-                    checkpoint_every=10, fault_step=55, shard_batches=12, lr_steps=20, overflow_batches=12,
-                    palm_back=25, palm_skip=40, slow_steps=20)
+# Quick: 9 faults x 6 strategies x 5 seeds + 5 clean = 275 runs, so a run is 200 steps of a
+# 2-layer, 48-wide model: the smallest at which every fault still harms an unguarded run.
+QUICK = BenchConfig(steps=200, block=32, d_model=48, eval_windows=96, fault_step=90, shard_batches=20,
+                    lr_steps=30, overflow_batches=20, palm_back=40, palm_skip=60, slow_steps=30)
 FULL = BenchConfig()
 TINY = BenchConfig(steps=90, d_model=32, layers=1, heads=2, block=32, warmup=10, eval_windows=32,
                    checkpoint_every=10, fault_step=45, shard_batches=8, lr_steps=10,
