@@ -131,7 +131,7 @@ def aggregate(runs: list[dict], seeds: list[int]) -> list[dict]:
             "steps_done": min(r["steps_done"] for r in per),
             "actions": actions, "per_seed": losses,
             "responses": sorted({e.split("[", 1)[1].split("]", 1)[0] for r in per for e in r["events"]
-                                 if e.startswith("action at") and "[" in e}),
+                                 if e.startswith("policy at") and "[" in e}),
         })
     return rows
 

@@ -21,7 +21,7 @@ from recovery_setup import BenchConfig, Problem, evaluate, lm_loss
 from spikeguard.demo.run import DEMO_SETTINGS
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.guard import Guard
-from spikeguard.schemas import Decision, decode
+from spikeguard.schemas import Action, Decision, decode
 
 
 def open_bench_runtime() -> Any:
@@ -76,11 +76,15 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     finally:
         guard.close()
         decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        actions = [decode(r.value, Action) for r in runtime.bus.read_all(runtime.topics.actions)]
         shutil.rmtree(workdir, ignore_errors=True)
     for d in decisions:
         if d.run_id == run_id and d.is_anomaly:
             ledger.events.append(f"decision step {d.step} epoch {d.epoch}: {d.type.value} "
                                  f"(confidence {d.confidence:.2f}{', preventive' if d.preventive else ''})")
+    for a in actions:  # what the policy chose and why: its reason starts with the response
+        if a.run_id == run_id:
+            ledger.events.append(f"policy at step {a.apply_at_step}: {a.kind.value}: {a.reason}")
     for a in guard.applied:
         ledger.events.append(f"action at step {a['step']} epoch {a['epoch']}: {a['kind']} {a['status']}: "
                              f"{a['result']}")
