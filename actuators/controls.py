@@ -152,9 +152,12 @@ class Controls:
             f"(>= {cfg.rollback_min_steps_before_onset} steps before onset {incident.onset_step})",
         )
         if skip_data:
+            # From the onset: the batches between the checkpoint and the onset gave normal
+            # losses, so they are re-run, not skipped (fewer batches lost than PaLM's recipe).
+            first = max(t + 1, min(incident.onset_step, s))
             plan.add(
-                SkipBatchesParams(from_step=t + 1, to_step=s, extra=cfg.skip_extra_batches),
-                f"{why}: skip the batches of steps {t + 1}..{s} that led into it, "
+                SkipBatchesParams(from_step=first, to_step=s, extra=cfg.skip_extra_batches),
+                f"{why}: skip the batches of steps {first}..{s} that led into it (from the onset), "
                 f"plus {cfg.skip_extra_batches} more",
             )
         # After the rollback the LR is the lower of the one just before and the checkpoint's
