@@ -157,8 +157,10 @@ def verdicts(clean: float, rows: list[dict]) -> dict[str, str]:
             misses.append(f"not within 2% of clean ({', '.join(near)} are)")
         if fault == "healthy" and guard["actions"]:
             misses.append(f"{guard['actions']} state-changing actions on a healthy run")
-        palm = mine.get("palm_manual")
-        if palm is not None and palm["wasted_steps"] > 0 and guard["wasted_steps"] > 0 \
+        # A strategy acted where it wasted more than doing nothing did (a GradScaler's own
+        # overflow skips cost every strategy the same).
+        palm, floor = mine.get("palm_manual"), mine.get("none", {}).get("wasted_steps", 0)
+        if palm is not None and palm["wasted_steps"] > floor and guard["wasted_steps"] > floor \
                 and not guard["wasted_steps"] < palm["wasted_steps"]:
             misses.append("wastes no fewer steps than palm_manual")
         out[fault] = "ok" if not misses else "; ".join(misses)
