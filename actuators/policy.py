@@ -157,9 +157,7 @@ class RecoveryPolicy:
             return plan.actions()
         p = self.pending_spike
         if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
-            ratio = _grad_ratio(decision)
-            p["grad_ratio"] = None if ratio is None or p.get("grad_ratio") is None \
-                else max(p["grad_ratio"], ratio)
+            p["grad_bounded"] = bool(p.get("grad_bounded")) and self._grad_bounded(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:
@@ -301,14 +299,18 @@ class RecoveryPolicy:
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
         self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
                               "judge_at": d.step + self.config.spike_patience_steps,
-                              "critical": critical, "grad_ratio": _grad_ratio(d)}
+                              "critical": critical, "grad_bounded": self._grad_bounded(d)}
+
+    def _grad_bounded(self, d: Decision) -> bool:
+        """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""
+        ratio = _grad_ratio(d)
+        return ratio is not None and ratio <= self.config.absorbed_grad_ratio
 
     def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
         """Whether a pending extreme loss left the run as it was: its gradient stayed bounded and
         the loss is back at the baseline. Without the evidence to tell, it was not."""
         cfg, e = self.config, d.evidence
-        ratio = p.get("grad_ratio")
-        if ratio is None or ratio > cfg.absorbed_grad_ratio or e is None:
+        if not p.get("grad_bounded") or e is None:
             return False
         if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
             return False
@@ -430,9 +432,9 @@ class RecoveryPolicy:
             still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
                      f"still anomalous {steps} steps later ({d.type.value} at step {d.step})")
             if unabsorbed:
-                still = (f"extreme loss at step {p['start']} not absorbed: its gradient was not "
-                         f"bounded (x{p.get('grad_ratio') or float('nan'):.3g} the baseline) or the "
-                         f"loss is not back at the baseline {steps} steps later")
+                still = (f"extreme loss at step {p['start']} not absorbed: its gradient norm was not "
+                         f"within x{self.config.absorbed_grad_ratio:g} of the baseline, or the loss "
+                         f"is not back at the baseline {steps} steps later")
             if inc.lr_induced:
                 # The data is fine: back to before the jump, without skipping it, at the LR the
                 # checkpoint had. If the jump is in the schedule it comes again on the re-run,

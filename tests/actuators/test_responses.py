@@ -210,3 +210,19 @@ def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scal
     feed(policy, healthy(601, 750))
     again = policy.on_decision(jump)
     assert [(a.kind, a.params.factor) for a in again] == [(K.SCALE_LR, pytest.approx(0.1))]
+
+
+def test_the_new_state_round_trips_through_strict_json_mid_incident() -> None:
+    """A pending extreme loss with an infinite gradient, an LR jump armed, explosions counted:
+    the snapshot is strict JSON and a policy restored from it answers the same."""
+    import json
+
+    policy = make()
+    feed(policy, healthy(401, 700) + [dec(700, T.GRADIENT_EXPLOSION, onset=700)] + healthy(701, 790)
+         + [dec(790, T.LR_OUT_OF_BOUNDS, critical=False, rules=("lr_jump",)),
+            dec(800, T.EXTREME_LOSS, onset=800, loss=300.0, grad=float("inf"))])
+    state = json.loads(json.dumps(policy.state_dict(), allow_nan=False))
+    twin = make()
+    twin.load_state_dict(state)
+    rest = healthy(801, 804)
+    assert [(a.kind, a.reason) for a in feed(twin, rest)] == [(a.kind, a.reason) for a in feed(policy, rest)]
