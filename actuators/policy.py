@@ -427,6 +427,7 @@ class RecoveryPolicy:
         unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
         if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
             inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
+            plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
             self.healthy_streak = 0
             critical = bool(p.get("critical")) or d.critical
             still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
