@@ -8,6 +8,7 @@ next epoch) gives different ones.
 
 from __future__ import annotations
 
+from spikeguard.actuators.responses import Response, tagged
 from spikeguard.schemas import Action, Claim, Evidence, action_id
 from spikeguard.schemas.actions import ActionParams, AlertParams
 
@@ -29,9 +30,13 @@ class ActionPlan:
         self.decision_id, self.incident_id, self.evidence = decision_id, incident_id, evidence
         self.claim = claim  # the decided step and type, which the trainer checks against its own
         self.items: list[tuple[ActionParams, str]] = []
+        # The response the policy chose; every reason added from now on starts with it.
+        self.response: Response | None = None
 
     def add(self, params: ActionParams, reason: str) -> str:
         """Append the action ``params`` describe (their kind is the action's); returns its id."""
+        if self.response is not None:
+            reason = tagged(self.response, reason)
         self.items.append((params, reason))
         return action_id(self.source, params.kind.value, len(self.items) - 1)
 

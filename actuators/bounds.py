@@ -3,7 +3,8 @@
 The policy never knows absolute values it did not set: the learning rate is
 tracked as a *cumulative factor* of the base LR the trainer's guard recorded
 at start (1.0 = untouched). Decreases never take it below ``min_lr_factor``,
-restores never above 1.0.
+restores never above the ceiling: 1.0, until recurring explosions lower it
+(:meth:`LrFactor.lower_ceiling`).
 
 A rollback restores the guard's state from the checkpoint, LR multiplier
 included, so the factor in effect after a rollback is the one at the
@@ -41,6 +42,7 @@ class LrFactor:
 
     def __init__(self, floor: float) -> None:
         self.floor = floor
+        self.ceiling = 1.0  # restores stop here; recurring explosions lower it
         self.baseline = 1.0  # factor in effect before the first logged entry
         self.log: list[tuple[int, float]] = []  # (step from which it holds, factor), step-sorted
 
@@ -75,9 +77,15 @@ class LrFactor:
         self.set(step, self.current * applied)
         return applied
 
+    def lower_ceiling(self, factor: float) -> float:
+        """The LR that exploded again is not safe: restores now stop at ``factor`` x the lower of
+        the ceiling and the current factor (never below the floor). Returns the new ceiling."""
+        self.ceiling = max(self.floor, min(self.ceiling, self.current) * factor)
+        return self.ceiling
+
     def restore(self, step: int, factor: float) -> float | None:
-        """Raise the LR by ``factor`` towards the base; the factor to send, or None at the base."""
-        applied = effective_increase(self.current, factor)
+        """Raise the LR by ``factor`` towards the ceiling; the factor to send, or None there."""
+        applied = effective_increase(self.current, factor, self.ceiling)
         if applied <= 1.0:
             return None
         self.set(step, self.current * applied)
@@ -96,10 +104,11 @@ class LrFactor:
             self.baseline = self.log.pop(0)[1]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"baseline": self.baseline, "log": [[s, f] for s, f in self.log]}
+        return {"baseline": self.baseline, "ceiling": self.ceiling, "log": [[s, f] for s, f in self.log]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.baseline = float(state["baseline"])
+        self.ceiling = float(state.get("ceiling", 1.0))  # snapshots older than the ceiling: base
         self.log = [(int(s), float(f)) for s, f in state["log"]]
 
 

@@ -112,22 +112,38 @@ class Controls:
     # --- the recovery itself ---------------------------------------------------------------
     def recover(
         self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        lr_factor: float, tighten: bool, why: str,
-    ) -> RollbackRecord | None:
-        """Roll back (or fall back to LR + skip ahead); the record when a rollback was issued."""
+        lr_factor: float | None, tighten: bool, why: str, *, fall_back: bool = True, skip_data: bool = True,
+    ) -> bool:
+        """Roll back (or, with ``fall_back``, lower the LR and skip ahead); False if it did nothing.
+
+        ``skip_data``: skip the batches that led into it (False when the cause was not the data).
+        ``lr_factor`` None: the rollback keeps the checkpoint's LR (what was lowered since is undone).
+        """
         cfg = self.config
-        incident.recoveries += 1
-        incident.last_recovery_tick = tick
         onset = min(incident.onset_step, decision.step)
         target = self.book.target(onset, cfg.rollback_min_steps_before_onset)
+        if target is None and not fall_back:
+            return False
+        incident.recoveries += 1
+        incident.last_recovery_tick = tick
         if target is None:
             self._fall_back(plan, decision, onset, lr_factor, tighten, why)
-            return None
-        return self._roll_back(plan, decision, incident, tick, target, lr_factor, tighten, why)
+        else:
+            self._roll_back(plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data)
+        return True
+
+    def missing_target(self, incident: Incident, decision: Decision) -> str:
+        """Why no checkpoint is a rollback target for ``incident`` (for the alert)."""
+        return self._missing(min(incident.onset_step, decision.step))
+
+    def _missing(self, onset: int) -> str:
+        newest = self.book.healthy[-1].step if self.book.healthy else None
+        return (f"no healthy checkpoint at least {self.config.rollback_min_steps_before_onset} steps "
+                f"before onset {onset} (newest healthy: {'none' if newest is None else newest})")
 
     def _roll_back(
         self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        target: Checkpoint, lr_factor: float, tighten: bool, why: str,
+        target: Checkpoint, lr_factor: float | None, tighten: bool, why: str, skip_data: bool = True,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
         rollback_id = plan.add(
@@ -135,17 +151,24 @@ class Controls:
             f"{why}: roll back to healthy checkpoint {target.checkpoint_id} at step {t} "
             f"(>= {cfg.rollback_min_steps_before_onset} steps before onset {incident.onset_step})",
         )
-        plan.add(
-            SkipBatchesParams(from_step=t + 1, to_step=s, extra=cfg.skip_extra_batches),
-            f"{why}: skip the batches of steps {t + 1}..{s} that led into it, "
-            f"plus {cfg.skip_extra_batches} more",
-        )
+        if skip_data:
+            # From the onset: the batches between the checkpoint and the onset gave normal
+            # losses, so they are re-run, not skipped (fewer batches lost than PaLM's recipe).
+            first = max(t + 1, min(incident.onset_step, s))
+            plan.add(
+                SkipBatchesParams(from_step=first, to_step=s, extra=cfg.skip_extra_batches),
+                f"{why}: skip the batches of steps {first}..{s} that led into it (from the onset), "
+                f"plus {cfg.skip_extra_batches} more",
+            )
         # After the rollback the LR is the lower of the one just before and the checkpoint's
         # times the strategy's factor: an incident's decreases do not compound across its rollback.
         # The factor sent is relative to the LR the guard has right after the rollback.
         lr_before, pre = self.lr.state_dict(), self.lr.current
         at_target = self.lr.rewind(t)
-        desired = max(self.lr.floor, min(pre, at_target * lr_factor))
+        if lr_factor is None:  # the LR the guard has after the rollback, unchanged
+            desired = at_target if cfg.rollback_restores_lr else pre
+        else:
+            desired = max(self.lr.floor, min(pre, at_target * lr_factor))
         self.lr.set(t + 1, desired)  # from the re-run's first step on
         scale = desired / (at_target if cfg.rollback_restores_lr else pre)
         if scale < 1 - 1e-9:
@@ -177,15 +200,13 @@ class Controls:
         return record
 
     def _fall_back(
-        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float, tighten: bool, why: str
+        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float | None, tighten: bool,
+        why: str,
     ) -> None:
         cfg, s = self.config, decision.step
-        newest = self.book.healthy[-1].step if self.book.healthy else None
-        missing = (
-            f"no healthy checkpoint at least {cfg.rollback_min_steps_before_onset} steps "
-            f"before onset {onset} (newest healthy: {'none' if newest is None else newest})"
-        )
-        self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
+        missing = self._missing(onset)
+        if lr_factor is not None:
+            self.lower_lr(plan, lr_factor, f"{why}; {missing}, so no rollback")
         plan.add(
             SkipBatchesParams(from_step=s, to_step=s, extra=cfg.skip_extra_batches),
             f"{why}; {missing}: batches already consumed cannot be skipped without a rollback, "

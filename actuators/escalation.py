@@ -3,9 +3,11 @@
 Two rules, both settings: an incident gets ``max_rollbacks_per_incident``
 recoveries (a rollback, or the LR-and-skip fallback when no checkpoint was
 eligible); and at most ``max_rollbacks_in_window`` rollbacks fall within
-``rollback_window_steps`` observed steps. Needing one more escalates: an
-emergency (final) checkpoint, STOP, and a critical ALERT. After that the
-policy emits nothing more for the run.
+``rollback_window_steps`` observed steps. A critical decision needing one
+more escalates: an emergency (final) checkpoint, STOP, and a critical ALERT;
+after that the policy emits nothing more for the run. A non-critical one is
+said once and watched (the policy's business): a chain of low-confidence
+incidents never stops a run.
 """
 
 from __future__ import annotations

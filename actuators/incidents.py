@@ -27,6 +27,8 @@ class Incident:
     divergence_lr_steps: int = 0
     last_divergence_tick: int | None = None
     noticed: bool = False  # the one ALERT of a 'notice' type was sent
+    lr_induced: bool = False  # its LR jump was scaled back: the loss alone rolls nothing back
+    watched: bool = False  # the one ALERT saying a recovery was not warranted was sent
 
     def in_grace(self, tick: int, grace: int) -> bool:
         return self.last_recovery_tick is not None and tick - self.last_recovery_tick < grace

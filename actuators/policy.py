@@ -1,30 +1,50 @@
 """The recovery policy: decisions, checkpoints and acks in; actions out. Pure, one per run.
 
 Fusion's decision says what happened (type, confidence, ``critical``, the
-incident); the policy alone says what to do about it. Strategies
-(``PolicyConfig`` maps anomaly types to them, ``decision.critical`` picks
-``critical``; all numbers are settings):
+incident, the evidence); the policy alone says what to do about it, choosing
+one response per cause (:class:`~spikeguard.actuators.responses.Response`,
+named in front of every action's reason). ``PolicyConfig`` maps anomaly types
+to strategies, ``decision.critical`` picks ``critical``; all numbers are
+settings:
 
-============  ==============================================================
-critical      at once: ROLLBACK, SKIP_BATCHES, SCALE_LR (x0.5), CLIP
-explosion     at once: SCALE_LR (x0.4), CLIP; a loss anomaly in the same
-              incident (before or after) -> rollback as above
-spike         judged ``spike_patience_steps`` later: still anomalous ->
-              ROLLBACK, SKIP_BATCHES, SCALE_LR (x0.5); healthy again -> watch:
-              CHECKPOINT (on_demand) + ALERT (info)
-slow          CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
-              ``divergence_step_interval_steps`` while it goes on; after
-              ``divergence_max_lr_steps`` steps -> rollback
-preventive    rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
-notice        (other types) one ALERT (warning) per incident
-outlier step  one ALERT (info): the guard's local skip answers it, never a recovery
-healthy       after ``lr_restore_healthy_steps`` in a row: RESTORE_LR (x1.25)
-============  ==============================================================
+==================  ==========================================================
+non-finite          the Guard skipped that update itself: one ALERT. Another
+                    within ``non_finite_recur_steps`` -> ROLLBACK,
+                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP
+LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
+                    within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
+                    (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
+                    still anomalous after the patience -> ROLLBACK, no skip
+critical            (finite loss) judged after ``spike_patience_steps`` like a
+                    spike: absorbed -> watch; still anomalous -> ROLLBACK,
+                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
+                    at once
+explosion           at once: SCALE_LR (x0.4), CLIP; a recurring one (a later
+                    incident) also lowers the restore ceiling
+                    (x``lr_ceiling_decrease_factor``); a loss anomaly in the
+                    same incident -> rollback
+loss-scale          one ALERT: the GradScaler recovers by itself, nothing is
+collapse            changed (so nothing is to be restored)
+spike               judged ``spike_patience_steps`` later: still anomalous ->
+                    ROLLBACK, SKIP_BATCHES (the data caused it; the LR stays
+                    unless ``lr_decrease_factor_spike`` < 1); back to normal ->
+                    CHECKPOINT (on_demand) + ALERT (info)
+slow                CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
+                    ``divergence_step_interval_steps`` while it goes on; after
+                    ``divergence_max_lr_steps`` steps -> rollback
+preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
+notice              (other types) one ALERT (warning) per incident
+outlier step        one ALERT (info): never a recovery
+healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
+                    (x1.25), up to the ceiling
+==================  ==========================================================
 
 A rollback needs a healthy checkpoint at least ``rollback_min_steps_before_onset``
-before the incident's onset; without one the policy lowers the LR, skips
-batches ahead and says so (ALERT). One recovery per incident, a bounded
-number per window (:mod:`escalation`); one more stops the run.
+before the incident's onset; without one, a confirmed (critical) incident
+falls back to lowering the LR and skipping batches ahead, and says so (ALERT);
+an unconfirmed one is watched (one ALERT). One recovery per incident, a
+bounded number per window (:mod:`escalation`); a critical decision needing one
+more stops the run, anything less is said once and watched.
 
 Ordering. Fusion emits one decision per step, in step order; within an
 *epoch* a decision is new only if its step is past the last one handled
@@ -41,6 +61,7 @@ normally first).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -49,6 +70,7 @@ from spikeguard.actuators.escalation import add_escalation
 from spikeguard.actuators.incidents import Incident, IncidentBook
 from spikeguard.actuators.seen import SeenDecisions
 from spikeguard.actuators.action_plan import ActionPlan
+from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
 from spikeguard.schemas.actions import CheckpointParams
@@ -66,8 +88,17 @@ from spikeguard.schemas import (
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
 
 MAX_ACK_RECORDS = 256
+LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
 _UNSETTLED = ("pending", "timed_out")
+
+
+def _grad_ratio(d: Decision) -> float | None:
+    """The decided step's gradient norm over its baseline (None: not in the evidence)."""
+    e = d.evidence
+    if e is None or e.grad_norm is None or not e.grad_norm_baseline:
+        return None
+    return e.grad_norm / e.grad_norm_baseline if math.isfinite(e.grad_norm) else math.inf
 
 
 class ForeignRunError(SpikeguardError, ValueError):
@@ -90,7 +121,12 @@ class RecoveryPolicy:
         self.observed_steps = 0
         self.seen = SeenDecisions()  # decision ids admitted this epoch, within the window
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
-        self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at
+        self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at, critical
+        self.last_non_finite_tick: int | None = None  # observed step of the latest non-finite decision
+        self.lr_jump_tick: int | None = None  # observed step of an LR jump not yet answered
+        self.lr_hold_until: int | None = None  # no LR restore before this observed step
+        self.lr_jump_harmful = False  # an LR jump needed a rollback: the next is scaled back at once
+        self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
         self.stopped = False
@@ -110,12 +146,19 @@ class RecoveryPolicy:
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
         if decision.type is AnomalyType.OUTLIER_STEP and not decision.critical:
-            # One step far out: the guard's local skip already dropped that update and
-            # recorded its batch. Said, never recovered from; nor is it a pending spike's
-            # continuation (that would be a second elevated step: a loss_spike).
-            plan.alert("info", f"outlier step at {decision.step}: update skipped by the guard, "
-                       "batch recorded; no recovery", "outlier_step: the guard's skip answers it")
+            # One step far out. Said, never recovered from; nor is it a pending spike's
+            # continuation (that would be a second elevated step: a loss_spike). Whether the
+            # Guard's local rule skipped that update is in its step event (skip_reason), which
+            # the decision does not carry: the alert does not claim it.
+            plan.response = Response.OUTLIER_STEP
+            plan.alert("info", f"outlier step at {decision.step}: one step far outside the run's "
+                       "noise; no recovery (the Guard's local outlier rule decides whether its "
+                       "update is skipped: see the step's skip_reason)",
+                       "outlier_step: an isolated step needs no recovery")
             return plan.actions()
+        p = self.pending_spike
+        if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
+            p["grad_bounded"] = bool(p.get("grad_bounded")) and self._grad_bounded(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:
@@ -211,33 +254,149 @@ class RecoveryPolicy:
         is_loss = d.type in cfg.loss_types
         what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
         grace = inc.in_grace(self.observed_steps, cfg.recovery_grace_steps)
-        if is_loss and inc.explosion_handled and not grace:
+        if d.type is AnomalyType.NON_FINITE:
+            self._non_finite(plan, d, inc, what, grace)
+        elif LR_JUMP_RULE in d.rules:
+            self._lr_jump(plan, d, what)
+        elif self._lr_induced(plan, inc, what, strategy) or inc.lr_induced:
+            self._after_lr_jump(plan, d, inc, what, strategy, grace)
+        elif d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
+            if not inc.noticed:
+                inc.noticed = True
+                plan.response = Response.LOSS_SCALE_WATCHED
+                plan.alert("warning", f"{what}: the GradScaler skips overflowing updates and regrows "
+                           "its scale by itself; watching, nothing changed")
+        elif is_loss and inc.explosion_handled and not grace:
+            plan.response = Response.UNSTABLE
             self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
                           f"{what} after a gradient explosion in the same incident")
+        elif strategy == "critical" and is_loss and not grace:
+            # A finite extreme loss: judged after the spike's patience like any spike. One the run
+            # absorbed by then (its own clipping bounded the update) needs no rollback.
+            if self.pending_spike is None:
+                self._pend(d, inc, critical=True)
         elif strategy == "critical" and not grace:
+            plan.response = Response.CRITICAL
             self._recover(plan, d, inc, cfg.lr_decrease_factor_critical, True, f"critical {what}")
-            if d.type is AnomalyType.NON_FINITE and not self.stopped:
-                rec.raise_eps(plan, f"critical {what}")
         elif strategy == "explosion" and not grace:
             if inc.loss_seen:
+                plan.response = Response.UNSTABLE
                 self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
                               f"{what} with the loss already following")
             elif not inc.explosion_handled:
-                inc.explosion_handled = True
-                rec.lower_lr(plan, cfg.lr_decrease_factor_explosion, what)
-                rec.tighten_clip(plan, what, resend=True)
-                if d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
-                    rec.raise_eps(plan, what)
+                self._explosion(plan, inc, what)
         elif strategy == "spike" and not grace and self.pending_spike is None:
-            self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
-                                  "judge_at": d.step + cfg.spike_patience_steps}
+            self._pend(d, inc, critical=False)
         elif strategy == "slow" and not grace:
+            plan.response = Response.SLOW_RISE
             self._slow(plan, d, inc, what)
         elif strategy == "notice" and not inc.noticed:
             inc.noticed = True
+            plan.response = Response.NOTICE
             plan.alert("warning", f"{what}: watching, no action",
                        f"{what}: no recovery strategy for this type")
         inc.loss_seen = inc.loss_seen or is_loss
+
+    def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
+        self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
+                              "judge_at": d.step + self.config.spike_patience_steps,
+                              "critical": critical, "grad_bounded": self._grad_bounded(d)}
+
+    def _grad_bounded(self, d: Decision) -> bool:
+        """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""
+        ratio = _grad_ratio(d)
+        return ratio is not None and ratio <= self.config.absorbed_grad_ratio
+
+    def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
+        """Whether a pending extreme loss left the run as it was: its gradient stayed bounded and
+        the loss is back at the baseline. Without the evidence to tell, it was not."""
+        cfg, e = self.config, d.evidence
+        if not p.get("grad_bounded") or e is None:
+            return False
+        if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
+            return False
+        return e.loss <= e.loss_baseline * (1 + cfg.absorbed_loss_margin)
+
+    def _non_finite(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, grace: bool) -> None:
+        """The Guard skips a non-finite update itself; only a recurring one is recovered from."""
+        cfg, last = self.config, self.last_non_finite_tick
+        self.last_non_finite_tick = self.observed_steps
+        if not cfg.non_finite_skipped_by_trainer:
+            if not grace:
+                plan.response = Response.CRITICAL
+                self._recover(plan, d, inc, cfg.lr_decrease_factor_critical, True, f"critical {what}")
+                if not self.stopped:
+                    self.recovery.raise_eps(plan, f"critical {what}")
+            return
+        if last is None or self.observed_steps - last > cfg.non_finite_recur_steps:
+            plan.response = Response.NON_FINITE_SKIPPED
+            plan.alert("warning", f"{what}: the Guard skips a non-finite update itself; no recovery "
+                       f"unless it recurs within {cfg.non_finite_recur_steps} steps")
+            return
+        if grace:
+            return
+        plan.response = Response.NON_FINITE_RECURRING
+        why = f"critical {what}, non-finite again {self.observed_steps - last} steps after the last"
+        self._recover(plan, d, inc, cfg.lr_decrease_factor_critical, True, why)
+        if not self.stopped:
+            self.recovery.raise_eps(plan, why)
+
+    def _lr_jump(self, plan: ActionPlan, d: Decision, what: str) -> None:
+        """An LR jump alone changes nothing (a warm restart looks the same); a rise after it does,
+        and so does a jump again after one that needed a rollback (the schedule repeats it)."""
+        cfg = self.config
+        if self.lr_jump_harmful:
+            plan.response = Response.LR_INDUCED
+            self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
+            self.recovery.lower_lr(plan, cfg.lr_jump_factor, f"{what}: the learning rate jumped again "
+                                   "after a jump that needed a rollback: back towards the schedule's "
+                                   f"trend at once, no restore for {cfg.lr_jump_hold_steps} steps")
+            return
+        self.lr_jump_tick = self.observed_steps
+        plan.response = Response.LR_JUMP_WATCHED
+        plan.alert("warning", f"{what}: the learning rate jumped; watching: it is scaled back only "
+                   f"if the loss or the gradient rises within {self.config.lr_jump_window_steps} steps")
+
+    def _lr_induced(self, plan: ActionPlan, inc: Incident, what: str, strategy: str) -> bool:
+        """A loss or gradient rise shortly after an LR jump: scale the LR back. True if it did."""
+        cfg, jump = self.config, self.lr_jump_tick
+        if jump is None or self.observed_steps - jump > cfg.lr_jump_window_steps:
+            return False
+        if strategy not in ("critical", "explosion", "spike", "slow"):
+            return False
+        self.lr_jump_tick = None  # answered: one scale-back per jump
+        inc.lr_induced = True
+        plan.response = Response.LR_INDUCED
+        self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
+        why = (f"{what}, {self.observed_steps - jump} steps after the learning rate jumped: "
+               f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps")
+        self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
+        return True
+
+    def _after_lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str,
+                       grace: bool) -> None:
+        """An LR-induced incident: the LR is already scaled back. An explosion gets clipping; a
+        loss still anomalous after the patience is rolled back to before the jump (no data skip:
+        the data is fine; the scaled-back LR holds on the re-run)."""
+        plan.response = Response.LR_INDUCED
+        if strategy == "explosion" and not inc.explosion_handled:
+            inc.explosion_handled = True
+            self.recovery.tighten_clip(plan, f"{what} after an LR jump", resend=True)
+        elif strategy in ("critical", "spike", "slow") and not grace and self.pending_spike is None:
+            self._pend(d, inc, critical=d.critical)
+
+    def _explosion(self, plan: ActionPlan, inc: Incident, what: str) -> None:
+        cfg, rec = self.config, self.recovery
+        inc.explosion_handled = True
+        self.explosions += 1
+        if self.explosions == 1:
+            plan.response = Response.EXPLOSION
+        else:
+            plan.response = Response.RECURRING_EXPLOSION
+            ceiling = rec.lr.lower_ceiling(cfg.lr_ceiling_decrease_factor)
+            what = f"{what}, explosion #{self.explosions}: LR restores now stop at {ceiling:.3g} of base"
+        rec.lower_lr(plan, cfg.lr_decrease_factor_explosion, what)
+        rec.tighten_clip(plan, what, resend=True)
 
     def _slow(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
@@ -257,26 +416,48 @@ class RecoveryPolicy:
         inc.last_divergence_tick = self.observed_steps
 
     def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
-        """Judge a pending spike once its patience ran out; True if it was rolled back."""
+        """Judge a pending spike once its patience ran out; True if nothing more is to be done."""
         p = self.pending_spike
         if p is None or d.step < p["judge_at"]:
             return False
         self.pending_spike = None
         cfg = self.config
         steps = d.step - p["start"]
-        if d.is_anomaly and cfg.strategy_of(d.type, d.critical) == "critical":
-            return False  # the critical strategy recovers, with clipping
-        if d.is_anomaly and not d.preventive:
+        if d.is_anomaly and d.type is AnomalyType.NON_FINITE:
+            return False  # the non-finite rule answers it
+        unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
+        if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
             inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
+            plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
             self.healthy_streak = 0
-            self._recover(plan, d, inc, cfg.lr_decrease_factor_spike, False,
-                          f"loss spike at step {p['start']} still anomalous {steps} steps later "
-                          f"({d.type.value} at step {d.step})")
+            critical = bool(p.get("critical")) or d.critical
+            still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+                     f"still anomalous {steps} steps later ({d.type.value} at step {d.step})")
+            if unabsorbed:
+                still = (f"extreme loss at step {p['start']} not absorbed: its gradient norm was not "
+                         f"within x{self.config.absorbed_grad_ratio:g} of the baseline, or the loss "
+                         f"is not back at the baseline {steps} steps later")
+            if inc.lr_induced:
+                # The data is fine: back to before the jump, without skipping it, at the LR the
+                # checkpoint had. If the jump is in the schedule it comes again on the re-run,
+                # and is scaled back at once (it caused a rise once).
+                plan.response = Response.LR_INDUCED
+                self.lr_jump_harmful = True
+                self.lr_hold_until = None
+                self._recover(plan, d, inc, None, critical, f"{still}, after an LR jump",
+                              confirmed=critical, skip_data=False)
+            else:
+                plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
+                factor = cfg.lr_decrease_factor_critical if critical else cfg.lr_decrease_factor_spike
+                self._recover(plan, d, inc, factor, critical, still, confirmed=critical)
             return True
-        why = f"loss spike at step {p['start']} recovered within {steps} steps"
+        why = f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} " \
+              f"absorbed within {steps} steps (back to normal: no rollback)"
+        plan.response = Response.ABSORBED
         plan.add(CheckpointParams(reason="on_demand"),
                  f"{why}: checkpoint the recovered state")
         plan.alert("info", f"{why}; watching", f"{why}: watch only")
+        plan.response = None
         return False
 
     def _preventive(self, plan: ActionPlan, d: Decision) -> None:
@@ -286,6 +467,7 @@ class RecoveryPolicy:
         if last is not None and self.observed_steps - last < cfg.preventive_min_interval_steps:
             return
         self.last_preventive_tick = self.observed_steps
+        plan.response = Response.PREVENTIVE
         what = f"warning {d.type.value} at step {d.step}"
         plan.add(CheckpointParams(reason="on_demand"),
                  f"{what}: checkpoint now (the trainer decides whether it is healthy)")
@@ -297,23 +479,49 @@ class RecoveryPolicy:
 
     def _healthy(self, plan: ActionPlan, d: Decision) -> None:
         self.healthy_streak += 1
+        if self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until:
+            return  # an LR jump was scaled back: it may still be in the schedule
         if self.healthy_streak >= self.config.lr_restore_healthy_steps:
             why = f"{self.healthy_streak} healthy steps up to step {d.step}"
+            plan.response = Response.RESTORE
             if self.recovery.restore_lr(plan, why):
                 self.healthy_streak = 0
 
     def _recover(
-        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float, tighten: bool, why: str
+        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float | None, tighten: bool, why: str,
+        *, confirmed: bool | None = None, skip_data: bool = True,
     ) -> None:
-        """Roll back (or fall back) — unless that would be one recovery too many: then stop."""
+        """Roll back (or fall back) — unless that would be one recovery too many.
+
+        Past the budget a critical decision stops the run; anything less is said once and
+        watched: a chain of low-confidence incidents never stops a run. ``confirmed`` (default:
+        the decision is critical) allows the LR-and-skip-ahead fallback when no checkpoint is
+        eligible; an unconfirmed incident without one is watched instead.
+        """
         self.pending_spike = None
         self.healthy_streak = 0
+        confirmed = d.critical if confirmed is None else confirmed
         too_many = self.recovery.ledger.escalation_reason(inc, self.observed_steps)
-        if too_many is not None:
+        if too_many is not None and confirmed:
+            plan.response = Response.STOP
             add_escalation(plan, too_many)
             self.stopped = True
             return
-        self.recovery.recover(plan, d, inc, self.observed_steps, lr_factor, tighten, why)
+        if too_many is not None:
+            self._watch(plan, inc, f"{why}; not recovering again: {too_many}, and the evidence "
+                        "is not critical")
+            return
+        if not self.recovery.recover(plan, d, inc, self.observed_steps, lr_factor, tighten, why,
+                                     fall_back=confirmed, skip_data=skip_data):
+            self._watch(plan, inc, f"{why}; {self.recovery.missing_target(inc, d)}, and the "
+                        "incident is not confirmed (not critical): no fallback")
+
+    def _watch(self, plan: ActionPlan, inc: Incident, why: str) -> None:
+        if inc.watched:
+            return
+        inc.watched = True
+        plan.response = Response.WATCH
+        plan.alert("warning", f"{why}; watching")
 
     # --- state ----------------------------------------------------------------------------------
     def _check_run(self, run_id: str) -> None:
@@ -331,6 +539,11 @@ class RecoveryPolicy:
             "pending_spike": self.pending_spike,
             "healthy_streak": self.healthy_streak,
             "last_preventive_tick": self.last_preventive_tick,
+            "last_non_finite_tick": self.last_non_finite_tick,
+            "lr_jump_tick": self.lr_jump_tick,
+            "lr_hold_until": self.lr_hold_until,
+            "lr_jump_harmful": self.lr_jump_harmful,
+            "explosions": self.explosions,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
             "counts": dict(self.counts),
@@ -353,6 +566,12 @@ class RecoveryPolicy:
         self.tail, self.pending_spike = state["tail"], state["pending_spike"]
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]
         self.last_preventive_tick = state["last_preventive_tick"]
+        # Snapshots written before cause-aware responses lack these: nothing seen yet.
+        self.last_non_finite_tick = state.get("last_non_finite_tick")
+        self.lr_jump_tick = state.get("lr_jump_tick")
+        self.lr_hold_until = state.get("lr_hold_until")
+        self.lr_jump_harmful = bool(state.get("lr_jump_harmful", False))
+        self.explosions = int(state.get("explosions", 0))
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.counts = dict(state["counts"])
         self.recovery.load_state_dict(state["recovery"])

@@ -21,7 +21,7 @@ from recovery_setup import BenchConfig, Problem, evaluate, lm_loss
 from spikeguard.demo.run import DEMO_SETTINGS
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.guard import Guard
-from spikeguard.schemas import Decision, decode
+from spikeguard.schemas import Action, Decision, decode
 
 
 def open_bench_runtime() -> Any:
@@ -38,9 +38,11 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     scaler = fault.make_scaler()
     workdir = tempfile.mkdtemp(prefix="spikeguard-bench-")
     run_id = f"bench-{fault.name}-{seed}-{time.monotonic_ns() % 10**9}"
+    # verify_reruns=1: a suspicious step is re-run once (the demo's setting), so a transient
+    # device fault is told from a bad batch.
     config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=4,
                          resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
-                         max_rerun_share=0.5, max_skip_share=0.5)  # short runs, as the demo's
+                         verify_reruns=0 if scaler is not None else 1)
     guard = Guard(p.model, p.optimizer, p.scheduler, run_id=run_id, config=config, bus=runtime.bus,
                   topics=runtime.topics, scaler=scaler)
     try:
@@ -56,7 +58,14 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
                 if scaler is not None:
                     scaler.unscale_(p.optimizer)  # the guard's statistics and clipping see true gradients
                 ledger.begin()
-                guard.step(loss)
+
+                def again(x=x, y=y, index=index) -> Any:  # the Guard's re-run: same batch, fresh pass
+                    redo = fault.loss(index, lm_loss(p.model, x, y))
+                    redo.backward()
+                    fault.grads(index, p.model)
+                    return redo
+
+                guard.step(loss, closure=again if scaler is None else None)
                 if guard.epoch != epoch:
                     ledger.rolled_back(guard.step_count, f"rollback decided at step {step}: "
                                                          f"back to step {guard.step_count}")
@@ -67,11 +76,15 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     finally:
         guard.close()
         decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        actions = [decode(r.value, Action) for r in runtime.bus.read_all(runtime.topics.actions)]
         shutil.rmtree(workdir, ignore_errors=True)
     for d in decisions:
         if d.run_id == run_id and d.is_anomaly:
             ledger.events.append(f"decision step {d.step} epoch {d.epoch}: {d.type.value} "
                                  f"(confidence {d.confidence:.2f}{', preventive' if d.preventive else ''})")
+    for a in actions:  # what the policy chose and why: its reason starts with the response
+        if a.run_id == run_id:
+            ledger.events.append(f"policy at step {a.apply_at_step}: {a.kind.value}: {a.reason}")
     for a in guard.applied:
         ledger.events.append(f"action at step {a['step']} epoch {a['epoch']}: {a['kind']} {a['status']}: "
                              f"{a['result']}")

@@ -9,6 +9,12 @@
 - skipped batches: batches a skip list jumped over, up to where the run
   stopped reading (a skip range reaching past the end costs nothing).
 
+Goodput (after Google's ml-goodput-measurement: badput is "disruptions and
+the progress they wasted"): ``goodput`` = steps kept whose update was
+applied / forward-backward passes run; the badput is itemised as
+``rerun_steps``, ``skipped_updates``, ``skipped_batches`` and
+``recovery_seconds`` (wall time of the passes a rollback threw away).
+
 A run that a strategy stopped before the budget (spikeguard's STOP) is not
 charged for the steps it never ran: ``steps_done`` says where it ended, and
 its eval loss is that of the stopped model, which is what its user has.
@@ -17,6 +23,7 @@ its eval loss is that of the stopped model, which is what its user has.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +37,10 @@ class Ledger:
     rollbacks: int = 0
     timeline: dict[int, bool] = field(default_factory=dict)  # step -> update applied
     events: list[str] = field(default_factory=list)  # what the strategy did, for the diagnosis
+    seconds: dict[int, float] = field(default_factory=dict)  # step -> wall time of its kept pass
+    recovery_seconds: float = 0.0  # wall time of passes a rollback threw away
     _updated: bool = False
+    _began: float = 0.0
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Count real optimizer updates (a GradScaler that skips never calls ``optimizer.step``)."""
@@ -41,14 +51,18 @@ class Ledger:
     def begin(self) -> None:
         self._updated = False
         self.executed += 1
+        self._began = time.perf_counter()
 
     def done(self, step: int) -> None:
         self.timeline[step] = self._updated
+        self.seconds[step] = time.perf_counter() - self._began
 
     def rolled_back(self, to_step: int, note: str) -> None:
         self.rollbacks += 1
+        self.recovery_seconds += time.perf_counter() - self._began  # the pass that decided it
         for s in [s for s in self.timeline if s >= to_step]:
             del self.timeline[s]
+            self.recovery_seconds += self.seconds.pop(s, 0.0)
         self.events.append(note)
 
     def summary(self, fault: str, strategy: str, eval_loss: float, skip_ranges: list, position: int,
@@ -57,8 +71,10 @@ class Ledger:
         done = len(self.timeline)
         skipped_updates = sum(1 for applied in self.timeline.values() if not applied)
         rerun = max(0, self.executed - done)
+        goodput = (done - skipped_updates) / self.executed if self.executed else 0.0
         return {"fault": fault, "strategy": strategy, "final_eval_loss": eval_loss,
                 "wasted_steps": rerun + skipped_updates + jumped, "rollbacks": self.rollbacks,
+                "goodput": round(goodput, 4), "recovery_seconds": round(self.recovery_seconds, 2),
                 "rerun_steps": rerun, "skipped_updates": skipped_updates, "skipped_batches": jumped,
                 "steps_done": done, "seconds": round(seconds, 1), "events": self.events}
 

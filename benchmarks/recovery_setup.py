@@ -54,14 +54,27 @@ class BenchConfig:
     palm_skip: int = 200  # ... and skip this many batches from there
     max_restarts: int = 20  # lightning_spike gives up restarting after this many ...
     palm_max_restarts: int = 3  # ... palm_manual (each of its restarts costs hundreds of steps) after this many
+    noise_fraction: float = 0.1  # healthy: this share of every batch's targets is random
+    shift_fraction: float = 0.15  # data_shift: this share from fault_step on
+    transient_scale: float = 1000.0  # transient: the struck batch's gradients x this, once
+    slow_lr_factor: float = 8.0  # slow_rise: the LR creeps up to x this ...
+    slow_steps: int = 60  # ... over this many steps, and stays for as many more
+    device: str = "cpu"
 
 
-QUICK = BenchConfig(steps=300, block=32, d_model=48, fault_step=120, shard_batches=30,
-                    overflow_batches=30, palm_back=50, palm_skip=100)
+# Quick: 9 faults x 6 strategies x 5 seeds + 5 clean = 275 runs, so a run is 200 steps of a
+# 2-layer, 48-wide model: the smallest at which every fault still harms an unguarded run.
+QUICK = BenchConfig(steps=200, block=32, d_model=48, eval_windows=96, fault_step=90, shard_batches=20,
+                    lr_steps=30, overflow_batches=20, palm_back=40, palm_skip=60, slow_steps=30)
 FULL = BenchConfig()
 TINY = BenchConfig(steps=90, d_model=32, layers=1, heads=2, block=32, warmup=10, eval_windows=32,
                    checkpoint_every=10, fault_step=45, shard_batches=8, lr_steps=10,
-                   overflow_batches=8, palm_back=20, palm_skip=30)
+                   overflow_batches=8, palm_back=20, palm_skip=30, slow_steps=10)
+# ~50M parameters (12 * 512^2 * 16 in the blocks), for a GPU: ``--device cuda``.
+CUDA = BenchConfig(steps=3000, batch_size=32, block=256, d_model=512, layers=16, heads=8, lr=6e-4,
+                   warmup=200, eval_windows=256, checkpoint_every=100, fault_step=1200, shard_batches=100,
+                   lr_steps=150, overflow_batches=100, palm_back=100, palm_skip=300, slow_steps=150,
+                   device="cuda")
 
 
 def corpus() -> str:
@@ -119,6 +132,8 @@ class TinyGPT(nn.Module):
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -134,8 +149,9 @@ class Problem:
     vocab: int
 
 
-def schedule(cfg: BenchConfig, blowup: bool) -> typing.Callable[[int], float]:
-    """Warm-up then cosine to 10 %; with ``blowup`` the mis-set x``lr_factor`` window is part of it.
+def schedule(cfg: BenchConfig, blowup: str | None) -> typing.Callable[[int], float]:
+    """Warm-up then cosine to 10 %; ``blowup`` ("lr_blowup" or "slow_rise") adds that fault's
+    mis-set window (x``lr_factor`` at once, or a creep to x``slow_lr_factor``).
 
     The window lives in the schedule (keyed by step), not in the data: a
     rollback that restores the scheduler walks into it again, as a mis-set
@@ -144,8 +160,11 @@ def schedule(cfg: BenchConfig, blowup: bool) -> typing.Callable[[int], float]:
     def factor(step: int) -> float:
         base = (step + 1) / cfg.warmup if step < cfg.warmup else \
             0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
-        if blowup and cfg.fault_step <= step < cfg.fault_step + cfg.lr_steps:
+        if blowup == "lr_blowup" and cfg.fault_step <= step < cfg.fault_step + cfg.lr_steps:
             return base * cfg.lr_factor
+        if blowup == "slow_rise" and cfg.fault_step <= step < cfg.fault_step + 2 * cfg.slow_steps:
+            ramp = min(1.0, (step - cfg.fault_step + 1) / cfg.slow_steps)
+            return base * (1.0 + (cfg.slow_lr_factor - 1.0) * ramp)
         return base
     return factor
 
@@ -159,12 +178,13 @@ def build(seed: int, cfg: BenchConfig, fault: str) -> Problem:
     split = int(len(ids) * 0.9)
     train, held = Windows(ids[:split], cfg.block), Windows(ids[split:], cfg.block)
     pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[: cfg.eval_windows]
-    eval_x = torch.stack([held[int(i)][0] for i in pick])
-    eval_y = torch.stack([held[int(i)][1] for i in pick])
-    model = TinyGPT(len(chars), cfg)
+    eval_x = torch.stack([held[int(i)][0] for i in pick]).to(cfg.device)
+    eval_y = torch.stack([held[int(i)][1] for i in pick]).to(cfg.device)
+    model = TinyGPT(len(chars), cfg).to(cfg.device)
     lr = cfg.lr * (cfg.unstable_lr_factor if fault == "instability" else 1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, fault == "lr_blowup"))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, schedule(cfg, fault if fault in ("lr_blowup", "slow_rise") else None))
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     return Problem(model, optimizer, scheduler, loader, eval_x, eval_y, len(chars))
 

@@ -180,6 +180,37 @@ class Metrics:
             "reproducible (the step itself is bad).",
             ["run_id", "outcome"], registry=r,
         )
+        # -- goodput (after Google's ml-goodput-measurement: badput is disruptions and the
+        # progress they wasted). Counted from step events, once per (epoch, step) per process.
+        self.run_steps = Counter(
+            "spikeguard_run_steps_total",
+            "A run's optimizer steps by timeline: first (new progress) or rerun (a step run "
+            "again after a rollback: badput).",
+            ["run_id", "timeline"], registry=r,
+        )
+        self.run_updates_skipped = Counter(
+            "spikeguard_run_updates_skipped_total",
+            "Steps whose update the trainer skipped, by its skip_reason (non_finite, "
+            "outlier_step, scaler_overflow, transient): badput.",
+            ["run_id", "reason"], registry=r,
+        )
+        self.run_batches_skipped = Counter(
+            "spikeguard_run_batches_skipped_total",
+            "Batches the policy asked a run to skip (SKIP_BATCHES: the rewound window plus the "
+            "extra): data not trained on.",
+            ["run_id"], registry=r,
+        )
+        self.run_recovery_seconds = Counter(
+            "spikeguard_run_recovery_seconds_total",
+            "Wall time a run spent re-running steps after rollbacks (from its step events' times).",
+            ["run_id"], registry=r,
+        )
+        self.run_goodput = Gauge(
+            "spikeguard_run_goodput_ratio",
+            "Share of a run's steps so far that were new progress with their update applied "
+            "(1 - badput): first-timeline steps minus skipped updates, over all steps run.",
+            ["run_id"], registry=r,
+        )
         self.runs_tracked = Gauge(
             "spikeguard_runs_tracked", "Runs this process keeps per-run series for.", registry=r
         )
@@ -211,7 +242,9 @@ class Metrics:
         #: Seconds of silence after which a run counts as ended (its series removed).
         self.run_idle_s = run_idle_s
         self._per_run = (self.run_loss, self.run_grad_norm, self.run_health, self.run_last_step,
-                         self.run_last_step_time, self.run_epoch, self.run_health_level)
+                         self.run_last_step_time, self.run_epoch, self.run_health_level,
+                         self.run_goodput)
+        self._goodput: dict[str, GoodputTally] = {}
         self._run_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
         self._run_seen: dict[str, float] = {}
         self._next_sweep = 0.0
@@ -248,6 +281,7 @@ class Metrics:
         with self._lock:
             series = self._run_series.pop(run_id, set())
             self._run_seen.pop(run_id, None)
+            self._goodput.pop(run_id, None)
         for metric in self._per_run:
             series.add((metric, ()))
         for metric, labels in series:
@@ -256,6 +290,52 @@ class Metrics:
             except KeyError:
                 pass  # never set in this process
         self.runs_tracked.set(len(self._run_seen))
+
+
+class GoodputTally:
+    """One run's goodput bookkeeping from its step events (what the counters are built from)."""
+
+    __slots__ = ("first", "rerun", "skipped", "high", "last", "last_time")
+
+    def __init__(self) -> None:
+        self.first = self.rerun = self.skipped = 0
+        self.high = -1  # the highest step seen on any timeline: at or below it is a re-run
+        self.last: tuple[int, int] = (-1, -1)  # (epoch, step) last counted: later stages skip it
+        self.last_time: float | None = None
+
+    def count(self, event: StepEvent) -> tuple[str, float] | None:
+        """The event's timeline and the re-run seconds it adds; None if already counted."""
+        key = (event.epoch, event.step)
+        if key <= self.last:
+            return None
+        self.last = key
+        seconds, previous = 0.0, self.last_time
+        self.last_time = event.time
+        if event.step <= self.high:
+            self.rerun += 1
+            if previous is not None and event.time > previous:
+                seconds = event.time - previous
+            timeline = "rerun"
+        else:
+            self.high = event.step
+            self.first += 1
+            timeline = "first"
+        if event.update_skipped:
+            self.skipped += 1
+        return timeline, seconds
+
+    @property
+    def ratio(self) -> float:
+        total = self.first + self.rerun
+        return max(0.0, self.first - self.skipped) / total if total else 1.0
+
+
+def skipped_batches(action: Action) -> int:
+    """Batches a SKIP_BATCHES action skips (0 for any other kind)."""
+    p = action.params
+    if action.kind.value != "skip_batches":
+        return 0
+    return max(0, int(p.to_step) - int(p.from_step) + 1) + int(p.extra)  # type: ignore[attr-defined]
 
 
 _default: Metrics | None = None
@@ -307,6 +387,8 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
             actions[kind] = actions.get(kind, 0) + 1
             key4 = (event.run_id, kind)
             run_actions[key4] = run_actions.get(key4, 0) + 1
+            if skipped := skipped_batches(event):
+                metrics.run_labels(metrics.run_batches_skipped, event.run_id).inc(skipped)
         else:
             continue
         runs.add(event.run_id)
@@ -332,6 +414,11 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         metrics.touch_runs(runs, now)
 
 
+def _tally(metrics: Metrics, run_id: str) -> GoodputTally:
+    with metrics._lock:
+        return metrics._goodput.setdefault(run_id, GoodputTally())
+
+
 def observe_ignored(metrics: Metrics, stage: Any) -> None:
     """What the stage ignored on purpose since the last call (its ``drain_ignored()``)."""
     for reason, count in stage.drain_ignored().items():
@@ -343,9 +430,20 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
     newest: dict[str, StepEvent] = {}
     acks: dict[tuple[str, str], int] = {}
     reruns: dict[tuple[str, str], int] = {}
+    goodput: set[str] = set()
     for _, event in items:
         if isinstance(event, StepEvent):
             newest[event.run_id] = event
+            counted = _tally(metrics, event.run_id).count(event)
+            if counted is not None:
+                goodput.add(event.run_id)
+                timeline, seconds = counted
+                metrics.run_labels(metrics.run_steps, event.run_id, timeline).inc()
+                if seconds:
+                    metrics.run_labels(metrics.run_recovery_seconds, event.run_id).inc(seconds)
+                if event.update_skipped:
+                    metrics.run_labels(metrics.run_updates_skipped, event.run_id,
+                                       event.skip_reason or "unknown").inc()
             if event.rerun is not None:  # rare: a suspicious step the Guard re-ran
                 key = (event.run_id, event.rerun)
                 reruns[key] = reruns.get(key, 0) + 1
@@ -356,6 +454,8 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
         metrics.acks.labels(*labels).inc(count)
     for (run_id, outcome), count in reruns.items():
         metrics.run_labels(metrics.run_reruns, run_id, outcome).inc(count)
+    for run_id in goodput:
+        metrics.run_goodput.labels(run_id).set(_tally(metrics, run_id).ratio)
     for run_id, event in newest.items():
         metrics.run_loss.labels(run_id).set(event.loss)
         if event.grad_norm is not None:

@@ -91,7 +91,8 @@ def test_a_rollback_the_trainer_refused_neither_counts_against_the_window_nor_lo
     from spikeguard.actuators import PolicyConfig, RecoveryPolicy
     from spikeguard.schemas import CheckpointEvent
 
-    policy = RecoveryPolicy(PolicyConfig(max_rollbacks_in_window=1, rollback_window_steps=10_000), run_id=RUN)
+    policy = RecoveryPolicy(PolicyConfig(max_rollbacks_in_window=1, rollback_window_steps=10_000,
+                                         non_finite_skipped_by_trainer=False), run_id=RUN)
     policy.on_checkpoint(CheckpointEvent(run_id=RUN, step=0, checkpoint_id="c0", healthy=True))
 
     def critical(step: int) -> list[Action]:

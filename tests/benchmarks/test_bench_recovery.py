@@ -24,16 +24,18 @@ from recovery_baselines import LightningSpike, OlmoSkipStep, PalmManual, Restart
 from recovery_faults import Fault  # noqa: E402
 from recovery_setup import TINY  # noqa: E402
 
-KEYS = {"fault", "strategy", "final_eval_loss", "wasted_steps", "rollbacks"}
+KEYS = {"fault", "strategy", "final_eval_loss", "wasted_steps", "rollbacks", "ci95", "goodput", "actions",
+        "per_seed"}
+FAULTS = ("nan_batch", "overflow", "healthy")
 
 
 @pytest.fixture(scope="module")
 def tiny_run() -> dict:
     python = os.environ.get("SPIKEGUARD_PYTHON", sys.executable)
     done = subprocess.run(
-        [python, str(BENCH / "bench_recovery.py"), "--tiny", "--json", "--faults", "nan_batch,overflow",
+        [python, str(BENCH / "bench_recovery.py"), "--tiny", "--json", "--faults", ",".join(FAULTS),
          "--strategies", "none,lightning_spike,palm_manual,spikeguard"],
-        capture_output=True, text=True, timeout=280, cwd=BENCH.parent)
+        capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -44,16 +46,48 @@ def _row(report: dict, fault: str, strategy: str) -> dict:
 
 
 def test_json_contract(tiny_run: dict) -> None:
-    assert set(tiny_run) == {"clean", "results"}
+    assert set(tiny_run) == {"clean", "clean_ci95", "seeds", "results"}
     assert isinstance(tiny_run["clean"], float) and math.isfinite(tiny_run["clean"])
+    assert tiny_run["seeds"] == [0]  # --tiny: one seed unless --seeds says more
     pairs = [(r["fault"], r["strategy"]) for r in tiny_run["results"]]
-    assert pairs == [(f, s) for f in ("nan_batch", "overflow")
-                     for s in ("none", "lightning_spike", "palm_manual", "spikeguard")]
+    assert pairs == [(f, s) for f in FAULTS for s in ("none", "lightning_spike", "palm_manual", "spikeguard")]
     for row in tiny_run["results"]:
         assert set(row) == KEYS
         assert isinstance(row["wasted_steps"], int) and row["wasted_steps"] >= 0
         assert isinstance(row["rollbacks"], int) and row["rollbacks"] >= 0
         assert isinstance(row["final_eval_loss"], float) or row["final_eval_loss"] in ("NaN", "Infinity")
+        assert 0.0 <= row["goodput"] <= 1.0 and len(row["per_seed"]) == 1 and len(row["ci95"]) == 2
+
+
+def test_a_healthy_run_gets_no_action_and_full_goodput(tiny_run: dict) -> None:
+    guarded = _row(tiny_run, "healthy", "spikeguard")
+    assert guarded["actions"] == 0 and guarded["rollbacks"] == 0 and guarded["wasted_steps"] == 0
+    assert guarded["goodput"] == 1.0
+    assert guarded["final_eval_loss"] == _row(tiny_run, "healthy", "none")["final_eval_loss"]
+
+
+def test_a_nan_batch_the_guard_skipped_costs_spikeguard_one_update_not_a_rollback(tiny_run: dict) -> None:
+    guarded = _row(tiny_run, "nan_batch", "spikeguard")
+    assert guarded["rollbacks"] == 0 and guarded["wasted_steps"] == 1
+    assert guarded["wasted_steps"] < _row(tiny_run, "nan_batch", "palm_manual")["wasted_steps"]
+
+
+def test_mean_and_interval_over_seeds_and_the_paired_verdict() -> None:
+    from bench_recovery import mean_ci, verdicts
+
+    mean, lo, hi = mean_ci([1.0, 2.0, 3.0])
+    assert mean == 2.0 and (lo, hi) == pytest.approx((2.0 - 4.303 / math.sqrt(3), 2.0 + 4.303 / math.sqrt(3)))
+    assert math.isnan(mean_ci([1.0, float("nan")])[0])
+
+    def row(strategy, losses, wasted=0, actions=0):
+        return {"fault": "f", "strategy": strategy, "final_eval_loss": sum(losses) / len(losses),
+                "per_seed": losses, "wasted_steps": wasted, "actions": actions}
+
+    # Paired by seed: spikeguard is worse on every seed by 0.01, with seeds far apart: not within.
+    worse = [row("zclip", [2.0, 2.5, 3.0]), row("spikeguard", [2.01, 2.51, 3.01])]
+    assert "beyond the 95% interval" in verdicts(2.0, worse)["f"]
+    mixed = [row("zclip", [2.0, 2.5, 3.0]), row("spikeguard", [2.01, 2.49, 3.005])]
+    assert "beyond" not in verdicts(2.0, mixed)["f"]
 
 
 def test_nan_batch_ruins_an_unguarded_run_and_not_a_guarded_one(tiny_run: dict) -> None:

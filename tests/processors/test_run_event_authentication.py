@@ -154,7 +154,7 @@ def test_the_actuator_applies_the_runs_signed_policy_and_refuses_a_forged_one():
     assert not worker.stage.ending.pending  # the forged end is not waiting to end the run either
     publish(bus, [worker], (TOPICS.checkpoints, CheckpointEvent(run_id=RUN, step=20, checkpoint_id="c20",
                                                                 healthy=True)),
-            *[decision(s) for s in range(21, 60)], decision(60, anomaly=True))
+            *[decision(s) for s in range(21, 60)], decision(60, anomaly=True), decision(61, anomaly=True))
     actions = [decode(r.value, Action) for r in bus.read_all(TOPICS.actions)]
     rollback = next(a for a in actions if a.kind is ActionKind.ROLLBACK)
     assert rollback.params.target_step == 20 and rollback.signature

@@ -210,3 +210,30 @@ def test_steps_the_guard_re_ran_are_counted_by_outcome_and_go_with_the_run():
     assert get("spikeguard_run_reruns_total", {"run_id": "a", "outcome": "reproducible"}) == 1
     metrics.forget_run("a")
     assert get("spikeguard_run_reruns_total", {"run_id": "a", "outcome": "transient"}) is None
+
+
+def test_goodput_counts_each_step_once_and_itemises_the_badput():
+    """20 steps, a rollback to 10 at step 15 (steps 11..15 run again, 1 s each), one update
+    skipped, a skip of 5 + 3 batches: goodput = (20 - 1) / 25. Two stages reading the same
+    steps in one process count them once."""
+    metrics, registry = _fresh()
+    first = [StepEvent(run_id="g", step=s, loss=1.0, time=1000.0 + s) for s in range(1, 16)]
+    first[6] = first[6].model_copy(update={"update_skipped": True, "skip_reason": "non_finite"})
+    rerun = [StepEvent(run_id="g", step=s, epoch=1, loss=1.0, time=1015.0 + (s - 10)) for s in range(11, 21)]
+    for batch in (first, rerun):
+        items = [("s", e) for e in batch]
+        observe_inputs(metrics, items)
+        observe_inputs(metrics, items)  # a second stage of the same process
+    skip = Action(action_id="k", run_id="g", kind=ActionKind.SKIP_BATCHES, apply_at_step=16,
+                  params={"from_step": 11, "to_step": 15, "extra": 3})
+    observe_outputs(metrics, [("a", skip)])
+    get = registry.get_sample_value
+    assert get("spikeguard_run_steps_total", {"run_id": "g", "timeline": "first"}) == 20
+    assert get("spikeguard_run_steps_total", {"run_id": "g", "timeline": "rerun"}) == 5
+    assert get("spikeguard_run_updates_skipped_total", {"run_id": "g", "reason": "non_finite"}) == 1
+    assert get("spikeguard_run_batches_skipped_total", {"run_id": "g"}) == 8
+    assert get("spikeguard_run_recovery_seconds_total", {"run_id": "g"}) == pytest.approx(5.0)
+    assert get("spikeguard_run_goodput_ratio", {"run_id": "g"}) == pytest.approx(19 / 25)
+    metrics.forget_run("g")
+    assert get("spikeguard_run_goodput_ratio", {"run_id": "g"}) is None
+    assert get("spikeguard_run_steps_total", {"run_id": "g", "timeline": "first"}) is None

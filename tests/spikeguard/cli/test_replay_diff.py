@@ -30,14 +30,15 @@ def healthy_loss(step: int) -> float:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """400 steps with a NaN at 300 and healthy checkpoints every 50 steps, recorded live
-    with a non-default setting (skip_extra_batches=25) that the replay must reuse."""
+    """400 steps with NaNs at 300 and 301 (a non-finite step that recurs: the policy rolls back
+    at the second) and healthy checkpoints every 50 steps, recorded live with a non-default
+    setting (skip_extra_batches=25) that the replay must reuse."""
     directory = tmp_path_factory.mktemp("rec")
     settings = load_settings({"data_dir": str(directory), "policy.skip_extra_batches": 25}, env={})
     with open_runtime(settings) as runtime:
         producer = runtime.bus.producer()
         for step in range(400):
-            loss = math.nan if step == 300 else healthy_loss(step)
+            loss = math.nan if step in (300, 301) else healthy_loss(step)
             producer.publish(runtime.topics.steps,
                              encode(sign_step(StepEvent(run_id="rec", step=step, loss=loss),
                                               runtime.settings.signing_key)), key="rec")
@@ -74,7 +75,7 @@ def test_today_s_defaults_would_change_the_skip(recorded, capsys):
     assert main(["replay", "--data-dir", str(recorded), "--current-settings"]) == 0
     out = capsys.readouterr().out
     assert "judged with today's settings" in out
-    assert "~ run rec skip_batches at step 301:" in out and "extra=25" in out
+    assert "~ run rec skip_batches at step 302:" in out and "extra=25" in out
 
 
 def test_a_set_flag_that_removes_the_rollback_is_named(recorded, capsys):
@@ -83,8 +84,8 @@ def test_a_set_flag_that_removes_the_rollback_is_named(recorded, capsys):
     out = capsys.readouterr().out
     assert "changed: policy.rollback_min_steps_before_onset" in out
     assert "decisions: 0 added, 0 removed, 0 changed" in out
-    assert "  - run rec rollback at step 301 (checkpoint_id=c200, target_step=200)" in out
-    assert "a rollback vanishes: run rec at step 301" in out
+    assert "  - run rec rollback at step 302 (checkpoint_id=c200, target_step=200)" in out
+    assert "a rollback vanishes: run rec at step 302" in out
 
 
 def test_render_names_changed_decisions_and_appearing_rollbacks():

@@ -35,4 +35,6 @@ def test_guarded_run_ends_as_good_as_a_clean_run(fault, clean):
     bad = unguarded.final_eval_loss
     assert not math.isfinite(bad) or bad >= 1.2 * clean
     assert guarded.nonfinite_updates == 0
-    assert guarded.incidents >= 1 and guarded.rollbacks >= 1 and guarded.skipped_batches > 0
+    assert guarded.incidents >= 1 and guarded.rollbacks >= 1
+    # The data caused the spike and the NaN: skipped. The LR blow-up's data was fine: kept.
+    assert (guarded.skipped_batches > 0) == (fault != "divergence")

@@ -117,4 +117,7 @@ def test_a_poisoned_batch_is_reproducible_and_the_usual_policy_applies(tmp_path)
     guard = _guarded_run(tmp_path, model, dataset, steps=110, config_extra={"verify_reruns": 1})
     assert guard.rerun.counts["reproducible"] >= 1 and guard.rerun.counts["transient"] == 0
     assert guard.counters["transient_steps"] == 0
-    assert guard.counters["rollbacks"] + guard.counters["skipped_batches"] >= 1  # the pipeline acted
+    # The Guard skipped the NaN update itself; the policy says so and adds nothing unless it
+    # recurs (it does not within these 110 steps): no rollback, no skipped data.
+    assert guard.counters["rollbacks"] == 0 and guard.counters["skipped_batches"] == 0
+    assert any(a["kind"] == "alert" for a in guard.applied)

@@ -34,8 +34,9 @@ def wait_for(predicate, seconds: float = 60) -> None:
 def recorded(tmp_path_factory):
     """A live run whose trainer keeps its last two checkpoints, as the guard announces them:
     a checkpoint of step s after step s - 1, and the one rotated out right after it.
-    A NaN at 300 rolls back to c200 (100 steps before the onset); only after that
-    rollback does c350 arrive, rotating c200 out."""
+    NaNs at 300 and 301 (a non-finite step that recurs; one alone the Guard's skip answers)
+    roll back to c200 (100 steps before the onset); only after that rollback does c350
+    arrive, rotating c200 out."""
     directory = tmp_path_factory.mktemp("rec")
     settings = load_settings({"data_dir": str(directory)}, env={})
     with open_runtime(settings) as runtime:
@@ -52,14 +53,14 @@ def recorded(tmp_path_factory):
                                  key="rec")
 
         def publish_step(step: int) -> None:
-            loss = math.nan if step == 300 else healthy_loss(step)
+            loss = math.nan if step in (300, 301) else healthy_loss(step)
             # The embedded runtime has its own key: the trainer signs its steps.
             event = sign_step(StepEvent(run_id="rec", step=step, loss=loss), runtime.settings.signing_key)
             producer.publish(topics.steps, encode(event), key="rec")
             if (step + 1) % 50 == 0 and step + 1 != 300:
                 publish_checkpoint(step + 1)
 
-        for step in range(301):
+        for step in range(302):
             publish_step(step)
         producer.flush()
 
@@ -68,7 +69,7 @@ def recorded(tmp_path_factory):
                        for record in runtime.bus.read_all(topics.actions))
 
         wait_for(rolled_back)
-        for step in range(301, 400):
+        for step in range(302, 400):
             publish_step(step)
         producer.flush()
         wait_for(lambda: len(runtime.bus.read_all(topics.decisions)) >= 400)

@@ -1,0 +1,230 @@
+"""The policy's default answers: one response per cause, proportionate to the evidence.
+
+Decision streams in, actions out, with the default settings (the Guard skips
+non-finite updates itself). Each test names the cause and the response.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spikeguard.actuators import PolicyConfig, RecoveryPolicy
+from spikeguard.actuators.responses import Response
+from spikeguard.schemas import Ack, AckStatus, ActionKind, Evidence, AnomalyType as T, CheckpointEvent, Decision, decision_id, incident_id
+
+R = "run-responses"
+K = ActionKind
+
+
+def dec(step: int, kind: T | None = None, *, onset: int | None = None, critical: bool | None = None,
+        confidence: float = 0.9, rules: tuple[str, ...] = (), loss: float = 2.0, grad: float = 1.0) -> Decision:
+    """A decision whose evidence has loss and gradient baselines 2.0 and 1.0."""
+    evidence = Evidence(step=step, loss=loss, grad_norm=grad, loss_baseline=2.0, grad_norm_baseline=1.0)
+    if kind is None:
+        return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False,
+                        evidence=evidence)
+    onset = step if onset is None else onset
+    return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True, type=kind,
+                    confidence=confidence, rules=list(rules), evidence=evidence,
+                    critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
+                    incident_id=incident_id(R, onset), incident_onset_step=onset)
+
+
+def make(ckpts=(100, 200, 300, 400, 500, 600, 700), **config) -> RecoveryPolicy:
+    policy = RecoveryPolicy(PolicyConfig(**config), run_id=R)
+    for step in ckpts:
+        policy.on_checkpoint(CheckpointEvent(run_id=R, step=step, checkpoint_id=f"ck-{step}", healthy=True))
+    return policy
+
+
+def feed(policy: RecoveryPolicy, decisions) -> list:
+    out = []
+    for d in decisions:
+        out += policy.on_decision(d)
+    return out
+
+
+def healthy(start: int, end: int) -> list[Decision]:
+    return [dec(s) for s in range(start, end)]
+
+
+def kinds(actions) -> list[ActionKind]:
+    return [a.kind for a in actions]
+
+
+CHANGES = {K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.SET_LR, K.CLIP, K.STOP, K.SET_EPS, K.REDUCE_BATCH_SIZE}
+
+
+def test_a_non_finite_step_the_guard_skipped_gets_an_alert_and_a_recurring_one_a_rollback() -> None:
+    policy = make()
+    feed(policy, healthy(401, 800))
+    once = policy.on_decision(dec(800, T.NON_FINITE))
+    assert kinds(once) == [K.ALERT]
+    assert once[0].reason.startswith("[non_finite_skipped]") and "skips" in once[0].params.message
+    assert not set(kinds(feed(policy, healthy(801, 900)))) & CHANGES
+    # Far from the first: again only said. Close after it: the run itself is broken.
+    assert kinds(policy.on_decision(dec(900, T.NON_FINITE))) == [K.ALERT]
+    again = policy.on_decision(dec(910, T.NON_FINITE))
+    assert kinds(again)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+    assert all(a.reason.startswith("[non_finite_recurring]") for a in again)
+
+
+def test_a_spike_the_run_absorbed_is_not_rolled_back() -> None:
+    """A x100 loss for two steps that the run's own clipping made harmless: watched, no rollback."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    spike = [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=1.0),
+             dec(801, T.EXTREME_LOSS, onset=800, loss=150.0, grad=1.0)]  # clipped: the norm stays
+    out = feed(policy, spike + healthy(802, 1100))
+    assert not set(kinds(out)) & CHANGES, [a.reason for a in out]
+    assert any(a.reason.startswith("[absorbed]") for a in out)
+
+
+def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> None:
+    """The update of a x1e4 input went through unclipped: the weights moved, the loss looking
+    normal a few steps later proves nothing."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    out = feed(policy, [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3)] + healthy(801, 804))
+    assert kinds(out)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+    assert "not absorbed" in out[0].reason
+    # Decided on a healthy step, it still names the spike's incident (the Guard records it).
+    assert {a.incident_id for a in out} == {incident_id(R, 800)}
+
+
+def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouched() -> None:
+    policy = make()
+    feed(policy, healthy(401, 800))
+    out = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
+    assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES]
+    assert out[0].params.target_step == 700 and out[1].params.from_step == 800  # from the onset: 701..799 were fine
+    assert all(a.reason.startswith("[data_spike]") for a in out)
+
+
+def test_low_confidence_incidents_never_stop_a_run() -> None:
+    """A chain of non-critical incidents past every budget: said once each, never a stop."""
+    policy = make(ckpts=range(100, 5001, 100), max_rollbacks_in_window=2, rollback_window_steps=10_000,
+                  rollback_min_steps_before_onset=10)
+    out = []
+    for onset in range(1000, 5000, 500):
+        out += feed(policy, healthy(onset - 40, onset))
+        out += feed(policy, [dec(s, T.LOSS_SPIKE, onset=onset, confidence=0.6) for s in range(onset, onset + 4)])
+    assert K.STOP not in kinds(out)
+    assert not policy.stopped
+    assert kinds(out).count(K.ROLLBACK) == 2  # the window's budget, then watched
+    assert any(a.reason.startswith("[watch]") and "not critical" in a.reason for a in out)
+
+
+def test_a_critical_decision_recurring_after_a_recovery_stops_the_run() -> None:
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(policy, [dec(800, T.NON_FINITE, onset=800), dec(801, T.NON_FINITE, onset=800)])
+    rollback = next(a for a in first if a.kind is K.ROLLBACK)
+    policy.on_ack(Ack(run_id=R, action_id=rollback.action_id, kind=K.ROLLBACK, status=AckStatus.APPLIED,
+                      step=rollback.apply_at_step))
+    feed(policy, healthy(701, 800))  # the re-run, then the same trouble again
+    stop = feed(policy, [dec(s, T.NON_FINITE, onset=800) for s in range(800, 812)])
+    assert kinds(stop)[-3:] == [K.CHECKPOINT, K.STOP, K.ALERT] and policy.stopped
+
+
+def test_no_checkpoint_fallback_only_for_a_confirmed_incident() -> None:
+    unconfirmed = make(ckpts=())
+    out = feed(unconfirmed, healthy(1, 50) + [dec(s, T.LOSS_SPIKE, onset=50) for s in range(50, 54)])
+    assert kinds(out) == [K.ALERT] and "no fallback" in out[0].params.message
+    assert unconfirmed.recovery.lr.current == 1.0
+    confirmed = make(ckpts=())
+    out = feed(confirmed, healthy(1, 50) + [dec(50, T.NON_FINITE, onset=50), dec(51, T.NON_FINITE, onset=50)])
+    assert K.SKIP_BATCHES in kinds(out) and K.SCALE_LR in kinds(out)
+
+
+def test_an_outlier_step_alert_does_not_claim_the_guard_skipped_it() -> None:
+    policy = make()
+    out = feed(policy, healthy(401, 500) + [dec(500, T.OUTLIER_STEP, critical=False)])
+    assert kinds(out) == [K.ALERT]
+    assert "skipped by the guard" not in out[0].params.message.lower()
+    assert "skip_reason" in out[0].params.message
+
+
+def test_an_lr_jump_alone_changes_nothing() -> None:
+    """A warm restart looks like an LR jump: said, never acted on without a rise after it."""
+    policy = make()
+    out = feed(policy, healthy(401, 500) + [dec(500, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7,
+                                                rules=("lr_jump",))] + healthy(501, 900))
+    assert kinds(out) == [K.ALERT] and out[0].reason.startswith("[lr_jump_watched]")
+
+
+def test_an_lr_induced_rise_scales_the_lr_back_and_holds_it() -> None:
+    policy = make(lr_restore_healthy_steps=10, lr_jump_hold_steps=100)
+    feed(policy, healthy(401, 500))
+    feed(policy, [dec(500, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))])
+    out = feed(policy, healthy(501, 505) + [dec(505, T.GRADIENT_EXPLOSION, onset=505)])
+    scaled = [a for a in out if a.kind is K.SCALE_LR]
+    assert [a.params.factor for a in scaled] == [pytest.approx(0.1)]
+    assert scaled[0].reason.startswith("[lr_induced]")
+    held = feed(policy, healthy(506, 600))
+    assert K.RESTORE_LR not in kinds(held)  # the jump may still be in the schedule
+    later = feed(policy, healthy(600, 640))
+    assert K.RESTORE_LR in kinds(later)
+
+
+def test_a_loss_scale_collapse_is_watched_and_nothing_is_changed() -> None:
+    policy = make()
+    out = feed(policy, healthy(401, 500) + [dec(s, T.LOSS_SCALE_COLLAPSE, critical=False, onset=500)
+                                           for s in range(500, 530)] + healthy(530, 800))
+    assert kinds(out) == [K.ALERT] and out[0].reason.startswith("[loss_scale_watched]")
+    assert policy.recovery.lr.current == 1.0
+
+
+def test_recurring_explosions_lower_the_restore_ceiling_each_time() -> None:
+    policy = make(lr_restore_healthy_steps=10, lr_restore_factor=2.0, lr_ceiling_decrease_factor=0.5)
+    ceilings = []
+    step = 500
+    for _ in range(3):
+        feed(policy, [dec(step, T.GRADIENT_EXPLOSION, onset=step)] + healthy(step + 1, step + 200))
+        ceilings.append(policy.recovery.lr.ceiling)
+        step += 200
+    assert ceilings == [1.0, 0.5, 0.25]
+    assert policy.recovery.lr.current == pytest.approx(0.25)  # restored up to the ceiling, no further
+
+
+def test_every_action_names_its_response() -> None:
+    policy = make()
+    out = feed(policy, healthy(401, 500) + [dec(500, T.GRADIENT_EXPLOSION)] + healthy(501, 1000)
+               + [dec(s, T.LOSS_SPIKE, onset=1000) for s in range(1000, 1004)])
+    names = {r.value for r in Response}
+    assert out and all(a.reason.startswith("[") and a.reason[1:a.reason.index("]")] in names for a in out)
+
+
+def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scaled_back_when_it_recurs():
+    """The schedule's jump damaged the weights: back to before it without skipping the (good) data,
+    at the checkpoint's LR; the jump comes again on the re-run and is scaled back at once."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
+    assert [a.params.factor for a in out if a.kind is K.SCALE_LR] == [pytest.approx(0.1)]
+    assert kinds(out)[-1] is K.ROLLBACK and K.SKIP_BATCHES not in kinds(out)
+    rollback = out[-1]
+    assert rollback.params.target_step == 600 and rollback.reason.startswith("[lr_induced]")
+    policy.on_ack(Ack(run_id=R, action_id=rollback.action_id, kind=K.ROLLBACK, status=AckStatus.APPLIED,
+                      step=rollback.apply_at_step))
+    assert policy.recovery.lr.current == 1.0  # the checkpoint's LR
+    feed(policy, healthy(601, 750))
+    again = policy.on_decision(jump)
+    assert [(a.kind, a.params.factor) for a in again] == [(K.SCALE_LR, pytest.approx(0.1))]
+
+
+def test_the_new_state_round_trips_through_strict_json_mid_incident() -> None:
+    """A pending extreme loss with an infinite gradient, an LR jump armed, explosions counted:
+    the snapshot is strict JSON and a policy restored from it answers the same."""
+    import json
+
+    policy = make()
+    feed(policy, healthy(401, 700) + [dec(700, T.GRADIENT_EXPLOSION, onset=700)] + healthy(701, 790)
+         + [dec(790, T.LR_OUT_OF_BOUNDS, critical=False, rules=("lr_jump",)),
+            dec(800, T.EXTREME_LOSS, onset=800, loss=300.0, grad=float("inf"))])
+    state = json.loads(json.dumps(policy.state_dict(), allow_nan=False))
+    twin = make()
+    twin.load_state_dict(state)
+    rest = healthy(801, 804)
+    assert [(a.kind, a.reason) for a in feed(twin, rest)] == [(a.kind, a.reason) for a in feed(policy, rest)]
