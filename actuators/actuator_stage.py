@@ -24,11 +24,13 @@ from spikeguard.actuators.run_settings import cadence_problem, given_policy, run
 from spikeguard.processors.run_settings import RunSettingsStage, handled_through
 from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, RunEvent, Topics
 from spikeguard.schemas.signing import sign_action
+from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
 
 
 class ActuatorStage(RunSettingsStage):
     name = "actuator"
+    sets_clock = (Decision,)
 
     def __init__(
         self,
@@ -37,8 +39,9 @@ class ActuatorStage(RunSettingsStage):
         signing_key: SecretStr | None = None,
         defaults: PolicyConfig | None = None,
         end_grace_seconds: float = 30.0,
+        clock: RunClock | None = None,
     ) -> None:
-        super().__init__(topics, factory, end_grace_seconds, signing_key)
+        super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
         self._ignored: Counter[str] = Counter()

@@ -22,6 +22,7 @@ from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.processors.run_settings import RunSettingsStage, handled_through, over
 from spikeguard.schemas import RunEvent, Topics, Verdict
+from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
 
 _TOPIC = itemgetter(0)
@@ -40,11 +41,12 @@ class FusionStage(RunSettingsStage):
     """
 
     name = "fusion"
+    sets_clock = (Verdict,)
 
     def __init__(self, topics: Topics, factory: Callable[..., Fusion],
                  defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0,
-                 signing_key: SecretStr | None = None) -> None:
-        super().__init__(topics, factory, end_grace_seconds, signing_key)
+                 signing_key: SecretStr | None = None, clock: RunClock | None = None) -> None:
+        super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
         self.defaults = defaults or FusionConfig()
         self._ignored: Counter[str] = Counter()
 

@@ -63,6 +63,9 @@ class Metrics:
         self.runs_evicted = Counter("spikeguard_runs_evicted_total",
             "Runs a worker dropped from memory, by why (ended, idle).", ["component", "reason"],
             registry=r)
+        self.runs_refused = Counter("spikeguard_runs_refused_total",
+            "Records of a run a worker refused because it already held worker.max_runs runs "
+            "(a flood of made-up run ids, or a limit set too low).", ["component"], registry=r)
         self.runs_in_memory = Gauge("spikeguard_runs_in_memory",
             "Runs whose state a worker holds in memory.", ["component"], registry=r)
         self.batch_seconds = Histogram(

@@ -126,10 +126,12 @@ def test_forged_run_starts_are_refused_by_every_kafka_worker_and_the_genuine_one
     assert worker.returncode == 0, log.read_text()
 
 
-def test_the_fusion_worker_refuses_to_start_on_kafka_without_a_key(kafka_bootstrap):
+@pytest.mark.parametrize("name", ["fusion", "statistical", "detectors"])
+def test_every_worker_refuses_to_start_on_kafka_without_a_key(kafka_bootstrap, name):
+    """Detector workers too: without the key their verdicts are refused downstream, and they take anyone's steps."""
     prefix = f"runsign-{uuid.uuid4().hex[:8]}."
-    refused = subprocess.run([sys.executable, "-m", "spikeguard", "worker", "fusion", "--topic-prefix", prefix],
+    refused = subprocess.run([sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
                              env=worker_env(kafka_bootstrap, None), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     [line] = [l for l in (refused.stdout + refused.stderr).splitlines() if l.strip()]
-    assert "the fusion worker refuses to start on Kafka without a signing key" in line and "--insecure" in line
+    assert f"the {name} worker refuses to start on Kafka without a signing key" in line and "--insecure" in line
