@@ -46,6 +46,10 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
             signing_key=settings.signing_key,
             defaults=settings.policy,
             clock=RunClock(**gaps),
+            # A live pipeline (a key, or an explicit --insecure) tells each trainer it is judged;
+            # a backtest or replay has no trainer to tell, and stays deterministic.
+            pulse_interval_s=settings.worker.pulse_interval_s
+            if settings.signing_key is not None or settings.insecure else None,
         )
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
 

@@ -56,6 +56,13 @@ class WorkerConfig(BaseModel):
         description="likewise for epochs (one per rollback): a record more than this many epochs "
         "past the run's newest is refused",
     )
+    pulse_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="the actuator tells each run's trainer at most this often that its steps are "
+        "judged (a signed pulse action naming the newest step decided); keep it well below the "
+        "trainers' guard.unprotected_after_s",
+    )
     ended_run_metrics_linger_s: float = Field(
         60.0,
         ge=0,
