@@ -176,9 +176,9 @@ def run_event_signature_problem(event: RunEvent, key: SecretStr | str | bytes) -
 
 
 def describe(record: BaseModel) -> str:
-    """How a refusal names ``record``: "start", "step 12", "decision for step 12 of epoch 1", ..."""
+    """How a refusal names ``record``: "run start at step 0", "step 12", "decision for step 12 of epoch 1", ..."""
     if isinstance(record, RunEvent):
-        return record.kind
+        return f"run {record.kind} at step {record.step}"
     what = _WHAT.get(type(record)) or next((w for t, w in _WHAT.items() if isinstance(record, t)), "record")
     if isinstance(record, StepEvent):
         return f"step {record.step}" + (f" of epoch {record.epoch}" if record.epoch else "")

@@ -48,7 +48,7 @@ class RunClock:
         self.times: dict[str, RunTime] = {}
 
     def check(self, run_id: str, epoch: int | None, step: int, what: str) -> None:
-        """Raise RecordBeyondRunClock naming ``what`` when (epoch, step) is too far past the run's clock.
+        """Raise RecordBeyondRunClock naming ``what`` (which says the step) when (epoch, step) is too far past the run's clock.
 
         ``epoch`` None: a record without one (an ack); its step alone is checked.
         """
@@ -57,12 +57,12 @@ class RunClock:
             return
         if epoch is not None and epoch - now.epoch > self.max_epoch_gap:
             raise RecordBeyondRunClock(
-                f"run {run_id}: {what} of epoch {epoch} is more than {self.max_epoch_gap} epochs past "
+                f"run {run_id}: {what} (epoch {epoch}) is more than {self.max_epoch_gap} epochs past "
                 f"epoch {now.epoch}, the run's newest (far future: forged or corrupt); refused, "
                 "the run's clock is unchanged")
         if step - now.step > self.max_step_gap:
             raise RecordBeyondRunClock(
-                f"run {run_id}: {what} at step {step} is more than {self.max_step_gap} steps past "
+                f"run {run_id}: {what} is more than {self.max_step_gap} steps past "
                 f"step {now.step}, the furthest the run has published (far future: forged or corrupt); "
                 "refused, the run's clock is unchanged")
 
