@@ -123,7 +123,7 @@ class ActuatorStage(RunSettingsStage):
         self._pulsed[decision.run_id] = now
         return [Action(
             action_id=action_id(decision.decision_id, ActionKind.PULSE.value), run_id=decision.run_id,
-            kind=ActionKind.PULSE, apply_at_step=decision.step, decision_id=decision.decision_id,
+            kind=ActionKind.PULSE, apply_at_step=decision.step,
             params={"judged_step": decision.step, "epoch": decision.epoch},
             reason="the pipeline judged the run up to this step")]
 
