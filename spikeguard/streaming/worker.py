@@ -14,8 +14,15 @@ when more than ``max_unacked_records`` outputs are outstanding, so memory
 stays bounded. A send that fails stops the worker at the next batch or
 checkpoint, before anything past it is saved.
 
+With a signing key the worker signs every record its stage publishes
+(verdicts, decisions; the actuator signs its actions itself), and its stage
+refuses inputs not signed by their producer (``Stage.admit``).
+
 Memory follows the live runs: a run whose end the stage reads, or with no
-record for ``run_idle_ttl_s``, is dropped with its per-run metric series.
+record for ``run_idle_ttl_s``, is dropped with its per-run metric series. It
+is bounded too: at most ``max_runs`` runs (a record of a further run goes to
+the DLQ as TooManyRuns and is counted), and no input record over
+``max_input_record_bytes`` is parsed.
 When the worker cannot go on (the broker refuses what it must publish, say),
 :meth:`Worker.run` returns with :attr:`Worker.failure` set and saves nothing
 past what was delivered; ``spikeguard worker`` then exits non-zero.
