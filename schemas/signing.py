@@ -31,6 +31,8 @@ import hashlib
 import hmac
 import json
 import threading
+from collections import OrderedDict
+from functools import lru_cache
 
 from pydantic import BaseModel, SecretStr
 
@@ -76,7 +78,8 @@ class VerifiedRecords:
 
     def __init__(self, capacity: int = 16384) -> None:
         self.capacity = capacity
-        self._marks: dict[int, tuple[BaseModel, bytes]] = {}
+        # An OrderedDict: evicting the oldest is O(1) (a dict's front, after many deletions, is not).
+        self._marks: OrderedDict[int, tuple[BaseModel, bytes]] = OrderedDict()
         self._lock = threading.Lock()  # several worker threads mark and evict at once
 
     def mark(self, event: BaseModel, key: SecretStr | str | bytes) -> None:
@@ -87,7 +90,7 @@ class VerifiedRecords:
             marks = self._marks
             marks[id(event)] = (event, fingerprint)
             while len(marks) > self.capacity:
-                del marks[next(iter(marks))]
+                marks.popitem(last=False)
 
     def holds(self, event: BaseModel, key: SecretStr | str | bytes) -> bool:
         found = self._marks.get(id(event))
@@ -106,7 +109,12 @@ VerifiedSteps = VerifiedRecords  # the name the step-only version had
 
 def key_fingerprint(key: SecretStr | str | bytes) -> bytes:
     """What a mark remembers of the key: its hash, never the key itself."""
-    return hashlib.sha256(b"spikeguard-step-key\0" + _key_bytes(key)).digest()
+    return _fingerprint(_key_bytes(key))
+
+
+@lru_cache(maxsize=16)  # a process holds a key or two: hashed once each, not once per record
+def _fingerprint(key: bytes) -> bytes:
+    return hashlib.sha256(b"spikeguard-step-key\0" + key).digest()
 
 
 #: The process's marks: set by :func:`sign` (this process made the signature
