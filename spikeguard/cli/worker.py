@@ -70,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
                              instance_id=args.instance_id)
     names = COMPONENTS if args.name == "all" else (args.name,)
-    # Every component signs what it publishes and takes only signed inputs: without the key a
-    # detector's verdicts, fusion's decisions and the actuator's actions are refused downstream,
-    # and it would take anyone's steps, verdicts or decisions. Without a key (and no --insecure)
-    # this raises: main() prints the one-line reason, exit 2.
-    settings = ensure_signing_key(settings, f"the {args.name} worker")
+    # On Kafka every component signs what it publishes and takes only signed inputs: without
+    # the key a detector's verdicts, fusion's decisions and the actuator's actions are refused
+    # downstream, and it would take anyone's steps, verdicts or decisions. Without a key (and no
+    # --insecure) this raises: main() prints the one-line reason, exit 2. Embedded (a replay of
+    # a data_dir), detectors keep judging what they read, as fusion and the actuator never did.
+    if settings.engine != "embedded" or {"fusion", "actuator"} & set(names):
+        settings = ensure_signing_key(settings, f"the {args.name} worker")
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
