@@ -7,14 +7,19 @@ state so far (see :mod:`spikeguard.processors.run_settings`). A start whose
 checkpoint cadence cannot give the run's policy a rollback target is answered
 with one warning ALERT, which the trainer logs. The key that signs the actions
 also authenticates the run events: one not signed by the run's Guard goes to
-the DLQ and changes nothing (``RunSettingsStage.admit``).
+the DLQ and changes nothing (``RunSettingsStage.admit``); so does a decision,
+checkpoint event or ack not signed by its producer, or far beyond the run's clock.
+
+Every ``pulse_interval_s`` at most (None: never), a run whose decisions arrive gets a signed
+``pulse`` action naming the newest step decided: its trainer learns that its
+steps are judged, and says so when they are not (producers/protection.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from pydantic import BaseModel, SecretStr
 
@@ -22,13 +27,15 @@ from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.run_settings import cadence_problem, given_policy, run_policy
 from spikeguard.processors.run_settings import RunSettingsStage, handled_through
-from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, RunEvent, Topics
+from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decision, RunEvent, Topics, action_id
 from spikeguard.schemas.signing import sign_action
+from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
 
 
 class ActuatorStage(RunSettingsStage):
     name = "actuator"
+    sets_clock = (Decision,)
 
     def __init__(
         self,
@@ -37,8 +44,12 @@ class ActuatorStage(RunSettingsStage):
         signing_key: SecretStr | None = None,
         defaults: PolicyConfig | None = None,
         end_grace_seconds: float = 30.0,
+        clock: RunClock | None = None,
+        pulse_interval_s: float | None = None,
     ) -> None:
-        super().__init__(topics, factory, end_grace_seconds, signing_key)
+        super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
+        self.pulse_interval_s = pulse_interval_s  # None: no pulses (backtests, replays: nobody listens)
+        self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
         self._ignored: Counter[str] = Counter()
@@ -73,7 +84,7 @@ class ActuatorStage(RunSettingsStage):
                 policy = self.run(event.run_id)  # type: ignore[attr-defined]
                 if isinstance(event, Decision):
                     counts = dict(policy.counts)
-                    actions = policy.on_decision(event)
+                    actions = policy.on_decision(event) + self._pulse(event, now)
                     if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
                         for reason, n in policy.counts.items():
                             if n > counts.get(reason, 0):
@@ -100,6 +111,26 @@ class ActuatorStage(RunSettingsStage):
         plan.alert("warning", f"the policy this pipeline applies to run {event.run_id} cannot roll it back: "
                    f"{problem}")
         return plan.actions()
+
+    def _pulse(self, decision: Decision, now: float) -> list[Action]:
+        """A pulse for the decision's run, if its last one is ``pulse_interval_s`` old."""
+        if self.pulse_interval_s is None:
+            return []
+        last = self._pulsed.get(decision.run_id)
+        if last is not None and now - last < self.pulse_interval_s:
+            return []
+        self._pulsed[decision.run_id] = now
+        return [Action(
+            action_id=action_id(decision.decision_id, ActionKind.PULSE.value), run_id=decision.run_id,
+            kind=ActionKind.PULSE, apply_at_step=decision.step,
+            params={"judged_step": decision.step, "epoch": decision.epoch},
+            reason="the pipeline judged the run up to this step")]
+
+    def forget(self, run_ids: Iterable[str]) -> None:
+        run_ids = list(run_ids)
+        super().forget(run_ids)
+        for run_id in run_ids:
+            self._pulsed.pop(run_id, None)
 
     def _signed(self, actions: list[Action] | None) -> list[Output]:
         topic = self.topics.actions

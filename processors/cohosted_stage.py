@@ -61,6 +61,11 @@ class CoHostedDetectors(Stage):
         """The runs held (the same in every hosted detector)."""
         return self.stages[0].runs
 
+    @property
+    def signing_key(self) -> Any:
+        """The detectors' key: the worker signs every hosted detector's verdicts with it."""
+        return self.stages[0].signing_key
+
     def inputs(self) -> dict[str, type[BaseModel]]:
         return dict(self._inputs)
 

@@ -5,7 +5,9 @@ record, which the worker sends to the DLQ with the reason:
 
 - with a signing key, a step without the trainer's valid signature
   (:class:`~spikeguard.errors.StepNotAuthenticated`): otherwise anyone who can
-  write to the steps topic could make the pipeline sign actions for a run;
+  write to the steps topic could make the pipeline sign actions for a run.
+  The verdicts it publishes are signed in turn (by the worker, with the
+  detectors' key), and fusion takes no others;
 - a step at or before one already admitted for the same run and rank in the
   same epoch, or from an older epoch (:class:`~spikeguard.errors.StepOutOfOrder`):
   a partition keeps a run's records in order, so such a step is a replay (a
@@ -40,10 +42,11 @@ from typing import Callable, Sequence
 
 from pydantic import BaseModel, SecretStr
 
-from spikeguard.errors import StepNotAuthenticated, StepOutOfOrder
+from spikeguard.errors import StepOutOfOrder
 from spikeguard.processors.detectors.base import Detector
-from spikeguard.processors.run_settings import authenticate
-from spikeguard.schemas import RunEvent, StepEvent, Topics, Verdict, step_signature_problem
+from spikeguard.schemas import RunEvent, StepEvent, Topics, Verdict
+from spikeguard.schemas.signing import authenticate
+from spikeguard.streaming.run_clock import DEFAULT_MAX_EPOCH_GAP, DEFAULT_MAX_STEP_GAP
 from spikeguard.streaming.stage import Output, PerRunStage, group_by_run
 
 _TOPIC = itemgetter(0)
@@ -63,8 +66,8 @@ class DetectorStage(PerRunStage[Detector]):
     """steps -> verdicts, with one detector per run fed whole batches (ML scores in bulk)."""
 
     def __init__(self, topics: Topics, name: str, factory: Callable[[str], Detector],
-                 signing_key: SecretStr | None = None, max_step_gap: int = 1_000_000,
-                 max_epoch_gap: int = 1_000) -> None:
+                 signing_key: SecretStr | None = None, max_step_gap: int = DEFAULT_MAX_STEP_GAP,
+                 max_epoch_gap: int = DEFAULT_MAX_EPOCH_GAP) -> None:
         super().__init__(topics, factory)
         self.name = name
         self.signing_key = signing_key
@@ -80,13 +83,10 @@ class DetectorStage(PerRunStage[Detector]):
 
     def admit(self, topic: str, event: StepEvent) -> None:
         """Raise a StepRejected subclass naming why ``event`` must not be judged."""
-        if isinstance(event, RunEvent):  # an end drops the run's state: only the run's own
-            authenticate(event, self.signing_key)
+        # A step steers the pipeline, an end drops the run's state: only the run's own.
+        authenticate(event, self.signing_key)
+        if isinstance(event, RunEvent):
             return  # not a step: nothing to order here
-        if self.signing_key is not None:
-            problem = step_signature_problem(event, self.signing_key)
-            if problem is not None:
-                raise StepNotAuthenticated(f"run {event.run_id} step {event.step}: {problem}")
         ranks = self._newest.setdefault(event.run_id, {})
         here = (event.epoch, event.step)
         last = ranks.get(event.rank)

@@ -4,7 +4,20 @@ A run's RunEvent (the ``runs`` topic) may carry FusionConfig overrides (its
 ``fusion`` field); they apply to that run over this stage's own settings,
 from when the start arrives (see :mod:`.run_settings` for order, bad
 settings and ends). With a signing key, only the run events the run's Guard
-signed are applied; the rest go to the DLQ (``RunSettingsStage.admit``).
+signed are applied; the rest go to the DLQ (``RunSettingsStage.admit``), as
+do verdicts the detector workers did not sign.
+
+**An outage never changes a decision.** Fusion stops waiting for a detector
+whose watermark has not moved for ``deadline_seconds``; measured on the wall
+clock, a broker outage (or a restart of fusion) longer than that made every
+silent detector look dead, and the steps pending across it were decided
+without them (a spike decided ``loss_spike`` instead of the rules' critical
+``extreme_loss``: no rollback). So the time fusion gives a detector runs on a
+*flow clock*: wall time, minus every stretch of more than
+:data:`QUIET_GAP_S` in which no verdict at all arrived. While verdicts flow,
+a stalled detector is given up on as before; while nothing flows (the broker
+is away, the detectors all lag, fusion was down) nobody is given up on, and a
+restored run's watermarks count from when fusion came back.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.processors.run_settings import RunSettingsStage, handled_through, over
 from spikeguard.schemas import RunEvent, Topics, Verdict
+from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
 
 _TOPIC = itemgetter(0)
@@ -29,6 +43,8 @@ _EVENT = itemgetter(1)
 # What a fusion drops on purpose, counted per run; the stage exports the increments.
 _IGNORED = attrgetter("late_verdicts", "stale_verdicts", "duplicate_verdicts")
 _REASONS = ("late_verdict", "stale_verdict", "duplicate_verdict")
+#: A stretch without any verdict longer than this does not count towards fusion's deadlines.
+QUIET_GAP_S = 1.0
 
 
 class FusionStage(RunSettingsStage):
@@ -40,13 +56,19 @@ class FusionStage(RunSettingsStage):
     """
 
     name = "fusion"
+    sets_clock = (Verdict,)
 
     def __init__(self, topics: Topics, factory: Callable[..., Fusion],
                  defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0,
-                 signing_key: SecretStr | None = None) -> None:
-        super().__init__(topics, factory, end_grace_seconds, signing_key)
+                 signing_key: SecretStr | None = None, clock: RunClock | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
+        self.wall_clock = wall_clock  # when a batch arrives (the worker's own clock drives tick)
         self.defaults = defaults or FusionConfig()
         self._ignored: Counter[str] = Counter()
+        # The flow clock (module doc): wall time minus the quiet stretches so far.
+        self._last_input: float | None = None  # wall time of the newest batch (None: none yet)
+        self._quiet_total = 0.0
 
     def inputs(self) -> dict[str, type[BaseModel]]:
         return {self.topics.verdicts: Verdict, self.topics.runs: RunEvent}
@@ -61,9 +83,33 @@ class FusionStage(RunSettingsStage):
     def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
         return handled_through(*self.runs[run_id].progress, end_epoch, end_step)
 
+    # -- the flow clock ----------------------------------------------------------
+    def flow_time(self, now: float, arrived: bool = False) -> float:
+        """Wall time ``now`` on the flow clock; ``arrived``: verdicts came in at ``now``."""
+        last = self._last_input
+        quiet = 0.0 if last is None else max(0.0, now - last - QUIET_GAP_S)  # the current stretch, beyond the gap
+        flow = now - self._quiet_total - quiet
+        if arrived:
+            self._quiet_total += quiet
+            self._last_input = now
+        return flow
+
+    def restore(self, state: dict[str, Any]) -> None:
+        # A restored run's watermarks were last moved before fusion stopped: the time it was
+        # down is a quiet stretch too, so they count from now (Fusion.state_dict's "marks":
+        # detector -> [step, time], and "epoch_seen_at").
+        flow = self.flow_time(self.wall_clock())
+        for run_state in state.values():
+            if isinstance(run_state, dict) and run_state.get("marks"):
+                run_state["marks"] = {name: [mark[0], flow] for name, mark in run_state["marks"].items()}
+            if isinstance(run_state, dict) and run_state.get("epoch_seen_at") is not None:
+                run_state["epoch_seen_at"] = flow
+        super().restore(state)
+
     # -- processing ----------------------------------------------------------------
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:
-        now = time.time()
+        wall = self.wall_clock()
+        now = self.flow_time(wall, arrived=True)  # what the fusions' deadlines see
         runs = self.topics.runs
         if runs not in map(_TOPIC, items):
             decisions = self._verdicts(list(map(_EVENT, items)), now)
@@ -76,11 +122,11 @@ class FusionStage(RunSettingsStage):
                 if chunk:
                     decisions += self._verdicts(chunk, now)
                     chunk = []
-                self.run_event(event, now)  # type: ignore[arg-type]
+                self.run_event(event, wall)  # type: ignore[arg-type]
             if chunk:
                 decisions += self._verdicts(chunk, now)
         topic = self.topics.decisions
-        return list(zip(repeat(topic), decisions)) + self._end_due(now)
+        return list(zip(repeat(topic), decisions)) + self._end_due(wall)
 
     def _verdicts(self, verdicts: list, now: float) -> list:
         if one_run(verdicts):  # the usual batch: one call for all of it
@@ -123,7 +169,8 @@ class FusionStage(RunSettingsStage):
 
     def tick(self, now: float) -> list[Output]:
         topic = self.topics.decisions
-        out = [(topic, d) for fusion in self.runs.values() for d in fusion.tick(now)]
+        flow = self.flow_time(now)
+        out = [(topic, d) for fusion in self.runs.values() for d in fusion.tick(flow)]
         return out + self._end_due(now)
 
     def flush(self) -> list[Output]:

@@ -20,7 +20,7 @@ than it reads:
   never dies on it.
 - **Trust.** These records steer a run (a start's settings, an end that drops
   its state), so with a signing key a stage admits only those the run's Guard
-  signed (:func:`authenticate`): anything else goes to the DLQ as
+  signed (:func:`~spikeguard.schemas.signing.authenticate`): anything else goes to the DLQ as
   :class:`~spikeguard.errors.RunEventNotAuthenticated` and changes nothing.
   Without a key (``--insecure``, backtests, replays) every run event is taken.
 - **Ends.** A run's end may also overtake its last verdicts or decisions. The
@@ -41,27 +41,16 @@ from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from spikeguard.errors import RunEventNotAuthenticated, RunSettingsRejected
+from spikeguard.errors import RunSettingsRejected
 from spikeguard.schemas import RunEvent
-from spikeguard.schemas.signing import run_event_signature_problem
+from spikeguard.schemas.signing import authenticate, describe
+from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import PerRunStage
 
 # Keys of the run's entry in a stage snapshot, next to the object's own state.
 SETTINGS_KEY = "run_settings"
 END_KEY = "run_end"
-
-
-def authenticate(event: RunEvent, key: SecretStr | None) -> None:
-    """Raise RunEventNotAuthenticated ("run X start: no signature ...") unless ``event`` is the run's own.
-
-    Every stage that reads the runs topic calls it from its ``admit`` (no key: nothing to check).
-    """
-    if key is None:
-        return
-    problem = run_event_signature_problem(event, key)
-    if problem is not None:
-        raise RunEventNotAuthenticated(f"run {event.run_id} {event.kind}: {problem}; refused, the run's "
-                                       "settings and state are unchanged")
+CLOCK_KEY = "run_clock"
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], what: str, run_id: str) -> Any:
@@ -123,6 +112,10 @@ def handled_through(epoch: int, step: int, end_epoch: int, end_step: int) -> boo
 class RunSettingsStage(PerRunStage):
     """A per-run stage that also reads the runs topic: each run under its own settings.
 
+    Every record it reads is checked against the run's clock; only a run's start
+    and the records of :attr:`sets_clock` (the stage's main input) move it, so a
+    side input (a checkpoint, an ack) read before them cannot set where the run is.
+
     ``factory(run_id)`` builds a run's object with the stage's settings,
     ``factory(run_id, config)`` with the run's own. Subclasses say which fields
     of a RunEvent they use (:meth:`given`), what config those make
@@ -130,10 +123,15 @@ class RunSettingsStage(PerRunStage):
     step is handled (:meth:`handled`).
     """
 
+    #: The records that move a run's clock (besides its start); the others are only checked.
+    sets_clock: tuple[type[BaseModel], ...] = ()
+
     def __init__(self, topics: Any, factory: Callable[..., Any], end_grace_seconds: float = 30.0,
-                 signing_key: SecretStr | None = None) -> None:
+                 signing_key: SecretStr | None = None, clock: RunClock | None = None) -> None:
         super().__init__(topics, factory)
-        self.signing_key = signing_key  # with a key, only the run's own (signed) run events are applied
+        # With a key, only records signed by their producer are taken (run events: the run's Guard).
+        self.signing_key = signing_key
+        self.clock = clock or RunClock()  # how far each run has got: nothing far beyond is adopted
         self._given: dict[str, dict[str, Any]] = {}  # run_id -> the RunEvent fields this stage uses
         self.ending = EndingRuns(end_grace_seconds)
 
@@ -150,12 +148,16 @@ class RunSettingsStage(PerRunStage):
         """True when the run's object has handled its last step (``end_step - 1`` of ``end_epoch``)."""
 
     def admit(self, topic: str, event: BaseModel) -> None:
-        """Refuse (to the DLQ, with the reason) a run event not signed with the key, and a start
-        whose settings do not validate."""
-        if not isinstance(event, RunEvent):  # a subclass too: the stage handles it as a run event
-            return
+        """Refuse (to the DLQ, with the reason) a record not signed with the key, one far beyond
+        the run's clock, and a start whose settings do not validate."""
         authenticate(event, self.signing_key)
-        if event.kind == "start":
+        run_id, step = event.run_id, event.step  # type: ignore[attr-defined]
+        # An ack has no epoch: its step alone is checked against the run's furthest.
+        epoch = getattr(event, "epoch", None)
+        self.clock.check(run_id, epoch, step, describe(event))
+        if isinstance(event, self.sets_clock) or isinstance(event, RunEvent) and event.kind == "start":
+            self.clock.advance(run_id, epoch, step)
+        if isinstance(event, RunEvent) and event.kind == "start":  # a subclass too
             given = self.given(event)
             if given:
                 self.settings_of(event.run_id, given)
@@ -202,6 +204,8 @@ class RunSettingsStage(PerRunStage):
                 state[SETTINGS_KEY] = self._given[run_id]
             if (mark := self.ending.mark(run_id)) is not None:
                 state[END_KEY] = mark
+            if (clock := self.clock.state(run_id)) is not None:
+                state[CLOCK_KEY] = clock
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -210,6 +214,7 @@ class RunSettingsStage(PerRunStage):
             run_state = dict(run_state)
             given = run_state.pop(SETTINGS_KEY, None)
             mark = run_state.pop(END_KEY, None)
+            self.clock.restore(run_id, run_state.pop(CLOCK_KEY, None))
             self.runs.pop(run_id, None)
             self.configure(run_id, dict(given or {}))
             self.run(run_id).load_state_dict(run_state)
@@ -221,6 +226,7 @@ class RunSettingsStage(PerRunStage):
     def forget(self, run_ids: Iterable[str]) -> None:
         run_ids = list(run_ids)
         super().forget(run_ids)
+        self.clock.forget(run_ids)
         for run_id in run_ids:
             self._given.pop(run_id, None)
             self.ending.cancel(run_id)

@@ -99,6 +99,11 @@ class GuardConfig(BaseModel):
         "(use it instead of your own clip_grad_norm_ before guard.step, which would hide the true "
         "norm from the detectors); None: no clipping of the Guard's own unless an action asks"
     )
+    unprotected_after_s: float = Field(
+        30.0, gt=0, description="a published step the pipeline has not judged (no signed pulse from "
+        "the actuator) for this long makes the run unprotected: one WARNING naming the likely causes "
+        "and spikeguard_trainer_unprotected=1; training goes on with the local protections"
+    )
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
     )

@@ -61,6 +61,7 @@ from spikeguard.producers.evidence import own_view
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.io_faults import IOFaults
+from spikeguard.producers.protection import ProtectionWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
@@ -182,7 +183,10 @@ class Guard(Checkpointing, ActionApplying):
                                                  threaded=not cfg.lockstep,
                                                  signing_key=self.actions.signing_key)
             if self.rank == 0:
-                self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep)
+                # Does the pipeline judge this run? Said once if not (producers/protection.py).
+                watch = ProtectionWatch(self.run_id, self.actions.signing_key, timeout_s=cfg.unprotected_after_s,
+                                        published=lambda: (self.epoch, self.step_count - 1))
+                self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch)
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
         self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)

@@ -6,6 +6,10 @@ deque; the training thread only ever looks at that deque. Offsets are
 committed only when every action handed over has been resolved (applied,
 refused or found a duplicate, and the ledger persisted), so a crash
 re-delivers rather than loses — and the ledger makes re-delivery harmless.
+
+The actuator's pulses (``pulse`` actions: "the pipeline judged this run up to
+step s") go to the run's :class:`~spikeguard.producers.protection.ProtectionWatch`
+instead, which the inbox asks after every poll whether the run is still judged.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from collections import deque
 from spikeguard.bus import Bus
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
-from spikeguard.schemas import Action, Topics, encode
+from spikeguard.producers.protection import ProtectionWatch
+from spikeguard.schemas import Action, ActionKind, Topics, encode
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,10 @@ def group_name(run_id: str, rank: int) -> str:
 
 class ActionInbox:
     def __init__(self, bus: Bus, topics: Topics, run_id: str, rank: int = 0,
-                 threaded: bool = True, poll_timeout: float = 0.05) -> None:
+                 threaded: bool = True, poll_timeout: float = 0.05,
+                 protection: ProtectionWatch | None = None) -> None:
         self.run_id = run_id
+        self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.poll_timeout = poll_timeout
         self.dlq_topic = topics.dlq
@@ -103,11 +110,17 @@ class ActionInbox:
                     continue
                 if action.run_id != self.run_id:
                     continue
+                if action.kind is ActionKind.PULSE:  # about the pipeline, not for the training thread
+                    if self.protection is not None:
+                        self.protection.pulse(action)
+                    continue
                 self._handed += 1
                 self._ready.append(action)
             if records:
                 self._uncommitted = True
             self._maybe_commit()
+        if self.protection is not None:
+            self.protection.check()
 
     def _dead_letter(self, record, exc: Exception) -> None:
         try:

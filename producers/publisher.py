@@ -7,10 +7,10 @@ that is sent first and dropped from only if it, too, overflows.
 
 The training thread hands over plain field dicts; building and encoding the
 pydantic model happens on the sender thread (tens of microseconds a step
-that the training loop does not pay). With a signing key, step events and the
-run's start and end are signed there too: the workers judge only steps, and
-apply only run settings, signed with the run's key, so nobody else can make
-the pipeline act on this run or disarm it.
+that the training loop does not pay). With a signing key, step events, the
+run's start and end, checkpoint events and acks are signed there too: the
+workers take only those signed with the run's key, so nobody else can make
+the pipeline act on this run, choose its rollback target, or disarm it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pydantic import BaseModel, SecretStr
 
 from spikeguard.bus import Producer
 from spikeguard.metrics import Metrics, default_metrics
-from spikeguard.schemas import RunEvent, StepEvent, encode, sign_step
-from spikeguard.schemas.signing import sign_run_event
+from spikeguard.schemas import StepEvent, encode
+from spikeguard.schemas.signing import SIGNED_TYPES, sign
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,8 @@ class BackgroundPublisher:
     def _publish(self, topic: str, model: "type[BaseModel] | None", fields: Any) -> None:
         try:
             event = fields if model is None else model(**fields)
-            if self.signing_key is not None:
-                if isinstance(event, StepEvent):
-                    event = sign_step(event, self.signing_key)
-                elif isinstance(event, RunEvent):
-                    event = sign_run_event(event, self.signing_key)
+            if self.signing_key is not None and type(event) in SIGNED_TYPES:
+                event = sign(event, self.signing_key)  # steps, run events, checkpoints, acks
             if self._pass_event:
                 self.producer.publish(topic, encode(event), key=self.key, event=event)
             else:

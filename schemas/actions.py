@@ -45,6 +45,9 @@ class ActionKind(str, Enum):
     REDUCE_BATCH_SIZE = "reduce_batch_size"  # a user handler applies it
     SET_EPS = "set_eps"  # a user handler applies it
     ALERT = "alert"  # informational
+    # The pipeline judged the run up to a step: the trainer's inbox notes it, the training
+    # thread never sees it (producers/protection.py).
+    PULSE = "pulse"
 
 
 K = ActionKind
@@ -172,11 +175,18 @@ class AlertParams(ActionParams):
     message: str = ""
 
 
+class PulseParams(ActionParams):
+    kind: Literal[K.PULSE] = Field(K.PULSE, exclude=True, repr=False)
+    judged_step: int = _index("the newest step of the run the pipeline has decided")
+    epoch: int = _index("that step's epoch", 0)
+
+
 PARAMS: dict[ActionKind, type[ActionParams]] = {
     cls.model_fields["kind"].default: cls
     for cls in (
         RollbackParams, SkipBatchesParams, SetLrParams, ScaleLrParams, RestoreLrParams,
         ClipParams, CheckpointParams, StopParams, ReduceBatchSizeParams, SetEpsParams, AlertParams,
+        PulseParams,
     )
 }
 assert set(PARAMS) == set(ActionKind), "every action kind has its parameters"
@@ -185,6 +195,7 @@ AnyParams = Annotated[
     Union[
         RollbackParams, SkipBatchesParams, SetLrParams, ScaleLrParams, RestoreLrParams,
         ClipParams, CheckpointParams, StopParams, ReduceBatchSizeParams, SetEpsParams, AlertParams,
+        PulseParams,
     ],
     Field(discriminator="kind"),
 ]

@@ -48,14 +48,18 @@ def encode(event: BaseModel) -> bytes:
     return event.model_dump_json().encode()
 
 
-def decode(data: bytes | bytearray | memoryview | str, model: type[M]) -> M:
-    """Parse ``data`` into ``model`` or raise a SchemaError that says why."""
+def decode(data: bytes | bytearray | memoryview | str, model: type[M],
+           max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """Parse ``data`` into ``model`` or raise a SchemaError that says why.
+
+    ``max_bytes``: a bigger message is refused before parsing (a worker sets its own, lower).
+    """
     if data is None:
         raise MalformedMessage(f"{model.__name__}: empty record (null value)")
     size = len(data)
-    if size > MAX_MESSAGE_BYTES:
+    if size > max_bytes:
         raise MessageTooLarge(
-            f"{model.__name__}: message of {size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"
+            f"{model.__name__}: message of {size} bytes exceeds the {max_bytes}-byte limit"
         )
     if size == 0:
         raise MalformedMessage(f"{model.__name__}: empty record")

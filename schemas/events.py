@@ -197,6 +197,10 @@ class Verdict(_Event):
     instability_probability: float | None = Field(None, ge=0.0, le=1.0)
     horizon_steps: int | None = Field(None, ge=1)
     health: HealthLevel | None = None
+    signature: str | None = Field(
+        None, max_length=128, description="hex HMAC-SHA256 by the detector worker, see schemas.signing (optional on the wire; "
+        "a consumer with the key refuses a record without it)"
+    )
 
 
 class Evidence(BaseModel):
@@ -271,6 +275,10 @@ class Decision(_Event):
     rules: list[str] = Field(default_factory=list)
     signals: dict[str, Scalar] = Field(default_factory=dict)
     evidence: Evidence | None = None
+    signature: str | None = Field(
+        None, max_length=128, description="hex HMAC-SHA256 by fusion, see schemas.signing (optional on the wire; "
+        "a consumer with the key refuses a record without it)"
+    )
 
 
 class Action(_Event):
@@ -326,6 +334,10 @@ class Ack(_Event):
     rank: int = Field(0, ge=0)
     result: str = ""
     time: float = Field(default_factory=time.time)
+    signature: str | None = Field(
+        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing (optional on the wire; "
+        "a consumer with the key refuses a record without it)"
+    )
 
 
 class CheckpointEvent(_Event):
@@ -343,6 +355,10 @@ class CheckpointEvent(_Event):
         False, description="the trainer has removed this checkpoint: no longer a rollback target"
     )
     time: float = Field(default_factory=time.time)
+    signature: str | None = Field(
+        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing (optional on the wire; "
+        "a consumer with the key refuses a record without it)"
+    )
 
 
 class DeadLetter(_Event):

@@ -1,12 +1,15 @@
-"""HMAC-SHA256 signatures on actions, step events and run events.
+"""HMAC-SHA256 signatures on every record that can lead to an action.
 
-Actions are signed so a trainer obeys only its actuator; step events are
-signed by the trainer so that only the trainer can make the pipeline decide
-(and sign actions) about its run: forged steps would otherwise buy signed
-actions. Run events (a run's start and end on the compacted runs topic) are
-signed by the trainer too: they carry the settings fusion and the actuator
-apply to the run, and an end drops the run's detector state, so a forged one
-could disarm a run its writer does not own. All use the run's one signing key.
+Whoever produces a record signs it, and whoever acts on it checks it first
+(:data:`SIGNERS`): the trainer signs its step events, run events (a run's
+start and end: its settings, and an end drops its state), checkpoint events
+(they choose the rollback target) and acks (they say whether a rollback
+counted); detector workers sign verdicts, fusion signs decisions, the
+actuator signs actions. A record anyone else wrote, without the key, is
+refused by its consumer: forged steps would buy signed actions, a forged
+decision far ahead would make every real one look late, a forged checkpoint
+would choose the rollback target. :mod:`spikeguard.trust` says which key each
+role holds.
 
 The signed payload is the action's canonical JSON without the signature
 field: sorted keys, no spaces (non-finite floats as Python's NaN/Infinity
@@ -14,7 +17,7 @@ tokens; the payload is hashed, never parsed). Signing twice gives the same
 signature, so a replayed action keeps its id and signature, and it verifies
 after an encode/decode round trip.
 
-In one process a step event is verified once, however many stages read it:
+In one process a signed record is verified once, however many stages read it:
 the embedded bus hands every consumer the same (frozen) event object, so a
 verdict on that object holds for all of them. The mark is the object itself
 held in this process's memory, next to a fingerprint of the key, never a field
@@ -28,12 +31,13 @@ import hashlib
 import hmac
 import json
 import threading
+from collections import OrderedDict
+from functools import lru_cache
 
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
-from pydantic import BaseModel
-
-from spikeguard.schemas.events import Action, RunEvent, StepEvent
+from spikeguard.errors import RecordNotAuthenticated, RunEventNotAuthenticated, StepNotAuthenticated
+from spikeguard.schemas.events import Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, Verdict
 
 
 def _key_bytes(key: SecretStr | str | bytes) -> bytes:
@@ -68,31 +72,32 @@ def verify_action(action: Action, key: SecretStr | str | bytes) -> bool:
     return hmac.compare_digest(_digest(action, key), action.signature)
 
 
-class VerifiedSteps:
-    """Step event objects already known authentic in this process, per key.
+class VerifiedRecords:
+    """Signed record objects already known authentic in this process, per key.
 
     Keyed by object identity and holding a strong reference (so an id is never
-    reused while marked); events are frozen, so a marked object cannot change
-    after its check. Bounded: the oldest marks go first, and an event whose mark
+    reused while marked); records are frozen, so a marked object cannot change
+    after its check. Bounded: the oldest marks go first, and a record whose mark
     went is simply checked again.
     """
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 16384) -> None:
         self.capacity = capacity
-        self._marks: dict[int, tuple[StepEvent, bytes]] = {}
+        # An OrderedDict: evicting the oldest is O(1) (a dict's front, after many deletions, is not).
+        self._marks: OrderedDict[int, tuple[BaseModel, bytes]] = OrderedDict()
         self._lock = threading.Lock()  # several worker threads mark and evict at once
 
-    def mark(self, event: StepEvent, key: SecretStr | str | bytes) -> None:
-        if type(event) is not StepEvent:  # a subclass could be made mutable: check it every time
+    def mark(self, event: BaseModel, key: SecretStr | str | bytes) -> None:
+        if type(event) not in SIGNED_TYPES:  # a subclass could be made mutable: check it every time
             return
         fingerprint = key_fingerprint(key)
         with self._lock:
             marks = self._marks
             marks[id(event)] = (event, fingerprint)
             while len(marks) > self.capacity:
-                del marks[next(iter(marks))]
+                marks.popitem(last=False)
 
-    def holds(self, event: StepEvent, key: SecretStr | str | bytes) -> bool:
+    def holds(self, event: BaseModel, key: SecretStr | str | bytes) -> bool:
         found = self._marks.get(id(event))
         return found is not None and found[0] is event and found[1] == key_fingerprint(key)
 
@@ -104,52 +109,115 @@ class VerifiedSteps:
         return len(self._marks)
 
 
+VerifiedSteps = VerifiedRecords  # the name the step-only version had
+
+
 def key_fingerprint(key: SecretStr | str | bytes) -> bytes:
     """What a mark remembers of the key: its hash, never the key itself."""
-    return hashlib.sha256(b"spikeguard-step-key\0" + _key_bytes(key)).digest()
+    return _fingerprint(_key_bytes(key))
 
 
-#: The process's marks: set by :func:`sign_step` (the trainer made the signature
-#: itself) and by a successful :func:`step_signature_problem`.
-VERIFIED_STEPS = VerifiedSteps()
+@lru_cache(maxsize=16)  # a process holds a key or two: hashed once each, not once per record
+def _fingerprint(key: bytes) -> bytes:
+    return hashlib.sha256(b"spikeguard-step-key\0" + key).digest()
+
+
+#: The process's marks: set by :func:`sign` (this process made the signature
+#: itself) and by a successful :func:`signature_problem`.
+VERIFIED = VERIFIED_STEPS = VerifiedRecords()
+
+#: Every record type that carries a signature, and who signs it.
+SIGNERS: dict[type[BaseModel], str] = {
+    StepEvent: "the run's trainer",
+    RunEvent: "the run's trainer",
+    CheckpointEvent: "the run's trainer",
+    Ack: "the run's trainer",
+    Verdict: "a detector worker",
+    Decision: "fusion",
+    Action: "the actuator",
+}
+SIGNED_TYPES = frozenset(SIGNERS)
+_WHAT = {StepEvent: "step event", RunEvent: "run event", CheckpointEvent: "checkpoint event",
+         Ack: "ack", Verdict: "verdict", Decision: "decision", Action: "action"}
+
+
+def sign(record: BaseModel, key: SecretStr | str | bytes) -> BaseModel:
+    """A copy of ``record`` (any of :data:`SIGNED_TYPES`) carrying its signature, marked verified here."""
+    signed = record.model_copy(update={"signature": _digest(record, key)})
+    VERIFIED.mark(signed, key)
+    return signed
+
+
+def signature_problem(record: BaseModel, key: SecretStr | str | bytes) -> str | None:
+    """Why ``record`` is not authentic under ``key`` (None when it is); constant-time comparison.
+
+    The very object already found authentic under ``key`` in this process is not
+    hashed again (:data:`VERIFIED`); anything else is.
+    """
+    what = _WHAT.get(type(record)) or next(
+        (w for t, w in _WHAT.items() if isinstance(record, t)), type(record).__name__)
+    signature = getattr(record, "signature", None)
+    if not signature:
+        signer = next((s for t, s in SIGNERS.items() if isinstance(record, t)), "its producer")
+        return f"no signature (an unsigned {what}; {signer} signs it: forged, or from a process without the key)"
+    if VERIFIED.holds(record, key):
+        return None
+    if not hmac.compare_digest(_digest(record, key), signature):
+        return f"bad signature (the {what} was forged, altered, or signed with another key)"
+    VERIFIED.mark(record, key)
+    return None
 
 
 def sign_step(event: StepEvent, key: SecretStr | str | bytes) -> StepEvent:
     """A copy of the trainer's step event carrying its signature (marked verified here)."""
-    signed = event.model_copy(update={"signature": _digest(event, key)})
-    VERIFIED_STEPS.mark(signed, key)
-    return signed
+    return sign(event, key)  # type: ignore[return-value]
 
 
 def step_signature_problem(event: StepEvent, key: SecretStr | str | bytes) -> str | None:
-    """Why ``event`` is not authentic under ``key`` (None when it is); constant-time comparison.
-
-    The very object already found authentic under ``key`` in this process is not
-    hashed again (:data:`VERIFIED_STEPS`); anything else is.
-    """
-    if not event.signature:
-        return "unsigned step event (the run signs its steps; forged or from a trainer without the key)"
-    if VERIFIED_STEPS.holds(event, key):
-        return None
-    if not hmac.compare_digest(_digest(event, key), event.signature):
-        return "bad step signature (forged, altered, or signed with another key)"
-    VERIFIED_STEPS.mark(event, key)
-    return None
+    """Why ``event`` is not authentic under ``key`` (None when it is)."""
+    return signature_problem(event, key)
 
 
 def sign_run_event(event: RunEvent, key: SecretStr | str | bytes) -> RunEvent:
     """A copy of the trainer's run start or end carrying its signature."""
-    return event.model_copy(update={"signature": _digest(event, key)})
+    return sign(event, key)  # type: ignore[return-value]
 
 
 def run_event_signature_problem(event: RunEvent, key: SecretStr | str | bytes) -> str | None:
-    """Why ``event`` is not authentic under ``key`` (None when it is); constant-time comparison.
+    """Why ``event`` is not authentic under ``key`` (None when it is)."""
+    return signature_problem(event, key)
 
-    Not cached like steps: a run has two run events (a start and an end), so
-    hashing each once per stage costs nothing worth remembering.
+
+def describe(record: BaseModel) -> str:
+    """How a refusal names ``record``: "run start at step 0", "step 12", "decision for step 12 of epoch 1", ..."""
+    if isinstance(record, RunEvent):
+        return f"run {record.kind} at step {record.step}"
+    what = _WHAT.get(type(record)) or next((w for t, w in _WHAT.items() if isinstance(record, t)), "record")
+    if isinstance(record, StepEvent):
+        return f"step {record.step}" + (f" of epoch {record.epoch}" if record.epoch else "")
+    step, epoch = getattr(record, "step", None), getattr(record, "epoch", 0)
+    if isinstance(record, Verdict):
+        what = f"{record.detector} verdict"
+    if step is None:
+        return what
+    return f"{what} for step {step}" + (f" of epoch {epoch}" if epoch else "")
+
+
+def authenticate(record: BaseModel, key: SecretStr | str | bytes | None) -> None:
+    """Raise a RecordNotAuthenticated subclass naming the run, the record and why, unless ``record`` is signed with ``key``.
+
+    No key (``--insecure``, backtests, replays): nothing to check. Every stage's
+    ``admit`` calls this first, so a refused record changes nothing.
     """
-    if not event.signature:
-        return "no signature (the run's Guard signs its run events: forged, or from a trainer without the key)"
-    if not hmac.compare_digest(_digest(event, key), event.signature):
-        return "bad signature (forged, altered, or signed with another key)"
-    return None
+    if key is None:
+        return
+    problem = signature_problem(record, key)
+    if problem is None:
+        return
+    run_id = getattr(record, "run_id", "?")
+    if isinstance(record, RunEvent):
+        raise RunEventNotAuthenticated(f"run {run_id} {record.kind}: {problem}; refused, the run's "
+                                       "settings and state are unchanged")
+    if isinstance(record, StepEvent):
+        raise StepNotAuthenticated(f"run {run_id} step {record.step}: {problem}")
+    raise RecordNotAuthenticated(f"run {run_id} {describe(record)}: {problem}; refused, nothing acts on it")

@@ -23,32 +23,46 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     # Imported here so that naming the components (the CLI's --help) stays cheap.
     from spikeguard.actuators.policy import RecoveryPolicy
     from spikeguard.actuators.actuator_stage import ActuatorStage
-    from spikeguard.processors.detectors import DETECTORS
     from spikeguard.processors.fusion import Fusion
-    from spikeguard.processors.detector_stage import DetectorStage
     from spikeguard.processors.fusion_stage import FusionStage
+    from spikeguard.streaming.run_clock import RunClock
 
     topics = topics or Topics(settings.topic_prefix)
-    if name == "ml":  # the detector stage, plus releasing quiet runs' forests
-        from spikeguard.processors.detectors.ml_stage import MLStage
-
-        return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
-                       signing_key=settings.signing_key)
+    gaps = {"max_step_gap": settings.worker.max_step_gap, "max_epoch_gap": settings.worker.max_epoch_gap}
     if name in DETECTOR_NAMES:
-        detector_cls = DETECTORS[name]
-        config = getattr(settings, name)
-        return DetectorStage(topics, name, lambda run_id: detector_cls(config),
-                             signing_key=settings.signing_key)
+        stage = _detector_stage(name, settings, topics)
+        stage.max_step_gap, stage.max_epoch_gap = gaps["max_step_gap"], gaps["max_epoch_gap"]
+        return stage
     if name == "fusion":
         # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
-        # The key authenticates the run events whose settings it applies (no key: taken as they come).
+        # The key authenticates the verdicts it decides on and the run events whose settings it
+        # applies (no key: taken as they come); the run clock bounds how far a record may jump.
         return FusionStage(topics, lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
-                           defaults=settings.fusion, signing_key=settings.signing_key)
+                           defaults=settings.fusion, signing_key=settings.signing_key, clock=RunClock(**gaps))
     if name == "actuator":
         return ActuatorStage(
             topics,
             lambda run_id, config=None: RecoveryPolicy(config or settings.policy, run_id=run_id),
             signing_key=settings.signing_key,
             defaults=settings.policy,
+            clock=RunClock(**gaps),
+            # A live pipeline (a key, or an explicit --insecure) tells each trainer it is judged;
+            # a backtest or replay has no trainer to tell, and stays deterministic.
+            pulse_interval_s=settings.worker.pulse_interval_s
+            if settings.signing_key is not None or settings.insecure else None,
         )
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
+
+
+def _detector_stage(name: str, settings: "Settings", topics: Topics) -> "Stage":
+    from spikeguard.processors.detectors import DETECTORS
+    from spikeguard.processors.detector_stage import DetectorStage
+
+    if name == "ml":  # the detector stage, plus releasing quiet runs' forests
+        from spikeguard.processors.detectors.ml_stage import MLStage
+
+        return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
+                       signing_key=settings.signing_key)
+    detector_cls = DETECTORS[name]
+    config = getattr(settings, name)
+    return DetectorStage(topics, name, lambda run_id: detector_cls(config), signing_key=settings.signing_key)

@@ -43,11 +43,23 @@ class RecordRejected(SpikeguardError):
     """A decodable record a stage refuses (``Stage.admit``): the worker sends it to the DLQ with the reason."""
 
 
+class RecordNotAuthenticated(RecordRejected):
+    """A record without a valid signature of its producer's key (forged, or from a process without the key)."""
+
+
+class RecordBeyondRunClock(RecordRejected):
+    """A step, epoch, decision or checkpoint far beyond what its run has published: never a high-water mark."""
+
+
+class TooManyRuns(RecordRejected):
+    """A record of a run a worker does not hold, when it already holds as many runs as it may."""
+
+
 class StepRejected(RecordRejected):
     """A decodable step event a detector stage refuses to judge; the message says why."""
 
 
-class StepNotAuthenticated(StepRejected):
+class StepNotAuthenticated(StepRejected, RecordNotAuthenticated):
     """A step event without a valid signature of the run's key (forged, or from a keyless trainer)."""
 
 
@@ -59,5 +71,5 @@ class RunSettingsRejected(RecordRejected):
     """A run's settings (RunEvent preset or overrides) that do not validate; the run keeps the defaults."""
 
 
-class RunEventNotAuthenticated(RecordRejected):
+class RunEventNotAuthenticated(RecordNotAuthenticated):
     """A run start or end without a valid signature of the run's key; it changes nothing (forged, or keyless)."""

@@ -63,6 +63,13 @@ class Metrics:
         self.runs_evicted = Counter("spikeguard_runs_evicted_total",
             "Runs a worker dropped from memory, by why (ended, idle).", ["component", "reason"],
             registry=r)
+        self.runs_refused = Counter("spikeguard_runs_refused_total",
+            "Records of a run a worker refused because it already held worker.max_runs runs "
+            "(a flood of made-up run ids, or a limit set too low).", ["component"], registry=r)
+        self.trainer_unprotected = Gauge("spikeguard_trainer_unprotected",
+            "1 while a trainer has steps the pipeline has not judged for longer than its "
+            "guard.unprotected_after_s (no valid pulse from the actuator): it trains with its "
+            "local protections only.", ["run_id"], registry=r)
         self.runs_in_memory = Gauge("spikeguard_runs_in_memory",
             "Runs whose state a worker holds in memory.", ["component"], registry=r)
         self.batch_seconds = Histogram(

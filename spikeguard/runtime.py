@@ -108,6 +108,8 @@ def start_workers(
             max_state_record_bytes=runtime.settings.worker.max_state_record_bytes,
             metrics_linger_s=runtime.settings.worker.ended_run_metrics_linger_s,
             batch_linger_s=runtime.settings.worker.embedded_batch_linger_s,
+            max_runs=runtime.settings.worker.max_runs,
+            max_input_record_bytes=runtime.settings.worker.max_input_record_bytes,
         )
         thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
         runtime.workers.append(worker)

@@ -1,14 +1,17 @@
-"""Who may steer a run: the signing key every process that signs or obeys actions needs.
+"""Who may steer a run: the signing key every process of a pipeline needs.
 
-Actions are obeyed only when they carry a valid HMAC of the run's key. Without
-a key a trainer would obey anything written to the actions topic, so:
+Every record that can lead to an action carries an HMAC of its producer
+(schemas/signing.py): steps, run events, checkpoint events and acks by the
+trainer, verdicts by the detector workers, decisions by fusion, actions by the
+actuator; every consumer refuses the others to the DLQ. Without a key a trainer
+would obey anything written to the actions topic, and the actuator act on any
+decision, so:
 
-- **Kafka**: the guard, the actuator and fusion refuse to start without
-  ``SPIKEGUARD_SIGNING_KEY``, unless the user opts out with ``--insecure`` /
-  ``SPIKEGUARD_INSECURE=1``; the opt-out is one WARNING line at start. The
-  same key signs the trainer's steps and run events (a run's start and end,
-  with the settings fusion and the actuator apply to it): a worker with the
-  key refuses the unsigned ones, so a forger can neither steer nor disarm a run.
+- **Kafka**: the guard and every worker (detectors, fusion, actuator) refuse
+  to start without ``SPIKEGUARD_SIGNING_KEY``, unless the user opts out with
+  ``--insecure`` / ``SPIKEGUARD_INSECURE=1``; the opt-out is one WARNING line
+  at start. One key serves every role: a forger without it can neither steer
+  nor disarm a run.
 - **Embedded**: the trainer and its pipeline threads are one process, so a
   random key made at start (and never shown) is all they need to share.
 """
@@ -44,9 +47,9 @@ def ensure_signing_key(settings: Settings, who: str) -> Settings:
     if settings.insecure:
         log.warning(
             "spikeguard: INSECURE: %s runs without a signing key (--insecure / SPIKEGUARD_INSECURE=1): "
-            "actions are not signed or checked and run events are taken unchecked, anyone who can "
-            "write %sactions or %sruns steers the run",
-            who, settings.topic_prefix, settings.topic_prefix,
+            "nothing it publishes is signed and nothing it reads is checked, anyone who can write "
+            "the %s* topics steers the run",
+            who, settings.topic_prefix,
         )
         return settings
     raise MissingSigningKey(

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Any, Iterable, Mapping
 
-from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.future import Future
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from pydantic import SecretStr
 
@@ -49,21 +50,30 @@ def _record(r: Any) -> Record:
     )
 
 
-class _Listener(ConsumerRebalanceListener):
-    """Turns kafka-python's rebalance calls (on its IO thread) into the bus callbacks."""
+class _Listener(AsyncConsumerRebalanceListener):
+    """Turns kafka-python's rebalance calls into the bus callbacks, off its IO thread.
+
+    kafka-python 3.x runs the listener on the consumer's IO thread, where a
+    blocking call on the consumer (the hand-over commit) raises "Cannot block on
+    net.run() from the IO thread itself". So the listener is the async kind: it
+    runs the callback on a helper thread and awaits it, which leaves the IO loop
+    free to carry the callback's commit (and the group's heartbeats) meanwhile.
+    The worker thread is inside ``poll`` all along, so the callback still runs
+    between two of its batches, as on the embedded bus.
+    """
 
     def __init__(self, owner: "_KafkaConsumer"):
         self._owner = owner
 
-    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         lost = {(tp.topic, tp.partition) for tp in revoked}
         if lost and self._owner.on_revoke is not None:
-            self._owner.on_revoke(lost)
+            await self._owner.off_the_io_thread(self._owner.on_revoke, lost)
 
-    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         gained = {(tp.topic, tp.partition) for tp in assigned}
         if gained and self._owner.on_assign is not None:
-            self._owner.on_assign(gained)
+            await self._owner.off_the_io_thread(self._owner.on_assign, gained)
 
 
 class _KafkaConsumer(Consumer):
@@ -83,6 +93,22 @@ class _KafkaConsumer(Consumer):
         except BaseException:
             self._consumer.close(autocommit=False)
             raise
+
+    async def off_the_io_thread(self, callback: RebalanceCallback, partitions: set[tuple[str, int]]) -> None:
+        """Run ``callback(partitions)`` on a helper thread and wait for it without blocking the IO loop."""
+        net = self._consumer._net  # kafka-python 3.x's IO loop: the one documented way back onto it
+        done = Future()
+
+        def run() -> None:
+            try:
+                callback(partitions)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the IO thread, then by poll
+                net.call_soon_threadsafe(lambda: done.failure(exc))
+            else:
+                net.call_soon_threadsafe(lambda: done.success(None))
+
+        threading.Thread(target=run, name="spikeguard-rebalance", daemon=True).start()
+        await done
 
     def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
         try:

@@ -44,9 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument(
         "--insecure", action="store_true", default=None,
-        help="on Kafka, run the actuator or fusion without SPIKEGUARD_SIGNING_KEY (unsigned actions, "
-        "run events taken unchecked: anyone who can write the actions or runs topic steers the "
-        "runs). Also SPIKEGUARD_INSECURE=1",
+        help="on Kafka, run without SPIKEGUARD_SIGNING_KEY (nothing signed or checked: anyone who "
+        "can write the steps, verdicts, decisions, checkpoints, acks, actions or runs topic steers "
+        "the runs). Also SPIKEGUARD_INSECURE=1",
     )
     parser.add_argument(
         "--instance-id", metavar="NAME",
@@ -70,12 +70,13 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
                              instance_id=args.instance_id)
     names = COMPONENTS if args.name == "all" else (args.name,)
-    # The actuator signs what trainers obey; fusion and the actuator apply each run's own
-    # settings from the runs topic, which only the key tells from a forger's.
-    keyed = [name for name in ("fusion", "actuator") if name in names]
-    if keyed:
-        # Without a key (and no --insecure) this raises: main() prints the one-line reason, exit 2.
-        settings = ensure_signing_key(settings, f"the {' and '.join(keyed)} worker")
+    # On Kafka every component signs what it publishes and takes only signed inputs: without
+    # the key a detector's verdicts, fusion's decisions and the actuator's actions are refused
+    # downstream, and it would take anyone's steps, verdicts or decisions. Without a key (and no
+    # --insecure) this raises: main() prints the one-line reason, exit 2. Embedded (a replay of
+    # a data_dir), detectors keep judging what they read, as fusion and the actuator never did.
+    if settings.engine != "embedded" or {"fusion", "actuator"} & set(names):
+        settings = ensure_signing_key(settings, f"the {args.name} worker")
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -97,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
                run_idle_ttl_s=settings.worker.run_idle_ttl_s,
                max_state_record_bytes=settings.worker.max_state_record_bytes,
                max_unacked_records=settings.worker.max_unacked_records,
-               metrics_linger_s=settings.worker.ended_run_metrics_linger_s)
+               metrics_linger_s=settings.worker.ended_run_metrics_linger_s,
+               max_runs=settings.worker.max_runs,
+               max_input_record_bytes=settings.worker.max_input_record_bytes)
         for name in names
     ]
     stopping = threading.Event()

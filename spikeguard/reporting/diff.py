@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from spikeguard.schemas import Action, Decision
+from spikeguard.schemas import Action, ActionKind, Decision
 
 NOTABLE = ("rollback", "restore_lr")
 
@@ -31,7 +31,8 @@ def _decisions(items: Iterable[Decision]) -> dict[tuple, Decision]:
 
 
 def _actions(items: Iterable[Action]) -> dict[tuple, Action]:
-    return {(a.run_id, a.kind.value, a.apply_at_step): a for a in items}
+    # A pulse tells a live trainer it is judged; a replay has no trainer, and sends none.
+    return {(a.run_id, a.kind.value, a.apply_at_step): a for a in items if a.kind is not ActionKind.PULSE}
 
 
 def _what(d: Decision) -> tuple:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 from pydantic import BaseModel
 
 from spikeguard.errors import SchemaError, SpikeguardError
-from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, StepEvent, Topics, Verdict, decode
+from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decision, StepEvent, Topics, Verdict, decode
 
 if TYPE_CHECKING:
     from spikeguard.bus import Bus
@@ -46,6 +46,8 @@ class RunRecord:
     unreadable: int = 0  # records that did not decode (the DLQ has them)
 
     def add(self, name: str, event: BaseModel) -> None:
+        if isinstance(event, Action) and event.kind is ActionKind.PULSE:
+            return  # the actuator telling a live trainer it is judged: nothing done to the run
         getattr(self, name).append(event)
 
 

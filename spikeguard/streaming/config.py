@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spikeguard.streaming.run_clock import DEFAULT_MAX_EPOCH_GAP, DEFAULT_MAX_STEP_GAP
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES
+
+#: An event is a few hundred bytes; a step with its top layers' norms a few kB.
+DEFAULT_MAX_INPUT_RECORD_BYTES = 64 * 1024
+#: ~10,000 runs fit a worker's 1 GiB; twice that before it refuses new ones.
+DEFAULT_MAX_RUNS = 20_000
 
 
 class WorkerConfig(BaseModel):
@@ -23,6 +29,39 @@ class WorkerConfig(BaseModel):
         description="largest state record a worker writes (one run's state); a bigger one is "
         "refused with a logged reason and spikeguard_state_records_refused_total, never sent "
         "to a broker that would reject it (Kafka's default limit is 1 MiB)",
+    )
+    max_runs: int = Field(
+        DEFAULT_MAX_RUNS,
+        ge=1,
+        description="most runs a worker holds state for; a record of a further run goes to the DLQ "
+        "(TooManyRuns) and is counted in spikeguard_runs_refused_total, so a flood of made-up run "
+        "ids cannot grow a worker's memory without bound (runs that end or idle out free their place)",
+    )
+    max_input_record_bytes: int = Field(
+        DEFAULT_MAX_INPUT_RECORD_BYTES,
+        ge=1024,
+        description="largest input record a worker decodes; a bigger one goes to the DLQ unparsed "
+        "(MessageTooLarge)",
+    )
+    max_step_gap: int = Field(
+        DEFAULT_MAX_STEP_GAP,
+        ge=1,
+        description="a step, verdict, decision or checkpoint more than this many steps past the "
+        "furthest its run has published is refused to the DLQ, never adopted as the run's newest "
+        "step (one far-future record would make every real one look late)",
+    )
+    max_epoch_gap: int = Field(
+        DEFAULT_MAX_EPOCH_GAP,
+        ge=1,
+        description="likewise for epochs (one per rollback): a record more than this many epochs "
+        "past the run's newest is refused",
+    )
+    pulse_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="the actuator tells each run's trainer at most this often that its steps are "
+        "judged (a signed pulse action naming the newest step decided); keep it well below the "
+        "trainers' guard.unprotected_after_s",
     )
     ended_run_metrics_linger_s: float = Field(
         60.0,

@@ -14,8 +14,15 @@ when more than ``max_unacked_records`` outputs are outstanding, so memory
 stays bounded. A send that fails stops the worker at the next batch or
 checkpoint, before anything past it is saved.
 
+With a signing key the worker signs every record its stage publishes
+(verdicts, decisions; the actuator signs its actions itself), and its stage
+refuses inputs not signed by their producer (``Stage.admit``).
+
 Memory follows the live runs: a run whose end the stage reads, or with no
-record for ``run_idle_ttl_s``, is dropped with its per-run metric series.
+record for ``run_idle_ttl_s``, is dropped with its per-run metric series. It
+is bounded too: at most ``max_runs`` runs (a record of a further run goes to
+the DLQ as TooManyRuns and is counted), and no input record over
+``max_input_record_bytes`` is parsed.
 When the worker cannot go on (the broker refuses what it must publish, say),
 :meth:`Worker.run` returns with :attr:`Worker.failure` set and saves nothing
 past what was delivered; ``spikeguard worker`` then exits non-zero.
@@ -36,15 +43,19 @@ from pydantic import BaseModel
 
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
-from spikeguard.errors import DeliveryError, RecordRejected, SchemaError
+from spikeguard.errors import (
+    DeliveryError, RecordRejected, SchemaError, SpikeguardError, TooManyRuns,
+)
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
 from spikeguard.streaming.checkpointer import Checkpointer
+from spikeguard.streaming.config import DEFAULT_MAX_INPUT_RECORD_BYTES, DEFAULT_MAX_RUNS
 from spikeguard.streaming.run_sweep import RunSweep
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
-from spikeguard.schemas import Ack, StepEvent, encode
+from spikeguard.schemas import Ack, StepEvent, decode, encode
+from spikeguard.schemas.signing import SIGNED_TYPES, sign
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +87,8 @@ class Worker:
         metrics_linger_s: float = 60.0,
         batch_linger_s: float = 0.0,
         max_unacked_records: int = 10_000,
+        max_runs: int = DEFAULT_MAX_RUNS,
+        max_input_record_bytes: int = DEFAULT_MAX_INPUT_RECORD_BYTES,
     ) -> None:
         self.bus = bus
         self.stage = stage
@@ -90,6 +103,12 @@ class Worker:
         self.batch_linger_s = batch_linger_s
         # Outputs sent but not yet acknowledged before the loop waits for them (0: after every batch).
         self.max_unacked_records = max_unacked_records
+        # A flood of made-up run ids or one huge record must not grow the worker without bound.
+        self.max_runs = max_runs
+        self.max_input_record_bytes = max_input_record_bytes
+        # With a key, every record this worker publishes is signed by it (verdicts, decisions):
+        # the next stage takes no others.
+        self._signing_key = getattr(stage, "signing_key", None)
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
@@ -278,21 +297,42 @@ class Worker:
     def _decode(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
         """The ``(topic, event)`` pairs and their records; the undecodable go to the DLQ."""
         items, sources = self._decode_all(records)
-        if self._admit is None:
-            return items, sources
-        # A stage may refuse decodable records (unauthenticated or replayed steps, bad run settings):
-        # they go to the DLQ with the stage's reason, before any state sees them.
+        held = getattr(self.stage, "runs", None)
+        # A stage may refuse decodable records (unauthenticated or replayed steps, far-future
+        # steps, bad run settings): they go to the DLQ with the stage's reason, before any
+        # state sees them; so do the records of a run beyond the number of runs it may hold.
         kept: list[tuple[str, BaseModel]] = []
         kept_sources: list[Record] = []
+        admit = self._admit
+        if admit is None and (held is None or len(held) < self.max_runs - len(items)):
+            return items, sources
+        new_runs: set[str] = set()
         for item, record in zip(items, sources):
             try:
-                self._admit(*item)
+                run_id = item[1].run_id  # type: ignore[attr-defined]
+                if held is not None:  # before the stage's checks, which may keep a little per run
+                    self._room_for(run_id, held, new_runs)
+                if admit is not None:
+                    admit(*item)
+                if held is not None and run_id not in held:
+                    new_runs.add(run_id)
             except RecordRejected as exc:
                 self._to_dlq(record, exc)
                 continue
             kept.append(item)
             kept_sources.append(record)
         return kept, kept_sources
+
+    def _room_for(self, run_id: str, held: dict, new_runs: set[str]) -> None:
+        """Raise TooManyRuns when ``run_id`` would be one run more than the stage may hold."""
+        if run_id in held or run_id in new_runs:
+            return
+        if len(held) + len(new_runs) >= self.max_runs:
+            self.metrics.runs_refused.labels(self.stage.name).inc()
+            raise TooManyRuns(
+                f"run {run_id}: this {self.stage.name} worker already holds {len(held) + len(new_runs)} "
+                f"runs, its limit (worker.max_runs={self.max_runs}); refused until runs end or idle out "
+                "(a flood of made-up run ids, or raise the limit)")
 
     def _decode_all(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
         models = self._models
@@ -307,8 +347,12 @@ class Worker:
                 return list(zip(map(_TOPIC, records), events)), records
         items: list[tuple[str, BaseModel]] = []
         sources: list[Record] = []
+        limit = self.max_input_record_bytes
         for record in records:
             try:
+                raw = record._value  # the bytes as received; an in-process event is not encoded for this
+                if raw is not None and len(raw) > limit:  # refused unparsed (worker.max_input_record_bytes)
+                    decode(raw, self._models[record.topic], max_bytes=limit)
                 event = record.decoded(self._models[record.topic])
             except SchemaError as exc:
                 self._to_dlq(record, exc)
@@ -346,6 +390,11 @@ class Worker:
     def _publish(self, outputs: list[Output]) -> None:
         if not outputs:
             return
+        key = self._signing_key
+        if key is not None:
+            outputs[:] = [(topic, sign(event, key)) if type(event) in SIGNED_TYPES
+                          and event.signature is None else (topic, event)  # type: ignore[attr-defined]
+                          for topic, event in outputs]
         self._producer.publish_events(outputs)
         for topic, count in Counter(map(_TOPIC_OF_OUTPUT, outputs)).items():
             self.metrics.records_out.labels(self.stage.name, topic).inc(count)

@@ -1,14 +1,14 @@
-"""Forged decisions cannot steer a run (defence in depth), on the real closed loop.
+"""Forged decisions cannot steer a run, on the real closed loop.
 
-Anyone who can write the decisions topic can make the real actuator sign
-actions: its policy answers whatever decision it reads. What stops them is the
-trainer: with a signing key, every state-changing action (and every action
-derived from a decision) must carry evidence — the step, loss and gradient
-norm it was decided on — that matches what this trainer published. A real
-model trains on the embedded runtime through a real loss spike while forged
-critical decisions for its run arrive on the decisions topic: no evidence,
-evidence the trainer never published, and one that asks for a rollback with a
-real checkpoint as target.
+Anyone who can write the decisions topic would make the real actuator sign
+actions if it answered whatever decision it read. With a signing key, fusion
+signs its decisions and the actuator takes no others: a forged one goes to the
+DLQ with the reason and no action is derived from it. (Behind that, the trainer
+still checks every action's evidence against what it published:
+tests/producers/test_action_evidence.py.) A real model trains on the embedded
+runtime through a real loss spike while forged critical decisions for its run
+arrive on the decisions topic: no evidence, evidence the trainer never
+published, and one that asks for a rollback with a real checkpoint as target.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, AnomalyType, Decision, Evidence, StepEvent, decode, encode,
+    Ack, AckStatus, Action, ActionKind, AnomalyType, DeadLetter, Decision, Evidence, StepEvent, decode, encode,
 )
 from spikeguard.settings import load_settings
 
@@ -69,18 +69,16 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
         guard.close()
         actions = [a for a in (decode(r.value, Action) for r in bus.read_all(topics.actions)) if a.run_id == RUN]
         acks = {a.action_id: a for a in (decode(r.value, Ack) for r in bus.read_all(topics.acks)) if a.run_id == RUN}
+        letters = [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
 
-    from_forged = [a for a in actions if (a.decision_id or "").startswith("forged-")]
-    # The real actuator did sign actions for every forged decision, a rollback among them...
-    assert {a.decision_id for a in from_forged} == {f"forged-{s}" for s in FORGE_AT}
-    assert any(a.kind is ActionKind.ROLLBACK for a in from_forged)
-    # ...and the trainer refused every one of them: none applied.
-    statuses = {acks[a.action_id].status for a in from_forged}
-    assert statuses == {AckStatus.REJECTED}, [(a.kind, acks[a.action_id].result) for a in from_forged]
-    assert any("no evidence" in acks[a.action_id].result for a in from_forged)
-    assert any("evidence loss nan" in acks[a.action_id].result for a in from_forged)
+    # The actuator signed no action for any forged decision: each went to the DLQ, with the reason.
+    assert not [a for a in actions if (a.decision_id or "").startswith("forged-")]
+    refused = [d for d in letters if d.source_topic == topics.decisions]
+    assert sorted(decode(d.value, Decision).step for d in refused) == list(FORGE_AT)
+    assert {d.error for d in refused} == {"RecordNotAuthenticated"}
+    assert all("no signature" in d.reason for d in refused)
     # The real incident is still answered: a rollback to a checkpoint before it, applied.
-    real = [a for a in actions if a.kind is ActionKind.ROLLBACK and a not in from_forged]
+    real = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert real and any(acks[a.action_id].status is AckStatus.APPLIED for a in real if a.action_id in acks)
     assert guard.epoch >= 1 and not guard.should_stop and guard.step_count == STEPS
     assert guard.counters["rollbacks"] == 1

@@ -25,7 +25,7 @@ from spikeguard.components import COMPONENTS, DETECTOR_NAMES
 from spikeguard.schemas import (
     Action, ActionKind, AnomalyType, DeadLetter, Decision, RunEvent, Topics, Verdict, decode, encode,
 )
-from spikeguard.schemas.signing import sign_run_event, verify_action
+from spikeguard.schemas.signing import sign, sign_run_event, verify_action
 
 pytestmark = pytest.mark.kafka
 KEY = "run-events-signing-key-0123456789"
@@ -97,9 +97,10 @@ def test_forged_run_starts_are_refused_by_every_kafka_worker_and_the_genuine_one
         # Run "a" is judged under fusion's own settings: one statistical anomaly of 0.7 flags the step.
         for name in DETECTOR_NAMES:
             flagged = name == "statistical"
-            producer.publish(topics.verdicts, encode(Verdict(
+            producer.publish(topics.verdicts, encode(sign(Verdict(  # signed, as the detector workers sign
                 run_id="a", step=0, detector=name, is_anomaly=flagged, confidence=0.7 if flagged else 0.0,
-                type=AnomalyType.LOSS_SPIKE if flagged else AnomalyType.NONE, loss=1.0, grad_norm=1.0)), key="a")
+                type=AnomalyType.LOSS_SPIKE if flagged else AnomalyType.NONE, loss=1.0, grad_norm=1.0), KEY)),
+                key="a")
         producer.flush()
         decided = until(lambda: [d for d in (decode(r.value, Decision) for r in
                                              bus.read_all(topics.decisions, timeout=2.0)) if d.run_id == "a"],
@@ -126,10 +127,12 @@ def test_forged_run_starts_are_refused_by_every_kafka_worker_and_the_genuine_one
     assert worker.returncode == 0, log.read_text()
 
 
-def test_the_fusion_worker_refuses_to_start_on_kafka_without_a_key(kafka_bootstrap):
+@pytest.mark.parametrize("name", ["fusion", "statistical", "detectors"])
+def test_every_worker_refuses_to_start_on_kafka_without_a_key(kafka_bootstrap, name):
+    """Detector workers too: without the key their verdicts are refused downstream, and they take anyone's steps."""
     prefix = f"runsign-{uuid.uuid4().hex[:8]}."
-    refused = subprocess.run([sys.executable, "-m", "spikeguard", "worker", "fusion", "--topic-prefix", prefix],
+    refused = subprocess.run([sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
                              env=worker_env(kafka_bootstrap, None), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     [line] = [l for l in (refused.stdout + refused.stderr).splitlines() if l.strip()]
-    assert "the fusion worker refuses to start on Kafka without a signing key" in line and "--insecure" in line
+    assert f"the {name} worker refuses to start on Kafka without a signing key" in line and "--insecure" in line

@@ -18,9 +18,11 @@ import pytest
 from spikeguard.processors.detectors import DETECTORS
 from spikeguard.lab.simulate import generate
 from spikeguard.schemas import Topics, Verdict, decode, encode
+from spikeguard.schemas.signing import sign
 
 pytestmark = pytest.mark.kafka
 RUNS = ("crash-a", "crash-b", "crash-c")
+KEY = "crash-key-0123456789abcdef"  # detector workers refuse to start on Kafka without one
 STEPS = 6_000  # enough that the kill lands mid-stream
 
 
@@ -31,7 +33,8 @@ def free_port() -> int:
 
 
 def start_worker(bootstrap, prefix, log, port, client="kafka-python"):
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client}
+    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client,
+           "SPIKEGUARD_SIGNING_KEY": KEY}
     return subprocess.Popen(
         [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix,
          # Often: what a restart redoes is what came after the last snapshot, and a worker on
@@ -87,7 +90,7 @@ def test_killed_worker_resumes_with_identical_verdicts(kafka_bootstrap, tmp_path
     producer = bus.producer()
     for step in range(STEPS):
         for run in RUNS:
-            producer.publish(topics.steps, encode(runs[run][step]), key=run)
+            producer.publish(topics.steps, encode(sign(runs[run][step], KEY)), key=run)
     producer.flush()
     total = len(expected)
 
@@ -151,13 +154,13 @@ def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka
     bus.create_topics(topics.all())
     producer = bus.producer()
     for event in generate("sudden_spike", 200, 0, run_id="refused").events:
-        producer.publish(topics.steps, encode(event), key="refused")
+        producer.publish(topics.steps, encode(sign(event, KEY)), key="refused")
     producer.flush()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
     done = subprocess.run(
         [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix],
-        env={**env, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap},
+        env={**env, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": KEY},
         capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 1, done.stderr

@@ -23,7 +23,7 @@ from spikeguard.schemas import (
     Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision, Evidence, RunEvent, StepEvent,
     Topics, Verdict, decision_id, decode, encode, sign_step,
 )
-from spikeguard.schemas.signing import sign_run_event
+from spikeguard.schemas.signing import sign, sign_run_event
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
@@ -108,10 +108,11 @@ def test_cohosted_detectors_refuse_a_forged_end_once_and_all_keep_the_run():
 
 # -- fusion: a forged start would change how verdicts weigh --------------------------------------
 def verdicts_of(step: int, confidence: float) -> list[tuple[str, Verdict]]:
-    return [(TOPICS.verdicts, Verdict(
+    # Signed, as the detector workers sign theirs: fusion with a key takes no others.
+    return [(TOPICS.verdicts, sign(Verdict(
         run_id=RUN, step=step, detector=name, is_anomaly=name == "statistical",
         confidence=confidence if name == "statistical" else 0.0,
-        type=AnomalyType.LOSS_SPIKE if name == "statistical" else AnomalyType.NONE, loss=1.0, grad_norm=1.0))
+        type=AnomalyType.LOSS_SPIKE if name == "statistical" else AnomalyType.NONE, loss=1.0, grad_norm=1.0), KEY))
         for name in DETECTOR_NAMES]
 
 
@@ -135,9 +136,10 @@ def test_fusion_applies_the_runs_signed_overrides_and_refuses_forged_ones():
 def decision(step: int, anomaly: bool = False) -> tuple[str, Decision]:
     fields = dict(is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0,
                   incident_id=f"i{step}", incident_onset_step=step) if anomaly else dict(is_anomaly=False)
-    return TOPICS.decisions, Decision(decision_id=decision_id(RUN, step), run_id=RUN, step=step,
-                                      evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0,
-                                                        grad_norm=1.0), **fields)
+    # Signed, as fusion signs its decisions: the actuator with a key takes no others.
+    return TOPICS.decisions, sign(Decision(decision_id=decision_id(RUN, step), run_id=RUN, step=step,
+                                           evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0,
+                                                             grad_norm=1.0), **fields), KEY)
 
 
 def test_the_actuator_applies_the_runs_signed_policy_and_refuses_a_forged_one():
@@ -152,8 +154,8 @@ def test_the_actuator_applies_the_runs_signed_policy_and_refuses_a_forged_one():
     assert [l.reason.split(":")[0] for l in letters(bus)] == [f"run {RUN} start"] * 2 + [f"run {RUN} end"]
     assert worker.stage.run(RUN).config.rollback_min_steps_before_onset == 30
     assert not worker.stage.ending.pending  # the forged end is not waiting to end the run either
-    publish(bus, [worker], (TOPICS.checkpoints, CheckpointEvent(run_id=RUN, step=20, checkpoint_id="c20",
-                                                                healthy=True)),
+    publish(bus, [worker], (TOPICS.checkpoints, sign(CheckpointEvent(run_id=RUN, step=20, checkpoint_id="c20",
+                                                                     healthy=True), KEY)),
             *[decision(s) for s in range(21, 60)], decision(60, anomaly=True), decision(61, anomaly=True))
     actions = [decode(r.value, Action) for r in bus.read_all(TOPICS.actions)]
     rollback = next(a for a in actions if a.kind is ActionKind.ROLLBACK)

@@ -4,13 +4,17 @@ The demo's real model trains with a loss spike, guarded in lockstep on the
 embedded bus with the whole pipeline (four detectors, fusion, the actuator)
 as threads and a signing key. An attacker thread that knows only what it
 can read on the bus writes 10,000 hostile records while the run trains:
-malformed, huge, far-future, forged and replayed steps, and forged actions.
+malformed, huge, far-future, forged and replayed steps, forged actions, and
+forged verdicts, decisions, checkpoint events and acks (unsigned, signed with a
+guessed key, far in the future, for made-up runs): every topic a consumer reads.
 
 What must hold: the run's decisions and applied actions equal those of the
 same run without the attacker; every worker is still running; the pipeline
 holds state for the real run only (memory bounded; RSS growth reported);
-every hostile step is in the DLQ once per detector, every hostile action is
-refused (REJECTED ack) or in the DLQ, and no forged action is applied.
+every hostile step is in the DLQ once per detector, every hostile verdict in
+fusion's DLQ and every hostile decision, checkpoint event and ack in the
+actuator's, every hostile action is refused (REJECTED ack) or in the DLQ, and
+no forged action is applied.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from spikeguard.metrics import Metrics
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, DeadLetter, Decision, StepEvent, decode, encode,
-    sign_action, sign_step, step_signature_problem,
+    MAX_COUNTER, Ack, AckStatus, Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision,
+    StepEvent, Verdict, decode, encode, sign_action, sign_step, step_signature_problem,
 )
-from spikeguard.schemas.signing import verify_action
+from spikeguard.schemas.signing import sign, signature_problem, verify_action
 from spikeguard.settings import load_settings
 
 pytestmark = pytest.mark.slow
@@ -59,6 +63,8 @@ class Attacker(threading.Thread):
         self.rng = random.Random(7)
         self.steps_sent = 0
         self.actions_sent = 0
+        self.to_fusion = 0  # verdicts
+        self.to_actuator = 0  # decisions, checkpoint events, acks
         self.error: BaseException | None = None
         self.read_up_to: dict[int, int] = {}
         self.genuine: list[StepEvent] = []
@@ -104,7 +110,11 @@ class Attacker(threading.Thread):
             genuine = self._victim()
             run_id, newest = genuine[-1].run_id, genuine[-1]
             for _ in range(HOSTILE // 40):
-                kind = 1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8])
+                kind = 1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+                if kind >= 9:
+                    self._pipeline_record(producer, kind, run_id, newest, sent)
+                    sent += 1
+                    continue
                 if kind == 0:  # malformed bytes
                     value = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))
                     producer.publish(t.steps, value, key=run_id)
@@ -148,6 +158,35 @@ class Attacker(threading.Thread):
                     break
 
 
+    def _pipeline_record(self, producer, kind: int, run_id: str, newest: StepEvent, sent: int) -> None:
+        """A forged record on a topic behind the detectors; half unsigned, half with a guessed key."""
+        rng, t = self.rng, self.topics
+        guess = (lambda r: r) if rng.random() < 0.5 else (lambda r: sign(r, "guessed-key"))
+        if kind == 9:  # a critical verdict for the run's next step, or one for a made-up run
+            forged_run = run_id if rng.random() < 0.5 else f"other-{rng.randrange(10**6)}"
+            record = Verdict(run_id=forged_run, step=newest.step + 1, epoch=newest.epoch, detector="rules",
+                             is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0)
+            producer.publish(t.verdicts, encode(guess(record)), key=forged_run)
+            self.to_fusion += 1
+            return
+        if kind == 10:  # a healthy decision far ahead (it would make every real one late), or a critical one
+            step = MAX_COUNTER if rng.random() < 0.5 else newest.step + 1
+            record = Decision(decision_id=f"forged-d{sent}", run_id=run_id, step=step, epoch=newest.epoch,
+                              is_anomaly=step != MAX_COUNTER, critical=step != MAX_COUNTER,
+                              type=AnomalyType.NON_FINITE if step != MAX_COUNTER else AnomalyType.NONE,
+                              confidence=1.0, incident_id=f"forged-i{sent}", incident_onset_step=step)
+            producer.publish(t.decisions, encode(guess(record)), key=run_id)
+        elif kind == 11:  # a healthy checkpoint the trainer never wrote: it would be the rollback target
+            record = CheckpointEvent(run_id=run_id, step=newest.step, epoch=newest.epoch,
+                                     checkpoint_id=f"forged-c{sent}", healthy=True)
+            producer.publish(t.checkpoints, encode(guess(record)), key=run_id)
+        else:  # an ack saying some action failed
+            record = Ack(run_id=run_id, action_id=f"fake-ack-{sent}", kind=ActionKind.ROLLBACK,
+                         status=AckStatus.FAILED, step=newest.step)
+            producer.publish(t.acks, encode(guess(record)), key=run_id)
+        self.to_actuator += 1
+
+
 def guarded_run(attack: bool, workdir) -> dict:
     """Train the demo's spike run, guarded; what happened, read before the runtime closes."""
     # read() takes every action and ack back from the bus after the run, and the attacker
@@ -171,7 +210,8 @@ def guarded_run(attack: bool, workdir) -> dict:
             done = threading.Event()
             for _ in range(1200):
                 letters = runtime.bus.read_all(runtime.topics.dlq)
-                if len(letters) >= attacker.steps_sent * len(DETECTORS):
+                if len(letters) >= attacker.steps_sent * len(DETECTORS) + attacker.to_fusion + \
+                        attacker.to_actuator:
                     break
                 done.wait(0.1)
         facts = dict(outcome=outcome, attacker=attacker, rss_growth=rss_bytes() - rss_before,
@@ -197,7 +237,9 @@ def read(runtime) -> dict:
                 pass
         return out
 
-    return dict(decisions=events(t.decisions, Decision), acks=events(t.acks, Ack),
+    # Fusion's own decisions (the attacker writes the topic too) and the trainer's own acks.
+    return dict(decisions=[d for d in events(t.decisions, Decision) if signature_problem(d, KEY) is None],
+                acks=[a for a in events(t.acks, Ack) if signature_problem(a, KEY) is None],
                 actions=events(t.actions, Action), letters=events(t.dlq, DeadLetter),
                 prefix=t.prefix, actions_topic=t.actions)
 
@@ -249,6 +291,12 @@ def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp
         assert len(mine) == attacker.steps_sent, detector
         assert {d.error for d in mine} == {"MalformedMessage", "MessageTooLarge",
                                            "StepNotAuthenticated", "StepOutOfOrder"}
+    # ... every hostile verdict in fusion's, every hostile decision, checkpoint and ack in the actuator's ...
+    for consumer, sent in (("fusion", attacker.to_fusion), ("actuator", attacker.to_actuator)):
+        mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{consumer}"]
+        assert sent and len(mine) == sent, consumer
+        assert {d.error for d in mine} == {"RecordNotAuthenticated"}, consumer
+    assert not [a for a in hostile["actions"] if (a.decision_id or "").startswith("forged-")]
     # ... every hostile action refused or in the DLQ, and no forged action applied.
     forged_acks = [a for a in hostile["acks"] if a.action_id.startswith("forged-")]
     inbox_letters = [d for d in letters if d.source_topic == hostile["actions_topic"]]

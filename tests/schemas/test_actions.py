@@ -35,6 +35,7 @@ EXAMPLES: dict[ActionKind, dict] = {
     K.REDUCE_BATCH_SIZE: {"factor": 0.5},
     K.SET_EPS: {"eps": 1e-7},
     K.ALERT: {"severity": "warning", "message": "watching"},
+    K.PULSE: {"judged_step": 120, "epoch": 1},
 }
 
 
@@ -43,7 +44,7 @@ WRONG: dict[ActionKind, dict] = {
     K.ROLLBACK: EXAMPLES[K.SCALE_LR], K.SKIP_BATCHES: EXAMPLES[K.ROLLBACK], K.SET_LR: EXAMPLES[K.SCALE_LR],
     K.SCALE_LR: EXAMPLES[K.SET_LR], K.RESTORE_LR: EXAMPLES[K.SET_EPS], K.CLIP: {"z": "high"},
     K.CHECKPOINT: {"reason": "whenever"}, K.STOP: {"reason": 7}, K.REDUCE_BATCH_SIZE: EXAMPLES[K.SET_LR],
-    K.SET_EPS: EXAMPLES[K.SCALE_LR], K.ALERT: {"severity": 1},
+    K.SET_EPS: EXAMPLES[K.SCALE_LR], K.ALERT: {"severity": 1}, K.PULSE: {"judged_step": "late"},
 }
 
 

@@ -64,7 +64,7 @@ def test_the_trainers_own_signature_marks_its_event(digests):
 
 def test_a_mark_holds_for_its_key_only():
     signed = sign_step(step(1), KEY)
-    assert "bad step signature" in step_signature_problem(signed, "another-key")
+    assert "bad signature" in step_signature_problem(signed, "another-key")
     assert step_signature_problem(signed, KEY) is None
 
 
@@ -76,7 +76,7 @@ def test_twins_and_altered_copies_of_a_marked_event_are_checked_in_full():
     altered = signed.model_copy(update={"loss": math.nan})
     for event in (forged, altered):
         assert event.signature == signed.signature
-        assert "bad step signature" in step_signature_problem(event, KEY)
+        assert "bad signature" in step_signature_problem(event, KEY)
     # An equal twin (the same bytes decoded again) verifies on its own merits.
     twin = decode(encode(signed), StepEvent)
     assert twin is not signed and step_signature_problem(twin, KEY) is None
@@ -99,7 +99,7 @@ def test_subclasses_are_never_marked():
     assert step_signature_problem(loose, KEY) is None
     assert len(VERIFIED_STEPS) == 0
     loose.loss = math.nan
-    assert "bad step signature" in step_signature_problem(loose, KEY)
+    assert "bad signature" in step_signature_problem(loose, KEY)
 
 
 def test_marks_are_bounded_oldest_first():
@@ -139,8 +139,9 @@ def test_on_the_embedded_bus_four_stages_hash_each_step_once_and_still_refuse_fo
         pass
 
     # The 10 decoded genuine steps once each, the 3 signed forgeries once per stage; the
-    # trainer-signed step and the unsigned one never.
-    assert digests[0] == 10 + 3 * len(DETECTORS)
+    # trainer-signed step and the unsigned one never. Then each of the 11 verdicts per
+    # detector is signed once by its worker.
+    assert digests[0] == 10 + 3 * len(DETECTORS) + 11 * len(DETECTORS)
     dead = [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
     for detector in DETECTORS:
         mine = [d for d in dead if d.consumer == f"{TOPICS.prefix}{detector}"]

@@ -11,7 +11,7 @@ from spikeguard.cli import main
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import Action, CheckpointEvent, StepEvent, Topics, encode
 from spikeguard.settings import load_settings
-from spikeguard.schemas.signing import sign_step
+from spikeguard.schemas.signing import sign, sign_step
 
 
 def healthy_loss(step: int) -> float:
@@ -45,11 +45,13 @@ def recorded(tmp_path_factory):
         kept: list[int] = []
 
         def publish_checkpoint(step: int) -> None:
-            producer.publish(topics.checkpoints, encode(checkpoint(step)), key="rec")
+            # Signed, as the trainer signs its checkpoint events: the actuator takes no others.
+            key = runtime.settings.signing_key
+            producer.publish(topics.checkpoints, encode(sign(checkpoint(step), key)), key="rec")
             kept.append(step)
             while len(kept) > 2:
                 gone = kept.pop(0)
-                producer.publish(topics.checkpoints, encode(checkpoint(gone, deleted=True)),
+                producer.publish(topics.checkpoints, encode(sign(checkpoint(gone, deleted=True), key)),
                                  key="rec")
 
         def publish_step(step: int) -> None:

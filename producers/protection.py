@@ -1,0 +1,109 @@
+"""Is anyone judging this run? The actuator's signed pulses say so; silence is said once.
+
+A trainer whose key differs from the workers', whose workers are not running,
+whose steps all go to the DLQ or whose pipeline lags far behind trains on
+with its local protections only, and would never know. So the actuator
+answers the decisions it acts on with a signed ``pulse`` action now and then
+(at most one per run every ``pulse_interval_s``, :mod:`spikeguard.actuators.actuator_stage`),
+naming the newest (epoch, step) judged; the trainer's inbox hands pulses here,
+never to the training thread.
+
+A step this trainer published that no valid pulse has covered for
+``timeout_s`` makes the run *unprotected*: one WARNING line naming the likely
+causes, the ``spikeguard_trainer_unprotected`` gauge at 1; training goes on.
+A valid pulse later says so in one line and sets the gauge back to 0. A pulse
+with a bad signature is counted, and named in the warning (the likeliest
+cause: the trainer's key differs from the actuator's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable
+
+from pydantic import SecretStr
+
+from spikeguard.metrics import Metrics, default_metrics
+from spikeguard.schemas import Action
+from spikeguard.schemas.signing import signature_problem
+
+log = logging.getLogger(__name__)
+
+#: How many published (epoch, step) marks are waiting for a pulse at most; the oldest is what counts.
+_MAX_MARKS = 4096
+
+
+class ProtectionWatch:
+    """Published steps waiting for a pulse, and whether they waited too long.
+
+    ``published()`` returns the trainer's newest published (epoch, step) (step -1:
+    none yet), read on every :meth:`check` (the inbox's thread, or the training
+    thread in lockstep).
+    """
+
+    def __init__(self, run_id: str, signing_key: SecretStr | None, published: Callable[[], tuple[int, int]],
+                 timeout_s: float = 30.0, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_id = run_id
+        self.signing_key = signing_key
+        self.published = published
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._gauge = (metrics or default_metrics()).trainer_unprotected.labels(run_id)
+        self._gauge.set(0)
+        self._waiting: deque[tuple[tuple[int, int], float]] = deque()  # (epoch, step), since when
+        self.judged: tuple[int, int] | None = None  # the newest (epoch, step) a valid pulse named
+        self.pulses = 0
+        self.bad_pulses = 0
+        self.unprotected = False
+
+    def pulse(self, action: Action) -> None:
+        """A pulse action for this run: valid, it covers every published step up to the one it names."""
+        if self.signing_key is not None and signature_problem(action, self.signing_key) is not None:
+            self.bad_pulses += 1
+            return
+        params = action.params
+        judged = (params.epoch, params.judged_step)  # type: ignore[union-attr]
+        self.pulses += 1
+        if self.judged is None or judged > self.judged:
+            self.judged = judged
+        waiting = self._waiting
+        while waiting and waiting[0][0] <= judged:
+            waiting.popleft()
+        if self.unprotected:
+            self.unprotected = False
+            self._gauge.set(0)
+            log.warning("spikeguard: run %s is judged by the pipeline again (pulse for step %d of epoch %d)",
+                        self.run_id, judged[1], judged[0])
+
+    def check(self) -> bool:
+        """Note the trainer's newest step; True (and one WARNING the first time) when the run is unprotected."""
+        now = self.clock()
+        newest = self.published()
+        waiting = self._waiting
+        if waiting and newest < waiting[-1][0]:
+            waiting.clear()  # resumed from an older step: the abandoned steps will never be judged
+        if (newest[1] >= 0 and (self.judged is None or newest > self.judged)
+                and (not waiting or newest > waiting[-1][0]) and len(waiting) < _MAX_MARKS):
+            waiting.append((newest, now))
+        if not waiting or now - waiting[0][1] < self.timeout_s or self.unprotected:
+            return self.unprotected
+        self.unprotected = True
+        self._gauge.set(1)
+        oldest = waiting[0][0]
+        if self.bad_pulses:
+            cause = (f"{self.bad_pulses} pulses from the pipeline failed their signature check: the trainer's "
+                     "signing key differs from the actuator's (SPIKEGUARD_SIGNING_KEY)")
+        else:
+            cause = ("likely causes: the trainer's signing key differs from the workers' (its steps then "
+                     "go to the DLQ), no workers run for this topic prefix (spikeguard worker ...), its "
+                     "steps are refused to the DLQ for another reason, or the pipeline lags this far behind")
+        log.warning("spikeguard: run %s is NOT protected by the pipeline: step %d of epoch %d, published "
+                    "%.0f s ago, has not been judged (newest judged: %s); %s. Training goes on with the "
+                    "local protections only (non-finite and outlier skips)",
+                    self.run_id, oldest[1], oldest[0], now - waiting[0][1],
+                    "none" if self.judged is None else f"step {self.judged[1]} of epoch {self.judged[0]}", cause)
+        return True
+

@@ -1,0 +1,88 @@
+"""A trainer learns within a bounded time whether its steps are judged, and says so once when they are not.
+
+The finding: with the trainer's key different from the workers', a real spike
+went by with the trainer printing nothing and exiting 0; all its records went
+to the DLQ, 0 rollbacks. Here a real model trains on the embedded runtime (the
+whole pipeline as threads, signing with the runtime's key) under a Guard
+holding another key: within ``unprotected_after_s`` it logs one WARNING naming
+the likely causes and sets ``spikeguard_trainer_unprotected``, and trains on.
+With the runtime's own key it gets signed pulses and says nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from spikeguard.metrics import Metrics
+from spikeguard.producers import Guard
+from spikeguard.producers.config import GuardConfig
+from spikeguard.runtime import open_runtime
+from spikeguard.settings import load_settings
+
+TIMEOUT_S = 2.0
+
+
+def unprotected(run_id: str) -> float | None:
+    return REGISTRY.get_sample_value("spikeguard_trainer_unprotected", {"run_id": run_id})
+
+
+def train(tmp_path, key, run_id: str, until, limit_s: float = 60.0) -> Guard:
+    """Train a small real model on the embedded pipeline until ``until(guard)`` (or fail after ``limit_s``)."""
+    # Pulses a few times per timeout, as the defaults have them (10 s against 30 s).
+    settings = load_settings({"topic_prefix": f"protect-{uuid.uuid4().hex[:8]}.",
+                              "worker": {"pulse_interval_s": TIMEOUT_S / 4}}, env={})
+    with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                             unprotected_after_s=TIMEOUT_S,
+                             signing_key=key if key is not None else runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics)
+        x, y = torch.randn(64, 8), torch.randn(64, 1)
+        deadline = time.monotonic() + limit_s
+        try:
+            while not until(guard):
+                assert time.monotonic() < deadline, "the condition never held"
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                guard.step(loss.detach())
+                time.sleep(0.005)  # a few hundred steps a second, not a busy loop
+        finally:
+            guard.close()
+    return guard
+
+
+def test_a_trainer_whose_key_the_workers_refuse_says_once_that_it_is_not_protected(tmp_path, caplog):
+    run_id = f"wrong-key-{uuid.uuid4().hex[:6]}"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
+        guard = train(tmp_path, "not-the-workers-key-0123456789abcdef", run_id,
+                      until=lambda g: g.inbox.protection.unprotected and g.step_count > 50)
+        # It keeps training, and does not repeat itself.
+        steps = guard.step_count
+    said = [r.getMessage() for r in caplog.records if "NOT protected" in r.getMessage()]
+    assert len(said) == 1, said
+    assert run_id in said[0] and "signing key differs" in said[0] and "no workers" in said[0]
+    assert "local protections" in said[0]
+    assert time.monotonic() - started < TIMEOUT_S + 30
+    assert unprotected(run_id) == 1
+    assert steps > 50 and not guard.should_stop
+    assert guard.inbox.protection.pulses == 0
+
+
+def test_a_trainer_its_pipeline_judges_gets_signed_pulses_and_stays_quiet(tmp_path, caplog):
+    run_id = f"right-key-{uuid.uuid4().hex[:6]}"
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
+        guard = train(tmp_path, None, run_id,
+                      until=lambda g: time.monotonic() - start > 3 * TIMEOUT_S and g.inbox.protection.pulses > 0)
+    assert not [r for r in caplog.records if "NOT protected" in r.getMessage()]
+    assert unprotected(run_id) == 0
+    assert guard.inbox.protection.judged is not None and guard.inbox.protection.bad_pulses == 0
