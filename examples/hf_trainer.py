@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     guard = SpikeguardCallback(
         run_id=f"hf-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
         config=GuardConfig(checkpoint_dir=f"{work}/spikeguard", checkpoint_every=20, keep_checkpoints=4,
-                           resume=False, lockstep=True, healthy_stretch=10,
-                           max_rerun_share=0.5, max_skip_share=0.5),  # a short example run's budget
+                           resume=False, lockstep=True, healthy_stretch=10),
         bus=runtime.bus, topics=runtime.topics,
         policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
     training = TrainingArguments(

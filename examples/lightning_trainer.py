@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     guard = SpikeguardCallback(
         run_id=f"lightning-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
         config=GuardConfig(checkpoint_dir=f"{work}/spikeguard", checkpoint_every=20, keep_checkpoints=4,
-                           resume=False, lockstep=True, healthy_stretch=10,
-                           max_rerun_share=0.5, max_skip_share=0.5),  # a short example run's budget
+                           resume=False, lockstep=True, healthy_stretch=10),
         bus=runtime.bus, topics=runtime.topics,
         policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,

@@ -68,10 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     runtime = open_runtime(load_settings(SHORT_RUN))  # the pipeline, embedded, in this process
     config = GuardConfig(checkpoint_dir=tempfile.mkdtemp(prefix="spikeguard-plain-"), checkpoint_every=20,
                          keep_checkpoints=4, resume=False, lockstep=True, healthy_stretch=10,
-                         data_seed=args.seed,
-                         # a short example run: its recovery may take up to half of it (the
-                         # default budget, 10 % re-run and 5 % skipped, is sized for real runs)
-                         max_rerun_share=0.5, max_skip_share=0.5)
+                         data_seed=args.seed)
     guard = Guard(model, optimizer, scheduler, run_id=f"plain-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
                   config=config, bus=runtime.bus, topics=runtime.topics,
                   policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))

@@ -24,7 +24,7 @@ class Spend(NamedTuple):
 
 class RecoveryBudget:
     def __init__(self, max_skip_share: float = 0.05, max_rerun_share: float = 0.10,
-                 min_steps: int = 50) -> None:
+                 min_steps: int = 400) -> None:
         self.max_skip_share = max_skip_share
         self.max_rerun_share = max_rerun_share
         self.min_steps = min_steps  # always allowed, each: a short run may still recover

@@ -91,8 +91,10 @@ class GuardConfig(BaseModel):
         "may re-run; a rollback past it is refused with a WARNING (the pipeline alerts)"
     )
     recovery_min_steps: int = Field(
-        50, ge=0, description="recovery budget floor: re-running or skipping up to this many steps "
-        "(each) is always within budget, however short the run"
+        400, ge=0, description="recovery budget floor: re-running or skipping up to this many steps "
+        "(each) is always within budget, however short the run; one recovery of the default policy "
+        "(a rollback at least 100 steps before the onset, the window from the onset plus 200 "
+        "batches skipped) fits it, so the budget bounds repeated recoveries, not the first one"
     )
     max_grad_norm: float | None = Field(
         None, gt=0.0, description="the Guard clips gradients at this total norm after measuring them "

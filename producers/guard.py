@@ -482,6 +482,10 @@ class Guard(Checkpointing, ActionApplying):
             return "observe mode"
         if self.mode is GuardMode.SKIP_ONLY:
             return "skip-only mode (only the Guard's own update skips are taken)"
+        if action.kind is ActionKind.STOP and action.decision_id is not None and self._refused_decisions:
+            # Past the budget the Guard alerts and asks: ending the run is a person's call then
+            # (an operator's `spikeguard stop` has no decision and still applies).
+            return "the recovery budget is spent: stopping the run is left to a person (spikeguard stop)"
         if action.decision_id is not None:
             return self._refused_decisions.get(action.decision_id)  # weighed whole: _weigh_plans
         return self._over_budget([action])

@@ -169,10 +169,7 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
     run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
     cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
                                 resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
-                                verify_reruns=1,  # a suspicious step is re-run once: flaky or data?
-                                # A demo run (150-300 steps) is short for the tuned policy's skip
-                                # window (60 batches: 20-40 % of the run); its budget allows it
-                                max_skip_share=0.5, max_rerun_share=0.5)
+                                verify_reruns=1)  # a suspicious step is re-run once: flaky or data?
     cfg = _checking_signatures(cfg, runtime)
     # The run names the policy its pipeline applies, so the Guard checks its checkpoint
     # cadence against it (and publishes it on the runs topic) rather than the defaults.

@@ -35,8 +35,7 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         # Defaults but for where checkpoints go, lockstep (one seed, one result) and the key.
         config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, lockstep_timeout=30.0, data_seed=0,
-                             resume=False, signing_key=runtime.settings.signing_key,
-                             recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                             resume=False, signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id="defaults", config=config, bus=runtime.bus, topics=runtime.topics)
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)

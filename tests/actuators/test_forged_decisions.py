@@ -56,8 +56,7 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=20, keep_checkpoints=8,
                              lockstep=True, lockstep_timeout=30.0, data_seed=0, resume=False,
-                             signing_key=runtime.settings.signing_key,
-                             recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                             signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):

@@ -67,8 +67,7 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=20, keep_checkpoints=8,
-                             lockstep=True, lockstep_timeout=30.0, data_seed=0, resume=False,
-                             recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                             lockstep=True, lockstep_timeout=30.0, data_seed=0, resume=False)
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):

@@ -42,7 +42,7 @@ def train(bus, topics, tmp_path, run_id, signing_key=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     config = GuardConfig(checkpoint_dir=str(tmp_path / run_id), checkpoint_every=20, keep_checkpoints=8,
                          lockstep=True, lockstep_timeout=30.0, data_seed=0, signing_key=signing_key,
-                         recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                        )
     guard = Guard(model, optimizer, run_id=run_id, config=config, bus=bus, topics=topics)
     corrupted = 0
     for x, y in guard.data(make_problem(), epochs=10, max_steps=STEPS):

@@ -10,6 +10,7 @@ import torch
 
 from spikeguard.producers import CheckpointStore, checkpoint_id, rng
 from spikeguard.producers.atomic import atomic_write
+from spikeguard.producers.config import ResumeMode
 
 
 def _save(store, step, healthy, epoch=0):
@@ -211,7 +212,7 @@ def test_a_resume_passes_over_a_corrupt_newest_checkpoint_to_the_next_older(tmp_
     config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4, async_checkpoint=False)
     tiny = Tiny()
     guard = Guard(tiny.model, tiny.optimizer, run_id="r", connect=False, config=config.model_copy(
-        update={"resume": False}))
+        update={"resume": ResumeMode.NEVER}))
     train(guard, tiny, 10)
     guard.close(finished=False)
     newest, older = guard.store.list(0)[:2]

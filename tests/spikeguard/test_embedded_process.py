@@ -51,8 +51,7 @@ def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, reg
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, lockstep_timeout=30.0,
-                             data_seed=0, resume=False, signing_key=runtime.settings.signing_key,
-                             recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                             data_seed=0, resume=False, signing_key=runtime.settings.signing_key)
         guard = Guard(model, optimizer, run_id="child", config=config, bus=runtime.bus,
                       topics=runtime.topics)
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):

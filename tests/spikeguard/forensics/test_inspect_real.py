@@ -43,8 +43,7 @@ def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None)
     loader = DataLoader(dataset, batch_size=32, shuffle=False)  # the user's loader, as is
     cfg = GuardConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=20, keep_checkpoints=4,
                       resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                      signing_key=runtime.settings.signing_key, recovery_min_steps=100_000,
-                      **(config_extra or {}))  # (short run, long-run policy: the recovery budget is not under test)
+                      signing_key=runtime.settings.signing_key, **(config_extra or {}))
     guard = Guard(model, optimizer, None, run_id="forensics", bus=runtime.bus, topics=runtime.topics,
                   config=cfg, policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
     try:

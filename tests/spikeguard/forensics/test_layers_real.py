@@ -30,7 +30,7 @@ def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
     cfg = GuardConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=20, keep_checkpoints=4,
                       resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                      signing_key=runtime.settings.signing_key, recovery_min_steps=100_000)  # (short run, long-run policy: the recovery budget is not under test)
+                      signing_key=runtime.settings.signing_key)
     guard = Guard(model, optimizer, None, run_id="layers", bus=runtime.bus, topics=runtime.topics,
                   config=cfg, policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
     blow_at, hook = 120, None
