@@ -107,9 +107,7 @@ class Guard(Checkpointing, ActionApplying):
         self.position = DataPosition(cfg.history_steps)
         self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window)  # forensics
         self.rerun = RerunCheck(cfg.verify_reruns)
-        self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
-                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run
-                                  ) if cfg.skip_outliers else None
+        self.skip_rule = SkipRule(max_run=cfg.skip_max_run) if cfg.skip_outliers else None
         # Everything a checkpoint holds and a rollback puts back, in load order.
         weights = ([("sharded", ShardedState(model, optimizer))] if self.sharded  # every rank its shards
                    else [("model", ModelPart(model)), ("optimizer", optimizer)])
@@ -366,7 +364,7 @@ class Guard(Checkpointing, ActionApplying):
         """The local skip rule, on values every rank shares (the largest of any rank)."""
         r = stats.riders
         loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
-        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad)
+        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad, self.lr.effective())
         if decision.skip:
             self.counters["outlier_skips"] += 1
             log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",

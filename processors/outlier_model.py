@@ -1,0 +1,247 @@
+"""The outlier-and-level model of one positive training signal (loss or gradient norm).
+
+One model, used by the Guard's local skip (:mod:`spikeguard.producers.skip_rule`)
+and by the pipeline's level test (:mod:`spikeguard.processors.detectors.level`):
+same code, same thresholds, so a backtest says what the live run would do.
+Plain Python, no numpy or torch: it runs in the trainer on every step.
+
+Everything happens on ``y = log(x)``, so the thresholds are scale-free:
+
+* **level** — the median of the last ``level_window`` *accepted* points. A
+  point judged elevated is not accepted: a spike cannot raise its own baseline.
+* **residual** ``r = y - level``, taken before ``y`` joins anything.
+* **tail** — the last ``tail_window`` residuals of *every* judged point, each
+  capped at the current threshold. Outliers stay in the tail (so keeping them
+  out of the level never shrinks the spread, the feedback loop of a MAD over
+  accepted points only), but capped (so one spike counts as one point at the
+  threshold and cannot inflate it). The cap is the threshold, not a quantile:
+  a cap at the 99th percentile would let that percentile only ever fall.
+* **threshold** — ``q99 + s * ln(0.01 / rate)`` with ``s = (q99 - q90) / ln 10``:
+  an exponential tail fitted through two empirical quantiles (peaks over
+  threshold with a generalised Pareto shape of 0, as SPOT does; Siffer et al.,
+  KDD 2017), extrapolated to the target false-alarm ``rate``. For any noise
+  whose upper tail in log space is at most exponential, a healthy step is over
+  it with probability at most about ``rate``; Gaussian noise, chi-square
+  batch-1 MSE and cross-entropy with label noise have lighter tails in log
+  space and stay far below. The default ``rate`` of 1e-4 is **one elevated
+  point per 10,000 healthy steps at most**, per signal.
+* **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
+  must not call a wobble of a few percent an outlier.
+* **warm-up** — nothing is judged until the tail holds ``min_history``
+  residuals; until it holds ``settle`` the rate is ``young_factor`` times
+  stricter and the floor is ``young_min_rise`` (few points give a poor tail
+  estimate; a doubling is metaseq's and llm-foundry's spike).
+* **level shift** — after ``relearn_after`` elevated points in a row the level
+  starts over from the points that come next: a lasting change is the new normal.
+* **learning rate** — while the step's learning rate is at least ``lr_rise``
+  times the lowest one of the last ``lr_window`` steps (a warm restart, a
+  cyclic schedule's climb), a rise is explained: nothing is elevated and every
+  point is accepted.
+
+:meth:`OutlierModel.judge` changes nothing; :meth:`OutlierModel.advance` takes
+the judged point into the model. State round-trips through JSON types.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.processors.robust_stats import RollingMedian
+
+_LN10 = math.log(10.0)
+
+
+class TailThreshold:
+    """The false-alarm-rate threshold of a window of capped values (see the module docstring).
+
+    >>> tail = TailThreshold(window=1000, rate=1e-4)
+    >>> for i in range(1000):
+    ...     tail.update((i % 100) / 1000)  # uniform on [0, 0.1)
+    >>> round(tail.quantile(0.99), 3), round(tail.threshold(), 3)
+    (0.098, 0.116)
+    """
+
+    __slots__ = ("rate", "_values")
+
+    def __init__(self, window: int, rate: float) -> None:
+        if not 0.0 < rate < 0.01:
+            raise ValueError(f"rate must be in (0, 0.01), got {rate}")
+        self.rate = rate
+        self._values = RollingMedian(window)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def quantile(self, q: float) -> float:
+        return self._values.quantile(q)
+
+    def threshold(self, rate: float | None = None) -> float:
+        """The value a healthy point exceeds with probability about ``rate``; NaN while empty."""
+        q90, q99 = self._values.quantile(0.90), self._values.quantile(0.99)
+        scale = (q99 - q90) / _LN10
+        return q99 + scale * math.log(0.01 / (rate or self.rate))
+
+    def update(self, value: float) -> None:
+        """Add ``value``, capped at the current threshold once ten values are in."""
+        if len(self._values) >= 10:
+            cap = self.threshold()
+            if value > cap:
+                value = cap
+        self._values.update(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._values.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._values.load_state_dict(state)
+
+
+class OutlierConfig(BaseModel):
+    """Settings of one signal's model; chosen on synthetic and AlgoPerf curves (docs/detection.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level_window: int = Field(100, ge=3, le=4096, description="accepted points in the rolling median")
+    tail_window: int = Field(
+        1000, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
+    )
+    min_history: int = Field(
+        10, ge=5, description="residuals in the tail before any point is judged"
+    )
+    settle: int = Field(
+        300, ge=20, description="until the tail holds this many residuals, the rate is stricter"
+    )
+    young_factor: float = Field(
+        10.0, ge=1.0, description="how much stricter the rate is before the tail has settled"
+    )
+    rate: float = Field(
+        1e-4, gt=0.0, lt=0.01,
+        description="target false-alarm rate per healthy step (1e-4: one per 10,000 steps)",
+    )
+    min_rise: float = Field(
+        0.05, ge=0.0, description="the threshold is at least this in log units (0.05: +5 %)"
+    )
+    young_min_rise: float = Field(
+        math.log(2.0), ge=0.0,
+        description="before the tail has settled the threshold is at least this (log 2: x2)",
+    )
+    relearn_after: int = Field(
+        200, ge=2, description="after this many elevated points in a row the level starts over"
+    )
+    lr_rise: float = Field(
+        1.5, gt=1.0,
+        description="a learning rate this many times the lowest of the last lr_window steps "
+        "explains a rise (warm restart): nothing is elevated meanwhile",
+    )
+    lr_window: int = Field(200, ge=1, le=65536, description="steps over which the lowest LR is taken")
+
+    def model(self) -> OutlierModel:
+        return OutlierModel(self)
+
+
+class Judged(NamedTuple):
+    """What :meth:`OutlierModel.judge` says of one point."""
+
+    #: judged at all (False during warm-up, while the level restarts, or when an LR rise explains it)
+    judged: bool
+    #: above the threshold
+    elevated: bool
+    #: log units above the level (0.0 when not judged)
+    residual: float
+    #: the threshold it was compared with (log units; NaN when not judged)
+    threshold: float
+    #: the level (log units; NaN while there is none)
+    level: float
+
+    @property
+    def score(self) -> float:
+        """Residual over threshold: 1.0 is at the threshold (0.0 when not judged)."""
+        return self.residual / self.threshold if self.judged and self.threshold > 0.0 else 0.0
+
+
+_NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
+_MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
+
+
+class OutlierModel:
+    """One signal's level, tail and threshold (see the module docstring)."""
+
+    __slots__ = ("config", "level", "tail", "lr_low", "elevated_run")
+
+    def __init__(self, config: OutlierConfig | None = None) -> None:
+        self.config = config or OutlierConfig()
+        self.level = RollingMedian(self.config.level_window)
+        self.tail = TailThreshold(self.config.tail_window, self.config.rate)
+        self.lr_low = RollingMedian(self.config.lr_window)
+        self.elevated_run = 0  # elevated points in a row so far
+
+    def threshold(self) -> float:
+        """The current threshold in log units (NaN during warm-up)."""
+        cfg = self.config
+        n = len(self.tail)
+        if n < cfg.min_history:
+            return math.nan
+        if n >= cfg.settle:
+            t, floor = self.tail.threshold(cfg.rate), cfg.min_rise
+        else:
+            t, floor = self.tail.threshold(cfg.rate / cfg.young_factor), cfg.young_min_rise
+        return t if t > floor else floor
+
+    def lr_explains_rise(self, lr: float | None) -> bool:
+        if lr is None or not math.isfinite(lr) or not len(self.lr_low):
+            return False
+        return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.min()
+
+    def judge(self, y: float, lr: float | None = None) -> Judged:
+        """Judge ``y`` (a finite log value) against what came before; changes nothing."""
+        if len(self.level) < _MIN_LEVEL:
+            return _NOT_JUDGED
+        level = self.level.get()
+        residual = y - level
+        threshold = self.threshold()
+        if threshold != threshold or self.lr_explains_rise(lr):
+            return Judged(False, False, residual, math.nan, level)
+        return Judged(True, residual > threshold, residual, threshold, level)
+
+    def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
+        """Take the judged point in: its residual into the tail, and into the level unless elevated."""
+        if lr is not None and math.isfinite(lr):
+            self.lr_low.update(lr)
+        if judged.level == judged.level:
+            self.tail.update(judged.residual)
+        if judged.elevated:
+            self.elevated_run += 1
+            if self.elevated_run >= self.config.relearn_after:
+                self.level.clear()
+                self.elevated_run = 0
+            return
+        self.elevated_run = 0
+        self.level.update(y)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
+                "lr_low": self.lr_low.state_dict(), "elevated_run": self.elevated_run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level.load_state_dict(state["level"])
+        self.tail.load_state_dict(state["tail"])
+        self.lr_low.load_state_dict(state["lr_low"])
+        self.elevated_run = int(state["elevated_run"])
+
+
+def log_of(x: float, floor: float = 1e-12) -> float:
+    """log(x) of a finite value, clipped below at ``floor`` (a loss of 0 has a log too)."""
+    return math.log(x if x > floor else floor)
+
+
+def loss_config() -> OutlierConfig:
+    """The loss model's defaults, the same for the Guard's skip and the pipeline's level test."""
+    return OutlierConfig()
+
+
+def grad_norm_config() -> OutlierConfig:
+    """The gradient norm's defaults: heavier-tailed than the loss, so larger floors (x3; x6 young)."""
+    return OutlierConfig(min_rise=math.log(3.0), young_min_rise=math.log(6.0))
