@@ -364,7 +364,8 @@ class Guard(Checkpointing, ActionApplying):
         """The local skip rule, on values every rank shares (the largest of any rank)."""
         r = stats.riders
         loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
-        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad, self.lr.effective())
+        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad,
+                                         self.lr.effective())
         if decision.skip:
             self.counters["outlier_skips"] += 1
             log.info("spikeguard: step %d skipped at once: %s outlier (loss z=%s, grad z=%s)",

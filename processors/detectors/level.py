@@ -12,7 +12,8 @@ Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anom
 * **rises** (:class:`RiseTest`) — every ``block`` accepted points, the median
   of the block is compared with the median of the block ``h`` blocks earlier,
   for each horizon ``h`` of ``horizons``. Each horizon's differences keep a
-  :class:`~spikeguard.processors.outlier_model.TailThreshold` of their own, so
+  :class:`~spikeguard.processors.outlier_model.TailThreshold` of their own
+  (through their median and 90th percentile), so
   a rise must be larger than the run's own noise *and* drift have produced
   so far (a falling, stationary or slowly drifting loss calibrates its own
   bar), at a false-alarm rate of one per 10,000 steps, and at least
@@ -36,7 +37,6 @@ from typing import Any, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
 from spikeguard.processors.outlier_model import Judged as Point
-from spikeguard.processors.robust_stats import RollingMedian
 
 
 class LevelCode(IntEnum):
@@ -79,7 +79,7 @@ class RiseTest:
     """Block medians of accepted points compared across ``horizons`` (see the module docstring)."""
 
     __slots__ = ("block", "horizons", "min_rise", "min_blocks", "rate", "_current", "_medians",
-                 "_tails", "_excused")
+                 "_tails", "_excused", "_since_excused")
 
     def __init__(self, *, block: int, horizons: tuple[int, ...], min_rise: float, min_blocks: int,
                  rate: float, history: int) -> None:
@@ -90,8 +90,14 @@ class RiseTest:
         self.rate = rate
         self._current: list[float] = []  # accepted points of the block being filled
         self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
-        self._tails = [TailThreshold(history, min(rate * block, 0.005)) for _ in horizons]
+        # A few hundred differences at most: the tail goes through their median and 90th
+        # percentile, which a capped climb cannot lift (their 99th percentile, it would).
+        self._tails = [TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9)
+                       for _ in horizons]
         self._excused = False  # an LR rise explained a point of the current block
+        # Blocks completed since the last one with an explained point: a horizon that
+        # reaches back to (or before) it compares across the LR rise, and is not judged.
+        self._since_excused = 1 << 30
 
     def judge(self, y: float, explained: bool) -> BlockJudged | None:
         """The rise test, when ``y`` ends a block; else None."""
@@ -108,7 +114,8 @@ class RiseTest:
             bar = max(tail.threshold(), self.min_rise)
             if rise / bar > best_score:
                 best_score, best_rise = rise / bar, rise
-            if rise > bar and not (explained or self._excused):
+            across_lr_rise = explained or self._excused or self._since_excused < h
+            if rise > bar and not across_lr_rise:
                 rising = True
         return BlockJudged(best_score, best_rise, rising, median)
 
@@ -124,11 +131,13 @@ class RiseTest:
                 tail.update(median - self._medians[-h])
         self._medians.append(median)
         del self._medians[: -max(self.horizons)]
+        self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
         self._current, self._excused = [], False
 
     def state_dict(self) -> dict[str, Any]:
         return {"current": list(self._current), "medians": list(self._medians),
-                "tails": [t.state_dict() for t in self._tails], "excused": self._excused}
+                "tails": [t.state_dict() for t in self._tails], "excused": self._excused,
+                "since_excused": self._since_excused}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._current = [float(v) for v in state["current"]]
@@ -136,6 +145,7 @@ class RiseTest:
         for tail, data in zip(self._tails, state["tails"]):
             tail.load_state_dict(data)
         self._excused = bool(state["excused"])
+        self._since_excused = int(state["since_excused"])
 
 
 class LevelMonitor:

@@ -4,9 +4,11 @@ Each rule names itself in the verdict (``rules``); several may fire at once and
 the verdict's type is the most urgent one's. Non-finite values, an extreme
 loss and an exploding gradient norm are *critical*: fusion acts on them alone.
 The references the ratio rules compare with (a high quantile of the recent
-healthy losses and gradient norms, so a heavy-tailed small-batch run is not extreme) are learnt only from steps on which no rule fired (the base class does
-not learn an anomalous step), so a bad step never raises the bar for the next
-one; the last learning rate and the loss-scale peak follow every step.
+healthy losses and gradient norms, so that the ordinary tail of a small
+batch's loss is not extreme) are learnt only from steps on which no rule fired
+(the base class does not learn an anomalous step), so a bad step never raises
+the bar for the next one; the last learning rate and the loss-scale peak
+follow every step.
 
 >>> from spikeguard.schemas import StepEvent
 >>> rules = RulesDetector()
@@ -194,7 +196,9 @@ class RulesDetector(Detector[RulesState]):
         # Only healthy steps move the references, so a bad step never raises the bar.
         if math.isfinite(event.loss):
             state.loss.update(event.loss)
-        if event.grad_norm is not None:
+        # A one-step grad-norm jump is said, not flagged; still not a healthy value to learn
+        # (with a short history, the reference's high quantile would be that jump).
+        if event.grad_norm is not None and not state.grad_up:
             state.grad.update(event.grad_norm)
 
     def _check_lr(self, lr: float, state: RulesState, fired: list[str]) -> None:

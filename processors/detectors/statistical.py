@@ -133,14 +133,14 @@ class LevelConfig(BaseModel):
     )
     rise_block: int = Field(50, ge=5, le=4096, description="accepted points per block of the rise test")
     rise_horizons: tuple[int, ...] = Field(
-        (1, 8), min_length=1, description="blocks back each block's median is compared with"
+        (1, 8, 32), min_length=1, description="blocks back each block's median is compared with"
     )
     rise_min: float = Field(1.1, gt=1.0, description="a rise is at least this ratio (x1.1: +10 %)")
     rise_min_blocks: int = Field(
         40, ge=10, description="differences a horizon's tail holds before it judges a rise"
     )
     rise_rate: float = Field(
-        1e-4, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step"
+        1e-5, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step and horizon"
     )
     rise_history: int = Field(400, ge=100, le=65536, description="differences each tail keeps")
 
@@ -189,8 +189,8 @@ def _confidence(score: float) -> float:
 
 _LEVEL_TYPES = {
     lv.LevelCode.OUTLIER: (AnomalyType.OUTLIER_STEP, "loss_outlier_step"),
-    lv.LevelCode.SPIKE: (AnomalyType.LOSS_SPIKE, "loss_level_spike"),
-    lv.LevelCode.DIVERGENCE: (AnomalyType.DIVERGENCE, "loss_level_divergence"),
+    lv.LevelCode.SPIKE: (AnomalyType.LOSS_SPIKE, "loss_spike"),
+    lv.LevelCode.DIVERGENCE: (AnomalyType.DIVERGENCE, "loss_divergence"),
     lv.LevelCode.SLOW_RISE: (AnomalyType.SLOW_RISE, "loss_slow_rise"),
 }
 
