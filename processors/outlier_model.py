@@ -28,9 +28,8 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
 * **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
   must not call a wobble of a few percent an outlier.
 * **warm-up** — nothing is judged until the tail holds ``min_history``
-  residuals; until it holds ``settle`` the rate is ``young_factor`` times
-  stricter and the floor is ``young_min_rise`` (few points give a poor tail
-  estimate; a doubling is metaseq's and llm-foundry's spike).
+  residuals; until it holds ``settle`` the floor is ``young_min_rise`` (few
+  points give a poor tail estimate).
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
 * **learning rate** — while the step's learning rate is at least ``lr_rise``
@@ -123,19 +122,16 @@ class OutlierConfig(BaseModel):
     settle: int = Field(
         300, ge=20, description="until the tail holds this many residuals, the rate is stricter"
     )
-    young_factor: float = Field(
-        10.0, ge=1.0, description="how much stricter the rate is before the tail has settled"
-    )
     rate: float = Field(
-        1e-4, gt=0.0, lt=0.01,
-        description="target false-alarm rate per healthy step (1e-4: one per 10,000 steps)",
+        1e-5, gt=0.0, lt=0.01,
+        description="target false-alarm rate per healthy step (1e-5: one per 100,000 steps)",
     )
     min_rise: float = Field(
         0.05, ge=0.0, description="the threshold is at least this in log units (0.05: +5 %)"
     )
     young_min_rise: float = Field(
-        math.log(2.0), ge=0.0,
-        description="before the tail has settled the threshold is at least this (log 2: x2)",
+        math.log(1.5), ge=0.0,
+        description="before the tail has settled the threshold is at least this (x1.5)",
     )
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
@@ -193,10 +189,8 @@ class OutlierModel:
         n = len(self.tail)
         if n < cfg.min_history:
             return math.nan
-        if n >= cfg.settle:
-            t, floor = self.tail.threshold(cfg.rate), cfg.min_rise
-        else:
-            t, floor = self.tail.threshold(cfg.rate / cfg.young_factor), cfg.young_min_rise
+        t = self.tail.threshold()
+        floor = cfg.min_rise if n >= cfg.settle else cfg.young_min_rise
         return t if t > floor else floor
 
     def lr_explains_rise(self, lr: float | None) -> bool:
