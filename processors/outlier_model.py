@@ -16,6 +16,8 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
   accepted points only), but capped (so one spike counts as one point at the
   threshold and cannot inflate it). The cap is the threshold, not a quantile:
   a cap at the 99th percentile would let that percentile only ever fall.
+* **lag** — a residual joins the tail ``tail_lag`` steps late: a climb is
+  judged against the noise from before it, not against its own first steps.
 * **threshold** — ``q99 + s * ln(0.01 / rate)`` with ``s = (q99 - q90) / ln 10``:
   an exponential tail fitted through two empirical quantiles (peaks over
   threshold with a generalised Pareto shape of 0, as SPOT does; Siffer et al.,
@@ -44,6 +46,7 @@ the judged point into the model. State round-trips through JSON types.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,9 +70,10 @@ class TailThreshold:
     (0.098, 0.116)
     """
 
-    __slots__ = ("rate", "low", "high", "_values")
+    __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting")
 
-    def __init__(self, window: int, rate: float, low: float = 0.90, high: float = 0.99) -> None:
+    def __init__(self, window: int, rate: float, low: float = 0.90, high: float = 0.99,
+                 lag: int = 0) -> None:
         if not 0.0 < rate < 1.0 - high:
             raise ValueError(f"rate must be in (0, {1.0 - high:g}), got {rate}")
         if not 0.0 < low < high < 1.0:
@@ -77,10 +81,15 @@ class TailThreshold:
         self.rate = rate
         self.low = low
         self.high = high
+        #: values wait this many updates before they join: a climb is judged against the
+        #: tail from before it, not against its own first steps
+        self.lag = lag
         self._values = RollingMedian(window)
+        self._waiting: deque[float] = deque()
 
     def __len__(self) -> int:
-        return len(self._values)
+        """Values seen, the waiting ones included (at most the window plus the lag)."""
+        return len(self._values) + len(self._waiting)
 
     def quantile(self, q: float) -> float:
         return self._values.quantile(q)
@@ -93,7 +102,14 @@ class TailThreshold:
         return hi + scale * math.log(tail_hi / (rate or self.rate))
 
     def update(self, value: float) -> None:
-        """Add ``value``, capped at the current threshold once ten values are in."""
+        """Add ``value`` (after ``lag`` more updates, once a hundred are in), capped at the
+        then current threshold once ten values are in."""
+        waiting = self._waiting
+        waiting.append(value)
+        # No lag before the tail holds a hundred values: a young tail needs them now.
+        if len(waiting) <= min(self.lag, max(0, len(self._values) - 100)):
+            return
+        value = waiting.popleft()
         if len(self._values) >= 10:
             cap = self.threshold()
             if value > cap:
@@ -101,10 +117,11 @@ class TailThreshold:
         self._values.update(value)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._values.state_dict()
+        return {"values": self._values.values(), "waiting": list(self._waiting)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._values.load_state_dict(state)
+        self._waiting = deque(float(v) for v in state["waiting"])
 
 
 class OutlierConfig(BaseModel):
@@ -118,6 +135,11 @@ class OutlierConfig(BaseModel):
     )
     min_history: int = Field(
         10, ge=5, description="residuals in the tail before any point is judged"
+    )
+    tail_lag: int = Field(
+        50, ge=0, le=4096,
+        description="residuals join the tail this many steps late, so that a climb is judged "
+        "against the noise from before it rather than teaching the tail its own steps",
     )
     settle: int = Field(
         300, ge=20, description="until the tail holds this many residuals, the rate is stricter"
@@ -179,7 +201,7 @@ class OutlierModel:
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
-        self.tail = TailThreshold(self.config.tail_window, self.config.rate)
+        self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
         self.lr_low = RollingMedian(self.config.lr_window)
         self.elevated_run = 0  # elevated points in a row so far
 

@@ -92,8 +92,10 @@ class RiseTest:
         self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
         # A few hundred differences at most: the tail goes through their median and 90th
         # percentile, which a capped climb cannot lift (their 99th percentile, it would).
-        self._tails = [TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9)
-                       for _ in horizons]
+        # They join max(horizons) blocks late: a climb is judged against the differences
+        # from before it, not against its own.
+        self._tails = [TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9,
+                                     lag=max(horizons)) for _ in horizons]
         self._excused = False  # an LR rise explained a point of the current block
         # Blocks completed since the last one with an explained point: a horizon that
         # reaches back to (or before) it compares across the LR rise, and is not judged.

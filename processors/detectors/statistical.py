@@ -137,7 +137,7 @@ class LevelConfig(BaseModel):
     )
     rise_min: float = Field(1.1, gt=1.0, description="a rise is at least this ratio (x1.1: +10 %)")
     rise_min_blocks: int = Field(
-        40, ge=10, description="differences a horizon's tail holds before it judges a rise"
+        10, ge=5, description="differences a horizon's tail holds before it judges a rise"
     )
     rise_rate: float = Field(
         1e-5, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step and horizon"
