@@ -124,6 +124,40 @@ class TailThreshold:
         self._waiting = deque(float(v) for v in state["waiting"])
 
 
+class SlidingMin:
+    """The smallest of the last ``window`` values: a deque of (index, value), increasing."""
+
+    __slots__ = ("window", "_seen", "_queue")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._seen = 0
+        self._queue: deque[tuple[int, float]] = deque()
+
+    def __len__(self) -> int:
+        return min(self._seen, self.window)
+
+    def update(self, value: float) -> None:
+        queue = self._queue
+        while queue and queue[-1][1] >= value:
+            queue.pop()
+        queue.append((self._seen, value))
+        self._seen += 1
+        if queue[0][0] <= self._seen - 1 - self.window:
+            queue.popleft()
+
+    def get(self) -> float:
+        """NaN while empty."""
+        return self._queue[0][1] if self._queue else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self._seen, "queue": [list(item) for item in self._queue]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seen = int(state["seen"])
+        self._queue = deque((int(i), float(v)) for i, v in state["queue"])
+
+
 class OutlierConfig(BaseModel):
     """Settings of one signal's model; chosen on synthetic and AlgoPerf curves (docs/detection.md)."""
 
@@ -131,7 +165,7 @@ class OutlierConfig(BaseModel):
 
     level_window: int = Field(100, ge=3, le=4096, description="accepted points in the rolling median")
     tail_window: int = Field(
-        1000, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
+        500, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
     )
     min_history: int = Field(
         10, ge=5, description="residuals in the tail before any point is judged"
@@ -202,7 +236,7 @@ class OutlierModel:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
         self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
-        self.lr_low = RollingMedian(self.config.lr_window)
+        self.lr_low = SlidingMin(self.config.lr_window)
         self.elevated_run = 0  # elevated points in a row so far
 
     def threshold(self) -> float:
@@ -218,7 +252,7 @@ class OutlierModel:
     def lr_explains_rise(self, lr: float | None) -> bool:
         if lr is None or not math.isfinite(lr) or not len(self.lr_low):
             return False
-        return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.min()
+        return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.get()
 
     def judge(self, y: float, lr: float | None = None) -> Judged:
         """Judge ``y`` (a finite log value) against what came before; changes nothing."""

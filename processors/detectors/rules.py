@@ -50,7 +50,7 @@ class RulesConfig(BaseModel):
         "signals (real ResNet/WMT runs have one-step jumps of x16-x134 that leave the loss alone)",
     )
     reference_window: int = Field(
-        256, ge=3, le=4096, description="healthy steps the ratio rules' references are taken over"
+        100, ge=3, le=4096, description="healthy steps the ratio rules' references are taken over"
     )
     reference_quantile: float = Field(
         0.99, ge=0.5, le=1.0,

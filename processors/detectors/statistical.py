@@ -142,7 +142,7 @@ class LevelConfig(BaseModel):
     rise_rate: float = Field(
         1e-5, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step and horizon"
     )
-    rise_history: int = Field(400, ge=100, le=65536, description="differences each tail keeps")
+    rise_history: int = Field(200, ge=50, le=65536, description="differences each tail keeps")
 
     def monitor(self) -> lv.LevelMonitor:
         return lv.LevelMonitor(**self.model_dump(exclude={"outliers"}), outliers=self.outliers)
