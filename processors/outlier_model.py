@@ -34,10 +34,11 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
   points give a poor tail estimate).
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
-* **learning rate** — while the step's learning rate is at least ``lr_rise``
-  times the lowest one of the last ``lr_window`` steps (a warm restart, a
-  cyclic schedule's climb), a rise is explained: nothing is elevated and every
-  point is accepted.
+* **learning rate** — for ``lr_grace`` steps after the learning rate jumped
+  (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps: a warm
+  restart), a rise is explained: nothing is elevated and every point is
+  accepted. A warm-up raises the LR too slowly to count: an instability
+  during the warm-up is still found.
 
 :meth:`OutlierModel.judge` changes nothing; :meth:`OutlierModel.advance` takes
 the judged point into the model. State round-trips through JSON types.
@@ -194,10 +195,13 @@ class OutlierConfig(BaseModel):
     )
     lr_rise: float = Field(
         1.5, gt=1.0,
-        description="a learning rate this many times the lowest of the last lr_window steps "
-        "explains a rise (warm restart): nothing is elevated meanwhile",
+        description="a learning rate this many times the lowest of the last lr_jump_steps steps "
+        "is a jump (a warm restart; a warm-up is slower) that explains a rise for lr_grace steps",
     )
-    lr_window: int = Field(200, ge=1, le=65536, description="steps over which the lowest LR is taken")
+    lr_jump_steps: int = Field(10, ge=1, le=4096, description="steps over which an LR jump is seen")
+    lr_grace: int = Field(
+        200, ge=1, le=65536, description="steps after an LR jump during which nothing is elevated"
+    )
 
     def model(self) -> OutlierModel:
         return OutlierModel(self)
@@ -230,13 +234,14 @@ _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
 class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
-    __slots__ = ("config", "level", "tail", "lr_low", "elevated_run")
+    __slots__ = ("config", "level", "tail", "lr_low", "excused", "elevated_run")
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
         self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
-        self.lr_low = SlidingMin(self.config.lr_window)
+        self.lr_low = SlidingMin(self.config.lr_jump_steps)
+        self.excused = 0  # steps left during which an LR jump explains a rise
         self.elevated_run = 0  # elevated points in a row so far
 
     def threshold(self) -> float:
@@ -249,10 +254,14 @@ class OutlierModel:
         floor = cfg.min_rise if n >= cfg.settle else cfg.young_min_rise
         return t if t > floor else floor
 
-    def lr_explains_rise(self, lr: float | None) -> bool:
+    def _lr_jumped(self, lr: float | None) -> bool:
         if lr is None or not math.isfinite(lr) or not len(self.lr_low):
             return False
         return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.get()
+
+    def lr_explains_rise(self, lr: float | None) -> bool:
+        """Whether a recent jump of the learning rate (this step's included) explains a rise."""
+        return self.excused > 0 or self._lr_jumped(lr)
 
     def judge(self, y: float, lr: float | None = None) -> Judged:
         """Judge ``y`` (a finite log value) against what came before; changes nothing."""
@@ -267,6 +276,10 @@ class OutlierModel:
 
     def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
         """Take the judged point in: its residual into the tail, and into the level unless elevated."""
+        if self._lr_jumped(lr):
+            self.excused = self.config.lr_grace
+        elif self.excused:
+            self.excused -= 1
         if lr is not None and math.isfinite(lr):
             self.lr_low.update(lr)
         if judged.level == judged.level:
@@ -282,12 +295,14 @@ class OutlierModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
-                "lr_low": self.lr_low.state_dict(), "elevated_run": self.elevated_run}
+                "lr_low": self.lr_low.state_dict(), "excused": self.excused,
+                "elevated_run": self.elevated_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level.load_state_dict(state["level"])
         self.tail.load_state_dict(state["tail"])
         self.lr_low.load_state_dict(state["lr_low"])
+        self.excused = int(state["excused"])
         self.elevated_run = int(state["elevated_run"])
 
 
