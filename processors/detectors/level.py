@@ -6,7 +6,9 @@ Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anom
   as the Guard's local skip rule, with the same defaults: a point above the
   run's own false-alarm-rate threshold is *elevated*. The first elevated point
   is an ``OUTLIER`` (a batch-induced one-step jump: the Guard skipped that
-  update, nothing is rolled back), a second in a row a ``SPIKE``;
+  update, nothing is rolled back), a second in a row a ``SPIKE``, and so is
+  a first one ``spike_ratio`` above the level (beyond any benign one-step
+  jump: real healthy runs have them up to x2);
   ``divergence_points`` in a row, or one point ``divergence_ratio`` above the
   level, a ``DIVERGENCE``.
 * **rises** (:class:`RiseTest`) — every ``block`` accepted points, the median
@@ -153,15 +155,17 @@ class RiseTest:
 class LevelMonitor:
     """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
-    __slots__ = ("model", "rises", "divergence_points", "divergence_rise", "_elevated")
+    __slots__ = ("model", "rises", "spike_rise", "divergence_points", "divergence_rise", "_elevated")
 
-    def __init__(self, *, outliers: OutlierConfig, divergence_points: int, divergence_ratio: float,
+    def __init__(self, *, outliers: OutlierConfig, spike_ratio: float, divergence_points: int,
+                 divergence_ratio: float,
                  rise_block: int, rise_horizons: tuple[int, ...], rise_min: float,
                  rise_min_blocks: int, rise_rate: float, rise_history: int) -> None:
         self.model = OutlierModel(outliers)
         self.rises = RiseTest(block=rise_block, horizons=tuple(rise_horizons),
                               min_rise=math.log(rise_min), min_blocks=rise_min_blocks,
                               rate=rise_rate, history=rise_history)
+        self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
         self._elevated = 0  # elevated points in a row
@@ -176,8 +180,10 @@ class LevelMonitor:
             run = self._elevated + 1
             if run >= self.divergence_points or point.residual >= self.divergence_rise:
                 code = LevelCode.DIVERGENCE
+            elif run == 1 and point.residual < self.spike_rise:
+                code = LevelCode.OUTLIER
             else:
-                code = LevelCode.OUTLIER if run == 1 else LevelCode.SPIKE
+                code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
         block = self.rises.judge(y, False)
         if block is not None and block.rising:

@@ -21,9 +21,9 @@ steps after it.
 ...             for i in range(100)]
 >>> any(v.is_anomaly for v in verdicts)
 False
->>> det.update(StepEvent(run_id="r", step=100, loss=9.0, time=0.0)).type.value
+>>> det.update(StepEvent(run_id="r", step=100, loss=6.0, time=0.0)).type.value
 'outlier_step'
->>> det.update(StepEvent(run_id="r", step=101, loss=9.0, time=0.0)).type.value
+>>> det.update(StepEvent(run_id="r", step=101, loss=6.0, time=0.0)).type.value
 'loss_spike'
 """
 
@@ -124,6 +124,11 @@ class LevelConfig(BaseModel):
 
     outliers: OutlierConfig = Field(
         default_factory=loss_config, description="the loss's outlier model (shared with the Guard)"
+    )
+    spike_ratio: float = Field(
+        2.5, gt=1.0,
+        description="a first elevated point this ratio above the level is a spike at once, not an "
+        "outlier step (real healthy one-step jumps reach x2; the simulator's benign ones too)",
     )
     divergence_points: int = Field(
         20, ge=2, description="this many elevated points in a row are a divergence"

@@ -136,7 +136,8 @@ def test_flagged_points_do_not_teach_the_baseline() -> None:
     # at the threshold, so a long plateau slowly lifts the bar: an incident, then quiet
     assert set(range(1000, 1020)) <= set(flagged(verdicts))
     assert verdicts[1019].type == AnomalyType.DIVERGENCE
-    assert not any(v.is_anomaly for v in verdicts[1110:])
+    # (the rise test may still report the block that holds the end of the plateau)
+    assert not any(v.is_anomaly for v in verdicts[1200:])
 
 
 def test_nan_is_reported_and_does_not_poison_the_statistics() -> None:
