@@ -85,6 +85,11 @@ class SkipRule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loss, self._grad = self.loss.model(), self.grad_norm.model()
+        self.run = 0
+        if not isinstance(state.get("loss"), dict):
+            # A checkpoint from before the shared model (plain lists of values): the rule
+            # starts afresh and warms up again rather than refuse the resume.
+            return
         self._loss.load_state_dict(state["loss"])
         self._grad.load_state_dict(state["grad"])
         self.run = int(state.get("run", 0))

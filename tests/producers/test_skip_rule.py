@@ -122,6 +122,12 @@ def test_state_round_trip_gives_the_same_decisions():
     assert [first.decide(x, 1.0) for x in losses[400:]] == [second.decide(x, 1.0) for x in losses[400:]]
 
 
+def test_a_checkpoint_of_the_old_rule_resumes_with_a_fresh_rule():
+    rule = SkipRule()
+    rule.load_state_dict({"loss": [3.0] * 50, "grad": [1.0] * 50, "run": 1, "aside": 0})
+    assert rule.state_dict() == SkipRule().state_dict()
+
+
 def test_settings_that_cannot_work_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="max_run"):
         SkipRule(max_run=0)
