@@ -155,7 +155,8 @@ def test_incidents_only_drops_the_skip_only_marks(capsys):
     # a spike is escalated at its second elevated point, one step later; the DLRM run's
     # early spike at 22 has one elevated point only (its second is under the young x1.5 bar)
     assert escalated["by_kind"]["spike"]["detected"] >= every["by_kind"]["spike"]["detected"] - 1
-    assert (escalated["by_kind"]["spike"]["median_delay"], every["by_kind"]["spike"]["median_delay"]) == (1, 0)
+    # (a spike x2.5 above the level is escalated at its first point)
+    assert escalated["by_kind"]["spike"]["median_delay"] <= 1 and every["by_kind"]["spike"]["median_delay"] == 0
 
 
 def test_files_and_real_sets_are_not_mixed(capsys):
