@@ -1,4 +1,8 @@
-"""Running window statistics with ``update``/``get``, in the style of river's ``stats``.
+"""The one robust window: median, quantiles and extremes of the last ``window`` values.
+
+In the style of river's ``stats`` (``update``/``get``). Every rolling median,
+MAD or quantile in the detectors, the fusion and the Guard's local skip rule
+is one of these.
 
 Small, bounded and cheap (plain floats, no numpy): the detectors call them on
 every step, so an update costs about a microsecond. Round-trips through
@@ -10,6 +14,8 @@ weighted pieces live inline in :mod:`.detectors.series`, where they are hot.)
 ...     med.update(x)
 >>> med.get(), med.max(), med.values()
 (3.0, 10.0, [10.0, 2.0, 3.0])
+>>> med.quantile(0.0), med.quantile(1.0)
+(2.0, 10.0)
 """
 
 from __future__ import annotations
@@ -60,6 +66,22 @@ class RollingMedian:
     def max(self) -> float:
         """Largest value in the window; NaN while empty."""
         return self._sorted[-1] if self._sorted else math.nan
+
+    def min(self) -> float:
+        """Smallest value in the window; NaN while empty."""
+        return self._sorted[0] if self._sorted else math.nan
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (0 <= q <= 1), linear between order statistics; NaN while empty."""
+        s = self._sorted
+        n = len(s)
+        if n == 0:
+            return math.nan
+        pos = q * (n - 1)
+        i = int(pos)
+        if i >= n - 1:
+            return s[-1]
+        return s[i] + (pos - i) * (s[i + 1] - s[i])
 
     def last(self) -> float:
         """The value added most recently; NaN while empty."""

@@ -172,25 +172,11 @@ class GuardConfig(BaseModel):
     max_applied_ids: int = Field(
         10_000, ge=16, description="applied action ids remembered (oldest forgotten first)"
     )
-    # The local skip-step rule (producers/skip_rule.py); defaults chosen on the healthy
-    # modded-nanogpt runs and the AlgoPerf real-spike logs (data/ in the repository).
+    # The local skip-step rule (producers/skip_rule.py). Its thresholds are the outlier
+    # model's, shared with the pipeline's level test (processors/outlier_model.py): calibrated
+    # per run to a false-alarm rate, so they are not settings of the Guard.
     skip_outliers: bool = Field(
         True, description="skip the update of an isolated outlier step at once (local rule)"
-    )
-    skip_z: float = Field(6.0, gt=0.0, description="robust sigmas above the median loss to skip")
-    skip_min_jump: float = Field(
-        0.05, ge=0.0, description="and at least this relative jump above the median loss"
-    )
-    skip_grad_z: float = Field(
-        6.0, gt=0.0, description="robust sigmas above the median gradient norm to skip"
-    )
-    skip_grad_min_jump: float = Field(
-        2.0, ge=0.0, description="and at least this relative jump above the median gradient norm "
-        "(2.0: three times the median; gradient norms are heavy-tailed)",
-    )
-    skip_window: int = Field(128, ge=3, le=65536, description="accepted steps the medians are taken over")
-    skip_min_history: int = Field(
-        32, ge=3, description="accepted steps before the rule may skip anything"
     )
     skip_max_run: int = Field(
         2, ge=1, description="outliers in a row still skipped; a longer run is not isolated, and "
@@ -209,10 +195,3 @@ class GuardConfig(BaseModel):
             elif value is False or text in ("false", "0", "no"):
                 data = dict(data, resume=ResumeMode.NEVER)
         return data
-
-    @model_validator(mode="after")
-    def _skip_history_fits_window(self) -> "GuardConfig":
-        if self.skip_min_history > self.skip_window:
-            raise ValueError(f"skip_min_history ({self.skip_min_history}) must not exceed skip_window "
-                             f"({self.skip_window}): the rule could never start")
-        return self

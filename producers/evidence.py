@@ -16,8 +16,8 @@ judged locally (:class:`StepView`), and checks every action against it:
   gradient seen here (a GradScaler's overflow is normal); a loss-scale
   collapse needs an overflow or a non-finite value; any other anomaly type a
   non-finite value, or the local outlier model (skip_rule.py) scoring the
-  loss or gradient norm at least :data:`AGREE_Z` robust sigmas above its
-  baseline (a lower bar than skipping: agreeing that a step was unusual is
+  loss or gradient norm at least :data:`AGREE_Z` of the way to its skip
+  threshold above its level (a lower bar than skipping: agreeing that a step was unusual is
   not acting on it alone). The claim is checked for the kinds that change the
   run (``actions.NEEDS_AGREEMENT``); an ALERT, a CHECKPOINT and a RESTORE_LR
   (back towards the user's own LR) are not.
@@ -36,9 +36,10 @@ from typing import NamedTuple
 from spikeguard.producers.skip_rule import SkipDecision
 from spikeguard.schemas import AnomalyType, Claim, Evidence
 
-#: Robust sigmas above its baseline at which the trainer agrees that a step's loss or
-#: gradient norm was anomalous (the skip rule's own bar is higher: default 6).
-AGREE_Z = 3.0
+#: How far towards its skip threshold (1.0: at it; outlier_model.Judged.score) a step's loss
+#: or gradient norm must rise above its level for the trainer to agree that it was anomalous:
+#: agreeing that a step was unusual is a lower bar than skipping it on that alone.
+AGREE_Z = 0.5
 
 # Claims that only a non-finite value (or, under a GradScaler, the scaler's overflow) can back.
 _NON_FINITE_TYPES = frozenset({AnomalyType.NON_FINITE})

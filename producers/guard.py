@@ -132,8 +132,7 @@ class Guard(Checkpointing, ActionApplying):
         self.rerun = RerunCheck(cfg.verify_reruns)
         # The local outlier model always scores (it backs decisions: evidence.py); it skips
         # only with skip_outliers.
-        self.skip_rule = SkipRule(cfg.skip_z, cfg.skip_min_jump, cfg.skip_grad_z, cfg.skip_grad_min_jump,
-                                  cfg.skip_window, cfg.skip_min_history, cfg.skip_max_run)
+        self.skip_rule = SkipRule(max_run=cfg.skip_max_run)
         # Everything a checkpoint holds and a rollback puts back, in load order.
         weights = ([("sharded", ShardedState(model, optimizer))] if self.sharded  # every rank its shards
                    else [("model", ModelPart(model)), ("optimizer", optimizer)])
@@ -436,7 +435,8 @@ class Guard(Checkpointing, ActionApplying):
         the skip reason (None: no skip, or skip_outliers is off) and its judgement."""
         r = stats.riders
         loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
-        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad)
+        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad,
+                                         self.lr.effective())
         skip = decision.skip and self.config.skip_outliers
         if skip:
             self.counters["outlier_skips"] += 1

@@ -1,177 +1,208 @@
-"""Robust level monitor of the log-loss: one-step outliers, short spikes, slow rises.
+"""The pipeline's level test of the loss: outlier steps, spikes, divergences and slow rises.
 
-Ported from the lab's prototype (``spikeguard.lab.proposed_rules``), which
-beat the pipeline and every trainer rule on real loss curves. Two tests on
-``y = log(loss)``, each one-sided (a drop is never an anomaly):
+Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anomaly):
 
-* **level** — the baseline is the median of the last ``window`` *accepted*
-  points and the noise scale 1.4826 x their MAD, so a flagged point never
-  inflates its own baseline (OLMo-core's rule lets it). A point at least
-  ``z`` noise units AND ``min_ratio`` above the baseline is *elevated*, and so
-  is a point ``double_ratio`` (x2) above it while the window is not full yet
-  (metaseq's and llm-foundry's number: early in a run the spread holds the fast
-  descent and z is unreliable; later a loss that doubles within its own noise,
-  a small-batch MSE, stays quiet). The
-  first elevated point is an ``OUTLIER`` (a batch-induced one-step jump: the
-  answer is to skip that update, not to roll back); a second in a row is a
-  ``SPIKE``; ``divergence_points`` in a row, or one point ``divergence_ratio``
-  above the baseline, is a ``DIVERGENCE``. After ``relearn_after`` elevated
-  points in a row the baseline starts over (a lasting level shift is the
-  new normal, not an endless spike).
-* **slow rise** — Page's CUSUM of each accepted point's excess over the
-  *best* baseline level of the run (never forgotten) less an allowance of
-  ``rise_allowance`` in log units, in noise units: ``S = max(0, S + excess)``;
-  ``S > rise_h`` is a ``SLOW_RISE``. The streaming divergence test forgets its
-  best level within a few hundred steps, so a rise over thousands of steps
-  would be absorbed; a healthy plateau scatters around its best level and
-  the allowance keeps its CUSUM at 0.
+* **elevated points** — the same :class:`~spikeguard.processors.outlier_model.OutlierModel`
+  as the Guard's local skip rule, with the same defaults: a point above the
+  run's own false-alarm-rate threshold is *elevated*. The first elevated point
+  is an ``OUTLIER`` (a batch-induced one-step jump: the Guard skipped that
+  update, nothing is rolled back), a second in a row a ``SPIKE``, and so is
+  a first one ``spike_ratio`` above the level (beyond any benign one-step
+  jump: real healthy runs have them up to x2);
+  ``divergence_points`` in a row, or one point ``divergence_ratio`` above the
+  level, a ``DIVERGENCE``.
+* **rises** (:class:`RiseTest`) — every ``block`` accepted points, the median
+  of the block is compared with the median of the block ``h`` blocks earlier,
+  for each horizon ``h`` of ``horizons``. Each horizon's differences keep a
+  :class:`~spikeguard.processors.outlier_model.TailThreshold` of their own
+  (through their median and 90th percentile), so
+  a rise must be larger than the run's own noise *and* drift have produced
+  so far (a falling, stationary or slowly drifting loss calibrates its own
+  bar), at a false-alarm rate of one per 10,000 steps, and at least
+  ``min_rise``. A rise while the learning rate has recently gone up (a warm
+  restart) is explained and not judged. A rise is a ``SLOW_RISE``.
 
-:meth:`judge` changes nothing; :meth:`learn` takes an accepted point (and
-advances the CUSUM, which only accepted points feed); :meth:`advance` counts
-elevated points. State is O(``window``) and round-trips through JSON types.
+There is no "best level ever reached": a rise is judged against the run's
+recent past and its own history of rises, never against a level the run may
+never come back to (which turned a stationary loss or a benign drift into an
+endless slow rise).
+
+:meth:`LevelMonitor.judge` changes nothing; :meth:`LevelMonitor.advance`
+takes the judged point in. State round-trips through JSON types.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
-from collections import deque
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
-# Result codes of LevelMonitor.judge.
-OK, WARMUP, OUTLIER, SPIKE, DIVERGENCE, SLOW_RISE = range(6)
-MAD_TO_SIGMA = 1.4826
+from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
+from spikeguard.processors.outlier_model import Judged as Point
 
 
-def _kth_distance(s: list[float], med: float, h: int, k: int) -> float:
-    """The ``k``-th smallest (1-based) of the distances from ``med`` to the sorted ``s``.
+class LevelCode(IntEnum):
+    OK = 0
+    WARMUP = 1
+    OUTLIER = 2
+    SPIKE = 3
+    DIVERGENCE = 4
+    SLOW_RISE = 5
 
-    Left of ``h`` they are ``med - s[h-1], med - s[h-2], ...`` and from ``h`` on
-    ``s[h] - med, s[h+1] - med, ...``: both ascending, so this is the k-th of two
-    merged sorted sequences, found by bisecting how many come from the left. The
-    same values (same subtractions) as walking out from the middle.
-    """
-    n_left, n_right = h, len(s) - h
-    lo, hi = max(0, k - n_right), min(k, n_left)
-    while lo < hi:  # a: how many of the k come from the left
-        a = (lo + hi) // 2
-        if med - s[h - 1 - a] < s[h + k - a - 1] - med:  # left's next is below right's last
-            lo = a + 1
-        else:
-            hi = a
-    left = med - s[h - lo] if lo > 0 else -math.inf
-    right = s[h + k - lo - 1] - med if k - lo > 0 else -math.inf
-    return left if left > right else right
+
+class BlockJudged(NamedTuple):
+    """The rise test at the end of a block."""
+
+    #: the largest rise over its threshold, across horizons
+    score: float
+    #: that rise (log units)
+    rise: float
+    #: a rise over its threshold, not explained by the learning rate
+    rising: bool
+    #: the block's median (log units)
+    median: float
+
+
+class LevelJudged(NamedTuple):
+    """What :meth:`LevelMonitor.judge` says of one point."""
+
+    code: LevelCode
+    #: residual over threshold (elevated points) or rise over its threshold (slow rise)
+    score: float
+    #: log units above the level (elevated points) or the rise (slow rise)
+    rise: float
+    #: the outlier model's judgement, for advance
+    point: Point
+    #: the rise test's judgement, for advance (None unless this point ends a block)
+    block: BlockJudged | None
+
+
+class RiseTest:
+    """Block medians of accepted points compared across ``horizons`` (see the module docstring)."""
+
+    __slots__ = ("block", "horizons", "min_rise", "min_blocks", "rate", "_current", "_medians",
+                 "_tails", "_excused", "_since_excused")
+
+    def __init__(self, *, block: int, horizons: tuple[int, ...], min_rise: float, min_blocks: int,
+                 rate: float, history: int) -> None:
+        self.block = block
+        self.horizons = horizons
+        self.min_rise = min_rise
+        self.min_blocks = min_blocks
+        self.rate = rate
+        self._current: list[float] = []  # accepted points of the block being filled
+        self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
+        # A few hundred differences at most: the tail goes through their median and 90th
+        # percentile, which a capped climb cannot lift (their 99th percentile, it would).
+        # They join max(horizons) blocks late: a climb is judged against the differences
+        # from before it, not against its own.
+        self._tails = [TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9,
+                                     lag=max(horizons)) for _ in horizons]
+        self._excused = False  # an LR rise explained a point of the current block
+        # Blocks completed since the last one with an explained point: a horizon that
+        # reaches back to (or before) it compares across the LR rise, and is not judged.
+        self._since_excused = 1 << 30
+
+    def judge(self, y: float, explained: bool) -> BlockJudged | None:
+        """The rise test, when ``y`` ends a block; else None."""
+        if len(self._current) + 1 < self.block:
+            return None
+        values = sorted(self._current + [y])
+        n = len(values)
+        median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+        best_score, best_rise, rising = 0.0, 0.0, False
+        for h, tail in zip(self.horizons, self._tails):
+            if len(self._medians) < h or len(tail) < self.min_blocks:
+                continue
+            rise = median - self._medians[-h]
+            bar = max(tail.threshold(), self.min_rise)
+            if rise / bar > best_score:
+                best_score, best_rise = rise / bar, rise
+            across_lr_rise = explained or self._excused or self._since_excused < h
+            if rise > bar and not across_lr_rise:
+                rising = True
+        return BlockJudged(best_score, best_rise, rising, median)
+
+    def advance(self, y: float, judged: BlockJudged | None, explained: bool) -> None:
+        """Take an accepted point in; at a block's end, its rises join their tails."""
+        if judged is None:
+            self._current.append(y)
+            self._excused = self._excused or explained
+            return
+        median = judged.median
+        for h, tail in zip(self.horizons, self._tails):
+            if len(self._medians) >= h:
+                tail.update(median - self._medians[-h])
+        self._medians.append(median)
+        del self._medians[: -max(self.horizons)]
+        self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
+        self._current, self._excused = [], False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"current": list(self._current), "medians": list(self._medians),
+                "tails": [t.state_dict() for t in self._tails], "excused": self._excused,
+                "since_excused": self._since_excused}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._current = [float(v) for v in state["current"]]
+        self._medians = [float(v) for v in state["medians"]]
+        for tail, data in zip(self._tails, state["tails"]):
+            tail.load_state_dict(data)
+        self._excused = bool(state["excused"])
+        self._since_excused = int(state["since_excused"])
 
 
 class LevelMonitor:
-    """One signal's robust level state. Parameters as in :class:`~.statistical.LevelConfig`."""
+    """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
-    __slots__ = (
-        "window", "min_values", "z", "min_rise", "double_rise", "divergence_points", "divergence_rise",
-        "relearn_after", "rise_warmup", "rise_allowance", "rise_h",
-        "_hist", "_sorted", "_elevated", "_best", "_cusum", "_seen",
-    )
+    __slots__ = ("model", "rises", "spike_rise", "divergence_points", "divergence_rise", "_elevated")
 
-    def __init__(
-        self, *, window: int, min_values: int, z: float, min_ratio: float, double_ratio: float,
-        divergence_points: int,
-        divergence_ratio: float, relearn_after: int, rise_warmup: int, rise_allowance: float,
-        rise_h: float,
-    ) -> None:
-        self.window = window
-        self.min_values = min_values
-        self.z = z
-        self.min_rise = math.log(min_ratio)
-        self.double_rise = math.log(double_ratio)
+    def __init__(self, *, outliers: OutlierConfig, spike_ratio: float, divergence_points: int,
+                 divergence_ratio: float,
+                 rise_block: int, rise_horizons: tuple[int, ...], rise_min: float,
+                 rise_min_blocks: int, rise_rate: float, rise_history: int) -> None:
+        self.model = OutlierModel(outliers)
+        self.rises = RiseTest(block=rise_block, horizons=tuple(rise_horizons),
+                              min_rise=math.log(rise_min), min_blocks=rise_min_blocks,
+                              rate=rise_rate, history=rise_history)
+        self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
-        self.relearn_after = relearn_after
-        self.rise_warmup = rise_warmup
-        self.rise_allowance = math.log(rise_allowance)
-        self.rise_h = rise_h
-        self._hist: deque[float] = deque(maxlen=window)  # accepted points, oldest first
-        self._sorted: list[float] = []  # the same, sorted
         self._elevated = 0  # elevated points in a row
-        self._best = math.inf  # lowest baseline level of the run (never forgotten)
-        self._cusum = 0.0
-        self._seen = 0  # accepted points fed to the CUSUM
 
-    def baseline(self) -> tuple[float, float] | None:
-        """(median, robust sigma) of the accepted window, or None while too few are in."""
-        s = self._sorted
-        n = len(s)
-        if n < self.min_values:
-            return None
-        h = n // 2
-        med = s[h] if n % 2 else 0.5 * (s[h - 1] + s[h])
-        # MAD without sorting: the distances to the median grow outwards on both
-        # sides of it (two sorted sequences), so their (h+1)-th smallest is found by
-        # bisection in O(log n), not by walking out from the middle (O(window) per step).
-        last = _kth_distance(s, med, h, h + 1)
-        mad = last if n % 2 else 0.5 * (_kth_distance(s, med, h, h) + last)
-        return med, mad * MAD_TO_SIGMA
-
-    def judge(self, y: float) -> tuple[int, float, float, float, float]:
-        """(code, z, rise above the baseline, CUSUM after ``y`` if accepted, baseline median).
-
-        z is the CUSUM for ``SLOW_RISE``; the median is NaN during warm-up.
-        """
-        base = self.baseline()
-        if base is None:
-            return WARMUP, 0.0, 0.0, self._cusum, math.nan
-        med, scale = base
-        rise = y - med
-        z = rise / scale if scale > 0.0 else (math.inf if rise > 0.0 else 0.0)
-        # While the window is not full yet its spread holds the run's fast early descent,
-        # so z is unreliable: a doubling is elevated then whatever z says.
-        young = len(self._sorted) < self.window
-        if rise >= self.min_rise and (z >= self.z or (young and rise >= self.double_rise)):
+    def judge(self, y: float, lr: float | None = None) -> LevelJudged:
+        point = self.model.judge(y, lr)
+        if not point.judged:
+            code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
+            block = self.rises.judge(y, True) if code == LevelCode.OK else None
+            return LevelJudged(code, 0.0, point.residual, point, block)
+        if point.elevated:
             run = self._elevated + 1
-            if run >= self.divergence_points or rise >= self.divergence_rise:
-                return DIVERGENCE, z, rise, self._cusum, med
-            return (OUTLIER if run == 1 else SPIKE), z, rise, self._cusum, med
-        cusum = self._cusum
-        if self._seen + 1 >= self.rise_warmup and scale > 0.0:
-            best = med if med < self._best else self._best
-            cusum = max(0.0, cusum + (y - best - self.rise_allowance) / scale)
-            if cusum > self.rise_h:
-                return SLOW_RISE, cusum, y - best, cusum, med
-        return OK, z, rise, cusum, med
+            if run >= self.divergence_points or point.residual >= self.divergence_rise:
+                code = LevelCode.DIVERGENCE
+            elif run == 1 and point.residual < self.spike_rise:
+                code = LevelCode.OUTLIER
+            else:
+                code = LevelCode.SPIKE
+            return LevelJudged(code, point.score, point.residual, point, None)
+        block = self.rises.judge(y, False)
+        if block is not None and block.rising:
+            return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
+        return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
 
-    def advance(self, code: int) -> None:
-        """Count elevated points; start the baseline over after ``relearn_after`` in a row."""
-        if code in (OUTLIER, SPIKE, DIVERGENCE):
-            self._elevated += 1
-            if self._elevated >= self.relearn_after:
-                self._hist.clear()
-                self._sorted.clear()
-                self._elevated = 0
-        else:
-            self._elevated = 0
-
-    def learn(self, y: float, judged: tuple[int, float, float, float, float]) -> None:
-        """Accept ``y`` (judged not elevated): into the window, and the CUSUM moves on."""
-        med = judged[4]
-        if med == med:  # judged against a baseline (not in warm-up)
-            self._seen += 1
-            if med < self._best:
-                self._best = med
-            self._cusum = judged[3]
-        hist, srt = self._hist, self._sorted
-        if len(hist) == self.window:
-            del srt[bisect_left(srt, hist[0])]
-        hist.append(y)
-        insort(srt, y)
+    def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
+        point = judged.point
+        self.model.advance(y, point, lr)
+        self._elevated = self._elevated + 1 if point.elevated else 0
+        if point.elevated or judged.code == LevelCode.WARMUP:
+            return
+        self.rises.advance(y, judged.block, not point.judged)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"hist": list(self._hist), "elevated": self._elevated, "best": self._best,
-                "cusum": self._cusum, "seen": self._seen}
+        return {"model": self.model.state_dict(), "rises": self.rises.state_dict(),
+                "elevated": self._elevated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._hist = deque((float(v) for v in state["hist"]), maxlen=self.window)
-        self._sorted = sorted(self._hist)
+        self.model.load_state_dict(state["model"])
+        self.rises.load_state_dict(state["rises"])
         self._elevated = int(state["elevated"])
-        self._best = float(state["best"])
-        self._cusum = float(state["cusum"])
-        self._seen = int(state["seen"])

@@ -174,6 +174,8 @@ class MLDetector(Detector[MLState]):
                 return self._blowup(event, state, found, row)
         if isinstance(row, str):
             return self._plain(event, row)
+        if not self.config.forest:
+            return self._plain(event, "forest_off")
         forest = self._forest(state)
         if forest is None:
             return self._plain(event, "warmup")
@@ -226,7 +228,7 @@ class MLDetector(Detector[MLState]):
 
     def learn(self, event: StepEvent, state: MLState) -> None:
         row, state.row = state.row, None
-        if not state.healthy:
+        if not state.healthy or not self.config.forest:
             return
         state.since += 1
         due = self._due(state)

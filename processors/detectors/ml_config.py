@@ -15,6 +15,12 @@ class MLConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    forest: bool = Field(
+        False,
+        description="score steps with the isolation forest: off by default (on the synthetic "
+        "suite and the real curves it added no detection the statistical and rules detectors "
+        "miss, and it cost the most CPU; docs/detection.md); the layer-share model stays on",
+    )
     features: FeatureConfig = Field(default_factory=FeatureConfig, description="rolling features")
     layers: LayerConfig = Field(
         default_factory=LayerConfig, description="layer-share model (steps with per-layer norms)"

@@ -47,6 +47,12 @@ class PredictorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    enabled: bool = Field(
+        False,
+        description="off by default: on the synthetic suite, the real curves and small torch runs "
+        "it added no detection the other detectors miss and cost the most CPU (docs/detection.md); "
+        "off, it says every step is normal without computing anything",
+    )
     features: FeatureConfig = Field(default_factory=FeatureConfig, description="rolling features")
     horizon_steps: int = Field(50, ge=1, description="k: the probability is about the next k steps")
     bias: float = Field(-4.0, description="logit with every signal inside its dead zone (p ~ 2%)")
@@ -182,10 +188,16 @@ class PredictorDetector(Detector[PredictorState]):
         return 1.0 / (1.0 + math.exp(-min(max(logit, -60.0), 60.0))), rough
 
     def score(self, event: StepEvent, state: PredictorState) -> Verdict:
+        if not self.config.enabled:
+            return validate_verdict({"run_id": event.run_id, "step": event.step, "epoch": event.epoch,
+                                     "detector": self.name, "is_anomaly": False,
+                                     "loss": event.loss, "grad_norm": event.grad_norm})
         a = self.scored(event, state, self._assess)
         return self._verdict(event, a.kind, a.conf, a.p, a.health, a.signals, a.rules)
 
     def track(self, event: StepEvent, state: PredictorState, verdict: Verdict) -> None:
+        if not self.config.enabled:
+            return
         after = self.scored(event, state, self._assess).after
         if after is None:
             state.warning = True
@@ -208,6 +220,8 @@ class PredictorDetector(Detector[PredictorState]):
         :meth:`~spikeguard.processors.features.RollingFeatures.peek_event`).
         Non-finite steps and new epochs take :meth:`update` itself.
         """
+        if not self.config.enabled:
+            return [self.update(event) for event in events]
         verdicts = []
         owned = None  # the state whose features this batch has copied: its own to change
         history = self.history

@@ -41,9 +41,10 @@ from spikeguard.processors.robust_stats import RollingMedian
 
 # Result codes of SeriesMonitor.update.
 OK, CANDIDATE, SPIKE, DIVERGENCE, OSCILLATION, WARMUP = range(6)
-_MAD_TO_SIGMA = math.sqrt(math.pi) / 2.0
+# E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
+_MEAN_ABS_DIFF_TO_SIGMA = math.sqrt(math.pi) / 2.0
 #: What SeriesMonitor.judge returns: code, z, jump, swing ratio, swing state, episode state.
-Judged = tuple[int, float, float, float, tuple, tuple]  # E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
+Judged = tuple[int, float, float, float, tuple, tuple]
 
 
 class SeriesMonitor:
@@ -119,7 +120,7 @@ class SeriesMonitor:
 
     def sigma(self) -> float:
         """The robust noise scale in log units (floored at ``min_scale``)."""
-        s = self._smean * _MAD_TO_SIGMA
+        s = self._smean * _MEAN_ABS_DIFF_TO_SIGMA
         return s if s > self.min_scale else self.min_scale
 
     def judge(self, y: float) -> Judged:
@@ -169,7 +170,7 @@ class SeriesMonitor:
         """The code of ``y`` and the episode state after it: (pending, age, spike over, level)."""
         if self._n < self.warmup:
             return WARMUP, 0.0, 0.0, (self._pending, self._age, False, self._level)
-        sig = self._smean * _MAD_TO_SIGMA
+        sig = self._smean * _MEAN_ABS_DIFF_TO_SIGMA
         if sig < self.min_scale:
             sig = self.min_scale
         r = y - self._med.get()

@@ -43,7 +43,6 @@ from spikeguard.lab.evaluation import (
     summarize,
 )
 from spikeguard.lab.runfile import StepLabel, read_steps
-from spikeguard.lab.proposed_rules import OUTLIER, ProposedRules
 from spikeguard.lab.simulate import SCENARIOS, default_suite
 
 SYSTEMS = {
@@ -54,10 +53,10 @@ SYSTEMS = {
     "metaseq": "metaseq: loss / EWM(span 9) of accepted losses > 2",
     "lightning": "Lightning SpikeDetection: loss >= 3x the mean of the last 10 accepted losses",
     "llm_foundry": "llm-foundry KillLossSpike: loss >= 2x the mean of the last 100, 5 steps running",
-    "proposed": "prototype rules (spikeguard.lab.proposed_rules): robust outlier/spike + CUSUM slow rise",
-    "pipeline+proposed": "the pipeline's alarms plus the prototype rules' (what porting them would add)",
 }
-BASELINE_NAMES = [name for name in SYSTEMS if name not in ("pipeline", "proposed", "pipeline+proposed")]
+BASELINE_NAMES = [name for name in SYSTEMS if name != "pipeline"]
+#: The type of a mark whose response is only to skip one update (the Guard's local skip).
+OUTLIER = "outlier_step"
 REAL_SPIKES, HEALTHY = "real-spikes", "healthy"
 #: ``--real-spikes``/``--healthy`` given without a folder: the repository's data.
 IN_REPO = ""
@@ -92,8 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "repository's data/healthy runs, data/modded-nanogpt, data/mlperf-bert): "
                              "report each system's false actions per 10k steps instead of scores")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS),
-                        default=[name for name in SYSTEMS if name != "pipeline+proposed"],
-                        help="what to score (default: all but pipeline+proposed)")
+                        default=list(SYSTEMS), help="what to score (default: all)")
     parser.add_argument("--loss-only", action="store_true",
                         help="drop grad_norm, lr and update_norm (as in most real logs); "
                              "non-finite labels on a finite loss are dropped too")
@@ -268,13 +266,6 @@ def system_marks(name: str, events, settings=None) -> list[Mark]:
         from spikeguard.lab.backtest import backtest_events
 
         return marks_from_decisions(backtest_events(events, settings))
-    if name == "proposed":
-        rules = ProposedRules()
-        return [Mark(e.step, bool(kind := rules.update(e)), type=kind or "none") for e in events]
-    if name == "pipeline+proposed":
-        proposed = {m.step: m for m in system_marks("proposed", events)}
-        return [m if m.is_anomaly else proposed.get(m.step, m)
-                for m in system_marks("pipeline", events, settings)]
     return flag_run(BASELINES[name](), events)
 
 

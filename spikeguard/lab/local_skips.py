@@ -23,9 +23,7 @@ def skip_rule_of(guard: GuardConfig) -> SkipRule | None:
     """The skip rule a Guard with ``guard`` settings runs (None when ``skip_outliers`` is off)."""
     if not guard.skip_outliers:
         return None
-    return SkipRule(z=guard.skip_z, min_jump=guard.skip_min_jump, grad_z=guard.skip_grad_z,
-                    grad_min_jump=guard.skip_grad_min_jump, window=guard.skip_window,
-                    min_history=guard.skip_min_history, max_run=guard.skip_max_run)
+    return SkipRule(max_run=guard.skip_max_run)
 
 
 class LocalSkips:

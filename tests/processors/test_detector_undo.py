@@ -38,7 +38,7 @@ def test_an_undone_batch_is_judged_again_as_if_it_never_ran(name):
 
 
 def test_the_ml_undo_copy_shares_its_rows_instead_of_dumping_them():
-    detector = DETECTORS["ml"](CONFIGS["ml"]())
+    detector = DETECTORS["ml"](CONFIGS["ml"](forest=True))  # the rows it shares are the forest's
     verdicts(detector, generate("stable", 1200, 1, run_id="undo").events)
     undo = detector.undo_state()
     assert "pending" not in undo and "fitted" not in undo  # no JSON rows

@@ -15,7 +15,7 @@ from spikeguard.processors.features import ML_FEATURES
 from spikeguard.schemas import AnomalyType, StepEvent
 
 # Small forests and buffers keep the tests fast; the logic is the same at any size.
-SMALL = MLConfig(warmup_steps=64, buffer_size=128, refit_every=100, n_estimators=20)
+SMALL = MLConfig(forest=True, warmup_steps=64, buffer_size=128, refit_every=100, n_estimators=20)
 
 
 def stream(n: int, seed: int = 0, spikes: tuple[int, ...] = (), run_id: str = "r") -> list[StepEvent]:

@@ -15,7 +15,9 @@ from spikeguard.streaming.footprint import deep_size
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES
 
 # The buffer fills after 3 fits; then refit_every > buffer_size, so rows are skipped.
-SMALL = MLConfig(warmup_steps=64, buffer_size=128, refit_every=300, n_estimators=20)
+#: The forest is off by default; these tests are about the memory it holds when on.
+FOREST = MLConfig(forest=True)
+SMALL = MLConfig(forest=True, warmup_steps=64, buffer_size=128, refit_every=300, n_estimators=20)
 
 
 def stream(n: int, seed: int = 0, epoch: int = 0, start: int = 0) -> list[StepEvent]:
@@ -123,7 +125,7 @@ def default_run() -> dict:
     """Default settings, 5000 steps in batches of 10 (a worker's batch of many runs): what the
     run holds every 100 steps, and its state just before a refit with a full buffer (the most
     rows it ever holds)."""
-    det = MLDetector()
+    det = MLDetector(FOREST)
     events = stream(5000, seed=8)
     out: dict = {"sizes": []}
     for i in range(0, len(events), 10):
@@ -154,9 +156,9 @@ def test_10000_runs_fit_in_1_GiB(default_run: dict) -> None:
 
 def test_the_largest_state_round_trips_through_json(default_run: dict) -> None:
     state, at = default_run["largest"]
-    restored = MLDetector()
+    restored = MLDetector(FOREST)
     restored.load_state_dict(json.loads(json.dumps(state)))
-    twin = MLDetector()
+    twin = MLDetector(FOREST)
     events = stream(5000, seed=8)
     batched(twin, events[:at], 10)
     more = events[at : at + 500]  # a refit among them
@@ -196,7 +198,7 @@ def test_the_ml_worker_releases_quiet_runs_forests_and_judges_them_the_same() ->
     assert stage.runs["a"].state.forest is not None
 
 
-EARLY = MLConfig(warmup_steps=32, buffer_size=256, refit_every=300, n_estimators=10)
+EARLY = MLConfig(forest=True, warmup_steps=32, buffer_size=256, refit_every=300, n_estimators=10)
 
 
 @pytest.mark.parametrize("target", [100, 150, 250, 400])
@@ -232,7 +234,7 @@ def test_an_ml_worker_restarted_from_its_largest_state_records_judges_on_alike()
     from spikeguard.streaming.worker import Worker
 
     topics = Topics("mlw.")
-    settings = load_settings({"topic_prefix": topics.prefix}, env={})
+    settings = load_settings({"topic_prefix": topics.prefix, "ml": {"forest": True}}, env={})
     runs = {run: [e.model_copy(update={"run_id": run}) for e in stream(4500, seed=8)] for run in "ab"}
     cut = 4220  # 6 fits, and 2957 of the 3000 rows before the 7th
 

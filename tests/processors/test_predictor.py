@@ -14,6 +14,9 @@ from spikeguard.schemas import AnomalyType, HealthLevel, StepEvent
 
 T0 = 1500  # where trouble starts in the synthetic runs below
 
+#: The predictor is off by default (docs/detection.md); these tests are about what it does when on.
+ON = PredictorConfig(enabled=True)
+
 
 def run(
     n: int = 2000,
@@ -61,7 +64,7 @@ def warnings(verdicts, kind: AnomalyType) -> list[int]:
 
 
 def test_every_verdict_carries_probability_horizon_and_health() -> None:
-    config = PredictorConfig(horizon_steps=30)
+    config = PredictorConfig(enabled=True, horizon_steps=30)
     verdicts = PredictorDetector(config).update_many(run(400))
     assert len(verdicts) == 400
     for v in verdicts:
@@ -71,7 +74,7 @@ def test_every_verdict_carries_probability_horizon_and_health() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_quiet_on_a_healthy_run(seed: int) -> None:
-    verdicts = PredictorDetector().update_many(run(3000, seed))
+    verdicts = PredictorDetector(ON).update_many(run(3000, seed))
     assert not any(v.is_anomaly for v in verdicts)
     healthy = [v.health for v in verdicts[100:]]
     assert healthy.count(HealthLevel.EXCELLENT) / len(healthy) > 0.95
@@ -79,7 +82,7 @@ def test_quiet_on_a_healthy_run(seed: int) -> None:
 
 def test_warns_several_steps_before_a_grad_norm_runaway() -> None:
     # The grad norm grows 3 % a step from T0; say it blows up ~60 steps later.
-    verdicts = PredictorDetector().update_many(run(T0 + 60, grad_climb=0.03))
+    verdicts = PredictorDetector(ON).update_many(run(T0 + 60, grad_climb=0.03))
     warned = warnings(verdicts, AnomalyType.INSTABILITY_WARNING)
     assert warned and T0 < warned[0] <= T0 + 50  # at least 10 steps of lead
     v = verdicts[warned[0]]
@@ -89,14 +92,14 @@ def test_warns_several_steps_before_a_grad_norm_runaway() -> None:
 
 
 def test_warns_on_growing_updates() -> None:
-    verdicts = PredictorDetector().update_many(run(T0 + 60, update_climb=0.02))
+    verdicts = PredictorDetector(ON).update_many(run(T0 + 60, update_climb=0.02))
     warned = warnings(verdicts, AnomalyType.INSTABILITY_WARNING)
     assert warned and T0 < warned[0] <= T0 + 40
     assert verdicts[warned[0]].signals["update_trend"] > 1.0
 
 
 def test_warns_before_a_growing_oscillation_gets_big() -> None:
-    verdicts = PredictorDetector().update_many(run(T0 + 80, oscillation=1.06))
+    verdicts = PredictorDetector(ON).update_many(run(T0 + 80, oscillation=1.06))
     warned = warnings(verdicts, AnomalyType.INSTABILITY_WARNING)
     # amplitude 0.01 * 1.06**k passes 8 noise s.d. (0.24) at k ~ 55
     assert warned and T0 < warned[0] < T0 + 50
@@ -104,14 +107,14 @@ def test_warns_before_a_growing_oscillation_gets_big() -> None:
 
 
 def test_warning_is_one_episode_not_a_flicker() -> None:
-    verdicts = PredictorDetector().update_many(run(T0 + 80, grad_climb=0.03))
+    verdicts = PredictorDetector(ON).update_many(run(T0 + 80, grad_climb=0.03))
     flags = [v.is_anomaly for v in verdicts]
     starts = sum(1 for a, b in zip([False] + flags, flags) if b and not a)
     assert starts == 1
 
 
 def test_stall_is_reported_once_per_stall_steps() -> None:
-    config = PredictorConfig(stall_steps=500)
+    config = PredictorConfig(enabled=True, stall_steps=500)
     verdicts = PredictorDetector(config).update_many(run(3000, flat_from=1000))
     stalled = warnings(verdicts, AnomalyType.STALLED)
     assert 1 <= len(stalled) <= 4 and stalled[0] >= 1000
@@ -122,12 +125,12 @@ def test_stall_is_reported_once_per_stall_steps() -> None:
 
 
 def test_lr_jump_is_lr_too_high_but_warmup_is_not() -> None:
-    verdicts = PredictorDetector().update_many(run(T0 + 20, lr_jump=4.0))
+    verdicts = PredictorDetector(ON).update_many(run(T0 + 20, lr_jump=4.0))
     assert warnings(verdicts, AnomalyType.LR_TOO_HIGH) == [T0]
     assert "lr_jump" in verdicts[T0].rules and verdicts[T0].confidence >= 0.7
     warm = [e.model_copy(update={"lr": 1e-3 * min(1.0, (e.step + 1) / 500)}) for e in run(1000)]
-    assert not any(v.is_anomaly for v in PredictorDetector().update_many(warm))
-    off = PredictorDetector(PredictorConfig(lr_jump_factor=math.inf)).update_many(run(T0 + 20, lr_jump=4.0))
+    assert not any(v.is_anomaly for v in PredictorDetector(ON).update_many(warm))
+    off = PredictorDetector(PredictorConfig(enabled=True, lr_jump_factor=math.inf)).update_many(run(T0 + 20, lr_jump=4.0))
     assert not warnings(off, AnomalyType.LR_TOO_HIGH)
 
 
@@ -137,14 +140,14 @@ def test_restoring_a_cut_lr_is_not_a_jump() -> None:
         e.model_copy(update={"lr": e.lr / 2, "update_norm": e.update_norm / 2}) if 1200 <= e.step < T0 else e
         for e in run(T0 + 50)
     ]
-    assert not any(v.is_anomaly for v in PredictorDetector().update_many(events))
+    assert not any(v.is_anomaly for v in PredictorDetector(ON).update_many(events))
 
 
 def test_lr_too_high_for_the_gradient_scale() -> None:
     # LR and grad norm both rise while the loss starts to alternate: effective step x10.
     events = run(T0 + 80, grad_climb=0.02, oscillation=1.05)
     events = [e.model_copy(update={"lr": e.lr * math.exp(0.03 * max(0, e.step - T0))}) for e in events]
-    verdicts = PredictorDetector(PredictorConfig(lr_jump_factor=math.inf)).update_many(events)
+    verdicts = PredictorDetector(PredictorConfig(enabled=True, lr_jump_factor=math.inf)).update_many(events)
     flagged = warnings(verdicts, AnomalyType.LR_TOO_HIGH)
     assert flagged and flagged[0] > T0
     assert "lr_too_high" in verdicts[flagged[0]].rules
@@ -152,7 +155,7 @@ def test_lr_too_high_for_the_gradient_scale() -> None:
 
 
 def test_non_finite_step_is_critical() -> None:
-    det = PredictorDetector()
+    det = PredictorDetector(ON)
     det.update_many(run(200))
     v = det.update(StepEvent(run_id="p", step=200, loss=math.nan, grad_norm=1.0))
     assert v.is_anomaly and v.type is AnomalyType.INSTABILITY_WARNING
@@ -162,7 +165,7 @@ def test_non_finite_step_is_critical() -> None:
 def test_restart_from_json_state_and_batches_give_identical_verdicts() -> None:
     # A climb that stops: the probability sinks back through the hysteresis band.
     events = run(T0 + 300, grad_climb=0.03, climb_for=45, lr_jump=2.0)
-    one = PredictorDetector()
+    one = PredictorDetector(ON)
     straight = [one.update(e) for e in events]
     assert warnings(straight, AnomalyType.LR_TOO_HIGH) == [T0]
     held = [
@@ -171,15 +174,15 @@ def test_restart_from_json_state_and_batches_give_identical_verdicts() -> None:
     ]
     assert held, "the run should hold a warning by hysteresis alone"
     cut = held[0]  # the first verdict after the restart depends on the saved episode state
-    first = PredictorDetector()
+    first = PredictorDetector(ON)
     before = first.update_many(events[:cut])
-    second = PredictorDetector()
+    second = PredictorDetector(ON)
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert before + second.update_many(events[cut:]) == straight
 
 
 def test_state_is_small_and_bounded() -> None:
-    short, long = PredictorDetector(), PredictorDetector()
+    short, long = PredictorDetector(ON), PredictorDetector(ON)
     short.update_many(run(500))
     long.update_many(run(3000))
     assert abs(len(json.dumps(short.state_dict())) - len(json.dumps(long.state_dict()))) < 50
@@ -188,18 +191,18 @@ def test_state_is_small_and_bounded() -> None:
 
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ValidationError, match="health_bounds"):
-        PredictorConfig(health_bounds=(0.5, 0.3, 0.7, 0.9))
+        PredictorConfig(enabled=True, health_bounds=(0.5, 0.3, 0.7, 0.9))
     with pytest.raises(ValidationError, match="warn_probability"):
-        PredictorConfig(warn_probability=1.5)
+        PredictorConfig(enabled=True, warn_probability=1.5)
     with pytest.raises(ValidationError, match="stall_steps"):
-        PredictorConfig(stall_steps=0)
+        PredictorConfig(enabled=True, stall_steps=0)
 
 
 def test_absurd_finite_values_do_not_break_it() -> None:
     events = run(800)
     for i, loss in ((5, 1e300), (12, -1e300), (500, 1e300)):
         events[i] = events[i].model_copy(update={"loss": loss})
-    verdicts = PredictorDetector().update_many(events)
+    verdicts = PredictorDetector(ON).update_many(events)
     assert all(0.0 <= v.instability_probability <= 1.0 for v in verdicts)
     assert not any(v.is_anomaly for v in verdicts[600:])  # the run is judged normally again
 
@@ -210,7 +213,7 @@ def test_features_of_two_detectors_learning_in_batches_equal_their_own():
     from spikeguard.processors.features import RollingFeatures
 
     events = run(300, seed=3)
-    ml, predictor = MLDetector(), PredictorDetector()
+    ml, predictor = MLDetector(), PredictorDetector(ON)
     for i in range(0, len(events), 50):  # ML first, as in the pipeline, in batches
         ml.update_many(events[i:i + 50])
         predictor.update_many(events[i:i + 50])
@@ -270,10 +273,10 @@ def test_update_many_is_update_step_by_step() -> None:
     """The batch path advances features in place: the verdicts and state are update()'s."""
     events = _mixed_events()
     assert any(not e.finite for e in events) and events[-1].epoch == 1
-    one_by_one = PredictorDetector()
+    one_by_one = PredictorDetector(ON)
     expected = _dump(one_by_one.update(e) for e in events)
     assert any('"is_anomaly":true' in v for v in expected)
-    batched = PredictorDetector()
+    batched = PredictorDetector(ON)
     got = []
     for start in range(0, len(events), 128):
         got += batched.update_many(events[start:start + 128])
@@ -284,7 +287,7 @@ def test_update_many_is_update_step_by_step() -> None:
 def test_update_many_never_changes_features_it_shares() -> None:
     """Peeked features are shared between detectors of equal content: a batch copies before changing."""
     events = _mixed_events()[:400]
-    a, b, alone = PredictorDetector(), PredictorDetector(), PredictorDetector()
+    a, b, alone = PredictorDetector(ON), PredictorDetector(ON), PredictorDetector(ON)
     for e in events[:100]:  # same content, same events: b adopts the very objects a adopted
         a.update(e)
         b.update(e)

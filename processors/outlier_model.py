@@ -1,0 +1,322 @@
+"""The outlier-and-level model of one positive training signal (loss or gradient norm).
+
+One model, used by the Guard's local skip (:mod:`spikeguard.producers.skip_rule`)
+and by the pipeline's level test (:mod:`spikeguard.processors.detectors.level`):
+same code, same thresholds, so a backtest says what the live run would do.
+Plain Python, no numpy or torch: it runs in the trainer on every step.
+
+Everything happens on ``y = log(x)``, so the thresholds are scale-free:
+
+* **level** — the median of the last ``level_window`` *accepted* points. A
+  point judged elevated is not accepted: a spike cannot raise its own baseline.
+* **residual** ``r = y - level``, taken before ``y`` joins anything.
+* **tail** — the last ``tail_window`` residuals of *every* judged point, each
+  capped at the current threshold. Outliers stay in the tail (so keeping them
+  out of the level never shrinks the spread, the feedback loop of a MAD over
+  accepted points only), but capped (so one spike counts as one point at the
+  threshold and cannot inflate it). The cap is the threshold, not a quantile:
+  a cap at the 99th percentile would let that percentile only ever fall.
+* **lag** — a residual joins the tail ``tail_lag`` steps late: a climb is
+  judged against the noise from before it, not against its own first steps.
+* **threshold** — ``q99 + s * ln(0.01 / rate)`` with ``s = (q99 - q90) / ln 10``:
+  an exponential tail fitted through two empirical quantiles (peaks over
+  threshold with a generalised Pareto shape of 0, as SPOT does; Siffer et al.,
+  KDD 2017), extrapolated to the target false-alarm ``rate``. For any noise
+  whose upper tail in log space is at most exponential, a healthy step is over
+  it with probability at most about ``rate``; Gaussian noise, chi-square
+  batch-1 MSE and cross-entropy with label noise have lighter tails in log
+  space and stay far below. The default ``rate`` of 1e-4 is **one elevated
+  point per 10,000 healthy steps at most**, per signal.
+* **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
+  must not call a wobble of a few percent an outlier.
+* **warm-up** — nothing is judged until the tail holds ``min_history``
+  residuals; until it holds ``settle`` the floor is ``young_min_rise`` (few
+  points give a poor tail estimate).
+* **level shift** — after ``relearn_after`` elevated points in a row the level
+  starts over from the points that come next: a lasting change is the new normal.
+* **learning rate** — for ``lr_grace`` steps after the learning rate jumped
+  (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps: a warm
+  restart), a rise is explained: nothing is elevated and every point is
+  accepted. A warm-up raises the LR too slowly to count: an instability
+  during the warm-up is still found.
+
+:meth:`OutlierModel.judge` changes nothing; :meth:`OutlierModel.advance` takes
+the judged point into the model. State round-trips through JSON types.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spikeguard.processors.robust_stats import RollingMedian
+
+_LN10 = math.log(10.0)
+
+
+class TailThreshold:
+    """The false-alarm-rate threshold of a window of capped values (see the module docstring).
+
+    The exponential tail goes through two empirical quantiles, ``low`` and ``high``
+    (0.90 and 0.99 by default). A short window wants lower ones: its 99th
+    percentile is its largest value or two, which each capped value would lift.
+
+    >>> tail = TailThreshold(window=1000, rate=1e-4)
+    >>> for i in range(1000):
+    ...     tail.update((i % 100) / 1000)  # uniform on [0, 0.1)
+    >>> round(tail.quantile(0.99), 3), round(tail.threshold(), 3)
+    (0.098, 0.116)
+    """
+
+    __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting")
+
+    def __init__(self, window: int, rate: float, low: float = 0.90, high: float = 0.99,
+                 lag: int = 0) -> None:
+        if not 0.0 < rate < 1.0 - high:
+            raise ValueError(f"rate must be in (0, {1.0 - high:g}), got {rate}")
+        if not 0.0 < low < high < 1.0:
+            raise ValueError(f"need 0 < low < high < 1, got low={low} high={high}")
+        self.rate = rate
+        self.low = low
+        self.high = high
+        #: values wait this many updates before they join: a climb is judged against the
+        #: tail from before it, not against its own first steps
+        self.lag = lag
+        self._values = RollingMedian(window)
+        self._waiting: deque[float] = deque()
+
+    def __len__(self) -> int:
+        """Values seen, the waiting ones included (at most the window plus the lag)."""
+        return len(self._values) + len(self._waiting)
+
+    def quantile(self, q: float) -> float:
+        return self._values.quantile(q)
+
+    def threshold(self, rate: float | None = None) -> float:
+        """The value a healthy point exceeds with probability about ``rate``; NaN while empty."""
+        lo, hi = self._values.quantile(self.low), self._values.quantile(self.high)
+        tail_hi = 1.0 - self.high
+        scale = (hi - lo) / math.log((1.0 - self.low) / tail_hi)
+        return hi + scale * math.log(tail_hi / (rate or self.rate))
+
+    def update(self, value: float) -> None:
+        """Add ``value`` (after ``lag`` more updates, once a hundred are in), capped at the
+        then current threshold once ten values are in."""
+        waiting = self._waiting
+        waiting.append(value)
+        # No lag before the tail holds a hundred values: a young tail needs them now.
+        if len(waiting) <= min(self.lag, max(0, len(self._values) - 100)):
+            return
+        value = waiting.popleft()
+        if len(self._values) >= 10:
+            cap = self.threshold()
+            if value > cap:
+                value = cap
+        self._values.update(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": self._values.values(), "waiting": list(self._waiting)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._values.load_state_dict(state)
+        self._waiting = deque(float(v) for v in state["waiting"])
+
+
+class SlidingMin:
+    """The smallest of the last ``window`` values: a deque of (index, value), increasing."""
+
+    __slots__ = ("window", "_seen", "_queue")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._seen = 0
+        self._queue: deque[tuple[int, float]] = deque()
+
+    def __len__(self) -> int:
+        return min(self._seen, self.window)
+
+    def update(self, value: float) -> None:
+        queue = self._queue
+        while queue and queue[-1][1] >= value:
+            queue.pop()
+        queue.append((self._seen, value))
+        self._seen += 1
+        if queue[0][0] <= self._seen - 1 - self.window:
+            queue.popleft()
+
+    def get(self) -> float:
+        """NaN while empty."""
+        return self._queue[0][1] if self._queue else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self._seen, "queue": [list(item) for item in self._queue]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seen = int(state["seen"])
+        self._queue = deque((int(i), float(v)) for i, v in state["queue"])
+
+
+class OutlierConfig(BaseModel):
+    """Settings of one signal's model; chosen on synthetic and AlgoPerf curves (docs/detection.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level_window: int = Field(100, ge=3, le=4096, description="accepted points in the rolling median")
+    tail_window: int = Field(
+        500, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
+    )
+    min_history: int = Field(
+        10, ge=5, description="residuals in the tail before any point is judged"
+    )
+    tail_lag: int = Field(
+        50, ge=0, le=4096,
+        description="residuals join the tail this many steps late, so that a climb is judged "
+        "against the noise from before it rather than teaching the tail its own steps",
+    )
+    settle: int = Field(
+        300, ge=20, description="until the tail holds this many residuals, the rate is stricter"
+    )
+    rate: float = Field(
+        1e-5, gt=0.0, lt=0.01,
+        description="target false-alarm rate per healthy step (1e-5: one per 100,000 steps)",
+    )
+    min_rise: float = Field(
+        0.05, ge=0.0, description="the threshold is at least this in log units (0.05: +5 %)"
+    )
+    young_min_rise: float = Field(
+        math.log(1.5), ge=0.0,
+        description="before the tail has settled the threshold is at least this (x1.5)",
+    )
+    relearn_after: int = Field(
+        200, ge=2, description="after this many elevated points in a row the level starts over"
+    )
+    lr_rise: float = Field(
+        1.5, gt=1.0,
+        description="a learning rate this many times the lowest of the last lr_jump_steps steps "
+        "is a jump (a warm restart; a warm-up is slower) that explains a rise for lr_grace steps",
+    )
+    lr_jump_steps: int = Field(10, ge=1, le=4096, description="steps over which an LR jump is seen")
+    lr_grace: int = Field(
+        200, ge=1, le=65536, description="steps after an LR jump during which nothing is elevated"
+    )
+
+    def model(self) -> OutlierModel:
+        return OutlierModel(self)
+
+
+class Judged(NamedTuple):
+    """What :meth:`OutlierModel.judge` says of one point."""
+
+    #: judged at all (False during warm-up, while the level restarts, or when an LR rise explains it)
+    judged: bool
+    #: above the threshold
+    elevated: bool
+    #: log units above the level (0.0 when not judged)
+    residual: float
+    #: the threshold it was compared with (log units; NaN when not judged)
+    threshold: float
+    #: the level (log units; NaN while there is none)
+    level: float
+
+    @property
+    def score(self) -> float:
+        """Residual over threshold: 1.0 is at the threshold (0.0 when not judged)."""
+        return self.residual / self.threshold if self.judged and self.threshold > 0.0 else 0.0
+
+
+_NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
+_MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
+
+
+class OutlierModel:
+    """One signal's level, tail and threshold (see the module docstring)."""
+
+    __slots__ = ("config", "level", "tail", "lr_low", "excused", "elevated_run")
+
+    def __init__(self, config: OutlierConfig | None = None) -> None:
+        self.config = config or OutlierConfig()
+        self.level = RollingMedian(self.config.level_window)
+        self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
+        self.lr_low = SlidingMin(self.config.lr_jump_steps)
+        self.excused = 0  # steps left during which an LR jump explains a rise
+        self.elevated_run = 0  # elevated points in a row so far
+
+    def threshold(self) -> float:
+        """The current threshold in log units (NaN during warm-up)."""
+        cfg = self.config
+        n = len(self.tail)
+        if n < cfg.min_history:
+            return math.nan
+        t = self.tail.threshold()
+        floor = cfg.min_rise if n >= cfg.settle else cfg.young_min_rise
+        return t if t > floor else floor
+
+    def _lr_jumped(self, lr: float | None) -> bool:
+        if lr is None or not math.isfinite(lr) or not len(self.lr_low):
+            return False
+        return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.get()
+
+    def lr_explains_rise(self, lr: float | None) -> bool:
+        """Whether a recent jump of the learning rate (this step's included) explains a rise."""
+        return self.excused > 0 or self._lr_jumped(lr)
+
+    def judge(self, y: float, lr: float | None = None) -> Judged:
+        """Judge ``y`` (a finite log value) against what came before; changes nothing."""
+        if len(self.level) < _MIN_LEVEL:
+            return _NOT_JUDGED
+        level = self.level.get()
+        residual = y - level
+        threshold = self.threshold()
+        if threshold != threshold or self.lr_explains_rise(lr):
+            return Judged(False, False, residual, math.nan, level)
+        return Judged(True, residual > threshold, residual, threshold, level)
+
+    def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
+        """Take the judged point in: its residual into the tail, and into the level unless elevated."""
+        if self._lr_jumped(lr):
+            self.excused = self.config.lr_grace
+        elif self.excused:
+            self.excused -= 1
+        if lr is not None and math.isfinite(lr):
+            self.lr_low.update(lr)
+        if judged.level == judged.level:
+            self.tail.update(judged.residual)
+        if judged.elevated:
+            self.elevated_run += 1
+            if self.elevated_run >= self.config.relearn_after:
+                self.level.clear()
+                self.elevated_run = 0
+            return
+        self.elevated_run = 0
+        self.level.update(y)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
+                "lr_low": self.lr_low.state_dict(), "excused": self.excused,
+                "elevated_run": self.elevated_run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level.load_state_dict(state["level"])
+        self.tail.load_state_dict(state["tail"])
+        self.lr_low.load_state_dict(state["lr_low"])
+        self.excused = int(state["excused"])
+        self.elevated_run = int(state["elevated_run"])
+
+
+def log_of(x: float, floor: float = 1e-12) -> float:
+    """log(x) of a finite value, clipped below at ``floor`` (a loss of 0 has a log too)."""
+    return math.log(x if x > floor else floor)
+
+
+def loss_config() -> OutlierConfig:
+    """The loss model's defaults, the same for the Guard's skip and the pipeline's level test."""
+    return OutlierConfig()
+
+
+def grad_norm_config() -> OutlierConfig:
+    """The gradient norm's defaults: heavier-tailed than the loss, so larger floors (x4; x6 young;
+    real ResNet runs heal from a x74 jump to x3 the step after)."""
+    return OutlierConfig(min_rise=math.log(4.0), young_min_rise=math.log(6.0))
