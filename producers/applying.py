@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from spikeguard.producers.actions import ANOMALY_KINDS, Outcome
 from spikeguard.producers.distributed import failures
+from spikeguard.producers.narration import STEERING
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
 
@@ -29,6 +30,8 @@ class ActionApplying:
         self._weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
         for action in due:
             broken = self.actions.broken_plan(action)
+            if broken is not None and action.kind in STEERING and self._withhold_reason(action) is not None:
+                broken = None  # withheld anyway (mode, budget): said and acked as withheld, as the rest was
             duplicate = self.rank == 0 and action.action_id in self.ledger
             if self.sync.enabled:  # rank 0's ledger decides for every rank
                 duplicate = self.sync.share(duplicate)

@@ -57,13 +57,14 @@ def checkpoint(step: int, key: str | None, checkpoint_id: str) -> tuple[str, Che
 
 
 def the_real_run(bus: EmbeddedBus, worker: Worker, key: str | None, *forged) -> None:
-    """A checkpoint, a healthy stretch (and ``forged``), then a critical non-finite step: a rollback is due.
+    """A checkpoint, a healthy stretch (and ``forged``), then a non-finite step that recurs: a rollback is
+    due (one non-finite step alone the Guard has already skipped).
 
     The checkpoint is read first: the actuator's topics are not ordered among themselves.
     """
     publish(bus, worker, checkpoint(20, key, "c20"))
     publish(bus, worker, *[decision(s, key) for s in range(21, 150)], *forged)
-    publish(bus, worker, decision(150, key, anomaly=True))
+    publish(bus, worker, decision(150, key, anomaly=True), decision(151, key, anomaly=True))
 
 
 def rollbacks(bus: EmbeddedBus) -> list[Action]:
@@ -84,7 +85,7 @@ def test_one_forged_far_future_decision_no_longer_disarms_the_run():
 
     (rollback,) = rollbacks(bus)
     assert rollback.params.target_step == 20 and rollback.signature
-    assert worker.stage.run(RUN).high_water == 150
+    assert worker.stage.run(RUN).high_water == 151
     (letter,) = letters(bus)
     assert letter.error == "RecordNotAuthenticated" and letter.source_topic == TOPICS.decisions
     assert f"run {RUN} decision for step {MAX_COUNTER}: no signature" in letter.reason

@@ -12,7 +12,7 @@ import pytest
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import COMPONENTS, build_stage
-from spikeguard.schemas import Action, DeadLetter, StepEvent, Topics, decode, encode, sign_step
+from spikeguard.schemas import ActionKind, Action, DeadLetter, StepEvent, Topics, decode, encode, sign_step
 from spikeguard.schemas.signing import verify_action
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
@@ -50,7 +50,8 @@ def run_pipeline(events: list[StepEvent], key: str | None = KEY) -> EmbeddedBus:
 
 
 def actions(bus: EmbeddedBus) -> list[Action]:
-    return [decode(r.value, Action) for r in bus.read_all(TOPICS.actions)]
+    """The actions that act on the run (the actuator's pulses only say it is being judged)."""
+    return [a for a in (decode(r.value, Action) for r in bus.read_all(TOPICS.actions)) if a.kind is not ActionKind.PULSE]
 
 
 def letters(bus: EmbeddedBus) -> list[DeadLetter]:
