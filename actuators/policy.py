@@ -83,6 +83,7 @@ from spikeguard.schemas import (
     CheckpointEvent,
     Claim,
     Decision,
+    Evidence,
 )
 
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
@@ -300,7 +301,10 @@ class RecoveryPolicy:
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
         self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
                               "judge_at": d.step + self.config.spike_patience_steps,
-                              "critical": critical, "grad_bounded": self._grad_bounded(d)}
+                              "critical": critical, "grad_bounded": self._grad_bounded(d),
+                              # what a later rollback claims: the spike's own step, not the judging one
+                              "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
+                              "evidence": d.evidence.model_dump(mode="json") if d.evidence else None}
 
     def _grad_bounded(self, d: Decision) -> bool:
         """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""
@@ -429,6 +433,9 @@ class RecoveryPolicy:
         if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
             inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
             plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
+            if p.get("claim") is not None:  # ... and claim the spike's step, as the trainer saw it
+                plan.claim = Claim.model_validate(p["claim"])
+                plan.evidence = Evidence.model_validate(p["evidence"]) if p.get("evidence") else None
             self.healthy_streak = 0
             critical = bool(p.get("critical")) or d.critical
             still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "

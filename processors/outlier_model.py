@@ -35,7 +35,8 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
 * **learning rate** — for ``lr_grace`` steps after the learning rate jumped
-  (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps: a warm
+  (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps, which were
+  not rising: a warm
   restart), a rise is explained: nothing is elevated and every point is
   accepted. A warm-up raises the LR too slowly to count: an instability
   during the warm-up is still found.
@@ -125,38 +126,38 @@ class TailThreshold:
         self._waiting = deque(float(v) for v in state["waiting"])
 
 
-class SlidingMin:
-    """The smallest of the last ``window`` values: a deque of (index, value), increasing."""
+class RecentValues:
+    """The last ``window`` values (a learning rate's, per step), oldest first."""
 
-    __slots__ = ("window", "_seen", "_queue")
+    __slots__ = ("window", "_values")
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self._seen = 0
-        self._queue: deque[tuple[int, float]] = deque()
+        self._values: deque[float] = deque(maxlen=window)
 
     def __len__(self) -> int:
-        return min(self._seen, self.window)
+        return len(self._values)
 
     def update(self, value: float) -> None:
-        queue = self._queue
-        while queue and queue[-1][1] >= value:
-            queue.pop()
-        queue.append((self._seen, value))
-        self._seen += 1
-        if queue[0][0] <= self._seen - 1 - self.window:
-            queue.popleft()
+        self._values.append(value)
 
-    def get(self) -> float:
-        """NaN while empty."""
-        return self._queue[0][1] if self._queue else math.nan
+    def jumped(self, value: float, rise: float) -> bool:
+        """``value`` is ``rise`` times the lowest of the window, and the window was not rising.
+
+        A warm restart lifts the LR at once after a decay or a plateau; a warm-up
+        lifts it a little every step, from near zero, and is never a jump (its window's
+        newest value is above its oldest), so an instability during a warm-up is judged.
+        """
+        values = self._values
+        if len(values) < 2 or not value > 0.0:  # one value says nothing of where the LR was going
+            return False
+        return value >= rise * min(values) and values[-1] <= values[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": self._seen, "queue": [list(item) for item in self._queue]}
+        return {"values": list(self._values)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seen = int(state["seen"])
-        self._queue = deque((int(i), float(v)) for i, v in state["queue"])
+        self._values = deque((float(v) for v in state.get("values", ())), maxlen=self.window)
 
 
 class OutlierConfig(BaseModel):
@@ -234,13 +235,13 @@ _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
 class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
-    __slots__ = ("config", "level", "tail", "lr_low", "excused", "elevated_run")
+    __slots__ = ("config", "level", "tail", "lr_recent", "excused", "elevated_run")
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
         self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
-        self.lr_low = SlidingMin(self.config.lr_jump_steps)
+        self.lr_recent = RecentValues(self.config.lr_jump_steps)
         self.excused = 0  # steps left during which an LR jump explains a rise
         self.elevated_run = 0  # elevated points in a row so far
 
@@ -255,9 +256,9 @@ class OutlierModel:
         return t if t > floor else floor
 
     def _lr_jumped(self, lr: float | None) -> bool:
-        if lr is None or not math.isfinite(lr) or not len(self.lr_low):
+        if lr is None or not math.isfinite(lr):
             return False
-        return lr > 0.0 and lr >= self.config.lr_rise * self.lr_low.get()
+        return self.lr_recent.jumped(lr, self.config.lr_rise)
 
     def lr_explains_rise(self, lr: float | None) -> bool:
         """Whether a recent jump of the learning rate (this step's included) explains a rise."""
@@ -281,7 +282,7 @@ class OutlierModel:
         elif self.excused:
             self.excused -= 1
         if lr is not None and math.isfinite(lr):
-            self.lr_low.update(lr)
+            self.lr_recent.update(lr)
         if judged.level == judged.level:
             self.tail.update(judged.residual)
         if judged.elevated:
@@ -295,13 +296,13 @@ class OutlierModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
-                "lr_low": self.lr_low.state_dict(), "excused": self.excused,
+                "lr_recent": self.lr_recent.state_dict(), "excused": self.excused,
                 "elevated_run": self.elevated_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level.load_state_dict(state["level"])
         self.tail.load_state_dict(state["tail"])
-        self.lr_low.load_state_dict(state["lr_low"])
+        self.lr_recent.load_state_dict(state.get("lr_recent", {}))
         self.excused = int(state["excused"])
         self.elevated_run = int(state["elevated_run"])
 
