@@ -61,6 +61,7 @@ normally first).
 
 from __future__ import annotations
 
+import json
 import math
 from collections import OrderedDict
 from typing import Any
@@ -304,7 +305,7 @@ class RecoveryPolicy:
                               "critical": critical, "grad_bounded": self._grad_bounded(d),
                               # what a later rollback claims: the spike's own step, not the judging one
                               "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
-                              "evidence": d.evidence.model_dump(mode="json") if d.evidence else None}
+                              "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None}
 
     def _grad_bounded(self, d: Decision) -> bool:
         """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""

@@ -88,8 +88,13 @@ def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_l
     out = feed(policy, [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3)] + healthy(801, 804))
     assert kinds(out)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
     assert "not absorbed" in out[0].reason
-    # Decided on a healthy step, it still names the spike's incident (the Guard records it).
+    # Decided on a healthy step, it still names the spike's incident (the Guard records it),
+    # and claims the spike's own step with its evidence: the trainer checks that claim against
+    # what it saw at that step, and a healthy step's claim would be refused.
     assert {a.incident_id for a in out} == {incident_id(R, 800)}
+    changes = [a for a in out if a.kind in CHANGES]
+    assert {(a.claim.step, a.claim.type) for a in changes} == {(800, T.EXTREME_LOSS)}
+    assert {a.evidence.step for a in changes} == {800}
 
 
 def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouched() -> None:

@@ -102,6 +102,16 @@ def test_a_warm_restart_is_explained_by_the_learning_rate():
     assert any(blind.decide(2.0 * (1.6 if 600 <= i < 650 else 1.0)).skip for i in range(1200))
 
 
+def test_a_spike_after_a_fast_warm_up_is_still_judged():
+    """A linear warm-up from near zero doubles the LR in its first steps: that is no warm restart,
+    and must not excuse every rise for the next lr_grace steps (the demo's spike at step 100)."""
+    rule = SkipRule()
+    losses = _noisy(160, seed=7)
+    losses[100] *= 50.0
+    decisions = [rule.decide(loss, None, 1e-3 * min(1.0, (i + 1) / 10)) for i, loss in enumerate(losses)]
+    assert [i for i, d in enumerate(decisions) if d.skip] == [100]
+
+
 def test_warm_up_and_non_finite_values_are_neither_judged_nor_learned():
     rule = SkipRule()
     assert not any(rule.decide(x).skip for x in [3.0] * 15 + [30.0])  # no tail yet
