@@ -249,7 +249,7 @@ class RecoveryPolicy:
 
     # --- strategies --------------------------------------------------------------------------
     def _anomaly(self, plan: ActionPlan, d: Decision) -> None:
-        cfg, rec = self.config, self.recovery
+        cfg = self.config
         self.healthy_streak = 0
         inc = self.incidents.get(d, self.observed_steps)
         strategy = cfg.strategy_of(d.type, d.critical)

@@ -28,10 +28,12 @@ isolated outlier (skip_rule.py), publishes the
 StepEvent without waiting (drop-oldest queue), updates, and checkpoints when
 due (a CPU copy in the step, written in the background: async_checkpoint.py).
 A restarted run_id resumes with a WARNING (``resume="auto"``, the default; "must"
-and "never" as config.ResumeMode says); a finished one is not resumed (lifecycle.py). The run's preset and policy are checked when the Guard is
-built and published on the runs topic (run_plan.py). Step numbers count ``step`` calls; a checkpoint "at step s" holds the
-state before step s runs. After a rollback to s the step counter is s again
-and the epoch (rollbacks applied so far) one higher.
+and "never" as config.ResumeMode says); a finished one is not resumed
+(lifecycle.py). The run's preset and policy are checked when the Guard is
+built and published on the runs topic (run_plan.py). Step numbers count
+``step`` calls; a checkpoint "at step s" holds the state before step s runs.
+After a rollback to s the step counter is s again and the epoch (rollbacks
+applied so far) one higher.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from spikeguard.processors.outlier_model import (
-    Judged, OutlierConfig, OutlierModel, grad_norm_config, log_of, loss_config,
+    Judged, OutlierConfig, grad_norm_config, log_of, loss_config,
 )
 
 

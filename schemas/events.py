@@ -198,7 +198,8 @@ class Verdict(_Event):
     horizon_steps: int | None = Field(None, ge=1)
     health: HealthLevel | None = None
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the detector worker, see schemas.signing (optional on the wire; "
+        None, max_length=128, description="hex HMAC-SHA256 by the detector worker, see schemas.signing "
+        "(optional on the wire; "
         "a consumer with the key refuses a record without it)"
     )
 
@@ -335,7 +336,8 @@ class Ack(_Event):
     result: str = ""
     time: float = Field(default_factory=time.time)
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing (optional on the wire; "
+        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
+        "(optional on the wire; "
         "a consumer with the key refuses a record without it)"
     )
 
@@ -356,7 +358,8 @@ class CheckpointEvent(_Event):
     )
     time: float = Field(default_factory=time.time)
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing (optional on the wire; "
+        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
+        "(optional on the wire; "
         "a consumer with the key refuses a record without it)"
     )
 

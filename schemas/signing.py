@@ -204,7 +204,8 @@ def describe(record: BaseModel) -> str:
 
 
 def authenticate(record: BaseModel, key: SecretStr | str | bytes | None) -> None:
-    """Raise a RecordNotAuthenticated subclass naming the run, the record and why, unless ``record`` is signed with ``key``.
+    """Raise a RecordNotAuthenticated subclass naming the run, the record and why, unless
+    ``record`` is signed with ``key``.
 
     No key (``--insecure``, backtests, replays): nothing to check. Every stage's
     ``admit`` calls this first, so a refused record changes nothing.

@@ -103,7 +103,7 @@ class _KafkaConsumer(Consumer):
             try:
                 callback(partitions)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the IO thread, then by poll
-                net.call_soon_threadsafe(lambda: done.failure(exc))
+                net.call_soon_threadsafe(lambda error=exc: done.failure(error))  # (exc is unbound after the block)
             else:
                 net.call_soon_threadsafe(lambda: done.success(None))
 

@@ -48,7 +48,8 @@ class RunClock:
         self.times: dict[str, RunTime] = {}
 
     def check(self, run_id: str, epoch: int | None, step: int, what: str) -> None:
-        """Raise RecordBeyondRunClock naming ``what`` (which says the step) when (epoch, step) is too far past the run's clock.
+        """Raise RecordBeyondRunClock naming ``what`` (which says the step) when (epoch, step)
+        is too far past the run's clock.
 
         ``epoch`` None: a record without one (an ack); its step alone is checked.
         """

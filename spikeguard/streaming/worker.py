@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import (
-    DeliveryError, RecordRejected, SchemaError, SpikeguardError, TooManyRuns,
+    DeliveryError, RecordRejected, SchemaError, TooManyRuns,
 )
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,

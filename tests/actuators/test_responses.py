@@ -10,7 +10,9 @@ import pytest
 
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.actuators.responses import Response
-from spikeguard.schemas import Ack, AckStatus, ActionKind, Evidence, AnomalyType as T, CheckpointEvent, Decision, decision_id, incident_id
+from spikeguard.schemas import (
+    Ack, AckStatus, ActionKind, AnomalyType as T, CheckpointEvent, Decision, Evidence, decision_id, incident_id,
+)
 
 R = "run-responses"
 K = ActionKind

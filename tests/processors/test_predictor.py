@@ -130,7 +130,8 @@ def test_lr_jump_is_lr_too_high_but_warmup_is_not() -> None:
     assert "lr_jump" in verdicts[T0].rules and verdicts[T0].confidence >= 0.7
     warm = [e.model_copy(update={"lr": 1e-3 * min(1.0, (e.step + 1) / 500)}) for e in run(1000)]
     assert not any(v.is_anomaly for v in PredictorDetector(ON).update_many(warm))
-    off = PredictorDetector(PredictorConfig(enabled=True, lr_jump_factor=math.inf)).update_many(run(T0 + 20, lr_jump=4.0))
+    blind = PredictorDetector(PredictorConfig(enabled=True, lr_jump_factor=math.inf))
+    off = blind.update_many(run(T0 + 20, lr_jump=4.0))
     assert not warnings(off, AnomalyType.LR_TOO_HIGH)
 
 

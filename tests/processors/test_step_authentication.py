@@ -51,7 +51,8 @@ def run_pipeline(events: list[StepEvent], key: str | None = KEY) -> EmbeddedBus:
 
 def actions(bus: EmbeddedBus) -> list[Action]:
     """The actions that act on the run (the actuator's pulses only say it is being judged)."""
-    return [a for a in (decode(r.value, Action) for r in bus.read_all(TOPICS.actions)) if a.kind is not ActionKind.PULSE]
+    decoded = (decode(r.value, Action) for r in bus.read_all(TOPICS.actions))
+    return [a for a in decoded if a.kind is not ActionKind.PULSE]
 
 
 def letters(bus: EmbeddedBus) -> list[DeadLetter]:
