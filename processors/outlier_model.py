@@ -217,7 +217,8 @@ class Judged(NamedTuple):
     elevated: bool
     #: log units above the level (0.0 when not judged)
     residual: float
-    #: the threshold it was compared with (log units; NaN when not judged)
+    #: the threshold it was (or, when an LR rise explained it, would have been) compared with
+    #: (log units; NaN during warm-up)
     threshold: float
     #: the level (log units; NaN while there is none)
     level: float
@@ -271,8 +272,10 @@ class OutlierModel:
         level = self.level.get()
         residual = y - level
         threshold = self.threshold()
-        if threshold != threshold or self.lr_explains_rise(lr):
+        if threshold != threshold:
             return Judged(False, False, residual, math.nan, level)
+        if self.lr_explains_rise(lr):  # not judged; the threshold is kept for who asks how far out it was
+            return Judged(False, False, residual, threshold, level)
         return Judged(True, residual > threshold, residual, threshold, level)
 
     def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:

@@ -96,7 +96,12 @@ class SkipRule:
 
 
 def _score(judged: Judged | None) -> float | None:
-    return round(judged.score, 3) if judged is not None and judged.judged else None
+    """How far out the point was (1.0: at the threshold); None during warm-up. A point an LR
+    rise explains is not elevated, but its distance is still given: the trainer's own view of a
+    step (evidence.py) must see an LR blow-up's loss for what it is."""
+    if judged is None or not judged.threshold > 0.0:
+        return None
+    return round(judged.residual / judged.threshold, 3)
 
 
 def scan(steps: Iterable[tuple[float, float | None]], **settings: Any) -> list[SkipDecision]:

