@@ -21,7 +21,7 @@ from spikeguard.schemas import (
     encode,
 )
 from spikeguard.settings import load_settings
-from spikeguard.schemas.signing import sign_step
+from spikeguard.schemas.signing import sign, sign_step
 
 
 def healthy_loss(step: int) -> float:
@@ -43,8 +43,9 @@ def recorded(tmp_path_factory):
                              encode(sign_step(StepEvent(run_id="rec", step=step, loss=loss),
                                               runtime.settings.signing_key)), key="rec")
             if step % 50 == 0 and 0 < step < 300:
-                producer.publish(runtime.topics.checkpoints, encode(CheckpointEvent(
-                    run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True)), key="rec")
+                producer.publish(runtime.topics.checkpoints, encode(sign(CheckpointEvent(  # as the trainer signs
+                    run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True), runtime.settings.signing_key)),
+                    key="rec")
         producer.flush()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
