@@ -297,13 +297,13 @@ class StatisticalDetector(Detector[StatisticalState]):
                 return self._verdict(event, AnomalyType.OSCILLATION,
                                      _confidence(osc / self.config.loss.osc_level), rule, osc,
                                      swings[2], f"{rule}: swings x{osc:.1f} their usual size")
-        grad = judgement.grad_point
-        if grad is not None and grad.elevated:
+        point = judgement.grad_point
+        if point is not None and point.elevated:
             if state.grad_up + 1 >= self._grad_persist:
                 return self._verdict(
-                    event, AnomalyType.GRADIENT_EXPLOSION, _confidence(grad.score), "grad_norm_spike",
-                    grad.score, grad.residual,
-                    f"grad_norm_spike: {grad.score:.2f} x its threshold, x{math.exp(grad.residual):.1f}",
+                    event, AnomalyType.GRADIENT_EXPLOSION, _confidence(point.score), "grad_norm_spike",
+                    point.score, point.residual,
+                    f"grad_norm_spike: {point.score:.2f} x its threshold, x{math.exp(point.residual):.1f}",
                 )
             # A one-step grad-norm jump the loss does not follow (real ResNet/WMT runs:
             # x16-x134, the loss within +26 %): said, not an anomaly (the Guard's skip
@@ -311,9 +311,9 @@ class StatisticalDetector(Detector[StatisticalState]):
             return Verdict(
                 run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
                 loss=event.loss, grad_norm=event.grad_norm, is_anomaly=False, confidence=0.3,
-                signals={"z": round(grad.score, 3), "jump": round(grad.residual, 4),
+                signals={"z": round(point.score, 3), "jump": round(point.residual, 4),
                          "grad_norm_jump": 1},
-                message=f"grad_norm jumped x{math.exp(grad.residual):.1f} with the loss calm; "
+                message=f"grad_norm jumped x{math.exp(point.residual):.1f} with the loss calm; "
                 "an explosion if it lasts",
             )
         return validate_verdict({

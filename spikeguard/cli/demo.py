@@ -101,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("spikeguard demo: --steps must be at least 150 (the fault strikes at step 100)")
     setup = DemoSetup(steps=args.steps)
     progress = None if (args.quiet or args.json) else _ProgressBar()
-    for handler in logging.getLogger().handlers if progress is not None else ():
-        handler.addFilter(progress)
+    if progress is not None:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(progress)
     runtime = None
     if not args.no_guard:
         # Opened here rather than by run_demo, so that the report can read the run back

@@ -38,6 +38,7 @@ from spikeguard.schemas import (
     Decision,
     StepEvent,
 )
+from spikeguard.schemas.actions import ScaleLrParams, SkipBatchesParams
 
 
 class PolicyActions(NamedTuple):
@@ -110,9 +111,9 @@ def policy_actions(decisions: Iterable[Decision], run_id: str, policy: PolicyCon
                 rollbacks += 1
                 actions += recovery.on_ack(Ack(run_id=run_id, action_id=action.action_id, kind=kind,
                                                status=AckStatus.APPLIED, step=action.apply_at_step, time=0.0))
-            elif kind is ActionKind.SET_LR or (kind is ActionKind.SCALE_LR and params.factor < 1):
+            elif kind is ActionKind.SET_LR or (isinstance(params, ScaleLrParams) and params.factor < 1):
                 lr_cuts += 1
-            elif kind is ActionKind.SKIP_BATCHES:
+            elif isinstance(params, SkipBatchesParams):
                 skipped += params.to_step - params.from_step + 1 + params.extra
         if recovery.stopped:
             break
