@@ -19,6 +19,10 @@ from spikeguard.schemas import Decision, Topics
 
 log = logging.getLogger(__name__)
 
+#: Healthy decisions this many steps after an anomalous one are followed too: a spike's
+#: rollback is decided once its patience (policy spike_patience_steps) ran out.
+AFTER_ANOMALY_STEPS = 8
+
 
 class DecisionWaiter:
     def __init__(self, bus: Bus, topics: Topics, run_id: str, timeout: float = 10.0) -> None:
@@ -31,6 +35,7 @@ class DecisionWaiter:
         self._order: deque[tuple[int, int]] = deque()
         self.timeouts = 0
         self._silent = False  # a wait timed out and no decision came since: do not wait again
+        self._last_anomaly: tuple[int, int] = (-1, -1)  # (epoch, step) of the newest anomalous decision
 
     def wait(self, epoch: int, step: int) -> Decision | None:
         """The decision of (epoch, step), or None after ``timeout`` seconds."""
@@ -63,9 +68,14 @@ class DecisionWaiter:
                 self._silent = False
 
     def follow(self, inbox, epoch: int, step: int, settle: float) -> None:
-        """Wait for (epoch, step)'s decision; if anomalous, briefly for the actions it causes."""
+        """Wait for (epoch, step)'s decision; if anomalous, or a few steps after one (the policy
+        may judge a spike after its patience, on a healthy step), briefly for the actions it causes."""
         decision = self.wait(epoch, step)
-        if decision is None or not (decision.is_anomaly or decision.preventive):
+        if decision is None:
+            return
+        if decision.is_anomaly or decision.preventive:
+            self._last_anomaly = (epoch, step)
+        elif not (self._last_anomaly[0] == epoch and 0 < step - self._last_anomaly[1] <= AFTER_ANOMALY_STEPS):
             return
         deadline = time.monotonic() + settle  # the actions derived from it follow within moments
         while time.monotonic() < deadline:
