@@ -273,7 +273,8 @@ def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp
           f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
           f"(clean run {clean['rss_growth'] / 2**20:.1f} MiB)")
 
-    assert attacker.steps_seen[0] < 20 and attacker.steps_seen[-1] > 100  # mixed into the run
+    # mixed into the run, through the spike (the newest step goes back at the rollback: its max counts)
+    assert attacker.steps_seen[0] < 20 and max(attacker.steps_seen) > 100
     # The run's decisions and applied actions are those of the clean run.
     assert clean["outcome"].steps == hostile["outcome"].steps == 300
     assert _decisions(hostile) == _decisions(clean)
