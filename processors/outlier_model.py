@@ -25,8 +25,8 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
   whose upper tail in log space is at most exponential, a healthy step is over
   it with probability at most about ``rate``; Gaussian noise, chi-square
   batch-1 MSE and cross-entropy with label noise have lighter tails in log
-  space and stay far below. The default ``rate`` of 1e-4 is **one elevated
-  point per 10,000 healthy steps at most**, per signal.
+  space and stay far below. The default ``rate`` of 1e-5 is **one elevated
+  point per 100,000 healthy steps at most**, per signal.
 * **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
   must not call a wobble of a few percent an outlier.
 * **warm-up** — nothing is judged until the tail holds ``min_history``
