@@ -47,25 +47,37 @@ class ScalerControl:
         """
         return float(self.scaler.get_scale()) if self.enabled else None
 
-    def step(self, run: Callable[[Callable[[], Any]], Any], optimizer: Any, overflow: bool) -> None:
-        """``scaler.step`` (through ``run``, e.g. the LR wrapper), then ``update``.
-
-        ``overflow``: the unscaled gradients hold an inf/NaN, which is exactly what
-        the scaler's own check finds in the same gradients, so the Guard knows it
-        from its statistics without another device-to-host copy.
-        """
+    def step(self, run: Callable[[Callable[[], Any]], Any], optimizer: Any) -> None:
+        """``scaler.step`` (through ``run``, e.g. the LR wrapper), then ``update``."""
         if not self.enabled:
             run(optimizer.step)
             return
         run(lambda: self.scaler.step(optimizer))
         self.scaler.update()
-        self.streak = self.streak + 1 if overflow else 0
+
+    def count(self, overflow: bool) -> None:
+        """The scaler stepped this update: its overflow streak goes on or ends.
+
+        ``overflow``: the unscaled gradients hold an inf/NaN, which is exactly what
+        the scaler's own check finds in the same gradients, so the Guard knows it
+        from its statistics without another device-to-host copy.
+        """
+        if self.enabled:
+            self.streak = self.streak + 1 if overflow else 0
+
+    def keep(self) -> dict[str, Any] | None:
+        """The scaler's state now, for ``put_back`` once a step that did not happen is over."""
+        return self.scaler.state_dict() if self.enabled else None
+
+    def put_back(self, kept: dict[str, Any] | None) -> None:
+        if kept is not None:
+            self.scaler.load_state_dict(kept)
 
     def void(self) -> None:
         """This step's update will not happen: keep the scale as it is now (after a rollback,
         the checkpoint's), and end the step's unscaled stage so the next step can unscale."""
         if not self.enabled:
             return
-        now = self.scaler.state_dict()
+        now = self.keep()
         self.scaler.update()  # resets the per-step stage; the inf checks were recorded by unscale_
-        self.scaler.load_state_dict(now)
+        self.put_back(now)

@@ -1,57 +1,55 @@
 """The Guard for a training loop someone else runs (HF Trainer, Lightning): the step in two halves.
 
 A framework calls ``optimizer.step()`` and ``scheduler.step()`` itself, so
-``guard.step(loss)`` (which calls both) cannot be used. Its work is split
-around the framework's own optimizer step, for a callback to drive:
+``guard.step(loss)`` (which calls both) cannot be used. A callback calls the
+same two halves ``Guard.step`` is made of, around the framework's own step:
 
-- :meth:`FrameworkGuard.before_update` (after the backward, before the
-  framework's ``optimizer.step()``): the statistics with one device-to-host
-  transfer, the actions due, the local skip rule. It returns whether the
-  update may be applied; when not, every gradient is set to ``None``, which
-  torch optimizers treat as "this parameter takes no step": no moment update,
-  no weight decay, no step count (zeroed gradients would still move AdamW).
-- :meth:`FrameworkGuard.after_update` (after the framework's step, scheduler
-  included): the StepEvent, checkpoints, and the rollback or stop held back
-  from the first half, which must come after the framework's own bookkeeping
-  (a rollback done before it would see the scheduler stepped once more).
+- :meth:`~spikeguard.producers.guard.Guard.before_update` (after the backward,
+  before the framework's ``optimizer.step()``): statistics, actions due, the
+  local skip rule, clipping: everything ``Guard.step`` does before its update,
+  AMP, rank sync, re-runs, mode and recovery budget included. When the update
+  is not to happen every gradient is set to ``None`` (producers/update.py).
+- :meth:`~spikeguard.producers.guard.Guard.after_update` (after the
+  framework's step, scheduler included): the StepEvent, checkpoints, acks.
 
-Step numbers are the framework's: each half is told the framework's global
-step. The Guard's LR factor is applied around the framework's
-``optimizer.step()`` (set at the end of the first half, put back by the
-optimizer's step post-hook), so the scheduler reads and writes its own values
-and the factor composes with them (lr.py).
+What differs is only what the framework owns:
 
-The framework owns the data loader and cannot be made to re-read a batch
-(its iterator lives inside its loop), so the data is a stream that never goes
-back (:class:`BatchStream`): after a rollback the run goes on with the batch
-after the last one read, and the batches of the rolled-back stretch are never
-read again — the data that led into the trouble is skipped by the rollback
-itself, as PaLM's restarts skipped it. A skip window that reaches past the
-current batch voids the updates of the steps that read those batches; they
-are not published.
+- Step numbers are the framework's: ``before_update(loss, step=global_step)``.
+- The Guard's LR factor is applied around the framework's ``optimizer.step()``
+  (set at the end of the first half, put back by the optimizer's step
+  post-hook), so the scheduler reads and writes its own values (lr.py).
+- A step the Guard voids still goes through the framework's step: the
+  scaler's state (and, when a rollback or stop ended the step, the scheduler's
+  and the LR) is put back after it, as if that step had not happened, as in
+  ``Guard.step``. A framework counts the step that a stop ended.
+- The framework owns the data loader and cannot be made to re-read a batch
+  (its iterator lives inside its loop), so the data is a stream that never
+  goes back (:class:`BatchStream`): after a rollback the run goes on with the
+  batch after the last one read, and the batches of the rolled-back stretch
+  are never read again — the data that led into the trouble is skipped by the
+  rollback itself, as PaLM's restarts skipped it. A skip window that reaches
+  past the current batch voids the updates of the steps that read those
+  batches; they are not published.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from spikeguard.errors import ConfigError
 from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.data import merge_ranges
-from spikeguard.producers.evidence import own_view
-from spikeguard.producers.guard import Guard
+from spikeguard.producers.guard import Guard, StepResult
 from spikeguard.producers.ledger import apply_restart_facts
+from spikeguard.producers.lr import LRControl
 from spikeguard.producers.narration import RunSummary
-from spikeguard.schemas import ActionKind
+from spikeguard.producers.update import torch_optimizer, void_update
 
 log = logging.getLogger("spikeguard.producers.guard")
-
-#: Actions that end the step they are due at; applied in the second half.
-INTERRUPTING = frozenset({ActionKind.ROLLBACK, ActionKind.STOP})
 
 
 class BatchStream:
@@ -113,54 +111,35 @@ class LRScaleHooks:
     ``on_before_optimizer_step`` inside it, after the pre-hooks.
     """
 
-    def __init__(self, lr: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, lr: LRControl, optimizer: torch.optim.Optimizer) -> None:
         self.lr = lr
-        self.optimizer = optimizer
         self._saved: list[Any] | None = None
         self.handle = optimizer.register_step_post_hook(lambda *_: self.restore())
 
     def apply(self) -> None:
-        if self.lr.scale == 1.0 or self._saved is not None:
-            return
-        groups = self.optimizer.param_groups
-        self._saved = [g["lr"] for g in groups]
-        for g, lr in zip(groups, self._saved):
-            value = (lr.item() if isinstance(lr, torch.Tensor) else lr) * self.lr.scale
-            g["lr"] = lr.clone().fill_(value) if isinstance(lr, torch.Tensor) else value
+        if self._saved is None:
+            self._saved = self.lr.apply_scale()
 
     def restore(self) -> None:
         """The scheduled values back (the scheduler steps from its own value, never the scaled one)."""
-        if self._saved is not None:
-            for g, lr in zip(self.optimizer.param_groups, self._saved):
-                g["lr"] = lr
-            self._saved = None
+        saved, self._saved = self._saved, None
+        self.lr.put_back(saved)
 
     def remove(self) -> None:
         self.restore()
         self.handle.remove()
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a framework's wrapper (accelerate's ``.optimizer``, Lightning's)."""
-    inner = optimizer
-    # (accelerate's AcceleratedOptimizer is an Optimizer subclass around the real one)
-    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) or (
-            not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer")):
-        inner = inner.optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"no torch optimizer found in {type(optimizer).__name__}")
-    return inner
+class Untouched(NamedTuple):
+    """What a framework's step over a voided update would change, kept to be put back after it."""
 
-
-def void_update(optimizer: Any) -> None:
-    """Make the coming ``optimizer.step()`` change nothing: every gradient is None."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    scaler: dict[str, Any] | None  # its update() would grow or lower the scale
+    scheduler: dict[str, Any] | None  # after a rollback or stop only: the step did not happen
+    lrs: list[Any] | None  # (the scheduler's step writes the param groups' LR)
 
 
 class FrameworkGuard(Guard):
-    """A :class:`Guard` driven by a framework's callback through two halves of a step.
+    """A :class:`Guard` driven by a framework's callback through the two halves of its step.
 
     ``framework_step`` is the framework's global step when training starts: above 0 it
     resumed a run itself (model, optimizer, scheduler), and ``resume`` says whether the
@@ -174,9 +153,8 @@ class FrameworkGuard(Guard):
         self.stream = BatchStream()
         self.position.attach(self.stream)  # (a resumed data state is handed over here)
         self.hooks = LRScaleHooks(self.lr, torch_optimizer(optimizer))
-        self._held: list[Any] = []  # due rollback/stop (and what came with them) for the second half
-        self._step: dict[str, Any] | None = None  # the first half's findings, for the second
-        self.rolled_back = False  # the last second half rolled back (the caller moves its step)
+        self._untouched: Untouched | None = None  # put back after the framework's step
+        self.rolled_back = False  # the last second half ended a rolled-back step (the caller moves its step)
 
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
         """The framework resumes the model; the Guard never loads weights over it.
@@ -204,74 +182,48 @@ class FrameworkGuard(Guard):
         """The framework read a (micro-)batch for training; True when it is in a skip window."""
         return self.stream.read()
 
-    def before_update(self, step: int, loss: torch.Tensor | float) -> bool:
-        """After the backward, before the framework's optimizer step; False: the update is voided."""
-        self._start()
-        self.step_count = step
+    def before_update(self, loss: torch.Tensor | float, batch: Any = None,
+                      closure: Callable[[], torch.Tensor] | None = None, *, step: int | None = None) -> bool:
         self.rolled_back = False
-        self._collect(step)
-        due = self.actions.due(step)
-        stats, grads = self.stats.compute(loss)
-        nonfinite = not stats.finite
-        held = any(a.kind in INTERRUPTING for a in due)
-        if held:
-            self._held = due  # applied after the framework's step, in order
-        elif due:
-            self._apply(due, step)
-        skipped_data = self.stream.span_skipped()  # (a skip window applied just now counts too)
-        reason, scored = None, None
-        if held or skipped_data:
-            reason = "held"
-        elif nonfinite and self.config.skip_nonfinite:
-            reason = "non_finite"
-        else:
-            reason, scored = self._outlier(step, stats)
-        reason = self._local_skip(step, reason, stats)  # said out loud; observe mode: not taken
-        if reason is None:
-            if stats.grad_norm is not None:
-                self.clipper.clip(grads, stats.grad_norm)
-                self.clipper.observe(stats.grad_norm)
-            self.counters["updates"] += 1
-        else:
-            void_update(self.optimizer)
-            if reason != "held":
-                self.counters["skipped_updates"] += 1
-        self._step = dict(step=step, stats=stats, reason=reason, nonfinite=nonfinite, scored=scored,
-                          skipped_data=skipped_data, lr=self.lr.effective())
-        self.hooks.apply()
-        return reason is None
+        allowed = super().before_update(loss, batch, closure, step=step)
+        if allowed:
+            self.hooks.apply()
+        return allowed
 
-    def after_update(self) -> bool:
-        """After the framework's optimizer (and scheduler) step; True when the run rolled back or stops."""
-        found, self._step = self._step, None
-        if found is None:
-            return False  # no first half (e.g. a micro-batch of an accumulation)
+    def after_update(self) -> StepResult:
         self.hooks.restore()  # (already done unless the framework skipped optimizer.step, e.g. fp16 overflow)
-        step, stats, reason = found["step"], found["stats"], found["reason"]
-        batches = self.position.record(step)
-        if reason != "held":
-            self.events.step(step, self.epoch, stats, lr=found["lr"], reason=reason, loss_scale=None,
-                             overflow_streak=0, batch_index=self.stream.last_index)
-            self.actions.published.remember(self.epoch, step, stats.loss, stats.grad_norm,
-                                            own_view(found["nonfinite"], False, found["scored"]))
-            self.health.observe(step, not (found["nonfinite"] or reason == "outlier_step"))
-            if reason in ("non_finite", "outlier_step"):
-                self.counters["skipped_update_batches"] += batches
-        self.step_count = step + 1
-        self.counters["steps"] += 1
-        held, self._held = self._held, []
-        interrupted = bool(held) and self._apply(held, self.step_count)
-        self.rolled_back = interrupted and not self.should_stop
-        self._maybe_checkpoint(requests_only=interrupted)
-        self._drain_saves()
-        self._finish_actions()
-        if self.waiter is not None and reason != "held":
-            self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
-        return interrupted
+        kept, self._untouched = self._untouched, None
+        if kept is not None:
+            self.amp.put_back(kept.scaler)
+            if kept.scheduler is not None:
+                self.scheduler.load_state_dict(kept.scheduler)
+            self.lr.put_back(kept.lrs)
+        return super().after_update()
 
     def close(self, finished: bool | None = None) -> RunSummary:
         self.hooks.remove()
         return super().close(finished)
+
+    # -- what the framework owns -------------------------------------------------
+    def _void_update(self, interrupted: bool) -> None:
+        """Every gradient None; the framework's scaler still steps (it must: its unscale was
+        recorded) and, after a rollback or stop, its scheduler: both are put back after it."""
+        void_update(self.optimizer)
+        stepped = interrupted and self.scheduler is not None
+        self._untouched = Untouched(self.amp.keep(), self.scheduler.state_dict() if stepped else None,
+                                    [g["lr"] for g in self.optimizer.param_groups] if stepped else None)
+
+    def _data_skipped(self) -> bool:
+        return self.stream.span_skipped()  # (a skip window applied in this first half counts too)
+
+    def _interrupted_step_done(self, step: int) -> None:
+        """The framework made the step a rollback or stop ended: it counts (a stop ends the run
+        after it), and its batches are spent."""
+        self.stream.take_span()
+        self.counters["steps"] += 1
+        self.rolled_back = not self.should_stop
+        if self.should_stop:
+            self.step_count = step + 1
 
 
 def mean_loss(losses: list[torch.Tensor], summed: bool) -> torch.Tensor | float:

@@ -44,7 +44,7 @@ import os
 import uuid
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -76,10 +76,38 @@ from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
-from spikeguard.producers.stats import GradStats, across_ranks
+from spikeguard.producers.stats import GradStats, StepStats, across_ranks
+from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
+
+#: Why a step's update does not happen, besides the skip reasons a StepEvent publishes:
+#: a rollback or stop applied in its first half (the step is not published)...
+INTERRUPTED = "interrupted"
+#: ...or the step read data a skip window covers (a framework's stream; not published either).
+SKIPPED_DATA = "skipped_data"
+
+
+class FirstHalf(NamedTuple):
+    """What ``before_update`` found, for ``after_update`` to publish and count."""
+
+    step: int
+    stats: StepStats
+    reason: str | None  # why the update is void (None: applied; "scaler_overflow": the scaler skipped it)
+    nonfinite: bool
+    overflow: bool  # the scaler's own overflow: inf/NaN gradients with a finite loss
+    scored: SkipDecision | None  # the local outlier model's judgement (evidence.py)
+    rerun: str | None  # a re-run's verdict (rerun.py)
+    loss_scale: float | None
+    lr: float  # the LR this update used (the Guard's factor included)
+
+
+class StepResult(NamedTuple):
+    """How a guarded step ended."""
+
+    updated: bool  # the update was applied
+    interrupted: bool  # a rollback or stop ended the step before its update
 
 
 class Guard(Checkpointing, ActionApplying):
@@ -126,6 +154,7 @@ class Guard(Checkpointing, ActionApplying):
         if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
             self.clipper.set_fixed(cfg.max_grad_norm)
         self.lr = LRControl(optimizer)
+        self.torch_optimizer = torch_optimizer(optimizer, required=False)  # the one a scaler steps
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
@@ -170,6 +199,7 @@ class Guard(Checkpointing, ActionApplying):
         self.resumed_from = None
         self._checkpoint_requests: list[tuple[Action, str]] = []
         self._resolved = 0
+        self._half: FirstHalf | None = None  # between before_update and after_update
         self._started = False
         self._batch_seen = False
         self._closed = False
@@ -234,12 +264,33 @@ class Guard(Checkpointing, ActionApplying):
         micro-batch's backward, with the loss averaged over the micro-batches.
         ``closure`` recomputes this step's loss and calls backward (as for
         ``optimizer.step(closure)``); with ``verify_reruns=1`` a suspicious step is re-run with it.
+
+        It is the two halves a framework's callback calls around the framework's own
+        optimizer and scheduler step: ``before_update``, the update, ``after_update``.
+        """
+        if self.before_update(loss, batch, closure):
+            self.amp.step(self.lr.step, self.optimizer)  # the Guard's LR factor, the scaler's step
+        if self.scheduler is not None and not self.interrupted:
+            self.scheduler.step()
+        return self.after_update().updated
+
+    def before_update(self, loss: torch.Tensor | float, batch: Any = None,
+                      closure: Callable[[], torch.Tensor] | None = None, *, step: int | None = None) -> bool:
+        """The first half of a step: after the backward, before the optimizer's step.
+
+        The statistics (one device-to-host transfer, unscaled under a GradScaler, shared
+        across ranks), the actions due at this step, the local skip rule and clipping.
+        Returns whether the update may be applied; when not, every gradient is ``None``
+        and the coming ``optimizer.step()`` changes nothing (update.py). ``step`` is a
+        framework's own step number (default: the Guard's count).
         """
         self._start()
+        if step is not None:
+            self.step_count = step
         step = self.step_count
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
-        self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
+        self.amp.begin(self.torch_optimizer)  # statistics and clipping are about the unscaled gradients
         stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
         if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, self.sync.world_size)
@@ -251,70 +302,96 @@ class Guard(Checkpointing, ActionApplying):
             nonfinite = shared["any_nonfinite"] > 0
         else:
             nonfinite = not math.isfinite(stats.loss) if self.amp.enabled else not stats.finite
+        interrupted = False
         if shared["any_due"] > 0 if self.sync.enabled else bool(due):
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
-            if self._apply(due, step):  # rolled back or stopped: this step's update is void
-                self._zero_grads()
-                self.amp.void()
-                self._maybe_checkpoint(requests_only=True)
-                self._drain_saves()
-                self._finish_actions()
-                return False
-        reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
-        scored = None
-        if reason is None and not overflow:
-            reason, scored = self._outlier(step, stats)
-        rerun = None
-        if reason is not None and self.rerun.enabled and self.mode is not GuardMode.OBSERVE and not (
-                self.sync.enabled or self.amp.enabled):
-            # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
-            stats, rerun = self.rerun.judge(closure, [p for p in self.model.parameters() if p.requires_grad],
-                                            stats)
-            if rerun == "transient":
-                reason = "transient"
-                self.counters["transient_steps"] += 1
-        reason = self._local_skip(step, reason, stats)
+            interrupted = self._apply(due, step)  # rolled back or stopped: this step's update is void
+        reason: str | None = None
+        scored, rerun = None, None
+        if interrupted:
+            reason = INTERRUPTED
+        elif self._data_skipped():
+            reason = SKIPPED_DATA
+        else:
+            reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
+            if reason is None and not overflow:
+                reason, scored = self._outlier(step, stats)
+            if reason is not None and self.rerun.enabled and self.mode is not GuardMode.OBSERVE and not (
+                    self.sync.enabled or self.amp.enabled):
+                # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                stats, rerun = self.rerun.judge(closure, params, stats)
+                if rerun == "transient":
+                    reason = "transient"
+                    self.counters["transient_steps"] += 1
+            reason = self._local_skip(step, reason, stats)
+            if reason is not None:
+                self.counters["skipped_updates"] += 1
         if reason is not None:
-            self._zero_grads()
-            self.amp.void()
-            self.counters["skipped_updates"] += 1
+            self._void_update(interrupted)
         else:
             if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
-            self.amp.step(self.lr.step, self.optimizer, overflow)
-            if overflow:
+            if overflow:  # the scaler skips this update itself
                 reason = "scaler_overflow"
                 self.counters["scaler_skips"] += 1
             else:
                 self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
-        self.events.step(step, self.epoch, stats, lr=self.lr.effective(), reason=reason,
-                         loss_scale=loss_scale, overflow_streak=self.amp.streak,
-                         batch_index=self.loader.last_index if self.loader is not None else None,
-                         rerun=rerun)
-        self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
-                                        None if reason == "scaler_overflow" else stats.grad_norm,
-                                        own_view(nonfinite, overflow, scored))
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.health.observe(step, not (nonfinite or reason == "outlier_step"))  # a local onset
+        self._half = FirstHalf(step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale,
+                               self.lr.effective())
+        return reason in (None, "scaler_overflow")
+
+    @property
+    def interrupted(self) -> bool:
+        """A rollback or stop was applied in this step's first half: its update (and, for the
+        Guard's own step, its scheduler step) does not happen."""
+        return self._half is not None and self._half.reason == INTERRUPTED
+
+    def after_update(self) -> StepResult:
+        """The second half of a step: after the optimizer's (and the scheduler's) step.
+
+        The StepEvent, the step's bookkeeping, checkpoints due, acks. Without a first half
+        (a framework's micro-batch of an accumulation) it does nothing.
+        """
+        half, self._half = self._half, None
+        if half is None:
+            return StepResult(False, False)
+        step, stats, reason = half.step, half.stats, half.reason
+        if reason == INTERRUPTED:
+            self._interrupted_step_done(step)
+            self._maybe_checkpoint(requests_only=True)
+            self._drain_saves()
+            self._finish_actions()
+            return StepResult(False, True)
+        if reason in (None, "scaler_overflow"):
+            self.amp.count(half.overflow)
+        if reason != SKIPPED_DATA:  # (a step whose data a skip window covers is not published)
+            self.events.step(step, self.epoch, stats, lr=half.lr, reason=reason,
+                             loss_scale=half.loss_scale, overflow_streak=self.amp.streak,
+                             batch_index=self.loader.last_index if self.loader is not None else None,
+                             rerun=half.rerun)
+            self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
+                                            None if reason == "scaler_overflow" else stats.grad_norm,
+                                            own_view(half.nonfinite, half.overflow, half.scored))
+            self.health.observe(step, not (half.nonfinite or reason == "outlier_step"))  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         self.incidents.step(step)
         self._batch_seen = False
         self.rerun.before_step()  # the next forward's random streams (again at its first batch)
         if reason in ("non_finite", "outlier_step"):
             self.counters["skipped_update_batches"] += batches
-        self.step_count += 1
+        self.step_count = step + 1
         self.counters["steps"] += 1
         self._maybe_checkpoint()
         self._drain_saves()
         self._finish_actions()
-        if self.waiter is not None:
+        if self.waiter is not None and reason != SKIPPED_DATA:
             self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
-        return reason is None
+        return StepResult(reason is None, False)
 
     def close(self, finished: bool | None = None) -> RunSummary:
         """Flush everything; ``finished`` (default: the planned steps ran, or the data ran out).
@@ -446,8 +523,17 @@ class Guard(Checkpointing, ActionApplying):
                                   f"grad z={_z(decision.grad_z)})")
         return ("outlier_step" if skip else None), decision
 
-    def _zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def _void_update(self, interrupted: bool) -> None:
+        """This step's update does not happen: every gradient None, the scaler's scale kept."""
+        void_update(self.optimizer)
+        self.amp.void()
+
+    def _data_skipped(self) -> bool:
+        """Whether this step read data a skip window covers (the Guard's loader never yields it)."""
+        return False
+
+    def _interrupted_step_done(self, step: int) -> None:
+        """The Guard's own step that a rollback or stop interrupted did not happen: nothing counts."""
 
     # -- what the user sees and controls: mode, budget, narration, rollback listeners -----
     def _local_skip(self, step: int, reason: str | None, stats: Any) -> str | None:

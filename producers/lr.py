@@ -52,16 +52,27 @@ class LRControl:
 
     def step(self, optimizer_step: Callable[[], Any]) -> Any:
         """Run ``optimizer_step`` with the guard's scale applied to every group."""
-        if self.scale == 1.0:
+        saved = self.apply_scale()
+        try:
             return optimizer_step()
+        finally:
+            self.put_back(saved)
+
+    def apply_scale(self) -> list[Any] | None:
+        """Scale every group's LR for the coming optimizer step; returns the scheduled values
+        to ``put_back`` after it (None: nothing was changed)."""
+        if self.scale == 1.0:
+            return None
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g, lr in zip(groups, saved):
             _assign(g, lr * self.scale if not isinstance(lr, torch.Tensor) else lr.item() * self.scale)
-        try:
-            return optimizer_step()
-        finally:
-            for g, lr in zip(groups, saved):
+        return saved
+
+    def put_back(self, saved: list[Any] | None) -> None:
+        """The scheduled values back: the scheduler steps from its own value, never the scaled one."""
+        if saved is not None:
+            for g, lr in zip(self.optimizer.param_groups, saved):
                 g["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:

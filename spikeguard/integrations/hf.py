@@ -86,9 +86,10 @@ class SpikeguardCallback(TrainerCallback):
         # The Trainer resumes the model itself (resume_from_checkpoint); the Guard's own facts
         # follow it as ``resume`` says (FrameworkGuard.resume).
         config = self.config or GuardConfig(checkpoint_dir=str(Path(args.output_dir) / "spikeguard"))
+        kwargs = {"scaler": getattr(optimizer, "scaler", None), **self.guard_kwargs}  # accelerate's fp16
         self.guard = FrameworkGuard(model, optimizer, lr_scheduler, run_id=self.run_id, config=config,
                                     mode=self.mode, resume=self.resume, framework_step=state.global_step,
-                                    **self.guard_kwargs)
+                                    **kwargs)
         self.guard.max_steps = state.max_steps
         self.guard.step_count = state.global_step
         # A Trainer resumed at step n skips n x accumulation batches of its data (its own sampler
@@ -108,11 +109,11 @@ class SpikeguardCallback(TrainerCallback):
         if not losses:
             raise SpikeguardError("spikeguard: no training loss seen this step: the model's output has "
                                   "no .loss; call SpikeguardCallback.record_loss(loss) from compute_loss")
-        self.guard.before_update(state.global_step, mean_loss(losses, self._summed))
+        self.guard.before_update(mean_loss(losses, self._summed), step=state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         guard = self.guard
-        if guard is None or not guard.after_update():
+        if guard is None or not guard.after_update().interrupted:
             return
         if guard.rolled_back:
             if state.max_steps > 0 and state.global_step >= state.max_steps:

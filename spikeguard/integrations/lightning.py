@@ -75,9 +75,12 @@ class SpikeguardCallback(Callback):
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
         config = self.config or GuardConfig(checkpoint_dir=str(Path(trainer.default_root_dir) / "spikeguard"))
+        # The precision plugin's GradScaler (16-mixed): its gradients are unscaled before this
+        # callback's first half, and its overflows are its own skips, as under Guard.step.
+        kwargs = {"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs}
         self.guard = FrameworkGuard(pl_module, trainer.optimizers[0], scheduler, run_id=self.run_id,
                                     config=config, mode=self.mode, resume=self.resume,
-                                    framework_step=trainer.global_step, **self.guard_kwargs)
+                                    framework_step=trainer.global_step, **kwargs)
         self.guard.max_steps = trainer.max_steps if trainer.max_steps > 0 else None
         self.guard.step_count = trainer.global_step
         # Resumed mid-run: the batches before the resumed step were read by the first run.
@@ -99,11 +102,11 @@ class SpikeguardCallback(Callback):
         if self.guard is None:
             return
         losses, self._losses = self._losses, []
-        self.guard.before_update(trainer.global_step, mean_loss(losses, summed=True))
+        self.guard.before_update(mean_loss(losses, summed=True), step=trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         guard = self.guard
-        if guard is None or not guard.after_update():
+        if guard is None or not guard.after_update().interrupted:
             return
         if guard.should_stop:
             log.warning("spikeguard: stopping training at step %d: %s", trainer.global_step, guard.stop_reason)

@@ -32,7 +32,7 @@ def framework(tmp_path, bus, n_steps: int, before_step=None) -> FrameworkGuard:
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
-        guard.before_update(step, loss)
+        guard.before_update(loss, step=step)
         opt.step()
         sched.step()
         guard.after_update()

@@ -286,3 +286,29 @@ def test_observe_mode_in_the_trainer_applies_nothing_and_resume_defaults_as_the_
                                                       ActionKind.SCALE_LR: AckStatus.REJECTED}
     assert guard.guard.summary().withheld == {"stop": 1, "scale_lr": 1}
     assert guard.guard.config.resume == GuardConfig().resume  # the same default as the plain Guard
+
+
+def test_observe_mode_trains_through_a_due_rollback_as_guard_step_does(tmp_path, bus):
+    """Observe mode says a rollback and applies nothing: the step it was due at trains and is
+    published, as under ``guard.step`` (the callback calls the same two halves)."""
+    box: dict = {}
+
+    def rollback_at_13(step):
+        if step == 13:
+            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
+
+    rec = Recorder(on_begin=rollback_at_13)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, mode="observe", config=GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=16, per_device_train_batch_size=8,
+                             learning_rate=1e-2, max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none",
+                             save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
+    trainer.train()
+    assert rec.global_steps == list(range(16)) and trainer.state.global_step == 16
+    assert not same(rec.params_before[13], rec.params_after[13])  # the update was applied
+    assert [(e.epoch, e.step) for e in steps(bus)] == [(0, s) for s in range(16)]
+    assert [a.status for a in acks(bus)] == [AckStatus.REJECTED]
+    assert guard.guard.summary().withheld == {"rollback": 1}

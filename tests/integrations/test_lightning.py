@@ -75,9 +75,10 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=g)
 
 
-def fit(tmp_path, bus, module, max_steps: int, recorder: Recorder, box: dict | None = None, **trainer_kw):
+def fit(tmp_path, bus, module, max_steps: int, recorder: Recorder, box: dict | None = None, mode: str = "protect",
+        **trainer_kw):
     L.seed_everything(0, verbose=False)
-    guard = SpikeguardCallback(run_id="pl-test", bus=bus, config=GuardConfig(
+    guard = SpikeguardCallback(run_id="pl-test", bus=bus, mode=mode, config=GuardConfig(
         checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
     if box is not None:
         box["guard"] = guard
@@ -195,3 +196,20 @@ def test_guard_state_travels_in_lightnings_checkpoint(tmp_path, bus):
     resumed.fit(Regression(), loader(), ckpt_path=str(path))
     assert again.guard.lr.scale == 0.25  # the LR factor survived the restart
     assert again.guard.stream.position >= 6 and resumed.global_step == 8
+
+
+def test_observe_mode_trains_through_a_due_rollback_as_guard_step_does(tmp_path, bus):
+    """Observe mode says a rollback and applies nothing: the step it was due at trains and is
+    published, as under ``guard.step`` (the callback calls the same two halves)."""
+    box: dict = {}
+
+    def rollback_at_13(trainer, step):
+        if step == 13:
+            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10))
+
+    rec = Recorder(on_begin=rollback_at_13)
+    trainer, guard = fit(tmp_path, bus, Regression(total=40), 16, rec, box, mode="observe")
+    assert not same(rec.params_before[13], rec.params_after[13])  # the update was applied
+    assert [(e.epoch, e.step) for e in steps(bus)] == [(0, s) for s in range(16)]
+    assert [a.status for a in acks(bus)] == [AckStatus.REJECTED]
+    assert guard.guard.summary().withheld == {"rollback": 1}
