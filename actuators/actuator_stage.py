@@ -3,7 +3,7 @@
 Each run gets the recovery policy its RunEvent names (preset, overrides:
 :mod:`.run_settings`), over the stage's own; until its start arrives it runs
 under the stage's own, and when it does the run's policy takes over with the
-state so far (see :mod:`spikeguard.processors.run_settings`). A start whose
+state so far (see :mod:`spikeguard.streaming.run_settings_stage`). A start whose
 checkpoint cadence cannot give the run's policy a rollback target is answered
 with one warning ALERT, which the trainer logs. The key that signs the actions
 also authenticates the run events: one not signed by the run's Guard goes to
@@ -26,7 +26,7 @@ from pydantic import BaseModel, SecretStr
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.run_settings import cadence_problem, given_policy, run_policy
-from spikeguard.processors.run_settings import RunSettingsStage, handled_through
+from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through
 from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decision, RunEvent, Topics, action_id
 from spikeguard.schemas.signing import sign_action
 from spikeguard.streaming.run_clock import RunClock
@@ -62,7 +62,7 @@ class ActuatorStage(RunSettingsStage):
             self.topics.runs: RunEvent,
         }
 
-    # -- the run's own settings (run_settings.RunSettingsStage) -----------------
+    # -- the run's own settings (run_settings_stage.RunSettingsStage) -----------------
     def given(self, event: RunEvent) -> dict[str, Any]:
         return given_policy(event)
 

@@ -20,7 +20,7 @@ from typing import Any
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.presets import PRESETS
 from spikeguard.errors import RunSettingsRejected
-from spikeguard.processors.run_settings import over, validated
+from spikeguard.streaming.run_settings_stage import over, validated
 from spikeguard.schemas import RunEvent
 
 

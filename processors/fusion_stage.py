@@ -33,7 +33,7 @@ from pydantic import BaseModel, SecretStr
 from spikeguard.processors.detector_stage import one_run
 from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
-from spikeguard.processors.run_settings import RunSettingsStage, handled_through, over
+from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through, over
 from spikeguard.schemas import RunEvent, Topics, Verdict
 from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output

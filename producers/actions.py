@@ -21,25 +21,25 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import SecretStr
 
 from spikeguard.schemas.signing import verify_action
 from spikeguard.errors import SpikeguardError
+from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.evidence import PublishedSteps
+from spikeguard.producers.lr import LRControl
 from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence, StepEvent
 from spikeguard.schemas.actions import (
     AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
     SetEpsParams, SetLrParams, SkipBatchesParams, StopParams,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from spikeguard.producers.guard import Guard
-
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Action, "Guard"], "str | None"]
+#: A user's handler for an action kind: ``handler(action, guard) -> result text``.
+Handler = Callable[[Action, "Steerable"], "str | None"]
 
 # Kinds that mean "the run is in trouble": checkpoints after them are unhealthy
 # until a healthy stretch has passed.
@@ -171,7 +171,25 @@ class ActionQueue:
         return sorted(ready, key=lambda a: a.apply_at_step)
 
 
-def apply_action(guard: "Guard", action: Action, step: int) -> Outcome | None:
+class Steerable(Protocol):
+    """What applying an action needs of the trainer's side (the Guard is one)."""
+
+    handlers: dict[ActionKind, Handler]
+    actions: ActionQueue
+    lr: LRControl
+    clipper: GradClipper
+    optimizer: Any  # a torch optimizer, or a framework's wrapper with its param_groups
+
+    def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str: ...
+
+    def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str: ...
+
+    def request_checkpoint(self, action: Action, reason: str) -> None: ...
+
+    def request_stop(self, reason: str) -> None: ...
+
+
+def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
     """Apply one due action; None when the ack comes later (a checkpoint taken at step end)."""
     late = f"late (due at step {action.apply_at_step}); " if action.apply_at_step < step and \
         action.decision_id not in guard.actions.urgent_decisions else ""
@@ -198,7 +216,7 @@ def apply_action(guard: "Guard", action: Action, step: int) -> Outcome | None:
     return Outcome(action, AckStatus.APPLIED, step, late + result)
 
 
-def _builtin(guard: "Guard", action: Action, step: int) -> str | None:
+def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
     # The parameters' types were checked when the action was parsed; their values
     # are checked here, so a bad one is answered with a FAILED ack that names it.
     p, kind = action.params, action.kind
@@ -236,7 +254,7 @@ def _builtin(guard: "Guard", action: Action, step: int) -> str | None:
     raise ActionFailed(f"no built-in handling for {kind.value}")  # pragma: no cover
 
 
-def set_optimizer_eps(action: Action, guard: "Guard") -> str:
+def set_optimizer_eps(action: Action, guard: Steerable) -> str:
     """A ready-made SET_EPS handler for optimizers with an ``eps`` (Adam, AdamW, ...).
 
     Register it with ``guard.on(ActionKind.SET_EPS, set_optimizer_eps)``.

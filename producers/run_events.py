@@ -64,7 +64,7 @@ class RunEvents:
         """The run's start or end with its settings, on the compacted runs topic (never dropped).
 
         Signed with the run's key by the publisher, as steps are: the workers apply
-        only a start or end the run's own Guard signed (processors/run_settings.py).
+        only a start or end the run's own Guard signed (spikeguard/streaming/run_settings_stage.py).
         """
         if not self.rank0_on:
             return

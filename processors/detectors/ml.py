@@ -148,7 +148,7 @@ class MLDetector(Detector[MLState]):
         if len(events) < 2 or any(event.epoch != self.epoch for event in events):
             return super().update_many(events)
         state = self.state
-        batch = self._batch = _Batch(state, events, -self.config.downside_clip, self.history)
+        batch = self._batch = _Batch(state.features, events, -self.config.downside_clip, self.history)
         out = []
         try:
             for i, event in enumerate(events):

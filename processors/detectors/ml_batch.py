@@ -11,7 +11,7 @@ copied on the way (:meth:`Batch.features_before`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from spikeguard.processors.detectors.history import StateHistory
 from spikeguard.processors.detectors.ml_forest import CompiledForest
 from spikeguard.processors.features import ML_FEATURES, RollingFeatures
 from spikeguard.schemas import StepEvent
-
-if TYPE_CHECKING:
-    from spikeguard.processors.detectors.ml import MLState
 
 _BOUND = 1e6  # keeps extreme-but-finite features finite in float32
 _WIDTH = len(ML_FEATURES)
@@ -42,10 +39,11 @@ class Batch:
     lengths are summed exactly, so sums do not depend on the batch.
     """
 
-    def __init__(self, state: MLState, events: Sequence[StepEvent], floor: float,
+    def __init__(self, features: RollingFeatures, events: Sequence[StepEvent], floor: float,
                  history: StateHistory[Any]) -> None:
+        """``features``: the run's, before the batch (copied, never changed)."""
         self.events = events
-        ahead = state.features.copy()
+        ahead = features.copy()
         raws: list[list[float]] = []
         self.items: list[int | str] = []
         # The features before each step a rollback snapshot is due at (what update() will
