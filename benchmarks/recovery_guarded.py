@@ -49,7 +49,7 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
         data = guard.data(p.loader, max_steps=cfg.steps)
         while guard.step_count < cfg.steps and not guard.should_stop:
             for x, y in data:
-                index, step, epoch = data.last_index, guard.step_count, guard.epoch
+                index, step, generation = data.last_index, guard.step_count, guard.generation
                 x, y = fault.batch(index, x, y)
                 p.optimizer.zero_grad(set_to_none=True)
                 loss = fault.loss(index, lm_loss(p.model, x, y))
@@ -66,7 +66,7 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
                     return redo
 
                 guard.step(loss, closure=again if scaler is None else None)
-                if guard.epoch != epoch:
+                if guard.generation != generation:
                     ledger.rolled_back(guard.step_count, f"rollback decided at step {step}: "
                                                          f"back to step {guard.step_count}")
                     if scaler is not None and _unscaled(scaler):

@@ -85,7 +85,7 @@ class ActionApplying:
 
     def _ack(self, outcome: Outcome) -> None:
         a = outcome.action
-        self.applied.append({"step": outcome.step, "epoch": self.epoch, "kind": a.kind.value,
+        self.applied.append({"step": outcome.step, "epoch": self.generation, "kind": a.kind.value,
                              "status": outcome.status.value, "result": outcome.result,
                              "action_id": a.action_id})
         if outcome.status is AckStatus.APPLIED:

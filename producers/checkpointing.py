@@ -93,13 +93,13 @@ class Checkpointing:
         loaded = self._load_agreed(decision) if decision else None
         info = loaded.info if loaded is not None else None
         if info is not None:
-            self.step_count, self.epoch = info.step, info.epoch
+            self.step_count, self.generation = info.step, info.epoch
             self.resumed_from = info  # (its checkpoint is on disk: _start saves no initial one)
             log.warning(lifecycle.resume_message(self.run_id, info, self.store.directory))
         elif decision:
             log.error("spikeguard: run %s: none of its %d checkpoints could be read on every rank "
                       "(%s); training from step 0", self.run_id, len(decision), "; ".join(loaded.passed))
-        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
+        self.generation = max(self.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
         return info
 
     # -- which checkpoint: decided once, by rank 0; loaded by every rank or by none ------
@@ -163,10 +163,10 @@ class Checkpointing:
 
     def _persist_ledger(self) -> None:
         if self.rank == 0:
-            facts = restart_facts(self.run_id, self.epoch, self.step_count, self.position, self.lr,
+            facts = restart_facts(self.run_id, self.generation, self.step_count, self.position, self.lr,
                                   self.clipper)
             if self.finished:
-                facts["finished"] = lifecycle.finished_fact(self.step_count, self.epoch, "close")
+                facts["finished"] = lifecycle.finished_fact(self.step_count, self.generation, "close")
             self.ledger.persist(facts)
 
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
@@ -205,7 +205,7 @@ class Checkpointing:
     def _save(self, reason: str, requests: list[Action] | None = None) -> SaveJob:
         """Copy the state now; the write happens in the background (AsyncSaver)."""
         healthy = self.health.healthy(self.step_count) and reason not in ("emergency",)
-        job = SaveJob(self.step_count, self.epoch, healthy, reason,
+        job = SaveJob(self.step_count, self.generation, healthy, reason,
                       self.position.state_dict()["position"], list(requests or ()))
         self.saver.submit(lambda: self.parts.state_dict(self.rank), job)
         self.counters["checkpoints"] += 1
@@ -247,7 +247,7 @@ class Checkpointing:
         """The incident's batches' sample ids and its pre-onset checkpoint, for ``spikeguard inspect``."""
         if action.incident_id is not None and self.rank == 0:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
-            self.incidents.incident(action.incident_id, self._onset_of(action), self.epoch,
+            self.incidents.incident(action.incident_id, self._onset_of(action), self.generation,
                                     self.step_count, self.store.newest_healthy)
 
     def _incident_found(self, action: Action) -> None:
@@ -262,7 +262,7 @@ class Checkpointing:
         onset = self._onset_of(action)
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
         try:
-            demoted = self.store.demote(onset, self.epoch)
+            demoted = self.store.demote(onset, self.generation)
         except OSError as exc:  # a read-only directory: they keep their names (the policy's rollback
             self.io_faults.failed(IOKind.CHECKPOINT, exc)  # targets lie before the onset anyway)
             return

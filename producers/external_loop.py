@@ -171,7 +171,7 @@ class FrameworkGuard(Guard):
         if mode is ResumeMode.NEVER or self.framework_step <= 0:
             return super().resume(ResumeMode.NEVER)
         side = self.ledger.read() or {}
-        self.epoch = max(self.epoch, apply_restart_facts(side, self.position, self.lr, self.clipper))
+        self.generation = max(self.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
         log.warning("spikeguard: the framework resumed run %s at step %d; the Guard's own state follows "
                     "(%d applied actions, %d skip windows, LR factor %.3g)%s", self.run_id,
                     self.framework_step, len(self.ledger), len(side.get("skip_ranges") or ()), self.lr.scale,

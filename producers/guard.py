@@ -32,8 +32,10 @@ and "never" as config.ResumeMode says); a finished one is not resumed
 (lifecycle.py). The run's preset and policy are checked when the Guard is
 built and published on the runs topic (run_plan.py). Step numbers count
 ``step`` calls; a checkpoint "at step s" holds the state before step s runs.
-After a rollback to s the step counter is s again and the epoch (rollbacks
-applied so far) one higher.
+After a rollback to s the step counter is s again and the rollback generation
+(``generation``: rollbacks applied so far) one higher. Events and checkpoints
+carry it in their ``epoch`` field (the wire's name, kept so that recorded
+topics and files still read); ``guard.data(..., epochs=)`` counts data passes.
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ class Guard(Checkpointing, ActionApplying):
             ("data", self.position)], per_rank=("rng", "sharded"))
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
         #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
-        self.step_count, self.epoch = 0, 0
+        self.step_count = 0
+        #: The rollback generation: rollbacks applied so far (``epoch`` on the wire).
+        self.generation = 0
         self.mode = cfg.mode
         self.narrator = Narrator(self.run_id)
         self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
@@ -216,7 +220,7 @@ class Guard(Checkpointing, ActionApplying):
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
                 watch = ProtectionWatch(self.run_id, self.actions.signing_key, timeout_s=cfg.unprotected_after_s,
-                                        published=lambda: (self.epoch, self.step_count - 1))
+                                        published=lambda: (self.generation, self.step_count - 1))
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch)
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
@@ -247,6 +251,11 @@ class Guard(Checkpointing, ActionApplying):
         # With the run's length known, the data is read again rather than the run cut short.
         self.loader.until_stopped = self.max_steps is not None
         return self.loader
+
+    @property
+    def epoch(self) -> int:
+        """The rollback generation under its wire name (events' ``epoch``); not a data epoch."""
+        return self.generation
 
     @property
     def loader(self) -> GuardedLoader | None:
@@ -370,11 +379,11 @@ class Guard(Checkpointing, ActionApplying):
         if reason in (None, "scaler_overflow"):
             self.amp.count(half.overflow)
         if reason != SKIPPED_DATA:  # (a step whose data a skip window covers is not published)
-            self.events.step(step, self.epoch, stats, lr=half.lr, reason=reason,
+            self.events.step(step, self.generation, stats, lr=half.lr, reason=reason,
                              loss_scale=half.loss_scale, overflow_streak=self.amp.streak,
                              batch_index=self.loader.last_index if self.loader is not None else None,
                              rerun=half.rerun)
-            self.actions.published.remember(self.epoch, step, stats.loss,  # checked against action evidence
+            self.actions.published.remember(self.generation, step, stats.loss,  # checked against action evidence
                                             None if reason == "scaler_overflow" else stats.grad_norm,
                                             own_view(half.nonfinite, half.overflow, half.scored))
             self.health.observe(step, not (half.nonfinite or reason == "outlier_step"))  # a local onset
@@ -390,7 +399,7 @@ class Guard(Checkpointing, ActionApplying):
         self._drain_saves()
         self._finish_actions()
         if self.waiter is not None and reason != SKIPPED_DATA:
-            self.waiter.follow(self.inbox, self.epoch, step, self.config.lockstep_settle)
+            self.waiter.follow(self.inbox, self.generation, step, self.config.lockstep_settle)
         return StepResult(reason is None, False)
 
     def close(self, finished: bool | None = None) -> RunSummary:
@@ -410,7 +419,7 @@ class Guard(Checkpointing, ActionApplying):
         self.finished = self.finished or finished
         self._persist_ledger()
         if self._started:
-            self.events.run("end", self.plan, self.max_steps, self.step_count, self.epoch, self.finished,
+            self.events.run("end", self.plan, self.max_steps, self.step_count, self.generation, self.finished,
                             self.stop_reason or ("finished" if self.finished else "closed"))
         for part in (self.waiter, self.inbox):
             if part is not None:
@@ -453,13 +462,13 @@ class Guard(Checkpointing, ActionApplying):
         if info is None:
             raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to{note}")
         from_step = self.step_count
-        self.epoch += 1
+        self.generation += 1
         self.step_count = info.step
         self.should_stop = False
         self.position.rewind(info.step)
         self.counters["rollbacks"] += 1
         self._rolled_back(from_step, info.step)
-        return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.epoch}{note}"
+        return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.generation}{note}"
 
     def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str:
         start, end, steps = self.position.skip_steps(from_step, to_step, extra, after_rollback)
@@ -494,7 +503,7 @@ class Guard(Checkpointing, ActionApplying):
     def _start(self) -> None:
         if not self._started:
             self._started = True
-            self.events.run("start", self.plan, self.max_steps, self.step_count, self.epoch, False,
+            self.events.run("start", self.plan, self.max_steps, self.step_count, self.generation, False,
                             "resumed" if self.resumed_from is not None else "new")
             # A rollback target before anything can go wrong, on every rank or on none: rank 0
             # decides (a rank that starts late would find rank 0's checkpoint and skip its own).

@@ -53,8 +53,8 @@ class DemoOutcome:
     nonfinite_updates: int = 0  # optimizer updates applied with a non-finite gradient
     actions_applied: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, epoch, loss)
-    detections: list[tuple[int, int, str]] = field(default_factory=list)  # (step, epoch, type)
+    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, rollback generation, loss)
+    detections: list[tuple[int, int, str]] = field(default_factory=list)  # (step, rollback generation, type)
     actions: list[dict] = field(default_factory=list)
     transient_steps: int = 0  # steps a re-run found different (the ``flaky`` fault)
     planted: list[int] = field(default_factory=list)  # the ``poison`` fault's sample ids
@@ -184,11 +184,11 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
                 if fault == "divergence" and guard.step_count == setup.fault_step and not blown:
                     blow_up_lr(problem, setup.lr_blowup)  # once: a rollback undoes it
                     blown = True
-                step, epoch = guard.step_count, guard.epoch
+                step, generation = guard.step_count, guard.generation
                 x = inject(fault, data.last_index, x, setup)
                 loss = _train_step(problem, _flaky(x, fault, step, setup, struck), y)
                 guard.step(loss, closure=lambda x=x, y=y: _recompute(problem, x, y))
-                outcome.losses.append((step, epoch, float(loss.detach())))
+                outcome.losses.append((step, generation, float(loss.detach())))
                 if progress:
                     progress(guard.step_count, setup.steps, float(loss.detach()))
     finally:

@@ -25,8 +25,8 @@ Like ZClip's Lightning callback it uses public hooks only:
 model, and the Guard's own state rides in Lightning's checkpoints.
 
 Step numbers are ``trainer.global_step``. Lightning gives a callback no way
-to set it, so after a rollback the count goes on (the new epoch of the run
-marks the rollback) while model, optimizer, scheduler and RNG are the
+to set it, so after a rollback the count goes on (the run's next rollback generation,
+``epoch`` in its events, marks it) while model, optimizer, scheduler and RNG are the
 checkpoint's; ``max_steps`` then counts the rolled-back steps too. The data
 goes on with the batch after the last one read (Lightning's iterator cannot be
 rewound from a callback): the batches that led into the trouble are not read
@@ -87,7 +87,7 @@ class SpikeguardCallback(Callback):
         self.guard.stream.position = max(self.guard.stream.position,
                                          trainer.global_step * trainer.accumulate_grad_batches)
         if self._restored is not None:  # resumed from a Lightning checkpoint
-            self.guard.epoch = max(self.guard.epoch, int(self._restored.get("epoch", 0)))
+            self.guard.generation = max(self.guard.generation, _generation(self._restored))
             self.guard.parts.load_state_dict(self._restored.get("parts", {}))
             self._restored = None
 
@@ -125,12 +125,17 @@ class SpikeguardCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.guard is None:
             return {}
-        return {"epoch": self.guard.epoch,
+        return {"generation": self.guard.generation,
                 "parts": {n: self.guard.parts[n].state_dict() for n in OWN_PARTS if n in self.guard.parts}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard is None:
             self._restored = dict(state_dict)  # the guard is built when training starts
             return
-        self.guard.epoch = max(self.guard.epoch, int(state_dict.get("epoch", 0)))
+        self.guard.generation = max(self.guard.generation, _generation(state_dict))
         self.guard.parts.load_state_dict(state_dict.get("parts", {}))
+
+
+def _generation(state: dict[str, Any]) -> int:
+    """The rollback generation a Lightning checkpoint holds (saved as "epoch" by earlier versions)."""
+    return int(state.get("generation", state.get("epoch", 0)))

@@ -47,5 +47,5 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path
     rollbacks = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert rollbacks and rollbacks[0].params.target_step <= BAD_BATCHES[0] - 100
     assert any(a.kind is ActionKind.ROLLBACK and a.status is AckStatus.APPLIED for a in acks)
-    assert guard.epoch >= 1
+    assert guard.generation >= 1
     assert (guard.config.checkpoint_every, guard.config.keep_checkpoints) == (50, 4)  # the defaults

@@ -60,7 +60,7 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
-            if guard.epoch == 0 and guard.step_count in FORGE_AT:
+            if guard.generation == 0 and guard.step_count in FORGE_AT:
                 published = {e.step: e for e in (decode(r.value, StepEvent) for r in bus.read_all(topics.steps))
                              if e.run_id == RUN}
                 forger.publish(topics.decisions, encode(forged(guard.step_count, published)), key=RUN)
@@ -79,7 +79,7 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
     # The real incident is still answered: a rollback to a checkpoint before it, applied.
     real = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert real and any(acks[a.action_id].status is AckStatus.APPLIED for a in real if a.action_id in acks)
-    assert guard.epoch >= 1 and not guard.should_stop and guard.step_count == STEPS
+    assert guard.generation >= 1 and not guard.should_stop and guard.step_count == STEPS
     assert guard.counters["rollbacks"] == 1
 
 

@@ -71,7 +71,7 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
-            if guard.epoch == 0 and guard.step_count == FORGE_AT:
+            if guard.generation == 0 and guard.step_count == FORGE_AT:
                 forger.publish(topics.runs, encode(forged_start()), key=RUN)
                 # The runs topic is compacted: the next record of the key replaces this one at
                 # once, so the second forgery waits until every stage has read (and refused) it.
@@ -100,5 +100,5 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
     assert sum(f"run {RUN} start: no signature" in r for _, r in refused) == 6
     assert sum(f"run {RUN} start: bad signature" in r for _, r in refused) == 6
     # And the real spike was answered as the run's own settings say: one rollback, applied.
-    assert guard.epoch >= 1 and not guard.should_stop and guard.step_count == STEPS
+    assert guard.generation >= 1 and not guard.should_stop and guard.step_count == STEPS
     assert guard.counters["rollbacks"] == 1

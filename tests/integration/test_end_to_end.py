@@ -73,7 +73,7 @@ def check_the_loop_closed(bus, topics, guard, corrupted, run_id):
     acks = read(bus, topics.acks, Ack, run_id)
     applied = {a.kind for a in acks if a.status is AckStatus.APPLIED}
     assert {ActionKind.ROLLBACK, ActionKind.SCALE_LR} <= applied, acks
-    assert guard.epoch >= 1  # the trainer really rolled back
+    assert guard.generation >= 1  # the trainer really rolled back
     # The skip window kept the bad batches out of the re-run: fewer corrupted steps
     # than the window holds would be seen twice.
     assert corrupted < 2 * len(BAD_BATCHES)

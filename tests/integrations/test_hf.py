@@ -181,7 +181,7 @@ def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, b
         opt = box["trainer"].optimizer
         optim_states.setdefault(step, []).append(
             {k: v.clone() for k, v in opt.state_dict()["state"][0].items()} if opt.state_dict()["state"] else None)
-        if step == 13 and box["guard"].guard.epoch == 0:
+        if step == 13 and box["guard"].guard.generation == 0:
             send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
 
     rec = Recorder(on_begin=rollback_at_13)
@@ -245,7 +245,7 @@ def test_rollback_at_the_last_step_still_trains_to_max_steps(tmp_path, bus):
     box: dict = {}
 
     def rollback_at_13(step):
-        if step == 13 and box["guard"].guard.epoch == 0:
+        if step == 13 and box["guard"].guard.generation == 0:
             send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
 
     rec = Recorder(on_begin=rollback_at_13)

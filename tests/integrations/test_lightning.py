@@ -163,7 +163,7 @@ def test_rollback_restores_model_optimizer_and_scheduler(tmp_path, bus):
                     [v["exp_avg"].clone() for v in opt.state.values()] if opt.state else [],
                     trainer.lr_scheduler_configs[0].scheduler.last_epoch)
         first.setdefault(step, snapshot)
-        if step == 13 and box["guard"].guard.epoch == 0:
+        if step == 13 and box["guard"].guard.generation == 0:
             send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10))
         if step == 14:
             box["after"] = snapshot

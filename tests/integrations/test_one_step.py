@@ -57,20 +57,20 @@ def run(framework: bool, tmp_path, bus, amp: bool = False, mode: str = "protect"
     step = 0
     while step < STEPS:
         xb, yb = next(data)
-        if spikes and step == NAN_STEP and guard.epoch == 0:
+        if spikes and step == NAN_STEP and guard.generation == 0:
             xb = xb * math.nan
-        if spikes and step == OUTLIER_STEP and guard.epoch == 0:
+        if spikes and step == OUTLIER_STEP and guard.generation == 0:
             yb = yb * 40.0
-        if step == SCALE_LR_STEP and guard.epoch == 0:
+        if step == SCALE_LR_STEP and guard.generation == 0:
             send(bus, guard, action(ActionKind.SCALE_LR, step, guard.run_id, factor=0.5))
-        if step == ROLLBACK_STEP and guard.epoch == 0:
+        if step == ROLLBACK_STEP and guard.generation == 0:
             send(bus, guard, action(ActionKind.ROLLBACK, step, guard.run_id, target_step=ROLLBACK_TARGET))
         if framework:
             guard.batch_read()
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        if spikes and step == OVERFLOW_STEP and scaler is not None and guard.epoch == 0:
+        if spikes and step == OVERFLOW_STEP and scaler is not None and guard.generation == 0:
             model[0].weight.grad.view(-1)[0] = math.inf
         if not framework:
             guard.step(loss)

@@ -107,7 +107,7 @@ def _train(guard: Guard, model, opt, data, until: int,
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
             if losses is not None:
-                losses[f"{guard.epoch}/{guard.step_count}"] = loss.item()
+                losses[f"{guard.generation}/{guard.step_count}"] = loss.item()
             guard.step(loss)
             if guard.step_count >= until:
                 break
@@ -140,7 +140,7 @@ def _rollback(guard: Guard, target: int, cid: str | None = None) -> str:
 
 def _end(guard: Guard, model, opt, **extra) -> dict:
     guard.close(finished=False)
-    return {"hash": state_hash(model, opt), "step": guard.step_count, "epoch": guard.epoch,
+    return {"hash": state_hash(model, opt), "step": guard.step_count, "epoch": guard.generation,
             "checkpoints": guard.counters["checkpoints"], "rollbacks": guard.counters["rollbacks"], **extra}
 
 

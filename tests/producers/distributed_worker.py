@@ -86,7 +86,7 @@ def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None)
     guard.close()
     result = {"applied": [(a["step"], a["epoch"], a["kind"], a["status"]) for a in guard.applied],
               "params": [p.detach().flatten().tolist() for p in model.parameters()],
-              "epoch": guard.epoch, "skipped": guard.counters["skipped_updates"],
+              "epoch": guard.generation, "skipped": guard.counters["skipped_updates"],
               "last_index": data.last_index, "skip_ranges": data.skip_ranges}
     if bus is not None:
         result["acks"] = [decode(r.value, Ack).status.value for r in bus.read_all(Topics().acks)]

@@ -55,7 +55,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     data = guard.data(loader, max_steps=STEPS)
     while guard.step_count < STEPS:
         for xb, yb in data:
-            epoch, step = guard.epoch, guard.step_count
+            epoch, step = guard.generation, guard.step_count
             if step == 10 and (epoch, step) not in shards:  # the state the checkpoint at 10 holds
                 shards[(epoch, step)] = _local_state(model, opt)
             if rank == 1 and (epoch, step) == (0, 7):
@@ -77,7 +77,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         "published": published, "reference": reference, "outcomes": outcomes, "reduces": reduces,
         "restored": [torch.equal(a, b) for a, b in zip(before, after)], "n_shards": len(before),
         "shard_rows": [t.shape[0] for t in before], "skip_ranges": data.skip_ranges,
-        "epoch": guard.epoch, "rollbacks": guard.counters["rollbacks"],
+        "epoch": guard.generation, "rollbacks": guard.counters["rollbacks"],
         "skipped": guard.counters["skipped_updates"],
         "resumed_at": [resumed[0].resumed_from.epoch, resumed[0].resumed_from.step],
         "resumed_equal": [torch.equal(a, b) for a, b in zip(final, resumed[1])]}))

@@ -26,7 +26,7 @@ def _train(guard, tiny, steps, poison_step=None):
     while guard.step_count < steps:
         tiny.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
-        key = (guard.epoch, guard.step_count)
+        key = (guard.generation, guard.step_count)
         for i in range(ACCUM):
             x, y = next(it)
             if i == 0:

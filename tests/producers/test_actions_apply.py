@@ -116,7 +116,7 @@ def test_bad_parameters_fail_without_killing_training(bus, tmp_path):
     assert statuses[:2] == [(K.SCALE_LR, AckStatus.FAILED), (K.SET_LR, AckStatus.FAILED)]
     # no checkpoint with that id: falls back to the newest healthy at or before the target
     assert statuses[2] == (K.ROLLBACK, AckStatus.APPLIED)
-    assert guard.lr.scale == 1.0 and guard.epoch == 1
+    assert guard.lr.scale == 1.0 and guard.generation == 1
 
 
 def _naming_step_0(bus, bare, key):

@@ -64,7 +64,7 @@ def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(bus, tmp
 
     def on_step(guard, data, batch):
         disk.full = FULL_FROM <= guard.step_count < FREED_AT
-        if guard.step_count == 28 and guard.epoch == 0:
+        if guard.step_count == 28 and guard.generation == 0:
             send(bus, lr_halved, rollback, guard=guard)
 
     caplog.set_level(logging.WARNING, logger="spikeguard")
@@ -77,7 +77,7 @@ def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(bus, tmp
     by_id = {a.action_id: a for a in acks(bus)}
     assert by_id[lr_halved.action_id].status is AckStatus.APPLIED
     assert by_id[rollback.action_id].status is AckStatus.APPLIED
-    assert guard.counters["rollbacks"] == 1 and guard.epoch == 1
+    assert guard.counters["rollbacks"] == 1 and guard.generation == 1
     assert disk.refused > 0
     # Every kind of write failed, each counted in the metric and the Guard's counters...
     for kind in IOKind:
@@ -154,8 +154,8 @@ def test_a_read_only_checkpoint_directory_never_stops_training(bus, tmp_path, mo
     rollback = action(ActionKind.ROLLBACK, 36, target_step=20).model_copy(update={"incident_id": "inc-ro"})
 
     def on_step(guard, data, batch):
-        read_only.on = guard.step_count >= 22 or guard.epoch > 0
-        if guard.step_count == 34 and guard.epoch == 0:
+        read_only.on = guard.step_count >= 22 or guard.generation > 0
+        if guard.step_count == 34 and guard.generation == 0:
             send(bus, lr_lowered, rollback, guard=guard)
 
     train(guard, tiny, 60, on_step)

@@ -61,7 +61,7 @@ def run(guard, tiny, steps: int, poison=None) -> None:
     while guard.step_count < steps and not guard.should_stop:
         for x, y in data:
             if poison is not None:
-                y = poison(guard.step_count, guard.epoch, y)
+                y = poison(guard.step_count, guard.generation, y)
             guard.step(tiny.loss((x, y)))
     guard.publisher.flush(5.0)
 
@@ -96,7 +96,7 @@ def test_a_forged_critical_decision_for_the_next_step_with_the_newest_evidence_c
             assert "this trainer saw" in by_id[a.action_id].result
     # The healthy run was left alone: same LR, no rollback, no skipped data, no clipping.
     steps = published(bus)
-    assert guard.counters["rollbacks"] == 0 and guard.epoch == 0 and guard.step_count == 80
+    assert guard.counters["rollbacks"] == 0 and guard.generation == 0 and guard.step_count == 80
     assert guard.counters["skipped_batches"] == 0 and guard.position.skip_ranges == []
     assert steps[(0, 79)].lr == LR
     assert guard.clipper.settings() == clipping
@@ -124,7 +124,7 @@ def test_a_real_anomaly_decision_is_applied_whole(bus, tmp_path, kind):
     by_id = {a.action_id: a for a in acks(bus)}
     for a in plan:
         assert by_id[a.action_id].status is AckStatus.APPLIED, (a.kind, by_id[a.action_id])
-    assert guard.counters["rollbacks"] == 1 and guard.epoch == 1
+    assert guard.counters["rollbacks"] == 1 and guard.generation == 1
     assert guard.counters["skipped_batches"] > 0
     assert published(bus)[(1, 69)].lr < LR
 
@@ -187,7 +187,7 @@ def test_a_plan_whose_rollback_fails_applies_none_of_its_skip_lr_or_clipping(bus
         assert ack.status is AckStatus.FAILED, (a.kind, ack)
         assert f"the rollback {rollback.action_id} of the same decision was failed" in ack.result
     # Nothing of the plan took effect: no skip window, same LR, same clipping; training went on.
-    assert guard.counters["rollbacks"] == 0 and guard.epoch == 0 and guard.step_count == 70
+    assert guard.counters["rollbacks"] == 0 and guard.generation == 0 and guard.step_count == 70
     assert guard.counters["skipped_batches"] == 0 and guard.position.skip_ranges == []
     assert published(bus)[(0, 69)].lr == LR
     assert guard.clipper.settings() == clipping

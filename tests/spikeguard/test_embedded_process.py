@@ -66,7 +66,7 @@ def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, reg
     rollbacks = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert rollbacks and all(verify_action(a, runtime.settings.signing_key) for a in actions)
     assert any(a.kind is ActionKind.ROLLBACK and a.status is AckStatus.APPLIED for a in acks)
-    assert guard.epoch >= 1
+    assert guard.generation >= 1
     # Lockstep: every step was decided (in the child) and the decision came back here.
     assert {d.step for d in decisions if d.epoch == 0} >= set(range(0, BAD_BATCHES[0]))
     child = next(c.__self__ for c in runtime.closers if hasattr(c, "__self__"))

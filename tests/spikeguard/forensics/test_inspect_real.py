@@ -101,12 +101,12 @@ def test_a_fault_on_the_first_run_only_is_transient_skipped_and_costs_no_rollbac
     flaky_step = 90
 
     def fault(guard, xb):  # the device flips bits once; the closure re-reads the batch clean
-        return xb * float("nan") if guard.step_count == flaky_step and guard.epoch == 0 else xb
+        return xb * float("nan") if guard.step_count == flaky_step and guard.generation == 0 else xb
 
     guard = _guarded_run(tmp_path, model, dataset, steps=110, config_extra={"verify_reruns": 1}, fault=fault)
     assert guard.rerun.counts == {"transient": 1, "reproducible": 0}
     assert guard.counters["transient_steps"] == 1 and guard.counters["skipped_updates"] >= 1
-    assert guard.counters["rollbacks"] == 0 and guard.epoch == 0
+    assert guard.counters["rollbacks"] == 0 and guard.generation == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -36,7 +36,7 @@ def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
     blow_at, hook = 120, None
     try:
         for xb, yb in guard.data(loader, max_steps=128):
-            if guard.step_count == blow_at and guard.epoch == 0 and hook is None:
+            if guard.step_count == blow_at and guard.generation == 0 and hook is None:
                 hook = model.hidden.weight.register_hook(lambda g: g * 300)  # this layer only
             if guard.step_count == blow_at + 3 and hook is not None:
                 hook.remove()
