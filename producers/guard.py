@@ -147,7 +147,7 @@ class Guard(Checkpointing, ActionApplying):
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
         # The key: the Guard's own config, else its runtime's, else the one an embedded
         # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
-        key = (cfg.signing_key or getattr(settings, "signing_key", None)
+        key = (cfg.signing_key or (settings.keys() if hasattr(settings, "keys") else None)
                or getattr(bus, "signing_key", None))
         self.actions = ActionQueue(self.ledger, key)
         self.handlers: dict[ActionKind, Handler] = {}

@@ -11,6 +11,12 @@ decision far ahead would make every real one look late, a forged checkpoint
 would choose the rollback target. :mod:`spikeguard.trust` says which key each
 role holds.
 
+One shared key signs everything by default. A :class:`Keyring` gives each role
+its own (:class:`Role`): a record is signed with, and checked against, the key
+of the role entitled to produce its type (:data:`ROLE_OF`), so a process that
+holds only the detectors' key cannot sign a decision or an action. Wherever a
+key is taken, a keyring may be given instead.
+
 The signed payload is the action's canonical JSON without the signature
 field: sorted keys, no spaces (non-finite floats as Python's NaN/Infinity
 tokens; the payload is hashed, never parsed). Signing twice gives the same
@@ -32,12 +38,95 @@ import hmac
 import json
 import threading
 from collections import OrderedDict
+from enum import Enum
 from functools import lru_cache
+from typing import Mapping, Union
 
 from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import RecordNotAuthenticated, RunEventNotAuthenticated, StepNotAuthenticated
 from spikeguard.schemas.events import Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, Verdict
+
+
+class Role(str, Enum):
+    """Who produces signed records, each with its own key in a :class:`Keyring`."""
+
+    TRAINER = "trainer"
+    DETECTORS = "detectors"
+    FUSION = "fusion"
+    ACTUATOR = "actuator"
+
+
+#: The one role entitled to produce each signed record type.
+ROLE_OF: dict[type[BaseModel], Role] = {
+    StepEvent: Role.TRAINER, RunEvent: Role.TRAINER, CheckpointEvent: Role.TRAINER, Ack: Role.TRAINER,
+    Verdict: Role.DETECTORS, Decision: Role.FUSION, Action: Role.ACTUATOR,
+}
+
+
+class Keyring:
+    """The keys a process holds, one per role; a role it holds no key for is None.
+
+    Its records of a type are signed with that type's role's key, and a record
+    is checked against its type's role's key only: a verdict key never makes a
+    decision authentic. Never shows a key (``repr`` names the roles held).
+    """
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Mapping[Role, SecretStr | str | bytes | None]) -> None:
+        self._keys = {Role(role): key for role, key in keys.items() if key is not None}
+
+    def key_of(self, role: Role) -> SecretStr | str | bytes | None:
+        return self._keys.get(role)
+
+    def key_for(self, record_type: type) -> SecretStr | str | bytes | None:
+        role = role_of(record_type)
+        return None if role is None else self._keys.get(role)
+
+    @property
+    def roles(self) -> frozenset[Role]:
+        return frozenset(self._keys)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Keyring) and {r: key_fingerprint(k) for r, k in self._keys.items()} == {
+            r: key_fingerprint(k) for r, k in other._keys.items()}
+
+    def __hash__(self) -> int:
+        return hash(frozenset((r, key_fingerprint(k)) for r, k in self._keys.items()))
+
+    def __repr__(self) -> str:
+        return f"Keyring(holds={sorted(r.value for r in self._keys)})"
+
+
+SigningKey = Union[SecretStr, str, bytes, Keyring]
+
+
+def role_of(record_type: type) -> Role | None:
+    """The role entitled to produce records of ``record_type`` (None: not a signed type)."""
+    role = ROLE_OF.get(record_type)
+    if role is None:
+        role = next((r for t, r in ROLE_OF.items() if issubclass(record_type, t)), None)
+    return role
+
+
+class NoKeyForRole(ValueError):
+    """This process holds no key for the role that signs a record type."""
+
+
+def key_for(record: BaseModel | type, key: SigningKey) -> SecretStr | str | bytes:
+    """The key that signs ``record`` (an instance or a type): ``key`` itself, or its keyring's one
+    for the record's role; :class:`NoKeyForRole` when the keyring holds none for it."""
+    if not isinstance(key, Keyring):
+        return key
+    record_type = record if isinstance(record, type) else type(record)
+    found = key.key_for(record_type)
+    if found is None:
+        role = role_of(record_type)
+        raise NoKeyForRole(f"this process holds no {role.value if role else '?'} key (it signs "
+                           f"{record_type.__name__} records); set SPIKEGUARD_"
+                           f"{(role.value if role else '?').upper()}_KEY or the shared SPIKEGUARD_SIGNING_KEY")
+    return found
 
 
 def _key_bytes(key: SecretStr | str | bytes) -> bytes:
@@ -60,14 +149,18 @@ def _digest(event: BaseModel, key: SecretStr | str | bytes) -> str:
     return hmac.new(_key_bytes(key), canonical_payload(event), hashlib.sha256).hexdigest()
 
 
-def sign_action(action: Action, key: SecretStr | str | bytes) -> Action:
+def sign_action(action: Action, key: SigningKey) -> Action:
     """A copy of ``action`` carrying its signature."""
-    return action.model_copy(update={"signature": _digest(action, key)})
+    return action.model_copy(update={"signature": _digest(action, key_for(action, key))})
 
 
-def verify_action(action: Action, key: SecretStr | str | bytes) -> bool:
+def verify_action(action: Action, key: SigningKey) -> bool:
     """True when the signature is present and matches; constant-time comparison."""
     if not action.signature:
+        return False
+    try:
+        key = key_for(action, key)
+    except NoKeyForRole:
         return False
     return hmac.compare_digest(_digest(action, key), action.signature)
 
@@ -141,14 +234,15 @@ _WHAT = {StepEvent: "step event", RunEvent: "run event", CheckpointEvent: "check
          Ack: "ack", Verdict: "verdict", Decision: "decision", Action: "action"}
 
 
-def sign(record: BaseModel, key: SecretStr | str | bytes) -> BaseModel:
+def sign(record: BaseModel, key: SigningKey) -> BaseModel:
     """A copy of ``record`` (any of :data:`SIGNED_TYPES`) carrying its signature, marked verified here."""
+    key = key_for(record, key)
     signed = record.model_copy(update={"signature": _digest(record, key)})
     VERIFIED.mark(signed, key)
     return signed
 
 
-def signature_problem(record: BaseModel, key: SecretStr | str | bytes) -> str | None:
+def signature_problem(record: BaseModel, key: SigningKey) -> str | None:
     """Why ``record`` is not authentic under ``key`` (None when it is); constant-time comparison.
 
     The very object already found authentic under ``key`` in this process is not
@@ -160,30 +254,38 @@ def signature_problem(record: BaseModel, key: SecretStr | str | bytes) -> str | 
     if not signature:
         signer = next((s for t, s in SIGNERS.items() if isinstance(record, t)), "its producer")
         return f"no signature (an unsigned {what}; {signer} signs it: forged, or from a process without the key)"
+    whose = ""
+    if isinstance(key, Keyring):
+        role = role_of(type(record))
+        whose = f": only the {role.value if role else '?'} key signs {what}s"
+        try:
+            key = key_for(record, key)
+        except NoKeyForRole as exc:
+            return f"cannot check its signature ({exc})"
     if VERIFIED.holds(record, key):
         return None
     if not hmac.compare_digest(_digest(record, key), signature):
-        return f"bad signature (the {what} was forged, altered, or signed with another key)"
+        return f"bad signature (the {what} was forged, altered, or signed with another key{whose})"
     VERIFIED.mark(record, key)
     return None
 
 
-def sign_step(event: StepEvent, key: SecretStr | str | bytes) -> StepEvent:
+def sign_step(event: StepEvent, key: SigningKey) -> StepEvent:
     """A copy of the trainer's step event carrying its signature (marked verified here)."""
     return sign(event, key)  # type: ignore[return-value]
 
 
-def step_signature_problem(event: StepEvent, key: SecretStr | str | bytes) -> str | None:
+def step_signature_problem(event: StepEvent, key: SigningKey) -> str | None:
     """Why ``event`` is not authentic under ``key`` (None when it is)."""
     return signature_problem(event, key)
 
 
-def sign_run_event(event: RunEvent, key: SecretStr | str | bytes) -> RunEvent:
+def sign_run_event(event: RunEvent, key: SigningKey) -> RunEvent:
     """A copy of the trainer's run start or end carrying its signature."""
     return sign(event, key)  # type: ignore[return-value]
 
 
-def run_event_signature_problem(event: RunEvent, key: SecretStr | str | bytes) -> str | None:
+def run_event_signature_problem(event: RunEvent, key: SigningKey) -> str | None:
     """Why ``event`` is not authentic under ``key`` (None when it is)."""
     return signature_problem(event, key)
 
@@ -203,7 +305,7 @@ def describe(record: BaseModel) -> str:
     return f"{what} for step {step}" + (f" of epoch {epoch}" if epoch else "")
 
 
-def authenticate(record: BaseModel, key: SecretStr | str | bytes | None) -> None:
+def authenticate(record: BaseModel, key: SigningKey | None) -> None:
     """Raise a RecordNotAuthenticated subclass naming the run, the record and why, unless
     ``record`` is signed with ``key``.
 

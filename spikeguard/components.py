@@ -38,18 +38,18 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
         # The key authenticates the verdicts it decides on and the run events whose settings it
         # applies (no key: taken as they come); the run clock bounds how far a record may jump.
         return FusionStage(topics, lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
-                           defaults=settings.fusion, signing_key=settings.signing_key, clock=RunClock(**gaps))
+                           defaults=settings.fusion, signing_key=settings.keys(), clock=RunClock(**gaps))
     if name == "actuator":
         return ActuatorStage(
             topics,
             lambda run_id, config=None: RecoveryPolicy(config or settings.policy, run_id=run_id),
-            signing_key=settings.signing_key,
+            signing_key=settings.keys(),
             defaults=settings.policy,
             clock=RunClock(**gaps),
             # A live pipeline (a key, or an explicit --insecure) tells each trainer it is judged;
             # a backtest or replay has no trainer to tell, and stays deterministic.
             pulse_interval_s=settings.worker.pulse_interval_s
-            if settings.signing_key is not None or settings.insecure else None,
+            if settings.keys() is not None or settings.insecure else None,
         )
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
 
@@ -62,7 +62,7 @@ def _detector_stage(name: str, settings: "Settings", topics: Topics) -> "Stage":
         from spikeguard.processors.detectors.ml_stage import MLStage
 
         return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
-                       signing_key=settings.signing_key)
+                       signing_key=settings.keys())
     detector_cls = DETECTORS[name]
     config = getattr(settings, name)
-    return DetectorStage(topics, name, lambda run_id: detector_cls(config), signing_key=settings.signing_key)
+    return DetectorStage(topics, name, lambda run_id: detector_cls(config), signing_key=settings.keys())

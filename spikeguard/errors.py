@@ -35,6 +35,13 @@ class DeliveryError(BusError):
     """The broker did not acknowledge a published record."""
 
 
+class CommitRefused(BusError):
+    """The group refused a commit: it moved on without this member (a broker outage longer
+    than the session, a rebalance under way). Nothing is lost: the member rejoins at its
+    next poll, its partitions' state and positions come back from its snapshot, and what
+    was not committed is read again."""
+
+
 class ActionRejected(SpikeguardError):
     """An action failed its signature check or names an impossible step."""
 

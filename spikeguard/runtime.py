@@ -135,7 +135,7 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         bus.create_topics(topics.all())
         # The in-process pipeline refuses steps not signed with this key; a Guard handed
         # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
-        bus.signing_key = settings.signing_key
+        bus.signing_key = settings.keys()
         runtime = Runtime(bus, topics, settings)
         if settings.worker.embedded_process:  # the workers' GIL apart from the trainer's
             from spikeguard.bus.embedded_process import ChildPipeline

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.alerting.config import AlertingConfig
 from spikeguard.errors import ConfigError
+from spikeguard.schemas.signing import Keyring, Role
 from spikeguard.processors.detectors import CONFIGS
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.producers.config import GuardConfig
@@ -122,6 +123,18 @@ class Settings(BaseModel):
         description="HMAC-SHA256 key: actions are signed, trainers refuse unsigned ones; "
         "required on Kafka (see insecure); embedded mode makes a random one per process",
     )
+    trainer_key: SecretStr | None = Field(
+        None, description="the trainers' own key (steps, run events, checkpoints, acks); default signing_key",
+    )
+    detectors_key: SecretStr | None = Field(
+        None, description="the detector workers' own key (verdicts); default signing_key",
+    )
+    fusion_key: SecretStr | None = Field(
+        None, description="fusion's own key (decisions); default signing_key",
+    )
+    actuator_key: SecretStr | None = Field(
+        None, description="the actuator's own key (actions); default signing_key",
+    )
     insecure: bool = Field(
         False,
         description="on Kafka, let the guard and the actuator run without a signing key "
@@ -144,7 +157,18 @@ class Settings(BaseModel):
     alerting: AlertingConfig = Field(default_factory=AlertingConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
 
-    @field_validator("signing_key", "sasl_password", mode="before")
+    def keys(self) -> "SecretStr | Keyring | None":
+        """What this process signs and checks with: the shared ``signing_key`` when no role has
+        a key of its own, else a keyring of each role's key (a role without one: the shared key,
+        if any). None: no key at all."""
+        roles = {Role.TRAINER: self.trainer_key, Role.DETECTORS: self.detectors_key,
+                 Role.FUSION: self.fusion_key, Role.ACTUATOR: self.actuator_key}
+        if all(key is None for key in roles.values()):
+            return self.signing_key
+        return Keyring({role: key or self.signing_key for role, key in roles.items()})
+
+    @field_validator("signing_key", "trainer_key", "detectors_key", "fusion_key", "actuator_key",
+                     "sasl_password", mode="before")
     @classmethod
     def _empty_secret_is_none(cls, value: Any) -> Any:
         # `KEY=${KEY:-}` in a compose file or shell gives "": that is no key, not a key.

@@ -39,7 +39,7 @@ def ensure_signing_key(settings: Settings, who: str) -> Settings:
     ``who`` names the process in the messages ("the trainer's guard",
     "the actuator worker").
     """
-    if settings.signing_key is not None:
+    if settings.keys() is not None:
         return settings
     if settings.engine == "embedded":
         # Shared by the guard and the in-process actuator through these settings.

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from spikeguard.bus.base import Consumer, Headers, Producer, RebalanceCallback, Record, as_key, undelivered
 from spikeguard.bus.kafka import KafkaBus, _Masked
-from spikeguard.errors import BusError, ConfigError, DeliveryError
+from spikeguard.errors import BusError, CommitRefused, ConfigError, DeliveryError
 
 try:
     import confluent_kafka as ck
@@ -35,6 +35,11 @@ __all__ = ["ConfluentBus", "librdkafka_options"]
 #: librdkafka's linger for spikeguard's producers: how long a published record may wait
 #: for more before it is sent without a flush (a worker's outputs, then, per hop).
 SEND_LINGER_MS = 2
+
+#: Error codes of a commit refused because the group went on without this member (CommitRefused).
+_GROUP_MOVED_ON = frozenset() if ck is None else frozenset((
+    ck.KafkaError.UNKNOWN_MEMBER_ID, ck.KafkaError.ILLEGAL_GENERATION, ck.KafkaError.REBALANCE_IN_PROGRESS,
+    ck.KafkaError._ASSIGNMENT_LOST, ck.KafkaError.FENCED_INSTANCE_ID))
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +299,9 @@ class ConfluentConsumer(Consumer):
             if positions:
                 self._consumer.commit(offsets=positions, asynchronous=False)
         except ck.KafkaException as exc:
+            if exc.args and getattr(exc.args[0], "code", lambda: None)() in _GROUP_MOVED_ON:
+                raise CommitRefused(f"commit refused, the group moved on (the records will be delivered "
+                                    f"again): {exc}") from exc
             raise BusError(f"commit failed (the records will be delivered again): {exc}") from exc
 
     def assignment(self) -> set[tuple[str, int]]:

@@ -243,7 +243,7 @@ class ChildPipeline:
     def __init__(self, runtime: "Runtime") -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
         self.topics = topics
-        self.signing_key = settings.signing_key
+        self.signing_key = settings.keys()
         #: Why the pipeline is gone (the child died), or None while it runs.
         self.problem: str | None = None
         self._lost_lock = threading.Lock()
@@ -350,8 +350,10 @@ def _run_key(fields: dict) -> bytes | None:
 def _same_key(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return False
-    from spikeguard.schemas.signing import _key_bytes
+    from spikeguard.schemas.signing import Keyring, _key_bytes
 
+    if isinstance(a, Keyring) or isinstance(b, Keyring):
+        return a == b
     return hmac.compare_digest(_key_bytes(a), _key_bytes(b))
 
 
@@ -368,7 +370,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())
-    bus.signing_key = settings.signing_key  # type: ignore[attr-defined]
+    bus.signing_key = settings.keys()  # type: ignore[attr-defined]
     runtime = Runtime(bus, topics, settings)
     worker = settings.worker
     forwarder = Forwarder(bus, outputs_of(topics), f"{topics.prefix}{BRIDGE_GROUP}", up,
@@ -380,7 +382,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
     start_monitoring(runtime)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
-    receive(bus, down, settings.signing_key, topics.dlq)  # until the trainer closes the runtime (or dies)
+    receive(bus, down, settings.keys(), topics.dlq)  # until the trainer closes the runtime (or dies)
     runtime.close()  # the workers stop (and save) as the threads of an embedded runtime do
     forwarder.stop()
     up.conn.close()

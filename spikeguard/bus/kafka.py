@@ -13,18 +13,24 @@ is that one key always lands in one partition.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Iterable, Mapping
 
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.future import Future
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    CommitFailedError, FencedInstanceIdError, IllegalGenerationError, KafkaConnectionError, KafkaError,
+    NodeNotReadyError, RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
+)
 from pydantic import SecretStr
 
 from spikeguard.bus.base import Bus, Consumer, Producer, RebalanceCallback, Record
 from spikeguard.bus.kafka_producer import KafkaBusProducer
-from spikeguard.errors import BusError
+from spikeguard.errors import BusError, CommitRefused
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KafkaBus"]
 
@@ -48,6 +54,13 @@ def _record(r: Any) -> Record:
         tuple((k, v if v is not None else b"") for k, v in headers) if headers else (),
         timestamp if timestamp is not None and timestamp >= 0 else 0,
     )
+
+
+#: A poll that failed only because the broker could not be reached.
+_BROKER_AWAY = (KafkaConnectionError, NodeNotReadyError)
+#: A commit refused because the group went on without this member (CommitRefused).
+_GROUP_MOVED_ON = (CommitFailedError, UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError,
+                   FencedInstanceIdError)
 
 
 class _Listener(AsyncConsumerRebalanceListener):
@@ -82,6 +95,7 @@ class _KafkaConsumer(Consumer):
     def __init__(self, config: dict[str, Any], topics: list[str], on_assign: RebalanceCallback | None,
                  on_revoke: RebalanceCallback | None):
         self.on_assign, self.on_revoke = on_assign, on_revoke
+        self._broker_away = False  # a poll failed to reach the broker, and none has since succeeded
         self._consumer = KafkaConsumer(**config)
         try:
             self._consumer.subscribe(topics=topics, listener=_Listener(self))
@@ -116,12 +130,26 @@ class _KafkaConsumer(Consumer):
         except KafkaError as exc:
             if exc.__cause__ is not None and not isinstance(exc.__cause__, KafkaError):
                 raise exc.__cause__  # a rebalance callback failed: its own error, as on the embedded bus
+            if isinstance(exc, _BROKER_AWAY):
+                # The broker is away (an outage, a restart): the consumer reconnects by itself,
+                # and a worker that polls again meanwhile loses nothing. Said once per outage.
+                if not self._broker_away:
+                    log.warning("the broker is unreachable (%r); polling again until it is back", exc)
+                self._broker_away = True
+                time.sleep(max(0.0, min(timeout, 1.0)))  # the poll's own wait, not a busy loop
+                return []
             raise BusError(f"poll failed: {exc!r}") from exc
+        if self._broker_away:
+            log.warning("the broker is reachable again")
+            self._broker_away = False
         return [_record(r) for records in batches.values() for r in records]
 
     def commit(self) -> None:
         try:
             self._consumer.commit()
+        except _GROUP_MOVED_ON as exc:
+            raise CommitRefused(f"commit refused, the group moved on (the records will be delivered again): "
+                                f"{exc!r}") from exc
         except KafkaError as exc:
             raise BusError(f"commit failed (the records will be delivered again): {exc!r}") from exc
 

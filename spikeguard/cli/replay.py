@@ -13,6 +13,11 @@ them in ``_settings.json``), so a replay with no flags shows no differences;
 new decisions and actions under ``--prefix`` (default ``replay.``), leaving
 the originals untouched.
 
+With the pipeline's key (``SPIKEGUARD_SIGNING_KEY``, or the role keys) every
+recorded record is checked as its live consumer checks it: one its producer
+did not sign is left out of the replay and counted, per topic. Without a key
+nothing can be checked; the records that carry no signature are counted.
+
   spikeguard replay --data-dir run/ --set fusion.threshold=0.8
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.cli._common import add_settings_flags, settings_from
@@ -43,17 +49,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def read_topic(bus, topic, model, runs):
+def read_topic(bus, topic, model, runs, key=None, refused: Counter | None = None):
+    """The records of ``topic`` as ``model``, and how many could not be read.
+
+    With ``key``, a record its producer did not sign is left out and counted in ``refused``
+    (by topic); without one, a record with no signature is kept and counted there.
+    """
+    from spikeguard.schemas.signing import SIGNED_TYPES, signature_problem
+
     events, bad = [], 0
+    signed = model in SIGNED_TYPES
     for record in bus.read_all(topic, timeout=30):
         try:
             event = record.decoded(model)
         except SchemaError:
             bad += 1  # the DLQ already holds what the live pipeline could not read
             continue
-        if runs is None or event.run_id in runs:
-            events.append(event)
+        if runs is not None and event.run_id not in runs:
+            continue
+        if signed and refused is not None:
+            if key is not None and signature_problem(event, key) is not None:
+                refused[topic] += 1
+                continue
+            if key is None and not event.signature:
+                refused[topic] += 1
+        events.append(event)
     return events, bad
+
+
+def signatures_line(flagged: Counter, checked: bool, topics: Topics) -> str:
+    """One line: how many records the signature check left out (or, with no key, found unsigned)."""
+    total = sum(flagged.values())
+    per_topic = ", ".join(f"{topic.removeprefix(topics.prefix)} {count}" for topic, count in sorted(flagged.items()))
+    if checked:
+        return (f"signatures checked: {total} record(s) not signed by their producer's key left out"
+                + (f" ({per_topic})" if total else ""))
+    return ("signatures NOT checked (no signing key): "
+            + (f"{total} record(s) carry no signature ({per_topic})" if total else "every record is signed"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,13 +107,15 @@ def run(args: argparse.Namespace) -> int:
     source = Topics(settings.topic_prefix)
     bus = EmbeddedBus(data_dir=args.data_dir) if args.data_dir else make_bus(settings)
     runs = set(args.run_id) if args.run_id else None
-    steps, bad = read_topic(bus, source.steps, StepEvent, runs)
+    key, flagged = settings.keys(), Counter()
+    steps, bad = read_topic(bus, source.steps, StepEvent, runs, key, flagged)
+    checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs, key, flagged)
+    recorded, _ = read_topic(bus, source.decisions, Decision, runs, key, flagged)
+    recorded_actions, _ = read_topic(bus, source.actions, Action, runs, key, flagged)
+    acks, _ = read_topic(bus, source.acks, Ack, runs, key, flagged)  # the actuator hears what the trainer did
+    print(signatures_line(flagged, key is not None, source))
     if not steps:
         raise SpikeguardError(f"no step events on {source.steps} to replay")
-    checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs)
-    recorded, _ = read_topic(bus, source.decisions, Decision, runs)
-    recorded_actions, _ = read_topic(bus, source.actions, Action, runs)
-    acks, _ = read_topic(bus, source.acks, Ack, runs)  # the actuator hears what the trainer did
     found = replay_events(steps, checkpoints, settings, acks)
     decisions = found[source.decisions]
     actions = found[source.actions]

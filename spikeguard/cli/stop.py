@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
             action_id=action_id(f"operator-stop/{args.run_id}/{newest.epoch}/{newest.step}", "stop"),
             run_id=args.run_id, kind=ActionKind.STOP, apply_at_step=newest.step + 1,
             params={"reason": args.reason}, evidence=operator_evidence(newest), reason=args.reason)
-        if settings.signing_key is not None:
-            stop = sign_action(stop, settings.signing_key)
+        if settings.keys() is not None:  # an operator's stop is an action: the actuator's key signs it
+            stop = sign_action(stop, settings.keys())
         producer = bus.producer()
         producer.publish(topics.actions, encode(stop), key=args.run_id)
         producer.flush()

@@ -145,7 +145,8 @@ def _recompute(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
     """The demo trainer obeys only actions signed with its pipeline's key, as a real one does."""
-    key = getattr(getattr(runtime, "settings", None), "signing_key", None)
+    settings = getattr(runtime, "settings", None)
+    key = settings.keys() if settings is not None else None
     if cfg.signing_key is None and key is not None:
         return cfg.model_copy(update={"signing_key": key})
     return cfg

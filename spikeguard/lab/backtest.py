@@ -55,7 +55,8 @@ def offline(settings: Settings) -> Settings:
     )
     # Offline steps come from a file the user chose, not from a live trainer:
     # there is no run to steer, so they are judged without step signatures.
-    return settings.model_copy(update={"fusion": fusion, "signing_key": None})
+    return settings.model_copy(update={"fusion": fusion, "signing_key": None, "trainer_key": None,
+                                       "detectors_key": None, "fusion_key": None, "actuator_key": None})
 
 
 @contextmanager

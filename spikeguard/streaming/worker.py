@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import (
-    DeliveryError, RecordRejected, SchemaError, TooManyRuns,
+    CommitRefused, DeliveryError, RecordRejected, SchemaError, TooManyRuns,
 )
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
@@ -196,7 +196,7 @@ class Worker:
             )
         if self._saver is None:
             if records:
-                self._consumer.commit()
+                self._commit()
         elif self._saver.pending and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.checkpoint()
         return len(records)
@@ -242,7 +242,7 @@ class Worker:
                 if self._saver is not None:
                     self.checkpoint()
                 else:
-                    self._consumer.commit()
+                    self._commit()
             except Exception:  # closing must not hide the error that stopped the loop
                 log.exception("%s: could not save state on close", self.group)
         self._consumer.close()
@@ -416,12 +416,27 @@ class Worker:
         if self._saver is not None:
             self._saver.save(self._producer, self._run_partition)
             self._producer.flush()
-        self._consumer.commit()
+        if not self._commit():
+            return  # ended runs keep their state until a commit covers their last records
         if self._saver is not None and self._saver.tombstone(
             self._producer, getattr(self.stage, "runs", ())
         ):
             self._producer.flush()
         self._last_snapshot = time.monotonic()
+
+    def _commit(self) -> bool:
+        """Commit the positions; False when the group moved on without this member.
+
+        After a broker outage longer than the session the group has evicted this member:
+        its next poll rejoins, the lost partitions' runs are saved and dropped (on_revoke),
+        and the ones assigned again come back from their snapshot, so the loop goes on.
+        """
+        try:
+            self._consumer.commit()
+        except CommitRefused as exc:
+            log.warning("%s: %s; it rejoins at its next poll", self.group, exc)
+            return False
+        return True
 
     def _on_assign(self, gained: set[tuple[str, int]]) -> None:
         if self._saver is not None:
