@@ -77,6 +77,7 @@ from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
 from spikeguard.producers.stats import GradStats, across_ranks
+from spikeguard.producers.update_norm import UpdateNorm
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Guard(Checkpointing, ActionApplying):
         self.actions = ActionQueue(self.ledger, key)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
+        self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # rides the next transfer
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
         if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
             self.clipper.set_fixed(cfg.max_grad_norm)
@@ -240,7 +242,8 @@ class Guard(Checkpointing, ActionApplying):
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
-        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        stats, grads = self.stats.compute(loss, batch,
+                                          self.updates.riders(step, self.epoch, self._riders(bool(due))))
         if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
@@ -279,11 +282,14 @@ class Guard(Checkpointing, ActionApplying):
         if reason is not None:
             self._zero_grads()
             self.amp.void()
+            self.updates.skipped(step, self.epoch)
             self.counters["skipped_updates"] += 1
         else:
             if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
+            self.updates.before_update(step, self.epoch, applies=not overflow)  # an overflow skip: 0
             self.amp.step(self.lr.step, self.optimizer, overflow)
+            self.updates.after_update()
             if overflow:
                 reason = "scaler_overflow"
                 self.counters["scaler_skips"] += 1

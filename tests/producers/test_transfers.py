@@ -42,7 +42,7 @@ def _sgd_tiny() -> Tiny:
 
 
 @pytest.mark.parametrize("config", [
-    {},  # the defaults: statistics, skip rule, event
+    {},  # the defaults: statistics (the parameter and update norms too), skip rule, event
     {"skip_outliers": False},
     {"top_k_layers": 2},
 ])
