@@ -123,7 +123,7 @@ class Guard(Checkpointing, ActionApplying):
         self.actions = ActionQueue(self.ledger, key)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
-        self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # rides the next transfer
+        self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
         if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
             self.clipper.set_fixed(cfg.max_grad_norm)
@@ -242,8 +242,8 @@ class Guard(Checkpointing, ActionApplying):
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.optimizer)  # statistics and clipping are about the unscaled gradients
-        stats, grads = self.stats.compute(loss, batch,
-                                          self.updates.riders(step, self.epoch, self._riders(bool(due))))
+        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)),
+                                          self.updates.last_update(step, self.epoch))
         if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
