@@ -10,6 +10,8 @@ noise hits them alike, median per-step time of each:
   ``optimizer.step()`` — statistics with one transfer, action check, the
   StepEvent handed to the background publisher of a real embedded bus.
   Periodic checkpoints are off (their cost is per checkpoint, not per step).
+- ``guarded-no-norms``: the same with ``update_norm`` and ``param_norm`` off;
+  the difference to ``guarded`` is what those two norms cost.
 
 The ``direct`` figure is the steadiest: within the same guarded steps, the
 time of ``guard.step`` minus the optimizer update it runs, against the time
@@ -48,7 +50,7 @@ def make(seed: int = 0, width: int = 256, depth: int = 3, batch: int = 64):
     return model, opt, x, y
 
 
-GUARD_OWN: list[float] = []  # per step: guard.step minus the optimizer.step it calls
+GUARD_OWN: dict[str, list[float]] = {}  # per guarded kind and step: guard.step minus its optimizer.step
 NORM_OWN: list[float] = []  # per step: clip_grad_norm_(inf) + .item() alone
 
 
@@ -59,11 +61,13 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
     """(median wall seconds per step, process CPU seconds per step — background threads included)."""
     model, opt, x, y = make()
     bus = guard = None
-    if kind == "guarded":
+    if kind.startswith("guarded"):
+        norms = kind == "guarded"
         bus = EmbeddedBus()
         guard = Guard(model, opt, run_id="bench", bus=bus,
                       config=GuardConfig(checkpoint_dir=guard_dir, checkpoint_every=0, resume=False,
-                                         skip_outliers=SKIP_OUTLIERS))
+                                         skip_outliers=SKIP_OUTLIERS, update_norm=norms,
+                                         param_norm=norms))
         guard._started = True  # no initial checkpoint inside the timed loop
     times, inner, norm_times = [], [], []
     mark = {}
@@ -78,7 +82,7 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         t_step = time.perf_counter()
-        if kind == "guarded":
+        if guard is not None:
             guard.step(loss)
         else:
             if kind == "plain+norm":
@@ -88,8 +92,8 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
             opt.step()
         end = time.perf_counter()
         times.append(end - start)
-        if kind == "guarded":  # guard.step's own time: its call minus the optimizer update inside
-            GUARD_OWN.append(end - t_step - inner[-1])
+        if guard is not None:  # guard.step's own time: its call minus the optimizer update inside
+            GUARD_OWN.setdefault(kind, []).append(end - t_step - inner[-1])
         elif kind == "plain+norm":
             NORM_OWN.append(norm_times[-1])
     if guard is not None:
@@ -113,7 +117,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     global SKIP_OUTLIERS
     SKIP_OUTLIERS = not args.no_skip_rule
-    kinds = ("plain", "plain+norm", "guarded")
+    kinds = ("plain", "plain+norm", "guarded", "guarded-no-norms")
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,10 +127,14 @@ def main() -> None:
                 wall[kind].append(w)
                 cpu[kind].append(c)
     report: dict = {"params": sum(p.numel() for p in make()[0].parameters())}
-    own, norm = statistics.median(GUARD_OWN), statistics.median(NORM_OWN)
+    own, norm = statistics.median(GUARD_OWN["guarded"]), statistics.median(NORM_OWN)
+    bare = statistics.median(GUARD_OWN["guarded-no-norms"])
     step = statistics.median(wall["plain"])
     report["direct"] = {"guard_own_us": own * 1e6, "norm_only_us": norm * 1e6,
-                        "beyond_norm_us": (own - norm) * 1e6, "pct_of_step": 100 * own / step}
+                        "beyond_norm_us": (own - norm) * 1e6, "pct_of_step": 100 * own / step,
+                        # the update and parameter norms (update_norm.py): guarded minus guarded-no-norms
+                        "update_param_norms_us": (own - bare) * 1e6,
+                        "update_param_norms_pct_of_step": 100 * (own - bare) / step}
     for label, table in (("wall", wall), ("cpu", cpu)):
         med = {k: statistics.median(v) for k, v in table.items()}
         report[label] = {
@@ -135,6 +143,7 @@ def main() -> None:
             "overhead_pct": 100 * (med["guarded"] - med["plain"]) / med["plain"],
             "beyond_norm_us": (med["guarded"] - med["plain+norm"]) * 1e6,
             "beyond_norm_pct": 100 * (med["guarded"] - med["plain+norm"]) / med["plain+norm"],
+            "update_param_norms_us": (med["guarded"] - med["guarded-no-norms"]) * 1e6,
         }
     if args.json:
         print(json.dumps(report))
@@ -144,6 +153,8 @@ def main() -> None:
     print(f"direct (same steps): guard.step's own time {d['guard_own_us']:.1f} µs/step "
           f"({d['pct_of_step']:.2f} % of a plain step); the norm computation alone {d['norm_only_us']:.1f} µs; "
           f"beyond it {d['beyond_norm_us']:.1f} µs")
+    print(f"of which the update and parameter norms: {d['update_param_norms_us']:.1f} µs/step "
+          f"({d['update_param_norms_pct_of_step']:.2f} % of a plain step)")
     for label in ("wall", "cpu"):
         r = report[label]
         steps = "  ".join(f"{k} {v:8.1f} µs" for k, v in r["step_us"].items())

@@ -109,7 +109,17 @@ class GuardConfig(BaseModel):
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
     )
-    param_norm: bool = Field(False, description="also report the total parameter norm")
+    param_norm: bool = Field(
+        False, description="report the total parameter norm (one norm pass over the parameters, on "
+        "device, read with the step's statistics); off by default: no default detector reads it"
+    )
+    update_norm: bool = Field(
+        False, description="off by default (no default detector reads it, and on the measured runs "
+        "it warned no earlier than the LR does: docs/detection.md); report the norm of the parameter change each optimizer step made "
+        "(producers/update_norm.py): costs one device copy of the parameters (this rank's shards) "
+        "and three passes over them per step, no extra device-to-host transfer; the event of step s "
+        "carries step s-1's update, 0 when that update was skipped"
+    )
     skip_nonfinite: bool = Field(
         True, description="skip the optimizer update at once on a non-finite loss or gradient"
     )

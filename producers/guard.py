@@ -80,6 +80,7 @@ from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
+from spikeguard.producers.update_norm import UpdateNorm
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class Guard(Checkpointing, ActionApplying):
         self.actions = ActionQueue(self.ledger, key)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
+        self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
         if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
             self.clipper.set_fixed(cfg.max_grad_norm)
@@ -300,7 +302,8 @@ class Guard(Checkpointing, ActionApplying):
         self._collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.torch_optimizer)  # statistics and clipping are about the unscaled gradients
-        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)))
+        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)),
+                                          self.updates.last_update(step, self.generation))
         if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
@@ -340,9 +343,11 @@ class Guard(Checkpointing, ActionApplying):
                 self.counters["skipped_updates"] += 1
         if reason is not None:
             self._void_update(interrupted)
+            self.updates.skipped(step, self.generation)
         else:
             if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
+            self.updates.before_update(step, self.generation, applies=not overflow)  # an overflow skip: 0
             if overflow:  # the scaler skips this update itself
                 reason = "scaler_overflow"
                 self.counters["scaler_skips"] += 1
@@ -369,6 +374,7 @@ class Guard(Checkpointing, ActionApplying):
         half, self._half = self._half, None
         if half is None:
             return StepResult(False, False)
+        self.updates.after_update()  # the update the optimizer just made, if the first half allowed it
         step, stats, reason = half.step, half.stats, half.reason
         if reason == INTERRUPTED:
             self._interrupted_step_done(step)

@@ -35,6 +35,7 @@ class RunEvents:
             loss=stats.loss, loss_mean=stats.loss_mean, loss_ranks=stats.ranks,
             grad_norm=None if overflow else stats.grad_norm, lr=lr,
             loss_scale=loss_scale, param_norm=stats.param_norm,
+            update_norm=stats.update_norm,  # the previous step's update (update_norm.py)
             top_grad_norms={} if overflow else stats.top_grad_norms,
             nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
             skip_reason=reason, overflow_streak=overflow_streak if overflow else 0,

@@ -37,6 +37,8 @@ class StepStats:
     loss_mean: float | None = None
     ranks: int | None = None
     rank_loss: float | None = None
+    #: The norm of the previous step's parameter update (update_norm.py); None: there was none.
+    update_norm: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -66,7 +68,8 @@ class GradStats:
 
     def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
                 riders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                                 Mapping[str, torch.Tensor]] | None = None
+                                 Mapping[str, torch.Tensor]] | None = None,
+                update: Sequence[torch.Tensor] | None = None,
                 ) -> tuple[StepStats, list[torch.Tensor]]:
         """Statistics of the gradients as they are now, and the gradient list (for clipping).
 
@@ -74,17 +77,31 @@ class GradStats:
         the total norm is non-finite), the loss and the total norm, and returns named scalar tensors that ride
         along with the same transfer (the flags all-reduced across ranks, the loss
         scale); they come back by name in ``StepStats.riders``.
+        ``update``: the last optimizer update, one tensor per parameter (update_norm.py);
+        its total norm is taken with the gradients' (sharded: in the same all-reduce).
         """
         names, grads = self.grads()
+        weights = [p.detach() for p in self.params] if self.param_norm else []
+        update = list(update) if update is not None else []
         parts: list[torch.Tensor] = []
         device = grads[0].device if grads else torch.device("cpu")
         sharded_norm_list = None
         if self.sharded and self.params:
             # A collective: every rank reduces one entry per parameter, gradient or not
-            # (a parameter unused on one rank must not change the vector's length there).
-            all_norms = sharded_norms([p.grad for p in self.params], like=self.params)
+            # (a parameter unused on one rank must not change the vector's length there),
+            # and the parameter and update norms in the same vector: one all-reduce.
+            n, m = len(self.params), len(weights)
+            all_norms = sharded_norms([p.grad for p in self.params] + weights + update,
+                                      like=self.params)
             sharded_norm_list = all_norms[[i for i, p in enumerate(self.params) if p.grad is not None]]
+            other_norms = [all_norms[n:n + m], all_norms[n + m:]]
             device = all_norms.device
+        else:
+            flat = torch._foreach_norm(grads + weights + update) if grads or weights or update else []
+            g, m = len(grads), len(weights)
+            stacked = [torch.stack([t.float() for t in part]) if part else torch.zeros(0, device=device)
+                       for part in (flat[:g], flat[g:g + m], flat[g + m:])]
+            other_norms = stacked[1:]
         loss_t = loss.detach().reshape(()).float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         parts.append(loss_t.to(device).reshape(1))
         k = min(self.top_k, len(grads))
@@ -93,17 +110,15 @@ class GradStats:
             if sharded_norm_list is not None:  # the global norm, not this rank's slice; clipping scales the slices
                 norms, grads = sharded_norm_list, local_tensors(grads)
             else:
-                norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+                norms = stacked[0]
             total = torch.linalg.vector_norm(norms)
             parts.append(total.reshape(1))
             if k:
                 values, index = torch.topk(norms, k)
                 parts += [values, index.float()]
-        if self.param_norm and self.params:
-            detached = [p.detach() for p in self.params]
-            pnorms = (sharded_norms(detached) if self.sharded
-                      else torch.stack([n.float() for n in torch._foreach_norm(detached)]))
-            parts.append(torch.linalg.vector_norm(pnorms).reshape(1))
+        for wanted, norms in zip((weights, update), other_norms):
+            if wanted:
+                parts.append(torch.linalg.vector_norm(norms).reshape(1).to(device))
         n_batch = 0
         if batch is not None:
             batch_parts = batch_statistics(batch)
@@ -127,7 +142,8 @@ class GradStats:
             vals = [next(it) for _ in range(k)]
             idx = [int(next(it)) for _ in range(k)]
             top = {names[i]: v for i, v in zip(idx, vals)}
-        pnorm = next(it) if self.param_norm and self.params else None
+        pnorm = next(it) if weights else None
+        unorm = next(it) if update else None
         bstats = None
         if n_batch:
             size, nan_in, inf_in, outliers, max_frac = (next(it) for _ in range(5))
@@ -138,7 +154,8 @@ class GradStats:
         nonfinite = 0
         if grad_norm is not None and not math.isfinite(grad_norm):
             nonfinite = count_nonfinite(grads)  # rare path: a second transfer is fine here
-        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding), grads
+        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding,
+                         update_norm=unorm), grads
 
 
 def across_ranks(stats: StepStats, world_size: int) -> StepStats:

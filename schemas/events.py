@@ -142,8 +142,12 @@ class StepEvent(_Event):
     grad_norm: float | None = Field(None, description="total L2 norm before clipping")
     lr: float | None = None
     loss_scale: float | None = Field(None, description="fp16 GradScaler scale, if any")
-    update_norm: float | None = Field(None, description="L2 norm of the parameter update")
-    param_norm: float | None = None
+    update_norm: float | None = Field(
+        None, description="L2 norm of the parameter change made by the previous optimizer step "
+        "(the one that produced the parameters this step's loss was computed at); 0 when that "
+        "update was skipped; none at a run's first step or after a rollback",
+    )
+    param_norm: float | None = Field(None, description="L2 norm of the parameters at this step")
     top_grad_norms: dict[str, float] = Field(
         default_factory=dict, description="largest per-layer gradient norms"
     )

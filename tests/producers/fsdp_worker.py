@@ -45,13 +45,13 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
             bus.producer().publish(Topics().actions, encode(a), key="fs")
     guard = Guard(model, opt, run_id="fs", bus=bus, connect=False,
                   config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5,
-                                     resume=False, publish_all_ranks=True))
+                                     resume=False, publish_all_ranks=True, update_norm=True))
     if rank == 0:  # deterministic: both actions are in the inbox before training starts
         deadline = time.monotonic() + 10
         while guard.inbox._handed < 2 and time.monotonic() < deadline:
             time.sleep(0.002)
     sums = _count_sum_all_reduces()
-    reference, outcomes, reduces, shards = {}, [], {}, {}
+    reference, outcomes, reduces, shards, updates = {}, [], {}, {}, {}
     data = guard.data(loader, max_steps=STEPS)
     while guard.step_count < STEPS:
         for xb, yb in data:
@@ -64,17 +64,23 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
             reference[f"{epoch}/{step}"] = _unsharded_norm(model, twin, xb, yb)
+            before = [p.full_tensor() for p in model.parameters()]
             sums.clear()
             outcomes.append([epoch, step, guard.step(loss)])
             reduces[f"{epoch}/{step}"] = len(sums)
+            after = [p.full_tensor() for p in model.parameters()]
+            updates[f"{epoch}/{step}"] = float(torch.linalg.vector_norm(
+                torch.stack([(b - a).norm() for a, b in zip(after, before)])))
     guard.close(finished=False)  # as if the job died here: the next one resumes
     final = _local_state(model, opt)
     resumed = _resume(out_dir)
-    published = {f"{e.epoch}/{e.step}": e.grad_norm
-                 for e in (decode(r.value, StepEvent) for r in bus.read_all(Topics().steps))}
+    events = [decode(r.value, StepEvent) for r in bus.read_all(Topics().steps)]
+    published = {f"{e.epoch}/{e.step}": e.grad_norm for e in events}
+    published_updates = {f"{e.epoch}/{e.step}": e.update_norm for e in events}
     before, after = shards[(0, 10)], shards[(1, 10)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-        "published": published, "reference": reference, "outcomes": outcomes, "reduces": reduces,
+        "published": published, "reference": reference,
+        "published_updates": published_updates, "reference_updates": updates, "outcomes": outcomes, "reduces": reduces,
         "restored": [torch.equal(a, b) for a, b in zip(before, after)], "n_shards": len(before),
         "shard_rows": [t.shape[0] for t in before], "skip_ranges": data.skip_ranges,
         "epoch": guard.generation, "rollbacks": guard.counters["rollbacks"],

@@ -53,7 +53,27 @@ def test_the_reported_grad_norm_is_the_unsharded_models_norm(ranks):
     assert not math.isfinite(results[0]["published"]["0/7"])  # rank 1's NaN is in rank 0's norm too
 
 
+def test_the_reported_update_norm_is_the_unsharded_models_update(ranks):
+    """Step s's event carries step s-1's update: its norm over the whole parameters, 0 after
+    the skipped NaN step, none on the first step after the rollback."""
+    _, results = ranks
+    for r in results:
+        published, reference = r["published_updates"], r["reference_updates"]
+        assert published["0/0"] is None and published["1/10"] is None  # nothing, or a checkpoint, before
+        assert published["0/8"] == 0.0  # step 7's update was skipped (rank 1's NaN)
+        compared = 0
+        for key, norm in published.items():
+            epoch, step = map(int, key.split("/"))
+            previous = f"{epoch}/{step - 1}"
+            if norm is not None and previous in reference:
+                assert norm == pytest.approx(reference[previous], rel=1e-5, abs=1e-9), key
+                compared += 1
+        assert compared >= 16
+    assert results[0]["published_updates"] == results[1]["published_updates"]
+
+
 def test_the_norm_is_reduced_across_shards_once_per_step(ranks):
+    # (the parameter and update norms, on by default, ride in the same all-reduce)
     _, results = ranks
     for r in results:
         assert set(r["reduces"].values()) == {1}

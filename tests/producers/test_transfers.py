@@ -43,6 +43,7 @@ def _sgd_tiny() -> Tiny:
 
 @pytest.mark.parametrize("config", [
     {},  # the defaults: statistics, skip rule, event
+    {"param_norm": True, "update_norm": True},  # the optional norms ride along in the same read
     {"skip_outliers": False},
     {"top_k_layers": 2},
 ])
