@@ -37,7 +37,9 @@ from functools import lru_cache
 from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import RecordNotAuthenticated, RunEventNotAuthenticated, StepNotAuthenticated
-from spikeguard.schemas.events import Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, Verdict
+from spikeguard.schemas.events import (
+    Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, StepVerdicts, Verdict,
+)
 
 
 def _key_bytes(key: SecretStr | str | bytes) -> bytes:
@@ -133,12 +135,14 @@ SIGNERS: dict[type[BaseModel], str] = {
     CheckpointEvent: "the run's trainer",
     Ack: "the run's trainer",
     Verdict: "a detector worker",
+    StepVerdicts: "a detector worker",
     Decision: "fusion",
     Action: "the actuator",
 }
 SIGNED_TYPES = frozenset(SIGNERS)
 _WHAT = {StepEvent: "step event", RunEvent: "run event", CheckpointEvent: "checkpoint event",
-         Ack: "ack", Verdict: "verdict", Decision: "decision", Action: "action"}
+         Ack: "ack", Verdict: "verdict",
+         StepVerdicts: "step's verdicts", Decision: "decision", Action: "action"}
 
 
 def sign(record: BaseModel, key: SecretStr | str | bytes) -> BaseModel:
