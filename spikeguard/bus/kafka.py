@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.future import Future
+from kafka.structs import OffsetAndMetadata
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from pydantic import SecretStr
 
@@ -119,9 +120,13 @@ class _KafkaConsumer(Consumer):
             raise BusError(f"poll failed: {exc!r}") from exc
         return [_record(r) for records in batches.values() for r in records]
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         try:
-            self._consumer.commit()
+            if offsets is None:
+                self._consumer.commit()
+            elif offsets:
+                self._consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                                       for (topic, partition), offset in offsets.items()})
         except KafkaError as exc:
             raise BusError(f"commit failed (the records will be delivered again): {exc!r}") from exc
 
