@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
 
-from spikeguard.schemas import Action, Decision, Topics, Verdict, decode, encode
+from spikeguard.schemas import Action, Decision, StepVerdicts, Topics, Verdict, decode, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
 from kafka_pipeline import LAYOUTS, broker, new_key, new_prefix, signed_steps, workers  # noqa: E402
@@ -55,7 +55,8 @@ class Reader(threading.Thread):
     def __init__(self, bootstrap: str, topics: Topics) -> None:
         super().__init__(daemon=True)
         self.topics = topics
-        self.consumer = KafkaConsumer(topics.decisions, topics.actions, topics.verdicts, bootstrap_servers=bootstrap,
+        self.consumer = KafkaConsumer(topics.decisions, topics.actions, topics.verdicts, topics.step_verdicts,
+                                      bootstrap_servers=bootstrap,
                                       group_id=f"bench-trainer-{uuid.uuid4().hex[:6]}",
                                       auto_offset_reset="earliest", enable_auto_commit=False,
                                       fetch_max_wait_ms=5)
@@ -84,11 +85,14 @@ class Reader(threading.Thread):
                 d = decode(value, Decision)
                 self.decisions.append((d.run_id, d.step, now))
                 self.created[("decision", d.run_id, d.step)] = created_ms / 1000
-            elif topic == self.topics.verdicts:
-                v = decode(value, Verdict)
-                self.verdicts.append((v.run_id, v.step, now, v.detector))
-                key = ("verdict", v.run_id, v.step)  # the step's last verdict to be produced
-                self.created[key] = max(self.created.get(key, 0.0), created_ms / 1000)
+            elif topic in (self.topics.verdicts, self.topics.step_verdicts):
+                # One verdict per record (independent detectors), or a step's in one (co-hosted).
+                packed = ([decode(value, Verdict)] if topic == self.topics.verdicts
+                          else decode(value, StepVerdicts).verdicts)
+                for v in packed:
+                    self.verdicts.append((v.run_id, v.step, now, v.detector))
+                    key = ("verdict", v.run_id, v.step)  # the step's last verdict to be produced
+                    self.created[key] = max(self.created.get(key, 0.0), created_ms / 1000)
             else:
                 a = decode(value, Action)
                 step = a.evidence.step if a.evidence is not None else a.apply_at_step

@@ -4,9 +4,15 @@
 consumer of the steps (and runs) topics instead of four: on Kafka each
 independent detector worker fetches, decodes and checks the signature of
 every step itself, and that framework cost (not the detectors' own logic) is
-most of a detector worker's CPU. Each detector still publishes its own
-verdicts, exactly as its own worker would (same detector name, same values);
-the batch commits after all of them are acknowledged.
+most of a detector worker's CPU. Each detector still judges exactly as its
+own worker would (same detector name, same values), and a step's verdicts
+leave as one :class:`~spikeguard.schemas.StepVerdicts` record on the
+``step-verdicts`` topic, signed once: fusion decodes and authenticates one
+record per step instead of one per detector. Should the detectors' outputs not
+line up step by step (a detector judging a step another has not, out of
+order), the batch's verdicts go out one per record on ``verdicts`` instead,
+so no detector's verdicts ever reach fusion out of order. The batch commits
+after all of them are acknowledged.
 
 The independent workers stay the default (docs/design.md): they scale and fail
 one detector at a time. The two layouts do not share consumer groups or
@@ -26,6 +32,7 @@ from typing import Any, Iterable, Sequence
 from pydantic import BaseModel
 
 from spikeguard.processors.detector_stage import DetectorStage
+from spikeguard.schemas import StepVerdicts, Verdict
 from spikeguard.streaming.stage import Output, Stage
 
 #: The worker name (and consumer group / state suffix) of the co-hosted detectors.
@@ -73,7 +80,38 @@ class CoHostedDetectors(Stage):
         out: list[Output] = []
         for stage in self.stages:
             out += stage.handle_batch(items)
-        return out
+        return self.packed(out)
+
+    def packed(self, outputs: list[Output]) -> list[Output]:
+        """The hosted detectors' verdicts as one StepVerdicts record per step, in judging order.
+
+        Unchanged (one Verdict per record) when packing would reorder a detector's own
+        verdicts, give one detector two verdicts on a step, or when anything but verdicts is
+        among them: fusion reads both topics, and order within a detector is what it relies on.
+        """
+        if not outputs:
+            return outputs
+        verdicts_topic = self.topics.verdicts
+        steps: dict[tuple[str, int, int], list[Verdict]] = {}
+        place: dict[tuple[str, int, int], int] = {}
+        last: dict[str, int] = {}  # detector -> place of its newest verdict's step
+        for topic, verdict in outputs:
+            if topic != verdicts_topic or type(verdict) is not Verdict:
+                return outputs
+            key = (verdict.run_id, verdict.epoch, verdict.step)
+            at = place.get(key)
+            if at is None:
+                at = place[key] = len(place)
+                steps[key] = [verdict]
+            else:
+                steps[key].append(verdict)
+            if last.get(verdict.detector, -1) >= at:  # out of order, or twice for one step
+                return outputs
+            last[verdict.detector] = at
+        topic = self.topics.step_verdicts
+        # Built without validation: the checks above are what StepVerdicts' validator checks.
+        return [(topic, StepVerdicts.model_construct(run_id=run_id, step=step, epoch=epoch, verdicts=group))
+                for (run_id, epoch, step), group in steps.items()]
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
         return self._by_run([stage.snapshot for stage in self.stages], run_ids)
@@ -128,19 +166,19 @@ class CoHostedDetectors(Stage):
         out: list[Output] = []
         for stage in self.stages:
             out += stage.flush_runs(run_ids)
-        return out
+        return self.packed(out)
 
     def flush(self) -> list[Output]:
         out: list[Output] = []
         for stage in self.stages:
             out += stage.flush()
-        return out
+        return self.packed(out)
 
     def tick(self, now: float) -> list[Output]:
         out: list[Output] = []
         for stage in self.stages:
             out += stage.tick(now)
-        return out
+        return self.packed(out)
 
     def drain_ignored(self) -> dict[str, int]:
         total: dict[str, int] = {}

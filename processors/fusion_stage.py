@@ -1,5 +1,10 @@
 """The fusion stage: verdicts (and run starts/ends) in, one fusion per run, decisions out.
 
+Verdicts come on two topics: one :class:`Verdict` per record from independent
+detector workers (``verdicts``), and one :class:`StepVerdicts` per step from a
+co-hosted detector worker (``step-verdicts``): a step's verdicts decoded and
+authenticated once. Both are the same verdicts to a run's fusion, in arrival order.
+
 A run's RunEvent (the ``runs`` topic) may carry FusionConfig overrides (its
 ``fusion`` field); they apply to that run over this stage's own settings,
 from when the start arrives (see :mod:`.run_settings` for order, bad
@@ -34,7 +39,7 @@ from spikeguard.processors.detector_stage import one_run
 from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through, over
-from spikeguard.schemas import RunEvent, Topics, Verdict
+from spikeguard.schemas import RunEvent, StepVerdicts, Topics, Verdict
 from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
 
@@ -47,6 +52,17 @@ _REASONS = ("late_verdict", "stale_verdict", "duplicate_verdict")
 QUIET_GAP_S = 1.0
 
 
+def unpacked(events: Iterable[BaseModel]) -> list[Verdict]:
+    """The verdicts of ``events``, each StepVerdicts record's in its place."""
+    out: list[Verdict] = []
+    for event in events:
+        if type(event) is StepVerdicts:
+            out += event.verdicts  # type: ignore[attr-defined]
+        else:
+            out.append(event)  # type: ignore[arg-type]
+    return out
+
+
 class FusionStage(RunSettingsStage):
     """verdicts -> one decision per step, deadlines checked on every tick.
 
@@ -56,7 +72,7 @@ class FusionStage(RunSettingsStage):
     """
 
     name = "fusion"
-    sets_clock = (Verdict,)
+    sets_clock = (Verdict, StepVerdicts)
 
     def __init__(self, topics: Topics, factory: Callable[..., Fusion],
                  defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0,
@@ -71,7 +87,8 @@ class FusionStage(RunSettingsStage):
         self._quiet_total = 0.0
 
     def inputs(self) -> dict[str, type[BaseModel]]:
-        return {self.topics.verdicts: Verdict, self.topics.runs: RunEvent}
+        return {self.topics.verdicts: Verdict, self.topics.step_verdicts: StepVerdicts,
+                self.topics.runs: RunEvent}
 
     # -- the run's own settings (run_settings.RunSettingsStage) -----------------
     def given(self, event: RunEvent) -> dict[str, Any]:
@@ -112,7 +129,7 @@ class FusionStage(RunSettingsStage):
         now = self.flow_time(wall, arrived=True)  # what the fusions' deadlines see
         runs = self.topics.runs
         if runs not in map(_TOPIC, items):
-            decisions = self._verdicts(list(map(_EVENT, items)), now)
+            decisions = self._verdicts(unpacked(map(_EVENT, items)), now)
         else:  # run starts and ends in their place among the verdicts
             decisions, chunk = [], []
             for topic, event in items:
@@ -120,11 +137,11 @@ class FusionStage(RunSettingsStage):
                     chunk.append(event)
                     continue
                 if chunk:
-                    decisions += self._verdicts(chunk, now)
+                    decisions += self._verdicts(unpacked(chunk), now)
                     chunk = []
                 self.run_event(event, wall)  # type: ignore[arg-type]
             if chunk:
-                decisions += self._verdicts(chunk, now)
+                decisions += self._verdicts(unpacked(chunk), now)
         topic = self.topics.decisions
         return list(zip(repeat(topic), decisions)) + self._end_due(wall)
 

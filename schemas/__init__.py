@@ -30,6 +30,7 @@ from spikeguard.schemas.events import (
     HealthLevel,
     RunEvent,
     StepEvent,
+    StepVerdicts,
     Urgency,
     Verdict,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "HealthLevel",
     "RunEvent",
     "StepEvent",
+    "StepVerdicts",
     "Topics",
     "Urgency",
     "Verdict",

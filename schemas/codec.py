@@ -23,6 +23,7 @@ from spikeguard.schemas.events import (
     Decision,
     RunEvent,
     StepEvent,
+    StepVerdicts,
     Verdict,
 )
 
@@ -38,6 +39,7 @@ _MARKERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("decision_id", Decision),
     ("checkpoint_id", CheckpointEvent),
     ("detector", Verdict),
+    ("verdicts", StepVerdicts),
     ("loss", StepEvent),
     ("checkpoint_every", RunEvent),
 )

@@ -208,6 +208,48 @@ class Verdict(_Event):
     )
 
 
+#: How many verdicts one StepVerdicts record may carry (a worker hosts a handful of detectors).
+MAX_STEP_VERDICTS = 32
+
+
+class StepVerdicts(_Event):
+    """Every verdict a co-hosted detector worker gave one step, as one record.
+
+    ``spikeguard worker detectors`` publishes one of these per step on the
+    ``step-verdicts`` topic instead of one :class:`Verdict` per detector on
+    ``verdicts``: fusion decodes and authenticates one record per step, not
+    one per detector. The record is signed as a whole by the detector worker;
+    the verdicts inside carry no signature of their own. Fusion reads both
+    topics, so independent detector workers (one verdict each) keep working.
+    """
+
+    run_id: RunId
+    step: Step
+    epoch: Epoch = 0
+    verdicts: list[Verdict] = Field(min_length=1, max_length=MAX_STEP_VERDICTS)
+    signature: str | None = Field(
+        None, max_length=128, description="hex HMAC-SHA256 by the detector worker over the whole "
+        "record, verdicts included, see schemas.signing (a consumer with the key refuses a record "
+        "without it)"
+    )
+
+    @model_validator(mode="after")
+    def _one_step(self) -> "StepVerdicts":
+        # Fusion files each verdict under its own run, step and detector: a record whose
+        # verdicts speak of another step, or twice for one detector, is refused whole.
+        names = set()
+        for verdict in self.verdicts:
+            if (verdict.run_id, verdict.step, verdict.epoch) != (self.run_id, self.step, self.epoch):
+                raise ValueError(
+                    f"a verdict of {verdict.detector} is for run {verdict.run_id} step {verdict.step} "
+                    f"epoch {verdict.epoch}, not the record's run {self.run_id} step {self.step} "
+                    f"epoch {self.epoch}")
+            if verdict.detector in names:
+                raise ValueError(f"two verdicts of detector {verdict.detector} for one step")
+            names.add(verdict.detector)
+        return self
+
+
 class Evidence(BaseModel):
     """What a decision rests on: the step's own values next to what is normal for the run.
 
@@ -420,6 +462,7 @@ class RunEvent(_Event):
 EVENT_TYPES: tuple[type[_Event], ...] = (
     StepEvent,
     Verdict,
+    StepVerdicts,
     Decision,
     Action,
     Ack,

@@ -45,7 +45,9 @@ from typing import Mapping, Union
 from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import RecordNotAuthenticated, RunEventNotAuthenticated, StepNotAuthenticated
-from spikeguard.schemas.events import Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, Verdict
+from spikeguard.schemas.events import (
+    Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, StepVerdicts, Verdict,
+)
 
 
 class Role(str, Enum):
@@ -60,7 +62,7 @@ class Role(str, Enum):
 #: The one role entitled to produce each signed record type.
 ROLE_OF: dict[type[BaseModel], Role] = {
     StepEvent: Role.TRAINER, RunEvent: Role.TRAINER, CheckpointEvent: Role.TRAINER, Ack: Role.TRAINER,
-    Verdict: Role.DETECTORS, Decision: Role.FUSION, Action: Role.ACTUATOR,
+    Verdict: Role.DETECTORS, StepVerdicts: Role.DETECTORS, Decision: Role.FUSION, Action: Role.ACTUATOR,
 }
 
 
@@ -226,12 +228,14 @@ SIGNERS: dict[type[BaseModel], str] = {
     CheckpointEvent: "the run's trainer",
     Ack: "the run's trainer",
     Verdict: "a detector worker",
+    StepVerdicts: "a detector worker",
     Decision: "fusion",
     Action: "the actuator",
 }
 SIGNED_TYPES = frozenset(SIGNERS)
 _WHAT = {StepEvent: "step event", RunEvent: "run event", CheckpointEvent: "checkpoint event",
-         Ack: "ack", Verdict: "verdict", Decision: "decision", Action: "action"}
+         Ack: "ack", Verdict: "verdict",
+         StepVerdicts: "step's verdicts", Decision: "decision", Action: "action"}
 
 
 def sign(record: BaseModel, key: SigningKey) -> BaseModel:

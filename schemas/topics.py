@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "spikeguard."
-TOPICS = ("steps", "verdicts", "decisions", "actions", "acks", "checkpoints", "dlq")
+TOPICS = ("steps", "verdicts", "step-verdicts", "decisions", "actions", "acks", "checkpoints", "dlq")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,11 @@ class Topics:
     @property
     def verdicts(self) -> str:
         return self.prefix + "verdicts"
+
+    @property
+    def step_verdicts(self) -> str:
+        """Each step's verdicts from a co-hosted detector worker, one record (StepVerdicts)."""
+        return self.prefix + "step-verdicts"
 
     @property
     def decisions(self) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from spikeguard.schemas import Ack, Action, Decision, HealthLevel, StepEvent, Verdict
+from spikeguard.schemas import Ack, Action, Decision, HealthLevel, StepEvent, StepVerdicts, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +372,9 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     actions: dict[str, int] = {}
     run_actions: dict[tuple[str, str], int] = {}
     runs: set[str] = set()
+    if any(type(event) is StepVerdicts for _, event in outputs):  # counted as the verdicts they carry
+        outputs = [(topic, verdict) for topic, event in outputs
+                   for verdict in (event.verdicts if type(event) is StepVerdicts else (event,))]  # type: ignore[attr-defined]
     for _, event in outputs:
         if isinstance(event, Verdict):
             key = (event.detector, event.is_anomaly)

@@ -200,8 +200,13 @@ class Consumer(ABC):
         """Up to ``max_records`` records, waiting at most ``timeout`` seconds for the first."""
 
     @abstractmethod
-    def commit(self) -> None:
-        """Commit the group's offsets: everything polled so far is done."""
+    def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit the group's offsets: everything polled so far is done.
+
+        ``offsets``: only these partitions, each at the given offset (the next record to
+        read), e.g. the positions a state snapshot of those partitions includes; the
+        other partitions' committed offsets stay where they are.
+        """
 
     @abstractmethod
     def assignment(self) -> set[TopicPartition]:

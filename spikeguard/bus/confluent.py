@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from spikeguard.bus.base import Consumer, Headers, Producer, RebalanceCallback, Record, as_key, undelivered
 from spikeguard.bus.kafka import KafkaBus, _Masked
@@ -293,9 +293,13 @@ class ConfluentConsumer(Consumer):
                 raise BusError(f"poll failed on {m.topic()!r}: {err.str()}")
         return records
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         try:
-            positions = [tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0]
+            if offsets is None:
+                positions = [tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0]
+            else:
+                positions = [ck.TopicPartition(topic, partition, offset)
+                             for (topic, partition), offset in offsets.items()]
             if positions:
                 self._consumer.commit(offsets=positions, asynchronous=False)
         except ck.KafkaException as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from spikeguard.bus.base import Consumer, RebalanceCallback, Record, TopicPartition
 
@@ -121,7 +121,7 @@ class EmbeddedConsumer(Consumer):
                     beginning, "earliest" if self._from_beginning else "latest", resume)
         return resume
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         bus = self._bus
         with bus._cond:
             group = bus._groups[self.group]
@@ -129,7 +129,12 @@ class EmbeddedConsumer(Consumer):
             # Only partitions this member still owns: after a rebalance the new
             # owner's progress must not be overwritten by a stale member.
             for tp in self._owned & current:
-                group.committed[tp] = self._positions[tp]
+                if offsets is None:
+                    group.committed[tp] = self._positions[tp]
+                elif tp in offsets:
+                    group.committed[tp] = offsets[tp]
+                else:
+                    continue
                 bus._retain(*tp)
             if bus._recording is not None:
                 bus._recording.save_offsets(self.group, group.committed)

@@ -24,6 +24,7 @@ from kafka.errors import (
     CommitFailedError, FencedInstanceIdError, IllegalGenerationError, KafkaConnectionError, KafkaError,
     NodeNotReadyError, RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
 )
+from kafka.structs import OffsetAndMetadata
 from pydantic import SecretStr
 
 from spikeguard.bus.base import Bus, Consumer, Producer, RebalanceCallback, Record
@@ -144,9 +145,13 @@ class _KafkaConsumer(Consumer):
             self._broker_away = False
         return [_record(r) for records in batches.values() for r in records]
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         try:
-            self._consumer.commit()
+            if offsets is None:
+                self._consumer.commit()
+            elif offsets:
+                self._consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                                       for (topic, partition), offset in offsets.items()})
         except _GROUP_MOVED_ON as exc:
             raise CommitRefused(f"commit refused, the group moved on (the records will be delivered again): "
                                 f"{exc!r}") from exc

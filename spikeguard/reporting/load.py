@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Iterable
 from pydantic import BaseModel
 
 from spikeguard.errors import SchemaError, SpikeguardError
-from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decision, StepEvent, Topics, Verdict, decode
+from spikeguard.schemas import (
+    Ack, Action, ActionKind, CheckpointEvent, Decision, StepEvent, StepVerdicts, Topics, Verdict, decode,
+)
 
 if TYPE_CHECKING:
     from spikeguard.bus import Bus
@@ -83,6 +85,14 @@ def load_bus(bus: "Bus", topics: Topics, runs: set[str] | None = None,
                     yield name, record.decoded(model)
                 except SchemaError:
                     continue  # the live pipeline sent it to the DLQ already
+        # A co-hosted detector worker sends each step's verdicts as one record.
+        for record in bus.read_all(topics.step_verdicts, timeout=30):
+            try:
+                packed = record.decoded(StepVerdicts)
+            except SchemaError:
+                continue
+            for verdict in packed.verdicts:
+                yield "verdicts", verdict
 
     return _require(_collect(pairs(), runs), source, runs)
 

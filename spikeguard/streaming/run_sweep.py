@@ -45,8 +45,12 @@ class RunSweep:
         log.info("%s: %d runs idle for over %.0fs evicted", self.group, len(idle), self.run_idle_ttl_s)
         return outputs
 
-    def ended(self, now: float, run_partition: dict[str, int]) -> list[str]:
-        """The runs the stage ended since the last call, gone from ``run_partition`` (in place)."""
+    def ended(self, now: float, run_partition: dict[str, int],
+              popped: dict[str, int] | None = None) -> list[str]:
+        """The runs the stage ended since the last call, gone from ``run_partition`` (in place).
+
+        ``popped``: filled with the ended runs' partitions, as they were.
+        """
         ended = self.stage.drain_ended()
         if ended:
             if len(ended) > self._idled:
@@ -55,7 +59,9 @@ class RunSweep:
             due = now + self.metrics_linger_s
             self._high = max(self._high, len(run_partition))
             for run_id in ended:
-                run_partition.pop(run_id, None)
+                partition = run_partition.pop(run_id, None)
+                if popped is not None and partition is not None:
+                    popped[run_id] = partition
                 self._linger.append((due, run_id))
             if len(run_partition) < self._high // 4:  # its table shrinks with the runs
                 kept = dict(run_partition)

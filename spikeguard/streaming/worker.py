@@ -7,6 +7,13 @@ with the offsets it corresponds to -> commit -> tombstone the runs that ended.
 A worker never dies on a bad record, and never saves or commits past what the
 broker has acknowledged.
 
+The periodic save goes one partition at a time: each input partition is saved
+every ``snapshot_interval_s`` on its own schedule, and only that partition is
+committed, at the positions its saved state includes (a partition is never
+committed past state that exists nowhere). A save of every partition at once
+held the loop, and every step waiting on it, for the whole save. Closing and
+giving partitions up save every partition at once, as before.
+
 The loop does not wait for a batch's acknowledgements before it polls the
 next (a wait per batch was a quarter of a busy worker's time, and a step
 waits for whole cycles at every hop); the wait happens at the checkpoint, or
@@ -35,7 +42,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Callable
+from typing import Callable, Mapping
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
 
@@ -131,7 +138,6 @@ class Worker:
         self._producer = bus.producer()
         # Which partition each run in memory came from (to forget it when the partition moves).
         self._run_partition: dict[str, int] = {}
-        self._last_snapshot = time.monotonic()
         self._sweep = RunSweep(stage, self.metrics, run_idle_ttl_s, metrics_linger_s, self.group)
         self._stop = threading.Event()
         self._revoke_failure: DeliveryError | None = None
@@ -197,8 +203,10 @@ class Worker:
         if self._saver is None:
             if records:
                 self._commit()
-        elif self._saver.pending and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
-            self.checkpoint()
+        elif self._saver.pending:
+            due = self._saver.due(time.monotonic(), self.snapshot_interval_s, self._run_partition)
+            if due:
+                self.checkpoint(due)
         return len(records)
 
     def _send(self) -> None:
@@ -219,9 +227,10 @@ class Worker:
 
     def _drop_ended(self, now: float) -> None:
         """Forget the runs the stage ended: their partition entry, their metrics; queue tombstones."""
-        ended = self._sweep.ended(now, self._run_partition)
+        partitions: dict[str, int] = {}
+        ended = self._sweep.ended(now, self._run_partition, partitions)
         if ended and self._saver is not None:
-            self._saver.ended(ended)
+            self._saver.ended(ended, partitions)
 
     def drain(self) -> list[Output]:
         """End of input: let the stage emit what it still holds, and publish it."""
@@ -408,31 +417,34 @@ class Worker:
         self.metrics.dead_letters.labels(self.stage.name, letter.error).inc()
 
     # -- state ----------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """Save the runs changed since the last checkpoint and the positions, commit, then tombstone."""
+    def checkpoint(self, partitions: list[int] | None = None) -> None:
+        """Save the runs changed since the last checkpoint and the positions, commit, then tombstone.
+
+        ``partitions``: only these input partitions, each committed at the positions just
+        saved for it (None: every partition, and the commit covers everything polled).
+        """
         # Every output sent so far must be acknowledged before a state or an offset past
         # its input is: a failure raises here, and nothing is saved.
         self._producer.flush()
-        if self._saver is not None:
-            self._saver.save(self._producer, self._run_partition)
-            self._producer.flush()
-        if not self._commit():
+        if self._saver is None:
+            self._commit()
+            return
+        saved = self._saver.save(self._producer, self._run_partition, partitions, time.monotonic())
+        self._producer.flush()
+        if not self._commit(None if partitions is None else saved):
             return  # ended runs keep their state until a commit covers their last records
-        if self._saver is not None and self._saver.tombstone(
-            self._producer, getattr(self.stage, "runs", ())
-        ):
+        if self._saver.tombstone(self._producer, getattr(self.stage, "runs", ()), partitions):
             self._producer.flush()
-        self._last_snapshot = time.monotonic()
 
-    def _commit(self) -> bool:
-        """Commit the positions; False when the group moved on without this member.
+    def _commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> bool:
+        """Commit the positions (``offsets``: only these); False when the group moved on without this member.
 
         After a broker outage longer than the session the group has evicted this member:
         its next poll rejoins, the lost partitions' runs are saved and dropped (on_revoke),
         and the ones assigned again come back from their snapshot, so the loop goes on.
         """
         try:
-            self._consumer.commit()
+            self._consumer.commit(offsets)
         except CommitRefused as exc:
             log.warning("%s: %s; it rejoins at its next poll", self.group, exc)
             return False

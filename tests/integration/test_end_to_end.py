@@ -20,7 +20,7 @@ from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.components import DETECTOR_NAMES
-from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, Topics, Verdict, decode
+from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, StepVerdicts, Topics, Verdict, decode
 from spikeguard.settings import load_settings
 
 STEPS = 260
@@ -121,9 +121,10 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client):
         guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
         time.sleep(1.0)  # the last acks reach the broker
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
-        if "detectors" in layout:  # each co-hosted detector published its own verdicts
-            verdicts = read(bus, topics.verdicts, Verdict, "kafka-run")
-            assert {v.detector for v in verdicts} == set(DETECTOR_NAMES)
+        if "detectors" in layout:  # the co-hosted detectors sent each step's verdicts as one record
+            packed = read(bus, topics.step_verdicts, StepVerdicts, "kafka-run")
+            assert packed and all({v.detector for v in p.verdicts} == set(DETECTOR_NAMES) for p in packed)
+            assert not read(bus, topics.verdicts, Verdict, "kafka-run")
         bus.close()
     finally:
         for worker in workers:

@@ -15,7 +15,9 @@ from spikeguard.components import DETECTOR_NAMES, build_stage
 from spikeguard.lab.simulate import generate
 from spikeguard.metrics import Metrics
 from spikeguard.processors.cohosted_stage import CoHostedDetectors
-from spikeguard.schemas import DeadLetter, StepEvent, Topics, Verdict, decode, encode, sign_step
+from spikeguard.schemas import (
+    DeadLetter, StepEvent, StepVerdicts, Topics, Verdict, decode, encode, sign_step,
+)
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
@@ -47,10 +49,16 @@ def drain(workers: list[Worker]) -> None:
 
 
 def verdicts(bus: EmbeddedBus) -> dict[tuple[str, str, int, int], str]:
-    """(detector, run, epoch, step) -> the verdict's whole JSON (at-least-once: duplicates agree)."""
+    """(detector, run, epoch, step) -> the verdict's whole JSON (at-least-once: duplicates agree).
+
+    One Verdict per record on ``verdicts`` (independent workers), a step's verdicts in one
+    StepVerdicts record on ``step-verdicts`` (co-hosted).
+    """
     found: dict[tuple[str, str, int, int], str] = {}
-    for record in bus.read_all(TOPICS.verdicts):
-        v = decode(record.value, Verdict)
+    each = [decode(r.value, Verdict) for r in bus.read_all(TOPICS.verdicts)]
+    packed = [v for r in bus.read_all(TOPICS.step_verdicts) for v in decode(r.value, StepVerdicts).verdicts]
+    for v in each + packed:
+        v = v.model_copy(update={"signature": None})  # signed one by one, or as a record
         text = json.dumps(v.model_dump(mode="json"), sort_keys=True)
         key = (v.detector, v.run_id, v.epoch, v.step)
         assert found.setdefault(key, text) == text, key

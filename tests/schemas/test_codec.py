@@ -109,7 +109,7 @@ def test_decode_any_refuses_an_object_of_no_known_type():
 def test_json_schemas_cover_every_event():
     schemas = json_schemas()
     assert set(schemas) == {
-        "StepEvent", "Verdict", "Decision", "Action", "Ack", "CheckpointEvent", "DeadLetter",
-        "RunEvent",
+        "StepEvent", "Verdict", "StepVerdicts", "Decision", "Action", "Ack", "CheckpointEvent",
+        "DeadLetter", "RunEvent",
     }
     assert "loss" in schemas["StepEvent"]["properties"]

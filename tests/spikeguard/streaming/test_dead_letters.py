@@ -8,7 +8,7 @@ from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import (
-    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, Topics, Verdict,
+    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, StepVerdicts, Topics, Verdict,
     RunEvent, decision_id, decode, encode,
 )
 from spikeguard.settings import load_settings
@@ -27,6 +27,9 @@ def good_event(topic: str, step: int):
         return StepEvent(run_id="r", step=step, loss=2.0 - step * 0.001, grad_norm=1.0, lr=1e-3)
     if topic == TOPICS.verdicts:
         return Verdict(run_id="r", step=step, detector="rules", is_anomaly=False)
+    if topic == TOPICS.step_verdicts:
+        return StepVerdicts(run_id="r", step=step, verdicts=[
+            Verdict(run_id="r", step=step, detector="statistical", is_anomaly=False)])
     if topic == TOPICS.decisions:
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=False)
     if topic == TOPICS.runs:

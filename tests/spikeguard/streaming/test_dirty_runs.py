@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus import EmbeddedBus
@@ -43,3 +45,28 @@ def test_fusion_saves_only_the_runs_a_batch_touched_since_the_last_checkpoint():
     worker.checkpoint()  # nothing changed since: writes no run
     after = [r.key for r in bus.read_all(store) if r.offset > saved]
     assert [key for key in after if key.startswith(b"fusion/run/")] == [b"fusion/run/b"]
+
+
+def test_partitions_come_due_one_at_a_time_oldest_first_and_all_once_twice_overdue():
+    # The periodic save takes one partition per batch (the one saved longest ago), so no
+    # batch waits for every partition's save; a loop too slow for that saves the overdue too.
+    bus = EmbeddedBus(partitions=4)
+    stage = build_stage("fusion", load_settings({"topic_prefix": TOPICS.prefix}, env={}), TOPICS)
+    worker = Worker(bus, stage, metrics=Metrics(CollectorRegistry()), snapshot_interval_s=3600)
+    publish(bus, "abcdefgh", range(3))
+    drain(worker)
+    saver, runs = worker._saver, worker._run_partition
+    partitions = set(runs.values())
+    assert len(partitions) >= 2
+    now, interval = time.monotonic(), 1000.0  # (the worker's loop counts on the monotonic clock)
+    assert saver.due(now, interval, runs) == []  # dirty since the first batch, less than an interval
+    first = saver.due(now + interval, interval, runs)
+    assert len(first) == 1
+    saver.save(worker._producer, runs, first, now=now + interval)
+    second = saver.due(now + interval + 0.1, interval, runs)
+    assert len(second) == 1 and second != first  # the next oldest, not the one just saved
+    assert sorted(saver.due(now + 2 * interval, interval, runs)) == sorted(partitions - set(first))
+    saved = saver.save(worker._producer, runs, second, now=now + interval + 0.1)
+    # What may be committed: the saved partition's positions, no other partition's.
+    assert {p for _, p in saved} == set(second)
+    assert saved == {tp: n for tp, n in saver.positions.items() if tp[1] in second}
