@@ -236,11 +236,13 @@ _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
 class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
-    __slots__ = ("config", "level", "tail", "lr_recent", "excused", "elevated_run")
+    __slots__ = ("config", "level", "newest_quarter", "tail", "lr_recent", "excused", "elevated_run")
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
+        # The newest quarter of the level's points: below the whole window's, the loss is falling.
+        self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
         self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         self.excused = 0  # steps left during which an LR jump explains a rise
@@ -256,6 +258,20 @@ class OutlierModel:
         floor = cfg.min_rise if n >= cfg.settle else cfg.young_min_rise
         return t if t > floor else floor
 
+    def current_level(self) -> float:
+        """The level at the point being judged (log units; NaN while there is none).
+
+        The median of a window sits at the window's middle, half a window behind a
+        falling loss: every residual would be shifted down by the fall, the tail would
+        learn that shift as the noise, and ordinary noise would be elevated once the fall
+        slows. While the newest quarter of the window is lower, its median is the level
+        (an eighth of a window behind, and right soon after a benign drop). A rise never
+        shortens the window: a climb is judged against the level from before it.
+        """
+        whole = self.level.get()
+        newest = self.newest_quarter.get()
+        return newest if newest < whole else whole
+
     def _lr_jumped(self, lr: float | None) -> bool:
         if lr is None or not math.isfinite(lr):
             return False
@@ -269,7 +285,7 @@ class OutlierModel:
         """Judge ``y`` (a finite log value) against what came before; changes nothing."""
         if len(self.level) < _MIN_LEVEL:
             return _NOT_JUDGED
-        level = self.level.get()
+        level = self.current_level()
         residual = y - level
         threshold = self.threshold()
         if threshold != threshold:
@@ -292,10 +308,12 @@ class OutlierModel:
             self.elevated_run += 1
             if self.elevated_run >= self.config.relearn_after:
                 self.level.clear()
+                self.newest_quarter.clear()
                 self.elevated_run = 0
             return
         self.elevated_run = 0
         self.level.update(y)
+        self.newest_quarter.update(y)
 
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
@@ -304,6 +322,7 @@ class OutlierModel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level.load_state_dict(state["level"])
+        self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])
         self.lr_recent.load_state_dict(state.get("lr_recent", {}))
         self.excused = int(state["excused"])

@@ -22,6 +22,13 @@ Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anom
   ``min_rise``. A rise while the learning rate has recently gone up (a warm
   restart) is explained and not judged. A rise is a ``SLOW_RISE``.
 
+* **where the loss is now** — an EW mean of the residuals (``recent_alpha``)
+  and of their absolute deviations from it. ``raised`` says that mean is
+  ``raise_z`` of its own standard errors above the level. The swing test's
+  oscillation needs it (:mod:`.statistical`): swings that leave the loss where
+  it was are noise growing (a warm-up's larger steps), not an instability. Both
+  averages follow the run's current noise, whatever its size or shape.
+
 There is no "best level ever reached": a rise is judged against the run's
 recent past and its own history of rises, never against a level the run may
 never come back to (which turned a stationary loss or a benign drift into an
@@ -39,6 +46,9 @@ from typing import Any, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
 from spikeguard.processors.outlier_model import Judged as Point
+
+
+_MAD_TO_SIGMA = math.sqrt(math.pi / 2.0)  # sigma over mean absolute deviation, Gaussian noise
 
 
 class LevelCode(IntEnum):
@@ -75,6 +85,12 @@ class LevelJudged(NamedTuple):
     point: Point
     #: the rise test's judgement, for advance (None unless this point ends a block)
     block: BlockJudged | None
+    #: the short-run mean of the residuals after this point (NaN while there is no level)
+    recent: float = math.nan
+    #: the short-run mean absolute deviation of the residuals from it
+    spread: float = math.nan
+    #: that mean is ``raise_z`` of its own standard errors above the level: the loss is up
+    raised: bool = False
 
 
 class RiseTest:
@@ -155,12 +171,14 @@ class RiseTest:
 class LevelMonitor:
     """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
-    __slots__ = ("model", "rises", "spike_rise", "divergence_points", "divergence_rise", "_elevated")
+    __slots__ = ("model", "rises", "spike_rise", "divergence_points", "divergence_rise",
+                 "recent_alpha", "raise_z", "_elevated", "_recent", "_spread")
 
     def __init__(self, *, outliers: OutlierConfig, spike_ratio: float, divergence_points: int,
                  divergence_ratio: float,
                  rise_block: int, rise_horizons: tuple[int, ...], rise_min: float,
-                 rise_min_blocks: int, rise_rate: float, rise_history: int) -> None:
+                 rise_min_blocks: int, rise_rate: float, rise_history: int,
+                 recent_alpha: float, raise_z: float) -> None:
         self.model = OutlierModel(outliers)
         self.rises = RiseTest(block=rise_block, horizons=tuple(rise_horizons),
                               min_rise=math.log(rise_min), min_blocks=rise_min_blocks,
@@ -168,9 +186,29 @@ class LevelMonitor:
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
+        self.recent_alpha = recent_alpha
+        self.raise_z = raise_z
+        self._recent = math.nan  # EW mean of the residuals: where the loss is now, over its level
+        self._spread = math.nan  # EW mean of their absolute deviations from it
         self._elevated = 0  # elevated points in a row
 
     def judge(self, y: float, lr: float | None = None) -> LevelJudged:
+        judged = self._judge(y, lr)
+        residual = judged.point.residual
+        if judged.point.level != judged.point.level:
+            return judged
+        a = self.recent_alpha
+        if self._recent != self._recent:
+            return judged._replace(recent=residual, spread=0.0)
+        spread = self._spread + a * (abs(residual - self._recent) - self._spread)
+        recent = self._recent + a * (residual - self._recent)
+        # The standard error of an EW mean of noise whose mean absolute deviation is
+        # ``spread``: sigma = spread * sqrt(pi / 2) (exact for Gaussian noise, near it for others).
+        standard_error = spread * _MAD_TO_SIGMA * math.sqrt(a / (2.0 - a))
+        return judged._replace(recent=recent, spread=spread,
+                               raised=recent > self.raise_z * standard_error)
+
+    def _judge(self, y: float, lr: float | None) -> LevelJudged:
         point = self.model.judge(y, lr)
         if not point.judged:
             code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
@@ -193,6 +231,8 @@ class LevelMonitor:
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
         self.model.advance(y, point, lr)
+        if judged.recent == judged.recent:
+            self._recent, self._spread = judged.recent, judged.spread
         self._elevated = self._elevated + 1 if point.elevated else 0
         if point.elevated or judged.code == LevelCode.WARMUP:
             return
@@ -200,9 +240,11 @@ class LevelMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "rises": self.rises.state_dict(),
-                "elevated": self._elevated}
+                "elevated": self._elevated, "recent": self._recent, "spread": self._spread}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.rises.load_state_dict(state["rises"])
         self._elevated = int(state["elevated"])
+        self._recent = float(state.get("recent", math.nan))
+        self._spread = float(state.get("spread", math.nan))

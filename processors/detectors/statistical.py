@@ -148,6 +148,17 @@ class LevelConfig(BaseModel):
         1e-5, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step and horizon"
     )
     rise_history: int = Field(200, ge=50, le=65536, description="differences each tail keeps")
+    recent_alpha: float = Field(
+        1 / 16, gt=0.0, le=1.0,
+        description="EW weight of the short-run mean of the loss over its level (that mean has the "
+        "noise of a mean of 2/alpha - 1 points)",
+    )
+    raise_z: float = Field(
+        3.0, gt=0.0,
+        description="swings are an oscillation only while that mean is this many of its own "
+        "standard errors above the level: swings that leave the loss where it was are growing "
+        "noise (a warm-up's larger steps), not an oscillation",
+    )
 
     def monitor(self) -> lv.LevelMonitor:
         return lv.LevelMonitor(**self.model_dump(exclude={"outliers"}), outliers=self.outliers)
@@ -290,8 +301,11 @@ class StatisticalDetector(Detector[StatisticalState]):
             kind, rule = _LEVEL_TYPES[level.code]
             return self._verdict(event, kind, _confidence(level.score), rule, level.score, level.rise,
                                  f"{rule}: {level.score:.2f} x its threshold, x{math.exp(level.rise):.2f}")
+        # Swings that leave the loss where it was are noise growing (a warm-up's larger steps,
+        # a loss nearing its floor), not an oscillation that hurts the run.
+        loss_raised = level is None or level.raised
         for signal, swings in (("loss", judgement.loss_swings), ("grad_norm", judgement.grad_swings)):
-            if swings is not None and swings[0] == OSCILLATION:
+            if swings is not None and swings[0] == OSCILLATION and loss_raised:
                 osc = swings[1]
                 rule = f"{signal}_oscillation"
                 return self._verdict(event, AnomalyType.OSCILLATION,

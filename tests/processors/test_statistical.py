@@ -318,3 +318,38 @@ def test_rolling_median() -> None:
     copy = RollingMedian(4)
     copy.load_state_dict(med.state_dict())
     assert copy.values() == med.values() and copy.get() == med.get()
+
+
+def test_a_fall_that_slows_while_the_noise_grows_makes_no_outliers() -> None:
+    # A long LR warm-up: the loss falls fast, then slows, while its log-space noise grows.
+    # A median of the last 100 points sits 50 steps behind the fall: the tail would learn
+    # residuals shifted down by it, and ordinary noise would be elevated once the fall slows.
+    rng = random.Random(33)
+    model = outlier_model.loss_config().model()
+    elevated = []
+    for t in range(1500):
+        sigma = 0.01 * math.exp(math.log(20.0) * min(t, 500) / 500)
+        y = math.log(0.7 + 1.6 * math.exp(-t / 120)) + rng.gauss(0.0, sigma)
+        judged = model.judge(y)
+        if judged.elevated:
+            elevated.append(t)
+        model.advance(y, judged)
+    assert elevated == []  # the window's median alone: 364, 397 and 503
+    # A spike on the level part is still an outlier.
+    assert model.judge(math.log(0.7) + math.log(4.0)).elevated
+
+
+def test_noise_that_grows_without_raising_the_loss_is_not_an_oscillation() -> None:
+    # A long LR warm-up: the loss falls to a plateau while its step-to-step swings grow
+    # x15 (in log space) over 600 steps. Swings that leave the loss where it was are noise.
+    rng = random.Random(32)
+    pairs = []
+    for t in range(3000):
+        sigma = 0.02 * math.exp(math.log(15.0) * min(max(t - 200, 0), 600) / 600)
+        trend = math.log(0.7 + 1.6 * math.exp(-t / 150))
+        pairs.append((math.exp(trend + rng.gauss(0.0, sigma)), None))
+    verdicts = judge(pairs)
+    assert [v.step for v in verdicts if v.type == AnomalyType.OSCILLATION] == []
+    # The swings are there: judged without the level (whether the loss moved), they are one.
+    blind = judge(pairs, StatisticalConfig(watch_level=False))
+    assert [v.step for v in blind if v.type == AnomalyType.OSCILLATION]

@@ -15,17 +15,7 @@ from spikeguard.lab.realdata import healthy_kinds
 
 HEALTHY = Path(__file__).resolve().parents[3] / "data" / "healthy"
 KINDS = sorted(p.stem for p in HEALTHY.glob("*.csv"))
-#: Kinds on which the default pipeline still acts falsely; each is a known gap, not an allowance.
-KNOWN_FALSE_ACTIONS = {
-    # A long linear warm-up (1,000 steps to 3e-3) makes the loss swing x2-3 between steps 330
-    # and 440: two-point loss spikes, answered with LR cuts (5 in 5,000 steps).
-    "warmup": "loss spikes during a long warm-up are answered with LR cuts",
-}
-
-
-@pytest.mark.parametrize("kind", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FALSE_ACTIONS[k]))
-    if k in KNOWN_FALSE_ACTIONS else k for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_healthy_kind_gets_no_false_action(kind):
     (run,) = healthy_kinds([HEALTHY / f"{kind}.csv"])[kind]
     found = pipeline_false_actions([run.events])
