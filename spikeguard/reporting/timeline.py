@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from spikeguard.forensics import attribute
 from spikeguard.forensics.record import summary
+from spikeguard.reporting.goodput import Goodput, goodput
 from spikeguard.reporting.load import RunRecord
 from spikeguard.schemas import StepEvent
 from spikeguard.schemas import Urgency
@@ -67,6 +68,7 @@ class ActionRow:
     ack_epoch: int | None  # the epoch the trainer was in after applying it
     ack_time: float | None
     result: str
+    decision_id: str | None = None  # the actions of one decision are one plan
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Timeline:
     reruns: list[tuple[int, int, str]] = field(default_factory=list)
     # Data skip windows applied: (step, epoch, steps' worth of data skipped).
     data_skips: list[tuple[int, int, int]] = field(default_factory=list)
+    goodput: Goodput | None = None
 
     @property
     def epochs(self) -> list[int]:
@@ -171,13 +174,18 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         rows.append(ActionRow(
             a.action_id, a.kind.value, a.apply_at_step, dict(a.params), a.reason, a.incident_id,
             ack.status.value if ack else "no ack", ack.step if ack else None, ack_epoch,
-            ack.time if ack else None, ack.result if ack else "",
+            ack.time if ack else None, ack.result if ack else "", a.decision_id,
         ))
         if a.kind.value == "rollback" and ack is not None and ack.status.value == "applied":
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
-    data_skips = [(r.ack_step, r.ack_epoch or 0, _skipped_steps(r.params)) for r in rows
+    # A skip planned with a rollback is applied on the rewound step; it happened where the
+    # rollback left, and is drawn there.
+    rolled_back_at = {r.decision_id: r.ack_step for r in rows
+                      if r.kind == "rollback" and r.ack_status == "applied" and r.decision_id}
+    data_skips = [(rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0,
+                   _skipped_steps(r.params)) for r in rows
                   if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None]
     histories: dict[int, list[StepEvent]] = {}  # one per epoch, however many incidents it has
     for incident in incidents.values():
@@ -192,7 +200,7 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
         checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
         reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
-        data_skips=data_skips,
+        data_skips=data_skips, goodput=goodput(run),
     )
 
 
