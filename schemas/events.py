@@ -289,6 +289,9 @@ class Action(_Event):
     plain dict is accepted and parsed into it.
     """
 
+    #: Added since actions were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"incident_onset_step"})
+
     action_id: str
     run_id: RunId
     kind: ActionKind
@@ -296,6 +299,10 @@ class Action(_Event):
     params: AnyParams
     decision_id: str | None = None
     incident_id: str | None = None
+    incident_onset_step: int | None = Field(
+        None, ge=0, le=MAX_COUNTER,
+        description="the incident's first anomalous step, as fusion found it: the trainer keeps "
+        "the incident's samples and pre-onset checkpoint around it")
     evidence: Evidence | None = Field(
         None, description="what the decision rested on, for the trainer to check"
     )

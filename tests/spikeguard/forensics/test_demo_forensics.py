@@ -36,6 +36,8 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
 
     timeline = build_timeline(next(iter(load_directory(tmp_path / "bus").values())))
     onset = next(i for i in timeline.incidents if i.onset_step >= 100)
+    # inspect's onset is the report's: the record is kept around the onset fusion found
+    assert (report["incident_id"], report["onset_step"]) == (onset.incident_id, onset.onset_step)
     # The planted inputs are x10^4 one-hot rows: the first layer's gradient is the one that blows up.
     assert onset.layers and onset.layers[0]["layer"] == "net.0.weight"
 
