@@ -154,3 +154,21 @@ def test_a_batch_sampler_of_its_own_records_nothing_rather_than_wrong_ids():
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=Buckets())
     tap = SampleIdTap(loader)
     assert tap.source == "none" and tap.ids(next(iter(loader))[0]) is None
+
+
+def test_inspect_finds_the_setup_module_in_the_current_directory(tmp_path, monkeypatch):
+    """As the console script runs it: the current directory is not on sys.path."""
+    import sys
+
+    from spikeguard.forensics.inspect import InspectSetup, load_setup
+
+    (tmp_path / "sg_user_setup_mod.py").write_text(
+        "import torch\n"
+        "from spikeguard import InspectSetup\n"
+        "def make():\n"
+        "    return InspectSetup(torch.nn.Linear(2, 1), [torch.zeros(2)], torch.stack,\n"
+        "                        lambda m, b: m(b).squeeze(1))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert isinstance(load_setup("sg_user_setup_mod:make"), InspectSetup)
+    assert str(tmp_path) not in sys.path  # borrowed for the import only
