@@ -76,6 +76,7 @@ from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
+from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, across_ranks
 from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
 
@@ -195,7 +196,8 @@ class Guard(Checkpointing, ActionApplying):
 
     # -- the user's API ------------------------------------------------------
     def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None,
-             sample_ids: Callable[[Any], list] | None = None) -> GuardedLoader:
+             sample_ids: Callable[[Any], list] | None = None,
+             skip_ids: SkipIds | None = None) -> GuardedLoader:
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order.
 
         ``max_steps`` is the run's length in optimizer steps: the Guard stops there, and reads
@@ -204,9 +206,13 @@ class Guard(Checkpointing, ActionApplying):
 
         ``sample_ids(batch)`` names the samples of a batch for incident forensics; by default
         a map-style loader's dataset indices are recorded (forensics/provenance.py).
+        ``skip_ids`` (``spikeguard inspect``'s report, a JSON list, or ids) are left out of
+        every pass (producers/skip_samples.py).
         """
         self.max_steps = max_steps if max_steps is not None else self.max_steps
         if self.loader is None or self.loader.loader is not loader:
+            if skip_ids is not None:
+                leave_out(loader, skip_ids)
             self.incidents.attach(loader, sample_ids)
             self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
                                                stop_when=self._done, before_batch=self._start,
