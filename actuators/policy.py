@@ -85,6 +85,7 @@ from spikeguard.schemas import (
     Claim,
     Decision,
     Evidence,
+    WITHHELD,
 )
 
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
@@ -241,8 +242,12 @@ class RecoveryPolicy:
         elif ack.status in _FAILED and record.status in _UNSETTLED:
             self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
             record.alerted = True
-            plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
-                       "not retried, a further need stops the run")
+            if ack.result.startswith(WITHHELD):  # the trainer's mode or budget: it acts on nothing
+                plan.alert("critical", f"{target} withheld by the trainer ({ack.result[len(WITHHELD):]});"
+                           " not retried: what follows is reported, and the trainer applies none of it")
+            else:
+                plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
+                           "not retried, a further need stops the run")
         elif ack.status in _FAILED and record.status == "applied" and not record.alerted:
             record.alerted = True
             plan.alert("critical", f"{target} applied on one rank but {ack.status.value} "

@@ -78,7 +78,7 @@ from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
 from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, across_ranks
-from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
+from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
 
@@ -478,7 +478,7 @@ class Guard(Checkpointing, ActionApplying):
         if because is not None:
             self.counters["actions_withheld"] += 1
             self.narrator.withhold(action, would_do(action), because, self.step_count)
-            return Outcome(action, AckStatus.REJECTED, self.step_count, f"not applied: {because}")
+            return Outcome(action, AckStatus.REJECTED, self.step_count, f"{WITHHELD}{because}")
         before = self._cost()
         outcome = apply_action(self, action, self.step_count)
         if outcome is not None and outcome.status is AckStatus.APPLIED:

@@ -105,6 +105,11 @@ class AckStatus(str, Enum):
     FAILED = "failed"  # the handler raised
 
 
+#: How a REJECTED ack's result starts when the trainer withheld the action on purpose (observe
+#: or skip-only mode, the recovery budget): it will withhold what follows too, a stop included.
+WITHHELD = "not applied: "
+
+
 class BatchStats(BaseModel):
     """Optional statistics of the batch that produced a step."""
 
