@@ -67,6 +67,7 @@ from spikeguard.producers.protection import ProtectionWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.integrations.loggers import loggers_from
 from spikeguard.producers.narration import STEERING, Cost, Narrator, RunSummary, would_do
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
@@ -148,7 +149,7 @@ class Guard(Checkpointing, ActionApplying):
         #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
         self.step_count, self.epoch = 0, 0
         self.mode = cfg.mode
-        self.narrator = Narrator(self.run_id)
+        self.narrator = Narrator(self.run_id, loggers_from(cfg.loggers))
         self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
         self._rollback_listeners: list[Callable[[int, int], None]] = []
         self._refused_decisions: OrderedDict[str, str] = OrderedDict()  # decision -> why not applied
