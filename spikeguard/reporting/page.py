@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from spikeguard.reporting.goodput import Goodput
     from spikeguard.reporting.timeline import Timeline
 
+SHOWN_IDS = 40  # sample ids written out per skip window (the record has them all)
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1250px; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
@@ -143,6 +144,11 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                      "<th>result</th></tr>")
         for a in t.actions:
             params = ", ".join(f"{_e(k)}={_e(v)}" for k, v in sorted(a.params.items()))
+            if a.skipped_samples is not None:
+                shown = ", ".join(map(_e, a.skipped_samples[:SHOWN_IDS]))
+                more = len(a.skipped_samples) - SHOWN_IDS
+                params += (f"<br>samples of the window's steps (incident record): "
+                           f"{len(a.skipped_samples)}: {shown}{f', ... {more} more' if more > 0 else ''}")
             parts.append(
                 f"<tr><td>{_e(a.kind)}</td><td>{a.apply_at_step}</td><td>{params}</td>"
                 f"<td>{_e(a.reason)}</td><td>{_e(a.ack_status)}</td>"

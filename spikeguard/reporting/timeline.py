@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from spikeguard.forensics import attribute
-from spikeguard.forensics.record import summary
+from spikeguard.forensics.record import skipped_samples, summary
 from spikeguard.reporting.goodput import Goodput, goodput
 from spikeguard.reporting.load import RunRecord
 from spikeguard.schemas import StepEvent
@@ -69,6 +69,9 @@ class ActionRow:
     ack_time: float | None
     result: str
     decision_id: str | None = None  # the actions of one decision are one plan
+    # A skip window's sample ids, from the incident's record (report --incidents DIR): which data
+    # the run no longer trains on. None: no record given or found.
+    skipped_samples: list | None = None
 
 
 @dataclass
@@ -187,6 +190,10 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
     data_skips = [(rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0,
                    _skipped_steps(r.params)) for r in rows
                   if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None]
+    if incidents_dir is not None:
+        for row in rows:
+            if row.kind == "skip_batches" and row.incident_id:
+                row.skipped_samples = skipped_samples(incidents_dir, row.incident_id, row.params)
     histories: dict[int, list[StepEvent]] = {}  # one per epoch, however many incidents it has
     for incident in incidents.values():
         history = histories.get(incident.epoch)
