@@ -24,11 +24,13 @@ class ActionPlan:
         incident_id: str | None = None,
         evidence: Evidence | None = None,
         claim: Claim | None = None,
+        incident_onset_step: int | None = None,
     ) -> None:
         self.run_id, self.cause, self.epoch = run_id, cause, epoch
         self.apply_at_step = apply_at_step
         self.decision_id, self.incident_id, self.evidence = decision_id, incident_id, evidence
         self.claim = claim  # the decided step and type, which the trainer checks against its own
+        self.incident_onset_step = incident_onset_step
         self.items: list[tuple[ActionParams, str]] = []
         # The response the policy chose; every reason added from now on starts with it.
         self.response: Response | None = None
@@ -58,6 +60,7 @@ class ActionPlan:
                 params=params,
                 decision_id=self.decision_id,
                 incident_id=self.incident_id,
+                incident_onset_step=self.incident_onset_step,
                 evidence=self.evidence,
                 claim=self.claim,
                 reason=reason,

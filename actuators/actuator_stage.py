@@ -17,6 +17,7 @@ steps are judged, and says so when they are not (producers/protection.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
@@ -31,6 +32,12 @@ from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decisio
 from spikeguard.schemas.signing import sign_action
 from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
+
+
+log = logging.getLogger(__name__)
+#: Incidents per run whose first actions are logged; a run with more is in worse trouble than a
+#: log line can say (its alerts and the report say it).
+MAX_INCIDENTS_SAID = 100
 
 
 class ActuatorStage(RunSettingsStage):
@@ -50,6 +57,7 @@ class ActuatorStage(RunSettingsStage):
         super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
         self.pulse_interval_s = pulse_interval_s  # None: no pulses (backtests, replays: nobody listens)
         self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
+        self._incidents_said: dict[str, set[str]] = {}  # run_id -> incidents logged (bounded)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
         self._ignored: Counter[str] = Counter()
@@ -84,7 +92,9 @@ class ActuatorStage(RunSettingsStage):
                 policy = self.run(event.run_id)  # type: ignore[attr-defined]
                 if isinstance(event, Decision):
                     counts = dict(policy.counts)
-                    actions = policy.on_decision(event) + self._pulse(event, now)
+                    actions = policy.on_decision(event)
+                    self._say_incident(event.run_id, actions)
+                    actions += self._pulse(event, now)
                     if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
                         for reason, n in policy.counts.items():
                             if n > counts.get(reason, 0):
@@ -126,11 +136,27 @@ class ActuatorStage(RunSettingsStage):
             params={"judged_step": decision.step, "epoch": decision.epoch},
             reason="the pipeline judged the run up to this step")]
 
+    def _say_incident(self, run_id: str, actions: list[Action]) -> None:
+        """One INFO line the first time an incident gets actions here: an operator reading a
+        worker's log sees what it handled without a line per step."""
+        said = self._incidents_said.setdefault(run_id, set())
+        for incident in dict.fromkeys(a.incident_id for a in actions if a.incident_id):
+            if incident in said or len(said) >= MAX_INCIDENTS_SAID:
+                continue
+            said.add(incident)
+            plan = [a for a in actions if a.incident_id == incident]
+            onset = plan[0].incident_onset_step
+            log.info("actuator: run %s incident %s (onset step %s): %s at step %d; why: %s", run_id,
+                     incident, "?" if onset is None else onset,
+                     "+".join(dict.fromkeys(a.kind.value for a in plan)), plan[0].apply_at_step,
+                     plan[0].reason or "no reason given")
+
     def forget(self, run_ids: Iterable[str]) -> None:
         run_ids = list(run_ids)
         super().forget(run_ids)
         for run_id in run_ids:
             self._pulsed.pop(run_id, None)
+            self._incidents_said.pop(run_id, None)
 
     def _signed(self, actions: list[Action] | None) -> list[Output]:
         topic = self.topics.actions

@@ -85,6 +85,7 @@ from spikeguard.schemas import (
     Claim,
     Decision,
     Evidence,
+    WITHHELD,
 )
 
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
@@ -144,6 +145,7 @@ class RecoveryPolicy:
             self.run_id, decision.decision_id, self.epoch,
             decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
             decision.evidence, Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
+            decision.incident_onset_step if decision.incident_id else None,
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
@@ -240,8 +242,12 @@ class RecoveryPolicy:
         elif ack.status in _FAILED and record.status in _UNSETTLED:
             self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
             record.alerted = True
-            plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
-                       "not retried, a further need stops the run")
+            if ack.result.startswith(WITHHELD):  # the trainer's mode or budget: it acts on nothing
+                plan.alert("critical", f"{target} withheld by the trainer ({ack.result[len(WITHHELD):]});"
+                           " not retried: what follows is reported, and the trainer applies none of it")
+            else:
+                plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
+                           "not retried, a further need stops the run")
         elif ack.status in _FAILED and record.status == "applied" and not record.alerted:
             record.alerted = True
             plan.alert("critical", f"{target} applied on one rank but {ack.status.value} "
@@ -434,6 +440,7 @@ class RecoveryPolicy:
         if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
             inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
             plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
+            plan.incident_onset_step = inc.onset_step
             if p.get("claim") is not None:  # ... and claim the spike's step, as the trainer saw it
                 plan.claim = Claim.model_validate(p["claim"])
                 plan.evidence = Evidence.model_validate(p["evidence"]) if p.get("evidence") else None

@@ -238,6 +238,7 @@ class Checkpointing:
         return done
 
     def _onset_of(self, action: Action) -> int:
+        """The earliest step the incident may have begun at (checkpoints after it are suspect)."""
         onset = action.params.get("onset_step")
         if not isinstance(onset, int) or isinstance(onset, bool):
             onset = action.apply_at_step - self.config.detection_delay_steps
@@ -247,7 +248,10 @@ class Checkpointing:
         """The incident's batches' sample ids and its pre-onset checkpoint, for ``spikeguard inspect``."""
         if action.incident_id is not None and self.rank == 0:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
-            self.incidents.incident(action.incident_id, self._onset_of(action), self.generation,
+            # Fusion's onset, the one the report shows; without it, the earliest it could be.
+            onset = action.incident_onset_step
+            self.incidents.incident(action.incident_id,
+                                    self._onset_of(action) if onset is None else onset, self.generation,
                                     self.step_count, self.store.newest_healthy)
 
     def _incident_found(self, action: Action) -> None:

@@ -7,7 +7,7 @@ itself, never stored here: this is only what a user would put in a file.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -81,6 +81,11 @@ class GuardConfig(BaseModel):
         GuardMode.PROTECT, description="protect: apply what the pipeline decides; observe: log, report "
         "and count what it would do, apply nothing (a first run); skip-only: only the Guard's own "
         "update skips"
+    )
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="also send every action taken or withheld to TensorBoard "
+        "(needs the tensorboard package; SummaryWriter's default runs/ directory) and/or the active "
+        "W&B run (wandb.log, spikeguard/ keys); a missing one is said once and skipped"
     )
     max_skip_share: float = Field(
         0.05, ge=0.0, le=1.0, description="recovery budget: the share of the run's steps whose data "

@@ -69,6 +69,7 @@ from spikeguard.producers.protection import ProtectionWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.integrations.loggers import loggers_from
 from spikeguard.producers.narration import STEERING, Cost, Narrator, RunSummary, would_do
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
 from spikeguard.producers.publisher import BackgroundPublisher
@@ -78,10 +79,11 @@ from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
 from spikeguard.producers.skip_rule import SkipDecision, SkipRule
+from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.producers.update_norm import UpdateNorm
-from spikeguard.schemas import AckStatus, Action, ActionKind, Topics
+from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, Topics
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class Guard(Checkpointing, ActionApplying):
         #: The rollback generation: rollbacks applied so far (``epoch`` on the wire).
         self.generation = 0
         self.mode = cfg.mode
-        self.narrator = Narrator(self.run_id)
+        self.narrator = Narrator(self.run_id, loggers_from(cfg.loggers))
         self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
         self._rollback_listeners: list[Callable[[int, int], None]] = []
         self._refused_decisions: OrderedDict[str, str] = OrderedDict()  # decision -> why not applied
@@ -231,7 +233,8 @@ class Guard(Checkpointing, ActionApplying):
 
     # -- the user's API ------------------------------------------------------
     def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None,
-             sample_ids: Callable[[Any], list] | None = None) -> GuardedLoader:
+             sample_ids: Callable[[Any], list] | None = None,
+             skip_ids: SkipIds | None = None) -> GuardedLoader:
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order.
 
         ``max_steps`` is the run's length in optimizer steps: the Guard stops there, and reads
@@ -240,9 +243,13 @@ class Guard(Checkpointing, ActionApplying):
 
         ``sample_ids(batch)`` names the samples of a batch for incident forensics; by default
         a map-style loader's dataset indices are recorded (forensics/provenance.py).
+        ``skip_ids`` (``spikeguard inspect``'s report, a JSON list, or ids) are left out of
+        every pass (producers/skip_samples.py).
         """
         self.max_steps = max_steps if max_steps is not None else self.max_steps
         if self.loader is None or self.loader.loader is not loader:
+            if skip_ids is not None:
+                leave_out(loader, skip_ids)
             self.incidents.attach(loader, sample_ids)
             self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
                                                stop_when=self._done, before_batch=self._start,
@@ -573,7 +580,7 @@ class Guard(Checkpointing, ActionApplying):
         if because is not None:
             self.counters["actions_withheld"] += 1
             self.narrator.withhold(action, would_do(action), because, self.step_count)
-            return Outcome(action, AckStatus.REJECTED, self.step_count, f"not applied: {because}")
+            return Outcome(action, AckStatus.REJECTED, self.step_count, f"{WITHHELD}{because}")
         before = self._cost()
         outcome = apply_action(self, action, self.step_count)
         if outcome is not None and outcome.status is AckStatus.APPLIED:

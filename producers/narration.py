@@ -20,6 +20,7 @@ import logging
 from collections import Counter
 from typing import NamedTuple
 
+from spikeguard.integrations.loggers import ActionLogger, send
 from spikeguard.schemas import Action, ActionKind
 
 log = logging.getLogger("spikeguard.producers.guard")
@@ -71,8 +72,9 @@ class RunSummary(NamedTuple):
 class Narrator:
     """Says each action out loud and keeps the tallies of the summary."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, loggers: list[ActionLogger] | None = None) -> None:
         self.run_id = run_id
+        self.loggers = loggers if loggers is not None else []  # TensorBoard, W&B: opt-in
         self.applied: Counter[str] = Counter()
         self.withheld: Counter[str] = Counter()
         self.incidents: set[str] = set()
@@ -91,15 +93,21 @@ class Narrator:
             costs.append(f"{after.skipped_batches - before.skipped_batches} batches skipped "
                          f"({after.skipped_steps - before.skipped_steps} steps' data)")
         costs.append(f"LR now {after.lr:.3g}")
-        log.warning("spikeguard: %s at step %d: %s; why: %s; cost: %s%s", action.kind.value,
-                    before.step, result, _why(action), ", ".join(costs), _of(action))
+        text = (f"spikeguard: {action.kind.value} at step {before.step}: {result}; why: "
+                f"{_why(action)}; cost: {', '.join(costs)}{_of(action)}")
+        log.warning("%s", text)
+        if self.loggers:
+            send(self.loggers, before.step, action, True, text)
 
     def withhold(self, action: Action, would: str, because: str, step: int) -> None:
         """An action not taken: what it would have done, and why it was not."""
         self.withheld[action.kind.value] += 1
         self._incident(action)
-        log.warning("spikeguard: would %s at step %d (%s), not done: %s; why it was asked: %s%s",
-                    action.kind.value.replace("_", " "), step, would, because, _why(action), _of(action))
+        text = (f"spikeguard: would {action.kind.value.replace('_', ' ')} at step {step} ({would}), "
+                f"not done: {because}; why it was asked: {_why(action)}{_of(action)}")
+        log.warning("%s", text)
+        if self.loggers:
+            send(self.loggers, step, action, False, text)
 
     def would_skip_update(self, step: int, reason: str) -> None:
         self.withheld["skip_update"] += 1

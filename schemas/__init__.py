@@ -33,6 +33,7 @@ from spikeguard.schemas.events import (
     StepVerdicts,
     Urgency,
     Verdict,
+    WITHHELD,
 )
 from spikeguard.schemas.ids import action_id, decision_id, incident_id
 from spikeguard.schemas.signing import sign_action, sign_step, step_signature_problem, verify_action
@@ -65,6 +66,7 @@ __all__ = [
     "Topics",
     "Urgency",
     "Verdict",
+    "WITHHELD",
     "action_id",
     "decision_id",
     "decode",

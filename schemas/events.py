@@ -105,6 +105,11 @@ class AckStatus(str, Enum):
     FAILED = "failed"  # the handler raised
 
 
+#: How a REJECTED ack's result starts when the trainer withheld the action on purpose (observe
+#: or skip-only mode, the recovery budget): it will withhold what follows too, a stop included.
+WITHHELD = "not applied: "
+
+
 class BatchStats(BaseModel):
     """Optional statistics of the batch that produced a step."""
 
@@ -335,6 +340,9 @@ class Action(_Event):
     plain dict is accepted and parsed into it.
     """
 
+    #: Added since actions were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"incident_onset_step"})
+
     action_id: str
     run_id: RunId
     kind: ActionKind
@@ -342,6 +350,10 @@ class Action(_Event):
     params: AnyParams
     decision_id: str | None = None
     incident_id: str | None = None
+    incident_onset_step: int | None = Field(
+        None, ge=0, le=MAX_COUNTER,
+        description="the incident's first anomalous step, as fusion found it: the trainer keeps "
+        "the incident's samples and pre-onset checkpoint around it")
     evidence: Evidence | None = Field(
         None, description="what the decision rested on, for the trainer to check"
     )

@@ -146,6 +146,18 @@ class Metrics:
             ["run_id"],
             registry=r,
         )
+        self.run_lr = Gauge(
+            "spikeguard_run_lr",
+            "LR of a run's newest step (the schedule times the Guard's factor, which LR actions "
+            "change for the rest of the run).", ["run_id"], registry=r,
+        )
+        self.run_last_actions_time = Gauge(
+            "spikeguard_run_last_actions_timestamp_seconds",
+            "When (unix seconds) a run last got this plan of actions: the kinds one decision "
+            "caused, in the order issued and joined by '+' (rollback+skip_batches+scale_lr). "
+            "One series per plan, so a dashboard draws one mark per plan, at its time.",
+            ["run_id", "kinds"], registry=r,
+        )
         self.run_epoch = Gauge(
             "spikeguard_run_epoch", "A run's epoch (how many rollbacks it went through).",
             ["run_id"], registry=r,
@@ -250,7 +262,7 @@ class Metrics:
         self.run_idle_s = run_idle_s
         self._per_run = (self.run_loss, self.run_grad_norm, self.run_health, self.run_last_step,
                          self.run_last_step_time, self.run_epoch, self.run_health_level,
-                         self.run_goodput)
+                         self.run_goodput, self.run_lr)
         self._goodput: dict[str, GoodputTally] = {}
         self._run_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
         self._run_seen: dict[str, float] = {}
@@ -371,6 +383,7 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     run_decisions: dict[tuple[str, str], int] = {}
     actions: dict[str, int] = {}
     run_actions: dict[tuple[str, str], int] = {}
+    plans: dict[tuple[str, str], list[str]] = {}  # (run_id, decision) -> kinds, as issued
     runs: set[str] = set()
     if any(type(event) is StepVerdicts for _, event in outputs):  # counted as the verdicts they carry
         outputs = [(topic, verdict) for topic, event in outputs
@@ -397,6 +410,9 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
             actions[kind] = actions.get(kind, 0) + 1
             key4 = (event.run_id, kind)
             run_actions[key4] = run_actions.get(key4, 0) + 1
+            kinds = plans.setdefault((event.run_id, event.decision_id or event.action_id), [])
+            if kind not in kinds:
+                kinds.append(kind)
             if skipped := skipped_batches(event):
                 metrics.run_labels(metrics.run_batches_skipped, event.run_id).inc(skipped)
         else:
@@ -420,6 +436,8 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
         metrics.actions.labels(kind).inc(count)
     for (run_id, kind), count in run_actions.items():
         metrics.run_labels(metrics.run_actions, run_id, kind).inc(count)
+    for (run_id, _), kinds in plans.items():
+        metrics.run_labels(metrics.run_last_actions_time, run_id, "+".join(kinds)).set(now)
     if runs:
         metrics.touch_runs(runs, now)
 
@@ -473,5 +491,7 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
         metrics.run_last_step.labels(run_id).set(event.step)
         metrics.run_last_step_time.labels(run_id).set(event.time)
         metrics.run_epoch.labels(run_id).set(event.epoch)
+        if event.lr is not None:
+            metrics.run_lr.labels(run_id).set(event.lr)
     if newest:
         metrics.touch_runs(newest)

@@ -35,6 +35,39 @@ log = logging.getLogger(__name__)
 
 __all__ = ["KafkaBus"]
 
+log = logging.getLogger(__name__)
+
+
+class _SlowIOStepNote(logging.Filter):
+    """kafka-python's "blocking the event loop" WARNING, explained once and then kept at DEBUG.
+
+    kafka-python 3.x warns whenever one step of its IO thread takes more than
+    0.1 s. In a worker that step waits for the GIL while the detectors
+    compute on the worker thread (and for the CPU on a busy machine): the IO
+    thread is delayed, nothing is lost, and heartbeats go out within their
+    own, much longer, session timeout. Its threshold is not a client setting,
+    so the lines are filtered here: the first is replaced by one INFO line
+    saying this, the rest show only with the ``kafka`` logger at DEBUG.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or "blocking the event loop" not in str(record.msg):
+            return True
+        self.seen += 1
+        if self.seen == 1:
+            log.info("kafka-python reports slow steps of its IO thread ('blocking the event loop'): "
+                     "in a worker that is the GIL held by the detectors or a busy CPU, not a fault; "
+                     "further reports go to DEBUG (logger 'kafka.net.selector')")
+        return logging.getLogger("kafka").isEnabledFor(logging.DEBUG)
+
+
+SLOW_IO_STEPS = _SlowIOStepNote()
+logging.getLogger("kafka.net.selector").addFilter(SLOW_IO_STEPS)
+
 
 class _Masked(str):
     """The SASL password as kafka-python needs it (a str), shown as stars.

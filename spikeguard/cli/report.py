@@ -135,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
         [c for r in recorded.values() for c in r.checkpoints],
         letters,
     )
+    from spikeguard.reporting.goodput import Goodput, goodput
+
+    for run_id in sorted(recorded):  # runs with steps but no decision yet have a goodput too
+        info = report["runs"].pop(run_id, {"incidents": [], "actions": [], "checkpoints": 0})
+        report["runs"][run_id] = {**info, "goodput": goodput(recorded[run_id])._asdict()}
     if args.export:
         from spikeguard.reporting import export_jsonl
 
@@ -146,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     for run_id, info in report["runs"].items():
         print(f"run {run_id}: {len(info['incidents'])} incident(s), "
               f"{len(info['actions'])} action(s), {info['checkpoints']} checkpoint(s)")
+        if "goodput" in info:
+            print(f"  {Goodput(**info['goodput'])}")
         for incident in info["incidents"]:
             print(f"  incident at step {incident['onset_step']} (epoch {incident['epoch']}): "
                   f"{incident['type']}, {incident['urgency']}, {incident['steps']} step(s)")

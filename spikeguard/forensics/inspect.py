@@ -10,6 +10,8 @@ from __future__ import annotations
 import html
 import importlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,12 +39,28 @@ class InspectSetup:
     loss_fn: LossFn  # (model, batch) -> per-sample losses
 
 
+def _import_from_here(module_name: str) -> Any:
+    """Import ``module_name`` as ``python -m`` would: the current directory first.
+
+    The ``spikeguard`` console script's path starts at its own bin directory, so
+    a user's ``mymod.py`` beside them would need ``PYTHONPATH=.`` otherwise.
+    """
+    here = os.getcwd()
+    if here in sys.path or "" in sys.path:
+        return importlib.import_module(module_name)
+    sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(here)
+
+
 def load_setup(spec: str) -> InspectSetup:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise InspectSetupError(f"--setup {spec!r}: expected MODULE:FUNCTION")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = getattr(_import_from_here(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise InspectSetupError(f"--setup {spec!r}: {exc}") from None
     setup = factory()

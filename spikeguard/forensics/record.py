@@ -69,3 +69,18 @@ def summary(directory: str | Path, run_id: str, incident_id: str) -> dict | None
         except (ValueError, KeyError) as exc:
             raise IncidentFileError(f"{inspected}: not an inspect report ({exc})") from None
     return found
+
+
+def skipped_samples(directory: str | Path, incident_id: str, params: dict) -> list | None:
+    """The sample ids of a skip window's steps (``from_step..to_step``) as the incident's record
+    holds them; the ``extra`` batches beyond were not drawn yet, so they have none. None when
+    ``directory`` has no record of the incident."""
+    path = Path(directory) / f"{incident_id}.json"
+    if not path.is_file():
+        return None
+    try:
+        first, last = int(params["from_step"]), int(params["to_step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    record = IncidentBatches.read(path)
+    return [sid for batch in record.batches if first <= batch["step"] <= last for sid in batch["ids"]]

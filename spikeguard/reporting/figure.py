@@ -16,7 +16,7 @@ extra (matplotlib); the Agg backend draws without a display.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from spikeguard.reporting.load import ReportError
 
@@ -94,6 +94,49 @@ def _changes(timeline: "Timeline", ax_lr, label) -> None:
         ax_lr.legend(loc="upper left", fontsize=8)
 
 
+class ActionMark(NamedTuple):
+    """One label on the plot: the actions of one plan, at the step where the trainer took them."""
+
+    step: int
+    kinds: list[str]
+
+
+def action_marks(timeline: "Timeline") -> list[ActionMark]:
+    """Applied actions grouped by plan (one decision), each plan at the step it happened.
+
+    A rollback's plan (its data skip, LR cut, clipping) is applied on the rewound step, in
+    the new epoch; it happened at the step the rollback left, so it is drawn there, once.
+    """
+    plans: dict[str, list] = {}
+    for a in timeline.actions:
+        if a.ack_status == "applied":
+            plans.setdefault(a.decision_id or a.action_id, []).append(a)
+    marks = []
+    for rows in plans.values():
+        rollback = [a.ack_step for a in rows if a.kind == "rollback" and a.ack_step is not None]
+        steps = [a.ack_step if a.ack_step is not None else a.apply_at_step for a in rows]
+        marks.append(ActionMark(rollback[0] if rollback else min(steps),
+                                list(dict.fromkeys(a.kind for a in rows))))
+    return sorted(marks)
+
+
+def _label_actions(fig, ax, marks: list[ActionMark], y: float) -> None:
+    """Write each plan's kinds above its marker, stacking a label a row higher wherever it would
+    run into one already placed (labels measured in pixels, so it holds at any zoom of steps)."""
+    renderer = fig.canvas.get_renderer()
+    rows: list[float] = []  # the right edge (pixels) of the last label of each row
+    for mark in marks:
+        text = ax.annotate(", ".join(mark.kinds), (mark.step, y), xytext=(0, 8),
+                           textcoords="offset points", fontsize=7, color=ACTION, ha="center",
+                           va="bottom", annotation_clip=False)
+        box = text.get_window_extent(renderer)
+        row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
+        if row == len(rows):
+            rows.append(0.0)
+        rows[row] = box.x1
+        text.set_position((0, 8 + row * (box.height * 72 / fig.dpi + 2)))
+
+
 def draw(timeline: "Timeline", path: str, title: str | None = None) -> None:
     """Write ``timeline`` as a PNG of WIDTH_IN x HEIGHT_IN inches at DPI."""
     plt = _pyplot()
@@ -156,17 +199,10 @@ def figure(timeline: "Timeline", title: str | None = None):
     if xs:
         ax_loss.scatter(xs, ys, marker="x", color=ANOMALY, s=28, zorder=5,
                         label=label("anomalous step"))
-    by_step: dict[int, list[str]] = {}  # several actions at one step share one label
-    for a in timeline.actions:
-        if a.ack_status == "applied":
-            x = a.ack_step if a.ack_step is not None else a.apply_at_step
-            by_step.setdefault(x, []).append(a.kind)
-    for x, kinds in sorted(by_step.items()):
-        ax_loss.scatter([x], [lo], marker="v", color=ACTION, s=50, zorder=6, clip_on=False,
-                        label=label("action applied"))
-        ax_loss.annotate(", ".join(dict.fromkeys(kinds)), (x, lo), xytext=(0, 8),
-                         textcoords="offset points", rotation=90, fontsize=7, color=ACTION,
-                         ha="center", va="bottom")
+    marks = action_marks(timeline)
+    if marks:
+        ax_loss.scatter([m.step for m in marks], [lo] * len(marks), marker="v", color=ACTION, s=50,
+                        zorder=6, clip_on=False, label=label("action applied"))
     for start, target, epoch in timeline.rollbacks:
         y = hi - 0.08 * (hi - lo)
         ax_loss.annotate("", xy=(target, y), xytext=(start, y),
@@ -192,4 +228,5 @@ def figure(timeline: "Timeline", title: str | None = None):
         ax_grad.text(0.5, 0.5, "no gradient norms recorded", transform=ax_grad.transAxes,
                      ha="center", va="center", color="grey")
     fig.tight_layout()
+    _label_actions(fig, ax_loss, marks, lo)  # after the layout: it measures the labels in pixels
     return fig

@@ -13,8 +13,10 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from spikeguard.reporting.goodput import Goodput
     from spikeguard.reporting.timeline import Timeline
 
+SHOWN_IDS = 40  # sample ids written out per skip window (the record has them all)
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1250px; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
@@ -63,6 +65,19 @@ def _samples(found: dict | None) -> str:
     return text
 
 
+def _goodput(g: "Goodput") -> str:
+    reasons = ", ".join(f"{_e(reason)} {n}" for reason, n in g.updates_skipped_by_reason.items())
+    return (
+        "<h2>Goodput</h2><table><tr><th>goodput</th><th>steps kept</th><th>steps re-run</th>"
+        "<th>batches skipped</th><th>updates skipped</th><th>wall time in recovery</th></tr>"
+        f"<tr><td>{g.ratio:.1%}</td><td>{g.steps_kept}</td><td>{g.steps_rerun}</td>"
+        f"<td>{g.batches_skipped}</td><td>{g.updates_skipped}</td><td>{g.recovery_seconds:.1f} s</td>"
+        "</tr></table><p class='muted'>Goodput: steps kept with their update applied, over all "
+        "steps run. Badput: steps re-run after rollbacks, updates skipped"
+        f"{' (' + reasons + ')' if reasons else ''}, and the wall time the re-runs took; batches "
+        "skipped are data the run did not train on (steps' worth).</p>")
+
+
 def render(timeline: "Timeline", png_path: str | None = None) -> str:
     t = timeline
     parts = [f"<!doctype html><html><head><meta charset='utf-8'>"
@@ -76,6 +91,8 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
         f"epochs {', '.join(map(str, t.epochs)) or '0'} ({reruns} re-run after rollbacks); "
         f"{len(t.incidents)} incident(s), {len(t.actions)} action(s), {len(t.rollbacks)} "
         f"rollback(s), {t.checkpoints} checkpoint(s).</p>")
+    if t.goodput is not None:
+        parts.append(_goodput(t.goodput))
     if png_path:
         with open(png_path, "rb") as handle:
             data = base64.b64encode(handle.read()).decode()
@@ -127,6 +144,11 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
                      "<th>result</th></tr>")
         for a in t.actions:
             params = ", ".join(f"{_e(k)}={_e(v)}" for k, v in sorted(a.params.items()))
+            if a.skipped_samples is not None:
+                shown = ", ".join(map(_e, a.skipped_samples[:SHOWN_IDS]))
+                more = len(a.skipped_samples) - SHOWN_IDS
+                params += (f"<br>samples of the window's steps (incident record): "
+                           f"{len(a.skipped_samples)}: {shown}{f', ... {more} more' if more > 0 else ''}")
             parts.append(
                 f"<tr><td>{_e(a.kind)}</td><td>{a.apply_at_step}</td><td>{params}</td>"
                 f"<td>{_e(a.reason)}</td><td>{_e(a.ack_status)}</td>"

@@ -14,7 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from spikeguard.forensics import attribute
-from spikeguard.forensics.record import summary
+from spikeguard.forensics.record import skipped_samples, summary
+from spikeguard.reporting.goodput import Goodput, goodput
 from spikeguard.reporting.load import RunRecord
 from spikeguard.schemas import StepEvent
 from spikeguard.schemas import Urgency
@@ -67,6 +68,10 @@ class ActionRow:
     ack_epoch: int | None  # the epoch the trainer was in after applying it
     ack_time: float | None
     result: str
+    decision_id: str | None = None  # the actions of one decision are one plan
+    # A skip window's sample ids, from the incident's record (report --incidents DIR): which data
+    # the run no longer trains on. None: no record given or found.
+    skipped_samples: list | None = None
 
 
 @dataclass
@@ -82,6 +87,7 @@ class Timeline:
     reruns: list[tuple[int, int, str]] = field(default_factory=list)
     # Data skip windows applied: (step, epoch, steps' worth of data skipped).
     data_skips: list[tuple[int, int, int]] = field(default_factory=list)
+    goodput: Goodput | None = None
 
     @property
     def epochs(self) -> list[int]:
@@ -171,14 +177,23 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         rows.append(ActionRow(
             a.action_id, a.kind.value, a.apply_at_step, dict(a.params), a.reason, a.incident_id,
             ack.status.value if ack else "no ack", ack.step if ack else None, ack_epoch,
-            ack.time if ack else None, ack.result if ack else "",
+            ack.time if ack else None, ack.result if ack else "", a.decision_id,
         ))
         if a.kind.value == "rollback" and ack is not None and ack.status.value == "applied":
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
-    data_skips = [(r.ack_step, r.ack_epoch or 0, _skipped_steps(r.params)) for r in rows
+    # A skip planned with a rollback is applied on the rewound step; it happened where the
+    # rollback left, and is drawn there.
+    rolled_back_at = {r.decision_id: r.ack_step for r in rows
+                      if r.kind == "rollback" and r.ack_status == "applied" and r.decision_id}
+    data_skips = [(rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0,
+                   _skipped_steps(r.params)) for r in rows
                   if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None]
+    if incidents_dir is not None:
+        for row in rows:
+            if row.kind == "skip_batches" and row.incident_id:
+                row.skipped_samples = skipped_samples(incidents_dir, row.incident_id, row.params)
     histories: dict[int, list[StepEvent]] = {}  # one per epoch, however many incidents it has
     for incident in incidents.values():
         history = histories.get(incident.epoch)
@@ -192,7 +207,7 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
         checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
         reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
-        data_skips=data_skips,
+        data_skips=data_skips, goodput=goodput(run),
     )
 
 

@@ -125,3 +125,23 @@ def test_without_a_key_a_far_future_decision_is_refused_by_the_run_clock_not_ado
     refused = letters(bus)
     assert [d.error for d in refused] == ["RecordBeyondRunClock"] * 2
     assert "more than 1000000 steps past step 10" in refused[0].reason
+
+
+def test_the_worker_logs_one_info_line_per_incident_it_handles(caplog):
+    """A non-finite step the Guard skipped (an alert), its recurrence (a rollback plan), and
+    more decisions of that incident: one line per incident, naming its plan, not one per step."""
+    import logging
+
+    bus = EmbeddedBus(partitions=1)
+    worker = actuator(bus, KEY)
+    with caplog.at_level(logging.INFO, logger="spikeguard.actuators.actuator_stage"):
+        the_real_run(bus, worker, KEY)
+        later = decision(152, KEY, anomaly=True)[1].model_copy(
+            update={"incident_id": "i151", "incident_onset_step": 151, "signature": None})
+        publish(bus, worker, (TOPICS.decisions, sign(later, KEY)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "spikeguard.actuators.actuator_stage"]
+    assert [line.split(" (")[0] for line in lines] == [f"actuator: run {RUN} incident i150",
+                                                       f"actuator: run {RUN} incident i151"]
+    assert "): alert at step 151" in lines[0]
+    assert "): rollback+skip_batches+scale_lr+clip at step 152" in lines[1]
+    assert len(rollbacks(bus)) == 1

@@ -605,3 +605,36 @@ def test_optional_knobs_stay_bounded() -> None:
     again = policy.on_decision(dec(450, T.NON_FINITE))
     assert K.REDUCE_BATCH_SIZE not in kinds(again)  # at the floor
     assert [a.params["eps"] for a in again if a.kind is K.SET_EPS] == [pytest.approx(1e-6)]
+
+
+def test_every_action_of_an_incident_names_its_onset_for_the_trainers_forensics() -> None:
+    """The trainer writes the incident's record (sample ids, pre-onset checkpoint) around the onset
+    fusion found, the one the report shows, not the decided step minus a guess."""
+    from spikeguard.schemas.signing import canonical_payload, sign_action, verify_action
+
+    policy = make()
+    actions = policy.on_decision(dec(330, T.NON_FINITE, onset=310))
+    assert actions and all(a.incident_onset_step == 310 for a in actions)
+    assert all(verify_action(sign_action(a, "k"), "k") for a in actions)
+    spike = make()  # an extreme loss's rollback is decided after its patience, on a healthy step
+    later = spike.on_decision(dec(330, T.EXTREME_LOSS, onset=328)) + healthy(spike, 331, 340)
+    (rollback,) = [a for a in later if a.kind is K.ROLLBACK]
+    assert rollback.decision_id == decision_id(R, 333) and rollback.incident_onset_step == 328
+    restore = Action(action_id="x", run_id=R, kind=K.RESTORE_LR, apply_at_step=9, params={"factor": 2})
+    assert b"incident_onset_step" not in canonical_payload(restore)  # signed only when set
+
+
+def test_a_rollback_the_trainer_withheld_is_not_followed_by_a_promise_to_stop() -> None:
+    """Observe mode (or the budget) withholds the rollback and would withhold a stop too: the
+    alert says what happens instead of promising a stop that will not come."""
+    from spikeguard.schemas import WITHHELD
+
+    policy = make()
+    rollback = policy.on_decision(dec(500, T.NON_FINITE))[0]
+    (alert,) = policy.on_ack(ack(rollback, AckStatus.REJECTED, result=f"{WITHHELD}observe mode"))
+    message = alert.params["message"]
+    assert "withheld by the trainer (observe mode)" in message and "stops the run" not in message
+    refused = make()
+    rollback = refused.on_decision(dec(500, T.NON_FINITE))[0]
+    (alert,) = refused.on_ack(ack(rollback, AckStatus.REJECTED, result="bad signature"))
+    assert "a further need stops the run" in alert.params["message"]

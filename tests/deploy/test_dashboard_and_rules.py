@@ -116,3 +116,42 @@ def test_the_dashboard_is_provisioned_against_the_provisioned_datasource():
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == uid
             assert panel["targets"]
+
+
+def _panel(dashboard: dict, title: str) -> dict:
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == title]
+    return panel
+
+
+def test_each_run_shows_its_lr_and_the_data_skipped_beside_its_loss():
+    """What the policy changed for the rest of the run: the LR and the data dropped, per run."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panel = _panel(dashboard, "LR and data skipped")
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert any(e.startswith("max by (run_id) (spikeguard_run_lr{") for e in exprs)
+    assert any(e.startswith("max by (run_id) (spikeguard_run_batches_skipped_total{") for e in exprs)
+    assert all('run_id=~"$run_id"' in e for e in exprs)
+    loss = _panel(dashboard, "Loss")
+    assert panel["gridPos"]["y"] == loss["gridPos"]["y"] + loss["gridPos"]["h"]  # right below it
+
+
+def test_actions_are_one_annotation_per_plan_at_the_time_they_were_issued():
+    """A rollback with its skip, LR cut and clip is one mark, not four on top of each other,
+    placed at the time the series holds (the issue time), not at each scrape that still sees it."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    (actions,) = [a for a in dashboard["annotations"]["list"] if a["name"] == "actions"]
+    assert actions["useValueForTime"] is True
+    assert re.fullmatch(r"max by \(run_id, kinds\) \(spikeguard_run_last_actions_timestamp_seconds"
+                        r'\{run_id=~"\$run_id"\}\) \* 1000', actions["expr"])  # Grafana wants ms
+    assert "{{kinds}}" in actions["titleFormat"]
+
+
+def test_panels_do_not_overlap_on_the_grid():
+    dashboard = json.loads(DASHBOARD.read_text())
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]

@@ -237,3 +237,37 @@ def test_goodput_counts_each_step_once_and_itemises_the_badput():
     metrics.forget_run("g")
     assert get("spikeguard_run_goodput_ratio", {"run_id": "g"}) is None
     assert get("spikeguard_run_steps_total", {"run_id": "g", "timeline": "first"}) is None
+
+
+def test_a_runs_lr_and_one_series_per_plan_of_actions_for_the_dashboard():
+    """The LR of the newest step; a rollback's whole plan (one decision) is one series whose value
+    is when it was issued, so the dashboard draws one mark there; a later plan adds its own."""
+    metrics, registry = _fresh()
+    get = registry.get_sample_value
+    observe_inputs(metrics, [("s", StepEvent(run_id="a", step=s, loss=1.0, lr=0.01 / s)) for s in (1, 2)])
+    assert get("spikeguard_run_lr", {"run_id": "a"}) == pytest.approx(0.005)
+    plan = [Action(action_id=f"p{i}", run_id="a", kind=kind, apply_at_step=9, params=params,
+                   decision_id="d9")
+            for i, (kind, params) in enumerate([
+                (ActionKind.ROLLBACK, {"target_step": 5}),
+                (ActionKind.SKIP_BATCHES, {"from_step": 6, "to_step": 9, "extra": 2}),
+                (ActionKind.SCALE_LR, {"factor": 0.5})])]
+    before = time.time()
+    observe_outputs(metrics, [("a", action) for action in plan])
+    issued = get("spikeguard_run_last_actions_timestamp_seconds",
+                 {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"})
+    assert before <= issued <= time.time()
+    series = [s for f in registry.collect() for s in f.samples
+              if s.name == "spikeguard_run_last_actions_timestamp_seconds"]
+    assert len(series) == 1
+    restore = Action(action_id="r", run_id="a", kind=ActionKind.RESTORE_LR, apply_at_step=20,
+                     params={"factor": 2.0}, decision_id="d19")
+    observe_outputs(metrics, [("a", restore)])
+    assert get("spikeguard_run_last_actions_timestamp_seconds",
+               {"run_id": "a", "kinds": "restore_lr"}) >= issued
+    assert get("spikeguard_run_last_actions_timestamp_seconds",
+               {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"}) == issued
+    metrics.forget_run("a")
+    assert get("spikeguard_run_lr", {"run_id": "a"}) is None
+    assert get("spikeguard_run_last_actions_timestamp_seconds",
+               {"run_id": "a", "kinds": "restore_lr"}) is None

@@ -36,6 +36,8 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
 
     timeline = build_timeline(next(iter(load_directory(tmp_path / "bus").values())))
     onset = next(i for i in timeline.incidents if i.onset_step >= 100)
+    # inspect's onset is the report's: the record is kept around the onset fusion found
+    assert (report["incident_id"], report["onset_step"]) == (onset.incident_id, onset.onset_step)
     # The planted inputs are x10^4 one-hot rows: the first layer's gradient is the one that blows up.
     assert onset.layers and onset.layers[0]["layer"] == "net.0.weight"
 
@@ -43,6 +45,12 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
                  "--incidents", str(tmp_path / "incidents")]) == 0
     page = next((tmp_path / "report").glob("*.html")).read_text()
     assert "net.0.weight: share" in page
+    # the rollback's skip window names the samples it took out of the run: the planted ones
+    (window,) = [row for row in build_timeline(next(iter(load_directory(tmp_path / "bus").values())),
+                                               str(tmp_path / "incidents")).actions
+                 if row.kind == "skip_batches"]
+    assert set(outcome.planted) <= set(window.skipped_samples)
+    assert "samples of the window's steps (incident record): " in page
     assert "top offenders (spikeguard inspect): " + ", ".join(
         f"{row['sample_id']} (score {row['score']})" for row in report["top"][:5]) in page
 

@@ -31,7 +31,7 @@ def _per_sample_loss(model, batch):
     return torch.nn.functional.mse_loss(model(inputs), targets, reduction="none").mean(dim=1)
 
 
-def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None):
+def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None, skip_ids=None):
     from spikeguard import Guard
     from spikeguard.demo.run import DEMO_SETTINGS
     from spikeguard.producers.config import GuardConfig
@@ -47,7 +47,7 @@ def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None)
     guard = Guard(model, optimizer, None, run_id="forensics", bus=runtime.bus, topics=runtime.topics,
                   config=cfg, policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
     try:
-        for xb, yb in guard.data(loader, max_steps=steps):
+        for xb, yb in guard.data(loader, max_steps=steps, skip_ids=skip_ids):
             def closure(xb=xb, yb=yb):
                 loss = torch.nn.functional.mse_loss(model(xb), yb)
                 loss.backward()
@@ -87,6 +87,22 @@ def test_the_three_planted_samples_come_out_in_the_top_five(tmp_path):
     written = json.loads(next((tmp_path / "out").glob("inspect-*.json")).read_text())
     assert written["top"][0]["sample_id"] in PLANTED
     assert "<table" in next((tmp_path / "out").glob("inspect-*.html")).read_text()
+
+    # The loop closed: the same run again, given inspect's report, never reads those samples
+    # and has nothing to recover from.
+    class Watched(TensorDataset):
+        read: set[int] = set()
+
+        def __getitem__(self, index):
+            self.read.add(int(index))
+            return super().__getitem__(index)
+
+    model, dataset = _problem()
+    again = _guarded_run(tmp_path / "again", model, Watched(*dataset.tensors), steps=140,
+                         config_extra={"skip_outliers": False},
+                         skip_ids=next((tmp_path / "out").glob("inspect-*.json")))
+    assert Watched.read and not set(PLANTED) & Watched.read
+    assert again.counters["rollbacks"] == 0
 
 
 def _clean():

@@ -77,6 +77,58 @@ def test_three_planted_samples_rank_in_the_top_five():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _regression(n: int, planted: list[int]):
+    torch.manual_seed(0)
+    x = torch.randn(n, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [1.5]])
+    for i in planted:
+        y[i] += 500  # a wrong target
+    items = [(i, i // 32, (x[i], y[i])) for i in range(n)]
+
+    def collate(batch):
+        return torch.stack([a for a, _ in batch]), torch.stack([b for _, b in batch])
+
+    def loss_fn(m, batch):
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(m(inputs), targets, reduction="none").mean(dim=1)
+
+    return items, collate, loss_fn
+
+
+def test_the_ranking_is_batched_and_gives_each_samples_own_loss_and_gradient_norm():
+    """1,000 samples in a few forward passes (per-sample gradients in one pass per chunk), with
+    the loss and gradient norm each sample has alone in a batch of one."""
+    items, collate, loss_fn = _regression(1000, planted=[5, 500, 999])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    ranked = rank_samples(model, items, collate, loss_fn)
+    assert len(calls) <= 10
+    assert {s.sample_id for s in ranked[:3]} == {5, 500, 999}
+    by_id = {s.sample_id: s for s in ranked}
+    for sid in (0, 5, 123, 999):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, collate([items[sid][2]])).sum()
+        loss.backward()
+        norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        assert by_id[sid].loss == pytest.approx(loss.item(), rel=1e-4)
+        assert by_id[sid].grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_model_vmap_cannot_run_is_ranked_one_sample_at_a_time():
+    """A collate that yields a non-tensor field cannot go through vmap: same ranking, slower."""
+    items, collate, loss_fn = _regression(64, planted=[7])
+
+    def collate_with_names(batch):
+        return (*collate(batch), [f"s{i}" for i in range(len(batch))])
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ranked = rank_samples(model, items, collate_with_names, lambda m, b: loss_fn(m, b[:2]))
+    assert ranked[0].sample_id == 7
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_an_incident_file_round_trips_and_a_bad_one_is_named(tmp_path):
     incident = IncidentBatches("run", "inc-1", 120, 0, str(tmp_path / "ck.pt"), 100,
                                [{"step": 119, "ids": [1, 2]}])
@@ -102,3 +154,21 @@ def test_a_batch_sampler_of_its_own_records_nothing_rather_than_wrong_ids():
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=Buckets())
     tap = SampleIdTap(loader)
     assert tap.source == "none" and tap.ids(next(iter(loader))[0]) is None
+
+
+def test_inspect_finds_the_setup_module_in_the_current_directory(tmp_path, monkeypatch):
+    """As the console script runs it: the current directory is not on sys.path."""
+    import sys
+
+    from spikeguard.forensics.inspect import InspectSetup, load_setup
+
+    (tmp_path / "sg_user_setup_mod.py").write_text(
+        "import torch\n"
+        "from spikeguard import InspectSetup\n"
+        "def make():\n"
+        "    return InspectSetup(torch.nn.Linear(2, 1), [torch.zeros(2)], torch.stack,\n"
+        "                        lambda m, b: m(b).squeeze(1))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert isinstance(load_setup("sg_user_setup_mod:make"), InspectSetup)
+    assert str(tmp_path) not in sys.path  # borrowed for the import only

@@ -160,3 +160,53 @@ def test_a_loss_beyond_the_axis_is_marked_with_its_value():
     assert "4e+03" in [t.get_text() for t in loss_axes.texts]
     assert "loss above the axis (value noted)" in [
         t.get_text() for t in loss_axes.get_legend().get_texts()]
+
+
+def test_action_labels_sit_where_the_actions_happened_and_do_not_overlap(recorded):
+    """The rollback's plan (skip, LR cut, clip: applied at the rewound step, epoch 1) is labelled
+    at the step the rollback happened, once; the LR restores a few steps later get their own
+    labels, none drawn over another."""
+    from itertools import combinations
+
+    from spikeguard.reporting.figure import ACTION
+
+    (record,) = load_directory(recorded).values()
+    timeline = build_timeline(record)
+    fig = figure(timeline)
+    loss_axes = fig.axes[0]
+    labels = [t for t in loss_axes.texts if t.get_color() == ACTION]
+    (start, _, _), = timeline.rollbacks
+    (plan,) = [t for t in labels if "skip_batches" in t.get_text()]
+    assert plan.xy[0] == start and "rollback" in plan.get_text()
+    assert [step for step, _, _ in timeline.data_skips] == [start]  # the skip too, not at 80
+    assert sum("restore_lr" in t.get_text() for t in labels) == 2
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    for (a, ta), (b, tb) in combinations(zip(boxes, labels), 2):
+        assert not a.overlaps(b), f"{ta.get_text()!r} over {tb.get_text()!r}"
+
+
+def test_the_page_and_the_json_give_each_runs_goodput(recorded, tmp_path, capsys):
+    """Steps kept, re-run, batches skipped, updates skipped and the wall time spent re-running,
+    counted from the recorded steps and acks as the Prometheus series count them."""
+    (record,) = load_directory(recorded).values()
+    timeline = build_timeline(record)
+    g = timeline.goodput
+    assert g.steps_kept == 150  # DemoSetup(steps=150): the run reached its end
+    assert g.steps_rerun == sum(p.rerun for p in timeline.steps) > 0
+    assert g.batches_skipped == sum(n for _, _, n in timeline.data_skips) > 0
+    assert g.updates_skipped == sum(e.update_skipped for e in record.steps if e.rank == 0) >= 1
+    assert g.recovery_seconds > 0
+    assert 0 < g.ratio < 1
+    out = tmp_path / "report"
+    assert main(["report", "--data-dir", str(recorded), "--out", str(out), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    (run_id,) = said["runs"]
+    assert said["runs"][run_id]["goodput"] == g._asdict()
+    page = (out / f"{run_id}.html").read_text()
+    assert "<h2>Goodput</h2>" in page
+    for cell in (f"<td>{g.steps_kept}</td>", f"<td>{g.steps_rerun}</td>",
+                 f"<td>{g.batches_skipped}</td>", f"<td>{g.updates_skipped}</td>"):
+        assert cell in page
+    assert main(["report", "--data-dir", str(recorded)]) == 0
+    assert f"goodput {g.ratio:.1%}: {g.steps_kept} steps kept" in capsys.readouterr().out
