@@ -1,6 +1,6 @@
 """Every benchmark of docs/benchmarks.md's speed table, one after the other, with the time each took.
 
-    python benchmarks/run_all.py [--out DIR] [--bootstrap HOST:PORT] [--only NAME ...] [--list]
+    python benchmarks/run_all.py [--out DIR] [--bootstrap HOST:PORT] [--only NAME ...] [--list] [--quick]
 
 Each benchmark runs as its own process with the arguments below (docs/benchmarks.md
 gives each row's command; these are the same, sized so that the whole
@@ -11,18 +11,26 @@ start --fresh``, on ``SPIKEGUARD_KAFKA_PORT``, default 9092) is started
 first and stopped at the end. A benchmark that fails is reported and the
 others still run; the exit status is 1 if any failed.
 
-A benchmark reports, it does not judge: read each row's figures against its
-aim in its output or in docs/benchmarks.md.
+At the end the four headline rows (the embedded default, Kafka throughput,
+Kafka latency, the offline backtest) are printed with their aims beside them,
+read from the benchmarks' JSON. ``--quick`` runs those four only, smaller
+(a 20k-step backtest, one pair; 5,000 Kafka steps of 20 runs; 5 s of latency
+input; confluent-kafka co-hosted): a ~3-minute pass on a quiet 2-core
+machine, for a before/after of one change, not for the published figures.
+A benchmark reports, it does not judge: the summary's "met" and "missed" are
+a reading of its figures against the aims, not a pass or fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -42,6 +50,107 @@ BENCHMARKS: list[tuple[str, str, list[str], bool]] = [
 ]
 
 
+#: ``--quick``: the four headline rows only, each smaller (same scripts, other arguments).
+QUICK: dict[str, list[str]] = {
+    "backtest": ["--steps", "20000", "--pairs", "1", "--json", "{out}/backtest.json"],
+    "embedded_cost": ["--steps", "1000", "--rounds", "1", "--json"],
+    "kafka_throughput": ["--bootstrap", "{bootstrap}", "--steps", "5000", "--runs", "20",
+                         "--client", "confluent", "--layout", "cohosted", "--json"],
+    "kafka_latency": ["--bootstrap", "{bootstrap}", "--client", "confluent", "--layout", "cohosted",
+                      "--seconds", "5", "--drain", "30", "--json"],
+}
+
+
+class Figure(NamedTuple):
+    """One measured figure of a headline row, beside its aim."""
+
+    row: str
+    figure: str
+    aim: str
+    met: bool
+
+
+def _report(out: Path, name: str) -> dict[str, Any] | None:
+    """A benchmark's JSON: its ``--json`` file if it writes one, else the last JSON line it printed."""
+    path = out / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    log = out / f"{name}.txt"
+    for line in reversed(log.read_text(errors="replace").splitlines() if log.exists() else []):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def _embedded(report: dict[str, Any]) -> list[Figure]:
+    low, high = report["ratio_range"]
+    figures = [Figure("embedded default (threads), guarded / unguarded step rate",
+                      f"{report['ratio']:.2f}x (rounds {low:.2f}-{high:.2f})", ">= 0.9x", report["ratio"] >= 0.9)]
+    if "ratio_process" in report:
+        figures.append(Figure("embedded, workers in a child process", f"{report['ratio_process']:.2f}x",
+                              ">= 0.9x", report["ratio_process"] >= 0.9))
+    return figures
+
+
+def _kafka_throughput(report: dict[str, Any]) -> list[Figure]:
+    figures = []
+    for name, result in report["pipelines"].items():
+        client = name.split("/")[0]
+        raw = report["raw_confluent"] if client == "confluent" and "raw_confluent" in report else report["raw"]
+        rate, ratio = result["steps_per_s"], result["steps_per_s"] / max(1, raw["steps_per_s"])
+        figures.append(Figure(f"Kafka throughput, {name}", f"{rate:,} steps/s, {ratio:.2f}x the raw {client} loop",
+                              ">= 10k steps/s, >= 0.5x", rate >= 10_000 and ratio >= 0.5))
+    return figures
+
+
+def _kafka_latency(report: dict[str, Any]) -> list[Figure]:
+    figures = []
+    for name, result in report.items():
+        p50, p99 = result["decision_ms"]["p50"], result["decision_ms"]["p99"]
+        met = p50 is not None and p99 is not None and p50 <= 20 and p99 <= 100
+        figures.append(Figure(f"Kafka closed loop at {result['rate']:,.0f} steps/s, {name}",
+                              f"decision p50 {p50} ms, p99 {p99} ms", "p50 <= 20 ms, p99 <= 100 ms", met))
+    return figures
+
+
+def _backtest(report: dict[str, Any]) -> list[Figure]:
+    report = report["process"]
+    rate, ratio = report["backtest_steps_per_s"], report["backtest_over_naive"]
+    cpu = report["backtest_steps_per_cpu_s"]
+    return [Figure(f"offline backtest, {report['steps']:,}-step CSV, whole process",
+                   f"{rate:,.0f} steps/s ({cpu:,.0f} per CPU-s), {ratio:.2f}x the naive baseline",
+                   ">= 20k steps/s, >= 4x", rate >= 20_000 and ratio >= 4.0)]
+
+
+#: The headline rows: benchmark -> its figures and their aims.
+HEADLINE: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
+    "embedded_cost": _embedded, "kafka_throughput": _kafka_throughput,
+    "kafka_latency": _kafka_latency, "backtest": _backtest,
+}
+
+
+def headline(out: Path, ran: list[str]) -> list[str]:
+    """The headline rows that ran, each figure beside its aim."""
+    lines = []
+    for name, figures_of in HEADLINE.items():
+        if name not in ran:
+            continue
+        report = _report(out, name)
+        try:
+            figures = figures_of(report) if report is not None else []
+        except (KeyError, TypeError, ValueError) as exc:
+            lines.append(f"{name}: no figures ({exc!r}); see {out / (name + '.txt')}")
+            continue
+        if not figures:
+            lines.append(f"{name}: no figures; see {out / (name + '.txt')}")
+        for f in figures:
+            lines.append(f"{f.row}: {f.figure}  [aim {f.aim}: {'met' if f.met else 'missed'}]")
+    return lines
+
+
 def _broker(action: str) -> None:
     subprocess.run(["bash", str(ROOT / "scripts" / "kafka_local.sh"), *action.split()], check=True)
 
@@ -52,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", help="a running broker for the Kafka rows (else the project's is started)")
     parser.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHMARKS], help="run these only")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
+    parser.add_argument("--quick", action="store_true",
+                        help="the four headline rows only, smaller (~3 minutes on a quiet machine)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHMARKS if not args.only or b[0] in args.only]
+    if args.quick:
+        chosen = [(name, script, QUICK[name], kafka) for name, script, _, kafka in chosen if name in QUICK]
     bootstrap = args.bootstrap or f"127.0.0.1:{os.environ.get('SPIKEGUARD_KAFKA_PORT', '9092')}"
     commands = {
         name: [sys.executable, str(HERE / script), *(a.format(out=out, bootstrap=bootstrap) for a in arguments)]
@@ -66,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, command in commands.items():
             print(f"{name}: {' '.join(command)}")
         return 0
+    for name in commands:  # a figure from an earlier run must not pass for this one's
+        for stale in (out / f"{name}.json", out / f"{name}.txt"):
+            stale.unlink(missing_ok=True)
 
     started_broker = False
     if any(kafka for *_, kafka in chosen) and not args.bootstrap:
@@ -88,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'benchmark':<18} {'seconds':>8}  exit")
     for name, (seconds, code) in took.items():
         print(f"{name:<18} {seconds:8.1f}  {code}")
-    print(f"{'all':<18} {total:8.1f}  (aim: under 600 s together)")
+    print(f"{'all':<18} {total:8.1f}  (aim: {'~180' if args.quick else 'under 600'} s together)")
+    lines = headline(out, list(took))
+    if lines:
+        print("\nheadline rows (docs/benchmarks.md):")
+        for line in lines:
+            print(f"  {line}")
     return 1 if any(code for _, code in took.values()) else 0
 
 

@@ -72,7 +72,7 @@ class TailThreshold:
     (0.098, 0.116)
     """
 
-    __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting")
+    __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting", "_threshold")
 
     def __init__(self, window: int, rate: float, low: float = 0.90, high: float = 0.99,
                  lag: int = 0) -> None:
@@ -88,6 +88,9 @@ class TailThreshold:
         self.lag = lag
         self._values = RollingMedian(window)
         self._waiting: deque[float] = deque()
+        # threshold() at ``rate`` for the values as they are (None: not computed since they
+        # changed): a step judges against it and then caps its residual at it, same values.
+        self._threshold: float | None = None
 
     def __len__(self) -> int:
         """Values seen, the waiting ones included (at most the window plus the lag)."""
@@ -98,10 +101,14 @@ class TailThreshold:
 
     def threshold(self, rate: float | None = None) -> float:
         """The value a healthy point exceeds with probability about ``rate``; NaN while empty."""
+        if not rate:
+            if self._threshold is None:
+                self._threshold = self.threshold(self.rate)
+            return self._threshold
         lo, hi = self._values.quantile(self.low), self._values.quantile(self.high)
         tail_hi = 1.0 - self.high
         scale = (hi - lo) / math.log((1.0 - self.low) / tail_hi)
-        return hi + scale * math.log(tail_hi / (rate or self.rate))
+        return hi + scale * math.log(tail_hi / rate)
 
     def update(self, value: float) -> None:
         """Add ``value`` (after ``lag`` more updates, once a hundred are in), capped at the
@@ -117,12 +124,14 @@ class TailThreshold:
             if value > cap:
                 value = cap
         self._values.update(value)
+        self._threshold = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self._values.values(), "waiting": list(self._waiting)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._values.load_state_dict(state)
+        self._threshold = None
         self._waiting = deque(float(v) for v in state["waiting"])
 
 

@@ -130,10 +130,20 @@ class MLDetector(Detector[MLState]):
         """The step's feature row (or why there is none), and the features after the step."""
         if not event.finite:
             return "non_finite", state.features  # never enters the features nor the buffer
+        if self._rows_unread(state) and not event.top_grad_norms:
+            return "forest_off", state.features
         f, after = state.features.peek_event(event)
         if f is None:
             return "warmup", after
         return clean(np.array(f.ml_vector(-self.config.downside_clip), dtype=np.float64)), after
+
+    def _rows_unread(self, state: MLState) -> bool:
+        """Whether this run's feature rows are never read: no forest, the features ready (so
+        no "warmup" to tell), and no layer norms so far (a blow-up's verdict shows the loss's
+        row beside it). Its verdicts are then "forest_off" whatever the rows hold, and its
+        features stop where they are: computing them was most of this detector's per-step
+        cost. A run whose layer norms start later resumes them from there."""
+        return not self.config.forest and state.layers.n == 0 and state.features.ready
 
     def _current(self, event: StepEvent, state: MLState) -> np.ndarray | str:
         batch = self._batch
@@ -145,9 +155,10 @@ class MLDetector(Detector[MLState]):
     def update_many(self, events: Sequence[StepEvent]) -> list[Verdict]:
         # The rows of a batch are known before any of it is judged (features depend on
         # earlier events only, never on verdicts), so the forest walks them in one pass.
-        if len(events) < 2 or any(event.epoch != self.epoch for event in events):
-            return super().update_many(events)
         state = self.state
+        if (len(events) < 2 or any(event.epoch != self.epoch for event in events)
+                or self._rows_unread(state)):  # no rows to compute ahead
+            return super().update_many(events)
         batch = self._batch = _Batch(state.features, events, -self.config.downside_clip, self.history)
         out = []
         try:

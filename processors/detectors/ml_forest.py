@@ -25,13 +25,14 @@ the padded tables (see :class:`CompiledForest`).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import sklearn
-from sklearn.ensemble import IsolationForest
-from sklearn.tree import ExtraTreeRegressor
-from sklearn.utils.random import sample_without_replacement
+
+# scikit-learn is imported where a forest is grown, not here: it takes ~1.5 s of CPU
+# to import, and the forest is off by default (a backtest or worker without it never pays).
+if TYPE_CHECKING:
+    from sklearn.ensemble import IsolationForest
 
 _MAX_INT = np.iinfo(np.int32).max
 _UNIT = 2.0**20  # leaf path lengths are whole multiples of 1 / _UNIT (see CompiledForest)
@@ -46,6 +47,8 @@ class _Fitted(NamedTuple):
 
 def fit_forest(rows: np.ndarray, n_estimators: int, max_samples: int, seed: int) -> CompiledForest:
     """The compiled forest ``IsolationForest(n_estimators, max_samples, random_state=seed)`` fits."""
+    from sklearn.utils.random import sample_without_replacement
+
     x = np.ascontiguousarray(rows, dtype=np.float32)  # what IsolationForest's validation makes of them
     n, width = x.shape
     y = np.random.RandomState(seed).uniform(size=n)  # iforest's dummy target, drawn the same way
@@ -74,6 +77,9 @@ class _Grown(NamedTuple):
 def _grow_public(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
                  rng: np.random.RandomState) -> object:
     """One tree through ``ExtraTreeRegressor.fit``, its checks skipped (the rows are finite)."""
+    import sklearn
+    from sklearn.tree import ExtraTreeRegressor
+
     tree = ExtraTreeRegressor(max_features=1, splitter="random", max_depth=depth, random_state=seed)
     with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
         tree.fit(x, y, check_input=False)

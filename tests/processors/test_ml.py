@@ -166,3 +166,25 @@ def test_fit_forest_grows_exactly_the_trees_isolation_forest_grows(n: int, seed:
     for name in ("left", "right", "feature", "threshold", "leaf_value"):
         assert np.array_equal(getattr(ours, name), getattr(reference, name)), name
     assert ours.norm == reference.norm and ours.depth == reference.depth
+
+
+class _EveryRow(MLDetector):
+    """The detector as it was: every step's feature row computed, read or not."""
+
+    def _rows_unread(self, state) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("size", [1, 7, 500])
+def test_without_the_forest_a_warm_run_skips_its_rows_with_the_same_verdicts(size: int) -> None:
+    events = stream(1500, seed=3, spikes=(400, 900))
+    events[700] = events[700].model_copy(update={"loss": math.nan})
+    fast, full = MLDetector(), _EveryRow()
+    assert not fast.config.forest  # the default
+    got, want = run_in_batches(fast, events, size), run_in_batches(full, events, size)
+    assert [v.model_dump() for v in got] == [v.model_dump() for v in want]
+    assert {next(iter(v.signals)) for v in got} == {"warmup", "forest_off", "non_finite"}
+    # The features stopped once ready (a batch computed ahead ends the batch it is in).
+    ready_at = fast.config.features.min_steps
+    assert fast.state.features._loss.n <= ready_at + size < full.state.features._loss.n == 1499
+

@@ -142,3 +142,20 @@ def test_tracked_layers_are_bounded() -> None:
         model.learn(10.0, {f"l{i}": 5.0, f"m{i}": 4.0, "big": 8.0})
     assert len(model.layers) == 4 and "big" in model.layers
     assert len(json.dumps(MLDetector(MLConfig(layers=LayerConfig(max_layers=4))).state_dict())) < 10_000
+
+
+class _EveryRow(MLDetector):
+    """The detector as it was: every step's feature row computed, read or not."""
+
+    def _rows_unread(self, state) -> bool:
+        return False
+
+
+def test_without_the_forest_a_run_with_layer_norms_keeps_its_rows() -> None:
+    events = composition_stream(600, seed=1, jump_at=450)
+    fast, full = MLDetector(), _EveryRow()
+    got = [v for i in range(0, 600, 100) for v in fast.update_many(events[i : i + 100])]
+    want = [v for i in range(0, 600, 100) for v in full.update_many(events[i : i + 100])]
+    assert [v.model_dump() for v in got] == [v.model_dump() for v in want]
+    assert any(v.type is AnomalyType.LAYER_BLOWUP and "loss_z" in v.signals for v in got)
+    assert fast.state.features._loss.n == full.state.features._loss.n

@@ -210,11 +210,12 @@ def test_absurd_finite_values_do_not_break_it() -> None:
 
 # -- features peeked once per process (processors.features) ----------------------
 def test_features_of_two_detectors_learning_in_batches_equal_their_own():
-    from spikeguard.processors.detectors.ml import MLDetector
+    from spikeguard.processors.detectors.ml import MLConfig, MLDetector
     from spikeguard.processors.features import RollingFeatures
 
     events = run(300, seed=3)
-    ml, predictor = MLDetector(), PredictorDetector(ON)
+    # With its forest: without it the ML detector stops its features once ready (never read).
+    ml, predictor = MLDetector(MLConfig(forest=True)), PredictorDetector(ON)
     for i in range(0, len(events), 50):  # ML first, as in the pipeline, in batches
         ml.update_many(events[i:i + 50])
         predictor.update_many(events[i:i + 50])

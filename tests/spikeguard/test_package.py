@@ -96,3 +96,17 @@ def test_spikeguard_version(command):
     done = subprocess.run([PYTHON, *command], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"spikeguard {version('spikeguard')}"
+
+
+def test_a_backtest_without_the_forest_does_not_import_scikit_learn():
+    # scikit-learn (and scipy under it) cost ~1.5 s of CPU to import: most of a short
+    # backtest's time, for a forest that is off by default.
+    loaded = json.loads(_run(
+        "import json, sys\n"
+        "from spikeguard.lab.backtest import backtest_events\n"
+        "from spikeguard.lab.simulate import generate\n"
+        "decisions = backtest_events(generate('sudden_spike', 1000, 0).events)\n"
+        "assert any(d.is_anomaly for d in decisions)\n"
+        "print(json.dumps(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules)))"
+    ))
+    assert loaded == []
