@@ -23,4 +23,6 @@ trap cleanup EXIT
 # Integration tests must not skip silently when the broker is missing.
 export SPIKEGUARD_REQUIRE_KAFKA=1
 export SPIKEGUARD_PYTHON="$venv/bin/python"
-"$venv/bin/python" -m pytest "$@"
+# Two processes (pytest-xdist): much of the suite waits on brokers, workers and child
+# processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process.
+"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" "$@"
