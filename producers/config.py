@@ -120,7 +120,8 @@ class GuardConfig(BaseModel):
     )
     update_norm: bool = Field(
         False, description="off by default (no default detector reads it, and on the measured runs "
-        "it warned no earlier than the LR does: docs/detection.md); report the norm of the parameter change each optimizer step made "
+        "it warned no earlier than the LR does: docs/detection.md); report the norm of the parameter "
+        "change each optimizer step made "
         "(producers/update_norm.py): costs one device copy of the parameters (this rank's shards) "
         "and three passes over them per step, no extra device-to-host transfer; the event of step s "
         "carries step s-1's update, 0 when that update was skipped"

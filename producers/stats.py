@@ -91,8 +91,10 @@ class GradStats:
             # (a parameter unused on one rank must not change the vector's length there),
             # and the parameter and update norms in the same vector: one all-reduce.
             n, m = len(self.params), len(weights)
-            all_norms = sharded_norms([p.grad for p in self.params] + weights + update,
-                                      like=self.params)
+            tensors: list[torch.Tensor | None] = [p.grad for p in self.params]
+            tensors.extend(weights)
+            tensors.extend(update)
+            all_norms = sharded_norms(tensors, like=self.params)
             sharded_norm_list = all_norms[[i for i, p in enumerate(self.params) if p.grad is not None]]
             other_norms = [all_norms[n:n + m], all_norms[n + m:]]
             device = all_norms.device
