@@ -433,8 +433,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
     from spikeguard.alerting.service import start_monitoring  # alerts live here; /metrics in the trainer
     from spikeguard.metrics import default_metrics
 
-    runtime.settings = settings.model_copy(update={"metrics_port": None})
-    start_monitoring(runtime)
+    start_monitoring(runtime, serve_http=False)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
     registry = default_metrics().registry  # what the workers count into (they get no Metrics of their own)
