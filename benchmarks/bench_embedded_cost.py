@@ -6,12 +6,14 @@ noise hits them alike:
 - ``unpublished``: ``Guard(..., connect=False)``: the guard's local work
   (statistics, the local skip rule) and nothing on any bus;
 - ``threads``: the whole pipeline (four detectors, fusion, actuator) as
-  threads of the trainer's process (``worker.embedded_process=false``);
-- ``process``: the pipeline's workers in a child process bridged to the
-  trainer's bus (``worker.embedded_process=true``).
+  threads of the trainer's process (``worker.embedded_process=false``, the
+  default before 2026-12-01);
+- ``process``: the default settings: the pipeline's workers in a child
+  process bridged to the trainer's bus (``worker.embedded_process=true``).
 
 Reported per layout (medians over rounds): steps/s; CPU time per step in the
-trainer's process and, for ``process``, in the child; how many steps the
+trainer's process, in its training thread alone (the hook's cost there is
+that minus ``unpublished``'s) and, for ``process``, in the child; how many steps the
 pipeline had not yet decided when the loop ended (a pipeline that keeps up
 costs less than one that drops behind, so a ratio is only honest with that
 lag beside it). The ratios to ``unpublished`` (aim >= 0.9) are the median
@@ -71,7 +73,8 @@ def run(kind: str, steps: int, directory: str) -> dict:
         from spikeguard.runtime import open_runtime
         from spikeguard.settings import load_settings
 
-        runtime = open_runtime(load_settings({"worker.embedded_process": kind == "process"}))
+        # The defaults, but for threads: what the trainer gets without asking for anything.
+        runtime = open_runtime(load_settings({"worker.embedded_process": False} if kind == "threads" else {}))
         child = runtime.child
         guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, bus=runtime.bus,
                       topics=runtime.topics)
@@ -95,6 +98,7 @@ def run(kind: str, steps: int, directory: str) -> dict:
     n = steps - warm
     # The trainer's process = the training thread + the guard's and the bridge's threads.
     return {"steps_per_s": n / wall, "cpu_us_per_step": 1e6 * cpu / n,
+            "thread_cpu_us_per_step": 1e6 * thread / n,
             "background_cpu_us_per_step": 1e6 * (cpu - thread) / n,
             "child_cpu_us_per_step": 1e6 * child_cpu / n, "undecided_at_end": undecided,
             "startup_s": child.startup_s if child is not None else 0.0}
@@ -121,6 +125,11 @@ def main() -> None:
         report[f"{name}_range"] = [min(rounds), max(rounds)]
         # The trainer's own CPU per step, unpublished / with: what the pipeline takes from this process.
         report[f"cpu_{name}"] = statistics.median(cpu)
+        # The hook's cost in the training thread: its extra CPU per step over unpublished, as a
+        # share of unpublished's step time (aim < 2 %).
+        hook = [(w["thread_cpu_us_per_step"] - b["thread_cpu_us_per_step"]) * b["steps_per_s"] / 1e6
+                for w, b in zip(results[kind], base)]
+        report[f"hook_{name}"] = statistics.median(hook)
     report["steps"], report["rounds"] = args.steps, args.rounds
     if args.json:
         print(json.dumps(report))
@@ -129,12 +138,14 @@ def main() -> None:
         row = report[kind]
         child = f"  child {row['child_cpu_us_per_step']:5.0f} µs CPU/step" if kind == "process" else ""
         print(f"{kind:12s} {row['steps_per_s']:7.0f} steps/s  trainer {row['cpu_us_per_step']:5.0f} "
-              f"µs CPU/step (its other threads {row['background_cpu_us_per_step']:4.0f}){child}  "
+              f"µs CPU/step (training thread {row['thread_cpu_us_per_step']:4.0f}, other threads "
+              f"{row['background_cpu_us_per_step']:4.0f}){child}  "
               f"undecided at end {row['undecided_at_end']:.0f}")
     for kind, name in (("threads", "ratio"), ("process", "ratio_process")):
         low, high = report[f"{name}_range"]
         print(f"{kind}/unpublished: {report[name]:.2f} (rounds {low:.2f}-{high:.2f}; aim >= 0.9); "
-              f"trainer CPU {report[f'cpu_{name}']:.2f}")
+              f"trainer CPU {report[f'cpu_{name}']:.2f}; hook in the training thread "
+              f"{100 * report[f'hook_{name}']:+.1f}% of a step (aim < 2%)")
     print(f"child start-up {report['process']['startup_s']:.1f} s")
 
 

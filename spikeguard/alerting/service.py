@@ -41,12 +41,16 @@ def alerting_configured(settings: "Settings") -> bool:
     return bool(settings.alerting.webhook_url or settings.alerting.email_to)
 
 
-def start_monitoring(runtime: "Runtime", metrics: Metrics | None = None) -> None:
-    """The embedded runtime's hook: ``/metrics`` and the monitor thread, when asked for."""
+def start_monitoring(runtime: "Runtime", metrics: Metrics | None = None, serve_http: bool = True) -> None:
+    """The embedded runtime's hook: ``/metrics`` and the monitor thread, when asked for.
+
+    ``serve_http=False``: the monitor only (its latencies counted into ``metrics``),
+    for a pipeline in a child process whose ``/metrics`` the trainer's process serves.
+    """
     settings = runtime.settings
-    serving = settings.metrics_port is not None
-    if not (serving or alerting_configured(settings)):
+    if not (settings.metrics_port is not None or alerting_configured(settings)):
         return
+    serving = serve_http and settings.metrics_port is not None
     metrics = metrics or default_metrics()
     if serving:
         from spikeguard.metrics_http import serve

@@ -28,6 +28,11 @@ once, over the pipe, never on a command line. The child stops when the
 trainer closes the runtime or when its input pipe closes (the trainer died).
 If the child dies first, the trainer logs it once with its exit code and
 trains on with the Guard's local protections (:attr:`ChildPipeline.problem`).
+
+With ``data_dir`` only the child records (its bus sees every topic of the
+pipeline); the trainer's bus stays in memory. The child's Prometheus series
+cross on request (:meth:`ChildPipeline.metrics`), so the trainer's process
+serves them with its own on one port (:mod:`spikeguard.bus.embedded_metrics`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import threading
 import time
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
@@ -57,6 +62,10 @@ BRIDGE_GROUP = "bridge"
 READY = "ready"
 STARTUP_TIMEOUT_S = 120.0
 RECORDS = "records"
+#: Down: a request for the child's metric families; up: the families (a list of prometheus Metric).
+METRICS = "metrics"
+#: Only the pipeline's own series cross: the child's process_* and python_* describe the child.
+METRIC_PREFIX = "spikeguard_"
 
 
 def inputs_of(topics: Topics) -> list[str]:
@@ -196,11 +205,14 @@ class Forwarder:
         self.thread.join(timeout=10)
 
 
-def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") -> None:
+def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "",
+            on_metrics: Callable[[Any], None] | None = None) -> None:
     """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes.
 
     Step fields (only the child gets them) are built and signed here with the
-    pipeline's key; fields that do not make a valid step go to the DLQ.
+    pipeline's key; fields that do not make a valid step go to the DLQ. A
+    ``METRICS`` message goes to ``on_metrics`` (a request in the child, the
+    answer in the trainer's process).
     """
     producer = bus.producer()
     try:
@@ -208,6 +220,10 @@ def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "") 
             message = conn.recv()
             if message is None:
                 return
+            if message[0] == METRICS:
+                if on_metrics is not None:
+                    on_metrics(message[1])
+                continue
             producer.publish_records([  # type: ignore[attr-defined]
                 (topic, key, value, headers, None) if fields is None
                 else _built(topic, key, fields, signing_key, dlq)
@@ -248,23 +264,39 @@ class ChildPipeline:
         self.problem: str | None = None
         self._lost_lock = threading.Lock()
         self._closing = False
+        # The child's newest metric families and the wait for an answer (see metrics()).
+        self._families: list = []
+        self._answered = threading.Condition()
+        self._answers = 0
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         self.started = time.perf_counter()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
-            pass_fds=(down_r, up_w), close_fds=True,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
+                pass_fds=(down_r, up_w), close_fds=True,
+            )
+        except (OSError, ValueError) as exc:  # no interpreter to start, or no fd passing here
+            for fd in (down_r, down_w, up_r, up_w):
+                os.close(fd)
+            raise BusError(f"the embedded pipeline process could not be started: {exc}") from exc
         os.close(down_r)
         os.close(up_w)
         self._down = Link(Connection(down_w, readable=False))
         self._up = Connection(up_r, writable=False)
-        self._down.send(settings)  # the key crosses the pipe, never argv or the environment
-        # Steps published before the child's workers run would only queue up: wait for them.
-        if not self._up.poll(STARTUP_TIMEOUT_S) or self._up.recv() != READY:
+        try:
+            self._down.send(settings)  # the key crosses the pipe, never argv or the environment
+            # Steps published before the child's workers run would only queue up: wait for them.
+            ready = self._up.poll(STARTUP_TIMEOUT_S) and self._up.recv() == READY
+        except (OSError, EOFError):  # it exited before it was ready
+            ready = False
+        if not ready:
             self.process.kill()
-            raise BusError("the embedded pipeline process did not start "
-                           f"within {STARTUP_TIMEOUT_S:.0f}s (see its stderr)")
+            code = self.process.wait()
+            self._down.conn.close()
+            self._up.close()
+            raise BusError(f"the embedded pipeline process did not start within {STARTUP_TIMEOUT_S:.0f}s "
+                           f"(exit code {code}; see its stderr)")
         #: Seconds from launch to the child's workers running (imports, mostly).
         self.startup_s = time.perf_counter() - self.started
         worker = settings.worker
@@ -299,9 +331,32 @@ class ChildPipeline:
         return True
 
     def _receive(self, bus: Bus) -> None:
-        receive(bus, self._up)
+        receive(bus, self._up, on_metrics=self._metrics_arrived)
         if not self._closing:
             self._lost("its pipe closed")
+
+    def _metrics_arrived(self, families: list) -> None:
+        with self._answered:
+            self._families = families
+            self._answers += 1
+            self._answered.notify_all()
+
+    def metrics(self, timeout_s: float = 2.0) -> list:
+        """The child's ``spikeguard_*`` metric families, asked for now.
+
+        A scrape waits at most ``timeout_s`` for the answer; a child that is gone
+        or busy past that leaves the newest families it sent (after :meth:`close`,
+        those it had when its workers stopped).
+        """
+        with self._answered:
+            asked = self._answers
+            if self.problem is None and not self._closing:
+                try:
+                    self._down.send((METRICS, None))
+                except (OSError, ValueError):
+                    return self._families
+                self._answered.wait_for(lambda: self._answers > asked, timeout_s)
+            return self._families
 
     def _lost(self, why: str, wait_s: float = 5.0) -> None:
         with self._lost_lock:  # both threads may notice: report once
@@ -377,14 +432,28 @@ def child_main(down_fd: int, up_fd: int) -> int:
                           worker.embedded_batch_linger_s, worker.embedded_bridge_max_linger_s,
                           urgent=(topics.actions,))
     start_workers(runtime)
-    from spikeguard.alerting.service import start_monitoring  # /metrics and alerts live here
+    from spikeguard.alerting.service import start_monitoring  # alerts live here; /metrics in the trainer
+    from spikeguard.metrics import default_metrics
 
-    start_monitoring(runtime)
+    start_monitoring(runtime, serve_http=False)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
-    receive(bus, down, settings.keys(), topics.dlq)  # until the trainer closes the runtime (or dies)
+    registry = default_metrics().registry  # what the workers count into (they get no Metrics of their own)
+    if settings.metrics_port is not None:  # served by the trainer's process: the lag of these groups too
+        from spikeguard.metrics_http import LagCollector
+
+        registry.register(LagCollector.for_bus(bus, topics.prefix))
+
+    def answer(_request: Any) -> None:
+        up.send((METRICS, [m for m in registry.collect() if m.name.startswith(METRIC_PREFIX)]))
+
+    receive(bus, down, settings.keys(), topics.dlq, on_metrics=answer)  # until the trainer closes
     runtime.close()  # the workers stop (and save) as the threads of an embedded runtime do
     forwarder.stop()
+    try:
+        answer(None)  # the final counts, for a trainer that reads them after closing
+    except OSError:  # the trainer is gone
+        pass
     up.conn.close()
     return 0
 

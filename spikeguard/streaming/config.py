@@ -87,10 +87,12 @@ class WorkerConfig(BaseModel):
         "process's bridges",
     )
     embedded_process: bool = Field(
-        False,
+        True,
         description="embedded mode: run the pipeline's workers in a child process bridged to "
-        "the trainer's in-process bus, instead of as threads of the trainer's process (their "
-        "Python work then no longer shares the trainer's GIL); not with data_dir",
+        "the trainer's in-process bus (their Python work does not share the trainer's GIL); "
+        "where a child cannot start (Windows, no interpreter to launch) they run as threads "
+        "of the trainer's process, said in one INFO line. false: always threads (the "
+        "workers' objects and metrics registry in the trainer's process)",
     )
     embedded_bridge_max_linger_s: float = Field(
         0.05,

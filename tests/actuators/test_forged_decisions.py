@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import uuid
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -45,9 +46,14 @@ def forged(step: int, published: dict[int, StepEvent]) -> Decision:
                     incident_onset_step=step, evidence=evidence)
 
 
+@pytest.mark.parametrize("child", [False, True], ids=["threads", "child-process"])
 def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(
-        tmp_path, regression_loader, spiked_step):
-    settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}."}, env={})
+        tmp_path, regression_loader, spiked_step, child):
+    # Threads: the actuator reads the trainer's bus and refuses the forgeries. Child process (the
+    # default): the trainer's bus carries decisions only up from the pipeline, so a decision
+    # written on it reaches no actuator at all.
+    settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}.",
+                              "worker": {"embedded_process": child}}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         bus, topics = runtime.bus, runtime.topics
@@ -73,9 +79,12 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
     # The actuator signed no action for any forged decision: each went to the DLQ, with the reason.
     assert not [a for a in actions if (a.decision_id or "").startswith("forged-")]
     refused = [d for d in letters if d.source_topic == topics.decisions]
-    assert sorted(decode(d.value, Decision).step for d in refused) == list(FORGE_AT)
-    assert {d.error for d in refused} == {"RecordNotAuthenticated"}
-    assert all("no signature" in d.reason for d in refused)
+    if child:
+        assert refused == []
+    else:
+        assert sorted(decode(d.value, Decision).step for d in refused) == list(FORGE_AT)
+        assert {d.error for d in refused} == {"RecordNotAuthenticated"}
+        assert all("no signature" in d.reason for d in refused)
     # The real incident is still answered: a rollback to a checkpoint before it, applied.
     real = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert real and any(acks[a.action_id].status is AckStatus.APPLIED for a in real if a.action_id in acks)

@@ -191,8 +191,9 @@ def guarded_run(attack: bool, workdir) -> dict:
     """Train the demo's spike run, guarded; what happened, read before the runtime closes."""
     # read() takes every action and ack back from the bus after the run, and the attacker
     # floods the actions topic: keep every consumed record in memory (no retention trim).
-    settings = load_settings({**DEMO_SETTINGS, "signing_key": KEY, "embedded_keep_consumed": 1_000_000},
-                             env={})
+    # Threads: the workers' per-run tables are read back below, in this process.
+    settings = load_settings({**DEMO_SETTINGS, "signing_key": KEY, "embedded_keep_consumed": 1_000_000,
+                              "worker.embedded_process": False}, env={})
     runtime = open_runtime(settings, metrics=Metrics(CollectorRegistry()))
     attacker = Attacker(runtime) if attack else None
     config = GuardConfig(checkpoint_dir=str(workdir), checkpoint_every=20, keep_checkpoints=4,

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from spikeguard.bus import Record
-from spikeguard.errors import ConfigError
 from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
@@ -98,9 +97,58 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
         runtime.close()
 
 
-def test_the_child_process_and_data_dir_do_not_go_together(tmp_path):
-    with pytest.raises(ConfigError, match="embedded_process"):
-        open_runtime(settings(data_dir=str(tmp_path)))
+def test_the_default_embedded_runtime_runs_the_pipeline_in_a_child_process():
+    runtime = open_runtime(load_settings({"topic_prefix": f"dflt-{uuid.uuid4().hex[:8]}."}, env={}))
+    try:
+        assert runtime.child is not None and runtime.child.problem is None
+        assert runtime.workers == [] and runtime.threads == []
+    finally:
+        runtime.close()
+    assert runtime.child.process.returncode == 0
+
+
+def _session(data_dir, prefix, tmp_path, steps):
+    """One trainer session on ``data_dir``: open, train ``steps`` more steps of run "durable", close."""
+    runtime = open_runtime(load_settings({"topic_prefix": prefix, "data_dir": str(data_dir)}, env={}))
+    try:
+        assert runtime.child is not None  # the default: the pipeline in a child process
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=True,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id="durable", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        first = guard.step_count
+        _train(guard, model, optimizer, x, y, steps)
+        bus, topics = runtime.bus, runtime.topics
+        assert _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
+                                                   for r in bus.read_all(topics.decisions))}
+                         >= set(range(first, first + steps)))
+        guard.close()
+    finally:
+        runtime.close()
+    assert runtime.child.problem is None and runtime.child.process.returncode == 0
+    return first
+
+
+def test_data_dir_state_survives_a_restart_with_the_pipeline_in_a_child_process(tmp_path):
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.reporting.recorded_settings import load as recorded
+
+    data_dir, prefix = tmp_path / "bus", f"durable-{uuid.uuid4().hex[:8]}."
+    topics = Topics(prefix)
+    assert _session(data_dir, prefix, tmp_path, 40) == 0
+    saved = EmbeddedBus(data_dir=data_dir)
+    # The child recorded the whole pipeline: the trainer's steps, the decisions, the workers' state.
+    assert sorted(decode(r.value, StepEvent).step for r in saved.read_all(topics.steps)) == list(range(40))
+    assert saved.read_all(topics.state("statistical"))
+    saved.close()
+    assert _session(data_dir, prefix, tmp_path, 20) == 40  # the Guard resumed from its checkpoint
+    reopened = EmbeddedBus(data_dir=data_dir)
+    decided = [decode(r.value, Decision).step for r in reopened.read_all(topics.decisions)]
+    # The second session's workers went on from the committed offsets: no step judged twice,
+    # none of the first session's steps judged again, every step of both judged.
+    assert sorted(decided) == list(range(60))
+    assert recorded(data_dir)  # the judging settings, for a later replay
 
 
 def _wait_for(check, rounds=600):
@@ -282,5 +330,96 @@ def test_a_pipe_broken_on_send_still_names_the_exit_code():
         child._lost("the bridge closed: [Errno 32] Broken pipe")
         assert "exited with code -9" in child.problem
         assert "Broken pipe" in child.problem
+    finally:
+        runtime.close()
+
+
+def _scrape(port: int) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from spikeguard.metrics import Metrics
+
+    port = _free_port()
+    local = Metrics(CollectorRegistry())
+    local.trainer_unprotected.labels("served").set(1)  # a series of the trainer's own process
+    runtime = open_runtime(settings(metrics_port=port), metrics=local)
+    try:
+        prefix = runtime.topics.prefix
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id="served", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        _train(guard, model, optimizer, x, y, 30)
+        guard.publisher.flush(10.0)
+        text = _wait_for(lambda: (lambda t: t if 'spikeguard_run_last_step{run_id="served"} 29.0' in t
+                                  else None)(_scrape(port)))
+        guard.close()
+    finally:
+        runtime.close()
+    assert text, "the child's per-run series never reached the trainer's port"
+    lines = text.splitlines()
+    assert 'spikeguard_trainer_unprotected{run_id="served"} 1.0' in lines  # the trainer's own
+    # Consumer lag of both buses: the workers' groups (child) and the bridge's (trainer).
+    assert any(f'group="{prefix}ml"' in line for line in lines if line.startswith("spikeguard_consumer_lag"))
+    assert any(f'group="{prefix}bridge"' in line and f'topic="{prefix}steps"' in line for line in lines
+               if line.startswith("spikeguard_consumer_lag"))
+    consumed = [line for line in lines if line.startswith("spikeguard_records_consumed_total{")
+                and f'component="ml",topic="{prefix}steps"' in line]
+    assert consumed and float(consumed[0].rsplit(" ", 1)[1]) >= 30
+    # One family per name, though both processes declare every family.
+    types = [line for line in lines if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
+    assert not [line for line in lines if line.startswith("process_") and "child" in line]
+    with pytest.raises(OSError):
+        _scrape(port)  # closed with the runtime
+    # After close, the child's final counts stay readable in the trainer's process.
+    final = {m.name: m for m in runtime.child.metrics()}
+    assert any(s.value >= 30 for s in final["spikeguard_records_consumed"].samples
+               if s.labels.get("component") == "ml")
+
+
+def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(tmp_path, monkeypatch, caplog):
+    import logging
+    import sys
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    data_dir = tmp_path / "bus"
+    with caplog.at_level(logging.INFO, logger="spikeguard.runtime"):
+        runtime = open_runtime(settings(data_dir=str(data_dir)))
+    try:
+        assert runtime.child is None
+        assert {w.stage.name for w in runtime.workers} >= {"statistical", "ml", "fusion", "actuator"}
+        said = [r for r in caplog.records if r.name == "spikeguard.runtime"]
+        assert [r.levelname for r in said] == ["INFO"] and "threads" in said[0].getMessage()
+        assert "no-such-python" in said[0].getMessage()
+        # Threads record into data_dir themselves, and judge the trainer's steps.
+        assert runtime.bus.data_dir == data_dir
+        model, optimizer, x, y = _tiny()
+        config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False,
+                             signing_key=runtime.settings.signing_key)
+        guard = Guard(model, optimizer, run_id="threads", config=config, bus=runtime.bus,
+                      topics=runtime.topics)
+        _train(guard, model, optimizer, x, y, 20)
+        bus, topics = runtime.bus, runtime.topics
+        assert _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
+                                                   for r in bus.read_all(topics.decisions))}
+                         >= set(range(20)))
+        guard.close()
     finally:
         runtime.close()

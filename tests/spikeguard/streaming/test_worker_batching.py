@@ -109,7 +109,9 @@ def test_embedded_runtime_workers_linger_by_the_setting():
     from spikeguard.settings import load_settings
 
     for linger in (0.0, 0.25):
-        settings = load_settings({"worker": {"embedded_batch_linger_s": linger}}, env={})
+        # Threads: the workers' objects are then this process's to look at.
+        settings = load_settings({"worker": {"embedded_batch_linger_s": linger, "embedded_process": False}},
+                                 env={})
         runtime = open_runtime(settings)
         try:
             assert runtime.workers and {w.batch_linger_s for w in runtime.workers} == {linger}
