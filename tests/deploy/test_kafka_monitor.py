@@ -115,12 +115,19 @@ def test_workers_monitor_and_prometheus_on_kafka(kafka_bootstrap, tmp_path):
                        and float(line.split()[-1]) >= 150 for line in text.splitlines())
 
         _wait(latency_seen, 120, "the monitor saw no decisions", logs)
-        text = _text(monitor_port)
-        lag_lines = [line for line in text.splitlines()
-                     if line.startswith(f'spikeguard_consumer_lag_records{{group="{prefix}')]
-        groups = {line.split('group="')[1].split('"')[0] for line in lag_lines}
-        assert {f"{prefix}statistical", f"{prefix}fusion", f"{prefix}monitor"} <= groups
-        assert all('partition="' in line for line in lag_lines)
+
+        def lag_lines() -> list[str]:
+            return [line for line in (_text(monitor_port) or "").splitlines()
+                    if line.startswith(f'spikeguard_consumer_lag_records{{group="{prefix}')]
+
+        def groups() -> set[str]:
+            return {line.split('group="')[1].split('"')[0] for line in lag_lines()}
+
+        # A group's lag shows from its first commit: a worker saves (and commits) a partition
+        # one snapshot interval after its first record there, not at once.
+        wanted = {f"{prefix}statistical", f"{prefix}fusion", f"{prefix}monitor"}
+        _wait(lambda: wanted <= groups(), 30, f"no lag of {wanted}", logs)
+        assert all('partition="' in line for line in lag_lines())
         _wait(lambda: hook.posts, 30, "no webhook message", logs)
         assert 'run_id="kafka-run"' in _text(worker_port)  # the detectors' per-run series
 

@@ -81,19 +81,26 @@ class Feed(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        from spikeguard.errors import DeliveryError
+
         try:
             producer = self.bus.producer()
             for event in self.steps:
-                producer.publish(self.topics.steps, encode(sign(event, KEY)), key=RUN)
-                if event.step in self.checkpoints:
-                    producer.publish(self.topics.checkpoints, encode(sign(self.checkpoints[event.step], KEY)),
-                                     key=RUN)
-                if event.step <= SPIKE + 8:
-                    producer.flush(30)  # up to the spike the broker is there: every step is on it
+                while True:  # as a trainer's publisher does: a record the broker refused is sent again
+                    producer.publish(self.topics.steps, encode(sign(event, KEY)), key=RUN)
+                    if event.step in self.checkpoints:
+                        producer.publish(self.topics.checkpoints,
+                                         encode(sign(self.checkpoints[event.step], KEY)), key=RUN)
+                    try:
+                        # Waits in the producer while the broker is away (no duplicate from a
+                        # timeout); refused at once when the client knows no leader: sent again.
+                        producer.flush(180)
+                        break
+                    except DeliveryError:
+                        time.sleep(0.5)
                 self.published = event.step
                 if event.step >= SPIKE - 10:
                     time.sleep(1 / STEPS_PER_SECOND)
-            producer.flush(180)  # the rest waits in the producer for the broker to come back
             producer.close()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc

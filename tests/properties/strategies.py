@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from spikeguard.schemas import (
     Ack, AckStatus, Action, ActionKind, CheckpointEvent, DeadLetter, Decision, RunEvent, StepEvent,
-    Verdict,
+    StepVerdicts, Verdict,
 )
 
 # Scalars a forger would try: huge and negative integers, non-finite floats in both
@@ -29,6 +29,10 @@ VALID = {
     StepEvent: dict(run_id="r", step=3, epoch=0, time=1.0, loss=2.0, grad_norm=1.0, lr=1e-3),
     Verdict: dict(run_id="r", step=3, detector="rules", is_anomaly=True, type="non_finite",
                   confidence=1.0, critical=True, loss="NaN"),
+    StepVerdicts: dict(run_id="r", step=3, verdicts=[
+        dict(run_id="r", step=3, detector="rules", is_anomaly=True, type="non_finite", confidence=1.0,
+             critical=True, loss="NaN"),
+        dict(run_id="r", step=3, detector="statistical", is_anomaly=False, confidence=0.0)]),
     Decision: dict(decision_id="d", run_id="r", step=3, is_anomaly=True, type="non_finite",
                    confidence=1.0, critical=True, urgency="critical",
                    evidence={"step": 3, "loss": "NaN"}),

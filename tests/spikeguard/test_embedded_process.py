@@ -367,8 +367,13 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
                       topics=runtime.topics)
         _train(guard, model, optimizer, x, y, 30)
         guard.publisher.flush(10.0)
-        text = _wait_for(lambda: (lambda t: t if 'spikeguard_run_last_step{run_id="served"} 29.0' in t
-                                  else None)(_scrape(port)))
+        def served(text: str) -> bool:  # every step seen, and consumed by the ml worker (its own pace)
+            consumed = [line for line in text.splitlines() if line.startswith("spikeguard_records_consumed_total{")
+                        and f'component="ml",topic="{prefix}steps"' in line]
+            return ('spikeguard_run_last_step{run_id="served"} 29.0' in text and bool(consumed)
+                    and float(consumed[0].rsplit(" ", 1)[1]) >= 30)
+
+        text = _wait_for(lambda: (lambda t: t if served(t) else None)(_scrape(port)))
         guard.close()
     finally:
         runtime.close()
