@@ -29,7 +29,9 @@ from spikeguard.settings import load_settings
 
 from .test_kafka_local import free_port_pair, script
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# Each starts a broker of its own: one at a time (xdist_group), so no two JVMs start
+# at once and no two pick ports in the same moment.
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("own-broker")]
 RUN = "outage-run"
 KEY = "outage-test-key-" + "5" * 16
 STEPS = 260

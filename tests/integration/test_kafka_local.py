@@ -16,19 +16,32 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# Each starts a broker of its own: one at a time (xdist_group), so no two JVMs start
+# at once and no two pick ports in the same moment.
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("own-broker")]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka_local.sh"
 
 
 def free_port_pair() -> int:
-    """A port whose successor is free too (client port, controller port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A port whose successor is free too (client port, controller port).
+
+    Below the kernel's ephemeral range: a port from there (``bind(0)``) can be
+    taken by any outgoing connection of a concurrent test before the broker
+    binds it, or while it is stopped and restarted on the same ports.
+    """
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ uuid.uuid4().int)
+    for _ in range(200):
+        port = rng.randrange(10_000, max(10_002, low - 2))
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
             return port
         except OSError:
             continue

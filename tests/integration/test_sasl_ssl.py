@@ -25,7 +25,9 @@ import pytest
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# Each starts a broker of its own: one at a time (xdist_group), so no two JVMs start
+# at once and no two pick ports in the same moment.
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("own-broker")]
 ROOT = Path(__file__).resolve().parents[2]
 USER = "spikeguard-trainer"
 

@@ -5,8 +5,9 @@ embedded bus with the whole pipeline (four detectors, fusion, the actuator)
 as threads and a signing key. An attacker thread that knows only what it
 can read on the bus writes 10,000 hostile records while the run trains:
 malformed, huge, far-future, forged and replayed steps, forged actions, and
-forged verdicts, decisions, checkpoint events and acks (unsigned, signed with a
-guessed key, far in the future, for made-up runs): every topic a consumer reads.
+forged verdicts (alone and as a step's record), decisions, checkpoint events
+and acks (unsigned, signed with a guessed key, far in the future, for made-up
+runs): every topic a consumer reads.
 
 What must hold: the run's decisions and applied actions equal those of the
 same run without the attacker; every worker is still running; the pipeline
@@ -34,7 +35,7 @@ from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
     MAX_COUNTER, Ack, AckStatus, Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision,
-    StepEvent, Verdict, decode, encode, sign_action, sign_step, step_signature_problem,
+    StepEvent, StepVerdicts, Verdict, decode, encode, sign_action, sign_step, step_signature_problem,
 )
 from spikeguard.schemas.signing import sign, signature_problem, verify_action
 from spikeguard.settings import load_settings
@@ -166,7 +167,11 @@ class Attacker(threading.Thread):
             forged_run = run_id if rng.random() < 0.5 else f"other-{rng.randrange(10**6)}"
             record = Verdict(run_id=forged_run, step=newest.step + 1, epoch=newest.epoch, detector="rules",
                              is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0)
-            producer.publish(t.verdicts, encode(guess(record)), key=forged_run)
+            if rng.random() < 0.5:  # alone, or as a co-hosted detector worker's record of the step
+                producer.publish(t.verdicts, encode(guess(record)), key=forged_run)
+            else:
+                together = StepVerdicts(run_id=forged_run, step=record.step, epoch=record.epoch, verdicts=[record])
+                producer.publish(t.step_verdicts, encode(guess(together)), key=forged_run)
             self.to_fusion += 1
             return
         if kind == 10:  # a healthy decision far ahead (it would make every real one late), or a critical one
