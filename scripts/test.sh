@@ -25,4 +25,4 @@ export SPIKEGUARD_REQUIRE_KAFKA=1
 export SPIKEGUARD_PYTHON="$venv/bin/python"
 # Two processes (pytest-xdist): much of the suite waits on brokers, workers and child
 # processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process.
-"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" --dist loadgroup "$@"
+"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" "$@"

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-# Each starts a broker of its own: one at a time (xdist_group), so no two JVMs start
-# at once and no two pick ports in the same moment.
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("own-broker")]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka_local.sh"
 
 

@@ -25,9 +25,7 @@ import pytest
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-# Each starts a broker of its own: one at a time (xdist_group), so no two JVMs start
-# at once and no two pick ports in the same moment.
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("own-broker")]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 USER = "spikeguard-trainer"
 
