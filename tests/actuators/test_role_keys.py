@@ -16,11 +16,14 @@ from spikeguard.components import build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.schemas import (
     Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision, Evidence, Topics, decision_id,
-    decode, encode,
+    decode,
 )
 from spikeguard.schemas.signing import Keyring, Role, sign, sign_action, signature_problem, verify_action
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
+
+
+from .test_actuator_trust import publish
 
 KEYS = {"trainer_key": "trainer-key-0123456789abcdef", "detectors_key": "detectors-key-0123456789abcdef",
         "fusion_key": "fusion-key-0123456789abcdef", "actuator_key": "actuator-key-0123456789abcdef"}
@@ -35,14 +38,6 @@ def settings_with(**keys):
 def actuator(bus: EmbeddedBus, settings) -> Worker:
     stage = build_stage("actuator", settings, TOPICS)
     return Worker(bus, stage, metrics=Metrics(CollectorRegistry()), snapshots=False)
-
-
-def publish(bus: EmbeddedBus, worker: Worker, *events) -> None:
-    producer = bus.producer()
-    for topic, event in events:
-        producer.publish(topic, encode(event), key=event.run_id)
-    while worker.run_once(timeout=0):
-        pass
 
 
 def decision(step: int, anomaly: bool = False) -> Decision:

@@ -40,13 +40,18 @@ def run_pipeline(events: list[StepEvent], key: str | None = KEY) -> EmbeddedBus:
     producer = bus.producer()
     for event in events:
         producer.publish(TOPICS.steps, encode(event), key=event.run_id)
+    drain(workers)
+    return bus
+
+
+def drain(workers: list[Worker]) -> None:
+    """Every worker runs until none has input left; then fusion decides what it still holds."""
     while sum(w.run_once(timeout=0) for w in workers):
         pass
-    for w in workers:  # end of input: fusion decides what it still holds
+    for w in workers:
         w.drain()
         while sum(x.run_once(timeout=0) for x in workers):
             pass
-    return bus
 
 
 def actions(bus: EmbeddedBus) -> list[Action]:

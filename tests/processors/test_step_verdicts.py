@@ -26,6 +26,9 @@ from spikeguard.schemas.signing import sign, signature_problem
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
+
+from .test_step_authentication import drain
+
 KEY = "step-verdicts-key-0123456789abcdef"
 TOPICS = Topics("stepverdicts.")
 SETTINGS = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": KEY}, env={})
@@ -43,15 +46,6 @@ def step_verdicts(step: int = 7, detectors=DETECTOR_NAMES, **change) -> StepVerd
                     confidence=0.5, loss=math.nan if name == "rules" else 2.0, signals={"z": math.inf})
             for name in detectors]
     return StepVerdicts(**{"run_id": "r1", "step": step, "verdicts": made, **change})
-
-
-def drain(workers: list[Worker]) -> None:
-    while sum(w.run_once(timeout=0) for w in workers):
-        pass
-    for w in workers:  # end of input: fusion decides what it still holds
-        w.drain()
-        while sum(x.run_once(timeout=0) for x in workers):
-            pass
 
 
 def unsigned(decisions) -> dict[str, str]:
