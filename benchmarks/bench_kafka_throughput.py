@@ -22,7 +22,7 @@ Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
     python benchmarks/bench_kafka_throughput.py [--bootstrap HOST:PORT] [--steps 20000] [--runs 100]
         [--layout independent|cohosted|both] [--client kafka-python|confluent|both] [--profile DIR]
-        [--worker-env NAME=VALUE ...] [--json]
+        [--worker-env NAME=VALUE ...] [--cprofile DIR] [--stage-clock DIR] [--json]
 
 Within one run every pipeline and the raw loop share the broker and the
 machine: the ratios are the figures to compare across runs.
@@ -70,10 +70,12 @@ def _steady_rate(arrivals: list[float]) -> float:
 
 def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
              profile: str | None = None, layout: str = "independent", client: str = "kafka-python",
-             worker_env: dict[str, str] | None = None) -> dict:
+             worker_env: dict[str, str] | None = None, cprofile: str | None = None,
+             stage_clock: str | None = None) -> dict:
     prefix = new_prefix()
     topics = Topics(prefix)
-    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client) as procs:
+    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client,
+                 cprofile=cprofile, stage_clock=stage_clock) as procs:
         spies = profile_workers(procs, profile, seconds=timeout) if profile else []
         reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
                                auto_offset_reset="earliest", enable_auto_commit=False)
@@ -213,6 +215,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=100.0, help="seconds the pipeline gets to decide every step")
     parser.add_argument("--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR")
+    parser.add_argument("--cprofile", metavar="DIR",
+                        help="cProfile each worker's loop (CPU clock) into DIR/CLIENT-LAYOUT/NAME.prof; "
+                        "benchmarks/profile_stages.py reads them")
+    parser.add_argument("--stage-clock", metavar="DIR",
+                        help="time each worker's stages (stage_clock.py, CPU clock) into "
+                        "DIR/CLIENT-LAYOUT/NAME.STAGE.json")
     parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
                         help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
     parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="both",
@@ -232,7 +240,9 @@ def main() -> None:
         extra = {"raw_confluent": raw_confluent(bootstrap, records, args.timeout)} if "confluent" in clients else {}
         pipes = {f"{client}/{layout}": pipeline(bootstrap, records, key, args.timeout,
                                                 f"{args.profile}/{client}-{layout}" if args.profile else None,
-                                                layout, client, worker_env)
+                                                layout, client, worker_env,
+                                                f"{args.cprofile}/{client}-{layout}" if args.cprofile else None,
+                                                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None)
                  for client in clients for layout in layouts}
     report = {"steps": len(records), "runs": args.runs, "raw": raw_result, **extra,
               "pipelines": {name: {**result,

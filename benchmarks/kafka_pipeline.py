@@ -66,16 +66,26 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 @contextlib.contextmanager
 def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | None = None,
             names: tuple[str, ...] = COMPONENTS, timeout: float = 90.0,
-            client: str = "kafka-python") -> Iterator[list[subprocess.Popen]]:
+            client: str = "kafka-python", cprofile: str | None = None,
+            stage_clock: str | None = None) -> Iterator[list[subprocess.Popen]]:
     """The workers of docs/kafka.md under ``prefix``, one process each; stopped (SIGTERM) on exit.
 
-    ``client`` is their ``kafka_client`` (``kafka-python`` or ``confluent``).
+    ``client`` is their ``kafka_client`` (``kafka-python`` or ``confluent``). ``cprofile``: a
+    directory where each worker's loop is profiled (``cprofile_spikeguard.py``) into ``NAME.STAGE.prof``;
+    ``stage_clock``: one where its stage timers go instead, into ``NAME.STAGE.json``.
     """
     env = {**os.environ, "SPIKEGUARD_TOPIC_PREFIX": prefix, "SPIKEGUARD_SIGNING_KEY": key,
            "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client, **(extra_env or {})}
     # Logs to files, not pipes: a pipe nobody reads fills up and blocks the worker that logs.
     logs = Path(tempfile.mkdtemp(prefix="spikeguard-bench-workers-"))
-    procs = [subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", name], env=env,
+    launch = [sys.executable, "-m", "spikeguard"]
+    for directory, flags in ((cprofile, ["{directory}/{name}.prof"]),
+                             (stage_clock, ["--stages", "{directory}/{name}.json"])):
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            launch = [sys.executable, str(ROOT / "benchmarks" / "cprofile_spikeguard.py"),
+                      *(f.replace("{directory}", directory) for f in flags)]
+    procs = [subprocess.Popen([*(a.format(name=name) for a in launch), "worker", name], env=env,
                               stdout=subprocess.DEVNULL, stderr=open(logs / f"{name}.log", "w"))
              for name in names]
     try:

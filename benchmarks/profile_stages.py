@@ -1,0 +1,82 @@
+"""CPU microseconds per step, stage by stage, from ``cprofile_spikeguard.py``'s output.
+
+    python benchmarks/profile_stages.py --steps 20000 DIR_OR_FILE.json ...   # stage timers
+    python benchmarks/profile_stages.py --steps 20000 --top 25 FILE.prof ...   # cProfile, inside a stage
+
+A stage-timer JSON gives one table per process: each stage's exclusive CPU per
+step, what no timer covers in the profiled thread ("the loop"), the process's
+other threads (the Kafka client's own: librdkafka's ``rdk:*`` threads or
+kafka-python's sender) and, for a whole command (a backtest), what ran before
+it (interpreter start and imports). A ``.prof`` gives the functions with the
+most cumulative CPU per step, for the shares inside a stage (cProfile's own
+overhead, ~0.8 µs per Python call on the CPU clock, inflates those with many
+small calls; divide by the thread's unprofiled CPU to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def per_step(report: dict[str, Any], steps: int) -> list[tuple[str, float]]:
+    """(stage, CPU µs per step) rows of one stage-timer report, largest first, then the rest."""
+    stages = sorted(report["stages_cpu_s"].items(), key=lambda kv: -kv[1])
+    rows = [(name, 1e6 * seconds / steps) for name, seconds in stages]
+    loop = report["thread_cpu_s"] - sum(report["stages_cpu_s"].values())
+    rows.append(("the loop (no timer)", 1e6 * loop / steps))
+    others = report["process_cpu_s"] - report["thread_cpu_s"]
+    if others > 0.005 * report["process_cpu_s"]:
+        rows.append(("other threads (Kafka client)", 1e6 * others / steps))
+    return rows
+
+
+def render(path: Path, report: dict[str, Any], steps: int) -> str:
+    rows = per_step(report, steps)
+    total = 1e6 * report["process_cpu_s"] / steps
+    lines = [f"{path.name}: {total:,.1f} CPU µs per step over {steps:,} steps "
+             f"({steps / max(report['process_cpu_s'], 1e-9):,.0f} steps per CPU-second)"]
+    lines += [f"  {name:<36} {us:8.1f} µs  {100 * us / total:5.1f} %" for name, us in rows]
+    before = report.get("process_cpu_before_s")
+    if before and "worker" not in path.name:
+        lines.append(f"  {'before the command (start-up)':<36} {1e6 * before / steps:8.1f} µs  "
+                     f"(whole process: {steps / (before + report['process_cpu_s']):,.0f} steps per CPU-second)")
+    return "\n".join(lines)
+
+
+def top_functions(path: Path, steps: int, top: int) -> str:
+    stats = pstats.Stats(str(path))
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]  # type: ignore[attr-defined]
+    lines = [f"{path.name}: cumulative CPU µs per step (cProfile, its overhead included)"]
+    for (filename, line, name), (_, calls, _tottime, cumtime, _) in rows:
+        where = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
+        lines.append(f"  {1e6 * cumtime / steps:8.1f} µs  {calls / steps:6.2f} calls/step  {where}:{line}({name})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="stage-timer .json files or .prof files, or directories of them")
+    parser.add_argument("--steps", type=int, required=True, help="the steps the profiled run judged")
+    parser.add_argument("--top", type=int, default=25, help="functions per .prof")
+    args = parser.parse_args(argv)
+    files: list[Path] = []
+    for given in map(Path, args.paths):
+        files += sorted(given.glob("*.json")) + sorted(given.glob("*.prof")) if given.is_dir() else [given]
+    for path in files:
+        if path.suffix == ".prof":
+            print(top_functions(path, args.steps, args.top))
+        elif path.name.endswith(".prof.json"):
+            continue
+        else:
+            print(render(path, json.loads(path.read_text()), args.steps))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
