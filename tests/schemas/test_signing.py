@@ -106,3 +106,26 @@ def test_a_steps_cross_rank_fields_are_signed_when_set_and_absent_from_the_paylo
     assert step_signature_problem(signed, KEY) is None
     for change in ({"loss_mean": 0.25}, {"loss_ranks": 4}, {"loss_mean": None}):
         assert step_signature_problem(signed.model_copy(update=change), KEY) is not None
+
+
+def test_signatures_are_pinned_across_implementations_of_the_canonical_payload() -> None:
+    """The signed bytes are a wire contract: a faster encoder or HMAC call must give the same
+    signatures, non-finite floats, nested verdicts and free maps included (values computed
+    with the reference ``hmac.new`` over ``json.dumps(..., sort_keys=True)``)."""
+    import math
+
+    from spikeguard.schemas import StepEvent, StepVerdicts, Verdict
+    from spikeguard.schemas.signing import sign
+
+    key = "pinned-key-0123456789"
+    step = StepEvent(run_id="run-1", step=7, epoch=1, time=1700000000.25, loss=math.nan,
+                     grad_norm=math.inf, lr=3e-4, top_grad_norms={"b.weight": 1e-05, "a.bias": 2.5})
+    spike = Verdict(run_id="run-1", step=7, epoch=1, detector="statistical", is_anomaly=True,
+                    type="loss_spike", confidence=0.75,
+                    signals={"z": 12.5, "why": "loss", "n": 3, "inf": "-Infinity"}, loss=2.0)
+    calm = Verdict(run_id="run-1", step=7, epoch=1, detector="rules", is_anomaly=False)
+    both = StepVerdicts(run_id="run-1", step=7, epoch=1, verdicts=[spike, calm])
+    assert sign(step, key).signature == "0ffe4be876d93a5dbb5b18005babd216de836f579afadd1d395ab529890d36de"
+    assert sign(spike, key).signature == "2d4c58cbd2d8f2c4b6c0ea63ab88430dfa5cfd43e3996901401ebc6ca946c8d8"
+    assert sign(both, key).signature == "a252aa5aa83fa7243da7d9a5d6e8d20459765eff6444edd74498bb272f9cfe3f"
+    assert sign_action(_action(), KEY).signature == "839b2a97400fb57cab701628ccc685680ace4f8a1663945ef56c1ceaed4d9ab5"
