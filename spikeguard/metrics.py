@@ -444,7 +444,10 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
 
 def _tally(metrics: Metrics, run_id: str) -> GoodputTally:
     with metrics._lock:
-        return metrics._goodput.setdefault(run_id, GoodputTally())
+        tally = metrics._goodput.get(run_id)
+        if tally is None:
+            tally = metrics._goodput[run_id] = GoodputTally()
+        return tally
 
 
 def observe_ignored(metrics: Metrics, stage: Any) -> None:
@@ -458,31 +461,42 @@ def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
     newest: dict[str, StepEvent] = {}
     acks: dict[tuple[str, str], int] = {}
     reruns: dict[tuple[str, str], int] = {}
-    goodput: set[str] = set()
+    # Step counts tallied per batch, then one label look-up per series (not one per step).
+    steps: dict[tuple[str, str], int] = {}  # (run_id, timeline) -> steps counted
+    skipped: dict[tuple[str, str], int] = {}  # (run_id, reason) -> updates skipped
+    tallies: dict[str, GoodputTally] = {}
     for _, event in items:
         if isinstance(event, StepEvent):
-            newest[event.run_id] = event
-            counted = _tally(metrics, event.run_id).count(event)
+            run_id = event.run_id
+            newest[run_id] = event
+            tally = tallies.get(run_id)
+            if tally is None:
+                tally = tallies[run_id] = _tally(metrics, run_id)
+            counted = tally.count(event)
             if counted is not None:
-                goodput.add(event.run_id)
                 timeline, seconds = counted
-                metrics.run_labels(metrics.run_steps, event.run_id, timeline).inc()
-                if seconds:
-                    metrics.run_labels(metrics.run_recovery_seconds, event.run_id).inc(seconds)
+                key = (run_id, timeline)
+                steps[key] = steps.get(key, 0) + 1
+                if seconds:  # re-run steps only: rare, added one by one as they come
+                    metrics.run_labels(metrics.run_recovery_seconds, run_id).inc(seconds)
                 if event.update_skipped:
-                    metrics.run_labels(metrics.run_updates_skipped, event.run_id,
-                                       event.skip_reason or "unknown").inc()
+                    key = (run_id, event.skip_reason or "unknown")
+                    skipped[key] = skipped.get(key, 0) + 1
             if event.rerun is not None:  # rare: a suspicious step the Guard re-ran
-                key = (event.run_id, event.rerun)
+                key = (run_id, event.rerun)
                 reruns[key] = reruns.get(key, 0) + 1
         elif isinstance(event, Ack):
             key = (event.kind.value, event.status.value)
             acks[key] = acks.get(key, 0) + 1
     for labels, count in acks.items():
         metrics.acks.labels(*labels).inc(count)
+    for (run_id, timeline), count in steps.items():
+        metrics.run_labels(metrics.run_steps, run_id, timeline).inc(count)
+    for (run_id, reason), count in skipped.items():
+        metrics.run_labels(metrics.run_updates_skipped, run_id, reason).inc(count)
     for (run_id, outcome), count in reruns.items():
         metrics.run_labels(metrics.run_reruns, run_id, outcome).inc(count)
-    for run_id in goodput:
+    for run_id in dict.fromkeys(run_id for run_id, _ in steps):
         metrics.run_goodput.labels(run_id).set(_tally(metrics, run_id).ratio)
     for run_id, event in newest.items():
         metrics.run_loss.labels(run_id).set(event.loss)
