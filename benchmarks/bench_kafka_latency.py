@@ -19,7 +19,7 @@ with it: the figures then say how far behind the pipeline fell, and
 
     python benchmarks/bench_kafka_latency.py [--bootstrap HOST:PORT] [--rate 1000] [--runs 100] [--seconds 20]
         [--layout independent|cohosted|both] [--client kafka-python|confluent|both]
-        [--worker-env NAME=VALUE ...] [--json]
+        [--worker-env NAME=VALUE ...] [--stage-clock DIR] [--json]
 """
 
 from __future__ import annotations
@@ -101,13 +101,14 @@ class Reader(threading.Thread):
 
 def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float,
             layout: str = "independent", client: str = "kafka-python",
-            worker_env: dict[str, str] | None = None) -> dict:
+            worker_env: dict[str, str] | None = None, stage_clock: str | None = None) -> dict:
     key, prefix = new_key(), new_prefix()
     topics = Topics(prefix)
     per_run = max(200, int(rate * seconds / runs))
     events = signed_steps(runs, per_run, key, scenario="sudden_spike")
     order = [(run[i].run_id, run[i].step, encode(run[i])) for i in range(per_run) for run in events]
-    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client):
+    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client,
+                 stage_clock=stage_clock):
         reader = Reader(bootstrap, topics)
         reader.start()
         time.sleep(2.0)  # the reader joined its group
@@ -179,6 +180,9 @@ def main() -> None:
     parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
                         "(wait for acknowledgements after every batch) for an A/B; repeatable")
+    parser.add_argument("--stage-clock", metavar="DIR",
+                        help="time each worker's stages (stage_clock.py: CPU and wall) into "
+                        "DIR/CLIENT-LAYOUT/NAME.STAGE.json; benchmarks/profile_stages.py reads them")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     worker_env = dict(item.split("=", 1) for item in args.worker_env)
@@ -186,7 +190,8 @@ def main() -> None:
     clients = ["kafka-python", "confluent"] if args.client == "both" else [args.client]
     with broker(args.bootstrap) as bootstrap:
         report = {f"{client}/{layout}": measure(bootstrap, args.rate, args.runs, args.seconds, args.drain,
-                                                layout, client, worker_env)
+                                                layout, client, worker_env,
+                                                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None)
                   for client in clients for layout in layouts}
     if args.json:
         print(json.dumps(report))

@@ -63,14 +63,16 @@ def profiled(path_of: Callable[[object], str], call: Callable) -> Callable:
 def clocked(clock: StageClock, path_of: Callable[[object], str], call: Callable) -> Callable:
     """``call`` with the stage timers' totals (and the CPU it spanned) written when it returns."""
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-        thread0, process0 = time.thread_time(), _process_cpu()
+        thread0, process0, wall0 = time.thread_time(), _process_cpu(), time.perf_counter()
         try:
             return call(*args, **kwargs)
         finally:
             report = {"thread_cpu_s": time.thread_time() - thread0,
                       "process_cpu_s": _process_cpu() - process0,
                       "process_cpu_before_s": process0,
-                      "stages_cpu_s": dict(clock.seconds), "calls": dict(clock.calls),
+                      "wall_s": time.perf_counter() - wall0,
+                      "stages_cpu_s": dict(clock.seconds), "stages_wall_s": dict(clock.wall),
+                      "calls": dict(clock.calls),
                       "threads_cpu_s": threads_cpu()}
             Path(path_of(args[0] if args else None)).write_text(json.dumps(report, indent=1))
 

@@ -20,18 +20,29 @@ import json
 import pstats
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
-def per_step(report: dict[str, Any], steps: int) -> list[tuple[str, float]]:
-    """(stage, CPU µs per step) rows of one stage-timer report, largest first, then the rest."""
-    stages = sorted(report["stages_cpu_s"].items(), key=lambda kv: -kv[1])
-    rows = [(name, 1e6 * seconds / steps) for name, seconds in stages]
-    loop = report["thread_cpu_s"] - sum(report["stages_cpu_s"].values())
-    rows.append(("the loop (no timer)", 1e6 * loop / steps))
+class Row(NamedTuple):
+    """One stage of a stage-timer report: CPU µs per step, and its share of the loop's wall time."""
+
+    stage: str
+    cpu_us: float
+    wall_share: float | None  # None: not in the profiled thread's wall time (other threads)
+
+
+def per_step(report: dict[str, Any], steps: int) -> list[Row]:
+    """The rows of one stage-timer report, largest CPU first, then what no timer covers."""
+    cpu, wall = report["stages_cpu_s"], report.get("stages_wall_s", {})
+    total_wall = report.get("wall_s") or 0.0
+    share = (lambda s: s / total_wall) if total_wall else (lambda s: None)
+    rows = [Row(name, 1e6 * seconds / steps, share(wall.get(name, 0.0)))
+            for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])]
+    rows.append(Row("the loop (no timer)", 1e6 * (report["thread_cpu_s"] - sum(cpu.values())) / steps,
+                    share(total_wall - sum(wall.values())) if wall else None))
     others = report["process_cpu_s"] - report["thread_cpu_s"]
     if others > 0.005 * report["process_cpu_s"]:
-        rows.append(("other threads (Kafka client)", 1e6 * others / steps))
+        rows.append(Row("other threads (Kafka client)", 1e6 * others / steps, None))
     return rows
 
 
@@ -39,8 +50,11 @@ def render(path: Path, report: dict[str, Any], steps: int) -> str:
     rows = per_step(report, steps)
     total = 1e6 * report["process_cpu_s"] / steps
     lines = [f"{path.name}: {total:,.1f} CPU µs per step over {steps:,} steps "
-             f"({steps / max(report['process_cpu_s'], 1e-9):,.0f} steps per CPU-second)"]
-    lines += [f"  {name:<36} {us:8.1f} µs  {100 * us / total:5.1f} %" for name, us in rows]
+             f"({steps / max(report['process_cpu_s'], 1e-9):,.0f} steps per CPU-second)"
+             + (f"; {report['wall_s']:,.1f} s of wall time" if report.get("wall_s") else "")]
+    for row in rows:
+        wall = "" if row.wall_share is None else f"  {100 * row.wall_share:5.1f} % of the wall time"
+        lines.append(f"  {row.stage:<36} {row.cpu_us:8.1f} µs  {100 * row.cpu_us / total:5.1f} %{wall}")
     before = report.get("process_cpu_before_s")
     if before and "worker" not in path.name:
         lines.append(f"  {'before the command (start-up)':<36} {1e6 * before / steps:8.1f} µs  "

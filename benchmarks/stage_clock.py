@@ -28,34 +28,43 @@ from typing import Any, Callable
 
 
 class StageClock:
-    """Exclusive CPU seconds and calls per label, across threads (each thread its own nesting)."""
+    """Exclusive CPU and wall seconds and calls per label, across threads (each thread its own nesting).
+
+    CPU says what a stage costs; wall says how long the loop spends in it, waits included
+    (for the broker's acknowledgements, for the CPU on a loaded machine): the latency's view.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.wall: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._local = threading.local()
 
     def timed(self, label: str, call: Callable) -> Callable:
-        """``call``, its CPU time (less that of timers inside it) counted under ``label``."""
-        clock = time.thread_time
-        seconds, calls, local = self.seconds, self.calls, self._local
+        """``call``, its CPU and wall time (less those of timers inside it) counted under ``label``."""
+        cpu_clock, wall_clock = time.thread_time, time.perf_counter
+        seconds, wall, calls, local = self.seconds, self.wall, self.calls, self._local
 
         @functools.wraps(call)
         def run(*args: Any, **kwargs: Any) -> Any:
             stack = getattr(local, "stack", None)
             if stack is None:
                 stack = local.stack = []
-            stack.append(0.0)
-            started = clock()
+            inner = [0.0, 0.0]  # CPU, wall of the timers inside this one
+            stack.append(inner)
+            cpu0, wall0 = cpu_clock(), wall_clock()
             try:
                 return call(*args, **kwargs)
             finally:
-                spent = clock() - started
-                inner = stack.pop()
-                seconds[label] += spent - inner
+                cpu, elapsed = cpu_clock() - cpu0, wall_clock() - wall0
+                stack.pop()
+                seconds[label] += cpu - inner[0]
+                wall[label] += elapsed - inner[1]
                 calls[label] += 1
                 if stack:
-                    stack[-1] += spent
+                    outer = stack[-1]
+                    outer[0] += cpu
+                    outer[1] += elapsed
 
         return run
 
