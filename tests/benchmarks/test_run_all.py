@@ -16,14 +16,16 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
-    # backtest throughput + memory, growth, hook overhead, gradient statistics, embedded cost,
-    # scale in runs, Kafka throughput and latency: nine rows in eight commands.
-    assert set(rows) == {"backtest", "growth", "guard_overhead", "grad_stats", "embedded_cost",
-                         "scale_runs", "kafka_throughput", "kafka_latency"}
+    # backtest throughput (the 20k-step headline row) and memory, growth, hook overhead, gradient
+    # statistics, embedded cost, scale in runs, Kafka throughput and latency: nine rows, nine commands.
+    assert set(rows) == {"backtest", "backtest_memory", "growth", "guard_overhead", "grad_stats",
+                         "embedded_cost", "scale_runs", "kafka_throughput", "kafka_latency"}
     for name, command in rows.items():
         script = Path(command.split()[1])
         assert script.is_file(), f"{name}: {script} is missing"
-    assert "--memory" in rows["backtest"]
+    assert "--steps 20000" in rows["backtest"] and "--memory" not in rows["backtest"]
+    assert "--memory" in rows["backtest_memory"]
+    assert "--steps 20000 --runs 40" in rows["kafka_throughput"]
     assert "127.0.0.1:1" in rows["kafka_throughput"] and "127.0.0.1:1" in rows["kafka_latency"]
 
 
@@ -53,13 +55,22 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
         {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5}) + "\n")
     (tmp_path / "kafka_throughput.txt").write_text(json.dumps({
         "raw": {"steps_per_s": 14000}, "raw_confluent": {"steps_per_s": 40000},
-        "pipelines": {"confluent/cohosted": {"steps_per_s": 21000}}}) + "\n")
+        "pipelines": {"confluent/cohosted": {"steps_per_s": 21000, "cpu_us_per_step_total": 180,
+                                             "decisions": 20000, "steps": 20000}}}) + "\n")
     (tmp_path / "kafka_latency.txt").write_text(json.dumps({
-        "confluent/cohosted": {"rate": 1000.0, "decision_ms": {"p50": 15, "p99": 250}}}) + "\n")
+        "confluent/cohosted": {"rate": 1000.0, "achieved_rate": 640,
+                               "decision_ms": {"p50": 15, "p99": 250}}}) + "\n")
     lines = run_all.headline(tmp_path, ["backtest", "embedded_cost", "kafka_throughput", "kafka_latency"])
     text = "\n".join(lines)
     assert "20,000-step CSV" in text and "5,000 steps/s" in text and "[aim >= 20k steps/s, >= 4x: missed]" in text
     assert "0.95x (rounds 0.90-1.00)  [aim >= 0.9x: met]" in text
-    assert "21,000 steps/s, 0.53x the raw confluent loop  [aim >= 10k steps/s, >= 0.5x: met]" in text
-    assert "p50 15 ms, p99 250 ms  [aim p50 <= 20 ms, p99 <= 100 ms: missed]" in text
-    assert len(lines) == 5  # threads and child process, throughput, latency, backtest
+    assert ("21,000 steps/s, 0.53x the raw confluent loop (180 CPU us per step, all workers, 20,000 of "
+            "20,000 decided)  [aim >= 10k steps/s, >= 0.5x: met]") in text
+    assert ("p50 15 ms, p99 250 ms (input paced at 640 steps/s)  [aim p50 <= 20 ms, p99 <= 100 ms: missed]"
+            in text)
+    # Under each missed aim of the Kafka and backtest rows, one line to its profile; none under a met one.
+    pointers = [line for line in lines if line.startswith("    where the time goes")]
+    assert pointers == [f"    where the time goes, what would close it: {run_all.PROFILES[name]}"
+                        for name in ("kafka_latency", "backtest")]
+    assert lines[lines.index(pointers[1]) - 1].startswith("offline backtest")
+    assert len(lines) == 7  # threads and child process, throughput, latency + pointer, backtest + pointer
