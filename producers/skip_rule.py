@@ -19,16 +19,16 @@ an incident (or a new level) for the pipeline to judge.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from spikeguard.processors.outlier_model import (
     Judged, OutlierConfig, grad_norm_config, log_of, loss_config,
 )
 
 
-@dataclass(frozen=True)
-class SkipDecision:
+class SkipDecision(NamedTuple):
+    """One step's local judgement (a NamedTuple: built every step, in the trainer's thread too)."""
+
     skip: bool
     #: "loss", "grad_norm", or both joined by "+": what was elevated (empty: nothing).
     signal: str = ""
@@ -71,14 +71,14 @@ class SkipRule:
         grad_ok = grad_norm is not None and math.isfinite(grad_norm)
         g = log_of(grad_norm) if grad_ok else 0.0  # type: ignore[arg-type]
         grad_judged: Judged | None = self._grad.judge(g, lr) if grad_ok else None
-        hits = [name for name, j in (("loss", loss_judged), ("grad_norm", grad_judged))
-                if j is not None and j.elevated]
-        self.run = self.run + 1 if hits else 0
+        loss_hit = loss_judged.elevated
+        grad_hit = grad_judged is not None and grad_judged.elevated
+        self.run = self.run + 1 if loss_hit or grad_hit else 0
         self._loss.advance(y, loss_judged, lr)
         if grad_judged is not None:
             self._grad.advance(g, grad_judged, lr)
-        skip = bool(hits) and self.run <= self.max_run
-        return SkipDecision(skip, "+".join(hits), _score(loss_judged), _score(grad_judged))
+        skip = (loss_hit or grad_hit) and self.run <= self.max_run
+        return SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged))
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": self._loss.state_dict(), "grad": self._grad.state_dict(), "run": self.run}
@@ -93,6 +93,10 @@ class SkipRule:
         self._loss.load_state_dict(state["loss"])
         self._grad.load_state_dict(state["grad"])
         self.run = int(state.get("run", 0))
+
+
+#: (loss elevated, gradient norm elevated) -> SkipDecision.signal
+_SIGNALS = {(False, False): "", (True, False): "loss", (False, True): "grad_norm", (True, True): "loss+grad_norm"}
 
 
 def _score(judged: Judged | None) -> float | None:
