@@ -2,6 +2,7 @@
 
     python benchmarks/profile_stages.py --steps 20000 DIR_OR_FILE.json ...   # stage timers
     python benchmarks/profile_stages.py --steps 20000 --top 25 FILE.prof ...   # cProfile, inside a stage
+    python benchmarks/profile_stages.py --steps 20000 --markdown DIR/*.*.json   # the workers side by side
 
 A stage-timer JSON gives one table per process: each stage's exclusive CPU per
 step, what no timer covers in the profiled thread ("the loop"), the process's
@@ -62,6 +63,23 @@ def render(path: Path, report: dict[str, Any], steps: int) -> str:
     return "\n".join(lines)
 
 
+def markdown(reports: dict[str, dict[str, Any]], steps: int) -> str:
+    """One table for several processes (a pipeline's workers): a column each, and their sum."""
+    columns = {name: {row.stage: row.cpu_us for row in per_step(report, steps)} for name, report in reports.items()}
+    stages: dict[str, float] = {}
+    for cpu in columns.values():
+        for stage, us in cpu.items():
+            stages[stage] = stages.get(stage, 0.0) + us
+    lines = [f"| stage (CPU µs per step) | {' | '.join(columns)} | all |",
+             "|---|" + "---:|" * (len(columns) + 1)]
+    for stage, total in sorted(stages.items(), key=lambda kv: -kv[1]):
+        cells = " | ".join(f"{cpu[stage]:.1f}" if stage in cpu else "" for cpu in columns.values())
+        lines.append(f"| {stage} | {cells} | {total:.1f} |")
+    totals = [1e6 * report["process_cpu_s"] / steps for report in reports.values()]
+    lines.append(f"| **total** | {' | '.join(f'**{t:.1f}**' for t in totals)} | **{sum(totals):.1f}** |")
+    return "\n".join(lines)
+
+
 def top_functions(path: Path, steps: int, top: int) -> str:
     stats = pstats.Stats(str(path))
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]  # type: ignore[attr-defined]
@@ -77,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", help="stage-timer .json files or .prof files, or directories of them")
     parser.add_argument("--steps", type=int, required=True, help="the steps the profiled run judged")
     parser.add_argument("--top", type=int, default=25, help="functions per .prof")
+    parser.add_argument("--markdown", action="store_true",
+                        help="the stage-timer files as one markdown table, a column each")
     args = parser.parse_args(argv)
     files: list[Path] = []
     for given in map(Path, args.paths):
         files += sorted(given.glob("*.json")) + sorted(given.glob("*.prof")) if given.is_dir() else [given]
+    if args.markdown:
+        timers = [f for f in files if f.suffix == ".json" and not f.name.endswith(".prof.json")]
+        print(markdown({f.stem.split(".")[-1]: json.loads(f.read_text()) for f in timers}, args.steps))
+        return 0
     for path in files:
         if path.suffix == ".prof":
             print(top_functions(path, args.steps, args.top))
