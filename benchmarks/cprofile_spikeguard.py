@@ -60,8 +60,12 @@ def profiled(path_of: Callable[[object], str], call: Callable) -> Callable:
     return run
 
 
-def clocked(clock: StageClock, path_of: Callable[[object], str], call: Callable) -> Callable:
-    """``call`` with the stage timers' totals (and the CPU it spanned) written when it returns."""
+def clocked(clock: StageClock, path_of: Callable[[object], str], call: Callable,
+            whole_command: bool = False) -> Callable:
+    """``call`` with the stage timers' totals (and the CPU it spanned) written when it returns.
+
+    ``whole_command``: ``call`` is the command itself, so the CPU before it (start-up) is its own.
+    """
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
         thread0, process0, wall0 = time.thread_time(), _process_cpu(), time.perf_counter()
         try:
@@ -69,7 +73,7 @@ def clocked(clock: StageClock, path_of: Callable[[object], str], call: Callable)
         finally:
             report = {"thread_cpu_s": time.thread_time() - thread0,
                       "process_cpu_s": _process_cpu() - process0,
-                      "process_cpu_before_s": process0,
+                      "process_cpu_before_s": process0, "whole_command": whole_command,
                       "wall_s": time.perf_counter() - wall0,
                       "stages_cpu_s": dict(clock.seconds), "stages_wall_s": dict(clock.wall),
                       "calls": dict(clock.calls),
@@ -127,7 +131,7 @@ if __name__ == "__main__":
         _stage_timers(clock)
         worker_loop.Worker.run = clocked(clock, lambda w: f"{stem}.{w.stage.name}.json",  # type: ignore[attr-defined]
                                          worker_loop.Worker.run)
-        sys.exit(clocked(clock, lambda _: out, main)(argv))
+        sys.exit(clocked(clock, lambda _: out, main, whole_command=True)(argv))
     worker_loop.Worker.run = profiled(lambda w: f"{stem}.{w.stage.name}.prof",  # type: ignore[attr-defined]
                                       worker_loop.Worker.run)
     sys.exit(profiled(lambda _: out, main)(argv))

@@ -38,28 +38,37 @@ def per_step(report: dict[str, Any], steps: int) -> list[Row]:
     total_wall = report.get("wall_s") or 0.0
     share = (lambda s: s / total_wall) if total_wall else (lambda s: None)
     rows = [Row(name, 1e6 * seconds / steps, share(wall.get(name, 0.0)))
-            for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])]
+            for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])
+            if 1e6 * seconds / steps >= 0.05]  # a seam the command went through without work
     rows.append(Row("the loop (no timer)", 1e6 * (report["thread_cpu_s"] - sum(cpu.values())) / steps,
                     share(total_wall - sum(wall.values())) if wall else None))
     others = report["process_cpu_s"] - report["thread_cpu_s"]
     if others > 0.005 * report["process_cpu_s"]:
         rows.append(Row("other threads (Kafka client)", 1e6 * others / steps, None))
+    if whole_command(report):
+        rows.append(Row("start-up (interpreter, imports)", 1e6 * report["process_cpu_before_s"] / steps, None))
     return rows
+
+
+def whole_command(report: dict[str, Any]) -> bool:
+    """A report of a whole command (a backtest), whose start-up is part of its cost."""
+    return bool(report.get("whole_command"))
+
+
+def total_cpu_s(report: dict[str, Any]) -> float:
+    """The process's CPU: the command's start-up included for a whole command."""
+    return report["process_cpu_s"] + (report["process_cpu_before_s"] if whole_command(report) else 0.0)
 
 
 def render(path: Path, report: dict[str, Any], steps: int) -> str:
     rows = per_step(report, steps)
-    total = 1e6 * report["process_cpu_s"] / steps
+    total = 1e6 * total_cpu_s(report) / steps
     lines = [f"{path.name}: {total:,.1f} CPU µs per step over {steps:,} steps "
-             f"({steps / max(report['process_cpu_s'], 1e-9):,.0f} steps per CPU-second)"
+             f"({steps / max(total_cpu_s(report), 1e-9):,.0f} steps per CPU-second)"
              + (f"; {report['wall_s']:,.1f} s of wall time" if report.get("wall_s") else "")]
     for row in rows:
         wall = "" if row.wall_share is None else f"  {100 * row.wall_share:5.1f} % of the wall time"
         lines.append(f"  {row.stage:<36} {row.cpu_us:8.1f} µs  {100 * row.cpu_us / total:5.1f} %{wall}")
-    before = report.get("process_cpu_before_s")
-    if before and "worker" not in path.name:
-        lines.append(f"  {'before the command (start-up)':<36} {1e6 * before / steps:8.1f} µs  "
-                     f"(whole process: {steps / (before + report['process_cpu_s']):,.0f} steps per CPU-second)")
     return "\n".join(lines)
 
 
@@ -75,7 +84,7 @@ def markdown(reports: dict[str, dict[str, Any]], steps: int) -> str:
     for stage, total in sorted(stages.items(), key=lambda kv: -kv[1]):
         cells = " | ".join(f"{cpu[stage]:.1f}" if stage in cpu else "" for cpu in columns.values())
         lines.append(f"| {stage} | {cells} | {total:.1f} |")
-    totals = [1e6 * report["process_cpu_s"] / steps for report in reports.values()]
+    totals = [1e6 * total_cpu_s(report) / steps for report in reports.values()]
     lines.append(f"| **total** | {' | '.join(f'**{t:.1f}**' for t in totals)} | **{sum(totals):.1f}** |")
     return "\n".join(lines)
 
