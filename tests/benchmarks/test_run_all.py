@@ -74,3 +74,21 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
                         for name in ("kafka_latency", "backtest")]
     assert lines[lines.index(pointers[1]) - 1].startswith("offline backtest")
     assert len(lines) == 7  # threads and child process, throughput, latency + pointer, backtest + pointer
+
+
+def test_each_profile_pointer_names_a_section_of_the_benchmarks_page():
+    """A missed aim's pointer leads somewhere: each anchor is a heading of docs/benchmarks.md."""
+    import re
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(BENCH))
+    page = BENCH.parent / "docs" / "benchmarks.md"
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in page.read_text().splitlines() if line.startswith("#")}
+    for name, pointer in run_all.PROFILES.items():
+        path, anchor = pointer.split("#")
+        assert path == "docs/benchmarks.md"
+        assert anchor in anchors, f"{name}: no heading for #{anchor} in {page}"
