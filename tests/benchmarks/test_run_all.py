@@ -58,8 +58,10 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
         "pipelines": {"confluent/cohosted": {"steps_per_s": 21000, "cpu_us_per_step_total": 180,
                                              "decisions": 20000, "steps": 20000}}}) + "\n")
     (tmp_path / "kafka_latency.txt").write_text(json.dumps({
-        "confluent/cohosted": {"rate": 1000.0, "achieved_rate": 640,
-                               "decision_ms": {"p50": 15, "p99": 250}}}) + "\n")
+        "confluent/cohosted": {"rate": 1000.0, "achieved_rate": 640, "steps": 20000, "decided": 20000,
+                               "decision_ms": {"p50": 15, "p99": 250}},
+        "kafka-python/cohosted": {"rate": 1000.0, "achieved_rate": 990, "steps": 20000, "decided": 0,
+                                  "decision_ms": {"p50": None, "p99": None}}}) + "\n")
     lines = run_all.headline(tmp_path, ["backtest", "embedded_cost", "kafka_throughput", "kafka_latency"])
     text = "\n".join(lines)
     assert "20,000-step CSV" in text and "5,000 steps/s" in text and "[aim >= 20k steps/s, >= 4x: missed]" in text
@@ -68,12 +70,15 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
             "20,000 decided)  [aim >= 10k steps/s, >= 0.5x: met]") in text
     assert ("p50 15 ms, p99 250 ms (input paced at 640 steps/s)  [aim p50 <= 20 ms, p99 <= 100 ms: missed]"
             in text)
+    assert ("kafka-python/cohosted: no decision (0 of 20,000 decided before the drain ended)  "
+            "[aim p50 <= 20 ms, p99 <= 100 ms: missed]") in text
     # Under each missed aim of the Kafka and backtest rows, one line to its profile; none under a met one.
     pointers = [line for line in lines if line.startswith("    where the time goes")]
     assert pointers == [f"    where the time goes, what would close it: {run_all.PROFILES[name]}"
-                        for name in ("kafka_latency", "backtest")]
-    assert lines[lines.index(pointers[1]) - 1].startswith("offline backtest")
-    assert len(lines) == 7  # threads and child process, throughput, latency + pointer, backtest + pointer
+                        for name in ("kafka_latency", "kafka_latency", "backtest")]
+    assert lines[-1] == pointers[-1] and lines[-2].startswith("offline backtest")
+    # threads and child process, throughput, two latencies + pointers, backtest + pointer
+    assert len(lines) == 9
 
 
 def test_each_profile_pointer_names_a_section_of_the_benchmarks_page():
