@@ -106,7 +106,7 @@ def instrument_worker(clock: StageClock, worker: Any) -> None:
     clock.wrap(consumer, "poll", "client: poll")
     clock.wrap(consumer, "commit", "commit")
     clock.wrap(worker, "_decode_all", "decode")
-    clock.wrap(worker, "_decode", "admit (signature, order)")
+    clock.wrap(worker, "_decode", "admit (order, run limits; HMAC apart)")
     clock.wrap(worker, "_track", "bookkeeping and input metrics")
     clock.wrap(stage, "undo_point", "undo point (batch transaction)")
     clock.wrap(worker, "_publish", "publish (metrics, queueing)")
