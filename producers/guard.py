@@ -84,6 +84,7 @@ from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.producers.update_norm import UpdateNorm
 from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, CheckpointEvent, Topics
+from spikeguard.schemas.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +149,12 @@ class Guard:
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
         self.io_faults = IOFaults(self.run_id)  # its own writes fail without ending the run
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
-        # The key: the Guard's own config, else its runtime's, else the one an embedded
-        # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
-        key = (cfg.signing_key or (settings.keys() if hasattr(settings, "keys") else None)
-               or getattr(bus, "signing_key", None))
-        self.actions = ActionQueue(self.ledger, key)
+        # The one signer of this Guard's records and checker of its actions: the Guard's own
+        # config's key, else its runtime's, else the one an embedded runtime left on the bus it
+        # was handed (that pipeline refuses unsigned steps).
+        self.signer = Signer(cfg.signing_key or (settings.keys() if settings is not None else None)
+                             or getattr(bus, "signing_key", None))
+        self.actions = ActionQueue(self.ledger, self.signer)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
@@ -217,10 +219,10 @@ class Guard:
             bus.create_topics([t.runs], compacted=True)
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
                                                  threaded=not cfg.lockstep,
-                                                 signing_key=self.actions.signing_key)
+                                                 signing_key=self.signer.key)
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
-                watch = ProtectionWatch(self.run_id, self.actions.signing_key, timeout_s=cfg.unprotected_after_s,
+                watch = ProtectionWatch(self.run_id, self.signer, timeout_s=cfg.unprotected_after_s,
                                         published=lambda: (self.generation, self.step_count - 1))
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch)
                 if cfg.lockstep:

@@ -63,7 +63,7 @@ from spikeguard.streaming.run_sweep import RunSweep
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
 from spikeguard.schemas import Ack, StepEvent, decode, encode
-from spikeguard.schemas.signing import SIGNED_TYPES, sign
+from spikeguard.schemas.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Worker:
         self.max_input_record_bytes = max_input_record_bytes
         # With a key, every record this worker publishes is signed by it (verdicts, decisions):
         # the next stage takes no others.
-        self._signing_key = getattr(stage, "signing_key", None)
+        self.signer = Signer(getattr(stage, "signing_key", None))
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
@@ -384,11 +384,9 @@ class Worker:
     def _publish(self, outputs: list[Output]) -> None:
         if not outputs:
             return
-        key = self._signing_key
-        if key is not None:
-            outputs[:] = [(topic, sign(event, key)) if type(event) in SIGNED_TYPES
-                          and event.signature is None else (topic, event)  # type: ignore[attr-defined]
-                          for topic, event in outputs]
+        signer = self.signer
+        if signer.enabled:
+            outputs[:] = [(topic, signer.sign(event)) for topic, event in outputs]
         self._producer.publish_events(outputs)
         for topic, count in Counter(map(_TOPIC_OF_OUTPUT, outputs)).items():
             self.metrics.records_out.labels(self.stage.name, topic).inc(count)
