@@ -23,9 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from pydantic import SecretStr
-
-from spikeguard.schemas.signing import verify_action
+from spikeguard.schemas.signing import Signer
 from spikeguard.errors import SpikeguardError
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.evidence import PublishedSteps
@@ -83,10 +81,10 @@ def operator_evidence(published: StepEvent) -> Evidence:
 class ActionQueue:
     """Pending actions of one run, in arrival order, filtered and deduplicated."""
 
-    def __init__(self, ledger: Any, signing_key: SecretStr | None = None,
+    def __init__(self, ledger: Any, signer: Signer | None = None,
                  published: PublishedSteps | None = None) -> None:
         self.ledger = ledger
-        self.signing_key = signing_key
+        self.signer = signer if signer is not None else Signer()
         self.published = published if published is not None else PublishedSteps()
         self.pending: list[Action] = []
         self.urgent_decisions: set[str] = set()  # decisions whose rollback was applied
@@ -113,7 +111,7 @@ class ActionQueue:
 
     def receive(self, action: Action, step: int) -> Outcome | None:
         """Queue ``action``, or the outcome to ack right away (refused or duplicate)."""
-        if self.signing_key is not None and not verify_action(action, self.signing_key):
+        if not self.signer.verifies(action):
             why = "unsigned" if not action.signature else "bad signature"
             log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                         action.action_id, action.run_id, why)
@@ -132,7 +130,7 @@ class ActionQueue:
         # values it published (an operator's action copies them from the steps topic; see
         # operator_evidence). Without a key there is nothing to vouch for the evidence itself.
         if action.evidence is None:
-            if self.signing_key is not None and (action.kind not in EVIDENCE_EXEMPT
+            if self.signer.enabled and (action.kind not in EVIDENCE_EXEMPT
                                                  or action.decision_id is not None):
                 why = (f"{action.kind.value} action carries no evidence (the step, loss and gradient "
                        "norm it was decided on); a state-changing action, and any action derived "

@@ -1,20 +1,82 @@
 """How the Guard takes in actions: received and checked, applied at their step, acknowledged.
 
-A mixin of :class:`~spikeguard.producers.guard.Guard` (it uses the Guard's
-inbox, queue, ledger and events); kept apart so that the Guard's step reads
-as the training step it is.
+:class:`ActionApplier` is owned by the Guard (``guard.applier``) and handed what
+it works with when it is built: the inbox, the action queue and ledger, the
+checkpoint keeper (an incident's checkpoints and forensics), the rank sync, and
+the Guard's own judgement of a steering action (:class:`Gate`: its mode and
+recovery budget, guard.py). Every ack goes through :class:`Acknowledgements`.
 """
 
 from __future__ import annotations
 
-from spikeguard.producers.actions import ANOMALY_KINDS, Outcome
-from spikeguard.producers.distributed import failures
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Outcome
+from spikeguard.producers.checkpointing import CheckpointKeeper
+from spikeguard.producers.distributed import RankSync, failures
+from spikeguard.producers.health import HealthTracker
+from spikeguard.producers.inbox import ActionInbox
+from spikeguard.producers.ledger import ActionLedger
+from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.narration import STEERING
+from spikeguard.producers.run_cursor import RunCursor
+from spikeguard.producers.run_events import RunEvents
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
 
-class ActionApplying:
-    def _collect(self, step: int) -> None:
+class Acknowledgements:
+    """Every action's one ack: kept in ``applied`` (newest last), counted, and published."""
+
+    def __init__(self, run: RunCursor, events: RunEvents, keep: int = 1000) -> None:
+        self.run = run
+        self.events = events
+        self.applied: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def send(self, outcome: Outcome) -> None:
+        a, counters = outcome.action, self.run.counters
+        self.applied.append({"step": outcome.step, "epoch": self.run.generation, "kind": a.kind.value,
+                             "status": outcome.status.value, "result": outcome.result,
+                             "action_id": a.action_id})
+        if outcome.status is AckStatus.APPLIED:
+            counters["actions_applied"] += 1
+        counters["acks"] += 1
+        self.events.ack(outcome)
+
+
+class Gate(NamedTuple):
+    """The Guard's say over a due action: its mode and recovery budget (guard.py)."""
+
+    #: Weigh each decision's plan whole against the budget before any of it is applied.
+    weigh_plans: Callable[[list[Action]], None]
+    #: Why a steering action is withheld (None: it may apply).
+    withhold_reason: Callable[[Action], "str | None"]
+    #: Apply one due action, or withhold it, saying which out loud.
+    apply_one: Callable[[Action], "Outcome | None"]
+
+
+class ActionApplier:
+    """Takes actions in from the inbox, applies the due ones at their step, acks each once."""
+
+    def __init__(self, run: RunCursor, *, actions: ActionQueue, ledger: ActionLedger,
+                 inbox: ActionInbox | None, waiter: DecisionWaiter | None, sync: RankSync,
+                 health: HealthTracker, checkpoints: CheckpointKeeper, acks: Acknowledgements,
+                 gate: Gate) -> None:
+        self.run = run
+        self.actions = actions
+        self.ledger = ledger
+        self.inbox = inbox
+        self.waiter = waiter
+        self.sync = sync
+        self.rank = sync.rank
+        self.health = health
+        self.checkpoints = checkpoints
+        self.acks = acks
+        self.gate = gate
+        self.resolved = 0  # actions answered since the ledger was last written
+
+    def collect(self, step: int) -> None:
+        """Take in what the inbox received: refused and duplicate actions are acked at once."""
         if self.inbox is None:
             return
         if self.waiter is not None:
@@ -22,28 +84,30 @@ class ActionApplying:
         for action in self.inbox.take():
             outcome = self.actions.receive(action, step)
             if outcome is not None:
-                self._ack(outcome)
+                self.acks.send(outcome)
                 self.inbox.resolved(1)
 
-    def _apply(self, due: list[Action], step: int) -> bool:
+    def apply(self, due: list[Action], step: int) -> bool:
+        """Apply the actions due at ``step``; True when a rollback or stop ended the step."""
         interrupted = False
-        self._weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
+        self.gate.weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
         for action in due:
             broken = self.actions.broken_plan(action)
-            if broken is not None and action.kind in STEERING and self._withhold_reason(action) is not None:
+            if broken is not None and action.kind in STEERING and self.gate.withhold_reason(action) is not None:
                 broken = None  # withheld anyway (mode, budget): said and acked as withheld, as the rest was
             duplicate = self.rank == 0 and action.action_id in self.ledger
             if self.sync.enabled:  # rank 0's ledger decides for every rank
                 duplicate = self.sync.share(duplicate)
             if duplicate:
-                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.step_count, "already applied")
+                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.run.step_count,
+                                                  "already applied")
             elif broken is not None:  # its plan's rollback failed: the rest must not run without it
-                outcome = Outcome(action, AckStatus.FAILED, self.step_count, broken)
+                outcome = Outcome(action, AckStatus.FAILED, self.run.step_count, broken)
                 self.ledger.record(action.action_id)
             else:
                 if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
-                    self._keep_incident(action)  # before a rollback moves the data and the store
-                outcome = self._apply_one(action)  # (the Guard's: mode, budget, said out loud)
+                    self.checkpoints.keep_incident(action)  # before a rollback moves the data and the store
+                outcome = self.gate.apply_one(action)  # (the Guard's: mode, budget, said out loud)
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
                     outcome = self._same_on_every_rank(action, outcome)
@@ -52,12 +116,12 @@ class ActionApplying:
             applied = outcome is None or outcome.status is AckStatus.APPLIED
             if applied and action.kind in ANOMALY_KINDS:
                 self.health.on_anomaly()
-                self._incident_found(action)
+                self.checkpoints.incident_found(action)
             if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):
                 interrupted = True
             if outcome is not None:
-                self._ack(outcome)
-            self._resolved += 1
+                self.acks.send(outcome)
+            self.resolved += 1
         return interrupted
 
     def _same_on_every_rank(self, action: Action, outcome: Outcome | None) -> Outcome | None:
@@ -67,28 +131,21 @@ class ActionApplying:
         with the same message, and the action is acked FAILED with it (a rollback agrees
         within itself, checkpointing.py, so it never gets here split).
         """
-        failed = outcome is not None and outcome.status is AckStatus.FAILED
-        errors = self.sync.outcomes(outcome.result if failed else None)
+        failed = outcome.result if outcome is not None and outcome.status is AckStatus.FAILED else None
+        errors = self.sync.outcomes(failed)
         if all(e is None for e in errors) or all(e is not None for e in errors):
             return outcome
         message = (f"ranks disagree on {action.kind.value} {action.action_id}: "
                    f"{failures(errors)}; the run stops")
-        self.request_stop(message)
-        return Outcome(action, AckStatus.FAILED, self.step_count, message)
+        self.run.request_stop(message)
+        return Outcome(action, AckStatus.FAILED, self.run.step_count, message)
 
-    def _finish_actions(self) -> None:
-        if self._resolved:
-            self._persist_ledger()
+    def finish(self) -> None:
+        """At the end of a step: the answered actions go into the ledger file, then the inbox may
+        commit past them."""
+        if self.resolved:
+            self.checkpoints.persist_ledger()
             if self.inbox is not None:
-                self.inbox.resolved(self._resolved)
-            self._resolved = 0
+                self.inbox.resolved(self.resolved)
+            self.resolved = 0
 
-    def _ack(self, outcome: Outcome) -> None:
-        a = outcome.action
-        self.applied.append({"step": outcome.step, "epoch": self.generation, "kind": a.kind.value,
-                             "status": outcome.status.value, "result": outcome.result,
-                             "action_id": a.action_id})
-        if outcome.status is AckStatus.APPLIED:
-            self.counters["actions_applied"] += 1
-        self.counters["acks"] += 1
-        self.events.ack(outcome)

@@ -1,10 +1,12 @@
 """The Guard's checkpointing: resume, when to save, the save itself, and telling the pipeline.
 
-A mixin of the Guard (its attributes: ``saver``, ``health``, ``position``,
-``parts``, ``events``, ``counters``), kept apart so guard.py reads as the step.
-Periodic and requested saves copy the state in the step and are written in
-the background (async_checkpoint.py); they are published and their requests
-acked once on disk, from the training thread (``_drain_saves``, every step).
+:class:`CheckpointKeeper` is owned by the Guard (``guard.checkpoints``) and is
+handed what it works with when it is built: the store and its background
+saver, the state parts, the ledger, the run's events, and the run itself as a
+:class:`~spikeguard.producers.run_cursor.RunCursor`. Periodic and requested
+saves copy the state in the step and are written in the background
+(async_checkpoint.py); they are published and their requests acked once on
+disk, from the training thread (``CheckpointKeeper.drain``, every step).
 A checkpoint is marked healthy only if the trainer saw nothing wrong at that
 step (health.py).
 
@@ -12,22 +14,30 @@ With several ranks, which checkpoint a rollback or a resume loads is decided
 once, by rank 0, and shared; every rank reads it (checksums checked) and the
 ranks agree before anything is applied: all load it, or all pass over it to
 the next older healthy one, or all fail with the same message
-(``_load_agreed``; docs/distributed.md).
+(``load_agreed``; docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from spikeguard.errors import ConfigError
 from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import ActionFailed, Outcome
-from spikeguard.producers.config import ResumeMode
-from spikeguard.producers.async_checkpoint import SaveJob
-from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointUnreadable
-from spikeguard.producers.io_faults import IOKind
-from spikeguard.producers.ledger import apply_restart_facts, restart_facts
+from spikeguard.producers.async_checkpoint import AsyncSaver, SaveJob, SaveResult
+from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointStore, CheckpointUnreadable
+from spikeguard.producers.clipping import GradClipper
+from spikeguard.producers.config import GuardConfig, ResumeMode
+from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.health import HealthTracker
+from spikeguard.producers.incidents import IncidentRecorder
+from spikeguard.producers.io_faults import IOFaults, IOKind
+from spikeguard.producers.ledger import ActionLedger, apply_restart_facts, restart_facts
+from spikeguard.producers.lr import LRControl
+from spikeguard.producers.parts import DataPosition, StateParts
+from spikeguard.producers.run_cursor import RunCursor
+from spikeguard.producers.run_events import RunEvents
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
 log = logging.getLogger("spikeguard.producers.guard")
@@ -46,13 +56,48 @@ class Candidate(NamedTuple):
 
 
 class Loaded(NamedTuple):
-    """What ``_load_agreed`` loaded on every rank (None: nothing), and what it passed over, why."""
+    """What ``load_agreed`` loaded on every rank (None: nothing), and what it passed over, why."""
 
     info: CheckpointInfo | None
     passed: list[str]
 
 
-class Checkpointing:
+class Saved(NamedTuple):
+    """A save that reached the disk (or failed), and the event published for it (None: failed)."""
+
+    result: SaveResult
+    event: CheckpointEvent | None
+
+
+class CheckpointKeeper:
+    """Saves, resumes and rollback loads of one Guard's state; acks the checkpoints asked for."""
+
+    def __init__(self, run: RunCursor, *, saver: AsyncSaver, parts: StateParts, ledger: ActionLedger,
+                 position: DataPosition, lr: LRControl, clipper: GradClipper, health: HealthTracker,
+                 incidents: IncidentRecorder, events: RunEvents, io_faults: IOFaults, sync: RankSync,
+                 config: GuardConfig, sharded: bool, ack: Callable[[Outcome], None]) -> None:
+        self.run = run
+        self.saver = saver
+        self.parts = parts
+        self.ledger = ledger
+        self.position = position
+        self.lr = lr
+        self.clipper = clipper
+        self.health = health
+        self.incidents = incidents
+        self.events = events
+        self.io_faults = io_faults
+        self.sync = sync
+        self.rank = sync.rank
+        self.config = config
+        self.sharded = sharded  # a sharded model's shards are read collectively (parts.read)
+        self.ack = ack
+        self.requests: list[tuple[Action, str]] = []  # checkpoints actions asked for, taken at step end
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self.saver.store  # (one store: the saver writes where the keeper reads)
+
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
         """Continue from the newest checkpoint of this run, as ``mode`` says (config.ResumeMode).
 
@@ -63,8 +108,10 @@ class Checkpointing:
 
         Rank 0 decides (refuse, start afresh, or which checkpoints, newest first) and every
         rank follows: a rank that starts later sees the same directory as rank 0 did.
+        Returns the checkpoint resumed from (None: none).
         """
         mode = ResumeMode(mode)
+        run = self.run
         self.saver.wait()
         decision: Any = None
         if self.rank == 0:
@@ -72,13 +119,13 @@ class Checkpointing:
             finished = peek is not None and bool(peek.get("finished"))
             newest = self.store.newest()
             if mode is ResumeMode.MUST and (finished or newest is None):
-                decision = ("refuse", f"resume='must': run {self.run_id} has "
+                decision = ("refuse", f"resume='must': run {run.run_id} has "
                             f"{'only a finished run' if finished else 'no checkpoint'} in "
                             f"{self.store.directory} to resume")
             elif finished or (mode is ResumeMode.NEVER and (peek is not None or newest is not None)):
                 archived = lifecycle.archive_finished(self.store.directory)  # the directory is shared
-                log.warning(lifecycle.finished_message(self.run_id, peek or {}, archived) if finished
-                            else lifecycle.fresh_message(self.run_id, archived))
+                log.warning(lifecycle.finished_message(run.run_id, peek or {}, archived) if finished
+                            else lifecycle.fresh_message(run.run_id, archived))
                 decision = "fresh"
             elif mode is ResumeMode.NEVER:
                 decision = "fresh"
@@ -90,20 +137,19 @@ class Checkpointing:
         if decision == "fresh":
             return None
         side = self.ledger.read() or {}
-        loaded = self._load_agreed(decision) if decision else None
-        info = loaded.info if loaded is not None else None
+        loaded = self.load_agreed(decision) if decision else Loaded(None, [])
+        info = loaded.info
         if info is not None:
-            self.step_count, self.generation = info.step, info.epoch
-            self.resumed_from = info  # (its checkpoint is on disk: _start saves no initial one)
-            log.warning(lifecycle.resume_message(self.run_id, info, self.store.directory))
+            run.step_count, run.generation = info.step, info.epoch
+            log.warning(lifecycle.resume_message(run.run_id, info, self.store.directory))
         elif decision:
             log.error("spikeguard: run %s: none of its %d checkpoints could be read on every rank "
-                      "(%s); training from step 0", self.run_id, len(decision), "; ".join(loaded.passed))
-        self.generation = max(self.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
+                      "(%s); training from step 0", run.run_id, len(decision), "; ".join(loaded.passed))
+        run.generation = max(run.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
         return info
 
     # -- which checkpoint: decided once, by rank 0; loaded by every rank or by none ------
-    def _rollback_candidates(self, target_step: int, checkpoint_id: str | None) -> tuple[list[Candidate], str]:
+    def rollback_candidates(self, target_step: int, checkpoint_id: str | None) -> tuple[list[Candidate], str]:
         """Rank 0's choice for a rollback to ``target_step``, and the older healthy ones to fall
         back to, newest first; with a note when the named checkpoint is not the one chosen."""
         info = self.store.find(checkpoint_id) if checkpoint_id else None
@@ -117,7 +163,7 @@ class Checkpointing:
         older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]
         return [Candidate.of(c) for c in [info, *older]], note
 
-    def _load_agreed(self, candidates: list["Candidate"]) -> "Loaded":
+    def load_agreed(self, candidates: list["Candidate"]) -> "Loaded":
         """Load the first of ``candidates`` (the same list on every rank) that every rank can read.
 
         Each rank reads its files (checksums checked), then the ranks agree: when any rank
@@ -128,7 +174,8 @@ class Checkpointing:
         """
         passed: list[str] = []
         for cand in candidates:
-            body, error = None, None
+            body: dict[str, Any] = {}
+            error: str | None = None
             try:
                 info = self.store.find(cand.checkpoint_id)
                 if info is None:
@@ -149,24 +196,26 @@ class Checkpointing:
                 passed.append(f"step {cand.step} ({cand.checkpoint_id}): {error}")
                 continue
             try:
-                self.load_state_dict(body)
+                self.parts.load_state_dict(body, self.rank)
             except Exception as exc:  # noqa: BLE001 - reported to every rank just below
                 log.exception("spikeguard: loading checkpoint %s failed", cand.checkpoint_id)
                 error = f"{type(exc).__name__}: {exc}"[:1000]
             error = self.sync.agree(error)
             if error is not None:  # some rank's state is half loaded: no rank trains on
                 message = f"loading checkpoint {cand.checkpoint_id} (step {cand.step}) failed: {error}"
-                self.request_stop(message)
+                self.run.request_stop(message)
                 raise ActionFailed(message + "; the run stops")
             return Loaded(info, passed)
         return Loaded(None, passed)
 
-    def _persist_ledger(self) -> None:
+    def persist_ledger(self) -> None:
+        """The applied action ids and the run's restart facts, to the ledger file (rank 0)."""
         if self.rank == 0:
-            facts = restart_facts(self.run_id, self.generation, self.step_count, self.position, self.lr,
+            run = self.run
+            facts = restart_facts(run.run_id, run.generation, run.step_count, self.position, self.lr,
                                   self.clipper)
-            if self.finished:
-                facts["finished"] = lifecycle.finished_fact(self.step_count, self.generation, "close")
+            if run.finished:
+                facts["finished"] = lifecycle.finished_fact(run.step_count, run.generation, "close")
             self.ledger.persist(facts)
 
     def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
@@ -175,49 +224,53 @@ class Checkpointing:
         ``reason="final"`` also marks the run finished: it will not be resumed.
         (Periodic and requested checkpoints do not wait: see async_checkpoint.py.)
         """
-        job = self._save(reason)
+        job = self.save(reason)
         self.saver.wait()
-        for result, event in self._drain_saves():
+        for result, event in self.drain():
             if result.job is job:
                 if result.error is not None:
                     raise result.error
+                assert event is not None  # (a save on disk is published: drain)
                 return event
         raise AssertionError("the checkpoint just saved was not handed back")  # pragma: no cover
 
-    def request_checkpoint(self, action: Action, reason: str) -> None:
-        self._checkpoint_requests.append((action, reason))
+    def request(self, action: Action, reason: str) -> None:
+        """A checkpoint action: taken at the end of the step, acked once on disk."""
+        self.requests.append((action, reason))
 
-    def _maybe_checkpoint(self, requests_only: bool = False) -> None:
-        requests, self._checkpoint_requests = self._checkpoint_requests, []
+    def save_if_due(self, requests_only: bool = False) -> None:
+        """At the end of a step: the checkpoints asked for, and the periodic one when due."""
+        requests, self.requests = self.requests, []
         every = self.config.checkpoint_every
-        periodic = not requests_only and every > 0 and self.step_count % every == 0
+        periodic = not requests_only and every > 0 and self.run.step_count % every == 0
         if not (requests or periodic):
             return
         reasons = [r for _, r in requests]
         reason = "emergency" if "emergency" in reasons else "on_demand" if reasons else "periodic"
         try:
-            self._save(reason, [a for a, _ in requests])  # acked once on disk (_drain_saves)
+            self.save(reason, [a for a, _ in requests])  # acked once on disk (drain)
         except Exception as exc:  # noqa: BLE001 - running out of memory for the copy must not kill training
             log.exception("spikeguard: checkpoint failed")
             for action, _ in requests:
-                self._ack(Outcome(action, AckStatus.FAILED, self.step_count, f"checkpoint failed: {exc!r}"))
+                self.ack(Outcome(action, AckStatus.FAILED, self.run.step_count, f"checkpoint failed: {exc!r}"))
 
-    def _save(self, reason: str, requests: list[Action] | None = None) -> SaveJob:
+    def save(self, reason: str, requests: list[Action] | None = None) -> SaveJob:
         """Copy the state now; the write happens in the background (AsyncSaver)."""
-        healthy = self.health.healthy(self.step_count) and reason not in ("emergency",)
-        job = SaveJob(self.step_count, self.generation, healthy, reason,
+        run = self.run
+        healthy = self.health.healthy(run.step_count) and reason not in ("emergency",)
+        job = SaveJob(run.step_count, run.generation, healthy, reason,
                       self.position.state_dict()["position"], list(requests or ()))
         self.saver.submit(lambda: self.parts.state_dict(self.rank), job)
-        self.counters["checkpoints"] += 1
-        self.finished = self.finished or reason == "final"
+        run.counters["checkpoints"] += 1
+        run.finished = run.finished or reason == "final"
         return job
 
-    def _drain_saves(self) -> list[tuple[Any, CheckpointEvent | None]]:
+    def drain(self) -> list[Saved]:
         """Publish (and ack) the saves that reached the disk since the last call."""
         done = []
         for r in self.saver.completed():
-            job, event = r.job, None
-            if r.error is not None:
+            job, event, info = r.job, None, r.info
+            if r.error is not None or info is None:
                 if isinstance(r.error, OSError):  # the disk's trouble, not the run's: once, counted
                     self.io_faults.failed(IOKind.CHECKPOINT, r.error)
                 else:
@@ -225,36 +278,36 @@ class Checkpointing:
                 result, status = f"checkpoint failed: {r.error!r}", AckStatus.FAILED
             else:
                 self.io_faults.worked(IOKind.CHECKPOINT)
-                event = CheckpointEvent(run_id=self.run_id, step=job.step, epoch=job.epoch,
-                                        checkpoint_id=r.info.checkpoint_id, path=str(r.info.path),
+                event = CheckpointEvent(run_id=self.run.run_id, step=job.step, epoch=job.epoch,
+                                        checkpoint_id=info.checkpoint_id, path=str(info.path),
                                         healthy=job.healthy, batch_index=job.batch_index, reason=job.reason)
                 self.events.checkpoint(event, r.removed)
                 result, status = f"checkpoint {event.checkpoint_id} at step {job.step}", AckStatus.APPLIED
             for action in job.requests:
-                self._ack(Outcome(action, status, job.step, result))
-            done.append((r, event))
+                self.ack(Outcome(action, status, job.step, result))
+            done.append(Saved(r, event))
         if done:
-            self._persist_ledger()
+            self.persist_ledger()
         return done
 
-    def _onset_of(self, action: Action) -> int:
+    def onset_of(self, action: Action) -> int:
         """The earliest step the incident may have begun at (checkpoints after it are suspect)."""
         onset = action.params.get("onset_step")
         if not isinstance(onset, int) or isinstance(onset, bool):
             onset = action.apply_at_step - self.config.detection_delay_steps
         return onset
 
-    def _keep_incident(self, action: Action) -> None:
+    def keep_incident(self, action: Action) -> None:
         """The incident's batches' sample ids and its pre-onset checkpoint, for ``spikeguard inspect``."""
         if action.incident_id is not None and self.rank == 0:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
             # Fusion's onset, the one the report shows; without it, the earliest it could be.
             onset = action.incident_onset_step
             self.incidents.incident(action.incident_id,
-                                    self._onset_of(action) if onset is None else onset, self.generation,
-                                    self.step_count, self.store.newest_healthy)
+                                    self.onset_of(action) if onset is None else onset, self.run.generation,
+                                    self.run.step_count, self.store.newest_healthy)
 
-    def _incident_found(self, action: Action) -> None:
+    def incident_found(self, action: Action) -> None:
         """An anomaly action that names an incident: the incident began up to
         ``detection_delay_steps`` before it was decided (or at ``params["onset_step"]`` when the
         action says), so checkpoints taken since then are not healthy — and rotation must not
@@ -262,15 +315,15 @@ class Checkpointing:
         if action.incident_id is None:
             return  # e.g. a STOP the user asked for: no incident, nothing to distrust
         self.saver.wait()
-        self._drain_saves()
-        onset = self._onset_of(action)
+        self.drain()
+        onset = self.onset_of(action)
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
         try:
-            demoted = self.store.demote(onset, self.generation)
+            demoted: list[CheckpointInfo] = self.store.demote(onset, self.run.generation)
         except OSError as exc:  # a read-only directory: they keep their names (the policy's rollback
             self.io_faults.failed(IOKind.CHECKPOINT, exc)  # targets lie before the onset anyway)
             return
         for info in demoted:
             self.events.checkpoint(CheckpointEvent(
-                run_id=self.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
+                run_id=self.run.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
                 path=str(info.path), healthy=False), [])

@@ -44,7 +44,7 @@ import logging
 import math
 import os
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -52,11 +52,11 @@ import torch
 
 from spikeguard.producers.amp import ScalerControl
 from spikeguard.producers.async_checkpoint import AsyncSaver
-from spikeguard.producers.applying import ActionApplying
-from spikeguard.producers.checkpointing import Checkpointing
+from spikeguard.producers.applying import Acknowledgements, ActionApplier, Gate
+from spikeguard.producers.checkpointing import CheckpointKeeper
 from spikeguard.producers.actions import ActionFailed, ActionQueue, Handler, Outcome, apply_action
 from spikeguard.producers.budget import RecoveryBudget, Spend
-from spikeguard.producers.checkpoints import CheckpointStore
+from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointStore
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
 from spikeguard.producers.data import GuardedLoader
@@ -83,7 +83,8 @@ from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.producers.update_norm import UpdateNorm
-from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, Topics
+from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, CheckpointEvent, Topics
+from spikeguard.schemas.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class StepResult(NamedTuple):
     interrupted: bool  # a rollback or stop ended the step before its update
 
 
-class Guard(Checkpointing, ActionApplying):
+class Guard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
                  topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
@@ -148,11 +149,12 @@ class Guard(Checkpointing, ActionApplying):
         self.saver = AsyncSaver(self.store, cfg.async_checkpoint and not self.sharded)
         self.io_faults = IOFaults(self.run_id)  # its own writes fail without ending the run
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
-        # The key: the Guard's own config, else its runtime's, else the one an embedded
-        # runtime left on the bus it was handed (that pipeline refuses unsigned steps).
-        key = (cfg.signing_key or (settings.keys() if hasattr(settings, "keys") else None)
-               or getattr(bus, "signing_key", None))
-        self.actions = ActionQueue(self.ledger, key)
+        # The one signer of this Guard's records and checker of its actions: the Guard's own
+        # config's key, else its runtime's, else the one an embedded runtime left on the bus it
+        # was handed (that pipeline refuses unsigned steps).
+        self.signer = Signer(cfg.signing_key or (settings.keys() if settings is not None else None)
+                             or getattr(bus, "signing_key", None))
+        self.actions = ActionQueue(self.ledger, self.signer)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
@@ -203,10 +205,7 @@ class Guard(Checkpointing, ActionApplying):
                              rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
                              skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0,
                              transient_steps=0, actions_withheld=0)
-        self.applied: deque[dict] = deque(maxlen=1000)  # what was done, newest last
-        self.resumed_from = None
-        self._checkpoint_requests: list[tuple[Action, str]] = []
-        self._resolved = 0
+        self.resumed_from: CheckpointInfo | None = None
         self._half: FirstHalf | None = None  # between before_update and after_update
         self._started = False
         self._batch_seen = False
@@ -220,15 +219,25 @@ class Guard(Checkpointing, ActionApplying):
             bus.create_topics([t.runs], compacted=True)
             self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
                                                  threaded=not cfg.lockstep,
-                                                 signing_key=self.actions.signing_key)
+                                                 signing_key=self.signer.key)
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
-                watch = ProtectionWatch(self.run_id, self.actions.signing_key, timeout_s=cfg.unprotected_after_s,
+                watch = ProtectionWatch(self.run_id, self.signer, timeout_s=cfg.unprotected_after_s,
                                         published=lambda: (self.generation, self.step_count - 1))
                 self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch)
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
         self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)
+        self.acks = Acknowledgements(self, self.events)
+        self.applied = self.acks.applied  # every ack: what was done, newest last
+        self.checkpoints = CheckpointKeeper(
+            self, saver=self.saver, parts=self.parts, ledger=self.ledger, position=self.position, lr=self.lr,
+            clipper=self.clipper, health=self.health, incidents=self.incidents, events=self.events,
+            io_faults=self.io_faults, sync=self.sync, config=cfg, sharded=self.sharded, ack=self.acks.send)
+        self.applier = ActionApplier(
+            self, actions=self.actions, ledger=self.ledger, inbox=self.inbox, waiter=self.waiter,
+            sync=self.sync, health=self.health, checkpoints=self.checkpoints, acks=self.acks,
+            gate=Gate(self._weigh_plans, self._withhold_reason, self._apply_one))
         self.resume(cfg.resume)
 
     # -- the user's API ------------------------------------------------------
@@ -306,7 +315,7 @@ class Guard(Checkpointing, ActionApplying):
         if step is not None:
             self.step_count = step
         step = self.step_count
-        self._collect(step)
+        self.applier.collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
         self.amp.begin(self.torch_optimizer)  # statistics and clipping are about the unscaled gradients
         stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)),
@@ -326,7 +335,7 @@ class Guard(Checkpointing, ActionApplying):
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
-            interrupted = self._apply(due, step)  # rolled back or stopped: this step's update is void
+            interrupted = self.applier.apply(due, step)  # rolled back or stopped: this step's update is void
         reason: str | None = None
         scored, rerun = None, None
         if interrupted:
@@ -385,9 +394,9 @@ class Guard(Checkpointing, ActionApplying):
         step, stats, reason = half.step, half.stats, half.reason
         if reason == INTERRUPTED:
             self._interrupted_step_done(step)
-            self._maybe_checkpoint(requests_only=True)
-            self._drain_saves()
-            self._finish_actions()
+            self.checkpoints.save_if_due(requests_only=True)
+            self.checkpoints.drain()
+            self.applier.finish()
             return StepResult(False, True)
         if reason in (None, "scaler_overflow"):
             self.amp.count(half.overflow)
@@ -408,9 +417,9 @@ class Guard(Checkpointing, ActionApplying):
             self.counters["skipped_update_batches"] += batches
         self.step_count = step + 1
         self.counters["steps"] += 1
-        self._maybe_checkpoint()
-        self._drain_saves()
-        self._finish_actions()
+        self.checkpoints.save_if_due()
+        self.checkpoints.drain()
+        self.applier.finish()
         if self.waiter is not None and reason != SKIPPED_DATA:
             self.waiter.follow(self.inbox, self.generation, step, self.config.lockstep_settle)
         return StepResult(reason is None, False)
@@ -424,13 +433,13 @@ class Guard(Checkpointing, ActionApplying):
             return self.summary()
         self._closed = True
         self.saver.close()
-        self._drain_saves()
+        self.checkpoints.drain()
         if finished is None:
             planned = self.max_steps is not None and self.step_count >= self.max_steps
             ran_out = self.loader is not None and self.loader.ran_out
             finished = not self.should_stop and (planned or ran_out)
         self.finished = self.finished or finished
-        self._persist_ledger()
+        self.checkpoints.persist_ledger()
         if self._started:
             self.events.run("end", self.plan, self.max_steps, self.step_count, self.generation, self.finished,
                             self.stop_reason or ("finished" if self.finished else "closed"))
@@ -464,11 +473,11 @@ class Guard(Checkpointing, ActionApplying):
         """Every rank calls it at the same step; rank 0 chooses the checkpoint, every rank loads
         that one (or, when a rank cannot read it, all the next older healthy one), or all fail."""
         self.saver.wait()  # the checkpoint it needs may still be being written
-        self._drain_saves()
+        self.checkpoints.drain()
         # Rank 0 chooses once its own saves are on disk (waited for above); the rest follow.
         candidates, note = self.sync.share(
-            self._rollback_candidates(target_step, checkpoint_id) if self.rank == 0 else None)
-        loaded = self._load_agreed(candidates)
+            self.checkpoints.rollback_candidates(target_step, checkpoint_id) if self.rank == 0 else None)
+        loaded = self.checkpoints.load_agreed(candidates)
         info = loaded.info
         if loaded.passed:
             note += f" (passed over {'; '.join(loaded.passed)})"
@@ -499,7 +508,31 @@ class Guard(Checkpointing, ActionApplying):
                         min(end, data_end - 1) - max(start, self.loader.position) + 1)
         return text
 
+    def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> CheckpointInfo | None:
+        """Continue from the newest checkpoint of this run, as ``mode`` says (config.ResumeMode).
+
+        ``auto``: an unfinished run is resumed (the ledger always applies), a finished one is
+        moved aside and started again; ``must``: resume or raise ConfigError; ``never``: earlier
+        files are moved aside and the run starts from step 0 (checkpointing.py). Returns the
+        checkpoint resumed from (None: none).
+        """
+        info = self.checkpoints.resume(mode)
+        if info is not None:
+            self.resumed_from = info  # (its checkpoint is on disk: _start saves no initial one)
+        return info
+
+    def checkpoint(self, reason: str = "on_demand") -> CheckpointEvent:
+        """Save now (state before step ``step_count``), wait until it is on disk, publish it.
+
+        ``reason="final"`` also marks the run finished: it will not be resumed.
+        (Periodic and requested checkpoints do not wait: see async_checkpoint.py.)
+        """
+        return self.checkpoints.checkpoint(reason)
+
     # -- what actions call ---------------------------------------------------
+    def request_checkpoint(self, action: Action, reason: str) -> None:
+        self.checkpoints.request(action, reason)
+
     def request_stop(self, reason: str) -> None:
         self.should_stop, self.stop_reason = True, reason
 
@@ -521,7 +554,7 @@ class Guard(Checkpointing, ActionApplying):
             # A rollback target before anything can go wrong, on every rank or on none: rank 0
             # decides (a rank that starts late would find rank 0's checkpoint and skip its own).
             if self.sync.share(self.store.newest() is None and self.saver.in_flight is None):
-                self._save("periodic")
+                self.checkpoints.save("periodic")
 
     def _riders(self, due: bool):
         """The ranks' flags and losses, gathered on device, ride along with the statistics' one transfer."""

@@ -23,11 +23,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from pydantic import SecretStr
-
 from spikeguard.metrics import Metrics, default_metrics
 from spikeguard.schemas import Action
-from spikeguard.schemas.signing import signature_problem
+from spikeguard.schemas.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +41,11 @@ class ProtectionWatch:
     thread in lockstep).
     """
 
-    def __init__(self, run_id: str, signing_key: SecretStr | None, published: Callable[[], tuple[int, int]],
+    def __init__(self, run_id: str, signer: Signer, published: Callable[[], tuple[int, int]],
                  timeout_s: float = 30.0, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.run_id = run_id
-        self.signing_key = signing_key
+        self.signer = signer
         self.published = published
         self.timeout_s = timeout_s
         self.clock = clock
@@ -61,7 +59,7 @@ class ProtectionWatch:
 
     def pulse(self, action: Action) -> None:
         """A pulse action for this run: valid, it covers every published step up to the one it names."""
-        if self.signing_key is not None and signature_problem(action, self.signing_key) is not None:
+        if self.signer.problem(action) is not None:
             self.bad_pulses += 1
             return
         params = action.params

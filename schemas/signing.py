@@ -281,6 +281,44 @@ def signature_problem(record: BaseModel, key: SigningKey) -> str | None:
     return None
 
 
+class Signer:
+    """The one key a process signs and checks with (a shared key or a :class:`Keyring`), or none.
+
+    Made once where the key is read (settings, a Guard's config) and handed to
+    everything that signs or checks, so that no part looks for a key of its own.
+    Without a key it signs nothing and accepts everything: the caller decides
+    whether that is allowed (:mod:`spikeguard.trust`).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: SigningKey | None = None) -> None:
+        self.key = key
+
+    @property
+    def enabled(self) -> bool:
+        """A key is held: records are signed, and the unsigned refused."""
+        return self.key is not None
+
+    def sign(self, record: BaseModel) -> BaseModel:
+        """``record`` signed (any of :data:`SIGNED_TYPES`), or as it is without a key or with a
+        signature already."""
+        if self.key is None or type(record) not in SIGNED_TYPES or getattr(record, "signature", None) is not None:
+            return record
+        return sign(record, self.key)
+
+    def problem(self, record: BaseModel) -> str | None:
+        """Why ``record`` is not authentic (None: it is, or no key is held)."""
+        return None if self.key is None else signature_problem(record, self.key)
+
+    def verifies(self, action: Action) -> bool:
+        """``action`` carries a signature that matches, or no key is held (nothing to check with)."""
+        return self.key is None or verify_action(action, self.key)
+
+    def __repr__(self) -> str:
+        return f"Signer({'no key' if self.key is None else 'a key'})"
+
+
 def sign_step(event: StepEvent, key: SigningKey) -> StepEvent:
     """A copy of the trainer's step event carrying its signature (marked verified here)."""
     return sign(event, key)  # type: ignore[return-value]

@@ -15,9 +15,10 @@ would poll, in the same order:
   to fusion in batches of :data:`BATCH` (fusion's polls);
 - at the end, the stages' ``flush`` in the Workers' ``drain`` order.
 
-A batch is a transaction as in the Worker: if the stage raises, its runs go
-back to their state before the batch and it is retried record by record, and
-only the failing records are dropped, with a log line naming them. Nothing
+A batch is the Worker's own transaction (streaming/batch_transaction.py): if
+the stage raises, its runs go back to their state before the batch and it is
+retried record by record, and only the failing records are dropped, with a log
+line naming them. Nothing
 here depends on wall time (no idle eviction; fusion's deadlines are out of
 reach), so the decisions are those of the bus pump, which
 ``tests/spikeguard/lab/test_backtest_pump.py`` checks on the same input.
@@ -35,6 +36,7 @@ from spikeguard.errors import RecordRejected
 from spikeguard.metrics import Metrics
 from spikeguard.schemas import Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings
+from spikeguard.streaming.batch_transaction import handle_batch
 from spikeguard.streaming.stage import Stage
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 #: Records a worker takes per poll: the detectors' and fusion's batch (the bus pump's too).
 BATCH = 2000
 _EVENT = itemgetter(1)
-_RUN_ID = attrgetter("run_id")
 _STEP_KEY = attrgetter("run_id", "epoch", "step")
 _STEP = attrgetter("step")
 _SAME = attrgetter("run_id", "rank", "epoch")
@@ -153,36 +154,20 @@ class DirectPipeline:
         return kept
 
     def _run(self, stage: Stage, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """``stage.handle_batch(items)`` as a transaction, retried record by record on failure."""
+        """``stage.handle_batch(items)`` as the Worker's transaction (streaming/batch_transaction.py)."""
         if not items:
             return []
         self._count(stage, "records_in", items[0][0], len(items))
-        run_ids = set(map(_RUN_ID, map(_EVENT, items)))
-        before = stage.undo_point(run_ids)
-        try:
-            return stage.handle_batch(items)
-        except Exception:
-            log.exception("%s: batch failed; retrying record by record", stage.name)
-        _rewind(stage, run_ids, before)
-        outputs: list[tuple[str, Any]] = []
-        for item in items:
-            run_ids = {item[1].run_id}
-            before = stage.undo_point(run_ids)
-            try:
-                outputs += stage.handle_batch([item])
-            except Exception:
-                log.exception("%s: %s step %s failed; dropped", stage.name, item[1].run_id,
-                              getattr(item[1], "step", None))
-                _rewind(stage, run_ids, before)
-                self._count(stage, "dead_letters", "StageError")
-        return outputs
+
+        def failed(index: int, exc: Exception) -> None:
+            event = items[index][1]
+            log.exception("%s: %s step %s failed; dropped", stage.name, event.run_id,
+                          getattr(event, "step", None))
+            self._count(stage, "dead_letters", "StageError")
+
+        return handle_batch(stage, items, failed)
 
     def _count(self, stage: Stage, metric: str, label: str, n: int = 1) -> None:
         if self.metrics is not None:
             getattr(self.metrics, metric).labels(stage.name, label).inc(n)
 
-
-def _rewind(stage: Stage, run_ids: set[str], before: dict) -> None:
-    """Put these runs' state back to ``before`` (runs it lacks did not exist yet)."""
-    stage.forget(run_ids - before.keys())
-    stage.restore(before)

@@ -56,13 +56,14 @@ from spikeguard.errors import (
 from spikeguard.metrics import (
     Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
 )
+from spikeguard.streaming.batch_transaction import handle_batch
 from spikeguard.streaming.checkpointer import Checkpointer
 from spikeguard.streaming.config import DEFAULT_MAX_INPUT_RECORD_BYTES, DEFAULT_MAX_RUNS
 from spikeguard.streaming.run_sweep import RunSweep
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
 from spikeguard.schemas import Ack, StepEvent, decode, encode
-from spikeguard.schemas.signing import SIGNED_TYPES, sign
+from spikeguard.schemas.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Worker:
         self.max_input_record_bytes = max_input_record_bytes
         # With a key, every record this worker publishes is signed by it (verdicts, decisions):
         # the next stage takes no others.
-        self._signing_key = getattr(stage, "signing_key", None)
+        self.signer = Signer(getattr(stage, "signing_key", None))
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
@@ -269,37 +270,21 @@ class Worker:
         self._track(records, sources, items)
         if not items:
             return []
-        # The batch is a transaction on the state of its runs: a failure puts
-        # them back as they were, so the retry below counts nothing twice.
+        # The batch is a transaction on the state of its runs: a failure puts them back
+        # as they were and retries record by record, so only the record that fails goes
+        # to the DLQ, with its own reason (and none of its effects), and nothing counts twice.
         run_ids = set(map(_RUN_ID, map(_EVENT, items)))
         self.stage.touch(run_ids, now)
         if self._saver is not None:
             self._saver.changed(run_ids)
-        before = self.stage.undo_point(run_ids)
-        try:
-            return self.stage.handle_batch(items)
-        except Exception:
-            log.exception("%s: batch failed; retrying record by record", self.group)
-        self._rewind(run_ids, before)
-        # A failing batch is retried one record at a time so that only the
-        # record that fails goes to the DLQ, with its own reason (and none of its effects).
-        outputs: list[Output] = []
-        for item, record in zip(items, sources):
-            run_ids = {item[1].run_id}  # type: ignore[attr-defined]
-            before = self.stage.undo_point(run_ids)
-            try:
-                outputs += self.stage.handle_batch([item])
-            except Exception as exc:
-                log.exception("%s: record %s[%d]@%d failed", self.group, record.topic,
-                              record.partition, record.offset)
-                self._rewind(run_ids, before)
-                self._to_dlq(record, exc)
-        return outputs
 
-    def _rewind(self, run_ids: set[str], before: dict) -> None:
-        """Put these runs' state back to ``before`` (runs it lacks did not exist yet)."""
-        self.stage.forget(run_ids - before.keys())
-        self.stage.restore(before)
+        def failed(index: int, exc: Exception) -> None:
+            record = sources[index]
+            log.exception("%s: record %s[%d]@%d failed", self.group, record.topic,
+                          record.partition, record.offset)
+            self._to_dlq(record, exc)
+
+        return handle_batch(self.stage, items, failed, self.group, run_ids)
 
     # A step crosses ~8 worker hops in a backtest, so the per-record work here
     # is kept to what needs Python; the rest goes through map/zip (C speed).
@@ -399,11 +384,9 @@ class Worker:
     def _publish(self, outputs: list[Output]) -> None:
         if not outputs:
             return
-        key = self._signing_key
-        if key is not None:
-            outputs[:] = [(topic, sign(event, key)) if type(event) in SIGNED_TYPES
-                          and event.signature is None else (topic, event)  # type: ignore[attr-defined]
-                          for topic, event in outputs]
+        signer = self.signer
+        if signer.enabled:
+            outputs[:] = [(topic, signer.sign(event)) for topic, event in outputs]
         self._producer.publish_events(outputs)
         for topic, count in Counter(map(_TOPIC_OF_OUTPUT, outputs)).items():
             self.metrics.records_out.labels(self.stage.name, topic).inc(count)

@@ -69,10 +69,10 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_and_is_never_dropped(bus
     guard.saver.wait()
     waits = guard.saver.waits
     store = _gated(guard, tmp_path)
-    guard._save("periodic")  # step 2, in flight, held at the gate
+    guard.checkpoints.save("periodic")  # step 2, in flight, held at the gate
     train(guard, tiny, 3)
     assert store.writing.wait(10)
-    second = threading.Thread(target=guard._save, args=("on_demand",))
+    second = threading.Thread(target=guard.checkpoints.save, args=("on_demand",))
     second.start()
     # The second save cannot start while the first is being written: it waits (counted) ...
     while guard.saver.waits == waits:
@@ -95,7 +95,7 @@ def test_checkpoints_are_published_only_once_on_disk(bus, tmp_path):
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=0)
     train(guard, tiny, 3)
     store = _gated(guard, tmp_path)
-    guard._save("on_demand")
+    guard.checkpoints.save("on_demand")
     assert store.writing.wait(10)
     train(guard, tiny, 5)
     guard.publisher.flush(5.0)
@@ -114,7 +114,7 @@ def test_a_rollback_waits_for_the_write_it_needs(bus, tmp_path):
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=0)
     train(guard, tiny, 4)
     store = _gated(guard, tmp_path)
-    guard._save("periodic")  # step 4, still being written when the rollback comes
+    guard.checkpoints.save("periodic")  # step 4, still being written when the rollback comes
     assert store.writing.wait(10)
     expected = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     train(guard, tiny, 9)

@@ -67,8 +67,8 @@ def test_embedded_guard_refuses_an_unsigned_stop_and_obeys_its_own_pipeline(tmp_
     guard = Guard(model, optimizer, run_id="trust-embedded",
                   config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
     try:
-        assert guard.actions.signing_key is not None
-        assert guard.actions.signing_key == guard._runtime.settings.signing_key
+        assert guard.signer.key is not None and guard.actions.signer is guard.signer
+        assert guard.signer.key == guard._runtime.settings.signing_key
         forged = Action(action_id="forged-stop", run_id="trust-embedded", kind=ActionKind.STOP,
                         apply_at_step=0, params={"reason": "someone else"})
         producer = guard.bus.producer()
