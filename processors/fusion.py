@@ -21,11 +21,13 @@ load one comes back seconds after the others; while the others' verdicts flow,
 the deadline would give up on it and decide the steps it has not judged yet
 without it (a spike decided ``divergence``, not the rules' critical
 ``extreme_loss``: no rollback). So a detector whose watermark moved less than
-``deadline_seconds`` before the outage (it was alive) is *recovering* until
-its watermark moves again: it is waited for until ``recovery_seconds`` after
-the outage ended, and only then given up on (it died in the outage). One that
-was already stalled when the outage began gets no such grace. The grace only
-ever lengthens a wait; memory stays bounded by ``max_pending``.
+``deadline_seconds`` before the outage (it was alive) is *recovering*: it is
+waited for until ``recovery_seconds`` after the outage ended, even if it moved
+in between (a consumer may fetch a little, then have its commit refused,
+rejoin and replay from its snapshot: verdicts that do not move its watermark),
+and only then given up on (it died in the outage). One that was already
+stalled when the outage began gets no such grace. The grace only ever
+lengthens a wait; memory stays bounded by ``max_pending``.
 
 Scoring is a weighted noisy-OR of the anomalous verdicts, ``1 - prod(1 - w c)``:
 one sure detector is enough, agreeing detectors reinforce each other, and a
@@ -116,7 +118,7 @@ class Fusion:
         # detector -> (newest step it judged in this epoch, wall-clock time that last moved)
         self._marks: dict[str, tuple[int, float]] = {}
         self._epoch_seen_at: float | None = None  # a silent detector's stall clock starts here
-        # detector -> until when it is waited for, back from an outage (resume); gone once it moves
+        # detector -> until when it is waited for, back from an outage (resume)
         self._recovering: dict[str, float] = {}
 
     @property
@@ -173,9 +175,6 @@ class Fusion:
                 return False
         self._epoch_seen_at = seen_at
         pending = self._pending[step] = _Pending()
-        if self._recovering:
-            for name in names:
-                self._recovering.pop(name, None)  # they are back
         for v in group:
             marks[v.detector] = (step, now)
             pending.verdicts[v.detector] = v
@@ -200,8 +199,6 @@ class Fusion:
         moved = mark is None or step > mark[0]
         if moved:  # even a late or repeated verdict shows how far its detector got
             self._marks[verdict.detector] = (step, now)
-            if self._recovering:
-                self._recovering.pop(verdict.detector, None)  # it is back
         if step <= self._decided:
             self.late_verdicts += 1
             return

@@ -351,10 +351,23 @@ def test_after_an_outage_a_detector_alive_when_it_began_is_waited_for_up_to_the_
     f = restored
     assert f.tick(25.4) == []
     assert [(d.step, d.missing) for d in f.tick(25.5)] == [(2, ["rules"])]  # it died in the outage
-    # Back, it is waited for on the usual deadline again (no grace left over).
+    # Back, and past its recovery time: the usual deadline again.
     assert [d.step for d in feed(f, healthy_step(3), now=26.0)] == [3]
     assert feed(f, [x for x in healthy_step(4) if x.detector != "rules"], now=27.0) == []
     assert [(d.step, d.missing) for d in f.tick(31.0)] == [(4, ["rules"])]
+
+
+def test_a_detector_that_rejoins_again_after_the_outage_is_still_waited_for() -> None:
+    """Back from the outage, a consumer may fetch a little, then have its commit refused, rejoin
+    and replay from its snapshot: its watermark stands still again, within the recovery time."""
+    f = Fusion(FusionConfig(deadline_seconds=5.0, recovery_seconds=20.0), run_id="r")
+    feed(f, healthy_step(0), now=0.0)
+    f.resume(1.0, quiet_s=30.0)
+    assert [d.step for d in feed(f, healthy_step(1), now=1.0)] == [1]
+    assert feed(f, [x for x in healthy_step(2) if x.detector != "rules"], now=2.0) == []
+    assert feed(f, [v("rules", 0), v("rules", 1)], now=3.0) == []  # its replay: no move
+    assert f.tick(9.0) == []  # 8 s since it last moved, within the recovery time
+    assert [(d.step, d.missing) for d in f.tick(21.0)] == [(2, ["rules"])]
 
 
 def test_a_pause_shorter_than_the_deadline_is_no_outage() -> None:
