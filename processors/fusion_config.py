@@ -50,8 +50,8 @@ class FusionConfig(BaseModel):
         60.0, gt=0.0,
         description="after an outage (a stretch in which no verdict reached fusion), a detector "
         "that was alive when it began is waited for this long (flow clock) from its end before "
-        "fusion decides without it: time to rejoin its group and replay from its snapshot; never "
-        "shorter than deadline_seconds",
+        "fusion decides without it: time to rejoin its group and replay from its snapshot (it "
+        "only ever lengthens deadline_seconds)",
     )
     deadline_steps: int | None = Field(
         None, ge=0,
