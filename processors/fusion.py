@@ -14,6 +14,21 @@ for a step already decided is dropped and counted (``late_verdicts``), so a
 late verdict never produces a second, contradictory decision; a repeated
 verdict (at-least-once delivery) is ignored (``duplicate_verdicts``).
 
+After an outage (:meth:`Fusion.resume`: no verdict reached fusion for at least
+``deadline_seconds``, or fusion came back from a snapshot) every detector's
+consumer reconnects, rejoins its group and replays from its snapshot, and under
+load one comes back seconds after the others; while the others' verdicts flow,
+the deadline would give up on it and decide the steps it has not judged yet
+without it (a spike decided ``divergence``, not the rules' critical
+``extreme_loss``: no rollback). So a detector whose watermark moved less than
+``deadline_seconds`` before the outage (it was alive) is *recovering*: it is
+waited for until ``recovery_seconds`` after the outage ended, even if it moved
+in between (a consumer may fetch a little, then have its commit refused,
+rejoin and replay from its snapshot: verdicts that do not move its watermark),
+and only then given up on (it died in the outage). One that was already
+stalled when the outage began gets no such grace. The grace only ever
+lengthens a wait; memory stays bounded by ``max_pending``.
+
 Scoring is a weighted noisy-OR of the anomalous verdicts, ``1 - prod(1 - w c)``:
 one sure detector is enough, agreeing detectors reinforce each other, and a
 silent or healthy detector does not dilute the others (a weighted average
@@ -60,6 +75,9 @@ class _Pending:
         self.critical = False  # some verdict is critical: no need to wait for the others
 
 
+#: Marks an :meth:`Fusion.undo_state`: the same process's state a moment ago, its times as they were.
+UNDO_POINT = "undo_point"
+
 # Decision(**fields) minus BaseModel.__init__'s Python frame: the same
 # validation (a documented pydantic attribute), ~0.5 us less per decision.
 _validate_decision = Decision.__pydantic_validator__.validate_python
@@ -76,6 +94,7 @@ class Fusion:
         # Read on every verdict: plain attributes, not pydantic look-ups. The
         # config is frozen, so these never go stale.
         self._deadline_s = cfg.deadline_seconds
+        self._recovery_s = cfg.recovery_seconds
         self._deadline_steps = cfg.deadline_steps
         self._max_pending = cfg.max_pending
         self._gap = cfg.incident_gap_steps
@@ -99,6 +118,8 @@ class Fusion:
         # detector -> (newest step it judged in this epoch, wall-clock time that last moved)
         self._marks: dict[str, tuple[int, float]] = {}
         self._epoch_seen_at: float | None = None  # a silent detector's stall clock starts here
+        # detector -> until when it is waited for, back from an outage (resume)
+        self._recovering: dict[str, float] = {}
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -203,6 +224,17 @@ class Fusion:
             return
         self._release(now, out)
 
+    def resume(self, now: float, quiet_s: float) -> None:
+        """No verdict arrived for ``quiet_s`` until ``now``: if that is an outage (as long as the
+        deadline at least; a slow trainer's pauses are not), the detectors alive when it began
+        are recovering (module doc). Only ever lengthens a wait, so nothing becomes due here."""
+        if quiet_s < self._deadline_s:
+            return
+        until = now + self._recovery_s
+        for name, (_, moved_at) in self._marks.items():
+            if now - moved_at < self._deadline_s:
+                self._recovering[name] = until
+
     def tick(self, now: float) -> list[Decision]:
         """Decide the steps that were waiting only for detectors that have stalled since."""
         out: list[Decision] = []
@@ -237,6 +269,7 @@ class Fusion:
     def _nobody_to_wait_for(self, step: int, p: _Pending, now: float) -> bool:
         """Every expected detector has spoken for ``step``, judged past it, or stalled."""
         marks, verdicts, silent_since = self._marks, p.verdicts, self._epoch_seen_at
+        recovering = self._recovering
         for name in self._expected:
             if name in verdicts:
                 continue
@@ -244,8 +277,9 @@ class Fusion:
             if mark is not None and mark[0] >= step:
                 continue  # it judged this run past the step: no verdict will come for it
             last_moved = silent_since if mark is None else mark[1]
-            if last_moved is not None and now - last_moved >= self._deadline_s:
-                continue  # stalled: decide without it (listed as missing)
+            if (last_moved is not None and now - last_moved >= self._deadline_s
+                    and now >= recovering.get(name, now)):
+                continue  # stalled, not recovering: decide without it (listed as missing)
             return False
         return True
 
@@ -366,12 +400,12 @@ class Fusion:
             "loss_baseline": self._loss_baseline.state_dict(),
             "grad_norm_baseline": self._grad_baseline.state_dict(),
             "marks": {name: list(mark) for name, mark in self._marks.items()},
-            "epoch_seen_at": self._epoch_seen_at,
+            "epoch_seen_at": self._epoch_seen_at, "recovering": dict(self._recovering),
             "pending": [{"step": s, "verdicts": dump(p.verdicts.values())} for s, p in sorted(self._pending.items())],
         }
 
     def undo_state(self) -> dict[str, Any]:  # Stage.undo_point, per batch: frozen verdicts need no dump
-        return self.state_dict(keep_verdicts=True)
+        return {**self.state_dict(keep_verdicts=True), UNDO_POINT: True}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset_epoch(int(state["epoch"]))
@@ -388,6 +422,7 @@ class Fusion:
         # Absent in a snapshot from before watermarks: they rebuild from the next verdicts.
         self._marks = {name: (int(m[0]), float(m[1])) for name, m in state.get("marks", {}).items()}
         self._epoch_seen_at = state.get("epoch_seen_at")
+        self._recovering = {name: float(t) for name, t in state.get("recovering", {}).items()}
         for item in state["pending"]:
             p = self._pending[int(item["step"])] = _Pending()
             for raw in item["verdicts"]:

@@ -46,6 +46,13 @@ class FusionConfig(BaseModel):
         description="a detector whose watermark for a run has not moved for this long (wall "
         "clock) is not waited for until it moves again",
     )
+    recovery_seconds: float = Field(
+        60.0, gt=0.0,
+        description="after an outage (a stretch in which no verdict reached fusion), a detector "
+        "that was alive when it began is waited for this long (flow clock) from its end before "
+        "fusion decides without it: time to rejoin its group and replay from its snapshot (it "
+        "only ever lengthens deadline_seconds)",
+    )
     deadline_steps: int | None = Field(
         None, ge=0,
         description="if set, a step also waits only while the run's newest step is less than "

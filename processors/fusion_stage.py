@@ -23,10 +23,18 @@ without them (a spike decided ``loss_spike`` instead of the rules' critical
 a stalled detector is given up on as before; while nothing flows (the broker
 is away, the detectors all lag, fusion was down) nobody is given up on, and a
 restored run's watermarks count from when fusion came back.
+
+When verdicts flow again after such a stretch (or fusion restores a run), the
+detectors rejoin at their own pace: one that lags the others by more than
+``deadline_seconds`` would still be given up on while the others' verdicts
+move the flow clock. So the end of a quiet stretch and a restore are an
+outage's end to every run's fusion (:meth:`Fusion.resume`): a detector alive
+when it began is waited for up to ``recovery_seconds`` after it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from itertools import repeat
@@ -36,7 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pydantic import BaseModel, SecretStr
 
 from spikeguard.processors.detector_stage import one_run
-from spikeguard.processors.fusion import Fusion
+from spikeguard.processors.fusion import UNDO_POINT, Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through, over
 from spikeguard.schemas import RunEvent, StepVerdicts, Topics, Verdict
@@ -102,13 +110,17 @@ class FusionStage(RunSettingsStage):
 
     # -- the flow clock ----------------------------------------------------------
     def flow_time(self, now: float, arrived: bool = False) -> float:
-        """Wall time ``now`` on the flow clock; ``arrived``: verdicts came in at ``now``."""
+        """Wall time ``now`` on the flow clock; ``arrived``: verdicts came in at ``now``
+        (after a quiet stretch, that ends an outage for every run's fusion)."""
         last = self._last_input
         quiet = 0.0 if last is None else max(0.0, now - last - QUIET_GAP_S)  # the current stretch, beyond the gap
         flow = now - self._quiet_total - quiet
         if arrived:
             self._quiet_total += quiet
             self._last_input = now
+            if quiet:
+                for fusion in self.runs.values():
+                    fusion.resume(flow, now - last)  # type: ignore[operator]
         return flow
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -116,12 +128,18 @@ class FusionStage(RunSettingsStage):
         # down is a quiet stretch too, so they count from now (Fusion.state_dict's "marks":
         # detector -> [step, time], and "epoch_seen_at").
         flow = self.flow_time(self.wall_clock())
-        for run_state in state.values():
-            if isinstance(run_state, dict) and run_state.get("marks"):
+        # A batch rewound to its undo point (Worker) is put back as it was: no time passed.
+        restarted = [run_id for run_id, run_state in state.items()
+                     if isinstance(run_state, dict) and not run_state.get(UNDO_POINT)]
+        for run_state in map(state.__getitem__, restarted):
+            if run_state.get("marks"):
                 run_state["marks"] = {name: [mark[0], flow] for name, mark in run_state["marks"].items()}
-            if isinstance(run_state, dict) and run_state.get("epoch_seen_at") is not None:
+            if run_state.get("epoch_seen_at") is not None:
                 run_state["epoch_seen_at"] = flow
         super().restore(state)
+        for run_id in restarted:  # a restart is an outage: its detectors are recovering
+            if run_id in self.runs:
+                self.runs[run_id].resume(flow, math.inf)
 
     # -- processing ----------------------------------------------------------------
     def handle_batch(self, items: Sequence[tuple[str, BaseModel]]) -> list[Output]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from spikeguard.lab.backtest import replay_events
-from spikeguard.schemas import Action, CheckpointEvent, Decision, StepEvent, Topics, decode, encode
+from spikeguard.schemas import Action, CheckpointEvent, Decision, StepEvent, Topics, Verdict, decode, encode
 from spikeguard.schemas.signing import sign
 from spikeguard.settings import load_settings
 
@@ -54,17 +54,62 @@ def the_run() -> tuple[list[StepEvent], list[CheckpointEvent]]:
 
 def anomalous(decisions) -> dict[int, tuple]:
     """What each anomalous decision says. A critical verdict decides its step alone, so which
-    other verdicts had arrived by then (``missing``) is timing; any other step waits for all."""
-    return {d.step: (d.type.value, d.critical, d.urgency.value if d.urgency else None,
-                     None if d.critical else sorted(d.missing))
-            for d in decisions if d.is_anomaly}
+    other verdicts had arrived by then (``missing``) is timing; any other step waits for all.
+    A step decided again (a restarted worker) must be decided the same way."""
+    said: dict[int, set] = {}
+    for d in decisions:
+        said.setdefault(d.step, set()).add(
+            (d.type.value, d.critical, d.urgency.value if d.urgency else None,
+             None if d.critical else tuple(sorted(d.missing))) if d.is_anomaly else None)
+    assert all(len(ways) == 1 for ways in said.values()), {s: w for s, w in said.items() if len(w) > 1}
+    return {step: next(iter(ways)) for step, ways in said.items() if None not in ways}
 
 
 def summary(actions) -> list[tuple]:
     """The actions, by id (a hash of what they derive from), kind, step and parameters; the live
-    actuator's pulses ("judged up to step s": wall-clock paced) are not decisions' actions."""
-    return sorted((a.action_id, a.kind.value, a.apply_at_step, repr(a.params))
-                  for a in actions if a.kind.value != "pulse")
+    actuator's pulses ("judged up to step s": wall-clock paced) are not decisions' actions.
+    Each once: a restarted worker publishes again what it had not committed (the same id,
+    which a trainer applies once)."""
+    return sorted({(a.action_id, a.kind.value, a.apply_at_step, repr(a.params))
+                   for a in actions if a.kind.value != "pulse"})
+
+
+class Supervised:
+    """``spikeguard worker all``, restarted when it exits on an error, as the deployment's
+    ``restart: unless-stopped`` does: a worker whose outputs the broker has not acknowledged
+    within the producer's delivery timeout (120 s; on a loaded machine the broker's own
+    restart makes the 30 s outage last that long) stops before it saves anything past them,
+    and its restart redoes those batches from its snapshot."""
+
+    MAX_RESTARTS = 3
+
+    def __init__(self, env: dict, log: Path) -> None:
+        self.env, self.log = env, log
+        self.restarts = 0
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", "all"], env=self.env,
+                                stdout=self.log.open("a"), stderr=subprocess.STDOUT, text=True)
+
+    def check(self) -> None:
+        """Fails the test if the worker stopped other than on an error, or too often."""
+        code = self.process.poll()
+        if code is None:
+            return
+        tail = self.log.read_text()[-3000:]
+        assert code != 0 and "cannot go on" in tail and self.restarts < self.MAX_RESTARTS, tail
+        self.restarts += 1
+        print(f"worker exited ({code}) after the outage: restarted ({self.restarts})\n{tail[-600:]}")
+        self.process = self._start()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
 
 
 class Feed(threading.Thread):
@@ -110,11 +155,18 @@ def read(bus, topic: str, model) -> list:
     return [e for e in (decode(r.value, model) for r in bus.read_all(topic, timeout=30)) if e.run_id == RUN]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "a known gap, not an allowance: on a loaded machine one detector of `worker all` can lag the others "
-    "after the broker comes back, and fusion's flow-clock deadline then decides without it (seen: steps "
-    "155-157 `divergence`/high with `rules` missing, instead of `extreme_loss`/critical); on a quiet "
-    "machine the decisions and the rollback are the offline pipeline's"))
+def comeback(bus, topics: Topics, back_at: float) -> str:
+    """When each detector published again after the broker came back (wall seconds after it):
+    how far apart they rejoined, against fusion's deadline_seconds."""
+    first: dict[str, float] = {}
+    for record in bus.read_all(topics.verdicts, timeout=30):
+        at = record.timestamp_ms / 1000 - back_at
+        if at >= 0:
+            name = decode(record.value, Verdict).detector
+            first[name] = min(first.get(name, at), at)
+    return ", ".join(f"{name} +{at:.1f}s" for name, at in sorted(first.items(), key=lambda item: item[1]))
+
+
 def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollback(tmp_path):
     from spikeguard.bus.kafka import KafkaBus
 
@@ -138,11 +190,10 @@ def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollbac
         bus.create_topics(topics.all())
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
         env.update(SPIKEGUARD_BOOTSTRAP_SERVERS=bootstrap, SPIKEGUARD_SIGNING_KEY=KEY)
-        worker = subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", "all"], env=env,
-                                  stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+        worker = Supervised(env, log)
         deadline = time.monotonic() + 120
         while "spikeguard worker:" not in log.read_text():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert worker.process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
 
         feed = Feed(bus, topics, steps, checkpoints)
@@ -158,32 +209,33 @@ def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollbac
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))  # the outage itself, not a wait on a condition
         restarted = script(port, "start")
         assert restarted.returncode == 0, restarted.stderr
+        back_at = time.time()
         print(f"broker back after {time.monotonic() - down:.1f}s; the feed is at step {feed.published}")
 
         deadline = time.monotonic() + 120
         decided: set[int] = set()
         while len(decided) < STEPS:
-            assert worker.poll() is None, log.read_text()[-3000:]
+            worker.check()
             assert feed.error is None, feed.error
             assert time.monotonic() < deadline, f"{STEPS - len(decided)} steps undecided\n" + log.read_text()[-3000:]
             decided = {d.step for d in read(bus, topics.decisions, Decision)}
             time.sleep(0.5)
         feed.join(60)
+        print(f"verdicts again after the broker came back: {comeback(bus, topics, back_at)}")
         got = read(bus, topics.decisions, Decision)
+        without = sorted({d.step for d in got if d.missing and not d.critical})
+        print(f"steps decided without a detector's verdict: {len(without)} {without[:12]}")
         assert len(got) >= STEPS
         assert anomalous(got) == want_decisions
         deadline = time.monotonic() + 30
         while summary(read(bus, topics.actions, Action)) != want_actions and time.monotonic() < deadline:
+            worker.check()
             time.sleep(0.5)  # the actuator answers the last decisions
         assert summary(read(bus, topics.actions, Action)) == want_actions
         bus.close()
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        if worker is not None:
+            worker.stop()
         script(port, "stop")
         cache = Path(os.environ.get("SPIKEGUARD_CACHE", Path.home() / ".cache" / "spikeguard"))
         shutil.rmtree(cache / "kafka" / f"run-{port}", ignore_errors=True)

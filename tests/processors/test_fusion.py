@@ -336,6 +336,49 @@ def test_a_stalled_detector_is_not_waited_for_after_the_deadline() -> None:
     assert f.tick(10.9) == [] and [d.step for d in f.tick(11.0)] == [4]
 
 
+def test_after_an_outage_a_detector_alive_when_it_began_is_waited_for_up_to_the_recovery_time() -> None:
+    cfg = FusionConfig(deadline_seconds=5.0, recovery_seconds=20.0)
+    f = Fusion(cfg, run_id="r")
+    assert [d.step for d in feed(f, healthy_step(0), now=0.0)] == [0]
+    assert feed(f, [x for x in healthy_step(1) if x.detector != "ml"], now=4.9) == []
+    f.resume(5.5, quiet_s=30.0)  # the outage: ml had been silent for 5.5 s when it began, the others not
+    assert [(d.step, d.missing) for d in f.tick(5.5)] == [(1, ["ml"])]  # already stalled: no grace
+    assert feed(f, [x for x in healthy_step(2) if x.detector != "rules"], now=6.0) == []  # rules lags
+    assert f.tick(12.0) == []  # past its deadline, within its recovery time: waited for
+    restored = Fusion(cfg, run_id="r")  # the recovery time survives a snapshot
+    restored.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    assert restored.state_dict() == f.state_dict()
+    f = restored
+    assert f.tick(25.4) == []
+    assert [(d.step, d.missing) for d in f.tick(25.5)] == [(2, ["rules"])]  # it died in the outage
+    # Back, and past its recovery time: the usual deadline again.
+    assert [d.step for d in feed(f, healthy_step(3), now=26.0)] == [3]
+    assert feed(f, [x for x in healthy_step(4) if x.detector != "rules"], now=27.0) == []
+    assert [(d.step, d.missing) for d in f.tick(31.0)] == [(4, ["rules"])]
+
+
+def test_a_detector_that_rejoins_again_after_the_outage_is_still_waited_for() -> None:
+    """Back from the outage, a consumer may fetch a little, then have its commit refused, rejoin
+    and replay from its snapshot: its watermark stands still again, within the recovery time."""
+    f = Fusion(FusionConfig(deadline_seconds=5.0, recovery_seconds=20.0), run_id="r")
+    feed(f, healthy_step(0), now=0.0)
+    f.resume(1.0, quiet_s=30.0)
+    assert [d.step for d in feed(f, healthy_step(1), now=1.0)] == [1]
+    assert feed(f, [x for x in healthy_step(2) if x.detector != "rules"], now=2.0) == []
+    assert feed(f, [v("rules", 0), v("rules", 1)], now=3.0) == []  # its replay: no move
+    assert f.tick(9.0) == []  # 8 s since it last moved, within the recovery time
+    assert [(d.step, d.missing) for d in f.tick(21.0)] == [(2, ["rules"])]
+
+
+def test_a_pause_shorter_than_the_deadline_is_no_outage() -> None:
+    """A slow trainer's pauses between steps give a detector that died no recovery time."""
+    f = Fusion(FusionConfig(deadline_seconds=5.0, recovery_seconds=20.0), run_id="r")
+    feed(f, healthy_step(0), now=0.0)
+    feed(f, [x for x in healthy_step(1) if x.detector != "rules"], now=1.0)
+    f.resume(4.0, quiet_s=4.9)
+    assert [(d.step, d.missing) for d in f.tick(5.0)] == [(1, ["rules"])]
+
+
 def test_the_pipeline_s_decisions_carry_the_trainer_s_own_values() -> None:
     """Real detectors and fusion on the embedded bus: the detector stage puts each step's loss
     and gradient norm on its verdicts, so every decision's evidence is what the trainer sent."""

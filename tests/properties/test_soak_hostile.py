@@ -2,7 +2,8 @@
 
 The demo's real model trains with a loss spike, guarded in lockstep on the
 embedded bus with the whole pipeline (four detectors, fusion, the actuator)
-as threads and a signing key. An attacker thread that knows only what it
+and a signing key; the pipeline runs as threads of the trainer's process, or
+in its child process (the default: ``worker.embedded_process``). An attacker thread that knows only what it
 can read on the bus writes 10,000 hostile records while the run trains:
 malformed, huge, far-future, forged and replayed steps, forged actions, and
 forged verdicts (alone and as a step's record), decisions, checkpoint events
@@ -16,6 +17,13 @@ every hostile step is in the DLQ once per detector, every hostile verdict in
 fusion's DLQ and every hostile decision, checkpoint event and ack in the
 actuator's, every hostile action is refused (REJECTED ack) or in the DLQ, and
 no forged action is applied.
+
+With the child process, only what the trainer publishes crosses to the
+pipeline (steps, run events, checkpoint events, acks: ``inputs_of``); verdicts
+and decisions written on the trainer's bus reach no worker, so they are in no
+DLQ and must change nothing. The child's per-run tables are in another
+process: its ``spikeguard_runs_in_memory`` gauges say how many runs each
+worker holds, and its RSS is read from /proc.
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ HOSTILE = int(os.environ.get("SPIKEGUARD_SOAK_RECORDS", "10000"))
 DETECTORS = ("statistical", "rules", "ml", "predictor")
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
@@ -65,7 +73,8 @@ class Attacker(threading.Thread):
         self.steps_sent = 0
         self.actions_sent = 0
         self.to_fusion = 0  # verdicts
-        self.to_actuator = 0  # decisions, checkpoint events, acks
+        self.decisions_sent = 0
+        self.to_actuator = 0  # checkpoint events, acks (what the trainer publishes)
         self.error: BaseException | None = None
         self.read_up_to: dict[int, int] = {}
         self.genuine: list[StepEvent] = []
@@ -181,7 +190,9 @@ class Attacker(threading.Thread):
                               type=AnomalyType.NON_FINITE if step != MAX_COUNTER else AnomalyType.NONE,
                               confidence=1.0, incident_id=f"forged-i{sent}", incident_onset_step=step)
             producer.publish(t.decisions, encode(guess(record)), key=run_id)
-        elif kind == 11:  # a healthy checkpoint the trainer never wrote: it would be the rollback target
+            self.decisions_sent += 1
+            return
+        if kind == 11:  # a healthy checkpoint the trainer never wrote: it would be the rollback target
             record = CheckpointEvent(run_id=run_id, step=newest.step, epoch=newest.epoch,
                                      checkpoint_id=f"forged-c{sent}", healthy=True)
             producer.publish(t.checkpoints, encode(guess(record)), key=run_id)
@@ -192,20 +203,37 @@ class Attacker(threading.Thread):
         self.to_actuator += 1
 
 
-def guarded_run(attack: bool, workdir) -> dict:
+def expected_letters(attacker: Attacker, child: bool) -> dict[str, int]:
+    """How many hostile records each consumer must have sent to the DLQ."""
+    expected = {detector: attacker.steps_sent for detector in DETECTORS}
+    # In the child, the verdicts and decisions written on the trainer's bus reach no worker.
+    expected["fusion"] = 0 if child else attacker.to_fusion
+    expected["actuator"] = attacker.to_actuator + (0 if child else attacker.decisions_sent)
+    return expected
+
+
+def child_runs_in_memory(child) -> dict[str, float]:
+    """Each of the child's workers: how many runs it holds (its spikeguard_runs_in_memory gauge)."""
+    return {sample.labels["component"]: sample.value for family in child.metrics(timeout_s=30)
+            for sample in family.samples if sample.name == "spikeguard_runs_in_memory"}
+
+
+def guarded_run(attack: bool, workdir, child: bool = False) -> dict:
     """Train the demo's spike run, guarded; what happened, read before the runtime closes."""
     # read() takes every action and ack back from the bus after the run, and the attacker
     # floods the actions topic: keep every consumed record in memory (no retention trim).
     # Threads: the workers' per-run tables are read back below, in this process.
     settings = load_settings({**DEMO_SETTINGS, "signing_key": KEY, "embedded_keep_consumed": 1_000_000,
-                              "worker.embedded_process": False}, env={})
+                              "worker.embedded_process": child}, env={})
     runtime = open_runtime(settings, metrics=Metrics(CollectorRegistry()))
+    assert (runtime.child is not None) == child  # not the threads fallback
+    pid = runtime.child.process.pid if child else "self"
     attacker = Attacker(runtime) if attack else None
     config = GuardConfig(checkpoint_dir=str(workdir), checkpoint_every=20, keep_checkpoints=4,
                          resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
                          signing_key=KEY, lockstep_settle=1.0)
     try:
-        rss_before = rss_bytes()
+        rss_before = rss_bytes(pid)
         if attacker:
             attacker.start()
         outcome = run_demo("spike", seed=0, guarded=True, runtime=runtime, config=config)
@@ -216,15 +244,18 @@ def guarded_run(attack: bool, workdir) -> dict:
             done = threading.Event()
             for _ in range(1200):
                 letters = runtime.bus.read_all(runtime.topics.dlq)
-                if len(letters) >= attacker.steps_sent * len(DETECTORS) + attacker.to_fusion + \
-                        attacker.to_actuator:
+                if len(letters) >= sum(expected_letters(attacker, child).values()):
                     break
                 done.wait(0.1)
-        facts = dict(outcome=outcome, attacker=attacker, rss_growth=rss_bytes() - rss_before,
-                     alive=[t.is_alive() for t in runtime.threads],
-                     runs={w.stage.name: (set(getattr(w.stage, "runs", {})),
-                                          set(getattr(w.stage, "_newest", {})))
-                           for w in runtime.workers})
+        facts = dict(outcome=outcome, attacker=attacker, rss_growth=rss_bytes(pid) - rss_before)
+        if child:
+            facts.update(alive=[runtime.child.problem is None and runtime.child.process.poll() is None],
+                         runs_in_memory=child_runs_in_memory(runtime.child))
+        else:
+            facts.update(alive=[t.is_alive() for t in runtime.threads],
+                         runs={w.stage.name: (set(getattr(w.stage, "runs", {})),
+                                              set(getattr(w.stage, "_newest", {})))
+                               for w in runtime.workers})
         facts.update(read(runtime))
         return facts
     finally:
@@ -270,11 +301,13 @@ def _applied(facts) -> list[tuple]:
                   for a in applied)
 
 
-def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path):
-    clean = guarded_run(False, tmp_path / "clean")
-    hostile = guarded_run(True, tmp_path / "hostile")
+@pytest.mark.parametrize("pipeline", ["threads", "child process"])
+def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path, pipeline):
+    child = pipeline == "child process"
+    clean = guarded_run(False, tmp_path / "clean", child)
+    hostile = guarded_run(True, tmp_path / "hostile", child)
     attacker = hostile["attacker"]
-    print(f"soak: {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
+    print(f"soak ({pipeline}): {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
           f"actions) written from step {attacker.steps_seen[0]} to step {attacker.steps_seen[-1]} "
           f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
           f"(clean run {clean['rss_growth'] / 2**20:.1f} MiB)")
@@ -288,21 +321,29 @@ def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp
     # Every worker stayed up, holding state for the real run only.
     assert hostile["alive"] and all(hostile["alive"])
     (run_id,) = {d.run_id for d in hostile["decisions"]}
-    for name, (runs, newest) in hostile["runs"].items():
-        assert runs <= {run_id} and newest <= {run_id}, (name, runs, newest)
+    if child:
+        in_memory = hostile["runs_in_memory"]
+        assert set(in_memory) == {*DETECTORS, "fusion", "actuator"}, in_memory
+        assert all(held <= 1 for held in in_memory.values()), in_memory
+    else:
+        for name, (runs, newest) in hostile["runs"].items():
+            assert runs <= {run_id} and newest <= {run_id}, (name, runs, newest)
     assert hostile["rss_growth"] < 512 * 2**20
     # Nothing lost: every hostile step in the DLQ once per detector ...
     letters = hostile["letters"]
+    expected = expected_letters(attacker, child)
     for detector in DETECTORS:
         mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{detector}"]
-        assert len(mine) == attacker.steps_sent, detector
+        assert len(mine) == expected[detector] == attacker.steps_sent, detector
         assert {d.error for d in mine} == {"MalformedMessage", "MessageTooLarge",
                                            "StepNotAuthenticated", "StepOutOfOrder"}
-    # ... every hostile verdict in fusion's, every hostile decision, checkpoint and ack in the actuator's ...
-    for consumer, sent in (("fusion", attacker.to_fusion), ("actuator", attacker.to_actuator)):
+    # ... every hostile verdict in fusion's, every hostile decision, checkpoint and ack in the actuator's
+    # (in the child, only what crosses to it: none of the verdicts and decisions) ...
+    assert attacker.to_fusion and attacker.decisions_sent and attacker.to_actuator
+    for consumer in ("fusion", "actuator"):
         mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{consumer}"]
-        assert sent and len(mine) == sent, consumer
-        assert {d.error for d in mine} == {"RecordNotAuthenticated"}, consumer
+        assert len(mine) == expected[consumer], consumer
+        assert {d.error for d in mine} <= {"RecordNotAuthenticated"}, consumer
     assert not [a for a in hostile["actions"] if (a.decision_id or "").startswith("forged-")]
     # ... every hostile action refused or in the DLQ, and no forged action applied.
     forged_acks = [a for a in hostile["acks"] if a.action_id.startswith("forged-")]
