@@ -181,7 +181,9 @@ class Forwarder:
 
     def forward_once(self, timeout: float) -> int:
         records = self._consumer.poll(10_000, timeout)
-        if records and self.linger_s > 0 and not self._is_urgent(records):
+        # Only the trainer's own steps (they went down when published): nothing to linger for.
+        gone = all(type(r) is PendingStep for r in records)
+        if records and self.linger_s > 0 and not gone and not self._is_urgent(records):
             deadline = time.monotonic() + self.max_linger_s
             pause = self.linger_s
             # A lone record (lockstep) goes after one pause; a stream is looked at ever less
@@ -260,6 +262,7 @@ class ChildPipeline:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
         self.topics = topics
         self.signing_key = settings.keys()
+        self._own_key_seen: Any = None  # a key object found equal to signing_key
         #: Why the pipeline is gone (the child died), or None while it runs.
         self.problem: str | None = None
         self._lost_lock = threading.Lock()
@@ -319,7 +322,7 @@ class ChildPipeline:
         gone the publisher builds its steps itself again, for whoever reads them.
         """
         if (self.problem is not None or self._closing or topic != self.topics.steps
-                or not _same_key(signing_key, self.signing_key)):
+                or not self._is_own_key(signing_key)):
             return False
         items = [(topic, _run_key(fields), None, (), fields) for fields in batch]
         # For readers in this process; the forwarder only commits past them.
@@ -329,6 +332,14 @@ class ChildPipeline:
         except (OSError, ValueError) as exc:  # the child is gone: the next batch is built here
             self._lost(f"the bridge closed: {exc}", wait_s=1.0)  # the trainer's thread: brief
         return True
+
+    def _is_own_key(self, signing_key: Any) -> bool:
+        if signing_key is not None and signing_key is self._own_key_seen:
+            return True  # (one Guard asks with the same key object every batch)
+        if _same_key(signing_key, self.signing_key):
+            self._own_key_seen = signing_key
+            return True
+        return False
 
     def _receive(self, bus: Bus) -> None:
         receive(bus, self._up, on_metrics=self._metrics_arrived)
