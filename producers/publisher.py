@@ -72,7 +72,7 @@ class BackgroundPublisher:
         self._parked = False  # the sender sleeps until woken: nothing was queued (under _lock)
         self._hurry = False  # something queued must go now (an urgent step, a control event, a flush)
         self._pass_event = "event" in inspect.signature(producer.publish).parameters
-        # A pipeline in a child process takes step fields as queued (bus/embedded_process.py):
+        # A pipeline in a child process takes step fields as queued (spikeguard/runtime/child.py):
         # building, signing and encoding them then happen there, off this process's GIL.
         self._ship = getattr(producer, "ship_fields", None)
         self._thread: threading.Thread | None = None

@@ -93,7 +93,7 @@ class EmbeddedBus(Bus):
         # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
         # Guard handed the bus directly signs its steps as that pipeline requires.
         self.signing_key = None
-        # Set by a child-process pipeline (embedded_process.py): where the trainer's
+        # Set by a child-process pipeline (spikeguard/runtime/child.py): where the trainer's
         # step fields go instead of this bus.
         self.pipeline_link = None
         if partitions < 1:
@@ -388,6 +388,6 @@ class _LinkedProducer(EmbeddedProducer):
         """Hand the fields of step events to the pipeline as they are; False if it cannot take them.
 
         The background publisher asks this first: the trainer's process then
-        neither builds, signs nor encodes its steps (embedded_process.py).
+        neither builds, signs nor encodes its steps (spikeguard/runtime/child.py).
         """
         return self._bus.pipeline_link.ship_fields(topic, batch, signing_key)  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ per step as it can:
   records keep coming (up to ``max_linger_s``), so a fast run crosses in a
   few wake-ups a second; an action goes at once.
 
-The child is a fresh interpreter (``python -m spikeguard.bus.embedded_process``),
+The child is a fresh interpreter (``python -m spikeguard.runtime.child``),
 not a fork of a process that holds threads and torch (so it works where fork
 is unavailable, and it does not re-import the user's script). Records cross
 as pickled batches over two pipes; the settings (with the signing key) cross
@@ -47,14 +47,13 @@ import threading
 import time
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
+from spikeguard.runtime.base import Runtime, make_bus
+from spikeguard.runtime.threads import start_workers
 from spikeguard.schemas import StepEvent, Topics, encode, sign_step
-
-if TYPE_CHECKING:
-    from spikeguard.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +257,7 @@ def _built(topic: str, key: bytes | None, fields: dict, signing_key: Any, dlq: s
 class ChildPipeline:
     """The trainer's side: the child process, one forwarder down, one receiver thread up."""
 
-    def __init__(self, runtime: "Runtime") -> None:
+    def __init__(self, runtime: Runtime) -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
         self.topics = topics
         self.signing_key = settings.keys()
@@ -276,7 +275,7 @@ class ChildPipeline:
         self.started = time.perf_counter()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
+                [sys.executable, "-m", "spikeguard.runtime.child", str(down_r), str(up_w)],
                 pass_fds=(down_r, up_w), close_fds=True,
             )
         except (OSError, ValueError) as exc:  # no interpreter to start, or no fd passing here
@@ -425,8 +424,6 @@ def _same_key(a: Any, b: Any) -> bool:
 
 def child_main(down_fd: int, up_fd: int) -> int:
     """The child: a bus, the pipeline's workers on it, and the two bridge ends."""
-    from spikeguard.runtime import Runtime, make_bus, start_workers
-
     down = Connection(down_fd, writable=False)
     up = Link(Connection(up_fd, readable=False))
     settings = down.recv()
