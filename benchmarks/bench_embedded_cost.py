@@ -163,6 +163,8 @@ def paired(steps: int, block: int, directory: str) -> dict:
     deadline = time.monotonic() + 120.0
     while len(never := _never_decided(guard, total)) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The default layout or not: where no child could start, this measured threads.
+    layout = "threads" if runtime.child is None else "child" if runtime.child.problem is None else "child died"
     for guard, *_ in loops.values():
         guard.close()
     runtime.close()
@@ -172,7 +174,7 @@ def paired(steps: int, block: int, directory: str) -> dict:
             "steps_per_s": {k: counted / v for k, v in wall.items()},
             "thread_cpu_us_per_step": {k: 1e6 * v / counted for k, v in thread.items()},
             "missed": len(never) / total, "dropped": dropped, "never_decided": len(never),
-            "undecided_at_end": behind, "steps": total, "block": block}
+            "undecided_at_end": behind, "steps": total, "block": block, "layout": layout}
 
 
 def main() -> None:

@@ -50,7 +50,8 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
         "steps": 20000, "backtest_steps_per_s": 5000.0, "backtest_over_naive": 0.9,
         "backtest_steps_per_cpu_s": 8000.0}}))
     (tmp_path / "embedded_cost.txt").write_text("warming up\n" + json.dumps(
-        {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5}) + "\n")
+        {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5,
+         "paired": {"ratio": 0.93, "hook_share": 0.031, "missed": 0.0}}) + "\n")
     (tmp_path / "kafka_throughput.txt").write_text(json.dumps({
         "raw": {"steps_per_s": 14000}, "raw_confluent": {"steps_per_s": 40000},
         "pipelines": {"confluent/cohosted": {"steps_per_s": 21000}}}) + "\n")
@@ -62,4 +63,5 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
     assert "0.95x (rounds 0.90-1.00)  [aim >= 0.9x: met]" in text
     assert "21,000 steps/s, 0.53x the raw confluent loop  [aim >= 10k steps/s, >= 0.5x: met]" in text
     assert "p50 15 ms, p99 250 ms  [aim p50 <= 20 ms, p99 <= 100 ms: missed]" in text
-    assert len(lines) == 5  # threads and child process, throughput, latency, backtest
+    assert "0.93x  [aim >= 0.9x: met]" in text and "+3.1%  [aim < 2%: missed]" in text
+    assert len(lines) == 8  # paired: ratio, hook, missed; threads and child process; throughput, latency, backtest
