@@ -66,6 +66,7 @@ class EmbeddedConsumer(Consumer):
         self._generation = -1
         self._next = 0  # round-robin start, so one busy partition cannot starve the others
         self._closed = False
+        self._woken = False  # wakeup() was called: the current or next poll returns at once
         # Notified by the bus when a topic it reads gets records, or its group changes.
         self._wake = threading.Condition(bus.lock)
         with bus.lock:
@@ -107,12 +108,22 @@ class EmbeddedConsumer(Consumer):
             with bus.lock:
                 if self._generation == bus.generation(self.group):
                     batch = self._take(max_records)
-                    if batch:
+                    if batch or self._woken:
+                        self._woken = False
                         return batch
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return []
                     self._wake.wait(remaining)
+
+    def wakeup(self) -> None:
+        """End a poll waiting in another thread (or the next poll) at once, with no records.
+
+        So a reader can block on a long poll, woken by records, and still stop promptly.
+        """
+        with self._bus.lock:
+            self._woken = True
+            self._wake.notify_all()
 
     def _take(self, max_records: int) -> list[Record]:
         owned = sorted(self._owned)

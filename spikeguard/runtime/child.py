@@ -151,7 +151,7 @@ class Forwarder:
 
     def __init__(self, bus: Bus, topics: list[str], group: str, link: Link,
                  linger_s: float, max_linger_s: float = 0.0, urgent: tuple[str, ...] = (),
-                 poll_timeout_s: float = 0.05) -> None:
+                 poll_timeout_s: float = 0.5) -> None:
         self.link = link
         self.linger_s = linger_s
         self.max_linger_s = max(linger_s, max_linger_s)
@@ -203,6 +203,7 @@ class Forwarder:
 
     def stop(self) -> None:
         self._stop.set()
+        self._consumer.wakeup()  # (records wake its poll; this ends it for the stop)
         self.thread.join(timeout=10)
 
 
