@@ -404,7 +404,7 @@ class Guard:
             self.events.step(step, self.generation, stats, lr=half.lr, reason=reason,
                              loss_scale=half.loss_scale, overflow_streak=self.amp.streak,
                              batch_index=self.loader.last_index if self.loader is not None else None,
-                             rerun=half.rerun)
+                             rerun=half.rerun, outlier=half.scored is not None and half.scored.skip)
             self.actions.published.remember(self.generation, step, stats.loss,  # checked against action evidence
                                             None if reason == "scaler_overflow" else stats.grad_norm,
                                             own_view(half.nonfinite, half.overflow, half.scored))

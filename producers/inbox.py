@@ -33,16 +33,20 @@ def group_name(run_id: str, rank: int) -> str:
 
 class ActionInbox:
     def __init__(self, bus: Bus, topics: Topics, run_id: str, rank: int = 0,
-                 threaded: bool = True, poll_timeout: float = 0.05,
+                 threaded: bool = True, poll_timeout: float | None = None,
                  protection: ProtectionWatch | None = None) -> None:
         self.run_id = run_id
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
-        self.poll_timeout = poll_timeout
         self.dlq_topic = topics.dlq
         bus.create_topics([self.topic, self.dlq_topic])
         self.group = group_name(run_id, rank)
         self._consumer = bus.consumer(self.group, [self.topic], from_beginning=True)
+        # An action wakes the poll as it arrives; the timeout only paces the protection check and
+        # the stop. A consumer that can be woken to stop lets the thread sleep long (each wake-up
+        # of it costs the training thread a GIL hand-off).
+        self._wakeup = getattr(self._consumer, "wakeup", None)
+        self.poll_timeout = poll_timeout if poll_timeout is not None else 0.5 if self._wakeup else 0.05
         self._producer = bus.producer()  # for dead letters only
         self._ready: deque[Action] = deque()
         self._lock = threading.Lock()  # the consumer is used by one thread at a time
@@ -78,6 +82,8 @@ class ActionInbox:
 
     def close(self) -> None:
         self._stop.set()
+        if self._wakeup is not None:
+            self._wakeup()
         if self._thread is not None:
             self._thread.join(2.0)
         with self._lock:

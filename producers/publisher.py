@@ -1,9 +1,14 @@
 """Sends the trainer's events from a background thread; training never waits.
 
 Step events go into a bounded queue: when the bus is slow or away, the oldest
-are dropped (and counted) rather than the trainer blocked. Acks and
-checkpoint events are rarer and matter more, so they have their own queue
-that is sent first and dropped from only if it, too, overflows.
+ordinary steps are dropped (and counted) rather than the trainer blocked. An
+*urgent* step (non-finite, skipped, or an outlier by the Guard's own rule) is
+what the pipeline exists for: it is never dropped while an ordinary step can
+go instead, and it wakes the sender at once, so its decision is not held
+back by batching. Ordinary steps go in batches, at most ``interval`` after
+the first of them was queued; an idle sender sleeps until something comes.
+Acks and checkpoint events are rarer and matter more, so they have their own
+queue that is sent first and dropped from only if it, too, overflows.
 
 The training thread hands over plain field dicts; building and encoding the
 pydantic model happens on the sender thread (tens of microseconds a step
@@ -19,7 +24,7 @@ import inspect
 import logging
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, SecretStr
 
@@ -30,7 +35,15 @@ from spikeguard.schemas.signing import SIGNED_TYPES, sign
 
 log = logging.getLogger(__name__)
 
-Item = tuple[str, "type[BaseModel] | None", Any]  # topic, model to build (None: already built), fields/event
+
+
+class Item(NamedTuple):
+    """One queued event."""
+
+    topic: str
+    model: "type[BaseModel] | None"  # the model to build from ``fields`` (None: ``fields`` is the event)
+    fields: Any
+    urgent: bool = False  # a step the queue keeps while it can drop an ordinary one
 
 
 class BackgroundPublisher:
@@ -45,7 +58,7 @@ class BackgroundPublisher:
         self._dropped_total = (metrics or default_metrics()).trainer_dropped
         self.key = key
         self.queue_size = queue_size
-        self.interval = interval
+        self.interval = interval  # the longest an ordinary step waits for its batch to go
         self.dropped = 0  # events thrown away because the queue was full
         self.failed = 0  # events the bus refused (logged)
         self.sent = 0
@@ -56,8 +69,10 @@ class BackgroundPublisher:
         self._stop = False
         self._idle = threading.Event()
         self._idle.set()
+        self._parked = False  # the sender sleeps until woken: nothing was queued (under _lock)
+        self._hurry = False  # something queued must go now (an urgent step, a control event, a flush)
         self._pass_event = "event" in inspect.signature(producer.publish).parameters
-        # A pipeline in a child process takes step fields as queued (bus/embedded_process.py):
+        # A pipeline in a child process takes step fields as queued (spikeguard/runtime/child.py):
         # building, signing and encoding them then happen there, off this process's GIL.
         self._ship = getattr(producer, "ship_fields", None)
         self._thread: threading.Thread | None = None
@@ -68,32 +83,51 @@ class BackgroundPublisher:
 
     # -- training thread ------------------------------------------------------
     def submit(self, topic: str, model: type[BaseModel] | None, fields: Any, *,
-               droppable: bool = True) -> None:
-        """Queue one event (``model(**fields)``, or ``fields`` itself when model is None)."""
+               droppable: bool = True, urgent: bool = False) -> None:
+        """Queue one event (``model(**fields)``, or ``fields`` itself when model is None).
+
+        ``urgent``: a step that must reach the pipeline (kept over ordinary steps when the
+        queue is full) and soon (the sender goes at once rather than after ``interval``).
+        """
         queue = self._steps if droppable else self._control
         with self._lock:
             if len(queue) >= self.queue_size:
-                queue.popleft()
-                self.dropped += 1
-                self._dropped_total.inc()
-            queue.append((topic, model, fields))
+                self._drop_one(queue)
+            queue.append(Item(topic, model, fields, urgent))
             self._idle.clear()
+            hurry = urgent or not droppable
+            wake = self._parked or hurry
+            self._parked = False
+            self._hurry = self._hurry or hurry
         if self._thread is None:
             self._drain()
-        elif not droppable:
+        elif wake:
             self._wake.set()
+
+    def _drop_one(self, queue: deque[Item]) -> None:
+        """Make room (under the lock): the oldest ordinary event, else the oldest of all."""
+        for i, item in enumerate(queue):
+            if not item.urgent:
+                del queue[i]
+                break
+        else:
+            queue.popleft()  # every one urgent: the queue stays bounded all the same
+        self.dropped += 1
+        self._dropped_total.inc()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far went out; False on timeout."""
         if self._thread is None:
             self._drain()
             return True
+        self._hurry = True
         self._wake.set()
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         self.flush(timeout)
         self._stop = True
+        self._hurry = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -105,10 +139,20 @@ class BackgroundPublisher:
 
     # -- sender thread --------------------------------------------------------
     def _run(self) -> None:
+        parked = False
         while not self._stop:
-            self._wake.wait(self.interval)
+            # While steps flow, look every `interval` (the training thread never wakes this
+            # thread then: a wake-up is a syscall it would pay per batch); after a round that
+            # found nothing, sleep until a submit wakes us (an idle trainer costs nothing).
+            self._wake.wait(None if parked else self.interval)
             self._wake.clear()
-            self._drain()
+            if parked and not self._hurry and not self._stop:
+                self._wake.wait(self.interval)  # woken by the first of a batch: the rest may come
+                self._wake.clear()
+            self._hurry = False
+            sent = self._drain()
+            with self._lock:
+                parked = self._parked = not sent and not self._steps and not self._control
 
     def _next(self) -> Item | None:
         with self._lock:
@@ -123,16 +167,19 @@ class BackgroundPublisher:
         batch = []
         with self._lock:
             steps = self._steps
-            while steps and steps[0][0] == topic and steps[0][1] is StepEvent:
-                batch.append(steps.popleft()[2])
+            while steps and steps[0].topic == topic and steps[0].model is StepEvent:
+                batch.append(steps.popleft().fields)
         return batch
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Send everything queued; how many items went."""
+        taken = 0
         while True:
             item = self._next()
             if item is None:
                 break
-            topic, model, fields = item
+            topic, model, fields, _ = item
+            taken += 1
             if model is StepEvent and self._ship is not None:
                 batch = [fields] + self._steps_after(topic)
                 if self._ship(topic, batch, self.signing_key):
@@ -150,6 +197,7 @@ class BackgroundPublisher:
         with self._lock:
             if not self._steps and not self._control:
                 self._idle.set()
+        return taken
 
     def _publish(self, topic: str, model: "type[BaseModel] | None", fields: Any) -> None:
         try:

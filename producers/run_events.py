@@ -8,6 +8,7 @@ checkpoints and acks never are.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Iterable
 
@@ -25,11 +26,15 @@ class RunEvents:
 
     def step(self, step: int, epoch: int, stats: Any, *, lr: float, reason: str | None,
              loss_scale: float | None, overflow_streak: int, batch_index: int | None,
-             rerun: str | None = None) -> None:
+             rerun: str | None = None, outlier: bool = False) -> None:
+        """``outlier``: the Guard's own rule found the step an outlier (skipped or not)."""
         if not self.steps_on:
             return
         # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
         overflow = reason == "scaler_overflow"
+        # What the pipeline must see, and soon: kept under backlog, sent without waiting for a batch.
+        urgent = outlier or (reason is not None and not overflow) or not math.isfinite(stats.loss) or (
+            not overflow and not stats.finite)
         self.publisher.submit(self.topics.steps, StepEvent, dict(
             run_id=self.run_id, step=step, epoch=epoch, rank=self.rank, time=time.time(),
             loss=stats.loss, loss_mean=stats.loss_mean, loss_ranks=stats.ranks,
@@ -39,7 +44,7 @@ class RunEvents:
             top_grad_norms={} if overflow else stats.top_grad_norms,
             nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
             skip_reason=reason, overflow_streak=overflow_streak if overflow else 0,
-            batch_index=batch_index, batch=stats.batch, rerun=rerun))
+            batch_index=batch_index, batch=stats.batch, rerun=rerun), urgent=urgent)
 
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:

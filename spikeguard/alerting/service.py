@@ -19,7 +19,7 @@ from spikeguard.streaming.worker import Worker
 
 if TYPE_CHECKING:
     from spikeguard.bus import Bus
-    from spikeguard.runtime import Runtime
+    from spikeguard.runtime.base import Runtime
     from spikeguard.schemas import Topics
     from spikeguard.settings import Settings
 

@@ -93,7 +93,7 @@ class EmbeddedBus(Bus):
         # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
         # Guard handed the bus directly signs its steps as that pipeline requires.
         self.signing_key = None
-        # Set by a child-process pipeline (embedded_process.py): where the trainer's
+        # Set by a child-process pipeline (spikeguard/runtime/child.py): where the trainer's
         # step fields go instead of this bus.
         self.pipeline_link = None
         if partitions < 1:
@@ -282,7 +282,7 @@ class EmbeddedBus(Bus):
                     log.trim(log.end - self.max_records)
                 self._retain(name, partition)
 
-    # -- groups (called under self._cond) -------------------------------------
+    # -- groups (called under the lock) -----------------------------------------
     def _wake_everyone(self) -> None:
         """Every waiting consumer re-checks (a rebalance, a new topic)."""
         self._cond.notify_all()
@@ -290,7 +290,29 @@ class EmbeddedBus(Bus):
             for consumer in readers:
                 consumer._wake.notify()
 
-    def _join(self, consumer: EmbeddedConsumer) -> int:
+    # -- what a consumer reads the bus through (embedded_consumer.GroupLog) ----
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def generation(self, group: str) -> int:
+        return self._groups[group].generation
+
+    def committed(self, group: str, tp: TopicPartition) -> int | None:
+        return self._groups[group].committed.get(tp)
+
+    def partition(self, tp: TopicPartition) -> PartitionLog | CompactedLog:
+        return self._topics[tp[0]].logs[tp[1]]
+
+    def commit_offsets(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
+        committed = self._groups[group].committed
+        for tp, offset in offsets.items():
+            committed[tp] = offset
+            self._retain(*tp)
+        if self._recording is not None:
+            self._recording.save_offsets(group, committed)
+
+    def join_group(self, consumer: EmbeddedConsumer) -> int:
         member = next(self._member_ids)
         group = self._groups.setdefault(consumer.group, _Group())
         group.members[member] = consumer
@@ -300,7 +322,7 @@ class EmbeddedBus(Bus):
         self._wake_everyone()
         return member
 
-    def _leave(self, consumer: EmbeddedConsumer) -> None:
+    def leave_group(self, consumer: EmbeddedConsumer) -> None:
         for topic in consumer.topics:
             self._readers.get(topic, set()).discard(consumer)
         group = self._groups.get(consumer.group)
@@ -308,7 +330,7 @@ class EmbeddedBus(Bus):
             group.generation += 1
             self._wake_everyone()
 
-    def _assignment(self, group_name: str, member: int) -> set[TopicPartition]:
+    def assigned(self, group_name: str, member: int) -> set[TopicPartition]:
         """Range-style assignment: each topic's partitions split over its subscribers."""
         group = self._groups[group_name]
         mine: set[TopicPartition] = set()
@@ -388,6 +410,6 @@ class _LinkedProducer(EmbeddedProducer):
         """Hand the fields of step events to the pipeline as they are; False if it cannot take them.
 
         The background publisher asks this first: the trainer's process then
-        neither builds, signs nor encodes its steps (embedded_process.py).
+        neither builds, signs nor encodes its steps (spikeguard/runtime/child.py).
         """
         return self._bus.pipeline_link.ship_fields(topic, batch, signing_key)  # type: ignore[union-attr]

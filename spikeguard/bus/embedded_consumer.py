@@ -2,8 +2,8 @@
 
 Split from embedded.py so that each module stays one idea: the bus holds
 topics, groups and retention; a consumer holds its positions, adopts its
-group's assignment and reads. Everything here that touches the bus's state
-runs under the bus's lock (``bus._cond``).
+group's assignment and reads. It sees the bus only through :class:`GroupLog`,
+the few calls it needs, each made holding ``log.lock``.
 """
 
 from __future__ import annotations
@@ -11,20 +11,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Protocol
 
 from spikeguard.bus.base import Consumer, RebalanceCallback, Record, TopicPartition
-
-if TYPE_CHECKING:
-    from spikeguard.bus.embedded import EmbeddedBus
+from spikeguard.bus.embedded_log import CompactedLog, PartitionLog
 
 logger = logging.getLogger(__name__)
+
+
+class GroupLog(Protocol):
+    """What a consumer needs of the bus it reads (the embedded bus is one); call holding ``lock``."""
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    def join_group(self, consumer: "EmbeddedConsumer") -> int:
+        """Add ``consumer`` to its group; its member id."""
+
+    def leave_group(self, consumer: "EmbeddedConsumer") -> None: ...
+
+    def generation(self, group: str) -> int:
+        """Changes whenever the group's assignment may have."""
+
+    def assigned(self, group: str, member: int) -> set[TopicPartition]: ...
+
+    def committed(self, group: str, tp: TopicPartition) -> int | None: ...
+
+    def partition(self, tp: TopicPartition) -> PartitionLog | CompactedLog: ...
+
+    def commit_offsets(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
+        """Store the group's offsets (retention and the recording follow)."""
 
 
 class EmbeddedConsumer(Consumer):
     def __init__(
         self,
-        bus: "EmbeddedBus",
+        bus: GroupLog,
         group: str,
         topics: list[str],
         from_beginning: bool,
@@ -44,30 +66,31 @@ class EmbeddedConsumer(Consumer):
         self._generation = -1
         self._next = 0  # round-robin start, so one busy partition cannot starve the others
         self._closed = False
+        self._woken = False  # wakeup() was called: the current or next poll returns at once
         # Notified by the bus when a topic it reads gets records, or its group changes.
-        self._wake = threading.Condition(bus._lock)
-        with bus._cond:
-            self.member = bus._join(self)
+        self._wake = threading.Condition(bus.lock)
+        with bus.lock:
+            self.member = bus.join_group(self)
 
     def _rebalance(self) -> None:
         """Adopt the group's current assignment (callbacks run outside the lock)."""
         bus = self._bus
         while True:
-            with bus._cond:
-                group = bus._groups[self.group]
-                if self._generation == group.generation:
+            with bus.lock:
+                generation = bus.generation(self.group)
+                if self._generation == generation:
                     return
-                self._generation = group.generation
-                wanted = bus._assignment(self.group, self.member)
+                self._generation = generation
+                wanted = bus.assigned(self.group, self.member)
                 lost = self._owned - wanted
                 gained = wanted - self._owned
                 self._owned = wanted
                 for tp in lost:
                     self._positions.pop(tp, None)
                 for tp in gained:
-                    start = group.committed.get(tp)
+                    start = bus.committed(self.group, tp)
                     if start is None:
-                        log = bus._topics[tp[0]].logs[tp[1]]
+                        log = bus.partition(tp)
                         start = log.beginning if self._from_beginning else log.end
                     self._positions[tp] = start
             if lost and self._on_revoke:
@@ -82,15 +105,25 @@ class EmbeddedConsumer(Consumer):
         bus = self._bus
         while True:
             self._rebalance()
-            with bus._cond:
-                if self._generation == bus._groups[self.group].generation:
+            with bus.lock:
+                if self._generation == bus.generation(self.group):
                     batch = self._take(max_records)
-                    if batch:
+                    if batch or self._woken:
+                        self._woken = False
                         return batch
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return []
                     self._wake.wait(remaining)
+
+    def wakeup(self) -> None:
+        """End a poll waiting in another thread (or the next poll) at once, with no records.
+
+        So a reader can block on a long poll, woken by records, and still stop promptly.
+        """
+        with self._bus.lock:
+            self._woken = True
+            self._wake.notify_all()
 
     def _take(self, max_records: int) -> list[Record]:
         owned = sorted(self._owned)
@@ -100,7 +133,7 @@ class EmbeddedConsumer(Consumer):
         start = self._next % len(owned)
         self._next += 1
         for tp in owned[start:] + owned[:start]:
-            log = self._bus._topics[tp[0]].logs[tp[1]]
+            log = self._bus.partition(tp)
             position = self._positions[tp]
             if position < log.beginning:
                 position = self._out_of_range(tp, position, log.beginning, log.end)
@@ -123,21 +156,12 @@ class EmbeddedConsumer(Consumer):
 
     def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         bus = self._bus
-        with bus._cond:
-            group = bus._groups[self.group]
-            current = bus._assignment(self.group, self.member)
+        with bus.lock:
             # Only partitions this member still owns: after a rebalance the new
             # owner's progress must not be overwritten by a stale member.
-            for tp in self._owned & current:
-                if offsets is None:
-                    group.committed[tp] = self._positions[tp]
-                elif tp in offsets:
-                    group.committed[tp] = offsets[tp]
-                else:
-                    continue
-                bus._retain(*tp)
-            if bus._recording is not None:
-                bus._recording.save_offsets(self.group, group.committed)
+            owned = self._owned & bus.assigned(self.group, self.member)
+            source = self._positions if offsets is None else offsets
+            bus.commit_offsets(self.group, {tp: source[tp] for tp in owned if tp in source})
 
     def assignment(self) -> set[TopicPartition]:
         self._rebalance()
@@ -155,8 +179,8 @@ class EmbeddedConsumer(Consumer):
         if self._closed:
             return
         self._closed = True
-        with self._bus._cond:
-            self._bus._leave(self)
+        with self._bus.lock:
+            self._bus.leave_group(self)
         # A closed consumer never rebalances again; dropping the callbacks
         # (usually bound methods of its worker, which holds this consumer)
         # breaks the cycle, so the bus and its records are freed by reference

@@ -24,7 +24,7 @@ JUDGEMENT = ("statistical", "rules", "ml", "predictor", "fusion", "policy")
 
 def save(settings: "Settings", directory: str | os.PathLike) -> Path:
     """Write the judging settings beside a recording (atomically); an OSError is the caller's to
-    report: a trainer's runtime goes on without the file (runtime.py)."""
+    report: a trainer's runtime goes on without the file (spikeguard/runtime)."""
     path = Path(directory) / FILE
     body = json.dumps(settings.model_dump(mode="json", include=set(JUDGEMENT)), indent=1)
     atomic_write_bytes(path, body.encode())

@@ -52,7 +52,8 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
         "steps": 20000, "backtest_steps_per_s": 5000.0, "backtest_over_naive": 0.9,
         "backtest_steps_per_cpu_s": 8000.0}}))
     (tmp_path / "embedded_cost.txt").write_text("warming up\n" + json.dumps(
-        {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5}) + "\n")
+        {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5,
+         "paired": {"ratio": 0.93, "hook_share": 0.031, "missed": 0.0}}) + "\n")
     (tmp_path / "kafka_throughput.txt").write_text(json.dumps({
         "raw": {"steps_per_s": 14000}, "raw_confluent": {"steps_per_s": 40000},
         "pipelines": {"confluent/cohosted": {"steps_per_s": 21000, "cpu_us_per_step_total": 180,
@@ -77,8 +78,10 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
     assert pointers == [f"    where the time goes, what would close it: {run_all.PROFILES[name]}"
                         for name in ("kafka_latency", "kafka_latency", "backtest")]
     assert lines[-1] == pointers[-1] and lines[-2].startswith("offline backtest")
-    # threads and child process, throughput, two latencies + pointers, backtest + pointer
-    assert len(lines) == 9
+    assert "0.93x  [aim >= 0.9x: met]" in text and "+3.1%  [aim < 2%: missed]" in text
+    # paired ratio, hook share, missed; threads and child process; throughput, two latencies + pointers,
+    # backtest + pointer
+    assert len(lines) == 12
 
 
 def test_each_profile_pointer_names_a_section_of_the_benchmarks_page():

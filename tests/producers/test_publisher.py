@@ -6,6 +6,7 @@ import threading
 import time
 
 from spikeguard.bus import EmbeddedBus
+from spikeguard.bus.embedded import EmbeddedProducer
 from spikeguard.producers import BackgroundPublisher
 from spikeguard.schemas import Ack, AckStatus, ActionKind, StepEvent, Topics, decode
 
@@ -13,9 +14,9 @@ from spikeguard.schemas import Ack, AckStatus, ActionKind, StepEvent, Topics, de
 class GatedProducer:
     """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
 
-    def __init__(self, bus):
-        self.inner = bus.producer()
-        self.gate = threading.Event()
+    def __init__(self, bus, gate=None):
+        self.inner = EmbeddedProducer(bus)
+        self.gate = gate or threading.Event()
 
     def publish(self, topic, value, key=None, headers=None):
         self.gate.wait()
@@ -23,6 +24,9 @@ class GatedProducer:
 
     def flush(self, timeout=None):
         self.inner.flush(timeout)
+
+    def close(self):
+        self.inner.close()
 
 
 def _step(i):
@@ -117,3 +121,63 @@ def test_a_guard_given_an_embedded_runtimes_bus_signs_with_that_runtimes_key(tmp
         assert all(step_signature_problem(s, key) is None for s in steps)
         refused = runtime.bus.read_all(runtime.topics.dlq)
         assert refused == []  # the pipeline judged every step
+
+
+def test_a_flood_of_ordinary_steps_never_pushes_an_urgent_step_out():
+    # Under backlog the queue drops the oldest *ordinary* step: a non-finite or skipped step
+    # is what the pipeline exists for, and a drop-oldest queue used to lose it first.
+    bus, t = EmbeddedBus(), Topics()
+    producer = GatedProducer(bus)
+    pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
+    for i in range(100):
+        pub.submit(t.steps, StepEvent, _step(i), urgent=i in (3, 50))
+    producer.gate.set()
+    assert pub.flush(5.0)
+    pub.close()
+    steps = [decode(r.value, StepEvent).step for r in bus.read_all(t.steps)]
+    assert 3 in steps and 50 in steps
+    assert steps == sorted(steps)  # kept in order
+    assert len(steps) + pub.dropped == 100 and len(steps) <= 11
+
+
+def test_an_urgent_step_is_sent_at_once_not_at_the_next_interval():
+    bus, t = EmbeddedBus(), Topics()
+    pub = BackgroundPublisher(bus.producer(), "p", interval=60.0)  # ordinary steps: once a minute
+    try:
+        pub.submit(t.steps, StepEvent, _step(0), urgent=True)
+        sent = threading.Event()
+        for _ in range(500):  # a bound on polling, not a timing assertion
+            if bus.read_all(t.steps):
+                sent.set()
+                break
+            threading.Event().wait(0.01)
+        assert sent.is_set(), "the urgent step waited for the sender's interval"
+    finally:
+        pub.close()
+
+
+def test_a_guard_under_backlog_still_publishes_its_non_finite_step(tmp_path):
+    # A real Guard and model, its bus away for 40 steps with room for 5: the step whose loss is
+    # NaN (the one thing the pipeline must see) is among those that reach the bus.
+    import math
+
+    from producers_helpers import Tiny, make_guard
+
+    class AwayBus(EmbeddedBus):
+        gate = threading.Event()
+
+        def producer(self):
+            return GatedProducer(self, self.gate)
+
+    bus = AwayBus()
+    tiny = Tiny(seed=1)
+    guard = make_guard(tiny, bus, tmp_path, queue_size=5, checkpoint_every=0)
+    batch = next(iter(tiny.loader))
+    for i in range(40):
+        loss = tiny.loss(batch)
+        guard.step(loss * float("nan") if i == 7 else loss)
+    bus.gate.set()
+    guard.close()
+    steps = {s.step: s for s in (decode(r.value, StepEvent) for r in bus.read_all(Topics().steps))}
+    assert 7 in steps and math.isnan(steps[7].loss) and steps[7].skip_reason == "non_finite"
+    assert guard.publisher.dropped > 0  # the backlog was real

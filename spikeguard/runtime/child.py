@@ -20,7 +20,7 @@ per step as it can:
   records keep coming (up to ``max_linger_s``), so a fast run crosses in a
   few wake-ups a second; an action goes at once.
 
-The child is a fresh interpreter (``python -m spikeguard.bus.embedded_process``),
+The child is a fresh interpreter (``python -m spikeguard.runtime.child``),
 not a fork of a process that holds threads and torch (so it works where fork
 is unavailable, and it does not re-import the user's script). Records cross
 as pickled batches over two pipes; the settings (with the signing key) cross
@@ -47,14 +47,13 @@ import threading
 import time
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from spikeguard.bus.base import Bus, Record
 from spikeguard.errors import BusError
+from spikeguard.runtime.base import Runtime, make_bus
+from spikeguard.runtime.threads import start_workers
 from spikeguard.schemas import StepEvent, Topics, encode, sign_step
-
-if TYPE_CHECKING:
-    from spikeguard.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ class Forwarder:
 
     def __init__(self, bus: Bus, topics: list[str], group: str, link: Link,
                  linger_s: float, max_linger_s: float = 0.0, urgent: tuple[str, ...] = (),
-                 poll_timeout_s: float = 0.05) -> None:
+                 poll_timeout_s: float = 0.5) -> None:
         self.link = link
         self.linger_s = linger_s
         self.max_linger_s = max(linger_s, max_linger_s)
@@ -181,7 +180,9 @@ class Forwarder:
 
     def forward_once(self, timeout: float) -> int:
         records = self._consumer.poll(10_000, timeout)
-        if records and self.linger_s > 0 and not self._is_urgent(records):
+        # Only the trainer's own steps (they went down when published): nothing to linger for.
+        gone = all(type(r) is PendingStep for r in records)
+        if records and self.linger_s > 0 and not gone and not self._is_urgent(records):
             deadline = time.monotonic() + self.max_linger_s
             pause = self.linger_s
             # A lone record (lockstep) goes after one pause; a stream is looked at ever less
@@ -202,6 +203,7 @@ class Forwarder:
 
     def stop(self) -> None:
         self._stop.set()
+        self._consumer.wakeup()  # (records wake its poll; this ends it for the stop)
         self.thread.join(timeout=10)
 
 
@@ -256,10 +258,11 @@ def _built(topic: str, key: bytes | None, fields: dict, signing_key: Any, dlq: s
 class ChildPipeline:
     """The trainer's side: the child process, one forwarder down, one receiver thread up."""
 
-    def __init__(self, runtime: "Runtime") -> None:
+    def __init__(self, runtime: Runtime) -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
         self.topics = topics
         self.signing_key = settings.keys()
+        self._own_key_seen: Any = None  # a key object found equal to signing_key
         #: Why the pipeline is gone (the child died), or None while it runs.
         self.problem: str | None = None
         self._lost_lock = threading.Lock()
@@ -273,7 +276,7 @@ class ChildPipeline:
         self.started = time.perf_counter()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "spikeguard.bus.embedded_process", str(down_r), str(up_w)],
+                [sys.executable, "-m", "spikeguard.runtime.child", str(down_r), str(up_w)],
                 pass_fds=(down_r, up_w), close_fds=True,
             )
         except (OSError, ValueError) as exc:  # no interpreter to start, or no fd passing here
@@ -319,7 +322,7 @@ class ChildPipeline:
         gone the publisher builds its steps itself again, for whoever reads them.
         """
         if (self.problem is not None or self._closing or topic != self.topics.steps
-                or not _same_key(signing_key, self.signing_key)):
+                or not self._is_own_key(signing_key)):
             return False
         items = [(topic, _run_key(fields), None, (), fields) for fields in batch]
         # For readers in this process; the forwarder only commits past them.
@@ -329,6 +332,14 @@ class ChildPipeline:
         except (OSError, ValueError) as exc:  # the child is gone: the next batch is built here
             self._lost(f"the bridge closed: {exc}", wait_s=1.0)  # the trainer's thread: brief
         return True
+
+    def _is_own_key(self, signing_key: Any) -> bool:
+        if signing_key is not None and signing_key is self._own_key_seen:
+            return True  # (one Guard asks with the same key object every batch)
+        if _same_key(signing_key, self.signing_key):
+            self._own_key_seen = signing_key
+            return True
+        return False
 
     def _receive(self, bus: Bus) -> None:
         receive(bus, self._up, on_metrics=self._metrics_arrived)
@@ -414,8 +425,6 @@ def _same_key(a: Any, b: Any) -> bool:
 
 def child_main(down_fd: int, up_fd: int) -> int:
     """The child: a bus, the pipeline's workers on it, and the two bridge ends."""
-    from spikeguard.runtime import Runtime, make_bus, start_workers
-
     down = Connection(down_fd, writable=False)
     up = Link(Connection(up_fd, readable=False))
     settings = down.recv()

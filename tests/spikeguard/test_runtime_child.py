@@ -176,7 +176,7 @@ def _train(guard, model, optimizer, x, y, steps):
 
 
 def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_child(tmp_path):
-    from spikeguard.bus.embedded_process import PendingStep
+    from spikeguard.runtime.child import PendingStep
     from spikeguard.schemas.signing import VERIFIED_STEPS, step_signature_problem
 
     runtime = open_runtime(settings())
@@ -290,7 +290,7 @@ def test_a_burst_of_records_crosses_the_bridge_in_one_message():
     from multiprocessing import Pipe
 
     from spikeguard.bus import EmbeddedBus
-    from spikeguard.bus.embedded_process import RECORDS, Forwarder, Link
+    from spikeguard.runtime.child import RECORDS, Forwarder, Link
 
     bus, topics = EmbeddedBus(partitions=1), Topics()
     bus.create_topics([topics.decisions])

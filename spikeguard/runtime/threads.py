@@ -1,0 +1,55 @@
+"""The embedded pipeline as threads: an in-process bus and the components on it.
+
+The trainer's process runs the workers itself where a child process cannot
+start (:mod:`spikeguard.runtime.child`), and the child runs its workers
+this same way on a bus of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from spikeguard.components import COMPONENTS, build_stage
+from spikeguard.metrics import Metrics
+from spikeguard.runtime.base import Runtime, make_bus
+from spikeguard.schemas import Topics
+from spikeguard.settings import Settings
+from spikeguard.streaming.worker import Worker
+
+
+def start_workers(
+    runtime: Runtime, names: tuple[str, ...] = COMPONENTS, metrics: Metrics | None = None
+) -> None:
+    """Run these components as daemon threads on the runtime's bus."""
+    for name in names:
+        worker = Worker(
+            runtime.bus,
+            build_stage(name, runtime.settings, runtime.topics),
+            metrics=metrics,
+            # In memory, a snapshot has nowhere to survive a crash: skip it.
+            snapshots=runtime.bus.engine != "embedded" or runtime.settings.data_dir is not None,
+            snapshot_interval_s=runtime.settings.snapshot_interval_s,
+            poll_timeout_s=0.05,
+            run_idle_ttl_s=runtime.settings.worker.run_idle_ttl_s,
+            max_state_record_bytes=runtime.settings.worker.max_state_record_bytes,
+            metrics_linger_s=runtime.settings.worker.ended_run_metrics_linger_s,
+            batch_linger_s=runtime.settings.worker.embedded_batch_linger_s,
+            max_runs=runtime.settings.worker.max_runs,
+            max_input_record_bytes=runtime.settings.worker.max_input_record_bytes,
+        )
+        thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
+        runtime.workers.append(worker)
+        runtime.threads.append(thread)
+        thread.start()
+
+
+def embedded_runtime(settings: Settings, bus_settings: Settings) -> Runtime:
+    """An in-process bus with every topic, and the runtime around it."""
+    bus = make_bus(bus_settings)
+    topics = Topics(settings.topic_prefix)
+    bus.create_topics(topics.compacted(), compacted=True)  # before the workers create them plain
+    bus.create_topics(topics.all())
+    # The in-process pipeline refuses steps not signed with this key; a Guard handed
+    # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
+    bus.signing_key = settings.keys()  # type: ignore[attr-defined]
+    return Runtime(bus, topics, settings)
