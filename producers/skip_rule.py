@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from spikeguard.processors.outlier_model import (
     Judged, OutlierConfig, grad_norm_config, log_of, loss_config,
@@ -35,6 +35,17 @@ class SkipDecision:
     #: residual over threshold of each signal (1.0 at the threshold); None when not judged.
     loss_z: float | None = None
     grad_z: float | None = None
+
+
+class StepJudged(NamedTuple):
+    """A step judged and not yet learned (``SkipRule.judge``, then ``SkipRule.learn``)."""
+
+    decision: SkipDecision
+    log_loss: float = 0.0
+    loss_judged: Judged | None = None  # None: the loss was non-finite (nothing to learn)
+    log_grad: float = 0.0
+    grad_judged: Judged | None = None
+    lr: float | None = None
 
 
 class SkipRule:
@@ -64,8 +75,16 @@ class SkipRule:
         """Judge one step, then learn it. Non-finite values are not judged here (the Guard
         skips them on its own) and are never learned. ``lr`` is the step's learning rate:
         a recent rise of it explains a rise of the loss (a warm restart)."""
+        judged = self.judge(loss, grad_norm, lr)
+        self.learn(judged)
+        return judged.decision
+
+    def judge(self, loss: float, grad_norm: float | None = None,
+              lr: float | None = None) -> StepJudged:
+        """Judge one step and change nothing: ``learn`` takes it in. The Guard learns only the
+        values it keeps (a re-run's, when the first computation was a device's fault)."""
         if not math.isfinite(loss):
-            return SkipDecision(False)
+            return StepJudged(SkipDecision(False))
         y = log_of(loss)
         loss_judged = self._loss.judge(y, lr)
         grad_ok = grad_norm is not None and math.isfinite(grad_norm)
@@ -73,12 +92,18 @@ class SkipRule:
         grad_judged: Judged | None = self._grad.judge(g, lr) if grad_ok else None
         hits = [name for name, j in (("loss", loss_judged), ("grad_norm", grad_judged))
                 if j is not None and j.elevated]
-        self.run = self.run + 1 if hits else 0
-        self._loss.advance(y, loss_judged, lr)
-        if grad_judged is not None:
-            self._grad.advance(g, grad_judged, lr)
-        skip = bool(hits) and self.run <= self.max_run
-        return SkipDecision(skip, "+".join(hits), _score(loss_judged), _score(grad_judged))
+        skip = bool(hits) and self.run + 1 <= self.max_run
+        decision = SkipDecision(skip, "+".join(hits), _score(loss_judged), _score(grad_judged))
+        return StepJudged(decision, y, loss_judged, g, grad_judged, lr)
+
+    def learn(self, judged: StepJudged) -> None:
+        """Take a judged step in (nothing, for a non-finite loss)."""
+        if judged.loss_judged is None:
+            return
+        self.run = self.run + 1 if judged.decision.signal else 0
+        self._loss.advance(judged.log_loss, judged.loss_judged, judged.lr)
+        if judged.grad_judged is not None:
+            self._grad.advance(judged.log_grad, judged.grad_judged, judged.lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": self._loss.state_dict(), "grad": self._grad.state_dict(), "run": self.run}
