@@ -179,7 +179,8 @@ class GuardConfig(BaseModel):
     )
     verify_reruns: int = Field(
         0, ge=0, le=1, description="re-run a non-finite or outlier step once from the same state to tell "
-        "a flaky device (transient: skipped, no rollback) from bad data (reproducible); needs "
+        "a flaky device (transient: the re-run's update applied when its values are clean, else "
+        "skipped; no rollback) from bad data (reproducible); needs "
         "guard.step(loss, closure=...); costs one forward+backward per such step (producers/rerun.py)",
     )
     provenance_window: int = Field(

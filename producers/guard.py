@@ -78,7 +78,7 @@ from spikeguard.producers.run_plan import make_plan
 from spikeguard.producers.sharded import ShardedState, model_is_sharded
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.rerun import RerunCheck
-from spikeguard.producers.skip_rule import SkipDecision, SkipRule
+from spikeguard.producers.skip_rule import SkipDecision, SkipRule, StepJudged
 from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
@@ -344,16 +344,28 @@ class Guard:
             reason = SKIPPED_DATA
         else:
             reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
+            judged = None
             if reason is None and not overflow:
-                reason, scored = self._outlier(step, stats)
+                judged = self._judge_outlier(stats)
+                reason = "outlier_step" if self._skips(judged) else None
             if reason is not None and self.rerun.enabled and self.mode is not GuardMode.OBSERVE and not (
                     self.sync.enabled or self.amp.enabled):
                 # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 stats, rerun = self.rerun.judge(closure, params, stats)
                 if rerun == "transient":
-                    reason = "transient"
+                    # The re-run recomputed the same batch on the same weights: when its own values
+                    # are clean, its gradient is the step's true one and its update is applied.
                     self.counters["transient_steps"] += 1
+                    nonfinite = not stats.finite
+                    judged = None if nonfinite else self._judge_outlier(stats)
+                    reason = "transient" if nonfinite or self._skips(judged) else None
+                    grads = self.stats.clip_targets()  # the re-run's gradients, not the fault's
+            if judged is not None:  # what is learned is what is published: a re-run's values
+                self.skip_rule.learn(judged)
+                scored = judged.decision
+                if reason == "outlier_step":
+                    self._found_outlier(judged.decision)
             reason = self._local_skip(step, reason, stats)
             if reason is not None:
                 self.counters["skipped_updates"] += 1
@@ -408,12 +420,12 @@ class Guard:
             self.actions.published.remember(self.generation, step, stats.loss,  # checked against action evidence
                                             None if reason == "scaler_overflow" else stats.grad_norm,
                                             own_view(half.nonfinite, half.overflow, half.scored))
-            self.health.observe(step, not (half.nonfinite or reason == "outlier_step"))  # a local onset
+            self.health.observe(step, not (half.nonfinite or reason in ("outlier_step", "transient")))  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         self.incidents.step(step)
         self._batch_seen = False
         self.rerun.before_step()  # the next forward's random streams (again at its first batch)
-        if reason in ("non_finite", "outlier_step"):
+        if reason in ("non_finite", "outlier_step", "transient"):
             self.counters["skipped_update_batches"] += batches
         self.step_count = step + 1
         self.counters["steps"] += 1
@@ -564,19 +576,21 @@ class Guard:
             return lambda bad, loss, norm: self.sync.flags((~torch.isfinite(loss)).float(), due, loss, norm)
         return lambda bad, loss, norm: self.sync.flags(bad, due, loss, norm)
 
-    def _outlier(self, step: int, stats: Any) -> tuple[str | None, SkipDecision]:
-        """The local outlier model, on values every rank shares (the largest of any rank):
-        the skip reason (None: no skip, or skip_outliers is off) and its judgement."""
+    def _judge_outlier(self, stats: Any) -> StepJudged:
+        """The local outlier model's judgement (not yet learned), on values every rank shares
+        (the largest of any rank)."""
         r = stats.riders
         loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
-        decision = self.skip_rule.decide(loss, None if grad is None or grad < 0 else grad,
-                                         self.lr.effective())
-        skip = decision.skip and self.config.skip_outliers
-        if skip:
-            self.counters["outlier_skips"] += 1
-            self._outlier_note = (f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
-                                  f"grad z={_z(decision.grad_z)})")
-        return ("outlier_step" if skip else None), decision
+        return self.skip_rule.judge(loss, None if grad is None or grad < 0 else grad, self.lr.effective())
+
+    def _skips(self, judged: StepJudged | None) -> bool:
+        """Whether the local rule skips a judged step (it always scores; it skips with skip_outliers)."""
+        return judged is not None and judged.decision.skip and self.config.skip_outliers
+
+    def _found_outlier(self, decision: SkipDecision) -> None:
+        self.counters["outlier_skips"] += 1
+        self._outlier_note = (f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
+                              f"grad z={_z(decision.grad_z)})")
 
     def _void_update(self, interrupted: bool) -> None:
         """This step's update does not happen: every gradient None, the scaler's scale kept."""

@@ -11,8 +11,11 @@ same answer, so:
   norm within ``tolerance``): the data or the optimisation did it, and the
   usual policy applies;
 - **transient**: the rerun differs: suspect the hardware (Megatron's rerun
-  state machine draws the same line); the step is skipped and counted, with
-  no rollback.
+  state machine draws the same line) and count it against the device, with no
+  rollback. The rerun recomputed the same batch on the same weights, so when
+  its own values are clean (finite, not an outlier to the Guard's skip rule)
+  its gradient is the step's true one and the Guard applies it; a rerun that
+  is itself suspicious leaves the update skipped.
 
 ``tolerance`` is relative (default 1e-2): GPU kernels with non-deterministic
 reductions move a loss by ~1e-6 relative, bf16 by ~1e-3; a bit flip that

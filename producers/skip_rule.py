@@ -37,6 +37,17 @@ class SkipDecision(NamedTuple):
     grad_z: float | None = None
 
 
+class StepJudged(NamedTuple):
+    """A step judged and not yet learned (``SkipRule.judge``, then ``SkipRule.learn``)."""
+
+    decision: SkipDecision
+    log_loss: float = 0.0
+    loss_judged: Judged | None = None  # None: the loss was non-finite (nothing to learn)
+    log_grad: float = 0.0
+    grad_judged: Judged | None = None
+    lr: float | None = None
+
+
 class SkipRule:
     """Decide, step by step, whether an update is an isolated outlier to skip.
 
@@ -64,8 +75,16 @@ class SkipRule:
         """Judge one step, then learn it. Non-finite values are not judged here (the Guard
         skips them on its own) and are never learned. ``lr`` is the step's learning rate:
         a recent rise of it explains a rise of the loss (a warm restart)."""
+        judged = self.judge(loss, grad_norm, lr)
+        self.learn(judged)
+        return judged.decision
+
+    def judge(self, loss: float, grad_norm: float | None = None,
+              lr: float | None = None) -> StepJudged:
+        """Judge one step and change nothing: ``learn`` takes it in. The Guard learns only the
+        values it keeps (a re-run's, when the first computation was a device's fault)."""
         if not math.isfinite(loss):
-            return SkipDecision(False)
+            return StepJudged(SkipDecision(False))
         y = log_of(loss)
         loss_judged = self._loss.judge(y, lr)
         grad_ok = grad_norm is not None and math.isfinite(grad_norm)
@@ -73,12 +92,18 @@ class SkipRule:
         grad_judged: Judged | None = self._grad.judge(g, lr) if grad_ok else None
         loss_hit = loss_judged.elevated
         grad_hit = grad_judged is not None and grad_judged.elevated
-        self.run = self.run + 1 if loss_hit or grad_hit else 0
-        self._loss.advance(y, loss_judged, lr)
-        if grad_judged is not None:
-            self._grad.advance(g, grad_judged, lr)
-        skip = (loss_hit or grad_hit) and self.run <= self.max_run
-        return SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged))
+        skip = (loss_hit or grad_hit) and self.run + 1 <= self.max_run
+        decision = SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged))
+        return StepJudged(decision, y, loss_judged, g, grad_judged, lr)
+
+    def learn(self, judged: StepJudged) -> None:
+        """Take a judged step in (nothing, for a non-finite loss)."""
+        if judged.loss_judged is None:
+            return
+        self.run = self.run + 1 if judged.decision.signal else 0
+        self._loss.advance(judged.log_loss, judged.loss_judged, judged.lr)
+        if judged.grad_judged is not None:
+            self._grad.advance(judged.log_grad, judged.grad_judged, judged.lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": self._loss.state_dict(), "grad": self._grad.state_dict(), "run": self.run}

@@ -66,6 +66,12 @@ class GradStats:
                 grads.append(p.grad)
         return names, grads
 
+    def clip_targets(self) -> list[torch.Tensor]:
+        """The gradients as they are now, as ``compute`` returns them for clipping (a sharded
+        model's local shards)."""
+        grads = self.grads()[1]
+        return local_tensors(grads) if self.sharded and self.params else grads
+
     def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
                 riders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
                                  Mapping[str, torch.Tensor]] | None = None,

@@ -195,8 +195,8 @@ class Metrics:
         self.run_reruns = Counter(
             "spikeguard_run_reruns_total",
             "Suspicious steps the Guard re-ran once (verify_reruns=1), by outcome: transient "
-            "(the re-run was clean: a device or data-loading fault, the update skipped) or "
-            "reproducible (the step itself is bad).",
+            "(the re-run differed: a device or data-loading fault; the re-run's update applied "
+            "when its own values are clean, else skipped) or reproducible (the step itself is bad).",
             ["run_id", "outcome"], registry=r,
         )
         # -- goodput (after Google's ml-goodput-measurement: badput is disruptions and the

@@ -131,8 +131,9 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
         reproducible = [f"{s} (epoch {e})" for s, e, r in t.reruns if r == "reproducible"]
         parts.append(
             "<h2>Re-run steps</h2><p>The Guard re-ran suspicious steps once from the same state "
-            f"(verify_reruns). <b>Transient</b> (the re-run differed: suspect the device; skipped, no "
-            f"rollback): {len(transient)}{': steps ' + _e(', '.join(transient)) if transient else ''}. "
+            "(verify_reruns). <b>Transient</b> (the re-run differed: suspect the device; the re-run's "
+            "update applied when its own values were clean, else skipped; no rollback): "
+            f"{len(transient)}{': steps ' + _e(', '.join(transient)) if transient else ''}. "
             f"Reproducible (the data or the optimisation; the policy applied): {len(reproducible)}"
             f"{': steps ' + _e(', '.join(reproducible)) if reproducible else ''}.</p>")
     parts.append("<h2>What the trainer did</h2>")

@@ -73,3 +73,64 @@ def _backward(model, x, y):
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     return loss
+
+
+# -- the Guard's use: a transient fault's re-run is the step's true update ----------------------
+
+FAULT_STEP = 80  # past the skip rule's warm-up, so that an extreme gradient is judged an outlier
+
+
+def _corrupt(model, how: str | None) -> None:
+    if how is None:
+        return
+    for p in model.parameters():
+        p.grad.mul_(float("nan") if how == "nan" else 1e4)
+
+
+def _guarded(tmp_path, first: str | None = None, rerun: str | None = None, steps: int = 100):
+    """A real model trained ``steps`` steps under a Guard with verify_reruns=1; at FAULT_STEP the
+    first computation's gradient is corrupted as ``first`` says and the re-run's as ``rerun``."""
+    from producers_helpers import Tiny
+
+    from spikeguard.producers import Guard, GuardConfig
+
+    tiny = Tiny()
+    cfg = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False,
+                      verify_reruns=1, data_seed=0)
+    guard = Guard(tiny.model, tiny.optimizer, run_id="rerun", connect=False, config=cfg)
+    before_fault = None
+    for batch in guard.data(tiny.loader, max_steps=steps):
+        step = guard.step_count
+
+        def closure(batch=batch, step=step):
+            loss = tiny.loss(batch)
+            _corrupt(tiny.model, rerun if step == FAULT_STEP else None)
+            return loss
+
+        loss = tiny.loss(batch)
+        _corrupt(tiny.model, first if step == FAULT_STEP else None)
+        if step == FAULT_STEP:
+            before_fault = tiny.params()
+        guard.step(loss, closure=closure)
+        if step == FAULT_STEP:
+            after_fault = tiny.params()
+    guard.close()
+    return guard, tiny.params(), before_fault, after_fault
+
+
+@pytest.mark.parametrize("first", ["nan", "extreme"])
+def test_a_transient_fault_applies_the_clean_rerun_and_the_weights_equal_the_clean_run(tmp_path, first):
+    _, clean, _, _ = _guarded(tmp_path / "clean")
+    guard, faulty, _, _ = _guarded(tmp_path / "faulty", first=first)
+    assert guard.rerun.counts == {"transient": 1, "reproducible": 0}
+    assert guard.counters["transient_steps"] == 1
+    assert guard.counters["skipped_updates"] == 0 and guard.counters["updates"] == 100
+    assert all(torch.equal(a, b) for a, b in zip(clean, faulty))
+
+
+@pytest.mark.parametrize("first,rerun", [("nan", "extreme"), ("extreme", "nan")])
+def test_a_rerun_that_is_itself_suspicious_keeps_the_skip(tmp_path, first, rerun):
+    guard, _, before, after = _guarded(tmp_path, first=first, rerun=rerun)
+    assert guard.rerun.counts == {"transient": 1, "reproducible": 0}
+    assert guard.counters["transient_steps"] == 1 and guard.counters["skipped_updates"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the fault step changed nothing
