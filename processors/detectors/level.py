@@ -1,6 +1,6 @@
 """The pipeline's level test of the loss: outlier steps, spikes, divergences and slow rises.
 
-Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anomaly):
+Four parts, all on ``y = log(loss)`` and all one-sided (a drop is never an anomaly):
 
 * **elevated points** — the same :class:`~spikeguard.processors.outlier_model.OutlierModel`
   as the Guard's local skip rule, with the same defaults: a point above the
@@ -18,9 +18,18 @@ Two parts, both on ``y = log(loss)`` and both one-sided (a drop is never an anom
   (through their median and 90th percentile), so
   a rise must be larger than the run's own noise *and* drift have produced
   so far (a falling, stationary or slowly drifting loss calibrates its own
-  bar), at a false-alarm rate of one per 10,000 steps, and at least
+  bar), at a false-alarm rate of one per 10 million steps and horizon (a rise
+  cuts the learning rate), and at least
   ``min_rise``. A rise while the learning rate has recently gone up (a warm
   restart) is explained and not judged. A rise is a ``SLOW_RISE``.
+
+* **climbs** (:class:`ClimbTest`) — a sign test on ranks over the last
+  ``climb_window`` points: most of them over the run's own 90th percentile of
+  residuals and none at or below its median is a ``CLIMB`` (said as a
+  divergence). It finds a gradual divergence within a few steps of its rising
+  three noise sigmas, long before a single point is elevated or a 50-point block
+  has filled; noise that grows, or a run of hard batches, leaves low points among
+  the high ones and is not a climb.
 
 * **where the loss is now** — an EW mean of the residuals (``recent_alpha``)
   and of their absolute deviations from it. ``raised`` says that mean is
@@ -45,6 +54,7 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
+from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.processors.outlier_model import Judged as Point
 
 
@@ -58,6 +68,7 @@ class LevelCode(IntEnum):
     SPIKE = 3
     DIVERGENCE = 4
     SLOW_RISE = 5
+    CLIMB = 6
 
 
 class BlockJudged(NamedTuple):
@@ -168,21 +179,121 @@ class RiseTest:
         self._since_excused = int(state["since_excused"])
 
 
+def climb_chance(n: int, m: int, high: float) -> float:
+    """P(at least ``m`` of ``n`` independent points over the ``1 - high`` quantile, none
+    at or below the median): each is high with probability ``high``, in the middle with
+    ``0.5 - high``."""
+    middle = 0.5 - high
+    return sum(math.comb(n, j) * high ** j * middle ** (n - j) for j in range(m, n + 1))
+
+
+class Place(IntEnum):
+    """Where a residual lies in the run's own distribution of residuals (the climb test)."""
+
+    LOW = 0  #: at or below its median (counted from the level when the median is below it)
+    MIDDLE = 1
+    HIGH = 2  #: over the climb test's quantile
+
+
+class ClimbTest:
+    """A climb: most of the last ``window`` points high, and none of them low.
+
+    A sign test on ranks, against the run's own residuals: a healthy point is
+    ``HIGH`` with probability at most ``1 - quantile`` and ``LOW`` with
+    probability about 1/2, whatever the noise's distribution. A climb lifts the
+    whole distribution, so none of the window may be ``LOW``: noise that grows,
+    or a run of hard batches, widens the distribution both ways and leaves low
+    points among the high ones. ``points`` is the fewest ``HIGH`` of ``window``
+    points, none ``LOW``, that independent healthy points reach with probability
+    at most ``rate``. A climb too slow to lift the window clear of the median is
+    the rise test's.
+
+    The bars come from the outlier model's tail (learnt late, so a climb is judged
+    against the noise from before it) and from the spread of the ``reference``
+    residuals just before the window, whichever is wider: the tail lags noise that
+    grows, and a steady climb shifts the recent residuals but does not widen them.
+    """
+
+    __slots__ = ("window", "quantile", "points", "_places", "_pending", "_reference")
+
+    def __init__(self, *, window: int, quantile: float, rate: float, reference: int) -> None:
+        self.window = window
+        self.quantile = quantile
+        high = 1.0 - quantile
+        if climb_chance(window, window, high) > rate:
+            raise ValueError(f"climb_window {window} is too short for climb_rate {rate} at "
+                             f"climb_quantile {quantile}: even {window} of {window} is likelier")
+        self.points = next(m for m in range(1, window + 1) if climb_chance(window, m, high) <= rate)
+        self._places: list[int] = []  # the last judged points' places, oldest first
+        self._pending: list[float] = []  # the window's residuals, before they join the reference
+        self._reference = RollingMedian(reference)
+
+    def place(self, residual: float, tail: TailThreshold) -> Place:
+        """Where ``residual`` lies among the run's residuals (``tail``: the outlier model's)."""
+        median = tail.quantile(0.5)
+        spread = tail.quantile(self.quantile) - median
+        reference = self._reference
+        if len(reference) == reference.window:
+            recent = reference.quantile(self.quantile) - reference.quantile(0.5)
+            spread = recent if recent > spread else spread
+        # While the loss was falling the residuals sat below the level, and the tail learnt
+        # that shift as if it were noise: its median is below zero then. The bars are
+        # counted from the level in that case, not from the tail's median.
+        low = median if median > 0.0 else 0.0
+        if residual <= low:
+            return Place.LOW
+        return Place.HIGH if residual > low + spread else Place.MIDDLE
+
+    def judge(self, place: Place) -> int:
+        """High points among the last ``window`` (this one included); 0 if any is low
+        or fewer than ``window`` have been judged since the count started."""
+        recent = self._places[1 - self.window:] + [place]
+        if len(recent) < self.window or Place.LOW in recent:
+            return 0
+        return recent.count(Place.HIGH)
+
+    def advance(self, residual: float, place: Place | None) -> None:
+        """Take a point in (``place`` None: a point not judged, which starts the count over)."""
+        if place is None:
+            self._places.clear()
+            self._pending.clear()
+            return
+        self._places.append(int(place))
+        del self._places[: -self.window]
+        self._pending.append(residual)
+        if len(self._pending) > self.window:
+            self._reference.update(self._pending.pop(0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"places": list(self._places), "pending": list(self._pending),
+                "reference": self._reference.values()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._places = [int(v) for v in state.get("places", ())]
+        self._pending = [float(v) for v in state.get("pending", ())]
+        self._reference.clear()
+        for value in state.get("reference", ()):
+            self._reference.update(float(value))
+
+
 class LevelMonitor:
     """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
-    __slots__ = ("model", "rises", "spike_rise", "divergence_points", "divergence_rise",
+    __slots__ = ("model", "rises", "climb", "spike_rise", "divergence_points", "divergence_rise",
                  "recent_alpha", "raise_z", "_elevated", "_recent", "_spread")
 
     def __init__(self, *, outliers: OutlierConfig, spike_ratio: float, divergence_points: int,
                  divergence_ratio: float,
                  rise_block: int, rise_horizons: tuple[int, ...], rise_min: float,
                  rise_min_blocks: int, rise_rate: float, rise_history: int,
+                 climb_window: int, climb_quantile: float, climb_rate: float, climb_reference: int,
                  recent_alpha: float, raise_z: float) -> None:
         self.model = OutlierModel(outliers)
         self.rises = RiseTest(block=rise_block, horizons=tuple(rise_horizons),
                               min_rise=math.log(rise_min), min_blocks=rise_min_blocks,
                               rate=rise_rate, history=rise_history)
+        self.climb = ClimbTest(window=climb_window, quantile=climb_quantile, rate=climb_rate,
+                               reference=climb_reference)
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
@@ -224,12 +335,26 @@ class LevelMonitor:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
         block = self.rises.judge(y, False)
+        place = self._place(point)
+        if place is not None:
+            count = self.climb.judge(place)
+            if count >= self.climb.points:
+                return LevelJudged(LevelCode.CLIMB, count / self.climb.points, point.residual,
+                                   point, block)
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
 
+    def _place(self, point: Point) -> Place | None:
+        """Where the point's residual lies for the climb test (None: not judged for it)."""
+        tail = self.model.tail
+        if not point.judged or len(tail) < self.model.config.settle:
+            return None
+        return Place.HIGH if point.elevated else self.climb.place(point.residual, tail)
+
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
+        self.climb.advance(point.residual, self._place(point))
         self.model.advance(y, point, lr)
         if judged.recent == judged.recent:
             self._recent, self._spread = judged.recent, judged.spread
@@ -240,11 +365,13 @@ class LevelMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "rises": self.rises.state_dict(),
+                "climb": self.climb.state_dict(),
                 "elevated": self._elevated, "recent": self._recent, "spread": self._spread}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.rises.load_state_dict(state["rises"])
+        self.climb.load_state_dict(state.get("climb", {}))
         self._elevated = int(state["elevated"])
         self._recent = float(state.get("recent", math.nan))
         self._spread = float(state.get("spread", math.nan))

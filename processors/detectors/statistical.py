@@ -7,8 +7,9 @@ uses the same one with the same defaults), calibrated on the run's own noise
 to a false-alarm rate, not a sigma count. The loss's level test (:mod:`.level`)
 turns its elevated points into an ``outlier_step`` (one point: the Guard
 skipped that update, nothing is rolled back), a ``loss_spike`` (two or more in
-a row) or a ``divergence``, and its rise test finds a ``slow_rise`` against the
-run's own trend and noise. A growing oscillation is found by the swing test of
+a row) or a ``divergence``, its climb test a gradual ``divergence`` (most recent
+points high in the run's own distribution of residuals, none low), and its rise
+test a ``slow_rise`` against the run's own trend and noise. A growing oscillation is found by the swing test of
 :class:`SeriesMonitor`. A one-step gradient-norm jump that the loss does not
 follow is said in the verdict, not flagged: it is a ``gradient_explosion`` once
 it lasts ``grad_persist_steps``. A drop is never an anomaly. A non-finite value
@@ -145,9 +146,28 @@ class LevelConfig(BaseModel):
         10, ge=5, description="differences a horizon's tail holds before it judges a rise"
     )
     rise_rate: float = Field(
-        1e-5, gt=0.0, lt=0.01, description="false-alarm rate of the rise test per step and horizon"
+        1e-7, gt=0.0, lt=0.01,
+        description="false-alarm rate of the rise test per step and horizon (a rise cuts the LR: "
+        "as rare as a climb)"
     )
     rise_history: int = Field(200, ge=50, le=65536, description="differences each tail keeps")
+    climb_window: int = Field(10, ge=2, le=256, description="points the climb test looks back over")
+    climb_quantile: float = Field(
+        0.9, gt=0.5, lt=1.0,
+        description="a point counts towards a climb when its residual is over this quantile of "
+        "the run's own residuals",
+    )
+    climb_rate: float = Field(
+        1e-7, gt=0.0, lt=0.01,
+        description="chance per step that independent healthy points make a climb (it sets how "
+        "many of climb_window points must be over climb_quantile, none under the median: 8 of "
+        "10 at the defaults); a climb cuts the LR, so it is rarer than an outlier step's 1e-5",
+    )
+    climb_reference: int = Field(
+        50, ge=10, le=4096,
+        description="residuals just before the climb window whose spread (median to "
+        "climb_quantile) the climb's bar is at least: the tail lags noise that grows",
+    )
     recent_alpha: float = Field(
         1 / 16, gt=0.0, le=1.0,
         description="EW weight of the short-run mean of the loss over its level (that mean has the "
@@ -208,6 +228,7 @@ _LEVEL_TYPES = {
     lv.LevelCode.SPIKE: (AnomalyType.LOSS_SPIKE, "loss_spike"),
     lv.LevelCode.DIVERGENCE: (AnomalyType.DIVERGENCE, "loss_divergence"),
     lv.LevelCode.SLOW_RISE: (AnomalyType.SLOW_RISE, "loss_slow_rise"),
+    lv.LevelCode.CLIMB: (AnomalyType.DIVERGENCE, "loss_climb"),
 }
 
 
