@@ -1,11 +1,107 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package, and the rule that sorts tests into tiers.
+
+Every test not marked ``kafka``, ``slow``, ``pipeline`` or ``heavy`` is marked ``unit``:
+``pytest -m unit`` is the fast tier (no broker, no child process, no long training).
+``kafka`` and ``pipeline`` are found from the test's code (see :func:`_tier_markers`);
+``slow`` and ``heavy`` are written on the tests that measured slow.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import os
+import re
 import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+#: The markers that keep a test out of the unit tier.
+OUTSIDE_UNIT = ("kafka", "slow", "pipeline", "heavy")
+
+#: Code that starts another process or the pipeline's workers: a test whose code, module
+#: helpers or fixtures contain one of these is marked ``pipeline``.
+STARTS_PROCESSES = re.compile(
+    r"\bsubprocess\b|\bPopen\b|\bmultiprocessing\b|\bmp\.spawn\b|\bstart_processes\b|\bos\.fork\b"
+    r"|\bsys\.executable\b|\bSPIKEGUARD_PYTHON\b|\bopen_runtime\(|\bstart_workers\(|\bembedded_process\b"
+)
+
+#: A unit test that takes longer than this (wall seconds, setup included) is named at the end of a
+#: ``-m unit`` run: it belongs in ``heavy`` (or ``pipeline``), not in the fast tier.
+UNIT_BUDGET_S = 3.0
+
+
+@functools.cache
+def _module_helpers_source(path: Path) -> str:
+    """The module's code outside its test functions: imports, helpers, module fixtures."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tests = [node for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")]
+    for node in tests:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        for index in range(first - 1, node.end_lineno or node.lineno):
+            lines[index] = ""
+    return "\n".join(lines)
+
+
+@functools.cache
+def _source_of(function: Callable) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):  # built in, or made at run time
+        return ""
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test's own code, its module's helpers or its fixtures start a process."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    texts = [_source_of(function), _module_helpers_source(Path(str(item.path)))]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        texts.extend(_source_of(definition.func) for definition in definitions)
+    return any(STARTS_PROCESSES.search(text) for text in texts)
+
+
+def _tier_markers(item: pytest.Item) -> list[str]:
+    """The markers the rule adds to ``item``."""
+    added = []
+    if "kafka_bootstrap" in item.fixturenames and item.get_closest_marker("kafka") is None:
+        added.append("kafka")
+    if item.get_closest_marker("pipeline") is None and _starts_processes(item):
+        added.append("pipeline")
+    marked = {marker.name for marker in item.iter_markers()} | set(added)
+    if not marked & set(OUTSIDE_UNIT):
+        added.append("unit")
+    return added
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in _tier_markers(item):
+            item.add_marker(name)
+
+
+_unit_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "unit" in report.keywords:
+        _unit_durations[report.nodeid] = _unit_durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    over = sorted(((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S),
+                  reverse=True)
+    if over:
+        terminalreporter.section(f"unit tests over {UNIT_BUDGET_S:.0f} s (mark them heavy or pipeline)")
+        for seconds, test in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {test}")
 
 
 def _truthy(name: str) -> bool:
@@ -128,3 +224,22 @@ def spiked_step():
         guard.step(loss)
 
     return step
+
+
+def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.02) -> object:
+    """Poll ``check`` until it returns something true, and return that; fail naming ``what``
+    after ``within_s`` (a bound on a hung pipeline, not a speed check)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what}")
+        time.sleep(every_s)
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture():
+    """``wait_until(check, what, within_s=60, every_s=0.02)``: see :func:`wait_until`."""
+    return wait_until
