@@ -104,6 +104,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.write_line(f"{seconds:6.1f} s  {test}")
 
 
+class GatedProducer:
+    """A real embedded producer behind a gate: the bus is 'away' until ``gate`` is set.
+    ``waiting`` is set once a sender hangs on the gate with its first record."""
+
+    def __init__(self, bus) -> None:
+        import threading
+
+        self.inner = bus.producer()
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def publish(self, topic, value, key=None, headers=None):
+        self.waiting.set()
+        self.gate.wait()
+        self.inner.publish(topic, value, key=key, headers=headers)
+
+    def flush(self, timeout=None):
+        self.inner.flush(timeout)
+
+
+@pytest.fixture
+def gated_producer():
+    """``gated_producer(bus)``: see :class:`GatedProducer`."""
+    return GatedProducer
+
+
 def _truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 

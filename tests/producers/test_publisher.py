@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 from spikeguard.bus import EmbeddedBus
@@ -10,31 +9,16 @@ from spikeguard.producers import BackgroundPublisher
 from spikeguard.schemas import Ack, AckStatus, ActionKind, StepEvent, Topics, decode
 
 
-class GatedProducer:
-    """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
-
-    def __init__(self, bus):
-        self.inner = bus.producer()
-        self.gate = threading.Event()
-
-    def publish(self, topic, value, key=None, headers=None):
-        self.gate.wait()
-        self.inner.publish(topic, value, key=key, headers=headers)
-
-    def flush(self, timeout=None):
-        self.inner.flush(timeout)
-
-
 def _step(i):
     return dict(run_id="p", step=i, loss=1.0)
 
 
-def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away():
+def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away(gated_producer):
     bus, t = EmbeddedBus(), Topics()
-    producer = GatedProducer(bus)
+    producer = gated_producer(bus)
     pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
     pub.submit(t.steps, StepEvent, _step(0))
-    time.sleep(0.05)  # the sender thread now hangs on the first record
+    assert producer.waiting.wait(10)  # the sender thread now hangs on the first record
     started = time.perf_counter()
     for i in range(1, 100):
         pub.submit(t.steps, StepEvent, _step(i))
@@ -49,9 +33,9 @@ def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away():
     assert pub.sent == 11 and pub.failed == 0
 
 
-def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first():
+def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first(gated_producer):
     bus, t = EmbeddedBus(), Topics()
-    producer = GatedProducer(bus)
+    producer = gated_producer(bus)
     pub = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001)
     for i in range(50):
         pub.submit(t.steps, StepEvent, _step(i))
