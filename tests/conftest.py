@@ -37,13 +37,18 @@ UNIT_BUDGET_S = 3.0
 
 @functools.cache
 def _module_helpers_source(path: Path) -> str:
-    """The module's code outside its test functions: imports, helpers, module fixtures."""
+    """The module's code outside its imports, test functions and fixtures: its helpers.
+
+    An import starts nothing, one test's code says nothing about its neighbours, and a
+    fixture counts for the tests that use it."""
     source = path.read_text()
     lines = source.splitlines()
-    tests = [node for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")]
-    for node in tests:
-        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    left_out = [node for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                or (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and (node.name.startswith("test") or any("fixture" in ast.unparse(d) for d in node.decorator_list)))]
+    for node in left_out:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         for index in range(first - 1, node.end_lineno or node.lineno):
             lines[index] = ""
     return "\n".join(lines)
