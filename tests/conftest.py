@@ -43,11 +43,15 @@ def _module_helpers_source(path: Path) -> str:
     fixture counts for the tests that use it."""
     source = path.read_text()
     lines = source.splitlines()
-    left_out = [node for node in ast.walk(ast.parse(source))
-                if isinstance(node, (ast.Import, ast.ImportFrom))
-                or (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and (node.name.startswith("test") or any("fixture" in ast.unparse(d) for d in node.decorator_list)))]
-    for node in left_out:
+
+    def left_out(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return False
+        return node.name.startswith("test") or any("fixture" in ast.unparse(d) for d in node.decorator_list)
+
+    for node in filter(left_out, ast.walk(ast.parse(source))):
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         for index in range(first - 1, node.end_lineno or node.lineno):
             lines[index] = ""
