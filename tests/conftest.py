@@ -90,10 +90,25 @@ def _tier_markers(item: pytest.Item) -> list[str]:
     return added
 
 
+#: The order modules run in: the longest tiers first, so that on two processes (pytest-xdist) the
+#: last test to finish is a short one and neither process waits long on the other.
+RUN_ORDER = ("slow", "kafka", "pipeline", "heavy", "unit")
+
+
+def _rank(item: pytest.Item) -> int:
+    return next(rank for rank, name in enumerate(RUN_ORDER) if item.get_closest_marker(name) is not None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for name in _tier_markers(item):
             item.add_marker(name)
+    # Whole modules move (their module-scoped fixtures are set up once), in their own order otherwise.
+    module_rank: dict[str, int] = {}
+    for item in items:
+        module = str(item.path)
+        module_rank[module] = min(module_rank.get(module, len(RUN_ORDER)), _rank(item))
+    items.sort(key=lambda item: module_rank[str(item.path)])
 
 
 _unit_durations: dict[str, float] = {}
