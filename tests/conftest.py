@@ -276,7 +276,7 @@ def spiked_step():
     return step
 
 
-def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.02) -> object:
+def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.05) -> object:
     """Poll ``check`` until it returns something true, and return that; fail naming ``what``
     after ``within_s`` (a bound on a hung pipeline, not a speed check)."""
     deadline = time.monotonic() + within_s
@@ -289,7 +289,29 @@ def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, e
         time.sleep(every_s)
 
 
-@pytest.fixture(name="wait_until")
+@pytest.fixture(name="wait_until", scope="session")
 def wait_until_fixture():
-    """``wait_until(check, what, within_s=60, every_s=0.02)``: see :func:`wait_until`."""
+    """``wait_until(check, what, within_s=60, every_s=0.05)``: see :func:`wait_until`."""
     return wait_until
+
+
+def consumed_by(runtime, component: str, topic: str) -> float:
+    """How many records of ``topic`` the embedded runtime's ``component`` has taken in.
+
+    A worker finishes the batch it took before it stops, so once this reaches a count, closing
+    the runtime leaves none of those records unanswered."""
+    if runtime.child is not None:
+        families = runtime.child.metrics()
+    else:  # the workers run as threads here, on the process's default registry
+        from prometheus_client import REGISTRY
+
+        families = list(REGISTRY.collect())
+    return sum(sample.value for family in families if family.name == "spikeguard_records_consumed"
+               for sample in family.samples if sample.name.endswith("_total")
+               and sample.labels.get("component") == component and sample.labels.get("topic") == topic)
+
+
+@pytest.fixture(name="consumed_by", scope="session")
+def consumed_by_fixture():
+    """``consumed_by(runtime, component, topic)``: see :func:`consumed_by`."""
+    return consumed_by
