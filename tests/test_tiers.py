@@ -65,3 +65,26 @@ def test_a_slow_unit_test_is_named_at_the_end(pytester, monkeypatch):
     result = pytester.runpytest("-m", "unit")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*unit tests over 0 s (mark them heavy or pipeline)*", "*test_over_budget*"])
+
+
+def test_no_test_sleeps_a_fixed_time_to_wait_for_something():
+    """A sleep outside a polling loop races on a loaded machine: wait on the condition instead
+    (the ``wait_until`` fixture). A sleep that is the scenario itself says so on its line."""
+    import ast
+
+    fixed = []
+    for path in sorted(CONFTEST.parent.rglob("*.py")):
+        lines = path.read_text().splitlines()
+
+        def visit(node: ast.AST, in_loop: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
+                        and child.func.attr == "sleep" and not in_loop \
+                        and "not a wait" not in lines[child.lineno - 1]:
+                    fixed.append(f"{path.relative_to(CONFTEST.parent)}:{child.lineno}")
+                loops = (ast.While, ast.For, ast.AsyncFor)
+                functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+                visit(child, False if isinstance(child, functions) else in_loop or isinstance(child, loops))
+
+        visit(ast.parse(path.read_text()), False)
+    assert fixed == []
