@@ -120,8 +120,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    over = sorted(((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S),
-                  reverse=True)
+    over = sorted(
+        ((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S), reverse=True
+    )
     if over:
         terminalreporter.section(f"unit tests over {UNIT_BUDGET_S:.0f} s (mark them heavy or pipeline)")
         for seconds, test in over:
@@ -306,9 +307,15 @@ def consumed_by(runtime, component: str, topic: str) -> float:
         from prometheus_client import REGISTRY
 
         families = list(REGISTRY.collect())
-    return sum(sample.value for family in families if family.name == "spikeguard_records_consumed"
-               for sample in family.samples if sample.name.endswith("_total")
-               and sample.labels.get("component") == component and sample.labels.get("topic") == topic)
+    return sum(
+        sample.value
+        for family in families
+        if family.name == "spikeguard_records_consumed"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+        and sample.labels.get("component") == component
+        and sample.labels.get("topic") == topic
+    )
 
 
 @pytest.fixture(name="consumed_by", scope="session")

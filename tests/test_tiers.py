@@ -9,15 +9,19 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 
 def test_only_tests_that_start_no_process_need_no_broker_and_are_not_marked_slow_are_unit(pytester):
     # The tier of each test, as its markers say (one collection, no run).
-    pytester.makeconftest(CONFTEST.read_text() + '''
+    pytester.makeconftest(
+        CONFTEST.read_text()
+        + """
 
 def pytest_collection_finish(session):
     for item in session.items:
         names = {marker.name for marker in item.iter_markers()} & {"unit", *OUTSIDE_UNIT}
         print("tier", item.name, *sorted(names))
-''')
+"""
+    )
     pytester.makeini("[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n")
-    pytester.makepyfile(test_sorted='''
+    pytester.makepyfile(
+        test_sorted="""
         import subprocess
         import pytest
 
@@ -44,7 +48,8 @@ def pytest_collection_finish(session):
         @pytest.mark.slow
         def test_restarts_a_broker():
             pass
-    ''')
+    """
+    )
 
     result = pytester.runpytest("--collect-only", "-q")
     tiers = dict(line.split(" ", 2)[1:] for line in result.outlines if line.startswith("tier "))
@@ -78,9 +83,13 @@ def test_no_test_sleeps_a_fixed_time_to_wait_for_something():
 
         def visit(node: ast.AST, in_loop: bool) -> None:
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
-                        and child.func.attr == "sleep" and not in_loop \
-                        and "not a wait" not in lines[child.lineno - 1]:
+                if (
+                    isinstance(child, ast.Call)
+                    and isinstance(child.func, ast.Attribute)
+                    and child.func.attr == "sleep"
+                    and not in_loop
+                    and "not a wait" not in lines[child.lineno - 1]
+                ):
                     fixed.append(f"{path.relative_to(CONFTEST.parent)}:{child.lineno}")
                 loops = (ast.While, ast.For, ast.AsyncFor)
                 functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
