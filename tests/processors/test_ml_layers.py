@@ -48,6 +48,7 @@ def test_real_model_layer_blowup_is_flagged_and_named_while_the_statistical_dete
     assert not any(v.is_anomaly for v in StatisticalDetector().update_many(events))
 
 
+@pytest.mark.heavy
 def test_fusion_acts_on_the_layer_blowup_alone(blowup_run) -> None:
     marks = decide(blowup_run.events, ("statistical", "rules", "ml", "predictor"))
     alarms = [m for m in marks if m.is_anomaly]
