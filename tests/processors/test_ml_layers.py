@@ -115,6 +115,7 @@ def test_small_layer_entering_the_top_k_is_judged_against_the_censored_floor() -
     assert all(1000 <= v.step < 1020 for v in flagged)
 
 
+@pytest.mark.heavy
 def test_update_many_equals_update_and_json_state_restarts_exactly(blowup_run) -> None:
     events = blowup_run.events
     singles = [d.update(e) for d in [MLDetector()] for e in events]
