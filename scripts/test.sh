@@ -24,5 +24,6 @@ trap cleanup EXIT
 export SPIKEGUARD_REQUIRE_KAFKA=1
 export SPIKEGUARD_PYTHON="$venv/bin/python"
 # Two processes (pytest-xdist): much of the suite waits on brokers, workers and child
-# processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process.
-"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" "$@"
+# processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process. tests/conftest.py puts the
+# longest tests first; worksteal lets a process that runs out take the other's pending tests.
+"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -1,11 +1,161 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package, and the rule that sorts tests into tiers.
+
+Every test not marked ``kafka``, ``slow``, ``pipeline`` or ``heavy`` is marked ``unit``:
+``pytest -m unit`` is the fast tier (no broker, no child process, no long training).
+``kafka`` and ``pipeline`` are found from the test's code (see :func:`_tier_markers`);
+``slow`` and ``heavy`` are written on the tests that measured slow.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import os
+import re
 import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+#: The markers that keep a test out of the unit tier.
+OUTSIDE_UNIT = ("kafka", "slow", "pipeline", "heavy")
+
+#: Code that starts another process or the pipeline's workers: a test whose code, module
+#: helpers or fixtures contain one of these is marked ``pipeline``.
+STARTS_PROCESSES = re.compile(
+    r"\bsubprocess\b|\bPopen\b|\bmultiprocessing\b|\bmp\.spawn\b|\bstart_processes\b|\bos\.fork\b"
+    r"|\bsys\.executable\b|\bSPIKEGUARD_PYTHON\b|\bopen_runtime\(|\bstart_workers\(|\bembedded_process\b"
+)
+
+#: A unit test that takes longer than this (wall seconds, setup included) is named at the end of a
+#: ``-m unit`` run: it belongs in ``heavy`` (or ``pipeline``), not in the fast tier.
+UNIT_BUDGET_S = 3.0
+
+
+@functools.cache
+def _module_helpers_source(path: Path) -> str:
+    """The module's code outside its imports, test functions and fixtures: its helpers.
+
+    An import starts nothing, one test's code says nothing about its neighbours, and a
+    fixture counts for the tests that use it."""
+    source = path.read_text()
+    lines = source.splitlines()
+
+    def left_out(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return False
+        return node.name.startswith("test") or any("fixture" in ast.unparse(d) for d in node.decorator_list)
+
+    for node in filter(left_out, ast.walk(ast.parse(source))):
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        for index in range(first - 1, node.end_lineno or node.lineno):
+            lines[index] = ""
+    return "\n".join(lines)
+
+
+@functools.cache
+def _source_of(function: Callable) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):  # built in, or made at run time
+        return ""
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test's own code, its module's helpers or its fixtures start a process."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    texts = [_source_of(function), _module_helpers_source(Path(str(item.path)))]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        texts.extend(_source_of(definition.func) for definition in definitions)
+    return any(STARTS_PROCESSES.search(text) for text in texts)
+
+
+def _tier_markers(item: pytest.Item) -> list[str]:
+    """The markers the rule adds to ``item``."""
+    added = []
+    if "kafka_bootstrap" in item.fixturenames and item.get_closest_marker("kafka") is None:
+        added.append("kafka")
+    if item.get_closest_marker("pipeline") is None and _starts_processes(item):
+        added.append("pipeline")
+    marked = {marker.name for marker in item.iter_markers()} | set(added)
+    if not marked & set(OUTSIDE_UNIT):
+        added.append("unit")
+    return added
+
+
+#: The order modules run in: the longest tiers first, so that on two processes (pytest-xdist) the
+#: last test to finish is a short one and neither process waits long on the other.
+RUN_ORDER = ("slow", "kafka", "pipeline", "heavy", "unit")
+
+
+def _rank(item: pytest.Item) -> int:
+    return next(rank for rank, name in enumerate(RUN_ORDER) if item.get_closest_marker(name) is not None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in _tier_markers(item):
+            item.add_marker(name)
+    # Whole modules move (their module-scoped fixtures are set up once), in their own order otherwise.
+    module_rank: dict[str, int] = {}
+    for item in items:
+        module = str(item.path)
+        module_rank[module] = min(module_rank.get(module, len(RUN_ORDER)), _rank(item))
+    items.sort(key=lambda item: module_rank[str(item.path)])
+
+
+_unit_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "unit" in report.keywords:
+        _unit_durations[report.nodeid] = _unit_durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    over = sorted(
+        ((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S), reverse=True
+    )
+    if over:
+        terminalreporter.section(f"unit tests over {UNIT_BUDGET_S:.0f} s (mark them heavy or pipeline)")
+        for seconds, test in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {test}")
+
+
+class GatedProducer:
+    """A real embedded producer behind a gate: the bus is 'away' until ``gate`` is set.
+    ``waiting`` is set once a sender hangs on the gate with its first record."""
+
+    def __init__(self, bus, gate=None, inner=None) -> None:
+        import threading
+
+        self.inner = inner if inner is not None else bus.producer()
+        self.gate = gate or threading.Event()
+        self.waiting = threading.Event()
+
+    def publish(self, topic, value, key=None, headers=None):
+        self.waiting.set()
+        self.gate.wait()
+        self.inner.publish(topic, value, key=key, headers=headers)
+
+    def flush(self, timeout=None):
+        self.inner.flush(timeout)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture
+def gated_producer():
+    """``gated_producer(bus)``: see :class:`GatedProducer`."""
+    return GatedProducer
 
 
 def _truthy(name: str) -> bool:
@@ -128,3 +278,50 @@ def spiked_step():
         guard.step(loss)
 
     return step
+
+
+def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.05) -> object:
+    """Poll ``check`` until it returns something true, and return that; fail naming ``what``
+    after ``within_s`` (a bound on a hung pipeline, not a speed check)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what}")
+        time.sleep(every_s)
+
+
+@pytest.fixture(name="wait_until", scope="session")
+def wait_until_fixture():
+    """``wait_until(check, what, within_s=60, every_s=0.05)``: see :func:`wait_until`."""
+    return wait_until
+
+
+def consumed_by(runtime, component: str, topic: str) -> float:
+    """How many records of ``topic`` the embedded runtime's ``component`` has taken in.
+
+    A worker finishes the batch it took before it stops, so once this reaches a count, closing
+    the runtime leaves none of those records unanswered."""
+    if runtime.child is not None:
+        families = runtime.child.metrics()
+    else:  # the workers run as threads here, on the process's default registry
+        from prometheus_client import REGISTRY
+
+        families = list(REGISTRY.collect())
+    return sum(
+        sample.value
+        for family in families
+        if family.name == "spikeguard_records_consumed"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+        and sample.labels.get("component") == component
+        and sample.labels.get("topic") == topic
+    )
+
+
+@pytest.fixture(name="consumed_by", scope="session")
+def consumed_by_fixture():
+    """``consumed_by(runtime, component, topic)``: see :func:`consumed_by`."""
+    return consumed_by

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus import EmbeddedBus
@@ -69,6 +70,7 @@ def test_a_decision_signed_with_the_detectors_key_is_refused_naming_the_fusion_r
     assert "bad signature" in reason and "only the fusion key signs decisions" in reason, reason
 
 
+@pytest.mark.heavy
 def test_decisions_signed_with_the_fusion_key_roll_back_and_the_actions_carry_the_actuator_key():
     actions, letters = run_with(KEYS["fusion_key"])
     (rollback,) = [a for a in actions if a.kind is ActionKind.ROLLBACK]

@@ -109,12 +109,14 @@ def test_workers_monitor_and_prometheus_on_kafka(kafka_bootstrap, tmp_path):
             producer.publish_events([(topics.steps, event)])
         producer.flush()
 
-        def latency_seen():
+        def decisions_seen(count: int) -> bool:
+            """Whether the monitor matched ``count`` decisions with their steps (it offers each
+            decision to the notifier as it takes it in)."""
             text = _text(monitor_port) or ""
             return any(line.startswith("spikeguard_decision_latency_seconds_count")
-                       and float(line.split()[-1]) >= 150 for line in text.splitlines())
+                       and float(line.split()[-1]) >= count for line in text.splitlines())
 
-        _wait(latency_seen, 120, "the monitor saw no decisions", logs)
+        _wait(lambda: decisions_seen(150), 120, "the monitor saw no decisions", logs)
 
         def lag_lines() -> list[str]:
             return [line for line in (_text(monitor_port) or "").splitlines()
@@ -140,7 +142,9 @@ def test_workers_monitor_and_prometheus_on_kafka(kafka_bootstrap, tmp_path):
 
         (alert,) = _wait(critical, 60, "SpikeguardCriticalDecision did not fire", logs)
         assert alert["labels"]["run_id"] == "kafka-run"
-        time.sleep(2)  # later decisions of the same incident must not page again
+        # Later decisions of the same incident must not page again: once the monitor has taken
+        # in the decision of every step, any second alert would be on its way.
+        _wait(lambda: decisions_seen(200), 60, "the monitor did not see every step's decision", logs)
         assert len(hook.posts) == 1
         assert hook.posts[0]["spikeguard"]["run_id"] == "kafka-run"
         assert hook.posts[0]["spikeguard"]["urgency"] == "critical"

@@ -62,6 +62,16 @@ def read(bus, topic, model, run_id):
     return [e for e in events if e.run_id == run_id]
 
 
+def wait_for_the_applied_acks(bus, topics, run_id, wait_until):
+    """Until the rollback's and the LR change's acks, which the guard sends last, can be read back."""
+
+    def applied():
+        return {a.kind for a in read(bus, topics.acks, Ack, run_id) if a.status is AckStatus.APPLIED}
+
+    wait_until(lambda: {ActionKind.ROLLBACK, ActionKind.SCALE_LR} <= applied(),
+               f"the applied rollback and LR acks of {run_id} on the bus")
+
+
 def check_the_loop_closed(bus, topics, guard, corrupted, run_id):
     decisions = read(bus, topics.decisions, Decision, run_id)
     onset = BAD_BATCHES[0]  # one batch per step, no rollback before it: batch index == step
@@ -96,7 +106,7 @@ def test_embedded_loop(tmp_path):
     ("detectors", "fusion", "actuator"),  # the four detectors co-hosted behind one consumer
 ], ids=["worker-all", "cohosted-detectors"])
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])  # settings.kafka_client
-def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client):
+def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client, wait_until):
     from spikeguard.bus.confluent import ConfluentBus
     from spikeguard.bus.kafka import KafkaBus
 
@@ -119,7 +129,7 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client):
         bus = (ConfluentBus if client == "confluent" else KafkaBus)(kafka_bootstrap)  # the trainer too
         topics = Topics(prefix)
         guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
-        time.sleep(1.0)  # the last acks reach the broker
+        wait_for_the_applied_acks(bus, topics, "kafka-run", wait_until)
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
         if "detectors" in layout:  # the co-hosted detectors sent each step's verdicts as one record
             packed = read(bus, topics.step_verdicts, StepVerdicts, "kafka-run")

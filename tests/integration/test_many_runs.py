@@ -59,6 +59,7 @@ def per_run_bytes(stage, worker) -> int:
                      worker._run_partition)
 
 
+@pytest.mark.heavy
 def test_ten_thousand_runs_on_one_embedded_worker():
     bus = EmbeddedBus(partitions=4)
     settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})

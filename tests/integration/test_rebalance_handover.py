@@ -47,7 +47,7 @@ def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
                       snapshot_interval_s=3600.0, poll_timeout_s=0.1)
 
     def verdicts() -> list[Verdict]:
-        return [decode(r.value, Verdict) for r in feed.read_all(topics.verdicts, timeout=2.0)]
+        return [decode(r.value, Verdict) for r in feed.read_all(topics.verdicts, timeout=30.0)]
 
     def wait(check, what: str, within_s: float = 90.0) -> None:
         deadline = time.monotonic() + within_s
@@ -61,8 +61,9 @@ def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
     second = None
     try:
         producer = feed.producer()
+        events = {run_id: generate("sudden_spike", 200, 3, run_id=run_id).events for run_id in RUNS}
         for run_id in RUNS:
-            for event in generate("sudden_spike", 200, 3, run_id=run_id).events[:STEPS]:
+            for event in events[run_id][:STEPS]:
                 producer.publish(topics.steps, encode(sign(event, KEY)), key=run_id)
         producer.flush()
         wait(lambda: len(verdicts()) >= len(RUNS) * STEPS, "the first worker judged every step")
@@ -72,11 +73,17 @@ def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
             threads.append(threading.Thread(target=second.run, daemon=True))
             threads[1].start()
             wait(lambda: second._consumer.assignment(), "the second worker got partitions")
-            time.sleep(3.0)  # would it judge the first one's steps again? (nothing to wait for otherwise)
+            # One step more per run after the hand-over: a run's verdicts keep its steps' order, so
+            # once each run's new step is judged, any step judged again would be on the topic.
+            for run_id in RUNS:
+                producer.publish(topics.steps, encode(sign(events[run_id][STEPS], KEY)), key=run_id)
+            producer.flush()
+            wait(lambda: {v.run_id for v in verdicts() if v.step == STEPS} == set(RUNS),
+                 "every run's step after the hand-over judged")
         assert not [r for r in caplog.records if "snapshot on revoke failed" in r.getMessage()]
         assert first.failure is None and second.failure is None
         judged = [(v.run_id, v.step) for v in verdicts()]
-        assert len(judged) == len(RUNS) * STEPS and len(set(judged)) == len(judged)  # exactly once
+        assert len(judged) == len(RUNS) * (STEPS + 1) and len(set(judged)) == len(judged)  # exactly once
     finally:
         for w in (first, second):
             if w is not None:

@@ -89,7 +89,8 @@ def sasl_env(broker, prefix: str, password: str, key: str) -> dict[str, str]:
             "SPIKEGUARD_TOPIC_PREFIX": prefix, "SPIKEGUARD_SIGNING_KEY": key}
 
 
-def test_the_closed_loop_runs_over_sasl_ssl_and_the_password_never_shows(sasl_broker, tmp_path, monkeypatch, caplog):
+def test_the_closed_loop_runs_over_sasl_ssl_and_the_password_never_shows(sasl_broker, tmp_path, monkeypatch, caplog,
+                                                                          wait_until):
     e2e = _load_e2e()
     prefix = f"sasl-{uuid.uuid4().hex[:8]}."
     key = "sasl-signing-key-" + secrets.token_hex(8)
@@ -110,7 +111,7 @@ def test_the_closed_loop_runs_over_sasl_ssl_and_the_password_never_shows(sasl_br
             assert runtime.bus is not None, runtime.problem
             guard, corrupted = e2e.train(runtime.bus, runtime.topics, tmp_path, "sasl-run",
                                          signing_key=runtime.settings.signing_key)
-            time.sleep(1.0)  # the last acks reach the broker
+            e2e.wait_for_the_applied_acks(runtime.bus, runtime.topics, "sasl-run", wait_until)
             e2e.check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "sasl-run")
             shown = repr(runtime.bus) + repr(runtime.settings) + str(runtime.settings) + repr(runtime)
             runtime.close()

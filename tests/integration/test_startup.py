@@ -70,6 +70,7 @@ def tiny():
 
 @pytest.mark.parametrize("address", [f"127.0.0.1:{closed_port()}", "broker.invalid:9092"],
                          ids=["closed-port", "unresolvable-name"])
+@pytest.mark.heavy
 def test_a_bad_broker_address_does_not_block_the_guard(address, monkeypatch, tmp_path, caplog):
     guard_env(monkeypatch, address)
     model, optimizer = tiny()

@@ -171,6 +171,7 @@ def test_stop_action_ends_training_cleanly(tmp_path, bus):
     assert [a.status for a in acks(bus) if a.kind == ActionKind.STOP] == [AckStatus.APPLIED]
 
 
+@pytest.mark.heavy
 def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, bus):
     """Rolled back at step 13 to step 10: the state is the one step 10 started from, the Trainer's
     global_step is 10 again, the data goes on with the next batch, and the run still ends at 20."""

@@ -97,6 +97,7 @@ def published(bus, run_id: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "grad-scaler"])
+@pytest.mark.heavy
 def test_the_framework_halves_do_what_guard_step_does(tmp_path, bus, amp):
     plain = run(False, tmp_path, bus, amp)
     framework = run(True, tmp_path, bus, amp)

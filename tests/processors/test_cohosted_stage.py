@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus import EmbeddedBus
@@ -101,6 +102,7 @@ def test_a_forged_step_goes_to_the_dlq_once_and_no_detector_judges_it():
     ) == len(events)
 
 
+@pytest.mark.heavy
 def test_a_killed_cohosted_worker_resumes_with_the_verdicts_of_an_uninterrupted_one():
     events = steps()
     reference = EmbeddedBus(partitions=2)

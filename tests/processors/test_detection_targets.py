@@ -27,6 +27,7 @@ from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.lab.simulate import ANOMALY_KINDS, default_suite
 
+pytestmark = pytest.mark.heavy  # every test reads the ~170k steps the module fixture decides
 SEEDS = (0, 1, 2)
 OUTLIER = "outlier_step"
 SKIPS: dict[str, list] = defaultdict(list)  # the outlier-step marks alone, filled by `scores`

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus import EmbeddedBus
@@ -106,6 +107,7 @@ def decide(verdicts: list[Verdict], spike: int, outage_s: float) -> tuple[list[D
     return decisions, [a for a in actions if a.kind is not ActionKind.PULSE]
 
 
+@pytest.mark.heavy
 def test_a_21s_outage_across_a_spike_changes_no_decision_and_no_rollback():
     verdicts, spike = the_detectors_verdicts()
     live, live_actions = decide(verdicts, spike, outage_s=0)

@@ -59,6 +59,7 @@ def test_a_run_holds_little_memory_after_many_steps(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(DETECTORS))
+@pytest.mark.heavy
 def test_every_snapshot_gives_back_the_state_it_saved(name: str) -> None:
     """Packed snapshots are independent of what the run does after them (the ML
     detector's snapshots share its pending rows with the live state, by prefix)."""

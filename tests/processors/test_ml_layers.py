@@ -26,6 +26,7 @@ def blowup_run():
     return layer_run(1, 600, inject_at=INJECT)
 
 
+@pytest.mark.heavy
 def test_real_model_layer_blowup_is_flagged_and_named_while_the_statistical_detector_is_quiet(
     blowup_run,
 ) -> None:
@@ -47,6 +48,7 @@ def test_real_model_layer_blowup_is_flagged_and_named_while_the_statistical_dete
     assert not any(v.is_anomaly for v in StatisticalDetector().update_many(events))
 
 
+@pytest.mark.heavy
 def test_fusion_acts_on_the_layer_blowup_alone(blowup_run) -> None:
     marks = decide(blowup_run.events, ("statistical", "rules", "ml", "predictor"))
     alarms = [m for m in marks if m.is_anomaly]
@@ -70,6 +72,7 @@ def test_a_layer_blowup_verdict_decides_at_full_weight_an_ml_outlier_does_not() 
 
 
 @pytest.mark.parametrize(("seed", "optimizer"), [(0, "adam"), (2, "sgd")])
+@pytest.mark.heavy
 def test_healthy_real_runs_raise_no_layer_alarm_and_no_incident(seed: int, optimizer: str) -> None:
     run = layer_run(seed, 600, optimizer=optimizer)
     assert all(len(e.top_grad_norms) == 5 for e in run.events)
@@ -99,6 +102,7 @@ def composition_stream(n: int, seed: int, jump_at: int | None = None) -> list[St
     return events
 
 
+@pytest.mark.heavy
 def test_small_layer_entering_the_top_k_is_judged_against_the_censored_floor() -> None:
     healthy = MLDetector().update_many(composition_stream(3000, seed=1))
     assert not any(v.type is T.LAYER_BLOWUP for v in healthy)
@@ -111,6 +115,7 @@ def test_small_layer_entering_the_top_k_is_judged_against_the_censored_floor() -
     assert all(1000 <= v.step < 1020 for v in flagged)
 
 
+@pytest.mark.heavy
 def test_update_many_equals_update_and_json_state_restarts_exactly(blowup_run) -> None:
     events = blowup_run.events
     singles = [d.update(e) for d in [MLDetector()] for e in events]

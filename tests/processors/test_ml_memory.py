@@ -138,6 +138,7 @@ def default_run() -> dict:
     return out
 
 
+@pytest.mark.heavy
 def test_the_json_state_at_its_largest_fits_a_state_record(default_run: dict) -> None:
     state, _ = default_run["largest"]
     assert len(state["fitted"]) == 1024 and len(state["pending"]) > 900  # nearly two buffers
@@ -220,6 +221,7 @@ def test_rollbacks_while_the_buffer_fills_judge_as_a_fresh_run_would(target: int
     assert det.state_dict() == fresh.state_dict()
 
 
+@pytest.mark.heavy
 def test_an_ml_worker_restarted_from_its_largest_state_records_judges_on_alike() -> None:
     """Through a real worker and its state topic: the records at their largest (a full buffer
     and nearly another) stay far below the record limit, and a new worker restored from them

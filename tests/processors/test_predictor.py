@@ -113,6 +113,7 @@ def test_warning_is_one_episode_not_a_flicker() -> None:
     assert starts == 1
 
 
+@pytest.mark.heavy
 def test_stall_is_reported_once_per_stall_steps() -> None:
     config = PredictorConfig(enabled=True, stall_steps=500)
     verdicts = PredictorDetector(config).update_many(run(3000, flat_from=1000))

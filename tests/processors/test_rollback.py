@@ -44,6 +44,7 @@ def flagged(verdicts: list[Verdict]) -> set[tuple[int, str]]:
 
 @pytest.mark.parametrize("back", [50, 200, 1000])
 @pytest.mark.parametrize("name", sorted(DETECTORS))
+@pytest.mark.heavy
 def test_a_rerun_after_a_rollback_raises_nothing_the_first_pass_did_not(name: str, back: int):
     det = DETECTORS[name](CONFIGS[name]())
     first = det.update_many(falling(0, FIRST_PASS, seed=1))

@@ -77,6 +77,7 @@ def test_healthy_run_is_quiet(seed: int) -> None:
     assert all(v.detector == "statistical" and v.run_id == "r" for v in verdicts)
 
 
+@pytest.mark.heavy
 def test_heavy_tailed_noise_is_quiet() -> None:
     rng = random.Random(3)
     pairs = []
@@ -179,6 +180,7 @@ def test_growing_oscillation_is_caught(period: int) -> None:
     assert hits and min(hits) > 2000 and hits[0] < 2400
 
 
+@pytest.mark.heavy
 def test_gradient_norm_spike_is_a_gradient_explosion() -> None:
     pairs = scaled(healthy(1500, 11), 1000, [1.0] * 4, grad_factors=[50.0, 80.0, 60.0, 40.0])
     verdicts = judge(pairs)
@@ -213,6 +215,7 @@ def plateau(n: int, seed: int, sigma: float = 0.01) -> list[tuple[float, None]]:
     return [(math.exp(1.0 + rng.gauss(0, sigma)), None) for _ in range(n)]
 
 
+@pytest.mark.heavy
 def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_not() -> None:
     # +30 % over 1000 steps after 3000 flat ones: the rise test's block medians see it.
     pairs = [(loss * math.exp(math.log(1.3) * min(1000, max(0, t - 3000)) / 1000), g)
@@ -239,6 +242,7 @@ def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_no
         assert incidents(judge([(float(x), None) for x in losses])) == [], name
 
 
+@pytest.mark.heavy
 def test_a_warm_restart_is_explained_by_the_learning_rate_it_carries() -> None:
     rng = np.random.default_rng(23)
     t = np.arange(12000)
@@ -292,6 +296,7 @@ def test_update_many_equals_update_and_state_round_trip() -> None:
     assert a == b
 
 
+@pytest.mark.heavy
 def test_state_is_bounded() -> None:
     # Every window is full once the rise test's tails are (rise_history blocks of rise_block).
     det = StatisticalDetector()

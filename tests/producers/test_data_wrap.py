@@ -8,6 +8,7 @@ training loop's random streams.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from producers_helpers import Tiny
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -38,6 +39,7 @@ class PlacingLoader(DataLoader):
         self.epochs_set.append(epoch)
 
 
+@pytest.mark.heavy
 def test_all_600_batches_go_through_the_users_loader_subclass(tmp_path):
     tiny = Tiny(seed=4)
     sampler = torch.utils.data.RandomSampler(tiny.loader.dataset)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from producers_helpers import Tiny, make_guard, train
 
@@ -113,6 +114,7 @@ def test_optional_batch_statistics(bus, topics, tmp_path):
     assert 0.5 <= stats.max_label_fraction <= 1.0
 
 
+@pytest.mark.pipeline
 def test_works_without_a_bus(tmp_path):
     tiny = Tiny()
     guard = make_guard(tiny, None, tmp_path, checkpoint_every=0)

@@ -11,34 +11,16 @@ from spikeguard.producers import BackgroundPublisher
 from spikeguard.schemas import Ack, AckStatus, ActionKind, StepEvent, Topics, decode
 
 
-class GatedProducer:
-    """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
-
-    def __init__(self, bus, gate=None):
-        self.inner = EmbeddedProducer(bus)
-        self.gate = gate or threading.Event()
-
-    def publish(self, topic, value, key=None, headers=None):
-        self.gate.wait()
-        self.inner.publish(topic, value, key=key, headers=headers)
-
-    def flush(self, timeout=None):
-        self.inner.flush(timeout)
-
-    def close(self):
-        self.inner.close()
-
-
 def _step(i):
     return dict(run_id="p", step=i, loss=1.0)
 
 
-def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away():
+def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away(gated_producer):
     bus, t = EmbeddedBus(), Topics()
-    producer = GatedProducer(bus)
+    producer = gated_producer(bus)
     pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
     pub.submit(t.steps, StepEvent, _step(0))
-    time.sleep(0.05)  # the sender thread now hangs on the first record
+    assert producer.waiting.wait(10)  # the sender thread now hangs on the first record
     started = time.perf_counter()
     for i in range(1, 100):
         pub.submit(t.steps, StepEvent, _step(i))
@@ -53,9 +35,9 @@ def test_never_blocks_and_drops_the_oldest_when_the_bus_is_away():
     assert pub.sent == 11 and pub.failed == 0
 
 
-def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first():
+def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first(gated_producer):
     bus, t = EmbeddedBus(), Topics()
-    producer = GatedProducer(bus)
+    producer = gated_producer(bus)
     pub = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001)
     for i in range(50):
         pub.submit(t.steps, StepEvent, _step(i))
@@ -123,11 +105,11 @@ def test_a_guard_given_an_embedded_runtimes_bus_signs_with_that_runtimes_key(tmp
         assert refused == []  # the pipeline judged every step
 
 
-def test_a_flood_of_ordinary_steps_never_pushes_an_urgent_step_out():
+def test_a_flood_of_ordinary_steps_never_pushes_an_urgent_step_out(gated_producer):
     # Under backlog the queue drops the oldest *ordinary* step: a non-finite or skipped step
     # is what the pipeline exists for, and a drop-oldest queue used to lose it first.
     bus, t = EmbeddedBus(), Topics()
-    producer = GatedProducer(bus)
+    producer = gated_producer(bus)
     pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
     for i in range(100):
         pub.submit(t.steps, StepEvent, _step(i), urgent=i in (3, 50))
@@ -156,7 +138,7 @@ def test_an_urgent_step_is_sent_at_once_not_at_the_next_interval():
         pub.close()
 
 
-def test_a_guard_under_backlog_still_publishes_its_non_finite_step(tmp_path):
+def test_a_guard_under_backlog_still_publishes_its_non_finite_step(tmp_path, gated_producer):
     # A real Guard and model, its bus away for 40 steps with room for 5: the step whose loss is
     # NaN (the one thing the pipeline must see) is among those that reach the bus.
     import math
@@ -167,7 +149,7 @@ def test_a_guard_under_backlog_still_publishes_its_non_finite_step(tmp_path):
         gate = threading.Event()
 
         def producer(self):
-            return GatedProducer(self, self.gate)
+            return gated_producer(self, self.gate, inner=EmbeddedProducer(self))
 
     bus = AwayBus()
     tiny = Tiny(seed=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from producers_helpers import Tiny, train
@@ -25,6 +26,7 @@ def _readme_example(tmp_path, steps: int = 25) -> Guard:
     return guard
 
 
+@pytest.mark.pipeline
 def test_running_the_readme_example_twice_trains_both_times(tmp_path, caplog):
     first = _readme_example(tmp_path)
     assert first.counters["updates"] == 25
@@ -59,6 +61,7 @@ def test_an_interrupted_run_resumes_and_says_so_in_one_warning_line(tmp_path, ca
     assert not all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters()))
 
 
+@pytest.mark.pipeline
 def test_a_run_stopped_early_is_not_finished_and_resumes(tmp_path):
     tiny = Tiny(seed=1)
     guard = _guard(tiny, tmp_path)
@@ -71,6 +74,7 @@ def test_a_run_stopped_early_is_not_finished_and_resumes(tmp_path):
     assert resumed.resumed_from is not None and resumed.resumed_from.step == 20
 
 
+@pytest.mark.pipeline
 def test_a_final_checkpoint_marks_the_run_finished(tmp_path):
     tiny = Tiny(seed=1)
     guard = _guard(tiny, tmp_path)
@@ -86,6 +90,7 @@ def test_a_final_checkpoint_marks_the_run_finished(tmp_path):
     assert fresh.resumed_from is None and fresh.step_count == 0
 
 
+@pytest.mark.pipeline
 def test_a_loop_that_ran_out_of_data_is_finished(tmp_path):
     tiny = Tiny(seed=1)
     guard = _guard(tiny, tmp_path)

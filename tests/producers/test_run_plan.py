@@ -18,6 +18,7 @@ def _runs(bus, topics) -> list[RunEvent]:
     return [decode(r.value, RunEvent) for r in bus.read_all(topics.runs)]
 
 
+@pytest.mark.heavy
 def test_the_defaults_keep_a_rollback_target_far_enough_before_an_onset(tmp_path, caplog):
     """Checkpoint every 50, keep 3 and roll back >= 100 before onset left no target; now they fit."""
     with caplog.at_level(logging.WARNING):

@@ -40,6 +40,7 @@ def _records(model: type) -> st.SearchStrategy[list[tuple[bytes, str]]]:
 @settings(max_examples=25, derandomize=True, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.heavy
 def test_a_worker_fed_anything_stays_up_and_dead_letters_every_bad_record(component, data):
     bus = EmbeddedBus(partitions=2)
     registry = CollectorRegistry()

@@ -31,6 +31,7 @@ def _decodes_or_refuses(data: bytes, model: type) -> None:
 @pytest.mark.parametrize("model", EVENT_TYPES, ids=lambda m: m.__name__)
 @FAST
 @given(data=st.data())
+@pytest.mark.heavy
 def test_decode_of_anything_returns_the_model_or_raises_a_schema_error(model, data):
     _decodes_or_refuses(data.draw(hostile(model)), model)
 

@@ -68,6 +68,7 @@ def test_evaluate_files_and_the_text_table(tmp_path, capsys):
     assert any(line.startswith("overall") for line in lines)
 
 
+@pytest.mark.heavy
 def test_evaluate_scores_the_pipeline_through_backtest_and_checks_targets(monkeypatch, capsys):
     """The pipeline's decisions flow through the same scoring; targets are reported."""
     import spikeguard.lab.backtest as backtest

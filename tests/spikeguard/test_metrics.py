@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import urllib.request
 
@@ -111,27 +110,13 @@ def test_a_lag_reader_that_fails_gives_no_samples_not_a_failed_scrape():
     assert registry.get_sample_value("spikeguard_consumer_lag_records", {}) is None
 
 
-class _GatedProducer:
-    """A real embedded producer behind a gate: the bus is 'away' until the gate opens."""
-
-    def __init__(self, bus):
-        self.inner, self.gate = bus.producer(), threading.Event()
-
-    def publish(self, topic, value, key=None, headers=None):
-        self.gate.wait()
-        self.inner.publish(topic, value, key=key, headers=headers)
-
-    def flush(self, timeout=None):
-        self.inner.flush(timeout)
-
-
-def test_trainer_dropped_counts_what_the_publisher_drops():
+def test_trainer_dropped_counts_what_the_publisher_drops(gated_producer):
     metrics, registry = _fresh()
     bus, topics = EmbeddedBus(), Topics()
-    producer = _GatedProducer(bus)
+    producer = gated_producer(bus)
     publisher = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001, metrics=metrics)
     publisher.submit(topics.steps, StepEvent, dict(run_id="p", step=0, loss=1.0))
-    time.sleep(0.05)  # the sender now hangs on the first record
+    assert producer.waiting.wait(10)  # the sender now hangs on the first record
     for i in range(1, 21):
         publisher.submit(topics.steps, StepEvent, dict(run_id="p", step=i, loss=1.0))
     assert publisher.dropped == 15

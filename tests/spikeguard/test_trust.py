@@ -57,6 +57,7 @@ def test_embedded_makes_a_random_key_per_process():
     assert len(one.get_secret_value()) >= 32
 
 
+@pytest.mark.pipeline
 def test_embedded_guard_refuses_an_unsigned_stop_and_obeys_its_own_pipeline(tmp_path, monkeypatch, caplog):
     """Guard(connect=True) on the embedded bus: the in-process actuator's key is the guard's."""
     for name in ("SPIKEGUARD_BOOTSTRAP_SERVERS", "SPIKEGUARD_SIGNING_KEY", "SPIKEGUARD_INSECURE"):

@@ -33,7 +33,7 @@ class Webhook:
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 owner.attempts += 1
-                time.sleep(owner.delay)
+                time.sleep(owner.delay)  # a slow receiver, not a wait on a condition
                 if owner.attempts <= owner.failures:
                     self.send_response(500)
                     self.end_headers()
@@ -66,7 +66,7 @@ class Mailbox:
 
     async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's name
         if self.delay:
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delay)  # a slow mail server, not a wait on a condition
         self.messages.append(envelope)
         return "250 Message accepted for delivery"
 

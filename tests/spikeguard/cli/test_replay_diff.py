@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -29,7 +28,7 @@ def healthy_loss(step: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded(tmp_path_factory, wait_until, consumed_by):
     """400 steps with NaNs at 300 and 301 (a non-finite step that recurs: the policy rolls back
     at the second) and healthy checkpoints every 50 steps, recorded live with a non-default
     setting (skip_extra_batches=25) that the replay must reuse."""
@@ -47,12 +46,10 @@ def recorded(tmp_path_factory):
                     run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True), runtime.settings.signing_key)),
                     key="rec")
         producer.flush()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if len(runtime.bus.read_all(runtime.topics.decisions)) >= 400:
-                break
-            time.sleep(0.1)
-        time.sleep(0.5)  # the actuator answers the NaN's decision
+        wait_until(lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400, "a decision on every step")
+        decided = len(runtime.bus.read_all(runtime.topics.decisions))
+        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+                   "the actuator took in every decision")
     return directory
 
 

@@ -8,7 +8,6 @@ recording by someone without it: an unsigned healthy checkpoint newer than the r
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -27,7 +26,7 @@ def healthy_loss(step: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def tampered(tmp_path_factory):
+def tampered(tmp_path_factory, wait_until, consumed_by):
     directory = tmp_path_factory.mktemp("rec")
     settings = load_settings({"data_dir": str(directory), "signing_key": KEY}, env={})
     with open_runtime(settings) as runtime:
@@ -40,10 +39,10 @@ def tampered(tmp_path_factory):
                 producer.publish(runtime.topics.checkpoints, encode(sign(CheckpointEvent(
                     run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True), KEY)), key="rec")
         producer.flush()
-        deadline = time.monotonic() + 60
-        while len(runtime.bus.read_all(runtime.topics.decisions)) < 400 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # the actuator answers the NaN's decision
+        wait_until(lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400, "a decision on every step")
+        decided = len(runtime.bus.read_all(runtime.topics.decisions))
+        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+                   "the actuator took in every decision")
         topics = runtime.topics
     bus = EmbeddedBus(data_dir=str(directory))
     producer = bus.producer()

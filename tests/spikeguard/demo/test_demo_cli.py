@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
+
 from spikeguard.cli import main
 from spikeguard.demo.plot import report_outcome
 from spikeguard.demo.run import DemoOutcome
 
 
+@pytest.mark.pipeline
 def test_demo_json_and_plot(tmp_path, capsys):
     png = tmp_path / "curve.png"
     assert main(["demo", "--fault", "nan", "--steps", "150", "--json", "--plot", str(png)]) == 0

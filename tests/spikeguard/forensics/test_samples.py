@@ -21,6 +21,7 @@ class _Tagged(TensorDataset):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.pipeline
 def test_the_tap_gives_each_batch_its_dataset_indices_without_rebuilding_the_loader(workers):
     data = _Tagged(torch.randn(100, 3), torch.randn(100, 1))
     loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=workers,

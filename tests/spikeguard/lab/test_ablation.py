@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from spikeguard.lab.ablation import ALL, ablate, configurations
 from spikeguard.lab.realdata import load_spike_set
 
 FIXTURES = Path(__file__).parents[2] / "data" / "real_spikes"
 
 
+@pytest.mark.heavy
 def test_each_detector_is_removed_once_and_the_statistical_one_carries_real_spikes():
     assert [c for c, _ in configurations()] == ["all"] + [f"-{n}" for n in ALL]
     runs = [("real-spikes", r.events, r.labels) for r in load_spike_set(FIXTURES)]
@@ -23,6 +26,7 @@ def test_each_detector_is_removed_once_and_the_statistical_one_carries_real_spik
     assert rows["-ml", "real-spikes"]["recall"] == rows["all", "real-spikes"]["recall"]  # ml adds nothing
 
 
+@pytest.mark.heavy
 def test_the_ml_detector_alone_catches_the_layer_blowups_and_adds_no_false_alarm():
     from spikeguard.lab.ablation import contributions
     from spikeguard.lab.layer_runs import layer_set

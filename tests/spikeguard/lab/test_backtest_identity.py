@@ -46,6 +46,7 @@ def test_every_scenario_is_pinned() -> None:
 
 
 @pytest.mark.parametrize("key", sorted(PINNED))
+@pytest.mark.heavy
 def test_decisions_are_those_pinned(key: str) -> None:
     scenario, seed = key.rsplit("-", 1)
     decisions = backtest_events(generate(scenario, STEPS, int(seed)).events)

@@ -42,6 +42,7 @@ def interleaved(*runs: list[StepEvent]) -> list[StepEvent]:
     return out
 
 
+@pytest.mark.heavy
 def test_one_run_with_a_spike_cut_into_uneven_segments() -> None:
     events = generate("sudden_spike", 5300, seed=3, run_id="a").events
     expected = on_the_bus(events)
@@ -50,6 +51,7 @@ def test_one_run_with_a_spike_cut_into_uneven_segments() -> None:
     assert len(expected) == len(events)
 
 
+@pytest.mark.heavy
 def test_several_runs_in_one_file_non_finite_values_among_them() -> None:
     a = generate("non_finite", 2600, seed=1, run_id="a").events
     b = generate("grad_explosion", 2600, seed=2, run_id="b").events
@@ -59,6 +61,7 @@ def test_several_runs_in_one_file_non_finite_values_among_them() -> None:
     assert direct(events) == expected
 
 
+@pytest.mark.heavy
 def test_a_rollback_re_runs_steps_in_a_new_epoch() -> None:
     first = generate("divergence", 3000, seed=5, run_id="r").events
     again = generate("stable", 1500, seed=6, run_id="r").events
@@ -69,6 +72,7 @@ def test_a_rollback_re_runs_steps_in_a_new_epoch() -> None:
     assert direct(events) == expected
 
 
+@pytest.mark.heavy
 def test_a_replayed_step_is_refused_by_both() -> None:
     events = generate("sudden_spike", 2500, seed=7, run_id="d").events
     events = events[:2100] + [events[2050]] + events[2100:]  # a step already judged
@@ -77,6 +81,7 @@ def test_a_replayed_step_is_refused_by_both() -> None:
     assert direct(events) == expected
 
 
+@pytest.mark.heavy
 def test_a_failing_step_is_dropped_and_the_batch_rewound_by_both(monkeypatch) -> None:
     score = StatisticalDetector.score
 
@@ -93,6 +98,7 @@ def test_a_failing_step_is_dropped_and_the_batch_rewound_by_both(monkeypatch) ->
     assert direct(events) == expected
 
 
+@pytest.mark.heavy
 def test_the_pump_can_be_fed_segment_by_segment_then_finished() -> None:
     events = generate("gradual_spike", 4100, seed=9, run_id="g").events
     pipeline = DirectPipeline(offline(load_settings(env={})))
@@ -101,11 +107,13 @@ def test_the_pump_can_be_fed_segment_by_segment_then_finished() -> None:
 
 
 @pytest.mark.parametrize("segment", [BATCH, 3 * BATCH])
+@pytest.mark.heavy
 def test_segment_size_changes_nothing(segment: int) -> None:
     events = generate("oscillation", 4500, seed=10, run_id="o").events
     assert direct(events, segment) == on_the_bus(events)
 
 
+@pytest.mark.heavy
 def test_a_far_future_step_is_refused_by_both() -> None:
     """Steps past the stage's max_step_gap are refused one by one, in a batch or not."""
     events = generate("sudden_spike", 2400, seed=11, run_id="j").events

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -23,15 +22,8 @@ def checkpoint(step: int, deleted: bool = False) -> CheckpointEvent:
                            deleted=deleted)
 
 
-def wait_for(predicate, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.1)
-    assert predicate()
-
-
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded(tmp_path_factory, wait_until, consumed_by):
     """A live run whose trainer keeps its last two checkpoints, as the guard announces them:
     a checkpoint of step s after step s - 1, and the one rotated out right after it.
     NaNs at 300 and 301 (a non-finite step that recurs; one alone the Guard's skip answers)
@@ -70,12 +62,14 @@ def recorded(tmp_path_factory):
             return any(record.decoded(Action).kind.value == "rollback"
                        for record in runtime.bus.read_all(topics.actions))
 
-        wait_for(rolled_back)
+        wait_until(rolled_back, "the NaNs rolled back")
         for step in range(302, 400):
             publish_step(step)
         producer.flush()
-        wait_for(lambda: len(runtime.bus.read_all(topics.decisions)) >= 400)
-        time.sleep(0.5)  # the actuator answers the last decisions
+        wait_until(lambda: len(runtime.bus.read_all(topics.decisions)) >= 400, "a decision on every step")
+        decided = len(runtime.bus.read_all(runtime.topics.decisions))
+        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+                   "the actuator took in every decision")
     return directory
 
 

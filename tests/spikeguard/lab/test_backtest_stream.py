@@ -22,6 +22,7 @@ def dumped(decisions):
     return [d.model_dump_json() for d in decisions]
 
 
+@pytest.mark.heavy
 def test_decisions_come_before_the_input_is_read_to_the_end(run):
     pulled = 0
 
@@ -40,6 +41,7 @@ def test_decisions_come_before_the_input_is_read_to_the_end(run):
     assert len(rest) + 1 == len(run.events)
 
 
+@pytest.mark.heavy
 def test_the_decisions_do_not_depend_on_the_segment_size(run):
     whole = dumped(backtest_stream(run.events, segment_steps=5 * BATCH))  # one segment
     assert any('"is_anomaly":true' in line for line in whole)

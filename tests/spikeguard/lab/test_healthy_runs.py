@@ -20,6 +20,7 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.heavy
 def test_each_kind_trains_and_repeats_itself_with_its_seed(kind):
     first, again = record(kind, steps=30), record(kind, steps=30)
     assert first == again
@@ -47,6 +48,7 @@ def test_the_command_writes_csvs_the_tools_read(tmp_path):
     assert "--steps 25" in sources and "regression_b4.csv" in sources and "char_lm.csv" not in sources
 
 
+@pytest.mark.heavy
 def test_the_checked_in_suite_is_what_the_generator_makes():
     assert {p.stem for p in SUITE.glob("*.csv")} == set(KINDS)
     for path in SUITE.glob("*.csv"):

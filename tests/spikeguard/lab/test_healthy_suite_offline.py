@@ -16,6 +16,7 @@ from spikeguard.lab.realdata import healthy_kinds
 HEALTHY = Path(__file__).resolve().parents[3] / "data" / "healthy"
 KINDS = sorted(p.stem for p in HEALTHY.glob("*.csv"))
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.heavy
 def test_a_healthy_kind_gets_no_false_action(kind):
     (run,) = healthy_kinds([HEALTHY / f"{kind}.csv"])[kind]
     found = pipeline_false_actions([run.events])

@@ -119,6 +119,7 @@ def test_the_lab_labels_hold_the_fixture_rows():
         assert lab[name] == events
 
 
+@pytest.mark.heavy
 def test_the_plot_shows_every_curve(tmp_path, capsys):
     pytest.importorskip("matplotlib")  # the `plots` extra
     target = tmp_path / "labels.png"

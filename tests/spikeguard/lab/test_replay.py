@@ -1,5 +1,7 @@
 """Replaying a recorded run twice gives identical decisions and action ids."""
 
+import pytest
+
 from spikeguard.lab.backtest import replay_events
 from spikeguard.lab.simulate import generate
 from spikeguard.schemas import CheckpointEvent, Topics
@@ -16,6 +18,7 @@ def recorded_run():
     return run, checkpoints
 
 
+@pytest.mark.heavy
 def test_replaying_twice_gives_identical_decisions_and_action_ids():
     run, checkpoints = recorded_run()
     settings = load_settings(env={})

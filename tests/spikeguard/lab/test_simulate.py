@@ -73,6 +73,7 @@ def test_benign_events_are_marked_but_not_labelled():
         assert all(not lab.label for lab in run.labels if lab.kind.startswith("benign_"))
 
 
+@pytest.mark.heavy
 def test_sudden_spikes_are_big_and_benign_blips_are_not():
     """Labelled spikes start at >= x1.5 the recent level; blips stay within the real-data envelope."""
     ratios, blips = [], []
@@ -112,6 +113,7 @@ def test_grad_explosions_start_with_a_huge_gradient_norm():
             assert grad[i] > 10 * np.median(grad[i - 100 : i - 80])
 
 
+@pytest.mark.heavy
 def test_runs_vary_in_scale_noise_and_schedule():
     runs = [generate("stable", 1000, seed) for seed in range(24)]
     starts = [r.events[0].loss for r in runs]

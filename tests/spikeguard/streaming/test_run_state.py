@@ -122,6 +122,7 @@ def test_state_is_saved_per_run_and_only_for_the_runs_that_changed():
     }
 
 
+@pytest.mark.heavy
 def test_no_state_record_grows_with_the_number_of_runs():
     bus = EmbeddedBus(partitions=2)
     worker = make_worker(bus, snapshot_interval_s=3600, max_records=5000)
