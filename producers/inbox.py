@@ -79,6 +79,10 @@ class ActionInbox:
         self._resolved += count
         if self._thread is None:
             self._maybe_commit()
+        elif self._wakeup is not None:
+            # The thread sleeps in a long poll: wake it to commit now, so a trainer killed soon
+            # after applying an action does not read it again on restart (rare: actions are).
+            self._wakeup()
 
     def close(self) -> None:
         self._stop.set()
