@@ -61,7 +61,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runtime = open_runtime(load_settings())
         if args.unbounded:
-            runtime.bus.keep_consumed = runtime.bus.max_records = None
+            runtime.bus.keep_consumed = None
+            runtime.bus.max_records = None
         # Checkpoints every 500 steps, keep 3: the default cadence would not change memory
         # either, but a long run with few files keeps the disk quiet.
         config = GuardConfig(checkpoint_dir=tmp, checkpoint_every=500, resume=False)

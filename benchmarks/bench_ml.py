@@ -72,7 +72,7 @@ def one_trial(steps: int) -> dict[str, float]:
     """One trial of every row, in this process (whichever package it imports)."""
     from spikeguard.lab.simulate import generate
     from spikeguard.processors.detectors.ml import MLDetector
-    from spikeguard.processors.detectors.ml_forest import fit_forest
+    from spikeguard.processors.detectors.ml.forest import fit_forest
 
     plain = generate("stable", steps, 0).events
     out: dict[str, float] = {}
@@ -97,7 +97,7 @@ def sklearn_fit_ms(trials: int) -> float:
     import sklearn
     from sklearn.ensemble import IsolationForest
 
-    from spikeguard.processors.detectors.ml_forest import CompiledForest
+    from spikeguard.processors.detectors.ml.forest import CompiledForest
 
     rows = np.round(np.random.default_rng(0).normal(size=(1024, 5)), 4)
     times = []

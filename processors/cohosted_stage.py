@@ -101,7 +101,8 @@ class CoHostedDetectors(Stage):
             key = (verdict.run_id, verdict.epoch, verdict.step)
             at = place.get(key)
             if at is None:
-                at = place[key] = len(place)
+                at = len(place)  # steps are numbered in the order they first appear
+                place[key] = at
                 steps[key] = [verdict]
             else:
                 steps[key].append(verdict)

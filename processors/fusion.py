@@ -217,7 +217,8 @@ class Fusion:
         if verdict.is_anomaly:
             pending.flagged = True
             if is_critical(verdict):  # decides alone, once the steps before it are decided
-                pending.critical = changed = True
+                pending.critical = True
+                changed = True
         # A verdict for a known step behind the oldest one, at the time of the
         # last check: nothing that makes the oldest step due has changed.
         if not changed and now == self._checked_at and step != self._heap[0]:

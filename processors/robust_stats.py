@@ -2,9 +2,10 @@
 
 In the style of river's ``stats`` (``update``/``get``). Every rolling median,
 MAD or quantile in the detectors, the fusion and the Guard's local skip rule
-is one of these.
+is one of these. The robust spread of a whole sample (:func:`robust_sigma`,
+1.4826 x its median absolute deviation) lives here too, for the offline tools.
 
-Small, bounded and cheap (plain floats, no numpy): the detectors call them on
+The windows are small, bounded and cheap (plain floats, no numpy): the detectors call them on
 every step, so an update costs about a microsecond. Round-trips through
 ``state_dict()`` / ``load_state_dict()`` as JSON types. (The exponentially
 weighted pieces live inline in :mod:`.detectors.series`, where they are hot.)
@@ -21,9 +22,34 @@ weighted pieces live inline in :mod:`.detectors.series`, where they are hot.)
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_left, insort
 from collections import deque
-from typing import Any
+from typing import Any, Collection
+
+import numpy as np
+
+#: Gaussian sigma over the median absolute deviation (1 / Phi^-1(3/4), to four places):
+#: ``MAD_TO_SIGMA * MAD`` estimates the standard deviation of normal noise.
+MAD_TO_SIGMA = 1.4826
+
+
+def robust_sigma(values: Collection[float], center: float | None = None) -> float:
+    """``MAD_TO_SIGMA`` x the median of ``|v - center|``; ``center`` defaults to the median of ``values``.
+
+    Raises ``statistics.StatisticsError`` on no values.
+
+    >>> robust_sigma([1.0, 2.0, 3.0, 4.0, 1000.0])
+    1.4826
+    """
+    if center is None:
+        center = statistics.median(values)
+    return MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+
+
+def robust_sigma_array(x: np.ndarray) -> float:
+    """:func:`robust_sigma` of an array around its median, in numpy (the same number for the same values)."""
+    return float(MAD_TO_SIGMA * np.median(np.abs(x - np.median(x))))
 
 
 class RollingMedian:

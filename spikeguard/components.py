@@ -59,7 +59,7 @@ def _detector_stage(name: str, settings: "Settings", topics: Topics) -> "Stage":
     from spikeguard.processors.detector_stage import DetectorStage
 
     if name == "ml":  # the detector stage, plus releasing quiet runs' forests
-        from spikeguard.processors.detectors.ml_stage import MLStage
+        from spikeguard.processors.detectors.ml.stage import MLStage
 
         return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
                        signing_key=settings.keys())

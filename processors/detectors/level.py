@@ -58,7 +58,7 @@ from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.processors.outlier_model import Judged as Point
 
 
-_MAD_TO_SIGMA = math.sqrt(math.pi / 2.0)  # sigma over mean absolute deviation, Gaussian noise
+_MEAN_DEVIATION_TO_SIGMA = math.sqrt(math.pi / 2.0)  # sigma over mean absolute deviation, Gaussian noise
 
 
 class LevelCode(IntEnum):
@@ -315,7 +315,7 @@ class LevelMonitor:
         recent = self._recent + a * (residual - self._recent)
         # The standard error of an EW mean of noise whose mean absolute deviation is
         # ``spread``: sigma = spread * sqrt(pi / 2) (exact for Gaussian noise, near it for others).
-        standard_error = spread * _MAD_TO_SIGMA * math.sqrt(a / (2.0 - a))
+        standard_error = spread * _MEAN_DEVIATION_TO_SIGMA * math.sqrt(a / (2.0 - a))
         return judged._replace(recent=recent, spread=spread,
                                raised=recent > self.raise_z * standard_error)
 

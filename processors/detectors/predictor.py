@@ -264,7 +264,8 @@ class PredictorDetector(Detector[PredictorState]):
         if lr is not None and lr > max_lr:
             after.max_lr = lr
         if f is None:  # bootstrapping the features
-            after.warning = after.lr_warning = False
+            after.warning = False
+            after.lr_warning = False
             if stalled:
                 return _Assessment(AnomalyType.STALLED, 0.6, 0.0, HealthLevel.WARNING,
                                    {"warmup": 1}, ["stalled"], after)

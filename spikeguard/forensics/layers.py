@@ -31,6 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from spikeguard.processors.robust_stats import robust_sigma
 from spikeguard.schemas import StepEvent
 
 LOOKBACK_STEPS = 20  # how far before the onset a layer's move still counts as "before"
@@ -86,7 +87,7 @@ def attribute(steps: Sequence[StepEvent], onset_step: int, *, lookback: int = LO
         logs = [math.log(e.top_grad_norms[layer]) for e in base
                 if e.top_grad_norms.get(layer, 0) > 0 and math.isfinite(e.top_grad_norms[layer])]
         center = statistics.median(logs) if logs else None
-        spread = max(MAD_FLOOR, 1.4826 * statistics.median(abs(v - center) for v in logs)) if logs else None
+        spread = max(MAD_FLOOR, robust_sigma(logs, center)) if logs else None
         first: StepEvent | None = None
         peak, peak_z, peak_norm = baseline, None, None
         for event in window:

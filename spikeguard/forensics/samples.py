@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from spikeguard.processors.robust_stats import robust_sigma
+
 log = logging.getLogger(__name__)
 
 SampleId = int | str
@@ -49,7 +51,7 @@ def _robust_z(values: Sequence[float]) -> list[float]:
     if not finite:
         return [0.0] * len(values)
     center = statistics.median(finite)
-    spread = max(1e-3, 1.4826 * statistics.median(abs(v - center) for v in finite))
+    spread = max(1e-3, robust_sigma(finite, center))
     # A non-finite loss or gradient is as suspect as a sample can be.
     return [(v - center) / spread if math.isfinite(v) else (math.inf if v > 0 else 0.0) for v in logs]
 

@@ -61,6 +61,7 @@ import numpy as np
 
 from spikeguard.lab import scenarios as sc
 from spikeguard.lab.runfile import StepLabel
+from spikeguard.processors.robust_stats import robust_sigma_array
 from spikeguard.schemas import StepEvent
 
 SCENARIOS: dict[str, str] = {
@@ -239,7 +240,7 @@ def _robust_unit(x: np.ndarray, skew: float) -> np.ndarray:
     """Centre on the median, stretch the upper side by ``skew``, scale to unit robust sigma."""
     x = x - np.median(x)
     x = np.where(x > 0, x * (1 + skew), x * (1 - skew))
-    return (x - np.median(x)) / (1.4826 * np.median(np.abs(x - np.median(x))))
+    return (x - np.median(x)) / robust_sigma_array(x)
 
 
 def _render(c: sc.Canvas, rng: np.random.Generator, run_id: str, params: dict) -> list[StepEvent]:

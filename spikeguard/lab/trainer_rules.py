@@ -48,9 +48,8 @@ import math
 import statistics
 from collections import deque
 
+from spikeguard.processors.robust_stats import robust_sigma
 from spikeguard.schemas import StepEvent
-
-MAD_TO_SIGMA = 1.4826
 
 
 class LightningSpike:
@@ -164,7 +163,7 @@ class AxolotlRobustZ:
 def robust_z(value: float, history) -> float:
     """(value - median) / (1.4826 x MAD) of ``history``; inf above a constant history."""
     median = statistics.median(history)
-    mad = statistics.median(abs(v - median) for v in history) * MAD_TO_SIGMA
+    mad = robust_sigma(history, median)
     if mad == 0:
         return math.inf if value > median else 0.0
     return (value - median) / mad

@@ -156,7 +156,7 @@ def test_absurd_finite_values_neither_crash_nor_poison_the_run() -> None:
 
 @pytest.mark.parametrize(("n", "seed"), [(50, 5), (300, 3), (1024, 17)])
 def test_fit_forest_grows_exactly_the_trees_isolation_forest_grows(n: int, seed: int) -> None:
-    from spikeguard.processors.detectors.ml_forest import fit_forest
+    from spikeguard.processors.detectors.ml.forest import fit_forest
 
     rng = np.random.default_rng(n)
     rows = np.round(rng.normal(size=(n, len(ML_FEATURES))), 4)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.ensemble import IsolationForest
 
-from spikeguard.processors.detectors.ml_forest import CompiledForest, _path_length, fit_forest
+from spikeguard.processors.detectors.ml.forest import CompiledForest, _path_length, fit_forest
 
 WIDTH = 5
 
@@ -72,7 +72,7 @@ def test_wide_forests_switch_to_int32_indices() -> None:
 
 
 def test_trees_from_sklearns_builder_are_those_fit_grows_and_fit_is_the_fallback(monkeypatch) -> None:
-    from spikeguard.processors.detectors import ml_forest
+    from spikeguard.processors.detectors.ml import forest
 
     rows = heavy_rows(np.random.default_rng(5), 700)
     direct = fit_forest(rows, 20, 256, 9)
@@ -80,9 +80,9 @@ def test_trees_from_sklearns_builder_are_those_fit_grows_and_fit_is_the_fallback
     def moved(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise TypeError("__cinit__() takes exactly 7 positional arguments")  # a future sklearn
 
-    monkeypatch.setattr(ml_forest, "_grow_with", moved)
-    monkeypatch.setattr(ml_forest, "_grow_public", ml_forest._grow_public)
+    monkeypatch.setattr(forest, "_grow_with", moved)
+    monkeypatch.setattr(forest, "_grow_public", forest._grow_public)
     fallback = fit_forest(rows, 20, 256, 9)
-    assert ml_forest._grow_with is ml_forest._grow_public
+    assert forest._grow_with is forest._grow_public
     for name in ("left", "right", "feature", "threshold", "leaf_value", "roots"):
         assert np.array_equal(getattr(direct, name), getattr(fallback, name)), name

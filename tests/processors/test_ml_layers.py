@@ -11,7 +11,7 @@ import pytest
 from spikeguard.lab.ablation import decide
 from spikeguard.lab.layer_runs import layer_run
 from spikeguard.processors.detectors.ml import MLConfig, MLDetector
-from spikeguard.processors.detectors.ml_layers import LayerConfig, LayerShares
+from spikeguard.processors.detectors.ml.layers import LayerConfig, LayerShares
 from spikeguard.processors.detectors.statistical import StatisticalDetector
 from spikeguard.processors.fusion import Fusion
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict

@@ -168,7 +168,7 @@ def test_the_largest_state_round_trips_through_json(default_run: dict) -> None:
 
 
 def test_the_ml_worker_releases_quiet_runs_forests_and_judges_them_the_same() -> None:
-    from spikeguard.processors.detectors.ml_stage import MLStage
+    from spikeguard.processors.detectors.ml.stage import MLStage
     from spikeguard.schemas import Topics
 
     topics = Topics("t.")

@@ -220,7 +220,7 @@ def test_features_of_two_detectors_learning_in_batches_equal_their_own():
     for i in range(0, len(events), 50):  # ML first, as in the pipeline, in batches
         ml.update_many(events[i:i + 50])
         predictor.update_many(events[i:i + 50])
-    # The ML detector computes a batch's rows on a copy and then learns in place (ml.py); the
+    # The ML detector computes a batch's rows on a copy and then learns in place (ml/detector.py); the
     # predictor shares peeked features by content key: either way each holds what learning every
     # step one by one gives.
     alone = RollingFeatures()

@@ -1,10 +1,10 @@
-"""The ``ml`` detector's settings (see :mod:`.ml` for what they tune)."""
+"""The ``ml`` detector's settings (see :mod:`.detector` for what they tune)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spikeguard.processors.detectors.ml_layers import LayerConfig
+from spikeguard.processors.detectors.ml.layers import LayerConfig
 from spikeguard.processors.features import FeatureConfig
 
 

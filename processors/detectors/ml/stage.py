@@ -1,7 +1,7 @@
 """The ``ml`` worker's stage: the detector stage, plus dropping the forests of quiet runs.
 
 A worker holding 10,000 runs holds a live isolation forest for each (~35 kB; see
-:mod:`.ml_forest`). A run that has sent nothing for ``MLConfig.release_idle_s``
+:mod:`.forest`). A run that has sent nothing for ``MLConfig.release_idle_s``
 seconds (a trainer paused, evaluating, checkpointing, or gone without saying so
 before the idle TTL evicts it) gives its forest back; its first step after that
 refits the forest from the rows it keeps (same rows and seed, same trees), so
@@ -15,7 +15,7 @@ from typing import Callable
 from pydantic import SecretStr
 
 from spikeguard.processors.detector_stage import DetectorStage
-from spikeguard.processors.detectors.ml import MLDetector
+from spikeguard.processors.detectors.ml.detector import MLDetector
 from spikeguard.schemas import Topics
 from spikeguard.streaming.stage import Output
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from spikeguard.processors.detectors.history import StateHistory
-from spikeguard.processors.detectors.ml_forest import CompiledForest
+from spikeguard.processors.detectors.ml.forest import CompiledForest
 from spikeguard.processors.features import ML_FEATURES, RollingFeatures
 from spikeguard.schemas import StepEvent
 

@@ -2,7 +2,7 @@
 
 Two views, one verdict per step:
 
-* **Layer shares** (:mod:`.ml_layers`): when a step carries per-layer gradient
+* **Layer shares** (:mod:`.layers`): when a step carries per-layer gradient
   norms, each reported layer's share of the squared total norm is compared with
   its own baseline. One layer taking most of the gradient while the total norm
   moves < 2x and the loss not at all is a ``LAYER_BLOWUP``, naming the layer and
@@ -47,13 +47,13 @@ seed => same trees).
 
 Memory, for a worker holding 10,000 runs (~88 kB a run on average, 101 kB at
 most, from ~600 kB): rows are float32 (20 bytes; the forest sees float32
-anyway), the compiled forest is ~36 kB (:mod:`.ml_forest`), and of the healthy
+anyway), the compiled forest is ~36 kB (:mod:`.forest`), and of the healthy
 rows since a fit only those the next fit can use are kept: it takes the newest
 ``buffer_size``, so once the buffer is full the first ``refit_every -
 buffer_size`` rows of each round are counted, not stored. Rows are held once
 however many rollback snapshots share them: a refit adopts the pending block
 as its rows, and while the buffer fills the fits take windows of one block
-(:class:`~.ml_rows.Arena`). State is bounded:
+(:class:`~.rows.Arena`). State is bounded:
 at most ``2 * buffer_size`` rows of five floats (~90 kB of JSON at most),
 ``layers.max_layers`` share tracks. :meth:`MLDetector.release` drops a quiet
 run's forest; the next step that needs it refits it from the same rows.
@@ -67,12 +67,12 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from spikeguard.processors.detectors.base import Detector, validate_verdict
-from spikeguard.processors.detectors.ml_batch import Batch as _Batch
-from spikeguard.processors.detectors.ml_batch import clean
-from spikeguard.processors.detectors.ml_config import MLConfig
-from spikeguard.processors.detectors.ml_forest import CompiledForest, fit_forest
-from spikeguard.processors.detectors.ml_layers import LayerFinding, LayerShares
-from spikeguard.processors.detectors.ml_rows import Arena, Rows, as_json
+from spikeguard.processors.detectors.ml.batch import Batch as _Batch
+from spikeguard.processors.detectors.ml.batch import clean
+from spikeguard.processors.detectors.ml.config import MLConfig
+from spikeguard.processors.detectors.ml.forest import CompiledForest, fit_forest
+from spikeguard.processors.detectors.ml.layers import LayerFinding, LayerShares
+from spikeguard.processors.detectors.ml.rows import Arena, Rows, as_json
 from spikeguard.processors.features import ML_FEATURES, RollingFeatures
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -221,7 +221,7 @@ class MLDetector(Detector[MLState]):
         # admits only what the forest likes stops following a drifting run, and then
         # the forest flags everything. Rows are gated by the rolling baselines instead
         # (``healthy_gate_z``, in ``track``); a non-finite step has no row at all; the
-        # layer shares learn winsorized (see ml_layers).
+        # layer shares learn winsorized (see layers.py).
         return False
 
     def _due(self, state: MLState) -> int:
