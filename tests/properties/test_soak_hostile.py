@@ -301,16 +301,22 @@ def _applied(facts) -> list[tuple]:
                   for a in applied)
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict:
+    """The run without an attacker, once: lockstep makes its decisions and actions the same
+    whether the pipeline runs in threads or in a child process."""
+    return guarded_run(False, tmp_path_factory.mktemp("clean"))
+
+
 @pytest.mark.parametrize("pipeline", ["threads", "child process"])
-def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path, pipeline):
+def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path, pipeline, clean):
     child = pipeline == "child process"
-    clean = guarded_run(False, tmp_path / "clean", child)
     hostile = guarded_run(True, tmp_path / "hostile", child)
     attacker = hostile["attacker"]
     print(f"soak ({pipeline}): {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
           f"actions) written from step {attacker.steps_seen[0]} to step {attacker.steps_seen[-1]} "
           f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
-          f"(clean run {clean['rss_growth'] / 2**20:.1f} MiB)")
+          f"(the clean run, threads: {clean['rss_growth'] / 2**20:.1f} MiB)")
 
     # mixed into the run, through the spike (the newest step goes back at the rollback: its max counts)
     assert attacker.steps_seen[0] < 20 and max(attacker.steps_seen) > 100
