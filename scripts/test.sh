@@ -23,7 +23,7 @@ trap cleanup EXIT
 # Integration tests must not skip silently when the broker is missing.
 export SPIKEGUARD_REQUIRE_KAFKA=1
 export SPIKEGUARD_PYTHON="$venv/bin/python"
-# Two processes (pytest-xdist): much of the suite waits on brokers, workers and child
-# processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process. tests/conftest.py puts the
+# Three processes (pytest-xdist), on 2 cores too: much of the suite waits on brokers, workers
+# and child processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process. tests/conftest.py puts the
 # longest tests first; worksteal lets a process that runs out take the other's pending tests.
-"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-2}" --dist worksteal "$@"
+"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-3}" --dist worksteal "$@"
