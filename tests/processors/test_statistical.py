@@ -345,15 +345,22 @@ def test_a_fall_that_slows_while_the_noise_grows_makes_no_outliers() -> None:
     assert model.judge(math.log(0.7) + math.log(4.0)).elevated
 
 
-def test_noise_that_grows_without_raising_the_loss_is_not_an_oscillation() -> None:
-    # A long LR warm-up: the loss falls to a plateau while its step-to-step swings grow
-    # x15 (in log space) over 600 steps. Swings that leave the loss where it was are noise.
-    rng = random.Random(32)
+def growing_noise(seed: int) -> list[tuple[float, None]]:
+    """A healthy shape: the loss falls to a plateau while its log-space noise grows x15 over
+    600 steps (a long LR warm-up), 3,000 steps."""
+    rng = random.Random(seed)
     pairs = []
     for t in range(3000):
         sigma = 0.02 * math.exp(math.log(15.0) * min(max(t - 200, 0), 600) / 600)
         trend = math.log(0.7 + 1.6 * math.exp(-t / 150))
         pairs.append((math.exp(trend + rng.gauss(0.0, sigma)), None))
+    return pairs
+
+
+def test_noise_that_grows_without_raising_the_loss_is_not_an_oscillation() -> None:
+    # A long LR warm-up: the loss falls to a plateau while its step-to-step swings grow
+    # x15 (in log space) over 600 steps. Swings that leave the loss where it was are noise.
+    pairs = growing_noise(32)
     verdicts = judge(pairs)
     assert [v.step for v in verdicts if v.type == AnomalyType.OSCILLATION] == []
     # The swings are there: judged without the level (whether the loss moved), they are one.
@@ -399,12 +406,7 @@ def test_gradual_divergences_are_caught_within_15_steps_of_rising_3_sigma() -> N
 def test_noise_that_grows_makes_no_climb(seed) -> None:
     # Noise growing x15 over 600 steps: the tail's quantiles lag it, so many points are
     # over its 90th percentile, but as many fall below the level (a climb has none there).
-    rng = random.Random(seed)
-    pairs = []
-    for t in range(3000):
-        sigma = 0.02 * math.exp(math.log(15.0) * min(max(t - 200, 0), 600) / 600)
-        trend = math.log(0.7 + 1.6 * math.exp(-t / 150))
-        pairs.append((math.exp(trend + rng.gauss(0.0, sigma)), None))
+    pairs = growing_noise(seed)
     assert [v.step for v in judge(pairs) if "loss_climb" in v.rules] == []
 
 
@@ -456,10 +458,5 @@ def test_noise_that_grows_fast_is_not_an_oscillation_at_any_seed(seed) -> None:
     # The growing-noise shape above at the seeds where swings x3 (or x3.5) their usual size
     # with the loss raised by chance made an oscillation, which the policy answers with an
     # LR cut; at x4 none of seeds 30-59 does.
-    rng = random.Random(seed)
-    pairs = []
-    for t in range(3000):
-        sigma = 0.02 * math.exp(math.log(15.0) * min(max(t - 200, 0), 600) / 600)
-        trend = math.log(0.7 + 1.6 * math.exp(-t / 150))
-        pairs.append((math.exp(trend + rng.gauss(0.0, sigma)), None))
+    pairs = growing_noise(seed)
     assert [v.step for v in judge(pairs) if v.type == AnomalyType.OSCILLATION] == []
