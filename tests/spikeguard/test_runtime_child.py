@@ -167,6 +167,15 @@ def _tiny():
     return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 8), torch.randn(32, 1)
 
 
+def _guarded(runtime, tmp_path, run_id, key=None):
+    """A tiny model's Guard on ``runtime`` (signing with the pipeline's key unless ``key``)."""
+    model, optimizer, x, y = _tiny()
+    config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
+                         signing_key=key if key is not None else runtime.settings.signing_key)
+    guard = Guard(model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics)
+    return guard, model, optimizer, x, y
+
+
 def _train(guard, model, optimizer, x, y, steps):
     for _ in range(steps):
         optimizer.zero_grad()
@@ -181,11 +190,7 @@ def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_ch
 
     runtime = open_runtime(settings())
     try:
-        model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="fields", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        guard, model, optimizer, x, y = _guarded(runtime, tmp_path, "fields")
         _train(guard, model, optimizer, x, y, 60)
         guard.publisher.flush(10.0)
         bus, topics = runtime.bus, runtime.topics
@@ -216,11 +221,8 @@ def test_a_guard_with_another_key_is_not_vouched_for_by_the_child(tmp_path):
 
     runtime = open_runtime(settings())
     try:
-        model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                             signing_key=SecretStr("not the pipeline's key, not at all"))
-        guard = Guard(model, optimizer, run_id="stranger", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        stranger = SecretStr("not the pipeline's key, not at all")
+        guard, model, optimizer, x, y = _guarded(runtime, tmp_path, "stranger", key=stranger)
         _train(guard, model, optimizer, x, y, 3)
         guard.publisher.flush(10.0)
         bus, topics = runtime.bus, runtime.topics
@@ -264,11 +266,7 @@ def test_fields_that_make_no_step_go_to_the_dlq_and_the_child_goes_on():
 def test_a_child_that_dies_is_reported_and_training_goes_on(tmp_path, caplog):
     runtime = open_runtime(settings())
     try:
-        model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="orphan", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        guard, model, optimizer, x, y = _guarded(runtime, tmp_path, "orphan")
         _train(guard, model, optimizer, x, y, 20)
         runtime.child.process.kill()
         assert _wait_for(lambda: runtime.child.problem)
@@ -360,11 +358,7 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
     runtime = open_runtime(settings(metrics_port=port), metrics=local)
     try:
         prefix = runtime.topics.prefix
-        model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="served", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        guard, model, optimizer, x, y = _guarded(runtime, tmp_path, "served")
         _train(guard, model, optimizer, x, y, 30)
         guard.publisher.flush(10.0)
         def served(text: str) -> bool:  # every step seen, and consumed by the ml worker (its own pace)
