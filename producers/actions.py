@@ -178,7 +178,8 @@ class Steerable(Protocol):
     clipper: GradClipper
     optimizer: Any  # a torch optimizer, or a framework's wrapper with its param_groups
 
-    def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str: ...
+    def rollback(self, target_step: int, checkpoint_id: str | None = None,
+                 onset_step: int | None = None) -> str: ...
 
     def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str: ...
 
@@ -223,7 +224,7 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
     except ValueError as exc:
         raise ActionFailed(str(exc)) from None
     if isinstance(p, RollbackParams):
-        result = guard.rollback(p.target_step, p.checkpoint_id)
+        result = guard.rollback(p.target_step, p.checkpoint_id, action.incident_onset_step)
         if action.decision_id:
             guard.actions.urgent_decisions.add(action.decision_id)
         return result

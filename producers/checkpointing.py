@@ -149,15 +149,28 @@ class CheckpointKeeper:
         return info
 
     # -- which checkpoint: decided once, by rank 0; loaded by every rank or by none ------
-    def rollback_candidates(self, target_step: int, checkpoint_id: str | None) -> tuple[list[Candidate], str]:
+    def rollback_candidates(self, target_step: int, checkpoint_id: str | None,
+                            onset_step: int | None = None) -> tuple[list[Candidate], str]:
         """Rank 0's choice for a rollback to ``target_step``, and the older healthy ones to fall
-        back to, newest first; with a note when the named checkpoint is not the one chosen."""
+        back to, newest first; with a note when the named checkpoint is not the one chosen.
+
+        ``onset_step``: the incident's onset. When nothing at or before the target is left
+        (an action that arrived late finds its checkpoint rotated out), the oldest healthy
+        checkpoint before the onset stands in: the nearest to what was asked, and better than
+        failing the rollback, after which the policy can only stop the run.
+        """
         info = self.store.find(checkpoint_id) if checkpoint_id else None
         note = ""
         if info is None or info.step > target_step:
             info = self.store.newest_healthy(max_step=target_step)
             if checkpoint_id:
                 note = f" (checkpoint {checkpoint_id} not found; newest healthy at or before {target_step})"
+        if info is None and onset_step is not None:
+            before = [c for c in self.store.list(0) if c.healthy and c.step < onset_step]
+            if before:
+                info = before[-1]  # the list is newest first
+                note = (f" (checkpoint {checkpoint_id or 'at step ' + str(target_step)} is not on disk "
+                        f"any more; the oldest healthy one before the onset {onset_step})")
         if info is None:
             return [], note
         older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]

@@ -481,14 +481,17 @@ class Guard:
         """Load every part; applied-action ids and skip ranges are merged, never replaced."""
         self.parts.load_state_dict(body, self.rank)
 
-    def rollback(self, target_step: int, checkpoint_id: str | None = None) -> str:
+    def rollback(self, target_step: int, checkpoint_id: str | None = None, onset_step: int | None = None) -> str:
         """Every rank calls it at the same step; rank 0 chooses the checkpoint, every rank loads
-        that one (or, when a rank cannot read it, all the next older healthy one), or all fail."""
+        that one (or, when a rank cannot read it, all the next older healthy one), or all fail.
+        ``onset_step``: the incident's onset, for when the target has rotated out
+        (CheckpointKeeper.rollback_candidates)."""
         self.saver.wait()  # the checkpoint it needs may still be being written
         self.checkpoints.drain()
         # Rank 0 chooses once its own saves are on disk (waited for above); the rest follow.
         candidates, note = self.sync.share(
-            self.checkpoints.rollback_candidates(target_step, checkpoint_id) if self.rank == 0 else None)
+            self.checkpoints.rollback_candidates(target_step, checkpoint_id, onset_step) if self.rank == 0
+            else None)
         loaded = self.checkpoints.load_agreed(candidates)
         info = loaded.info
         if loaded.passed:

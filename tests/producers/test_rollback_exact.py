@@ -69,3 +69,26 @@ def test_applied_ids_survive_the_rollback(bus, tmp_path):
 
 
 K = ActionKind
+
+
+def test_a_late_rollback_whose_target_rotated_out_takes_the_oldest_healthy_checkpoint_before_the_onset(
+        bus, tmp_path):
+    # The policy aims 100 steps before the onset; an action that arrives late (a loaded pipeline)
+    # can find that checkpoint rotated out. The oldest one still on disk before the incident's
+    # onset is the nearest to what was asked, and far better than failing the rollback (which
+    # leaves the run to be stopped).
+    tiny = Tiny(seed=3)
+    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=10, keep_checkpoints=4)
+    onset = 55
+    back = action(K.ROLLBACK, 75, decision_id="d-late", target_step=20,
+                  checkpoint_id=checkpoint_id("r1", 20, 0)).model_copy(
+        update={"incident_id": "i-late", "incident_onset_step": onset})
+    send(bus, back, guard=guard)
+    train(guard, tiny, 80)
+    guard.close()
+    (ack,) = [a for a in acks(bus) if a.action_id == back.action_id]
+    assert ack.status is AckStatus.APPLIED, ack.result
+    # kept at step 75: 40, 50, 60, 70; 60 and 70 lie after the onset
+    assert ack.result.startswith("rolled back to step 40 "), ack.result
+    assert "not on disk any more" in ack.result and f"before the onset {onset}" in ack.result
+    assert guard.generation == 1
