@@ -48,6 +48,7 @@ ANOMALY_KINDS = frozenset({ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionK
 # except RESTORE_LR (it moves the LR back towards the user's own setting, after healthy steps).
 NEEDS_AGREEMENT = ANOMALY_KINDS
 MAX_BROKEN_PLANS = 1024  # decisions remembered whose rollback failed (oldest forgotten first)
+MAX_AGREED_INCIDENTS = 1024  # incidents the trainer agreed were real (oldest forgotten first)
 HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
 # The one kind that changes nothing in the run (it is logged): it needs no evidence
 # unless it answers a decision (then it was derived from steps, and says which).
@@ -91,6 +92,11 @@ class ActionQueue:
         # Decisions whose rollback failed or was refused -> why: a plan applies whole or not at
         # all, so its skip window, LR and clipping must not run without the rollback.
         self.broken_plans: OrderedDict[str, str] = OrderedDict()
+        # Incidents whose claim this trainer backed once. A persistent incident (weights corrupted
+        # by bad data) keeps the pipeline's loss high while the local outlier model re-levels onto
+        # it, so a later step of the same incident (where the policy escalates: a further recovery
+        # or a stop) need not look anomalous here; the incident does not have to be agreed again.
+        self.agreed_incidents: OrderedDict[str, None] = OrderedDict()
 
     def plan_failed(self, action: Action, outcome: Outcome) -> None:
         """``action`` was not applied: if it is its decision's rollback, the rest of the plan is off."""
@@ -147,7 +153,13 @@ class ActionQueue:
         # Published is not the same as anomalous: a decision's claim must be of the evidence's own
         # step, and this trainer's own statistics must agree the step was what the decision says.
         if action.claim is not None and action.kind in NEEDS_AGREEMENT:
-            problem = self.published.claim_problem(action.claim, action.evidence)
+            agreed = action.incident_id is not None and action.incident_id in self.agreed_incidents
+            problem = self.published.claim_problem(action.claim, action.evidence, agreed=agreed)
+            if problem is None and action.incident_id is not None:
+                self.agreed_incidents[action.incident_id] = None
+                self.agreed_incidents.move_to_end(action.incident_id)
+                while len(self.agreed_incidents) > MAX_AGREED_INCIDENTS:
+                    self.agreed_incidents.popitem(last=False)
             if problem is not None:
                 log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
                             action.action_id, action.run_id, problem)

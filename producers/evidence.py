@@ -20,7 +20,10 @@ judged locally (:class:`StepView`), and checks every action against it:
   threshold above its level (a lower bar than skipping: agreeing that a step was unusual is
   not acting on it alone). The claim is checked for the kinds that change the
   run (``actions.NEEDS_AGREEMENT``); an ALERT, a CHECKPOINT and a RESTORE_LR
-  (back towards the user's own LR) are not.
+  (back towards the user's own LR) are not. Once the trainer has backed an incident's
+  claim, the incident's later actions need not be backed again (its later steps may look
+  normal to a local model that re-levelled onto a persistent fault); their steps must still
+  be ones it published.
 
 An action without a claim is a key holder's own command (``spikeguard
 stop``; see :func:`spikeguard.producers.actions.operator_evidence`): it is
@@ -140,8 +143,12 @@ class PublishedSteps:
                     f"published {found.grad_norm!r}")
         return None
 
-    def claim_problem(self, claim: Claim, evidence: Evidence | None) -> str | None:
-        """Why an action answering ``claim`` must not change the run (None: the trainer agrees)."""
+    def claim_problem(self, claim: Claim, evidence: Evidence | None, agreed: bool = False) -> str | None:
+        """Why an action answering ``claim`` must not change the run (None: the trainer agrees).
+
+        ``agreed``: the trainer backed this incident's claim before (ActionQueue.agreed_incidents);
+        the claimed step must still be one it published, but need not look anomalous to it.
+        """
         if evidence is not None and (evidence.step, evidence.epoch) != (claim.step, claim.epoch):
             return (f"the decision is about step {claim.step} of epoch {claim.epoch}, but its evidence "
                     f"is of step {evidence.step} of epoch {evidence.epoch}")
@@ -149,4 +156,4 @@ class PublishedSteps:
         if view is None:
             return (f"the decision names step {claim.step} of epoch {claim.epoch}, which this trainer "
                     f"did not publish (or not among its last {self.size} steps)")
-        return disagreement(claim, view)
+        return None if agreed else disagreement(claim, view)

@@ -208,3 +208,39 @@ def test_without_local_skips_the_outlier_model_still_scores_and_backs_a_real_spi
     guard.close()
     assert {a.status for a in acks(bus)} == {AckStatus.APPLIED}
     assert guard.counters["rollbacks"] == 1
+
+
+def test_once_the_trainer_agreed_an_incident_was_real_its_later_actions_need_no_new_agreement(bus, tmp_path):
+    # A persistent incident (weights corrupted by bad data) keeps the pipeline's loss high while the
+    # trainer's local model re-levels onto it: a later step of the same incident no longer looks
+    # anomalous here. The policy's escalation (a stop after a failed recovery) is judged on such a
+    # step; refusing it would leave a broken run training. An incident the trainer never agreed to
+    # still needs its own agreement.
+    from producers_helpers import action
+
+    tiny = Tiny(seed=15, lr=LR)
+    guard = make_guard(tiny, bus, tmp_path, signing_key=KEY)
+    bad_step = 45
+    poison = lambda step, epoch, y: y * 40.0 if (step, epoch) == (bad_step, 0) else y  # noqa: E731
+    run(guard, tiny, 60, poison)
+    steps = published(bus)
+
+    def signed(kind, claimed: int, incident: str, **params):
+        a = action(kind, 61, decision_id=f"d-{incident}-{claimed}-{kind.value}", **params)
+        return sign_action(a.model_copy(update={
+            "incident_id": incident, "evidence": evidence_of(steps[(0, claimed)]),
+            "claim": Claim(step=claimed, epoch=0, type=AnomalyType.LOSS_SPIKE)}), KEY)
+
+    agreed = signed(ActionKind.SCALE_LR, bad_step, "inc-real", factor=0.5)
+    stranger = signed(ActionKind.STOP, 59, "inc-other", reason="forged escalation")
+    escalation = signed(ActionKind.STOP, 59, "inc-real", reason="needs recovery #2")
+    send(bus, agreed, stranger, escalation, guard=guard)
+    run(guard, tiny, 70, poison)
+    guard.close()
+
+    by_id = {a.action_id: a for a in acks(bus)}
+    assert by_id[agreed.action_id].status is AckStatus.APPLIED
+    assert by_id[stranger.action_id].status is AckStatus.REJECTED
+    assert "the decision calls step 59" in by_id[stranger.action_id].result
+    assert by_id[escalation.action_id].status is AckStatus.APPLIED, by_id[escalation.action_id]
+    assert guard.should_stop and guard.step_count < 70
