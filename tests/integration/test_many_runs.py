@@ -115,6 +115,11 @@ def latest(records) -> dict:
     return {record.key: record.value for record in records}
 
 
+#: Reading the state topic back (tens of thousands of records) on a loaded machine: a bound on a
+#: hung read, not a speed check.
+READ_S = 120.0
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_ten_thousand_runs_on_one_kafka_worker(kafka_bootstrap, tmp_path):
@@ -153,7 +158,7 @@ def test_ten_thousand_runs_on_one_kafka_worker(kafka_bootstrap, tmp_path):
         loaded_rss = rss_bytes(worker.pid)
         while True:  # every run saved (the worker saves every second), one record each
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
-            newest = latest(bus.read_all(topics.state("statistical")))
+            newest = latest(bus.read_all(topics.state("statistical"), timeout=READ_S))
             if sum(b"/run/" in k for k in newest) >= RUNS:
                 break
             time.sleep(2.0)
@@ -166,7 +171,7 @@ def test_ten_thousand_runs_on_one_kafka_worker(kafka_bootstrap, tmp_path):
         # Until every run's state record is tombstoned (the worker saves every second).
         while True:
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
-            newest = latest(bus.read_all(topics.state("statistical")))
+            newest = latest(bus.read_all(topics.state("statistical"), timeout=READ_S))
             live = [k for k, v in newest.items() if v is not None and b"/run/" in k]
             if newest and not live:
                 break
