@@ -25,7 +25,6 @@ export SPIKEGUARD_REQUIRE_KAFKA=1
 export SPIKEGUARD_PYTHON="$venv/bin/python"
 # Three processes (pytest-xdist), on 2 cores too: much of the suite waits on brokers, workers
 # and child processes. SPIKEGUARD_TEST_WORKERS=0 runs it in one process. tests/conftest.py puts the
-# longest tests first, and keeps a module with a costly module-scoped fixture in one process
-# (loadgroup), so that the fixture is set up once; the other tests go one by one to whichever
-# process is free.
-"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-3}" --dist loadgroup "$@"
+# longest tiers first; a module's tests run in one process (loadscope, in that order), so that a
+# module-scoped fixture (a backtest of the synthetic suite, an example's runs) is set up once.
+"$venv/bin/python" -m pytest -n "${SPIKEGUARD_TEST_WORKERS:-3}" --dist loadscope --no-loadscope-reorder "$@"

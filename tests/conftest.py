@@ -99,26 +99,10 @@ def _rank(item: pytest.Item) -> int:
     return next(rank for rank, name in enumerate(RUN_ORDER) if item.get_closest_marker(name) is not None)
 
 
-def _module_fixture_group(item: pytest.Item) -> str | None:
-    """The item's module, when the module declares a module-scoped fixture of its own: its tests
-    then run in one process (``--dist loadgroup``), so that the fixture is set up once, not once
-    per process (some take minutes: a backtest of the synthetic suite, a soak's clean run)."""
-    module = item.nodeid.split("::")[0]
-    for definitions in item._fixtureinfo.name2fixturedefs.values():
-        if any(d.scope == "module" and d.baseid == module for d in definitions):
-            return module
-    return None
-
-
-# First, before pytest-xdist reads the xdist_group markers added here.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for name in _tier_markers(item):
             item.add_marker(name)
-        group = _module_fixture_group(item)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
     # Whole modules move (their module-scoped fixtures are set up once), in their own order otherwise.
     module_rank: dict[str, int] = {}
     for item in items:

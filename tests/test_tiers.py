@@ -63,51 +63,6 @@ def pytest_collection_finish(session):
     }
 
 
-def test_a_module_with_its_own_module_fixture_runs_in_one_process_and_the_rest_spread(pytester):
-    # A costly module-scoped fixture is set up once per process that runs one of its tests:
-    # --dist loadgroup keeps such a module's tests together (the xdist_group marker).
-    pytester.makeconftest(
-        CONFTEST.read_text()
-        + """
-
-def pytest_collection_finish(session):
-    for item in session.items:
-        groups = [m.args[0] for m in item.iter_markers("xdist_group")]
-        print("group", item.name, *groups)
-"""
-    )
-    pytester.makeini("[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n")
-    pytester.makepyfile(
-        test_costly="""
-        import pytest
-
-        @pytest.fixture(scope="module")
-        def backtest():
-            return 1
-
-        def test_uses_it(backtest):
-            pass
-
-        def test_does_not():
-            pass
-    """,
-        test_cheap="""
-        import pytest
-
-        @pytest.fixture
-        def small():
-            return 1
-
-        def test_plain(small):
-            pass
-    """,
-    )
-    result = pytester.runpytest("--collect-only", "-q")
-    groups = dict(line.split(" ", 1)[1].partition(" ")[::2] for line in result.outlines
-                  if line.startswith("group "))
-    assert groups == {"test_uses_it": "test_costly.py", "test_does_not": "", "test_plain": ""}
-
-
 def test_a_slow_unit_test_is_named_at_the_end(pytester, monkeypatch):
     pytester.makeconftest(CONFTEST.read_text().replace("UNIT_BUDGET_S = 3.0", "UNIT_BUDGET_S = 0.0"))
     pytester.makeini("[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n")
