@@ -29,7 +29,11 @@ Four tests on ``y = log(x)``, all one-sided towards "worse" where that is right:
   or not, the two are equal in expectation (each is the difference of two
   independent draws); a flip-flop's two-step swing is only its noise. So
   noise that grows, which the swing ratio alone cannot tell from an
-  instability, does not alternate.
+  instability, does not alternate. The highs must also rise: a short EWMA of
+  the higher of each two points in a row, ``alt_lift`` one-step swings above
+  the same at half the weight. A healthy run that cycles through two fixed
+  batches alternates too, its gap growing as the lower batch falls; its highs
+  do not rise.
 
 :meth:`judge` changes nothing; :meth:`advance` moves on what every point
 moves (swing sizes, the episode: a candidate's age, a confirmed spike);
@@ -70,10 +74,11 @@ class SeriesMonitor:
         "level_window", "warmup", "scale_alpha", "min_scale", "z_spike", "min_jump", "z_instant",
         "instant_jump", "retain", "confirm_steps", "z_confirm", "z_exit", "div_alpha", "div_forget",
         "div_z", "div_min", "osc_alpha", "osc_ref_alpha", "osc_level", "calm_level", "relearn_after",
-        "alt_level", "alt_ratio",
+        "alt_level", "alt_ratio", "alt_lift",
         # learned state
         "_med", "_smean", "_sn", "_level_sigma", "_last", "_level", "_floor", "_ln",
-        "_vprev", "_vprev2", "_slope", "_vshort", "_vref", "_one", "_two", "_vn", "_osc", "_pending",
+        "_vprev", "_vprev2", "_slope", "_vshort", "_vref", "_one", "_two", "_high", "_high_slow", "_vn",
+        "_osc", "_pending",
         "_age", "_run",
         "_run_kind", "_n",
     )
@@ -84,7 +89,7 @@ class SeriesMonitor:
         confirm_steps: int, z_confirm: float,
         z_exit: float, div_alpha: float, div_forget: float, div_z: float, div_min: float,
         osc_alpha: float, osc_ref_alpha: float, osc_level: float, calm_level: float,
-        relearn_after: int, alt_level: float, alt_ratio: float,
+        relearn_after: int, alt_level: float, alt_ratio: float, alt_lift: float,
     ) -> None:
         self.level_window = level_window
         self.warmup = warmup
@@ -109,6 +114,7 @@ class SeriesMonitor:
         self.relearn_after = relearn_after
         self.alt_level = alt_level
         self.alt_ratio = alt_ratio
+        self.alt_lift = alt_lift
         self._med = RollingMedian(level_window)
         # noise of the slow level, per unit of noise of the signal
         self._level_sigma = math.sqrt(div_alpha / (2.0 - div_alpha))
@@ -132,6 +138,8 @@ class SeriesMonitor:
         self._vref = 0.0  # its long-run level
         self._one = 0.0  # short EWMA of |difference - slope|, not clipped (the alternation)
         self._two = 0.0  # short EWMA of |two-step difference - 2 slope|, not clipped
+        self._high = math.nan  # short EWMA of the higher of each two points in a row
+        self._high_slow = math.nan  # the same at half the weight (twice the delay)
         self._vn = 0  # differences seen by the oscillation test
         self._osc = 1.0  # swing ratio of the last point (what learn() needs of it)
         self._pending = 0.0  # jump of a spike candidate awaiting confirmation (0: none)
@@ -153,8 +161,8 @@ class SeriesMonitor:
         swing ratio for an alternation),
         jump the distance in log units. The rest is what :meth:`advance` applies.
         """
-        osc, alternation, swings = self._volatility(y)
-        code, z, r, episode = self._decide(y, osc, alternation)
+        osc, alternation, lift, swings = self._volatility(y)
+        code, z, r, episode = self._decide(y, osc, alternation, lift)
         return code, z, r, osc, swings, episode
 
     def advance(self, judged: Judged) -> int:
@@ -165,7 +173,7 @@ class SeriesMonitor:
         """
         code, _, _, osc, swings, (pending, age, spike_over, level) = judged
         (self._vprev, self._vprev2, self._slope, self._vn, self._vshort, self._vref, self._one,
-         self._two) = swings
+         self._two, self._high, self._high_slow) = swings
         self._osc = osc
         if code == WARMUP:
             return WARMUP
@@ -195,7 +203,8 @@ class SeriesMonitor:
         independent noise, growing or not; large for a flip-flop)."""
         return _alternation(self._one, self._two)
 
-    def _decide(self, y: float, osc: float, alternation: float) -> tuple[int, float, float, tuple]:
+    def _decide(self, y: float, osc: float, alternation: float, lift: float,
+                ) -> tuple[int, float, float, tuple]:
         """The code of ``y`` and the episode state after it: (pending, age, spike over, level)."""
         if self._n < self.warmup:
             return WARMUP, 0.0, 0.0, (self._pending, self._age, False, self._level)
@@ -233,7 +242,7 @@ class SeriesMonitor:
         # Oscillation and divergence: slower evidence, from points that are not spikes.
         if osc >= self.osc_level:
             return OSCILLATION, osc, r, (0.0, age, spike_over, level)
-        if osc >= self.alt_level and alternation >= self.alt_ratio:
+        if osc >= self.alt_level and alternation >= self.alt_ratio and lift >= self.alt_lift:
             return ALTERNATION, osc, r, (0.0, age, spike_over, level)
         if ln >= self.warmup:
             climbed = level + self.div_alpha * (y - level)
@@ -251,20 +260,21 @@ class SeriesMonitor:
             # acting on the alarms): start over from here rather than alarm forever.
             self.reset(keep_scale=True)
 
-    def _volatility(self, y: float) -> tuple[float, float, tuple]:
+    def _volatility(self, y: float) -> tuple[float, float, float, tuple]:
         """Short-run over long-run detrended swing size (about 1 for steady noise), and the
         alternation: short-run one-step over two-step swing size (about 1 for independent
         noise, growing or not; large for a flip-flop).
 
         Every point counts here, spikes included (clipped for the swing size; not for the
         alternation, where a one-point spike makes two one-step and two two-step swings
-        of its size). Returns both and the swing state after ``y``: (previous value, the
-        one before, slope, count, short, long-run, one-step, two-step).
+        of its size). Returns both, the highs' lift (in one-step swings) and the swing
+        state after ``y``: (previous value, the one before, slope, count, short,
+        long-run, one-step, two-step, highs, highs at half the weight).
         """
         prev, prev2 = self._vprev, self._vprev2
         if prev != prev:
-            return 1.0, 1.0, (y, prev, self._slope, self._vn, self._vshort, self._vref,
-                              self._one, self._two)
+            return 1.0, 1.0, 0.0, (y, prev, self._slope, self._vn, self._vshort, self._vref,
+                                   self._one, self._two, self._high, self._high_slow)
         d = y - prev
         a = self.osc_alpha
         dev = abs(d - self._slope)
@@ -277,11 +287,18 @@ class SeriesMonitor:
             dev2 = abs(y - prev2 - 2.0 * self._slope)
             two = two + a * (dev2 - two) if two > 0.0 else dev2
         alternation = _alternation(one, two)
+        # The highs: the higher of each two points in a row, at two delays. A growing
+        # flip-flop lifts them; a loss that falls, or whose lower half falls, does not.
+        upper = y if y > prev else prev
+        high = self._high + a * (upper - self._high) if self._high == self._high else upper
+        high_slow = (self._high_slow + 0.5 * a * (upper - self._high_slow)
+                    if self._high_slow == self._high_slow else upper)
+        lift = (high - high_slow) / one if one > 0.0 else 0.0
         vn = self._vn + 1
         ref = self._vref
         if vn <= 1:  # the first difference seeds both averages
             seed = dev if dev > 0.0 else 1e-12
-            return 1.0, 1.0, (y, prev, slope, vn, seed, seed, one, two)
+            return 1.0, 1.0, 0.0, (y, prev, slope, vn, seed, seed, one, two, high, high_slow)
         floor = ref if ref > self.min_scale else self.min_scale
         cap = 5.0 * floor
         if dev > cap:
@@ -295,7 +312,8 @@ class SeriesMonitor:
         rate = 1.0 / vn
         if rate < self.osc_ref_alpha:
             rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
-        return ratio, alternation, (y, prev, slope, vn, vshort, ref + rate * (dev - ref), one, two)
+        return ratio, alternation, lift, (y, prev, slope, vn, vshort, ref + rate * (dev - ref), one,
+                                          two, high, high_slow)
 
     def _learn(self, y: float, osc: float) -> None:
         last = self._last
@@ -338,6 +356,7 @@ class SeriesMonitor:
             "last": self._last, "level": self._level, "floor": self._floor,
             "vprev": self._vprev, "vprev2": self._vprev2, "slope": self._slope,
             "vshort": self._vshort, "vref": self._vref, "one": self._one, "two": self._two,
+            "high": self._high, "high_slow": self._high_slow,
             "vn": self._vn,
             "pending": self._pending, "age": self._age,
             "run": self._run, "run_kind": self._run_kind, "n": self._n, "ln": self._ln,
@@ -356,6 +375,8 @@ class SeriesMonitor:
         self._vshort = float(state["vshort"])
         self._one = float(state.get("one", 0.0))
         self._two = float(state.get("two", 0.0))
+        self._high = float(state.get("high", math.nan))
+        self._high_slow = float(state.get("high_slow", math.nan))
         self._vref = float(state["vref"])
         self._vn = int(state["vn"])
         self._pending = float(state["pending"])

@@ -121,6 +121,13 @@ class SeriesConfig(BaseModel):
         description="short-run one-step over two-step swing size that is an alternation "
         "(independent noise, growing or not: about 1; healthy runs reach 2.3 at most)",
     )
+    alt_lift: float = Field(
+        0.1, ge=0.0,
+        description="an alternation is an oscillation only while the higher of each two points "
+        "in a row (short-run mean) is this many one-step swings above the same mean at half the "
+        "weight: a growing flip-flop lifts its highs (0.13-0.4), a healthy run cycling through "
+        "two fixed batches does not (0 or below)",
+    )
 
     def monitor(self) -> SeriesMonitor:
         return SeriesMonitor(**self.model_dump())

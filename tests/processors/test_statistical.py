@@ -464,6 +464,45 @@ def test_a_flip_flop_whose_mean_does_not_move_is_an_oscillation() -> None:
         assert verdicts[hits[0]].rules == ["loss_alternation"]
 
 
+def two_batch_losses(seed: int, steps: int = 2500, lr: float = 0.02) -> list[float]:
+    """A healthy torch regression that cycles through two fixed batches of 8: its loss
+    alternates batch to batch, and in log space the gap between the two batches grows
+    as both fall to their floors."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 10, generator=generator)
+    y = x @ torch.randn(10, 1, generator=generator) + 0.1 * torch.randn(16, 1, generator=generator)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(10, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for t in range(steps):
+        batch = slice(8 * (t % 2), 8 * (t % 2) + 8)
+        loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.heavy
+def test_a_healthy_run_cycling_through_two_batches_is_not_an_oscillation() -> None:
+    # Its swings grow past x2.5 and alternate (the lower batch falls to its floor, the
+    # higher one stays), but its highs do not rise: no LR cut for a run that is fine.
+    detector = StatisticalDetector()
+    config = detector.config.loss
+    alternating, oscillations = 0, []
+    for step, loss in enumerate(two_batch_losses(1)):
+        verdict = detector.update(StepEvent(run_id="r", step=step, time=0.0, loss=loss))
+        swings = detector.state.judgement.loss_swings
+        alternating += swings[3] >= config.alt_level and detector.state.loss.alternation() >= config.alt_ratio
+        if verdict.type == AnomalyType.OSCILLATION:
+            oscillations.append(step)
+    assert alternating > 100 and oscillations == []
+
+
 def alternation(values: list[float]) -> list[float]:
     """The loss swing test's alternation (one-step over two-step swing size) after each value."""
     monitor = SeriesConfig().monitor()
