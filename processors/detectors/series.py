@@ -1,6 +1,6 @@
 """Online robust monitor of one positive training signal (loss or gradient norm) in log space.
 
-Three tests on ``y = log(x)``, all one-sided towards "worse" where that is right:
+Four tests on ``y = log(x)``, all one-sided towards "worse" where that is right:
 
 * **spike** — the point's distance above the rolling median of the last
   ``level_window`` accepted points, in units of the robust noise scale. The
@@ -22,6 +22,18 @@ Three tests on ``y = log(x)``, all one-sided towards "worse" where that is right
   fast benign descent or a steady climb does not count) grows to
   ``osc_level`` times its long-run level. Each difference is clipped, so one
   spike (up, then down) cannot make an oscillation.
+* **alternation** — a swing that flips sign every step (a period-2
+  oscillation) at ``alt_level`` times the long-run swing size, while the
+  one-step swings are ``alt_ratio`` times the two-step ones (``y_t - y_{t-2}``,
+  detrended the same way). For independent noise of any distribution, growing
+  or not, the two are equal in expectation (each is the difference of two
+  independent draws); a flip-flop's two-step swing is only its noise. So
+  noise that grows, which the swing ratio alone cannot tell from an
+  instability, does not alternate. The highs must also rise: a short EWMA of
+  the higher of each two points in a row, ``alt_lift`` one-step swings above
+  the same at half the weight. A healthy run that cycles through two fixed
+  batches alternates too, its gap growing as the lower batch falls; its highs
+  do not rise.
 
 :meth:`judge` changes nothing; :meth:`advance` moves on what every point
 moves (swing sizes, the episode: a candidate's age, a confirmed spike);
@@ -40,9 +52,16 @@ from typing import Any
 from spikeguard.processors.robust_stats import RollingMedian
 
 # Result codes of SeriesMonitor.update.
-OK, CANDIDATE, SPIKE, DIVERGENCE, OSCILLATION, WARMUP = range(6)
+OK, CANDIDATE, SPIKE, DIVERGENCE, OSCILLATION, WARMUP, ALTERNATION = range(7)
 # E|x_t - x_{t-1}| = 2 sigma / sqrt(pi) for Gaussian noise
 _MEAN_ABS_DIFF_TO_SIGMA = math.sqrt(math.pi) / 2.0
+
+
+def _alternation(one: float, two: float) -> float:
+    """One-step over two-step swing size (1 until there is a two-step swing)."""
+    return one / two if two > 0.0 else 1.0
+
+
 #: What SeriesMonitor.judge returns: code, z, jump, swing ratio, swing state, episode state.
 Judged = tuple[int, float, float, float, tuple, tuple]
 
@@ -55,9 +74,12 @@ class SeriesMonitor:
         "level_window", "warmup", "scale_alpha", "min_scale", "z_spike", "min_jump", "z_instant",
         "instant_jump", "retain", "confirm_steps", "z_confirm", "z_exit", "div_alpha", "div_forget",
         "div_z", "div_min", "osc_alpha", "osc_ref_alpha", "osc_level", "calm_level", "relearn_after",
+        "alt_level", "alt_ratio", "alt_lift",
         # learned state
         "_med", "_smean", "_sn", "_level_sigma", "_last", "_level", "_floor", "_ln",
-        "_vprev", "_slope", "_vshort", "_vref", "_vn", "_osc", "_pending", "_age", "_run",
+        "_vprev", "_vprev2", "_slope", "_vshort", "_vref", "_one", "_two", "_high", "_high_slow", "_vn",
+        "_osc", "_pending",
+        "_age", "_run",
         "_run_kind", "_n",
     )
 
@@ -67,7 +89,7 @@ class SeriesMonitor:
         confirm_steps: int, z_confirm: float,
         z_exit: float, div_alpha: float, div_forget: float, div_z: float, div_min: float,
         osc_alpha: float, osc_ref_alpha: float, osc_level: float, calm_level: float,
-        relearn_after: int,
+        relearn_after: int, alt_level: float, alt_ratio: float, alt_lift: float,
     ) -> None:
         self.level_window = level_window
         self.warmup = warmup
@@ -90,6 +112,9 @@ class SeriesMonitor:
         self.osc_level = osc_level
         self.calm_level = calm_level
         self.relearn_after = relearn_after
+        self.alt_level = alt_level
+        self.alt_ratio = alt_ratio
+        self.alt_lift = alt_lift
         self._med = RollingMedian(level_window)
         # noise of the slow level, per unit of noise of the signal
         self._level_sigma = math.sqrt(div_alpha / (2.0 - div_alpha))
@@ -107,9 +132,14 @@ class SeriesMonitor:
         self._ln = 0  # points in it since it (re)started
         self._floor = math.nan  # its running minimum, forgetting slowly
         self._vprev = math.nan  # previous value seen by the oscillation test
+        self._vprev2 = math.nan  # the one before it (two-step swings)
         self._slope = 0.0  # EWMA of first differences (local slope)
         self._vshort = 0.0  # short EWMA of |difference - slope|
         self._vref = 0.0  # its long-run level
+        self._one = 0.0  # short EWMA of |difference - slope|, not clipped (the alternation)
+        self._two = 0.0  # short EWMA of |two-step difference - 2 slope|, not clipped
+        self._high = math.nan  # short EWMA of the higher of each two points in a row
+        self._high_slow = math.nan  # the same at half the weight (twice the delay)
         self._vn = 0  # differences seen by the oscillation test
         self._osc = 1.0  # swing ratio of the last point (what learn() needs of it)
         self._pending = 0.0  # jump of a spike candidate awaiting confirmation (0: none)
@@ -127,11 +157,12 @@ class SeriesMonitor:
         """Judge ``y`` (finite, log space) against what came before; changes nothing.
 
         ``code, z, jump = judged[:3]``: z is the standardised distance above the
-        baseline (or the divergence / oscillation statistic for those codes),
+        baseline (or the divergence / oscillation statistic for those codes; the
+        swing ratio for an alternation),
         jump the distance in log units. The rest is what :meth:`advance` applies.
         """
-        osc, swings = self._volatility(y)
-        code, z, r, episode = self._decide(y, osc)
+        osc, alternation, lift, swings = self._volatility(y)
+        code, z, r, episode = self._decide(y, osc, alternation, lift)
         return code, z, r, osc, swings, episode
 
     def advance(self, judged: Judged) -> int:
@@ -141,7 +172,8 @@ class SeriesMonitor:
         point's code; :meth:`learn` then learns it when the caller judged it normal.
         """
         code, _, _, osc, swings, (pending, age, spike_over, level) = judged
-        self._vprev, self._slope, self._vn, self._vshort, self._vref = swings
+        (self._vprev, self._vprev2, self._slope, self._vn, self._vshort, self._vref, self._one,
+         self._two, self._high, self._high_slow) = swings
         self._osc = osc
         if code == WARMUP:
             return WARMUP
@@ -153,7 +185,7 @@ class SeriesMonitor:
             # starts afresh from here (a climb from here on is still caught).
             self._level = math.nan
             self._ln = 0
-        if code in (SPIKE, DIVERGENCE, OSCILLATION):
+        if code in (SPIKE, DIVERGENCE, OSCILLATION, ALTERNATION):
             if code == DIVERGENCE:
                 self._level = level  # a climb is followed, or the rise would be frozen
             self._flag(code)
@@ -166,7 +198,13 @@ class SeriesMonitor:
         """Learn ``y`` as a normal point (after :meth:`advance` of the same point)."""
         self._learn(y, self._osc)
 
-    def _decide(self, y: float, osc: float) -> tuple[int, float, float, tuple]:
+    def alternation(self) -> float:
+        """Short-run one-step over two-step swing size after the last point (about 1 for
+        independent noise, growing or not; large for a flip-flop)."""
+        return _alternation(self._one, self._two)
+
+    def _decide(self, y: float, osc: float, alternation: float, lift: float,
+                ) -> tuple[int, float, float, tuple]:
         """The code of ``y`` and the episode state after it: (pending, age, spike over, level)."""
         if self._n < self.warmup:
             return WARMUP, 0.0, 0.0, (self._pending, self._age, False, self._level)
@@ -204,6 +242,8 @@ class SeriesMonitor:
         # Oscillation and divergence: slower evidence, from points that are not spikes.
         if osc >= self.osc_level:
             return OSCILLATION, osc, r, (0.0, age, spike_over, level)
+        if osc >= self.alt_level and alternation >= self.alt_ratio and lift >= self.alt_lift:
+            return ALTERNATION, osc, r, (0.0, age, spike_over, level)
         if ln >= self.warmup:
             climbed = level + self.div_alpha * (y - level)
             rise = climbed - self._floor
@@ -220,29 +260,51 @@ class SeriesMonitor:
             # acting on the alarms): start over from here rather than alarm forever.
             self.reset(keep_scale=True)
 
-    def _volatility(self, y: float) -> tuple[float, tuple[float, float, int, float, float]]:
-        """Short-run over long-run detrended swing size (about 1 for steady noise).
+    def _volatility(self, y: float) -> tuple[float, float, float, tuple]:
+        """Short-run over long-run detrended swing size (about 1 for steady noise), and the
+        alternation: short-run one-step over two-step swing size (about 1 for independent
+        noise, growing or not; large for a flip-flop).
 
-        Every point counts here (clipped), spikes included. Returns the ratio and
-        the swing state after ``y``: (previous value, slope, count, short, long-run).
+        Every point counts here, spikes included (clipped for the swing size; not for the
+        alternation, where a one-point spike makes two one-step and two two-step swings
+        of its size). Returns both, the highs' lift (in one-step swings) and the swing
+        state after ``y``: (previous value, the one before, slope, count, short,
+        long-run, one-step, two-step, highs, highs at half the weight).
         """
-        prev = self._vprev
+        prev, prev2 = self._vprev, self._vprev2
         if prev != prev:
-            return 1.0, (y, self._slope, self._vn, self._vshort, self._vref)
+            return 1.0, 1.0, 0.0, (y, prev, self._slope, self._vn, self._vshort, self._vref,
+                                   self._one, self._two, self._high, self._high_slow)
         d = y - prev
         a = self.osc_alpha
         dev = abs(d - self._slope)
         slope = self._slope + a * (d - self._slope)
+        # Each average starts at its first swing (an average from 0 would start low).
+        one = self._one + a * (dev - self._one) if self._one > 0.0 else dev
+        two = self._two
+        if prev2 == prev2:
+            # The two-step swing, detrended by the same slope as the one-step swing.
+            dev2 = abs(y - prev2 - 2.0 * self._slope)
+            two = two + a * (dev2 - two) if two > 0.0 else dev2
+        alternation = _alternation(one, two)
+        # The highs: the higher of each two points in a row, at two delays. A growing
+        # flip-flop lifts them; a loss that falls, or whose lower half falls, does not.
+        upper = y if y > prev else prev
+        high = self._high + a * (upper - self._high) if self._high == self._high else upper
+        high_slow = (self._high_slow + 0.5 * a * (upper - self._high_slow)
+                    if self._high_slow == self._high_slow else upper)
+        lift = (high - high_slow) / one if one > 0.0 else 0.0
         vn = self._vn + 1
         ref = self._vref
         if vn <= 1:  # the first difference seeds both averages
             seed = dev if dev > 0.0 else 1e-12
-            return 1.0, (y, slope, vn, seed, seed)
-        cap = 5.0 * (ref if ref > self.min_scale else self.min_scale)
+            return 1.0, 1.0, 0.0, (y, prev, slope, vn, seed, seed, one, two, high, high_slow)
+        floor = ref if ref > self.min_scale else self.min_scale
+        cap = 5.0 * floor
         if dev > cap:
             dev = cap
         vshort = self._vshort + a * (dev - self._vshort)
-        ratio = vshort / (ref if ref > self.min_scale else self.min_scale)
+        ratio = vshort / floor
         # The long-run level is a running mean at first, then an EWMA that
         # learns fully while calm and only slowly while swings are wide, so a
         # growing oscillation stands out while a lasting change of the noise
@@ -250,7 +312,8 @@ class SeriesMonitor:
         rate = 1.0 / vn
         if rate < self.osc_ref_alpha:
             rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
-        return ratio, (y, slope, vn, vshort, ref + rate * (dev - ref))
+        return ratio, alternation, lift, (y, prev, slope, vn, vshort, ref + rate * (dev - ref), one,
+                                          two, high, high_slow)
 
     def _learn(self, y: float, osc: float) -> None:
         last = self._last
@@ -291,7 +354,9 @@ class SeriesMonitor:
         return {
             "med": self._med.state_dict(), "scale_mean": self._smean, "scale_n": self._sn,
             "last": self._last, "level": self._level, "floor": self._floor,
-            "vprev": self._vprev, "slope": self._slope, "vshort": self._vshort, "vref": self._vref,
+            "vprev": self._vprev, "vprev2": self._vprev2, "slope": self._slope,
+            "vshort": self._vshort, "vref": self._vref, "one": self._one, "two": self._two,
+            "high": self._high, "high_slow": self._high_slow,
             "vn": self._vn,
             "pending": self._pending, "age": self._age,
             "run": self._run, "run_kind": self._run_kind, "n": self._n, "ln": self._ln,
@@ -305,8 +370,13 @@ class SeriesMonitor:
         self._level = float(state["level"])
         self._floor = float(state["floor"])
         self._vprev = float(state["vprev"])
+        self._vprev2 = float(state.get("vprev2", math.nan))
         self._slope = float(state["slope"])
         self._vshort = float(state["vshort"])
+        self._one = float(state.get("one", 0.0))
+        self._two = float(state.get("two", 0.0))
+        self._high = float(state.get("high", math.nan))
+        self._high_slow = float(state.get("high_slow", math.nan))
         self._vref = float(state["vref"])
         self._vn = int(state["vn"])
         self._pending = float(state["pending"])

@@ -10,7 +10,8 @@ skipped that update, nothing is rolled back), a ``loss_spike`` (two or more in
 a row) or a ``divergence``, its climb test a gradual ``divergence`` (most recent
 points high in the run's own distribution of residuals, none low), and its rise
 test a ``slow_rise`` against the run's own trend and noise. A growing oscillation is found by the swing test of
-:class:`SeriesMonitor`. A one-step gradient-norm jump that the loss does not
+:class:`SeriesMonitor` while the loss is raised, or at once when the loss flips
+sign every step (an alternation: growing noise does not). A one-step gradient-norm jump that the loss does not
 follow is said in the verdict, not flagged: it is a ``gradient_explosion`` once
 it lasts ``grad_persist_steps``. A drop is never an anomaly. A non-finite value
 is reported (critical) and skipped, so it cannot poison the statistics of the
@@ -41,7 +42,9 @@ from spikeguard.processors.outlier_model import (
     OutlierConfig, grad_norm_config, log_of, loss_config,
 )
 from spikeguard.processors.detectors.base import Detector, validate_verdict
-from spikeguard.processors.detectors.series import Judged, OK, OSCILLATION, WARMUP, SeriesMonitor
+from spikeguard.processors.detectors.series import (
+    ALTERNATION, Judged, OK, OSCILLATION, WARMUP, SeriesMonitor,
+)
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
 _LOG2 = math.log(2.0)
@@ -107,6 +110,23 @@ class SeriesConfig(BaseModel):
     )
     relearn_after: int = Field(
         500, ge=1, description="after this many consecutive flagged points the baseline starts over"
+    )
+    alt_level: float = Field(
+        2.5, gt=1.0,
+        description="short-run over long-run swing size that is an oscillation when the swings "
+        "alternate (alt_ratio): a flip-flop, found before it reaches osc_level",
+    )
+    alt_ratio: float = Field(
+        3.0, gt=1.0,
+        description="short-run one-step over two-step swing size that is an alternation "
+        "(independent noise, growing or not: about 1; healthy runs reach 2.3 at most)",
+    )
+    alt_lift: float = Field(
+        0.1, ge=0.0,
+        description="an alternation is an oscillation only while the higher of each two points "
+        "in a row (short-run mean) is this many one-step swings above the same mean at half the "
+        "weight: a growing flip-flop lifts its highs (0.13-0.4), a healthy run cycling through "
+        "two fixed batches does not (0 or below)",
     )
 
     def monitor(self) -> SeriesMonitor:
@@ -323,14 +343,20 @@ class StatisticalDetector(Detector[StatisticalState]):
             return self._verdict(event, kind, _confidence(level.score), rule, level.score, level.rise,
                                  f"{rule}: {level.score:.2f} x its threshold, x{math.exp(level.rise):.2f}")
         # Swings that leave the loss where it was are noise growing (a warm-up's larger steps,
-        # a loss nearing its floor), not an oscillation that hurts the run.
+        # a loss nearing its floor), not an oscillation that hurts the run; unless the loss
+        # alternates step to step, which growing noise does not.
         loss_raised = level is None or level.raised
         for signal, swings in (("loss", judgement.loss_swings), ("grad_norm", judgement.grad_swings)):
-            if swings is not None and swings[0] == OSCILLATION and loss_raised:
+            if swings is None:
+                continue
+            code = swings[0]
+            alternates = code == ALTERNATION and signal == "loss"
+            if alternates or code in (OSCILLATION, ALTERNATION) and loss_raised:
                 osc = swings[1]
-                rule = f"{signal}_oscillation"
+                rule = f"{signal}_{'alternation' if code == ALTERNATION else 'oscillation'}"
+                bar = self.config.loss.alt_level if code == ALTERNATION else self.config.loss.osc_level
                 return self._verdict(event, AnomalyType.OSCILLATION,
-                                     _confidence(osc / self.config.loss.osc_level), rule, osc,
+                                     _confidence(osc / bar), rule, osc,
                                      swings[2], f"{rule}: swings x{osc:.1f} their usual size")
         point = judgement.grad_point
         if point is not None and point.elevated:

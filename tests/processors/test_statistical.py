@@ -437,11 +437,10 @@ def flip_flop(seed: int, ramp: int, offset: float, amp: float = 0.4, start: int 
     return out, labelled
 
 
-@pytest.mark.xfail(strict=True, reason="the swing test needs x4 its usual swing size: these take "
-                   "24-45 steps (median 38); x3 finds them in 12-40 (median 18) but calls growing "
-                   "noise an oscillation (see the next test)")
 def test_a_flip_flop_that_lifts_the_loss_is_an_oscillation_within_about_15_steps() -> None:
-    # The simulator's period-2 oscillation with its mean lifted 40-50 % of its swing.
+    # The simulator's period-2 oscillation with its mean lifted 40-50 % of its swing. The
+    # swing test alone needs x4 its usual swing size (24-45 steps, median 38); an alternating
+    # swing is an oscillation at x2.5.
     delays = []
     for seed, ramp, offset in [(60, 100, 0.4), (61, 60, 0.5), (62, 80, 0.45), (63, 100, 0.5),
                                (64, 60, 0.4)]:
@@ -450,7 +449,104 @@ def test_a_flip_flop_that_lifts_the_loss_is_an_oscillation_within_about_15_steps
         hits = incidents(verdicts)
         assert hits and hits[0] > 2000 and verdicts[hits[0]].type == AnomalyType.OSCILLATION
         delays.append(hits[0] - labelled)
-    assert statistics.median(delays) <= 18, delays
+    assert statistics.median(delays) <= 15, delays
+
+
+def test_a_flip_flop_whose_mean_does_not_move_is_an_oscillation() -> None:
+    # A flip-flop around the level (offset 0-0.2 of its swing) never opens the raise gate,
+    # so the swing test alone leaves it (and healthy noise that grows) alone; it alternates.
+    for seed, ramp, offset in [(70, 60, 0.0), (71, 100, 0.1), (72, 80, 0.2)]:
+        pairs, labelled = flip_flop(seed, ramp, offset)
+        verdicts = judge(pairs)
+        hits = incidents(verdicts)
+        assert hits and labelled <= hits[0] <= labelled + 20, (seed, labelled, hits[:3])
+        assert verdicts[hits[0]].type == AnomalyType.OSCILLATION
+        assert verdicts[hits[0]].rules == ["loss_alternation"]
+
+
+def two_batch_losses(seed: int, steps: int = 2500, lr: float = 0.02) -> list[float]:
+    """A healthy torch regression that cycles through two fixed batches of 8: its loss
+    alternates batch to batch, and in log space the gap between the two batches grows
+    as both fall to their floors."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 10, generator=generator)
+    y = x @ torch.randn(10, 1, generator=generator) + 0.1 * torch.randn(16, 1, generator=generator)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(10, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for t in range(steps):
+        batch = slice(8 * (t % 2), 8 * (t % 2) + 8)
+        loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.heavy
+def test_a_healthy_run_cycling_through_two_batches_is_not_an_oscillation() -> None:
+    # Its swings grow past x2.5 and alternate (the lower batch falls to its floor, the
+    # higher one stays), but its highs do not rise: no LR cut for a run that is fine.
+    detector = StatisticalDetector()
+    config = detector.config.loss
+    alternating, oscillations = 0, []
+    for step, loss in enumerate(two_batch_losses(1)):
+        verdict = detector.update(StepEvent(run_id="r", step=step, time=0.0, loss=loss))
+        swings = detector.state.judgement.loss_swings
+        alternating += swings[3] >= config.alt_level and detector.state.loss.alternation() >= config.alt_ratio
+        if verdict.type == AnomalyType.OSCILLATION:
+            oscillations.append(step)
+    assert alternating > 100 and oscillations == []
+
+
+def alternation(values: list[float]) -> list[float]:
+    """The loss swing test's alternation (one-step over two-step swing size) after each value."""
+    monitor = SeriesConfig().monitor()
+    out = []
+    for y in values:
+        judged = monitor.judge(y)
+        monitor.advance(judged)
+        monitor.learn(y)
+        out.append(monitor.alternation())
+    return out
+
+
+def test_independent_noise_does_not_alternate_whatever_its_distribution() -> None:
+    # One-step and two-step swings of independent noise are each the difference of two
+    # independent draws: equal in expectation, heavy tails or growing spread alike.
+    rng = np.random.default_rng(3)
+    n = 4000
+    growing = 0.02 * np.exp(np.log(15.0) * np.clip(np.arange(n) - 500, 0, 600) / 600)
+    shapes = {
+        "gaussian": rng.normal(0.0, 0.02, n),
+        "student-t 2": 0.02 * rng.standard_t(2, n),
+        "log chi-square 1 (batch-1 MSE)": np.log(rng.chisquare(1, n)),
+        "growing x15": rng.normal(0.0, 1.0, n) * growing,
+        "falling": -np.log1p(np.arange(n) / 50) + rng.normal(0.0, 0.02, n),
+    }
+    for name, values in shapes.items():
+        ratios = alternation(list(values))[100:]
+        assert max(ratios) < 0.8 * SeriesConfig().alt_ratio, (name, max(ratios))
+    # A flip-flop in the same noise alternates within a few steps of starting.
+    flip = rng.normal(0.0, 0.02, 400) + 0.1 * np.where(np.arange(400) % 2, 1.0, -1.0) * (
+        np.arange(400) >= 300)
+    ratios = alternation(list(flip))
+    assert max(ratios[:300]) < 2.0 and ratios[310] > SeriesConfig().alt_ratio
+
+
+@pytest.mark.heavy
+def test_noise_that_grows_fast_makes_no_oscillation_at_any_of_30_seeds() -> None:
+    # The growing-noise shape has swings over x2.5 their usual size for ~1,300 of its 3,000
+    # steps: a runs test on the signs (16 points all alternating about their median, 1.6e-4
+    # each for independent points) made an oscillation at 2 of these seeds; the alternation
+    # ratio reached 2.15 at most, under its bar of 3.
+    found = {seed: [v.step for v in judge(growing_noise(seed)) if v.type == AnomalyType.OSCILLATION]
+             for seed in range(30, 60)}
+    assert {seed: steps for seed, steps in found.items() if steps} == {}
 
 
 @pytest.mark.parametrize("seed", [38, 44, 47, 48, 51])
