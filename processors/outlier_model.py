@@ -257,7 +257,7 @@ class Judged(NamedTuple):
 
 _NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
 _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
-_MIN_HELD = 5  # points since an LR jump before their median says the loss is held up
+_MIN_HELD = 3  # points since an LR jump before their median says the loss is held up
 
 
 class OutlierModel:
