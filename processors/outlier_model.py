@@ -313,7 +313,7 @@ class OutlierModel:
 
     def _beyond_peak(self, lr: float) -> bool:
         peak = self.lr_peak
-        return bool(peak) and lr > self.config.lr_rise * peak
+        return peak is not None and peak > 0.0 and lr > self.config.lr_rise * peak
 
     def lr_explains_rise(self, lr: float | None) -> bool:
         """Whether a recent jump of the learning rate (this step's included) explains a rise."""

@@ -337,12 +337,12 @@ class StatisticalDetector(Detector[StatisticalState]):
         level = judgement.level
         induced = _lr_induced_rise(level, judgement.grad_point)
         if induced is not None:
-            signal, point = induced
+            signal, risen = induced
             rule = AnomalyType.LR_INDUCED_RISE.value
             # How far out: an explained point is not judged, so its .score is 0.
-            z = point.residual / point.threshold if point.threshold > 0.0 else 1.0
+            z = risen.residual / risen.threshold if risen.threshold > 0.0 else 1.0
             return self._verdict(event, AnomalyType.LR_INDUCED_RISE, _confidence(z), rule, z,
-                                 point.residual, f"{rule}: the {signal} is up x{math.exp(point.residual):.2f} "
+                                 risen.residual, f"{rule}: the {signal} is up x{math.exp(risen.residual):.2f} "
                                  "after the LR jumped beyond any rate the run had trained at")
         if level is not None and level.code in _LEVEL_TYPES:
             kind, rule = _LEVEL_TYPES[level.code]
