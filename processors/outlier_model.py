@@ -42,7 +42,7 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
   during the warm-up is still found. A jump to more than ``lr_rise`` times the
   highest LR the run had trained at is no warm restart (a restart returns to a
   rate the run knows): the rise is still explained, not elevated, and the
-  judgement says so (:attr:`Judged.lr_beyond_peak`), so that the pipeline can
+  judgement says so while the LR stays up (:attr:`Judged.lr_beyond_peak`), so that the pipeline can
   answer an LR-induced rise with the LR rather than with a rollback. Whether the
   loss rose after such a jump is judged against the level at the jump (the
   level itself takes the explained points in): the median of the last
@@ -264,7 +264,7 @@ class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
     __slots__ = ("config", "level", "newest_quarter", "tail", "lr_recent", "lr_peak", "excused",
-                 "excused_beyond_peak", "jump_level", "since_jump", "elevated_run")
+                 "jump_peak", "jump_level", "since_jump", "elevated_run")
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
@@ -277,7 +277,8 @@ class OutlierModel:
         # a state saved before it was kept, and then no jump is taken for one beyond it).
         self.lr_peak: float | None = 0.0
         self.excused = 0  # steps left during which an LR jump explains a rise
-        self.excused_beyond_peak = False  # ... and that jump went beyond the run's peak LR
+        # The run's peak LR before that jump, when the jump went beyond it (None: it did not)
+        self.jump_peak: float | None = None
         self.jump_level: float | None = None  # the level when it did (None: no such jump)
         self.since_jump = RollingMedian(self.config.lr_jump_steps)  # the newest points since
         self.elevated_run = 0  # elevated points in a row so far
@@ -311,8 +312,7 @@ class OutlierModel:
             return False
         return self.lr_recent.jumped(lr, self.config.lr_rise)
 
-    def _beyond_peak(self, lr: float) -> bool:
-        peak = self.lr_peak
+    def _beyond(self, lr: float, peak: float | None) -> bool:
         return peak is not None and peak > 0.0 and lr > self.config.lr_rise * peak
 
     def lr_explains_rise(self, lr: float | None) -> bool:
@@ -321,10 +321,13 @@ class OutlierModel:
 
     def lr_beyond_peak(self, lr: float | None) -> bool:
         """Whether the LR jump that explains a rise (this step's, or the recent one) took the LR
-        beyond ``lr_rise`` times any rate the run had trained at: no warm restart."""
+        beyond ``lr_rise`` times any rate the run had trained at (no warm restart), and ``lr`` is
+        still there: once the schedule's jump is over, the LR is no longer what raises the loss."""
+        if lr is None or not math.isfinite(lr):
+            return False
         if self._lr_jumped(lr):
-            return self._beyond_peak(lr)  # type: ignore[arg-type]  # a jump has a finite lr
-        return self.excused > 0 and self.excused_beyond_peak
+            return self._beyond(lr, self.lr_peak)
+        return self.excused > 0 and self._beyond(lr, self.jump_peak)
 
     def _held_rise(self, y: float) -> bool:
         """The points since a jump beyond the peak LR (``y`` the newest) are held above the
@@ -357,18 +360,19 @@ class OutlierModel:
         """Take the judged point in: its residual into the tail, and into the level unless elevated."""
         if self._lr_jumped(lr):
             self.excused = self.config.lr_grace
-            self.excused_beyond_peak = self._beyond_peak(lr)  # type: ignore[arg-type]
+            beyond = self._beyond(lr, self.lr_peak)  # type: ignore[arg-type]  # a jump has an lr
+            self.jump_peak = self.lr_peak if beyond else None
             # This step's loss was computed before the jumped LR moved anything: the level
             # it was judged against is where the loss was.
             level = judged.level
-            self.jump_level = level if self.excused_beyond_peak and level == level else None
+            self.jump_level = level if beyond and level == level else None
             self.since_jump.clear()
         elif self.excused:
             self.excused -= 1
             if self.jump_level is not None:
                 self.since_jump.update(y)
             if not self.excused:
-                self.jump_level = None
+                self.jump_peak = self.jump_level = None
                 self.since_jump.clear()
         if lr is not None and math.isfinite(lr):
             self.lr_recent.update(lr)
@@ -390,7 +394,7 @@ class OutlierModel:
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
                 "lr_recent": self.lr_recent.state_dict(), "lr_peak": self.lr_peak,
-                "excused": self.excused, "excused_beyond_peak": self.excused_beyond_peak,
+                "excused": self.excused, "jump_peak": self.jump_peak,
                 "jump_level": self.jump_level, "since_jump": self.since_jump.values(),
                 "elevated_run": self.elevated_run}
 
@@ -402,7 +406,8 @@ class OutlierModel:
         peak = state.get("lr_peak")
         self.lr_peak = None if peak is None else float(peak)
         self.excused = int(state["excused"])
-        self.excused_beyond_peak = bool(state.get("excused_beyond_peak", False))
+        jump_peak = state.get("jump_peak")
+        self.jump_peak = None if jump_peak is None else float(jump_peak)
         jump_level = state.get("jump_level")
         self.jump_level = None if jump_level is None else float(jump_level)
         self.since_jump.clear()
