@@ -15,6 +15,10 @@ LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
                     within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
                     (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
                     still anomalous after the patience -> ROLLBACK, no skip
+LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
+                    any rate the run had trained at, then the loss rise) SCALE_LR
+                    (x``lr_jump_factor``) once; no restore while the rise is
+                    said and ``lr_jump_hold_steps`` after; never a rollback
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
@@ -264,6 +268,8 @@ class RecoveryPolicy:
         grace = inc.in_grace(self.observed_steps, cfg.recovery_grace_steps)
         if d.type is AnomalyType.NON_FINITE:
             self._non_finite(plan, d, inc, what, grace)
+        elif AnomalyType.LR_INDUCED_RISE.value in d.rules:
+            self._lr_induced_rise(plan, inc, what)
         elif LR_JUMP_RULE in d.rules:
             self._lr_jump(plan, d, what)
         elif self._lr_induced(plan, inc, what, strategy) or inc.lr_induced:
@@ -383,6 +389,24 @@ class RecoveryPolicy:
                f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps")
         self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
+
+    def _lr_induced_rise(self, plan: ActionPlan, inc: Incident, what: str) -> None:
+        """The detector saw the LR jump beyond any rate the run had trained at (no warm restart)
+        and the loss rise after it: scale the LR back once. The data is fine, so nothing is
+        rolled back; no restore while the rise is said, nor ``lr_jump_hold_steps`` after."""
+        cfg = self.config
+        answered = inc.lr_induced or (self.lr_hold_until is not None
+                                      and self.observed_steps < self.lr_hold_until)
+        self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
+        self.lr_jump_tick = None  # the jump is answered here
+        if answered:
+            return
+        inc.lr_induced = True
+        plan.response = Response.LR_INDUCED
+        self.recovery.lower_lr(plan, cfg.lr_jump_factor,
+                               f"{what}: the loss rose after the learning rate jumped beyond any rate "
+                               "the run had trained at: back towards the schedule's trend, no restore "
+                               f"while the rise lasts and {cfg.lr_jump_hold_steps} steps after")
 
     def _after_lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str,
                        grace: bool) -> None:

@@ -22,8 +22,10 @@ class Response(str, Enum):
     # A spike or an extreme loss that was back to normal within its patience: the run (its
     # clipping, its optimizer) absorbed it. Checkpoint and watch; no rollback.
     ABSORBED = "absorbed"
-    # The LR in the steps jumped, then the loss or the gradient rose: scale the LR back,
-    # no restore while the jump may persist, no rollback on the loss alone.
+    # The LR in the steps jumped, then the loss or the gradient rose (an anomaly after the
+    # rules' lr_jump, or the detector's lr_induced_rise: a jump beyond any rate the run had
+    # trained at): scale the LR back, no restore while the jump may persist, no rollback on
+    # the loss alone.
     LR_INDUCED = "lr_induced"
     # An LR jump alone (a warm restart looks the same): said, nothing changed.
     LR_JUMP_WATCHED = "lr_jump_watched"

@@ -43,6 +43,7 @@ BASE_URGENCY: dict[AnomalyType, Urgency] = {
     AnomalyType.OSCILLATION: Urgency.MEDIUM,
     AnomalyType.SLOW_RISE: Urgency.MEDIUM,
     AnomalyType.LR_OUT_OF_BOUNDS: Urgency.MEDIUM,
+    AnomalyType.LR_INDUCED_RISE: Urgency.MEDIUM,  # the LR is scaled back, nothing rolled back
     AnomalyType.BAD_BATCH: Urgency.MEDIUM,
     AnomalyType.ML_OUTLIER: Urgency.LOW,
     AnomalyType.LAYER_BLOWUP: Urgency.MEDIUM,  # a precursor: the loss has not moved yet

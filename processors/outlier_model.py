@@ -39,7 +39,16 @@ Everything happens on ``y = log(x)``, so the thresholds are scale-free:
   not rising: a warm
   restart), a rise is explained: nothing is elevated and every point is
   accepted. A warm-up raises the LR too slowly to count: an instability
-  during the warm-up is still found.
+  during the warm-up is still found. A jump to more than ``lr_rise`` times the
+  highest LR the run had trained at is no warm restart (a restart returns to a
+  rate the run knows): the rise is still explained, not elevated, and the
+  judgement says so while the LR stays up (:attr:`Judged.lr_beyond_peak`), so that the pipeline can
+  answer an LR-induced rise with the LR rather than with a rollback. Whether the
+  loss rose after such a jump is judged against the level at the jump (the
+  level itself takes the explained points in): the median of the last
+  ``lr_jump_steps`` points since the jump over it by more than the noise's
+  spread (the tail's median to its 90th percentile, at least ``min_rise``) is
+  a held rise (:attr:`Judged.lr_held_rise`), far below one point's threshold.
 
 :meth:`OutlierModel.judge` changes nothing; :meth:`OutlierModel.advance` takes
 the judged point into the model. State round-trips through JSON types.
@@ -206,7 +215,9 @@ class OutlierConfig(BaseModel):
     lr_rise: float = Field(
         1.5, gt=1.0,
         description="a learning rate this many times the lowest of the last lr_jump_steps steps "
-        "is a jump (a warm restart; a warm-up is slower) that explains a rise for lr_grace steps",
+        "is a jump (a warm restart; a warm-up is slower) that explains a rise for lr_grace steps; "
+        "one to more than this times the highest LR the run trained at is no warm restart "
+        "(Judged.lr_beyond_peak)",
     )
     lr_jump_steps: int = Field(10, ge=1, le=4096, description="steps over which an LR jump is seen")
     lr_grace: int = Field(
@@ -231,6 +242,12 @@ class Judged(NamedTuple):
     threshold: float
     #: the level (log units; NaN while there is none)
     level: float
+    #: an LR jump explains the point, and that jump took the LR beyond ``lr_rise`` times the
+    #: highest rate the run had trained at: not a warm restart
+    lr_beyond_peak: bool = False
+    #: ... and the points since that jump are held above the level at the jump by more than
+    #: the noise's spread
+    lr_held_rise: bool = False
 
     @property
     def score(self) -> float:
@@ -240,12 +257,14 @@ class Judged(NamedTuple):
 
 _NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
 _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
+_MIN_HELD = 3  # points since an LR jump before their median says the loss is held up
 
 
 class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
-    __slots__ = ("config", "level", "newest_quarter", "tail", "lr_recent", "excused", "elevated_run")
+    __slots__ = ("config", "level", "newest_quarter", "tail", "lr_recent", "lr_peak", "excused",
+                 "jump_peak", "jump_level", "since_jump", "elevated_run")
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
@@ -254,7 +273,14 @@ class OutlierModel:
         self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
         self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
+        # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,
+        # a state saved before it was kept, and then no jump is taken for one beyond it).
+        self.lr_peak: float | None = 0.0
         self.excused = 0  # steps left during which an LR jump explains a rise
+        # The run's peak LR before that jump, when the jump went beyond it (None: it did not)
+        self.jump_peak: float | None = None
+        self.jump_level: float | None = None  # the level when it did (None: no such jump)
+        self.since_jump = RollingMedian(self.config.lr_jump_steps)  # the newest points since
         self.elevated_run = 0  # elevated points in a row so far
 
     def threshold(self) -> float:
@@ -286,9 +312,34 @@ class OutlierModel:
             return False
         return self.lr_recent.jumped(lr, self.config.lr_rise)
 
+    def _beyond(self, lr: float, peak: float | None) -> bool:
+        return peak is not None and peak > 0.0 and lr > self.config.lr_rise * peak
+
     def lr_explains_rise(self, lr: float | None) -> bool:
         """Whether a recent jump of the learning rate (this step's included) explains a rise."""
         return self.excused > 0 or self._lr_jumped(lr)
+
+    def lr_beyond_peak(self, lr: float | None) -> bool:
+        """Whether the LR jump that explains a rise (this step's, or the recent one) took the LR
+        beyond ``lr_rise`` times any rate the run had trained at (no warm restart), and ``lr`` is
+        still there: once the schedule's jump is over, the LR is no longer what raises the loss."""
+        if lr is None or not math.isfinite(lr):
+            return False
+        if self._lr_jumped(lr):
+            return self._beyond(lr, self.lr_peak)
+        return self.excused > 0 and self._beyond(lr, self.jump_peak)
+
+    def _held_rise(self, y: float) -> bool:
+        """The points since a jump beyond the peak LR (``y`` the newest) are held above the
+        level at the jump by more than the noise's spread (see the module docstring)."""
+        jump_level, since = self.jump_level, self.since_jump
+        if jump_level is None or len(since) + 1 < min(_MIN_HELD, since.window):
+            return False
+        values = sorted(since.values()[1 - since.window:] + [y])  # the window's newest, y included
+        n = len(values)
+        median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+        spread = self.tail.quantile(0.9) - self.tail.quantile(0.5)
+        return median - jump_level > max(spread, self.config.min_rise)
 
     def judge(self, y: float, lr: float | None = None) -> Judged:
         """Judge ``y`` (a finite log value) against what came before; changes nothing."""
@@ -300,17 +351,33 @@ class OutlierModel:
         if threshold != threshold:
             return Judged(False, False, residual, math.nan, level)
         if self.lr_explains_rise(lr):  # not judged; the threshold is kept for who asks how far out it was
-            return Judged(False, False, residual, threshold, level)
+            beyond = self.lr_beyond_peak(lr)
+            return Judged(False, False, residual, threshold, level, beyond,
+                          beyond and self.excused > 0 and self._held_rise(y))
         return Judged(True, residual > threshold, residual, threshold, level)
 
     def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
         """Take the judged point in: its residual into the tail, and into the level unless elevated."""
         if self._lr_jumped(lr):
             self.excused = self.config.lr_grace
+            beyond = self._beyond(lr, self.lr_peak)  # type: ignore[arg-type]  # a jump has an lr
+            self.jump_peak = self.lr_peak if beyond else None
+            # This step's loss was computed before the jumped LR moved anything: the level
+            # it was judged against is where the loss was.
+            level = judged.level
+            self.jump_level = level if beyond and level == level else None
+            self.since_jump.clear()
         elif self.excused:
             self.excused -= 1
+            if self.jump_level is not None:
+                self.since_jump.update(y)
+            if not self.excused:
+                self.jump_peak = self.jump_level = None
+                self.since_jump.clear()
         if lr is not None and math.isfinite(lr):
             self.lr_recent.update(lr)
+            if self.lr_peak is not None and lr > self.lr_peak:
+                self.lr_peak = lr
         if judged.level == judged.level:
             self.tail.update(judged.residual)
         if judged.elevated:
@@ -326,7 +393,9 @@ class OutlierModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
-                "lr_recent": self.lr_recent.state_dict(), "excused": self.excused,
+                "lr_recent": self.lr_recent.state_dict(), "lr_peak": self.lr_peak,
+                "excused": self.excused, "jump_peak": self.jump_peak,
+                "jump_level": self.jump_level, "since_jump": self.since_jump.values(),
                 "elevated_run": self.elevated_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,7 +403,16 @@ class OutlierModel:
         self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])
         self.lr_recent.load_state_dict(state.get("lr_recent", {}))
+        peak = state.get("lr_peak")
+        self.lr_peak = None if peak is None else float(peak)
         self.excused = int(state["excused"])
+        jump_peak = state.get("jump_peak")
+        self.jump_peak = None if jump_peak is None else float(jump_peak)
+        jump_level = state.get("jump_level")
+        self.jump_level = None if jump_level is None else float(jump_level)
+        self.since_jump.clear()
+        for value in state.get("since_jump", ()):
+            self.since_jump.update(float(value))
         self.elevated_run = int(state["elevated_run"])
 
 

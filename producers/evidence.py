@@ -14,7 +14,9 @@ judged locally (:class:`StepView`), and checks every action against it:
   the trainer's own view of the step must agree it was anomalous for that
   type (:func:`disagreement`): a non-finite claim needs a non-finite loss or
   gradient seen here (a GradScaler's overflow is normal); a loss-scale
-  collapse needs an overflow or a non-finite value; any other anomaly type a
+  collapse needs an overflow or a non-finite value; an LR-induced rise, the
+  trainer's own LR having jumped beyond any rate it had trained at (within the
+  outlier model's ``lr_grace``), or what any type needs; any other anomaly type a
   non-finite value, or the local outlier model (skip_rule.py) scoring the
   loss or gradient norm at least :data:`AGREE_Z` of the way to its skip
   threshold above its level (a lower bar than skipping: agreeing that a step was unusual is
@@ -61,13 +63,17 @@ class StepView(NamedTuple):
     #: baseline, not scored, or too little history yet)
     loss_z: float | None = None
     grad_z: float | None = None
+    #: the local outlier model saw this step's LR (or a recent one) jump beyond any the run had
+    #: trained at
+    lr_beyond_peak: bool = False
 
     def describe(self) -> str:
         def z(value: float | None) -> str:
             return "not above its baseline" if value is None else f"z {value:.2f}"
         return (f"loss {self.loss!r} ({z(self.loss_z)}), grad_norm {self.grad_norm!r} "
                 f"({z(self.grad_z)}), {'non-finite' if self.non_finite else 'finite'}"
-                f"{', scaler overflow' if self.scaler_overflow else ''}")
+                f"{', scaler overflow' if self.scaler_overflow else ''}"
+                f"{', after an LR jump beyond its peak' if self.lr_beyond_peak else ''}")
 
 
 def own_view(non_finite: bool, scaler_overflow: bool, scored: SkipDecision | None = None) -> StepView:
@@ -77,18 +83,20 @@ def own_view(non_finite: bool, scaler_overflow: bool, scored: SkipDecision | Non
     """
     if scored is None:
         return StepView(math.nan, None, non_finite, scaler_overflow)
-    return StepView(math.nan, None, non_finite, scaler_overflow, scored.loss_z, scored.grad_z)
+    return StepView(math.nan, None, non_finite, scaler_overflow, scored.loss_z, scored.grad_z,
+                    scored.lr_beyond_peak)
 
 
 def disagreement(claim: Claim, view: StepView) -> str | None:
     """Why the trainer's own ``view`` of the claimed step does not back ``claim`` (None: it does)."""
     if claim.type in _NON_FINITE_TYPES:
-        if view.non_finite:
-            return None
+        agrees = view.non_finite
     elif claim.type in _OVERFLOW_TYPES:
-        if view.scaler_overflow or view.non_finite:
-            return None
-    elif view.non_finite or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z:
+        agrees = view.scaler_overflow or view.non_finite
+    else:
+        agrees = (view.non_finite or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z
+                  or (claim.type is AnomalyType.LR_INDUCED_RISE and view.lr_beyond_peak))
+    if agrees:
         return None
     return (f"the decision calls step {claim.step} of epoch {claim.epoch} {claim.type.value}, but this "
             f"trainer saw {view.describe()} there (it agrees at z >= {AGREE_Z:g} or a non-finite value)")

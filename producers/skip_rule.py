@@ -35,6 +35,8 @@ class SkipDecision(NamedTuple):
     #: residual over threshold of each signal (1.0 at the threshold); None when not judged.
     loss_z: float | None = None
     grad_z: float | None = None
+    #: an LR jump beyond any rate the run had trained at explains the step (Judged.lr_beyond_peak)
+    lr_beyond_peak: bool = False
 
 
 class StepJudged(NamedTuple):
@@ -93,7 +95,8 @@ class SkipRule:
         loss_hit = loss_judged.elevated
         grad_hit = grad_judged is not None and grad_judged.elevated
         skip = (loss_hit or grad_hit) and self.run + 1 <= self.max_run
-        decision = SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged))
+        decision = SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged),
+                                loss_judged.lr_beyond_peak)
         return StepJudged(decision, y, loss_judged, g, grad_judged, lr)
 
     def learn(self, judged: StepJudged) -> None:

@@ -68,6 +68,9 @@ class AnomalyType(str, Enum):
     # A sustained rise above the run's best level over thousands of steps.
     SLOW_RISE = "slow_rise"
     LR_OUT_OF_BOUNDS = "lr_out_of_bounds"
+    # The loss (or the gradient norm) rose beyond its noise after the LR jumped beyond any rate
+    # the run had trained at (no warm restart): the LR caused it, the data is fine.
+    LR_INDUCED_RISE = "lr_induced_rise"
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     BAD_BATCH = "bad_batch"
     ML_OUTLIER = "ml_outlier"

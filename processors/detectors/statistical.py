@@ -15,7 +15,11 @@ sign every step (an alternation: growing noise does not). A one-step gradient-no
 follow is said in the verdict, not flagged: it is a ``gradient_explosion`` once
 it lasts ``grad_persist_steps``. A drop is never an anomaly. A non-finite value
 is reported (critical) and skipped, so it cannot poison the statistics of the
-steps after it.
+steps after it. A rise that an LR jump explains is not elevated (a warm restart
+raises the loss on purpose); but after a jump beyond any LR the run had trained
+at (no warm restart), a loss held above where it was at the jump, or a point
+over its threshold, is an ``lr_induced_rise``: the policy scales the LR back, it
+does not roll back.
 
 >>> from spikeguard.schemas import StepEvent
 >>> det = StatisticalDetector()
@@ -252,6 +256,19 @@ _LEVEL_TYPES = {
 }
 
 
+def _lr_induced_rise(level: lv.LevelJudged | None, grad: Point | None) -> tuple[str, Point] | None:
+    """The signal that rose after an LR jump beyond the run's peak LR, and its point (None: none did).
+
+    A signal counts once the points since the jump are held above the level at the jump
+    (``lr_held_rise``: far inside the bar of one point), or one point is over its threshold.
+    """
+    for signal, point in (("loss", None if level is None else level.point), ("gradient norm", grad)):
+        if point is not None and point.lr_beyond_peak and (
+                point.lr_held_rise or point.residual > point.threshold):
+            return signal, point
+    return None
+
+
 class Judgement(NamedTuple):
     """One step's judgements, computed once for ``score`` and ``track``."""
 
@@ -338,6 +355,15 @@ class StatisticalDetector(Detector[StatisticalState]):
         # The loss speaks first: its level test, then its swings; the gradient
         # norm when the loss has nothing to say.
         level = judgement.level
+        induced = _lr_induced_rise(level, judgement.grad_point)
+        if induced is not None:
+            signal, risen = induced
+            rule = AnomalyType.LR_INDUCED_RISE.value
+            # How far out: an explained point is not judged, so its .score is 0.
+            z = risen.residual / risen.threshold if risen.threshold > 0.0 else 1.0
+            return self._verdict(event, AnomalyType.LR_INDUCED_RISE, _confidence(z), rule, z,
+                                 risen.residual, f"{rule}: the {signal} is up x{math.exp(risen.residual):.2f} "
+                                 "after the LR jumped beyond any rate the run had trained at")
         if level is not None and level.code in _LEVEL_TYPES:
             kind, rule = _LEVEL_TYPES[level.code]
             return self._verdict(event, kind, _confidence(level.score), rule, level.score, level.rise,

@@ -591,6 +591,7 @@ def test_default_strategy_of_every_type() -> None:
         T.STALLED: "preventive", T.LR_TOO_HIGH: "preventive", T.SLOW_RISE: "slow",
         T.OUTLIER_STEP: "notice",  # the policy answers it before any strategy: one info ALERT
         T.LAYER_BLOWUP: "notice",  # the ml detector's layer view: one ALERT per incident
+        T.LR_INDUCED_RISE: "notice",  # the policy answers it before any strategy: the LR scaled back
     }
 
 

@@ -235,3 +235,50 @@ def test_the_new_state_round_trips_through_strict_json_mid_incident() -> None:
     twin.load_state_dict(state)
     rest = healthy(801, 804)
     assert [(a.kind, a.reason) for a in feed(twin, rest)] == [(a.kind, a.reason) for a in feed(policy, rest)]
+
+
+def _lr_jump_run(jump_to_peak: bool, loss_rise: float, jump: int = 90, steps: int = 160) -> list:
+    """A run (seeded) whose LR warms up over 10 steps to 1e-3, decays along a cosine, and jumps at
+    ``jump`` for 30 steps: back to the peak (a warm restart) or to x20 the schedule (a mis-set
+    schedule, beyond any rate the run trained at); the loss rises by ``loss_rise`` meanwhile."""
+    import math
+    import random
+
+    from spikeguard.schemas import StepEvent
+
+    rng = random.Random(4)
+    events = []
+    for step in range(steps):
+        lr = 1e-3 * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * step / steps))
+        rise = 1.0
+        if jump <= step < jump + 30:
+            lr = 1e-3 if jump_to_peak else 20 * lr
+            rise = loss_rise if step > jump else 1.0  # the loss follows the step after
+        loss = 3.0 * math.exp(-step / 400) * rise * math.exp(0.03 * rng.gauss(0, 1))
+        events.append(StepEvent(run_id=R, step=step, time=0.0, loss=loss, grad_norm=1.0, lr=lr))
+    return events
+
+
+@pytest.mark.parametrize("jump_to_peak, loss_rise, scaled_back", [
+    (False, 1.15, True),  # beyond any rate the run trained at, and the loss rose: the LR did it
+    (False, 1.0, False),  # the same jump, the loss within its noise: watched only
+    (True, 1.15, False),  # a warm restart back to the peak raises the loss on purpose
+    (True, 1.0, False),   # a warm restart the loss does not notice
+])
+def test_an_lr_induced_rise_is_answered_with_the_lr_and_a_warm_restart_with_nothing(
+        jump_to_peak: bool, loss_rise: float, scaled_back: bool) -> None:
+    """The detectors and fusion on the run's steps, then the policy: a +15 % rise held after an
+    LR jump is far inside the young bar of one point (x1.5) and explained by the LR, yet it is
+    the LR's doing when the jump went beyond any rate the run had trained at."""
+    from spikeguard.lab.backtest import backtest_events
+
+    decisions = backtest_events(_lr_jump_run(jump_to_peak, loss_rise))
+    policy = make(ckpts=(20, 40, 60, 80))
+    out = feed(policy, decisions)
+    changes = [a for a in out if a.kind in CHANGES]
+    if scaled_back:
+        assert [(a.kind, a.params.factor) for a in changes] == [(K.SCALE_LR, pytest.approx(0.1))]
+        assert changes[0].reason.startswith("[lr_induced]") and 90 <= changes[0].claim.step < 120
+        assert changes[0].claim.type is T.LR_INDUCED_RISE
+    else:
+        assert changes == []

@@ -21,3 +21,37 @@ def test_the_kept_threshold_is_always_the_one_its_values_give() -> None:
             twin.threshold()
             twin.load_state_dict(tail.state_dict())
             assert twin.threshold() == tail.threshold()
+
+
+def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_restart_never() -> None:
+    """A jump back to a rate the run trained at is a warm restart; one beyond it is said (with the
+    loss held up after it) only while the LR is still there: once the schedule's jump is over, the
+    LR no longer raises the loss, and scaling it back would cut a healthy rate."""
+    import json
+    import math
+
+    from spikeguard.processors.outlier_model import OutlierModel, log_of
+
+    def run(lrs: list[float], rise_from: int, rise_to: int) -> tuple[list[bool], list[bool]]:
+        model, rng = OutlierModel(), np.random.default_rng(8)
+        beyond, held = [], []
+        for step, lr in enumerate(lrs):
+            loss = 2.0 * math.exp(0.02 * rng.normal()) * (1.3 if rise_from <= step < rise_to else 1.0)
+            y = log_of(loss)
+            judged = model.judge(y, lr)
+            beyond.append(judged.lr_beyond_peak)
+            held.append(judged.lr_held_rise)
+            model.advance(y, judged, lr)
+            twin = OutlierModel()
+            twin.load_state_dict(json.loads(json.dumps(model.state_dict(), allow_nan=False)))
+            assert twin.state_dict() == model.state_dict()
+        return beyond, held
+
+    decay = [1e-3 * (0.3 + 0.7 * 0.99 ** i) for i in range(300)]
+    blowup = [lr * 20 if 200 <= i < 230 else lr for i, lr in enumerate(decay)]
+    beyond, held = run(blowup, 201, 260)  # the loss stays up 30 steps after the jump ended
+    assert beyond[200:230] == [True] * 30 and not any(beyond[230:]) and not any(beyond[:200])
+    assert held.index(True) == 203 and not any(held[230:])
+    restart = [1e-3 if 200 <= i < 230 else lr for i, lr in enumerate(decay)]  # back to the peak
+    beyond, held = run(restart, 201, 230)
+    assert not any(beyond) and not any(held)
