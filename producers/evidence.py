@@ -14,10 +14,10 @@ judged locally (:class:`StepView`), and checks every action against it:
   the trainer's own view of the step must agree it was anomalous for that
   type (:func:`disagreement`): a non-finite claim needs a non-finite loss or
   gradient seen here (a GradScaler's overflow is normal); a loss-scale
-  collapse needs an overflow or a non-finite value; an LR-induced rise, the
-  trainer's own LR having jumped beyond any rate it had trained at (within the
-  outlier model's ``lr_grace``), or what any type needs; any other anomaly type a
-  non-finite value, or the local outlier model (skip_rule.py) scoring the
+  collapse needs an overflow or a non-finite value; an LR-induced rise needs the
+  trainer's own LR to have jumped beyond any rate it had trained at (within the
+  outlier model's ``lr_grace``), or what the other types need; any other anomaly
+  type needs a non-finite value, or the local outlier model (skip_rule.py) scoring the
   loss or gradient norm at least :data:`AGREE_Z` of the way to its skip
   threshold above its level (a lower bar than skipping: agreeing that a step was unusual is
   not acting on it alone). The claim is checked for the kinds that change the
