@@ -28,7 +28,16 @@ from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.run_settings import cadence_problem, given_policy, run_policy
 from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through
-from spikeguard.schemas import Ack, Action, ActionKind, CheckpointEvent, Decision, RunEvent, Topics, action_id
+from spikeguard.schemas import (
+    Ack,
+    Action,
+    ActionKind,
+    CheckpointEvent,
+    Decision,
+    RunEvent,
+    Topics,
+    action_id,
+)
 from spikeguard.schemas.signing import sign_action
 from spikeguard.streaming.run_clock import RunClock
 from spikeguard.streaming.stage import Output
@@ -55,7 +64,9 @@ class ActuatorStage(RunSettingsStage):
         pulse_interval_s: float | None = None,
     ) -> None:
         super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
-        self.pulse_interval_s = pulse_interval_s  # None: no pulses (backtests, replays: nobody listens)
+        self.pulse_interval_s = (
+            pulse_interval_s  # None: no pulses (backtests, replays: nobody listens)
+        )
         self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
         self._incidents_said: dict[str, set[str]] = {}  # run_id -> incidents logged (bounded)
         self.defaults = defaults or PolicyConfig()
@@ -112,14 +123,23 @@ class ActuatorStage(RunSettingsStage):
         if event.kind != "start":
             return []
         policy = self.run(event.run_id)
-        problem = cadence_problem(event.checkpoint_every, event.keep_checkpoints,
-                                  event.detection_delay_steps, policy.config.rollback_min_steps_before_onset)
+        problem = cadence_problem(
+            event.checkpoint_every,
+            event.keep_checkpoints,
+            event.detection_delay_steps,
+            policy.config.rollback_min_steps_before_onset,
+        )
         if problem is None:
             return []
         # Deterministic id: a redelivered start gives the same alert, which the trainer dedupes.
-        plan = ActionPlan(event.run_id, f"run-start/{event.epoch}/{event.step}", policy.epoch, event.step)
-        plan.alert("warning", f"the policy this pipeline applies to run {event.run_id} cannot roll it back: "
-                   f"{problem}")
+        plan = ActionPlan(
+            event.run_id, f"run-start/{event.epoch}/{event.step}", policy.epoch, event.step
+        )
+        plan.alert(
+            "warning",
+            f"the policy this pipeline applies to run {event.run_id} cannot roll it back: "
+            f"{problem}",
+        )
         return plan.actions()
 
     def _pulse(self, decision: Decision, now: float) -> list[Action]:
@@ -130,11 +150,16 @@ class ActuatorStage(RunSettingsStage):
         if last is not None and now - last < self.pulse_interval_s:
             return []
         self._pulsed[decision.run_id] = now
-        return [Action(
-            action_id=action_id(decision.decision_id, ActionKind.PULSE.value), run_id=decision.run_id,
-            kind=ActionKind.PULSE, apply_at_step=decision.step,
-            params={"judged_step": decision.step, "epoch": decision.epoch},
-            reason="the pipeline judged the run up to this step")]
+        return [
+            Action(
+                action_id=action_id(decision.decision_id, ActionKind.PULSE.value),
+                run_id=decision.run_id,
+                kind=ActionKind.PULSE,
+                apply_at_step=decision.step,
+                params={"judged_step": decision.step, "epoch": decision.epoch},
+                reason="the pipeline judged the run up to this step",
+            )
+        ]
 
     def _say_incident(self, run_id: str, actions: list[Action]) -> None:
         """One INFO line the first time an incident gets actions here: an operator reading a
@@ -146,10 +171,15 @@ class ActuatorStage(RunSettingsStage):
             said.add(incident)
             plan = [a for a in actions if a.incident_id == incident]
             onset = plan[0].incident_onset_step
-            log.info("actuator: run %s incident %s (onset step %s): %s at step %d; why: %s", run_id,
-                     incident, "?" if onset is None else onset,
-                     "+".join(dict.fromkeys(a.kind.value for a in plan)), plan[0].apply_at_step,
-                     plan[0].reason or "no reason given")
+            log.info(
+                "actuator: run %s incident %s (onset step %s): %s at step %d; why: %s",
+                run_id,
+                incident,
+                "?" if onset is None else onset,
+                "+".join(dict.fromkeys(a.kind.value for a in plan)),
+                plan[0].apply_at_step,
+                plan[0].reason or "no reason given",
+            )
 
     def forget(self, run_ids: Iterable[str]) -> None:
         run_ids = list(run_ids)

@@ -104,7 +104,11 @@ class LrFactor:
             self.baseline = self.log.pop(0)[1]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"baseline": self.baseline, "ceiling": self.ceiling, "log": [[s, f] for s, f in self.log]}
+        return {
+            "baseline": self.baseline,
+            "ceiling": self.ceiling,
+            "log": [[s, f] for s, f in self.log],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.baseline = float(state["baseline"])

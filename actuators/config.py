@@ -55,17 +55,21 @@ class PolicyConfig(BaseModel):
 
     # --- patience ---------------------------------------------------------------
     spike_patience_steps: int = Field(
-        3, ge=1, le=1000,
+        3,
+        ge=1,
+        le=1000,
         description="a spike (or a finite extreme loss) still anomalous this many steps later is "
         "rolled back; one the run absorbed by then (its clipping, its optimizer) is only watched",
     )
     absorbed_grad_ratio: float = Field(
-        10.0, gt=1.0,
+        10.0,
+        gt=1.0,
         description="a finite extreme loss counts as absorbed only if its gradient norm stayed "
         "within this many times the baseline (the run's clipping bounded the update) ...",
     )
     absorbed_loss_margin: float = Field(
-        0.1, ge=0.0,
+        0.1,
+        ge=0.0,
         description="... and the loss, a patience later, is back within baseline x (1 + this)",
     )
     non_finite_skipped_by_trainer: bool = Field(
@@ -75,12 +79,16 @@ class PolicyConfig(BaseModel):
         "then recovered from at once",
     )
     non_finite_recur_steps: int = Field(
-        50, ge=1, le=100_000,
+        50,
+        ge=1,
+        le=100_000,
         description="a non-finite step is skipped by the Guard itself and needs nothing more; "
         "a second one within this many steps is recovered from (critical)",
     )
     recovery_grace_steps: int = Field(
-        5, ge=0, le=10_000,
+        5,
+        ge=0,
+        le=10_000,
         description="after a recovery, the incident's anomalies trigger nothing for this long",
     )
     divergence_step_interval_steps: int = Field(
@@ -98,28 +106,38 @@ class PolicyConfig(BaseModel):
         0.4, gt=0.0, lt=1.0, description="gradient explosion"
     )
     lr_decrease_factor_spike: float = Field(
-        1.0, gt=0.0, le=1.0,
+        1.0,
+        gt=0.0,
+        le=1.0,
         description="a data-induced spike still there after its patience: rolling back and "
         "skipping its batches removes the cause, so by default the LR stays (PaLM's recipe)",
     )
     lr_step_factor_divergence: float = Field(0.8, gt=0.0, lt=1.0, description="one divergence step")
     lr_jump_factor: float = Field(
-        0.1, gt=0.0, lt=1.0,
+        0.1,
+        gt=0.0,
+        lt=1.0,
         description="an LR-induced rise (the LR in the steps jumped, then the loss or gradient "
         "rose): LR x this, back towards the schedule's trend (the rules detector's lr_jump_ratio "
         "is 10 by default: the smallest jump it reports)",
     )
     lr_jump_window_steps: int = Field(
-        100, ge=1, le=100_000,
+        100,
+        ge=1,
+        le=100_000,
         description="a loss or gradient anomaly this many steps after an LR jump is LR-induced",
     )
     lr_jump_hold_steps: int = Field(
-        20, ge=0, le=1_000_000,
+        20,
+        ge=0,
+        le=1_000_000,
         description="after scaling back an LR jump, no LR restore for this many steps (the "
         "decisions do not say when a jump in the schedule ends)",
     )
     lr_ceiling_decrease_factor: float = Field(
-        0.7, gt=0.0, le=1.0,
+        0.7,
+        gt=0.0,
+        le=1.0,
         description="each recurring gradient explosion lowers the ceiling the LR is restored to "
         "by this (1.0: restores always go back to the base LR)",
     )
@@ -180,13 +198,17 @@ class PolicyConfig(BaseModel):
 
     # --- escalation --------------------------------------------------------------
     max_rollbacks_per_incident: int = Field(
-        1, ge=1, le=100,
+        1,
+        ge=1,
+        le=100,
         description="recoveries per incident; a critical decision needing one more stops the run "
         "(a non-critical one gets an alert: low-confidence evidence never stops a run)",
     )
     rollback_window_steps: int = Field(2000, ge=1, description="window of the rollback count")
     max_rollbacks_in_window: int = Field(
-        3, ge=1, le=100,
+        3,
+        ge=1,
+        le=100,
         description="rollbacks allowed within the window; a critical decision needing one more "
         "stops the run",
     )

@@ -19,8 +19,13 @@ from spikeguard.actuators.incidents import Incident
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.schemas import Decision
 from spikeguard.schemas.actions import (
-    ClipParams, ReduceBatchSizeParams, RestoreLrParams, RollbackParams, ScaleLrParams,
-    SetEpsParams, SkipBatchesParams,
+    ClipParams,
+    ReduceBatchSizeParams,
+    RestoreLrParams,
+    RollbackParams,
+    ScaleLrParams,
+    SetEpsParams,
+    SkipBatchesParams,
 )
 
 MAX_ROLLBACK_RECORDS = 8
@@ -111,8 +116,17 @@ class Controls:
 
     # --- the recovery itself ---------------------------------------------------------------
     def recover(
-        self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        lr_factor: float | None, tighten: bool, why: str, *, fall_back: bool = True, skip_data: bool = True,
+        self,
+        plan: ActionPlan,
+        decision: Decision,
+        incident: Incident,
+        tick: int,
+        lr_factor: float | None,
+        tighten: bool,
+        why: str,
+        *,
+        fall_back: bool = True,
+        skip_data: bool = True,
     ) -> bool:
         """Roll back (or, with ``fall_back``, lower the LR and skip ahead); False if it did nothing.
 
@@ -129,7 +143,9 @@ class Controls:
         if target is None:
             self._fall_back(plan, decision, onset, lr_factor, tighten, why)
         else:
-            self._roll_back(plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data)
+            self._roll_back(
+                plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data
+            )
         return True
 
     def missing_target(self, incident: Incident, decision: Decision) -> str:
@@ -138,12 +154,22 @@ class Controls:
 
     def _missing(self, onset: int) -> str:
         newest = self.book.healthy[-1].step if self.book.healthy else None
-        return (f"no healthy checkpoint at least {self.config.rollback_min_steps_before_onset} steps "
-                f"before onset {onset} (newest healthy: {'none' if newest is None else newest})")
+        return (
+            f"no healthy checkpoint at least {self.config.rollback_min_steps_before_onset} steps "
+            f"before onset {onset} (newest healthy: {'none' if newest is None else newest})"
+        )
 
     def _roll_back(
-        self, plan: ActionPlan, decision: Decision, incident: Incident, tick: int,
-        target: Checkpoint, lr_factor: float | None, tighten: bool, why: str, skip_data: bool = True,
+        self,
+        plan: ActionPlan,
+        decision: Decision,
+        incident: Incident,
+        tick: int,
+        target: Checkpoint,
+        lr_factor: float | None,
+        tighten: bool,
+        why: str,
+        skip_data: bool = True,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
         rollback_id = plan.add(
@@ -200,7 +226,12 @@ class Controls:
         return record
 
     def _fall_back(
-        self, plan: ActionPlan, decision: Decision, onset: int, lr_factor: float | None, tighten: bool,
+        self,
+        plan: ActionPlan,
+        decision: Decision,
+        onset: int,
+        lr_factor: float | None,
+        tighten: bool,
         why: str,
     ) -> None:
         cfg, s = self.config, decision.step

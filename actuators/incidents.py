@@ -42,7 +42,9 @@ class IncidentBook:
     def key_of(self, decision: Decision) -> str:
         if decision.incident_id:
             return decision.incident_id
-        onset = decision.step if decision.incident_onset_step is None else decision.incident_onset_step
+        onset = (
+            decision.step if decision.incident_onset_step is None else decision.incident_onset_step
+        )
         return incident_id(self.run_id, onset, decision.epoch)
 
     def get(self, decision: Decision, tick: int) -> Incident:

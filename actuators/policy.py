@@ -128,11 +128,17 @@ class RecoveryPolicy:
         self.observed_steps = 0
         self.seen = SeenDecisions()  # decision ids admitted this epoch, within the window
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
-        self.pending_spike: dict[str, Any] | None = None  # incident, onset, start, judge_at, critical
-        self.last_non_finite_tick: int | None = None  # observed step of the latest non-finite decision
+        self.pending_spike: dict[str, Any] | None = (
+            None  # incident, onset, start, judge_at, critical
+        )
+        self.last_non_finite_tick: int | None = (
+            None  # observed step of the latest non-finite decision
+        )
         self.lr_jump_tick: int | None = None  # observed step of an LR jump not yet answered
         self.lr_hold_until: int | None = None  # no LR restore before this observed step
-        self.lr_jump_harmful = False  # an LR jump needed a rollback: the next is scaled back at once
+        self.lr_jump_harmful = (
+            False  # an LR jump needed a rollback: the next is scaled back at once
+        )
         self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
@@ -146,9 +152,14 @@ class RecoveryPolicy:
         if self.stopped:
             return []
         plan = ActionPlan(
-            self.run_id, decision.decision_id, self.epoch,
-            decision.step + self.config.apply_lag_steps, decision.decision_id, decision.incident_id,
-            decision.evidence, Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
+            self.run_id,
+            decision.decision_id,
+            self.epoch,
+            decision.step + self.config.apply_lag_steps,
+            decision.decision_id,
+            decision.incident_id,
+            decision.evidence,
+            Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
             decision.incident_onset_step if decision.incident_id else None,
         )
         if not self._admit(decision, plan):
@@ -159,10 +170,13 @@ class RecoveryPolicy:
             # Guard's local rule skipped that update is in its step event (skip_reason), which
             # the decision does not carry: the alert does not claim it.
             plan.response = Response.OUTLIER_STEP
-            plan.alert("info", f"outlier step at {decision.step}: one step far outside the run's "
-                       "noise; no recovery (the Guard's local outlier rule decides whether its "
-                       "update is skipped: see the step's skip_reason)",
-                       "outlier_step: an isolated step needs no recovery")
+            plan.alert(
+                "info",
+                f"outlier step at {decision.step}: one step far outside the run's "
+                "noise; no recovery (the Guard's local outlier rule decides whether its "
+                "update is skipped: see the step's skip_reason)",
+                "outlier_step: an isolated step needs no recovery",
+            )
             return plan.actions()
         p = self.pending_spike
         if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
@@ -193,7 +207,9 @@ class RecoveryPolicy:
         self.acks.move_to_end(ack.action_id)
         while len(self.acks) > MAX_ACK_RECORDS:
             self.acks.popitem(last=False)
-        plan = ActionPlan(self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps)
+        plan = ActionPlan(
+            self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps
+        )
         record = self.recovery.record_of(ack.action_id)
         if record is not None:
             self._rollback_ack(plan, record, ack)
@@ -202,8 +218,11 @@ class RecoveryPolicy:
             and previous not in {s.value for s in _FAILED}
             and ack.kind not in (ActionKind.ALERT, ActionKind.STOP)
         ):
-            plan.alert("warning", f"{ack.kind.value} action {ack.action_id} {ack.status.value} "
-                       f"at step {ack.step}: {ack.result or 'no detail'}")
+            plan.alert(
+                "warning",
+                f"{ack.kind.value} action {ack.action_id} {ack.status.value} "
+                f"at step {ack.step}: {ack.result or 'no detail'}",
+            )
         return plan.actions()
 
     # --- ordering, duplicates, epochs ------------------------------------------------------
@@ -216,9 +235,12 @@ class RecoveryPolicy:
                 self.high_water = max(self.high_water, d.step)
                 return False
             pending.status = "timed_out"
-            plan.alert("warning", f"rollback {pending.action_id} (decision step "
-                       f"{pending.issue_step}) not acknowledged {d.step - pending.issue_step} "
-                       "steps later; handling decisions again")
+            plan.alert(
+                "warning",
+                f"rollback {pending.action_id} (decision step "
+                f"{pending.issue_step}) not acknowledged {d.step - pending.issue_step} "
+                "steps later; handling decisions again",
+            )
         if self.tail is not None and self.tail[0] < d.step <= self.tail[1]:
             self.counts["abandoned"] += 1
             return False
@@ -247,15 +269,24 @@ class RecoveryPolicy:
             self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
             record.alerted = True
             if ack.result.startswith(WITHHELD):  # the trainer's mode or budget: it acts on nothing
-                plan.alert("critical", f"{target} withheld by the trainer ({ack.result[len(WITHHELD):]});"
-                           " not retried: what follows is reported, and the trainer applies none of it")
+                plan.alert(
+                    "critical",
+                    f"{target} withheld by the trainer ({ack.result[len(WITHHELD) :]});"
+                    " not retried: what follows is reported, and the trainer applies none of it",
+                )
             else:
-                plan.alert("critical", f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
-                           "not retried, a further need stops the run")
+                plan.alert(
+                    "critical",
+                    f"{target} {ack.status.value}: {ack.result or 'no detail'}; "
+                    "not retried, a further need stops the run",
+                )
         elif ack.status in _FAILED and record.status == "applied" and not record.alerted:
             record.alerted = True
-            plan.alert("critical", f"{target} applied on one rank but {ack.status.value} "
-                       f"on rank {ack.rank}: ranks disagree")
+            plan.alert(
+                "critical",
+                f"{target} applied on one rank but {ack.status.value} "
+                f"on rank {ack.rank}: ranks disagree",
+            )
 
     # --- strategies --------------------------------------------------------------------------
     def _anomaly(self, plan: ActionPlan, d: Decision) -> None:
@@ -278,12 +309,21 @@ class RecoveryPolicy:
             if not inc.noticed:
                 inc.noticed = True
                 plan.response = Response.LOSS_SCALE_WATCHED
-                plan.alert("warning", f"{what}: the GradScaler skips overflowing updates and regrows "
-                           "its scale by itself; watching, nothing changed")
+                plan.alert(
+                    "warning",
+                    f"{what}: the GradScaler skips overflowing updates and regrows "
+                    "its scale by itself; watching, nothing changed",
+                )
         elif is_loss and inc.explosion_handled and not grace:
             plan.response = Response.UNSTABLE
-            self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
-                          f"{what} after a gradient explosion in the same incident")
+            self._recover(
+                plan,
+                d,
+                inc,
+                cfg.lr_decrease_factor_explosion,
+                True,
+                f"{what} after a gradient explosion in the same incident",
+            )
         elif strategy == "critical" and is_loss and not grace:
             # A finite extreme loss: judged after the spike's patience like any spike. One the run
             # absorbed by then (its own clipping bounded the update) needs no rollback.
@@ -295,8 +335,14 @@ class RecoveryPolicy:
         elif strategy == "explosion" and not grace:
             if inc.loss_seen:
                 plan.response = Response.UNSTABLE
-                self._recover(plan, d, inc, cfg.lr_decrease_factor_explosion, True,
-                              f"{what} with the loss already following")
+                self._recover(
+                    plan,
+                    d,
+                    inc,
+                    cfg.lr_decrease_factor_explosion,
+                    True,
+                    f"{what} with the loss already following",
+                )
             elif not inc.explosion_handled:
                 self._explosion(plan, inc, what)
         elif strategy == "spike" and not grace and self.pending_spike is None:
@@ -307,17 +353,25 @@ class RecoveryPolicy:
         elif strategy == "notice" and not inc.noticed:
             inc.noticed = True
             plan.response = Response.NOTICE
-            plan.alert("warning", f"{what}: watching, no action",
-                       f"{what}: no recovery strategy for this type")
+            plan.alert(
+                "warning",
+                f"{what}: watching, no action",
+                f"{what}: no recovery strategy for this type",
+            )
         inc.loss_seen = inc.loss_seen or is_loss
 
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
-        self.pending_spike = {"incident": inc.key, "onset": inc.onset_step, "start": d.step,
-                              "judge_at": d.step + self.config.spike_patience_steps,
-                              "critical": critical, "grad_bounded": self._grad_bounded(d),
-                              # what a later rollback claims: the spike's own step, not the judging one
-                              "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
-                              "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None}
+        self.pending_spike = {
+            "incident": inc.key,
+            "onset": inc.onset_step,
+            "start": d.step,
+            "judge_at": d.step + self.config.spike_patience_steps,
+            "critical": critical,
+            "grad_bounded": self._grad_bounded(d),
+            # what a later rollback claims: the spike's own step, not the judging one
+            "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
+            "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+        }
 
     def _grad_bounded(self, d: Decision) -> bool:
         """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""
@@ -334,21 +388,28 @@ class RecoveryPolicy:
             return False
         return e.loss <= e.loss_baseline * (1 + cfg.absorbed_loss_margin)
 
-    def _non_finite(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, grace: bool) -> None:
+    def _non_finite(
+        self, plan: ActionPlan, d: Decision, inc: Incident, what: str, grace: bool
+    ) -> None:
         """The Guard skips a non-finite update itself; only a recurring one is recovered from."""
         cfg, last = self.config, self.last_non_finite_tick
         self.last_non_finite_tick = self.observed_steps
         if not cfg.non_finite_skipped_by_trainer:
             if not grace:
                 plan.response = Response.CRITICAL
-                self._recover(plan, d, inc, cfg.lr_decrease_factor_critical, True, f"critical {what}")
+                self._recover(
+                    plan, d, inc, cfg.lr_decrease_factor_critical, True, f"critical {what}"
+                )
                 if not self.stopped:
                     self.recovery.raise_eps(plan, f"critical {what}")
             return
         if last is None or self.observed_steps - last > cfg.non_finite_recur_steps:
             plan.response = Response.NON_FINITE_SKIPPED
-            plan.alert("warning", f"{what}: the Guard skips a non-finite update itself; no recovery "
-                       f"unless it recurs within {cfg.non_finite_recur_steps} steps")
+            plan.alert(
+                "warning",
+                f"{what}: the Guard skips a non-finite update itself; no recovery "
+                f"unless it recurs within {cfg.non_finite_recur_steps} steps",
+            )
             return
         if grace:
             return
@@ -365,14 +426,21 @@ class RecoveryPolicy:
         if self.lr_jump_harmful:
             plan.response = Response.LR_INDUCED
             self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
-            self.recovery.lower_lr(plan, cfg.lr_jump_factor, f"{what}: the learning rate jumped again "
-                                   "after a jump that needed a rollback: back towards the schedule's "
-                                   f"trend at once, no restore for {cfg.lr_jump_hold_steps} steps")
+            self.recovery.lower_lr(
+                plan,
+                cfg.lr_jump_factor,
+                f"{what}: the learning rate jumped again "
+                "after a jump that needed a rollback: back towards the schedule's "
+                f"trend at once, no restore for {cfg.lr_jump_hold_steps} steps",
+            )
             return
         self.lr_jump_tick = self.observed_steps
         plan.response = Response.LR_JUMP_WATCHED
-        plan.alert("warning", f"{what}: the learning rate jumped; watching: it is scaled back only "
-                   f"if the loss or the gradient rises within {self.config.lr_jump_window_steps} steps")
+        plan.alert(
+            "warning",
+            f"{what}: the learning rate jumped; watching: it is scaled back only "
+            f"if the loss or the gradient rises within {self.config.lr_jump_window_steps} steps",
+        )
 
     def _lr_induced(self, plan: ActionPlan, inc: Incident, what: str, strategy: str) -> bool:
         """A loss or gradient rise shortly after an LR jump: scale the LR back. True if it did."""
@@ -385,8 +453,10 @@ class RecoveryPolicy:
         inc.lr_induced = True
         plan.response = Response.LR_INDUCED
         self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
-        why = (f"{what}, {self.observed_steps - jump} steps after the learning rate jumped: "
-               f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps")
+        why = (
+            f"{what}, {self.observed_steps - jump} steps after the learning rate jumped: "
+            f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps"
+        )
         self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
 
@@ -395,21 +465,26 @@ class RecoveryPolicy:
         and the loss rise after it: scale the LR back once. The data is fine, so nothing is
         rolled back; no restore while the rise is said, nor ``lr_jump_hold_steps`` after."""
         cfg = self.config
-        answered = inc.lr_induced or (self.lr_hold_until is not None
-                                      and self.observed_steps < self.lr_hold_until)
+        answered = inc.lr_induced or (
+            self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until
+        )
         self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
         self.lr_jump_tick = None  # the jump is answered here
         if answered:
             return
         inc.lr_induced = True
         plan.response = Response.LR_INDUCED
-        self.recovery.lower_lr(plan, cfg.lr_jump_factor,
-                               f"{what}: the loss rose after the learning rate jumped beyond any rate "
-                               "the run had trained at: back towards the schedule's trend, no restore "
-                               f"while the rise lasts and {cfg.lr_jump_hold_steps} steps after")
+        self.recovery.lower_lr(
+            plan,
+            cfg.lr_jump_factor,
+            f"{what}: the loss rose after the learning rate jumped beyond any rate "
+            "the run had trained at: back towards the schedule's trend, no restore "
+            f"while the rise lasts and {cfg.lr_jump_hold_steps} steps after",
+        )
 
-    def _after_lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str,
-                       grace: bool) -> None:
+    def _after_lr_jump(
+        self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str, grace: bool
+    ) -> None:
         """An LR-induced incident: the LR is already scaled back. An explosion gets clipping; a
         loss still anomalous after the patience is rolled back to before the jump (no data skip:
         the data is fine; the scaled-back LR holds on the re-run)."""
@@ -436,16 +511,24 @@ class RecoveryPolicy:
     def _slow(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         if inc.divergence_lr_steps == 0:
-            plan.add(CheckpointParams(reason="emergency"),
-                     f"{what}: emergency checkpoint")
+            plan.add(CheckpointParams(reason="emergency"), f"{what}: emergency checkpoint")
             rec.lower_lr(plan, cfg.lr_step_factor_divergence, f"{what}: LR step 1")
-        elif self.observed_steps - (inc.last_divergence_tick or 0) < cfg.divergence_step_interval_steps:
+        elif (
+            self.observed_steps - (inc.last_divergence_tick or 0)
+            < cfg.divergence_step_interval_steps
+        ):
             return
         elif inc.divergence_lr_steps >= cfg.divergence_max_lr_steps or not rec.lower_lr(
             plan, cfg.lr_step_factor_divergence, f"{what}: LR step {inc.divergence_lr_steps + 1}"
         ):
-            self._recover(plan, d, inc, cfg.lr_step_factor_divergence, False,
-                          f"{what} continues after {inc.divergence_lr_steps} LR steps")
+            self._recover(
+                plan,
+                d,
+                inc,
+                cfg.lr_step_factor_divergence,
+                False,
+                f"{what} continues after {inc.divergence_lr_steps} LR steps",
+            )
             return
         inc.divergence_lr_steps += 1
         inc.last_divergence_tick = self.observed_steps
@@ -461,21 +544,31 @@ class RecoveryPolicy:
         if d.is_anomaly and d.type is AnomalyType.NON_FINITE:
             return False  # the non-finite rule answers it
         unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
-        if unabsorbed or (d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP):
-            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(d, self.observed_steps)
+        if unabsorbed or (
+            d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP
+        ):
+            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(
+                d, self.observed_steps
+            )
             plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
             plan.incident_onset_step = inc.onset_step
             if p.get("claim") is not None:  # ... and claim the spike's step, as the trainer saw it
                 plan.claim = Claim.model_validate(p["claim"])
-                plan.evidence = Evidence.model_validate(p["evidence"]) if p.get("evidence") else None
+                plan.evidence = (
+                    Evidence.model_validate(p["evidence"]) if p.get("evidence") else None
+                )
             self.healthy_streak = 0
             critical = bool(p.get("critical")) or d.critical
-            still = (f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
-                     f"still anomalous {steps} steps later ({d.type.value} at step {d.step})")
+            still = (
+                f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+                f"still anomalous {steps} steps later ({d.type.value} at step {d.step})"
+            )
             if unabsorbed:
-                still = (f"extreme loss at step {p['start']} not absorbed: its gradient norm was not "
-                         f"within x{self.config.absorbed_grad_ratio:g} of the baseline, or the loss "
-                         f"is not back at the baseline {steps} steps later")
+                still = (
+                    f"extreme loss at step {p['start']} not absorbed: its gradient norm was not "
+                    f"within x{self.config.absorbed_grad_ratio:g} of the baseline, or the loss "
+                    f"is not back at the baseline {steps} steps later"
+                )
             if inc.lr_induced:
                 # The data is fine: back to before the jump, without skipping it, at the LR the
                 # checkpoint had. If the jump is in the schedule it comes again on the re-run,
@@ -483,18 +576,29 @@ class RecoveryPolicy:
                 plan.response = Response.LR_INDUCED
                 self.lr_jump_harmful = True
                 self.lr_hold_until = None
-                self._recover(plan, d, inc, None, critical, f"{still}, after an LR jump",
-                              confirmed=critical, skip_data=False)
+                self._recover(
+                    plan,
+                    d,
+                    inc,
+                    None,
+                    critical,
+                    f"{still}, after an LR jump",
+                    confirmed=critical,
+                    skip_data=False,
+                )
             else:
                 plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
-                factor = cfg.lr_decrease_factor_critical if critical else cfg.lr_decrease_factor_spike
+                factor = (
+                    cfg.lr_decrease_factor_critical if critical else cfg.lr_decrease_factor_spike
+                )
                 self._recover(plan, d, inc, factor, critical, still, confirmed=critical)
             return True
-        why = f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} " \
-              f"absorbed within {steps} steps (back to normal: no rollback)"
+        why = (
+            f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+            f"absorbed within {steps} steps (back to normal: no rollback)"
+        )
         plan.response = Response.ABSORBED
-        plan.add(CheckpointParams(reason="on_demand"),
-                 f"{why}: checkpoint the recovered state")
+        plan.add(CheckpointParams(reason="on_demand"), f"{why}: checkpoint the recovered state")
         plan.alert("info", f"{why}; watching", f"{why}: watch only")
         plan.response = None
         return False
@@ -508,8 +612,10 @@ class RecoveryPolicy:
         self.last_preventive_tick = self.observed_steps
         plan.response = Response.PREVENTIVE
         what = f"warning {d.type.value} at step {d.step}"
-        plan.add(CheckpointParams(reason="on_demand"),
-                 f"{what}: checkpoint now (the trainer decides whether it is healthy)")
+        plan.add(
+            CheckpointParams(reason="on_demand"),
+            f"{what}: checkpoint now (the trainer decides whether it is healthy)",
+        )
         if d.type is AnomalyType.STALLED:
             plan.alert("info", f"{what}: training looks stalled", what)
         elif cfg.preventive_clip:
@@ -527,8 +633,16 @@ class RecoveryPolicy:
                 self.healthy_streak = 0
 
     def _recover(
-        self, plan: ActionPlan, d: Decision, inc: Incident, lr_factor: float | None, tighten: bool, why: str,
-        *, confirmed: bool | None = None, skip_data: bool = True,
+        self,
+        plan: ActionPlan,
+        d: Decision,
+        inc: Incident,
+        lr_factor: float | None,
+        tighten: bool,
+        why: str,
+        *,
+        confirmed: bool | None = None,
+        skip_data: bool = True,
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many.
 
@@ -547,13 +661,29 @@ class RecoveryPolicy:
             self.stopped = True
             return
         if too_many is not None:
-            self._watch(plan, inc, f"{why}; not recovering again: {too_many}, and the evidence "
-                        "is not critical")
+            self._watch(
+                plan,
+                inc,
+                f"{why}; not recovering again: {too_many}, and the evidence is not critical",
+            )
             return
-        if not self.recovery.recover(plan, d, inc, self.observed_steps, lr_factor, tighten, why,
-                                     fall_back=confirmed, skip_data=skip_data):
-            self._watch(plan, inc, f"{why}; {self.recovery.missing_target(inc, d)}, and the "
-                        "incident is not confirmed (not critical): no fallback")
+        if not self.recovery.recover(
+            plan,
+            d,
+            inc,
+            self.observed_steps,
+            lr_factor,
+            tighten,
+            why,
+            fall_back=confirmed,
+            skip_data=skip_data,
+        ):
+            self._watch(
+                plan,
+                inc,
+                f"{why}; {self.recovery.missing_target(inc, d)}, and the "
+                "incident is not confirmed (not critical): no fallback",
+            )
 
     def _watch(self, plan: ActionPlan, inc: Incident, why: str) -> None:
         if inc.watched:
@@ -600,7 +730,9 @@ class RecoveryPolicy:
             )
         self.epoch, self.high_water = state["epoch"], state["high_water"]
         # "tick": the name in snapshots written before the rename.
-        self.observed_steps = state["observed_steps"] if "observed_steps" in state else state["tick"]
+        self.observed_steps = (
+            state["observed_steps"] if "observed_steps" in state else state["tick"]
+        )
         self.seen.load_state_dict(state["seen"])
         self.tail, self.pending_spike = state["tail"], state["pending_spike"]
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]

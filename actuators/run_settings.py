@@ -41,14 +41,20 @@ def run_policy(run_id: str, given: dict[str, Any], defaults: PolicyConfig) -> Po
     if name:
         preset = PRESETS.get(name)
         if preset is None:
-            raise RunSettingsRejected(f"run {run_id}: unknown preset {name!r} (known: "
-                                      f"{', '.join(PRESETS)}); the run keeps this stage's defaults")
+            raise RunSettingsRejected(
+                f"run {run_id}: unknown preset {name!r} (known: "
+                f"{', '.join(PRESETS)}); the run keeps this stage's defaults"
+            )
         return validated(PolicyConfig, {**preset.policy, **overrides}, "policy overrides", run_id)
     return over(defaults, overrides, "policy overrides", run_id)
 
 
-def cadence_problem(checkpoint_every: int, keep_checkpoints: int, detection_delay_steps: int,
-                    min_rollback_steps: int) -> str | None:
+def cadence_problem(
+    checkpoint_every: int,
+    keep_checkpoints: int,
+    detection_delay_steps: int,
+    min_rollback_steps: int,
+) -> str | None:
     """Why periodic checkpoints this far apart, this many kept, leave a rollback no target (None: they do not)."""
     if checkpoint_every <= 0:
         return None  # only on-demand checkpoints: the policy asks for them itself
@@ -56,9 +62,11 @@ def cadence_problem(checkpoint_every: int, keep_checkpoints: int, detection_dela
     need = min_rollback_steps + detection_delay_steps
     if reach >= need:
         return None
-    return (f"keep_checkpoints={keep_checkpoints} x checkpoint_every={checkpoint_every} keeps "
-            f"checkpoints only {reach} steps back ((keep - 1) x every), but a rollback needs one "
-            f"rollback_min_steps_before_onset={min_rollback_steps} steps before an onset found "
-            f"detection_delay_steps={detection_delay_steps} later ({need} steps): raise "
-            f"keep_checkpoints to {-(-need // checkpoint_every) + 1} or checkpoint_every to "
-            f"{-(-need // max(1, keep_checkpoints - 1))}")
+    return (
+        f"keep_checkpoints={keep_checkpoints} x checkpoint_every={checkpoint_every} keeps "
+        f"checkpoints only {reach} steps back ((keep - 1) x every), but a rollback needs one "
+        f"rollback_min_steps_before_onset={min_rollback_steps} steps before an onset found "
+        f"detection_delay_steps={detection_delay_steps} later ({need} steps): raise "
+        f"keep_checkpoints to {-(-need // checkpoint_every) + 1} or checkpoint_every to "
+        f"{-(-need // max(1, keep_checkpoints - 1))}"
+    )

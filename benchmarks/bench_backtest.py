@@ -48,7 +48,13 @@ import traceback  # noqa: E402
 from typing import Callable  # noqa: E402
 
 BATCH = 500
-AIMS = {"pipeline": 20_000, "statistical": 50_000, "rules": 50_000, "predictor": 50_000, "ml": 20_000}
+AIMS = {
+    "pipeline": 20_000,
+    "statistical": 50_000,
+    "rules": 50_000,
+    "predictor": 50_000,
+    "ml": 20_000,
+}
 PIPELINE_OVER_BASELINE = 4.0
 PROCESS_AIM = 20_000  # steps/s, whole process
 MEMORY_AIM = 400 * 2**20  # bytes of peak RSS on a 1M-step CSV
@@ -154,8 +160,10 @@ def render(report: dict) -> str:
     ratio = report["pipeline_over_naive"]
     if ratio is not None:
         verdict = "ok" if ratio >= report["pipeline_over_naive_aim"] else "BELOW AIM"
-        lines.append(f"\npipeline / naive baseline: {ratio:.2f}x (aim >= "
-                     f"{report['pipeline_over_naive_aim']:.0f}x)  {verdict}")
+        lines.append(
+            f"\npipeline / naive baseline: {ratio:.2f}x (aim >= "
+            f"{report['pipeline_over_naive_aim']:.0f}x)  {verdict}"
+        )
     if report["missing_detectors"]:
         lines.append(f"not measured (missing): {', '.join(report['missing_detectors'])}")
     return "\n".join(lines)
@@ -172,9 +180,24 @@ def ensure_file(workdir: str, scenario: str, steps: int, seed: int) -> str:
     if not os.path.exists(path):
         os.makedirs(workdir, exist_ok=True)
         partial = path + ".part.csv"
-        subprocess.run([sys.executable, "-m", "spikeguard", "simulate", scenario, "--steps",
-                        str(steps), "--seed", str(seed), "--out", partial],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spikeguard",
+                "simulate",
+                scenario,
+                "--steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                "--out",
+                partial,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.replace(partial, path)
     return path
 
@@ -213,7 +236,9 @@ def naive_child(path: str, out: str) -> int:
     baselines: dict[str, NaiveBaseline] = {}
     with open(out, "w", encoding="utf-8") as handle:
         for event in iter_steps(path):
-            baseline = baselines.get(event.run_id) or baselines.setdefault(event.run_id, NaiveBaseline())
+            baseline = baselines.get(event.run_id) or baselines.setdefault(
+                event.run_id, NaiveBaseline()
+            )
             if baseline.update(event):
                 handle.write(json.dumps({"run_id": event.run_id, "step": event.step}) + "\n")
     return 0
@@ -226,8 +251,17 @@ def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, see
     for _ in range(pairs):  # A B A B: each ratio from two runs side by side
         a, peak, a_cpu = run_child(backtest_command(path, out))
         b, _, b_cpu = run_child(naive_command(path, out))
-        rows.append({"backtest_s": a, "naive_s": b, "ratio": b / a, "backtest_peak": peak,
-                     "backtest_cpu_s": a_cpu, "naive_cpu_s": b_cpu, "cpu_ratio": b_cpu / a_cpu})
+        rows.append(
+            {
+                "backtest_s": a,
+                "naive_s": b,
+                "ratio": b / a,
+                "backtest_peak": peak,
+                "backtest_cpu_s": a_cpu,
+                "naive_cpu_s": b_cpu,
+                "cpu_ratio": b_cpu / a_cpu,
+            }
+        )
     backtest_s = statistics.median(r["backtest_s"] for r in rows)
     naive_s = statistics.median(r["naive_s"] for r in rows)
     memory = {steps: statistics.median(r["backtest_peak"] for r in rows)}
@@ -267,11 +301,18 @@ def measure_split(path: str, steps: int) -> dict:
     gc.enable()
     reading = time.process_time() - started
     settings = offline(load_settings(env={}))
-    without_ml = settings.model_copy(update={"fusion": settings.fusion.model_copy(
-        update={"expected": [n for n in settings.fusion.expected if n != "ml"]})})
+    without_ml = settings.model_copy(
+        update={
+            "fusion": settings.fusion.model_copy(
+                update={"expected": [n for n in settings.fusion.expected if n != "ml"]}
+            )
+        }
+    )
     out: dict = {"steps": len(events), "read_cpu_s": reading}
-    for name, config, detectors in (("all", settings, None),
-                                    ("without_ml", without_ml, ("statistical", "rules", "predictor"))):
+    for name, config, detectors in (
+        ("all", settings, None),
+        ("without_ml", without_ml, ("statistical", "rules", "predictor")),
+    ):
         pipeline = DirectPipeline(config, detectors=detectors)
         spent: dict[str, float] = {}
         for stage in (*pipeline._detectors, pipeline._fusion):
@@ -279,12 +320,16 @@ def measure_split(path: str, steps: int) -> dict:
         started = time.process_time()
         gc.disable()
         for i in range(0, len(events), SEGMENT_STEPS):
-            pipeline.feed(events[i:i + SEGMENT_STEPS])
+            pipeline.feed(events[i : i + SEGMENT_STEPS])
         pipeline.finish()
         gc.enable()
         total = time.process_time() - started
-        out[name] = {"cpu_s": total, "steps_per_cpu_s": len(events) / total,
-                     "stages_cpu_s": spent, "pump_cpu_s": total - sum(spent.values())}
+        out[name] = {
+            "cpu_s": total,
+            "steps_per_cpu_s": len(events) / total,
+            "stages_cpu_s": spent,
+            "pump_cpu_s": total - sum(spent.values()),
+        }
     return out
 
 
@@ -297,18 +342,23 @@ def timed_batch(stage, spent: dict[str, float]):
             return handle(items)
         finally:
             spent[stage.name] = spent.get(stage.name, 0.0) + time.process_time() - started
+
     return handle_batch
 
 
 def render_split(split: dict) -> str:
     n = split["steps"]
-    lines = [f"in-process split, {n:,} steps (CPU us per step):",
-             f"  reading the CSV: {1e6 * split['read_cpu_s'] / n:.1f}"]
+    lines = [
+        f"in-process split, {n:,} steps (CPU us per step):",
+        f"  reading the CSV: {1e6 * split['read_cpu_s'] / n:.1f}",
+    ]
     for name in ("all", "without_ml"):
         row = split[name]
         parts = ", ".join(f"{k} {1e6 * v / n:.1f}" for k, v in row["stages_cpu_s"].items())
-        lines.append(f"  pipeline {name}: {row['steps_per_cpu_s']:,.0f} steps/CPU-s = {parts}, "
-                     f"pump {1e6 * row['pump_cpu_s'] / n:.1f}")
+        lines.append(
+            f"  pipeline {name}: {row['steps_per_cpu_s']:,.0f} steps/CPU-s = {parts}, "
+            f"pump {1e6 * row['pump_cpu_s'] / n:.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -335,39 +385,59 @@ def render_process(report: dict) -> str:
             verdict = " (--memory: the 1M-step file)"
         lines.append(f"  backtest peak RSS, {int(size):,} steps: {peak / 2**20:,.0f} MiB{verdict}")
     if report["memory_run_steps_per_s"]:
-        lines.append(f"  (the {report['memory_steps']:,}-step run: "
-                     f"{report['memory_run_steps_per_s']:,.0f} steps/s)")
+        lines.append(
+            f"  (the {report['memory_steps']:,}-step run: "
+            f"{report['memory_run_steps_per_s']:,.0f} steps/s)"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--memory", action="store_true",
-                        help="also the peak RSS of a backtest of a --memory-steps CSV")
-    parser.add_argument("--memory-steps", type=int, default=1_000_000,
-                        help="the CSV whose peak RSS --memory measures")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also the peak RSS of a backtest of a --memory-steps CSV",
+    )
+    parser.add_argument(
+        "--memory-steps",
+        type=int,
+        default=1_000_000,
+        help="the CSV whose peak RSS --memory measures",
+    )
     parser.add_argument("--pairs", type=int, default=2, help="backtest/baseline pairs")
-    parser.add_argument("--workdir", default=os.path.join("/tmp", "spikeguard-bench"),
-                        help="where the simulated CSVs are made (once) and kept")
-    parser.add_argument("--components", action="store_true",
-                        help="also the in-process table (pipeline, each detector, baselines)")
+    parser.add_argument(
+        "--workdir",
+        default=os.path.join("/tmp", "spikeguard-bench"),
+        help="where the simulated CSVs are made (once) and kept",
+    )
+    parser.add_argument(
+        "--components",
+        action="store_true",
+        help="also the in-process table (pipeline, each detector, baselines)",
+    )
     parser.add_argument("--scenario", default="sudden_spike", help="for --components")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--split", action="store_true",
-                        help="also the in-process split: reading, each stage, the pump; with and without ml")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="also the in-process split: reading, each stage, the pump; with and without ml",
+    )
     parser.add_argument("--naive-child", nargs=2, metavar=("FILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.naive_child:
         return naive_child(*args.naive_child)
     report: dict = {"python": platform.python_version(), "machine": platform.machine()}
-    report["process"] = measure_process(args.steps, args.memory_steps if args.memory else 0,
-                                        args.pairs, args.workdir, args.seed)
+    report["process"] = measure_process(
+        args.steps, args.memory_steps if args.memory else 0, args.pairs, args.workdir, args.seed
+    )
     print(render_process(report["process"]))
     if args.split:
-        report["split"] = measure_split(ensure_file(args.workdir, "stable", args.steps, args.seed),
-                                        args.steps)
+        report["split"] = measure_split(
+            ensure_file(args.workdir, "stable", args.steps, args.seed), args.steps
+        )
         print()
         print(render_split(report["split"]))
     if args.components:

@@ -26,7 +26,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = {
-    "dynamic, 45 s session": {"SPIKEGUARD_SESSION_TIMEOUT_S": "45", "SPIKEGUARD_HEARTBEAT_INTERVAL_S": "3"},
+    "dynamic, 45 s session": {
+        "SPIKEGUARD_SESSION_TIMEOUT_S": "45",
+        "SPIKEGUARD_HEARTBEAT_INTERVAL_S": "3",
+    },
     "dynamic, 10 s session": {},
     "static membership": {"SPIKEGUARD_INSTANCE_ID": "bench-blind"},
 }
@@ -34,11 +37,14 @@ CASES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument(
+        "--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP", "127.0.0.1:9092")
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location(
-        "blind", HERE.parent / "tests" / "integration" / "test_blind_time.py")
+        "blind", HERE.parent / "tests" / "integration" / "test_blind_time.py"
+    )
     blind = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(blind)  # type: ignore[union-attr]
     results = {}

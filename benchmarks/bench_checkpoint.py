@@ -45,9 +45,17 @@ class Arm:
     def __init__(self, name: str, directory: str, width: int, depth: int, every: int, async_: bool):
         self.name = name
         self.model, self.opt, self.x, self.y = make(0, width, depth)
-        cfg = GuardConfig(checkpoint_dir=directory, checkpoint_every=every, keep_checkpoints=2,
-                          resume=False, async_checkpoint=async_, skip_outliers=False)
-        self.guard = Guard(self.model, self.opt, run_id=f"bench-{name}", bus=None, connect=False, config=cfg)
+        cfg = GuardConfig(
+            checkpoint_dir=directory,
+            checkpoint_every=every,
+            keep_checkpoints=2,
+            resume=False,
+            async_checkpoint=async_,
+            skip_outliers=False,
+        )
+        self.guard = Guard(
+            self.model, self.opt, run_id=f"bench-{name}", bus=None, connect=False, config=cfg
+        )
         self.every = every
         self.ckpt: list[float] = []
         self.plain: list[float] = []
@@ -64,11 +72,14 @@ class Arm:
             (self.ckpt if checkpoints else self.plain).append(dt)
 
     def summary(self) -> dict:
-        return {"checkpoint_step_ms": 1e3 * statistics.median(self.ckpt),
-                "plain_step_ms": 1e3 * statistics.median(self.plain),
-                "plain_step_mean_ms": 1e3 * statistics.fmean(self.plain),
-                "checkpoints": len(self.ckpt), "waits": self.guard.saver.waits,
-                "wait_ms_total": 1e3 * self.guard.saver.wait_seconds}
+        return {
+            "checkpoint_step_ms": 1e3 * statistics.median(self.ckpt),
+            "plain_step_ms": 1e3 * statistics.median(self.plain),
+            "plain_step_mean_ms": 1e3 * statistics.fmean(self.plain),
+            "checkpoints": len(self.ckpt),
+            "waits": self.guard.saver.waits,
+            "wait_ms_total": 1e3 * self.guard.saver.wait_seconds,
+        }
 
 
 def main() -> None:
@@ -76,13 +87,17 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--every", type=int, default=20, help="checkpoint interval in steps")
-    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 2 checkpoints per arm")
+    ap.add_argument(
+        "--rounds", type=int, default=6, help="interleaved rounds of 2 checkpoints per arm"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        arms = [Arm("before", a, args.width, args.depth, args.every, False),
-                Arm("after", b, args.width, args.depth, args.every, True)]
+        arms = [
+            Arm("before", a, args.width, args.depth, args.every, False),
+            Arm("after", b, args.width, args.depth, args.every, True),
+        ]
         for arm in arms:  # warm-up, and the first checkpoint at step 0
             arm.run(args.every)
             arm.ckpt.clear(), arm.plain.clear()
@@ -94,17 +109,25 @@ def main() -> None:
         params = sum(p.numel() for p in arms[0].model.parameters())
         size = sum(p.stat().st_size for p in arms[0].guard.store.directory.glob("ckpt-*.pt"))
         size //= max(1, len(list(arms[0].guard.store.directory.glob("ckpt-*.pt"))))
-    out = {"params": params, "checkpoint_bytes": size, "every": args.every,
-           **{arm.name: arm.summary() for arm in arms}}
+    out = {
+        "params": params,
+        "checkpoint_bytes": size,
+        "every": args.every,
+        **{arm.name: arm.summary() for arm in arms},
+    }
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"model {params / 1e6:.1f} M params, checkpoint {size / 2**20:.0f} MiB, every {args.every} steps")
+    print(
+        f"model {params / 1e6:.1f} M params, checkpoint {size / 2**20:.0f} MiB, every {args.every} steps"
+    )
     for arm in arms:
         s = arm.summary()
-        print(f"{arm.name:>7}: step that checkpoints {s['checkpoint_step_ms']:8.1f} ms | other steps "
-              f"{s['plain_step_ms']:6.1f} ms (mean {s['plain_step_mean_ms']:.1f}) | "
-              f"{s['checkpoints']} checkpoints, {s['waits']} waited {s['wait_ms_total']:.0f} ms")
+        print(
+            f"{arm.name:>7}: step that checkpoints {s['checkpoint_step_ms']:8.1f} ms | other steps "
+            f"{s['plain_step_ms']:6.1f} ms (mean {s['plain_step_mean_ms']:.1f}) | "
+            f"{s['checkpoints']} checkpoints, {s['waits']} waited {s['wait_ms_total']:.0f} ms"
+        )
 
 
 if __name__ == "__main__":

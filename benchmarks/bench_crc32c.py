@@ -69,13 +69,20 @@ def child(mode: str, bootstrap: str, records: int) -> dict:
     consumer.close()
     producer.close()
     bus.close()
-    return {"mode": mode, "records": records, "bytes_per_record": sum(map(len, values)) // records,
-            "produce_per_s": round(records / produce_s), "consume_produce_per_s": round(records / loop_s)}
+    return {
+        "mode": mode,
+        "records": records,
+        "bytes_per_record": sum(map(len, values)) // records,
+        "produce_per_s": round(records / produce_s),
+        "consume_produce_per_s": round(records / loop_s),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument(
+        "--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP", "127.0.0.1:9092")
+    )
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -85,15 +92,33 @@ def main() -> None:
         return
     results = []
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--bootstrap", args.bootstrap,
-                              "--records", str(args.records)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                "--bootstrap",
+                args.bootstrap,
+                "--records",
+                str(args.records),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"{mode:12s} produce {r['produce_per_s']:>7,}/s   consume+produce {r['consume_produce_per_s']:>7,}/s"
-              f"   ({r['bytes_per_record']} B/record)", flush=True)
+        print(
+            f"{mode:12s} produce {r['produce_per_s']:>7,}/s   consume+produce {r['consume_produce_per_s']:>7,}/s"
+            f"   ({r['bytes_per_record']} B/record)",
+            flush=True,
+        )
     pure, c = results
-    print(f"crc32c speed-up: produce x{c['produce_per_s'] / pure['produce_per_s']:.2f}, "
-          f"consume+produce x{c['consume_produce_per_s'] / pure['consume_produce_per_s']:.2f}")
+    print(
+        f"crc32c speed-up: produce x{c['produce_per_s'] / pure['produce_per_s']:.2f}, "
+        f"consume+produce x{c['consume_produce_per_s'] / pure['consume_produce_per_s']:.2f}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

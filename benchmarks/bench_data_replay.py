@@ -52,8 +52,12 @@ def measure(batches: int, batch_size: int, item_us: float) -> dict:
     for _ in w:
         pass
     step = (time.perf_counter() - t0) / batches
-    out = {"batches_per_epoch": batches, "batch_size": batch_size, "item_us": item_us,
-           "step_ms": round(step * 1e3, 4)}
+    out = {
+        "batches_per_epoch": batches,
+        "batch_size": batch_size,
+        "item_us": item_us,
+        "step_ms": round(step * 1e3, 4),
+    }
     for name, target in (("rollback_mid", batches // 2), ("rollback_end", batches - 1)):
         w = GuardedLoader(loader, seed=0, epochs=1)
         w.seek(target)

@@ -65,7 +65,14 @@ from spikeguard.settings import load_settings
 HORIZON = 50
 HEALTHY = ("healthy_s0", "healthy_s1", "healthy_s2", "healthy_cosine", "healthy_restart")
 FAULTS = ("lr_ramp", "lr_jump", "poison")
-SIGNALS = ("update", "update_per_lr", "predictor", "predictor_no_update", "forest", "forest_no_update")
+SIGNALS = (
+    "update",
+    "update_per_lr",
+    "predictor",
+    "predictor_no_update",
+    "forest",
+    "forest_no_update",
+)
 
 
 class Task(NamedTuple):
@@ -79,7 +86,9 @@ def mlp_task(seed: int) -> Task:
     gen = torch.Generator().manual_seed(1000 + seed)
     teacher = [torch.randn(32, 64, generator=gen), torch.randn(64, 10, generator=gen)]
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)
+    )
 
     def batch(step: int, poisoned: bool) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed * 100_003 + step)
@@ -106,14 +115,21 @@ def lm_task(seed: int, vocab: int = 27, context: int = 8) -> Task:
     for i in range(2, len(text)):
         text[i] = min(int(torch.searchsorted(cdf[text[i - 2], text[i - 1]], draws[i])), vocab - 1)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Embedding(vocab, 16), nn.Flatten(), nn.Linear(16 * context, 128), nn.GELU(),
-                          nn.Linear(128, vocab))
+    model = nn.Sequential(
+        nn.Embedding(vocab, 16),
+        nn.Flatten(),
+        nn.Linear(16 * context, 128),
+        nn.GELU(),
+        nn.Linear(128, vocab),
+    )
 
     def batch(step: int, poisoned: bool) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed * 100_003 + step)
         if poisoned:
-            return (torch.randint(0, vocab, (32, context), generator=g),
-                    torch.randint(0, vocab, (32,), generator=g))
+            return (
+                torch.randint(0, vocab, (32, context), generator=g),
+                torch.randint(0, vocab, (32,), generator=g),
+            )
         start = torch.randint(0, len(text) - context - 1, (32,), generator=g)
         idx = start[:, None] + torch.arange(context + 1)
         chunk = text[idx]
@@ -147,9 +163,20 @@ def record(task_name: str, kind: str, steps: int, onset: int, workdir: str) -> l
     task = TASKS[task_name](seed)
     optimizer = torch.optim.Adam(task.model.parameters(), lr=task.lr)
     bus, topics = EmbeddedBus(), Topics()
-    guard = Guard(task.model, optimizer, run_id=f"{task_name}-{kind}", bus=bus, topics=topics,
-                  config=GuardConfig(checkpoint_dir=f"{workdir}/{task_name}-{kind}", checkpoint_every=0,
-                                     resume=False, mode="observe", unprotected_after_s=3600))
+    guard = Guard(
+        task.model,
+        optimizer,
+        run_id=f"{task_name}-{kind}",
+        bus=bus,
+        topics=topics,
+        config=GuardConfig(
+            checkpoint_dir=f"{workdir}/{task_name}-{kind}",
+            checkpoint_every=0,
+            resume=False,
+            mode="observe",
+            unprotected_after_s=3600,
+        ),
+    )
     guard._started = True  # no checkpoint: nothing will be rolled back in observe mode
     for step in range(steps):
         for group in optimizer.param_groups:
@@ -237,21 +264,32 @@ def main() -> None:
                 onset = None if kind.startswith("healthy") else args.onset
                 decided = [d for d in backtest_events(events, settings) if d.is_anomaly]
                 loss_first = judge(sorted({d.step for d in decided}), onset)
-                row = {"task": task_name, "run": kind, "steps": len(events),
-                       "loss_alarm": loss_first.first, "loss_false": loss_first.false,
-                       "loss_alarm_type": next((d.type.value for d in decided if d.step == loss_first.first),
-                                               None)}
+                row = {
+                    "task": task_name,
+                    "run": kind,
+                    "steps": len(events),
+                    "loss_alarm": loss_first.first,
+                    "loss_false": loss_first.false,
+                    "loss_alarm_type": next(
+                        (d.type.value for d in decided if d.step == loss_first.first), None
+                    ),
+                }
                 bare = without_update(events)
-                for name, alarms in (("update", update_alarms(events)),
-                                     ("update_per_lr", update_alarms(events, per_lr=True)),
-                                     ("predictor", predictor_alarms(events)),
-                                     ("predictor_no_update", predictor_alarms(bare)),
-                                     ("forest", pipeline_alarms(events, forest)),
-                                     ("forest_no_update", pipeline_alarms(bare, forest))):
+                for name, alarms in (
+                    ("update", update_alarms(events)),
+                    ("update_per_lr", update_alarms(events, per_lr=True)),
+                    ("predictor", predictor_alarms(events)),
+                    ("predictor_no_update", predictor_alarms(bare)),
+                    ("forest", pipeline_alarms(events, forest)),
+                    ("forest_no_update", pipeline_alarms(bare, forest)),
+                ):
                     j = judge(alarms, onset)
                     end = loss_first.first if loss_first.first is not None else len(events)
-                    row[name] = {"first": j.first, "false": j.false,
-                                 "lead": None if j.first is None else end - j.first}
+                    row[name] = {
+                        "first": j.first,
+                        "false": j.false,
+                        "lead": None if j.first is None else end - j.first,
+                    }
                 rows.append(row)
                 if not args.json:
                     print(json.dumps(row))
@@ -269,10 +307,18 @@ def main() -> None:
             "healthy_steps": sum(r["steps"] for r in healthy),
             "false_before_onset_on_faults": sum(r[name]["false"] for r in faults),
         }
-    summary["loss_alarm"] = {f"{r['task']}/{r['run']}": r["loss_alarm"] for r in rows if r["run"] in FAULTS}
+    summary["loss_alarm"] = {
+        f"{r['task']}/{r['run']}": r["loss_alarm"] for r in rows if r["run"] in FAULTS
+    }
     summary["loss_false_on_healthy"] = sum(r["loss_false"] for r in rows if r["run"] in HEALTHY)
-    report = {"date": "2026-12-01", "steps": args.steps, "onset": args.onset, "horizon": HORIZON,
-              "summary": summary, "runs": rows}
+    report = {
+        "date": "2026-12-01",
+        "steps": args.steps,
+        "onset": args.onset,
+        "horizon": HORIZON,
+        "summary": summary,
+        "runs": rows,
+    }
     print(json.dumps(report if args.json else summary, indent=None if args.json else 2))
 
 

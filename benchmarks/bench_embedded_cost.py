@@ -80,7 +80,9 @@ def _never_decided(guard: Guard, steps: int) -> set[int]:
     """The steps of this run (0..steps-1) with no decision on the trainer's bus."""
     from spikeguard.schemas import Decision
 
-    return set(range(steps)) - {r.decoded(Decision).step for r in guard.bus.read_all(guard.topics.decisions)}
+    return set(range(steps)) - {
+        r.decoded(Decision).step for r in guard.bus.read_all(guard.topics.decisions)
+    }
 
 
 def run(kind: str, steps: int, directory: str) -> dict:
@@ -94,14 +96,21 @@ def run(kind: str, steps: int, directory: str) -> dict:
         from spikeguard.settings import load_settings
 
         # The defaults, but for threads: what the trainer gets without asking for anything.
-        runtime = open_runtime(load_settings({"worker.embedded_process": False} if kind == "threads" else {}))
+        runtime = open_runtime(
+            load_settings({"worker.embedded_process": False} if kind == "threads" else {})
+        )
         child = runtime.child
-        guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        guard = Guard(
+            model, opt, run_id=f"cost-{kind}", config=config, bus=runtime.bus, topics=runtime.topics
+        )
     warm = max(1, steps // 10)
     for i in range(steps):
         if i == warm:
-            start, cpu_start, thread_start = time.perf_counter(), time.process_time(), time.thread_time()
+            start, cpu_start, thread_start = (
+                time.perf_counter(),
+                time.process_time(),
+                time.thread_time(),
+            )
             child_start = _cpu_s(child.process.pid) if child is not None else 0.0
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
@@ -117,11 +126,15 @@ def run(kind: str, steps: int, directory: str) -> dict:
         runtime.close()
     n = steps - warm
     # The trainer's process = the training thread + the guard's and the bridge's threads.
-    return {"steps_per_s": n / wall, "cpu_us_per_step": 1e6 * cpu / n,
-            "thread_cpu_us_per_step": 1e6 * thread / n,
-            "background_cpu_us_per_step": 1e6 * (cpu - thread) / n,
-            "child_cpu_us_per_step": 1e6 * child_cpu / n, "undecided_at_end": undecided,
-            "startup_s": child.startup_s if child is not None else 0.0}
+    return {
+        "steps_per_s": n / wall,
+        "cpu_us_per_step": 1e6 * cpu / n,
+        "thread_cpu_us_per_step": 1e6 * thread / n,
+        "background_cpu_us_per_step": 1e6 * (cpu - thread) / n,
+        "child_cpu_us_per_step": 1e6 * child_cpu / n,
+        "undecided_at_end": undecided,
+        "startup_s": child.startup_s if child is not None else 0.0,
+    }
 
 
 def paired(steps: int, block: int, directory: str) -> dict:
@@ -133,10 +146,21 @@ def paired(steps: int, block: int, directory: str) -> dict:
     loops = {}
     for kind in ("unpublished", "process"):
         model, opt, x, y = make()
-        config = GuardConfig(checkpoint_dir=f"{directory}/paired-{kind}", checkpoint_every=0, resume=False)
-        guard = (Guard(model, opt, run_id="paired-unpublished", config=config, connect=False)
-                 if kind == "unpublished" else
-                 Guard(model, opt, run_id="paired-process", config=config, bus=runtime.bus, topics=runtime.topics))
+        config = GuardConfig(
+            checkpoint_dir=f"{directory}/paired-{kind}", checkpoint_every=0, resume=False
+        )
+        guard = (
+            Guard(model, opt, run_id="paired-unpublished", config=config, connect=False)
+            if kind == "unpublished"
+            else Guard(
+                model,
+                opt,
+                run_id="paired-process",
+                config=config,
+                bus=runtime.bus,
+                topics=runtime.topics,
+            )
+        )
         loops[kind] = (guard, model, opt, x, y)
     wall = dict.fromkeys(loops, 0.0)
     thread = dict.fromkeys(loops, 0.0)
@@ -164,17 +188,30 @@ def paired(steps: int, block: int, directory: str) -> dict:
     while len(never := _never_decided(guard, total)) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     # The default layout or not: where no child could start, this measured threads.
-    layout = "threads" if runtime.child is None else "child" if runtime.child.problem is None else "child died"
+    layout = (
+        "threads"
+        if runtime.child is None
+        else "child"
+        if runtime.child.problem is None
+        else "child died"
+    )
     for guard, *_ in loops.values():
         guard.close()
     runtime.close()
     counted = (blocks - warm) * block
-    return {"ratio": wall["unpublished"] / wall["process"],
-            "hook_share": thread["process"] / thread["unpublished"] - 1.0,
-            "steps_per_s": {k: counted / v for k, v in wall.items()},
-            "thread_cpu_us_per_step": {k: 1e6 * v / counted for k, v in thread.items()},
-            "missed": len(never) / total, "dropped": dropped, "never_decided": len(never),
-            "undecided_at_end": behind, "steps": total, "block": block, "layout": layout}
+    return {
+        "ratio": wall["unpublished"] / wall["process"],
+        "hook_share": thread["process"] / thread["unpublished"] - 1.0,
+        "steps_per_s": {k: counted / v for k, v in wall.items()},
+        "thread_cpu_us_per_step": {k: 1e6 * v / counted for k, v in thread.items()},
+        "missed": len(never) / total,
+        "dropped": dropped,
+        "never_decided": len(never),
+        "undecided_at_end": behind,
+        "steps": total,
+        "block": block,
+        "layout": layout,
+    }
 
 
 def main() -> None:
@@ -194,7 +231,9 @@ def main() -> None:
         for r in range(args.rounds):
             for kind in KINDS if r % 2 == 0 else tuple(reversed(KINDS)):
                 results[kind].append(run(kind, args.steps, f"{tmp}/{kind}-{r}"))
-    report: dict = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in results.items()}
+    report: dict = {
+        k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in results.items()
+    }
     base = results["unpublished"]
     for kind, name in (("threads", "ratio"), ("process", "ratio_process")):
         rounds = [w["steps_per_s"] / b["steps_per_s"] for w, b in zip(results[kind], base)]
@@ -205,8 +244,10 @@ def main() -> None:
         report[f"cpu_{name}"] = statistics.median(cpu)
         # The hook's cost in the training thread: its extra CPU per step over unpublished, as a
         # share of unpublished's step time (aim < 2 %).
-        hook = [(w["thread_cpu_us_per_step"] - b["thread_cpu_us_per_step"]) * b["steps_per_s"] / 1e6
-                for w, b in zip(results[kind], base)]
+        hook = [
+            (w["thread_cpu_us_per_step"] - b["thread_cpu_us_per_step"]) * b["steps_per_s"] / 1e6
+            for w, b in zip(results[kind], base)
+        ]
         report[f"hook_{name}"] = statistics.median(hook)
     report["steps"], report["rounds"] = args.steps, args.rounds
     report["paired"] = pairs
@@ -215,23 +256,31 @@ def main() -> None:
         return
     for kind in KINDS:
         row = report[kind]
-        child = f"  child {row['child_cpu_us_per_step']:5.0f} µs CPU/step" if kind == "process" else ""
-        print(f"{kind:12s} {row['steps_per_s']:7.0f} steps/s  trainer {row['cpu_us_per_step']:5.0f} "
-              f"µs CPU/step (training thread {row['thread_cpu_us_per_step']:4.0f}, other threads "
-              f"{row['background_cpu_us_per_step']:4.0f}){child}  "
-              f"undecided at end {row['undecided_at_end']:.0f}")
+        child = (
+            f"  child {row['child_cpu_us_per_step']:5.0f} µs CPU/step" if kind == "process" else ""
+        )
+        print(
+            f"{kind:12s} {row['steps_per_s']:7.0f} steps/s  trainer {row['cpu_us_per_step']:5.0f} "
+            f"µs CPU/step (training thread {row['thread_cpu_us_per_step']:4.0f}, other threads "
+            f"{row['background_cpu_us_per_step']:4.0f}){child}  "
+            f"undecided at end {row['undecided_at_end']:.0f}"
+        )
     for kind, name in (("threads", "ratio"), ("process", "ratio_process")):
         low, high = report[f"{name}_range"]
-        print(f"{kind}/unpublished: {report[name]:.2f} (rounds {low:.2f}-{high:.2f}; aim >= 0.9); "
-              f"trainer CPU {report[f'cpu_{name}']:.2f}; hook in the training thread "
-              f"{100 * report[f'hook_{name}']:+.1f}% of a step (aim < 2%)")
+        print(
+            f"{kind}/unpublished: {report[name]:.2f} (rounds {low:.2f}-{high:.2f}; aim >= 0.9); "
+            f"trainer CPU {report[f'cpu_{name}']:.2f}; hook in the training thread "
+            f"{100 * report[f'hook_{name}']:+.1f}% of a step (aim < 2%)"
+        )
     print(f"child start-up {report['process']['startup_s']:.1f} s")
     rates = pairs["steps_per_s"]
-    print(f"paired blocks of {pairs['block']} ({pairs['steps']} steps each): default/unpublished "
-          f"{pairs['ratio']:.2f} ({rates['process']:.0f} / {rates['unpublished']:.0f} steps/s; aim >= 0.9); "
-          f"hook {100 * pairs['hook_share']:+.1f}% of the training thread's CPU (aim < 2%); "
-          f"missed {100 * pairs['missed']:.1f}% (never decided; {pairs['dropped']} dropped by the queue; "
-          f"{pairs['undecided_at_end']} behind when the loop ended; aim < 2%)")
+    print(
+        f"paired blocks of {pairs['block']} ({pairs['steps']} steps each): default/unpublished "
+        f"{pairs['ratio']:.2f} ({rates['process']:.0f} / {rates['unpublished']:.0f} steps/s; aim >= 0.9); "
+        f"hook {100 * pairs['hook_share']:+.1f}% of the training thread's CPU (aim < 2%); "
+        f"missed {100 * pairs['missed']:.1f}% (never decided; {pairs['dropped']} dropped by the queue; "
+        f"{pairs['undecided_at_end']} behind when the loop ended; aim < 2%)"
+    )
 
 
 if __name__ == "__main__":

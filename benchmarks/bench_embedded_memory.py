@@ -49,7 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40_000)
     parser.add_argument("--every", type=int, default=10_000)
-    parser.add_argument("--unbounded", action="store_true", help="no retention on the bus (the old behaviour)")
+    parser.add_argument(
+        "--unbounded", action="store_true", help="no retention on the bus (the old behaviour)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -66,7 +68,9 @@ def main() -> None:
         # Checkpoints every 500 steps, keep 3: the default cadence would not change memory
         # either, but a long run with few files keeps the disk quiet.
         config = GuardConfig(checkpoint_dir=tmp, checkpoint_every=500, resume=False)
-        guard = Guard(model, opt, run_id="memory", config=config, bus=runtime.bus, topics=runtime.topics)
+        guard = Guard(
+            model, opt, run_id="memory", config=config, bus=runtime.bus, topics=runtime.topics
+        )
         start = time.perf_counter()
         for step in range(1, args.steps + 1):
             opt.zero_grad(set_to_none=True)
@@ -76,10 +80,15 @@ def main() -> None:
             guard.step(loss)
             if step % args.every == 0:
                 gc.collect()
-                samples.append({"step": step, "rss_mib": round(rss_mib(), 1),
-                                "records_held": held(runtime.bus),
-                                "steps_published": published(runtime.bus, runtime.topics.steps),
-                                "elapsed_s": round(time.perf_counter() - start, 1)})
+                samples.append(
+                    {
+                        "step": step,
+                        "rss_mib": round(rss_mib(), 1),
+                        "records_held": held(runtime.bus),
+                        "steps_published": published(runtime.bus, runtime.topics.steps),
+                        "elapsed_s": round(time.perf_counter() - start, 1),
+                    }
+                )
                 if not args.json:
                     print(samples[-1], flush=True)
         guard.close()
@@ -87,14 +96,20 @@ def main() -> None:
     first, last = samples[0], samples[-1]
     growth = last["rss_mib"] - first["rss_mib"]
     per_step_kib = 1024 * growth / max(1, last["step"] - first["step"])
-    report = {"retention": not args.unbounded, "samples": samples,
-              "growth_mib": round(growth, 1), "growth_kib_per_step": round(per_step_kib, 3),
-              "flat_within_20_mib": abs(growth) <= 20}
+    report = {
+        "retention": not args.unbounded,
+        "samples": samples,
+        "growth_mib": round(growth, 1),
+        "growth_kib_per_step": round(per_step_kib, 3),
+        "flat_within_20_mib": abs(growth) <= 20,
+    }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"RSS {first['rss_mib']} MiB at step {first['step']} -> {last['rss_mib']} MiB at step "
-              f"{last['step']}: {growth:+.1f} MiB ({per_step_kib:.2f} KiB/step); aim: within 20 MiB")
+        print(
+            f"RSS {first['rss_mib']} MiB at step {first['step']} -> {last['rss_mib']} MiB at step "
+            f"{last['step']}: {growth:+.1f} MiB ({per_step_kib:.2f} KiB/step); aim: within 20 MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -37,12 +37,19 @@ def judged(runs: int, steps: int) -> list[StepVerdicts]:
     """Every step's verdicts, as the co-hosted detectors make them (interleaved across runs)."""
     settings = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": KEY}, env={})
     stage = CoHostedDetectors([build_stage(name, settings, TOPICS) for name in DETECTOR_NAMES])
-    events = [generate("sudden_spike", max(200, steps), r, run_id=f"bench-{r:03d}").events[:steps]
-              for r in range(runs)]
+    events = [
+        generate("sudden_spike", max(200, steps), r, run_id=f"bench-{r:03d}").events[:steps]
+        for r in range(runs)
+    ]
     interleaved = [sign_step(run[i], KEY) for i in range(steps) for run in events]
     out: list[StepVerdicts] = []
     for start in range(0, len(interleaved), 400):
-        out += [e for _, e in stage.handle_batch([(TOPICS.steps, s) for s in interleaved[start:start + 400]])]
+        out += [
+            e
+            for _, e in stage.handle_batch(
+                [(TOPICS.steps, s) for s in interleaved[start : start + 400]]
+            )
+        ]
     return out
 
 
@@ -53,8 +60,13 @@ def fusion_cpu(records: list[tuple[str, bytes, str]], steps: int) -> float:
     producer = bus.producer()
     for topic, value, key in records:
         producer.publish(topic, value, key=key)
-    worker = Worker(bus, build_stage("fusion", settings, TOPICS), metrics=Metrics(CollectorRegistry()),
-                    snapshots=False, max_records=500)
+    worker = Worker(
+        bus,
+        build_stage("fusion", settings, TOPICS),
+        metrics=Metrics(CollectorRegistry()),
+        snapshots=False,
+        max_records=500,
+    )
     VERIFIED.clear()  # every record is checked in full, as in a process of its own
     started = time.process_time()
     while worker.run_once(timeout=0):
@@ -78,8 +90,11 @@ def main() -> None:
         results["four_verdict_records"].append(fusion_cpu(apart, steps))
         results["one_step_verdicts_record"].append(fusion_cpu(together, steps))
     best = {name: round(min(values), 1) for name, values in results.items()}
-    out = {"steps": steps, "cpu_us_per_step": best,
-           "rounds_us": {name: [round(v, 1) for v in values] for name, values in results.items()}}
+    out = {
+        "steps": steps,
+        "cpu_us_per_step": best,
+        "rounds_us": {name: [round(v, 1) for v in values] for name, values in results.items()},
+    }
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

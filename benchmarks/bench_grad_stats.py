@@ -79,9 +79,11 @@ class Reads:
 
     def __enter__(self) -> "Reads":
         for name, original in self._originals.items():
+
             def counted(tensor, *args, _name=name, _original=original, **kwargs):
                 self.counts[_name] += 1
                 return _original(tensor, *args, **kwargs)
+
             setattr(torch.Tensor, name, counted)
         return self
 
@@ -145,10 +147,14 @@ def measure(name: str, rounds: int, calls: int) -> dict:
 
 
 def render(report: dict) -> str:
-    lines = [f"gradient statistics vs clip_grad_norm_, {report['threads']} thread(s), "
-             f"medians of {report['rounds']} rounds x {report['calls']} calls"]
-    lines.append(f"{'model':<8} {'tensors':>7} {'stats µs':>9} {'clip µs':>8} {'clip+item':>9} "
-                 f"{'norm µs':>8} {'stats/clip':>10} {'stats/norm':>10}  reads/step  status")
+    lines = [
+        f"gradient statistics vs clip_grad_norm_, {report['threads']} thread(s), "
+        f"medians of {report['rounds']} rounds x {report['calls']} calls"
+    ]
+    lines.append(
+        f"{'model':<8} {'tensors':>7} {'stats µs':>9} {'clip µs':>8} {'clip+item':>9} "
+        f"{'norm µs':>8} {'stats/clip':>10} {'stats/norm':>10}  reads/step  status"
+    )
     for name, r in report["models"].items():
         ratio = r["stats_over_clip"]
         ok = ratio <= AIM_RATIO and r["host_reads_per_call"]["stats"] == 1
@@ -171,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = {"threads": args.threads, "rounds": args.rounds, "calls": args.calls,
-              "torch": torch.__version__,
-              "models": {name: measure(name, args.rounds, args.calls) for name in args.models}}
+    report = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "calls": args.calls,
+        "torch": torch.__version__,
+        "models": {name: measure(name, args.rounds, args.calls) for name in args.models},
+    }
     print(render(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -54,9 +54,15 @@ def measure_processes(steps: int, factor: int, pairs: int, workdir: str, seed: i
     for n in sizes:
         wall = statistics.median(r[0] for r in runs[n])
         cpu = statistics.median(r[2] for r in runs[n])
-        rows[str(n)] = {"steps": n, "wall_s": wall, "cpu_s": cpu, "steps_per_s": n / wall,
-                        "steps_per_cpu_s": n / cpu, "cpu_us_per_step": 1e6 * cpu / n,
-                        "peak_rss_bytes": max(r[1] for r in runs[n])}
+        rows[str(n)] = {
+            "steps": n,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "steps_per_s": n / wall,
+            "steps_per_cpu_s": n / cpu,
+            "cpu_us_per_step": 1e6 * cpu / n,
+            "peak_rss_bytes": max(r[1] for r in runs[n]),
+        }
     short, long = rows[str(sizes[0])], rows[str(sizes[1])]
     return {
         "runs": rows,
@@ -105,8 +111,10 @@ def measure_inside(steps: int, workdir: str, seed: int) -> dict:
         return 1e6 * statistics.median(s.get(key, 0.0) for s in chunk) / SEGMENT_STEPS
 
     keys = ["pipeline", *(s.name for s in pipeline._detectors), "fusion"]
-    table = {key: {"start_us_per_step": per_step(start, key), "end_us_per_step": per_step(end, key)}
-             for key in keys}
+    table = {
+        key: {"start_us_per_step": per_step(start, key), "end_us_per_step": per_step(end, key)}
+        for key in keys
+    }
     for row in table.values():
         row["end_over_start"] = row["end_us_per_step"] / max(row["start_us_per_step"], 1e-9)
     return {"steps": steps, "segment_steps": SEGMENT_STEPS, "segments_each": tenth, "stages": table}
@@ -116,34 +124,47 @@ def render(report: dict) -> str:
     p, inside = report["process"], report["inside"]
     lines = ["whole process (spikeguard backtest, stable run, medians):"]
     for row in p["runs"].values():
-        lines.append(f"  {row['steps']:>9,} steps: {row['steps_per_s']:>8,.0f} steps/s, "
-                     f"{row['steps_per_cpu_s']:>8,.0f} steps/CPU-s ({row['cpu_us_per_step']:.1f} us/step), "
-                     f"peak RSS {row['peak_rss_bytes'] / 2**20:,.0f} MiB")
+        lines.append(
+            f"  {row['steps']:>9,} steps: {row['steps_per_s']:>8,.0f} steps/s, "
+            f"{row['steps_per_cpu_s']:>8,.0f} steps/CPU-s ({row['cpu_us_per_step']:.1f} us/step), "
+            f"peak RSS {row['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        )
     ratio = p["cost_per_step_long_over_short"]
-    lines.append(f"  cost per step, long / short: {ratio:.2f}x "
-                 f"({'flat' if ratio <= FLAT else 'GROWS'}; start-up weighs more on the short run)")
+    lines.append(
+        f"  cost per step, long / short: {ratio:.2f}x "
+        f"({'flat' if ratio <= FLAT else 'GROWS'}; start-up weighs more on the short run)"
+    )
     lines.append(f"  peak RSS, long / short: {p['peak_rss_long_over_short']:.2f}x")
-    lines.append(f"inside the {inside['steps']:,}-step run: CPU us per step, first vs last "
-                 f"{inside['segments_each']} segments of {inside['segment_steps']:,} (medians)")
+    lines.append(
+        f"inside the {inside['steps']:,}-step run: CPU us per step, first vs last "
+        f"{inside['segments_each']} segments of {inside['segment_steps']:,} (medians)"
+    )
     for key, row in inside["stages"].items():
         verdict = "flat" if row["end_over_start"] <= FLAT else "GROWS"
-        lines.append(f"  {key:<12} {row['start_us_per_step']:>7.1f} -> {row['end_us_per_step']:>7.1f}"
-                     f"  ({row['end_over_start']:.2f}x) {verdict}")
+        lines.append(
+            f"  {key:<12} {row['start_us_per_step']:>7.1f} -> {row['end_us_per_step']:>7.1f}"
+            f"  ({row['end_over_start']:.2f}x) {verdict}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000, help="the short run")
-    parser.add_argument("--factor", type=int, default=10, help="the long run is this many times longer")
+    parser.add_argument(
+        "--factor", type=int, default=10, help="the long run is this many times longer"
+    )
     parser.add_argument("--pairs", type=int, default=1, help="short/long process pairs")
     parser.add_argument("--workdir", default=os.path.join("/tmp", "spikeguard-bench"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    report = {"python": platform.python_version(), "machine": platform.machine(),
-              "process": measure_processes(args.steps, args.factor, args.pairs, args.workdir, args.seed),
-              "inside": measure_inside(args.steps * args.factor, args.workdir, args.seed)}
+    report = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "process": measure_processes(args.steps, args.factor, args.pairs, args.workdir, args.seed),
+        "inside": measure_inside(args.steps * args.factor, args.workdir, args.seed),
+    }
     print(render(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -50,7 +50,9 @@ def make(seed: int = 0, width: int = 256, depth: int = 3, batch: int = 64):
     return model, opt, x, y
 
 
-GUARD_OWN: dict[str, list[float]] = {}  # per guarded kind and step: guard.step minus its optimizer.step
+GUARD_OWN: dict[
+    str, list[float]
+] = {}  # per guarded kind and step: guard.step minus its optimizer.step
 NORM_OWN: list[float] = []  # per step: clip_grad_norm_(inf) + .item() alone
 
 
@@ -64,10 +66,20 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
     if kind.startswith("guarded"):
         norms = kind == "guarded"
         bus = EmbeddedBus()
-        guard = Guard(model, opt, run_id="bench", bus=bus,
-                      config=GuardConfig(checkpoint_dir=guard_dir, checkpoint_every=0, resume=False,
-                                         skip_outliers=SKIP_OUTLIERS, update_norm=norms,
-                                         param_norm=norms))
+        guard = Guard(
+            model,
+            opt,
+            run_id="bench",
+            bus=bus,
+            config=GuardConfig(
+                checkpoint_dir=guard_dir,
+                checkpoint_every=0,
+                resume=False,
+                skip_outliers=SKIP_OUTLIERS,
+                update_norm=norms,
+                param_norm=norms,
+            ),
+        )
         guard._started = True  # no initial checkpoint inside the timed loop
     times, inner, norm_times = [], [], []
     mark = {}
@@ -111,8 +123,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--no-skip-rule", action="store_true",
-                        help="measure without the local outlier skip rule (its cost is the difference)")
+    parser.add_argument(
+        "--no-skip-rule",
+        action="store_true",
+        help="measure without the local outlier skip rule (its cost is the difference)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global SKIP_OUTLIERS
@@ -130,11 +145,15 @@ def main() -> None:
     own, norm = statistics.median(GUARD_OWN["guarded"]), statistics.median(NORM_OWN)
     bare = statistics.median(GUARD_OWN["guarded-no-norms"])
     step = statistics.median(wall["plain"])
-    report["direct"] = {"guard_own_us": own * 1e6, "norm_only_us": norm * 1e6,
-                        "beyond_norm_us": (own - norm) * 1e6, "pct_of_step": 100 * own / step,
-                        # the update and parameter norms (update_norm.py): guarded minus guarded-no-norms
-                        "update_param_norms_us": (own - bare) * 1e6,
-                        "update_param_norms_pct_of_step": 100 * (own - bare) / step}
+    report["direct"] = {
+        "guard_own_us": own * 1e6,
+        "norm_only_us": norm * 1e6,
+        "beyond_norm_us": (own - norm) * 1e6,
+        "pct_of_step": 100 * own / step,
+        # the update and parameter norms (update_norm.py): guarded minus guarded-no-norms
+        "update_param_norms_us": (own - bare) * 1e6,
+        "update_param_norms_pct_of_step": 100 * (own - bare) / step,
+    }
     for label, table in (("wall", wall), ("cpu", cpu)):
         med = {k: statistics.median(v) for k, v in table.items()}
         report[label] = {
@@ -150,17 +169,23 @@ def main() -> None:
         return
     print(f"model: {report['params']} parameters, {args.threads} thread(s)")
     d = report["direct"]
-    print(f"direct (same steps): guard.step's own time {d['guard_own_us']:.1f} µs/step "
-          f"({d['pct_of_step']:.2f} % of a plain step); the norm computation alone {d['norm_only_us']:.1f} µs; "
-          f"beyond it {d['beyond_norm_us']:.1f} µs")
-    print(f"of which the update and parameter norms: {d['update_param_norms_us']:.1f} µs/step "
-          f"({d['update_param_norms_pct_of_step']:.2f} % of a plain step)")
+    print(
+        f"direct (same steps): guard.step's own time {d['guard_own_us']:.1f} µs/step "
+        f"({d['pct_of_step']:.2f} % of a plain step); the norm computation alone {d['norm_only_us']:.1f} µs; "
+        f"beyond it {d['beyond_norm_us']:.1f} µs"
+    )
+    print(
+        f"of which the update and parameter norms: {d['update_param_norms_us']:.1f} µs/step "
+        f"({d['update_param_norms_pct_of_step']:.2f} % of a plain step)"
+    )
     for label in ("wall", "cpu"):
         r = report[label]
         steps = "  ".join(f"{k} {v:8.1f} µs" for k, v in r["step_us"].items())
         print(f"{label:>4} per step: {steps}")
-        print(f"     guard overhead: {r['overhead_us']:.1f} µs ({r['overhead_pct']:.2f} %); beyond the "
-              f"norm computation: {r['beyond_norm_us']:.1f} µs ({r['beyond_norm_pct']:.2f} %)")
+        print(
+            f"     guard overhead: {r['overhead_us']:.1f} µs ({r['overhead_pct']:.2f} %); beyond the "
+            f"norm computation: {r['beyond_norm_us']:.1f} µs ({r['beyond_norm_pct']:.2f} %)"
+        )
 
 
 if __name__ == "__main__":

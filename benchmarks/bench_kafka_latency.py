@@ -55,14 +55,22 @@ class Reader(threading.Thread):
     def __init__(self, bootstrap: str, topics: Topics) -> None:
         super().__init__(daemon=True)
         self.topics = topics
-        self.consumer = KafkaConsumer(topics.decisions, topics.actions, topics.verdicts, topics.step_verdicts,
-                                      bootstrap_servers=bootstrap,
-                                      group_id=f"bench-trainer-{uuid.uuid4().hex[:6]}",
-                                      auto_offset_reset="earliest", enable_auto_commit=False,
-                                      fetch_max_wait_ms=5)
+        self.consumer = KafkaConsumer(
+            topics.decisions,
+            topics.actions,
+            topics.verdicts,
+            topics.step_verdicts,
+            bootstrap_servers=bootstrap,
+            group_id=f"bench-trainer-{uuid.uuid4().hex[:6]}",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            fetch_max_wait_ms=5,
+        )
         self.decisions: list[tuple[str, int, float]] = []
         self.actions: list[tuple[str, int, float, str]] = []
-        self.verdicts: list[tuple[str, int, float, str]] = []  # where the time goes: the detectors' hop
+        self.verdicts: list[
+            tuple[str, int, float, str]
+        ] = []  # where the time goes: the detectors' hop
         # Each record's CreateTime (set by its producer's send, wall clock, ms): splits the
         # latency into hops (step -> its last verdict produced -> decision produced -> read).
         self.created: dict[tuple[str, str, int], float] = {}
@@ -87,8 +95,11 @@ class Reader(threading.Thread):
                 self.created[("decision", d.run_id, d.step)] = created_ms / 1000
             elif topic in (self.topics.verdicts, self.topics.step_verdicts):
                 # One verdict per record (independent detectors), or a step's in one (co-hosted).
-                packed = ([decode(value, Verdict)] if topic == self.topics.verdicts
-                          else decode(value, StepVerdicts).verdicts)
+                packed = (
+                    [decode(value, Verdict)]
+                    if topic == self.topics.verdicts
+                    else decode(value, StepVerdicts).verdicts
+                )
                 for v in packed:
                     self.verdicts.append((v.run_id, v.step, now, v.detector))
                     key = ("verdict", v.run_id, v.step)  # the step's last verdict to be produced
@@ -99,16 +110,31 @@ class Reader(threading.Thread):
                 self.actions.append((a.run_id, step, now, a.kind.value))
 
 
-def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: float,
-            layout: str = "independent", client: str = "kafka-python",
-            worker_env: dict[str, str] | None = None, stage_clock: str | None = None) -> dict:
+def measure(
+    bootstrap: str,
+    rate: float,
+    runs: int,
+    seconds: float,
+    drain_s: float,
+    layout: str = "independent",
+    client: str = "kafka-python",
+    worker_env: dict[str, str] | None = None,
+    stage_clock: str | None = None,
+) -> dict:
     key, prefix = new_key(), new_prefix()
     topics = Topics(prefix)
     per_run = max(200, int(rate * seconds / runs))
     events = signed_steps(runs, per_run, key, scenario="sudden_spike")
     order = [(run[i].run_id, run[i].step, encode(run[i])) for i in range(per_run) for run in events]
-    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client,
-                 stage_clock=stage_clock):
+    with workers(
+        bootstrap,
+        prefix,
+        key,
+        extra_env=worker_env,
+        names=LAYOUTS[layout],
+        client=client,
+        stage_clock=stage_clock,
+    ):
         reader = Reader(bootstrap, topics)
         reader.start()
         time.sleep(2.0)  # the reader joined its group
@@ -134,35 +160,65 @@ def measure(bootstrap: str, rate: float, runs: int, seconds: float, drain_s: flo
         producer.close()
     to_decision = [t - published[(r, s)] for r, s, t in reader.decisions if (r, s) in published]
     to_action = [t - published[(r, s)] for r, s, t, _ in reader.actions if (r, s) in published]
-    first_half = [t - published[(r, s)] for r, s, t in reader.decisions
-                  if (r, s) in published and published[(r, s)] - start < input_s / 2]
+    first_half = [
+        t - published[(r, s)]
+        for r, s, t in reader.decisions
+        if (r, s) in published and published[(r, s)] - start < input_s / 2
+    ]
     by_detector: dict[str, list[float]] = {}
     for r, s, t, detector in reader.verdicts:
         if (r, s) in published:
             by_detector.setdefault(detector, []).append(t - published[(r, s)])
-    to_verdicts = [reader.created[("verdict", r, s)] - w for (r, s), w in published_wall.items()
-                   if ("verdict", r, s) in reader.created]
-    verdicts_to_decision = [reader.created[("decision", r, s)] - reader.created[("verdict", r, s)]
-                            for (r, s) in published_wall
-                            if ("decision", r, s) in reader.created and ("verdict", r, s) in reader.created]
+    to_verdicts = [
+        reader.created[("verdict", r, s)] - w
+        for (r, s), w in published_wall.items()
+        if ("verdict", r, s) in reader.created
+    ]
+    verdicts_to_decision = [
+        reader.created[("decision", r, s)] - reader.created[("verdict", r, s)]
+        for (r, s) in published_wall
+        if ("decision", r, s) in reader.created and ("verdict", r, s) in reader.created
+    ]
     kinds: dict[str, int] = {}
     for *_, kind in reader.actions:
         kinds[kind] = kinds.get(kind, 0) + 1
     return {
-        "layout": layout, "client": client, "rate": rate, "runs": runs, "steps": len(order),
+        "layout": layout,
+        "client": client,
+        "rate": rate,
+        "runs": runs,
+        "steps": len(order),
         "achieved_rate": round(len(order) / input_s),
-        "decided": len(to_decision), "actions": len(to_action), "action_kinds": kinds,
-        "decision_ms": {"p50": _pct(to_decision, 0.5), "p99": _pct(to_decision, 0.99), "max": _pct(to_decision, 1.0)},
-        "action_ms": {"p50": _pct(to_action, 0.5), "p99": _pct(to_action, 0.99), "max": _pct(to_action, 1.0)},
+        "decided": len(to_decision),
+        "actions": len(to_action),
+        "action_kinds": kinds,
+        "decision_ms": {
+            "p50": _pct(to_decision, 0.5),
+            "p99": _pct(to_decision, 0.99),
+            "max": _pct(to_decision, 1.0),
+        },
+        "action_ms": {
+            "p50": _pct(to_action, 0.5),
+            "p99": _pct(to_action, 0.99),
+            "max": _pct(to_action, 1.0),
+        },
         "verdict_p50_ms": {d: _pct(v, 0.5) for d, v in sorted(by_detector.items())},
         # By the records' CreateTime (1 ms resolution, same clock): step published -> its last
         # verdict sent by a detector; that verdict sent -> the decision sent by fusion.
-        "hops_ms": {"step_to_last_verdict_sent": {"p50": _pct(to_verdicts, 0.5), "p99": _pct(to_verdicts, 0.99)},
-                    "last_verdict_to_decision_sent": {"p50": _pct(verdicts_to_decision, 0.5),
-                                                      "p99": _pct(verdicts_to_decision, 0.99)}},
+        "hops_ms": {
+            "step_to_last_verdict_sent": {
+                "p50": _pct(to_verdicts, 0.5),
+                "p99": _pct(to_verdicts, 0.99),
+            },
+            "last_verdict_to_decision_sent": {
+                "p50": _pct(verdicts_to_decision, 0.5),
+                "p99": _pct(verdicts_to_decision, 0.99),
+            },
+        },
         # Latency late vs early in the input: > 1 means a backlog that grows (throughput below the rate).
         "lag_growth": round(statistics.median(to_decision) / statistics.median(first_half), 2)
-        if first_half and to_decision else None,
+        if first_half and to_decision
+        else None,
     }
 
 
@@ -172,27 +228,56 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1000.0, help="steps/s over all runs")
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the input lasts")
-    parser.add_argument("--drain", type=float, default=90.0, help="seconds to wait for the last decisions")
-    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
-                        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
-    parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="kafka-python",
-                        help="the workers' Kafka library (settings.kafka_client); results keyed CLIENT/LAYOUT")
-    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
-                        "(wait for acknowledgements after every batch) for an A/B; repeatable")
-    parser.add_argument("--stage-clock", metavar="DIR",
-                        help="time each worker's stages (stage_clock.py: CPU and wall) into "
-                        "DIR/CLIENT-LAYOUT/NAME.STAGE.json; benchmarks/profile_stages.py reads them")
+    parser.add_argument(
+        "--drain", type=float, default=90.0, help="seconds to wait for the last decisions"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=[*LAYOUTS, "both"],
+        default="both",
+        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator",
+    )
+    parser.add_argument(
+        "--client",
+        choices=["kafka-python", "confluent", "both"],
+        default="kafka-python",
+        help="the workers' Kafka library (settings.kafka_client); results keyed CLIENT/LAYOUT",
+    )
+    parser.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
+        "(wait for acknowledgements after every batch) for an A/B; repeatable",
+    )
+    parser.add_argument(
+        "--stage-clock",
+        metavar="DIR",
+        help="time each worker's stages (stage_clock.py: CPU and wall) into "
+        "DIR/CLIENT-LAYOUT/NAME.STAGE.json; benchmarks/profile_stages.py reads them",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     worker_env = dict(item.split("=", 1) for item in args.worker_env)
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     clients = ["kafka-python", "confluent"] if args.client == "both" else [args.client]
     with broker(args.bootstrap) as bootstrap:
-        report = {f"{client}/{layout}": measure(bootstrap, args.rate, args.runs, args.seconds, args.drain,
-                                                layout, client, worker_env,
-                                                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None)
-                  for client in clients for layout in layouts}
+        report = {
+            f"{client}/{layout}": measure(
+                bootstrap,
+                args.rate,
+                args.runs,
+                args.seconds,
+                args.drain,
+                layout,
+                client,
+                worker_env,
+                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None,
+            )
+            for client in clients
+            for layout in layouts
+        }
     if args.json:
         print(json.dumps(report))
     else:

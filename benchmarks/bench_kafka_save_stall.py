@@ -55,8 +55,13 @@ def measure(bootstrap: str, runs: int, steps: int, batch: int, interval: float) 
             producer.publish(topics.steps, encode(run[i]), key=run[i].run_id)
     producer.flush()
     stage = CoHostedDetectors([build_stage(name, settings, topics) for name in DETECTOR_NAMES])
-    worker = Worker(bus, stage, metrics=Metrics(CollectorRegistry()), max_records=batch,
-                    snapshot_interval_s=interval)
+    worker = Worker(
+        bus,
+        stage,
+        metrics=Metrics(CollectorRegistry()),
+        max_records=batch,
+        snapshot_interval_s=interval,
+    )
     wall: list[float] = []
     cpu: list[float] = []
     saves: list[float] = []  # each checkpoint inside a cycle (the loop's own call), wall time
@@ -84,12 +89,22 @@ def measure(bootstrap: str, runs: int, steps: int, batch: int, interval: float) 
     worker.checkpoint = checkpoint  # type: ignore[method-assign]
     worker.close()
     bus.close()
-    return {"runs": runs, "steps": total, "consumed": done, "cycles": len(wall),
-            "steps_per_s": round(done / elapsed), "interval_s": interval,
-            "cycle_wall_ms": {"p50": _pct(wall, 0.5), "p99": _pct(wall, 0.99), "max": _pct(wall, 1.0)},
-            "cycle_cpu_ms": {"p50": _pct(cpu, 0.5), "p99": _pct(cpu, 0.99), "max": _pct(cpu, 1.0)},
-            "saves": len(saves), "save_wall_ms": {"p50": _pct(saves, 0.5), "max": _pct(saves, 1.0),
-                                                  "total": round(1000 * sum(saves))}}
+    return {
+        "runs": runs,
+        "steps": total,
+        "consumed": done,
+        "cycles": len(wall),
+        "steps_per_s": round(done / elapsed),
+        "interval_s": interval,
+        "cycle_wall_ms": {"p50": _pct(wall, 0.5), "p99": _pct(wall, 0.99), "max": _pct(wall, 1.0)},
+        "cycle_cpu_ms": {"p50": _pct(cpu, 0.5), "p99": _pct(cpu, 0.99), "max": _pct(cpu, 1.0)},
+        "saves": len(saves),
+        "save_wall_ms": {
+            "p50": _pct(saves, 0.5),
+            "max": _pct(saves, 1.0),
+            "total": round(1000 * sum(saves)),
+        },
+    }
 
 
 def main() -> None:

@@ -56,7 +56,9 @@ from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, w
 def _values(runs: int, steps: int, key: str) -> list[tuple[bytes, bytes]]:
     """(key, value) of every step, interleaved across runs as concurrent trainers would publish."""
     per_run = signed_steps(runs, steps // runs, key)
-    return [(run[i].run_id.encode(), encode(run[i])) for i in range(steps // runs) for run in per_run]
+    return [
+        (run[i].run_id.encode(), encode(run[i])) for i in range(steps // runs) for run in per_run
+    ]
 
 
 def _steady_rate(arrivals: list[float]) -> float:
@@ -68,20 +70,43 @@ def _steady_rate(arrivals: list[float]) -> float:
     return (len(arrivals) * 0.8) / (hi - lo)
 
 
-def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeout: float,
-             profile: str | None = None, layout: str = "independent", client: str = "kafka-python",
-             worker_env: dict[str, str] | None = None, cprofile: str | None = None,
-             stage_clock: str | None = None) -> dict:
+def pipeline(
+    bootstrap: str,
+    records: list[tuple[bytes, bytes]],
+    key: str,
+    timeout: float,
+    profile: str | None = None,
+    layout: str = "independent",
+    client: str = "kafka-python",
+    worker_env: dict[str, str] | None = None,
+    cprofile: str | None = None,
+    stage_clock: str | None = None,
+) -> dict:
     prefix = new_prefix()
     topics = Topics(prefix)
-    with workers(bootstrap, prefix, key, extra_env=worker_env, names=LAYOUTS[layout], client=client,
-                 cprofile=cprofile, stage_clock=stage_clock) as procs:
+    with workers(
+        bootstrap,
+        prefix,
+        key,
+        extra_env=worker_env,
+        names=LAYOUTS[layout],
+        client=client,
+        cprofile=cprofile,
+        stage_clock=stage_clock,
+    ) as procs:
         spies = profile_workers(procs, profile, seconds=timeout) if profile else []
-        reader = KafkaConsumer(topics.decisions, bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex[:6]}",
-                               auto_offset_reset="earliest", enable_auto_commit=False)
+        reader = KafkaConsumer(
+            topics.decisions,
+            bootstrap_servers=bootstrap,
+            group_id=f"bench-{uuid.uuid4().hex[:6]}",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
         reader.poll(timeout_ms=2000)  # join before the first decision
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
-        cpu_before = {f"{proc.args[-1]}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)}
+        cpu_before = {
+            f"{proc.args[-1]}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)
+        }
         started = time.perf_counter()
         for k, v in records:
             producer.send(topics.steps, v, key=k)
@@ -93,22 +118,31 @@ def pipeline(bootstrap: str, records: list[tuple[bytes, bytes]], key: str, timeo
             for batch in reader.poll(timeout_ms=500, max_records=10_000).values():
                 now = time.perf_counter() - started
                 arrivals += [now] * len(batch)
-        cpu = {name: _cpu_seconds(proc.pid) - cpu_before[f"{name}#{n}"]
-               for n, proc in enumerate(procs) for name in [proc.args[-1]]}
+        cpu = {
+            name: _cpu_seconds(proc.pid) - cpu_before[f"{name}#{n}"]
+            for n, proc in enumerate(procs)
+            for name in [proc.args[-1]]
+        }
         reader.close()
         producer.close()
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled so far
             spy.wait(timeout=30)
-    return {"published_per_s": round(len(records) / published), "decisions": len(arrivals),
-            "steps": len(records), "end_to_end_s": round(arrivals[-1], 2) if arrivals else None,
-            # Only a run that decided every step has a sustained rate to report.
-            "steps_per_s": round(_steady_rate(arrivals)) if len(arrivals) == len(records) else 0,
-            "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0,
-            # CPU the workers spent per step (user + system, from /proc): unlike the rates,
-            # it hardly moves with what else runs on a shared machine.
-            "cpu_us_per_step": {name: round(1e6 * seconds / len(records)) for name, seconds in cpu.items()},
-            "cpu_us_per_step_total": round(1e6 * sum(cpu.values()) / len(records))}
+    return {
+        "published_per_s": round(len(records) / published),
+        "decisions": len(arrivals),
+        "steps": len(records),
+        "end_to_end_s": round(arrivals[-1], 2) if arrivals else None,
+        # Only a run that decided every step has a sustained rate to report.
+        "steps_per_s": round(_steady_rate(arrivals)) if len(arrivals) == len(records) else 0,
+        "overall_per_s": round(len(arrivals) / arrivals[-1]) if arrivals else 0,
+        # CPU the workers spent per step (user + system, from /proc): unlike the rates,
+        # it hardly moves with what else runs on a shared machine.
+        "cpu_us_per_step": {
+            name: round(1e6 * seconds / len(records)) for name, seconds in cpu.items()
+        },
+        "cpu_us_per_step_total": round(1e6 * sum(cpu.values()) / len(records)),
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -126,10 +160,26 @@ def profile_workers(procs: list, directory: str, seconds: float) -> list[subproc
     spies = []
     for proc in procs:
         name = proc.args[-1]
-        spies.append(subprocess.Popen(
-            [_py_spy(), "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
-             "--duration", str(int(seconds)), "--output", f"{directory}/{name}.raw"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        spies.append(
+            subprocess.Popen(
+                [
+                    _py_spy(),
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--rate",
+                    "100",
+                    "--format",
+                    "raw",
+                    "--duration",
+                    str(int(seconds)),
+                    "--output",
+                    f"{directory}/{name}.raw",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     time.sleep(1.0)  # attached before the first step is published
     return spies
 
@@ -147,8 +197,13 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
     for k, v in records:
         producer.send(source, v, key=k)
     producer.flush()
-    consumer = KafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:6]}",
-                             auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        source,
+        bootstrap_servers=bootstrap,
+        group_id=f"raw-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
     done, started, cpu_started = 0, None, 0.0
     deadline = time.monotonic() + timeout
     while done < len(records) and time.monotonic() < deadline:
@@ -167,9 +222,12 @@ def raw(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> d
     cpu = time.process_time() - cpu_started if started is not None else 0.0
     consumer.close()
     producer.close()
-    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0,
-            # This process (the loop and kafka-python's threads): one consume + one produce per record.
-            "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
+    return {
+        "steps": done,
+        "steps_per_s": round(done / elapsed) if elapsed else 0,
+        # This process (the loop and kafka-python's threads): one consume + one produce per record.
+        "cpu_us_per_step": round(1e6 * cpu / done) if done else None,
+    }
 
 
 def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: float) -> dict:
@@ -178,13 +236,21 @@ def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: f
 
     source, sink = f"raw-{uuid.uuid4().hex[:8]}", f"raw-{uuid.uuid4().hex[:8]}"
     KafkaBus(bootstrap, partitions=4).create_topics([source, sink])
-    producer = ck.Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random"})
+    producer = ck.Producer(
+        {"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random"}
+    )
     for k, v in records:
         producer.produce(source, v, k)
         producer.poll(0)
     producer.flush()
-    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex[:6]}",
-                            "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer = ck.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"raw-{uuid.uuid4().hex[:6]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
     consumer.subscribe([source])
     done, started, cpu_started = 0, None, 0.0
     deadline = time.monotonic() + timeout
@@ -204,8 +270,11 @@ def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: f
     elapsed = time.perf_counter() - (started or time.perf_counter())
     cpu = time.process_time() - cpu_started if started is not None else 0.0
     consumer.close()
-    return {"steps": done, "steps_per_s": round(done / elapsed) if elapsed else 0,
-            "cpu_us_per_step": round(1e6 * cpu / done) if done else None}
+    return {
+        "steps": done,
+        "steps_per_s": round(done / elapsed) if elapsed else 0,
+        "cpu_us_per_step": round(1e6 * cpu / done) if done else None,
+    }
 
 
 def main() -> None:
@@ -213,21 +282,47 @@ def main() -> None:
     parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP"))
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--timeout", type=float, default=100.0, help="seconds the pipeline gets to decide every step")
-    parser.add_argument("--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR")
-    parser.add_argument("--cprofile", metavar="DIR",
-                        help="cProfile each worker's loop (CPU clock) into DIR/CLIENT-LAYOUT/NAME.prof; "
-                        "benchmarks/profile_stages.py reads them")
-    parser.add_argument("--stage-clock", metavar="DIR",
-                        help="time each worker's stages (stage_clock.py, CPU clock) into "
-                        "DIR/CLIENT-LAYOUT/NAME.STAGE.json")
-    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both",
-                        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator")
-    parser.add_argument("--client", choices=["kafka-python", "confluent", "both"], default="both",
-                        help="the workers' Kafka library (settings.kafka_client); the raw reference stays kafka-python")
-    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
-                        "(wait for acknowledgements after every batch) for an A/B; repeatable")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=100.0,
+        help="seconds the pipeline gets to decide every step",
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="py-spy each worker during the pipeline run into DIR"
+    )
+    parser.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="cProfile each worker's loop (CPU clock) into DIR/CLIENT-LAYOUT/NAME.prof; "
+        "benchmarks/profile_stages.py reads them",
+    )
+    parser.add_argument(
+        "--stage-clock",
+        metavar="DIR",
+        help="time each worker's stages (stage_clock.py, CPU clock) into "
+        "DIR/CLIENT-LAYOUT/NAME.STAGE.json",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=[*LAYOUTS, "both"],
+        default="both",
+        help="independent: six worker processes; cohosted: `worker detectors` + fusion + actuator",
+    )
+    parser.add_argument(
+        "--client",
+        choices=["kafka-python", "confluent", "both"],
+        default="both",
+        help="the workers' Kafka library (settings.kafka_client); the raw reference stays kafka-python",
+    )
+    parser.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
+        "(wait for acknowledgements after every batch) for an A/B; repeatable",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     worker_env = dict(item.split("=", 1) for item in args.worker_env)
@@ -237,32 +332,62 @@ def main() -> None:
     clients = ["kafka-python", "confluent"] if args.client == "both" else [args.client]
     with broker(args.bootstrap) as bootstrap:
         raw_result = raw(bootstrap, records, args.timeout)
-        extra = {"raw_confluent": raw_confluent(bootstrap, records, args.timeout)} if "confluent" in clients else {}
-        pipes = {f"{client}/{layout}": pipeline(bootstrap, records, key, args.timeout,
-                                                f"{args.profile}/{client}-{layout}" if args.profile else None,
-                                                layout, client, worker_env,
-                                                f"{args.cprofile}/{client}-{layout}" if args.cprofile else None,
-                                                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None)
-                 for client in clients for layout in layouts}
-    report = {"steps": len(records), "runs": args.runs, "raw": raw_result, **extra,
-              "pipelines": {name: {**result,
-                                   "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3)}
-                            for name, result in pipes.items()}}
+        extra = (
+            {"raw_confluent": raw_confluent(bootstrap, records, args.timeout)}
+            if "confluent" in clients
+            else {}
+        )
+        pipes = {
+            f"{client}/{layout}": pipeline(
+                bootstrap,
+                records,
+                key,
+                args.timeout,
+                f"{args.profile}/{client}-{layout}" if args.profile else None,
+                layout,
+                client,
+                worker_env,
+                f"{args.cprofile}/{client}-{layout}" if args.cprofile else None,
+                f"{args.stage_clock}/{client}-{layout}" if args.stage_clock else None,
+            )
+            for client in clients
+            for layout in layouts
+        }
+    report = {
+        "steps": len(records),
+        "runs": args.runs,
+        "raw": raw_result,
+        **extra,
+        "pipelines": {
+            name: {
+                **result,
+                "ratio": round(result["steps_per_s"] / max(1, raw_result["steps_per_s"]), 3),
+            }
+            for name, result in pipes.items()
+        },
+    }
     if args.json:
         print(json.dumps(report))
         return
-    print(f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
-          f"{raw_result['cpu_us_per_step']} us CPU per record")
+    print(
+        f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
+        f"{raw_result['cpu_us_per_step']} us CPU per record"
+    )
     if extra:
-        print(f"raw confluent-kafka loop: {extra['raw_confluent']['steps_per_s']:>7,} steps/s, "
-              f"{extra['raw_confluent']['cpu_us_per_step']} us CPU per record")
+        print(
+            f"raw confluent-kafka loop: {extra['raw_confluent']['steps_per_s']:>7,} steps/s, "
+            f"{extra['raw_confluent']['cpu_us_per_step']} us CPU per record"
+        )
     for name, result in report["pipelines"].items():
         layout = name.split("/")[1]
-        print(f"pipeline {name:<24} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
-              f"sustained, ratio {result['ratio']:.2f}; {result['decisions']}/{len(records)} decided, "
-              f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
-              f"({result['cpu_us_per_step']})")
+        print(
+            f"pipeline {name:<24} ({len(LAYOUTS[layout])} workers): {result['steps_per_s']:>7,} steps/s "
+            f"sustained, ratio {result['ratio']:.2f}; {result['decisions']}/{len(records)} decided, "
+            f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
+            f"({result['cpu_us_per_step']})"
+        )
     print("aim: >= 10,000 steps/s and >= 0.5x raw")
+
 
 if __name__ == "__main__":
     main()

@@ -40,9 +40,13 @@ import numpy as np  # noqa: E402
 BATCH = 500
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's [tool.setuptools.package-dir]: the top-level folders under one import name.
-PACKAGE_DIRS = {"spikeguard": "spikeguard", "spikeguard/schemas": "schemas",
-                "spikeguard/producers": "producers", "spikeguard/processors": "processors",
-                "spikeguard/actuators": "actuators"}
+PACKAGE_DIRS = {
+    "spikeguard": "spikeguard",
+    "spikeguard/schemas": "schemas",
+    "spikeguard/producers": "producers",
+    "spikeguard/processors": "processors",
+    "spikeguard/actuators": "actuators",
+}
 
 
 def with_layers(events: list, seed: int = 0) -> list:
@@ -53,7 +57,9 @@ def with_layers(events: list, seed: int = 0) -> list:
         sq = base * np.exp(0.3 * rng.standard_normal(len(base))) * (e.grad_norm or 1.0) ** 2
         norms = np.sqrt(sq)
         top = {f"layer{j}": float(norms[j]) for j in np.argsort(-norms)[:5]}
-        out.append(e.model_copy(update={"grad_norm": float(np.sqrt(sq.sum())), "top_grad_norms": top}))
+        out.append(
+            e.model_copy(update={"grad_norm": float(np.sqrt(sq.sum())), "top_grad_norms": top})
+        )
     return out
 
 
@@ -61,7 +67,9 @@ def export(rev: str, into: str) -> str:
     """The package as it was at ``rev``, laid out to import as ``spikeguard``; its root."""
     src, root = os.path.join(into, "src"), os.path.join(into, "root")
     os.makedirs(src)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
     for target, folder in PACKAGE_DIRS.items():
         shutil.copytree(os.path.join(src, folder), os.path.join(root, target), dirs_exist_ok=True)
@@ -104,7 +112,9 @@ def sklearn_fit_ms(trials: int) -> float:
     for i in range(trials * 3):
         cpu = time.process_time()
         with sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
-            CompiledForest(IsolationForest(n_estimators=50, max_samples=256, random_state=i).fit(rows))
+            CompiledForest(
+                IsolationForest(n_estimators=50, max_samples=256, random_state=i).fit(rows)
+            )
         times.append(time.process_time() - cpu)
     return statistics.median(times) * 1000
 
@@ -113,8 +123,14 @@ def child(steps: int, pythonpath: str | None) -> dict[str, float]:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath  # ahead of the editable install of the working tree
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--steps", str(steps)],
-                          env=env, cwd=pythonpath or ROOT, check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--one", "--steps", str(steps)],
+        env=env,
+        cwd=pythonpath or ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -136,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.trials):  # interleaved: both see the same machine
             for label, path in trees.items():
                 results[label].append(child(args.steps, path))
-    print(f"ml detector alone, {args.steps} steps, batches of {BATCH}, median of {args.trials} "
-          "trials, steps per CPU second (wall)")
+    print(
+        f"ml detector alone, {args.steps} steps, batches of {BATCH}, median of {args.trials} "
+        "trials, steps per CPU second (wall)"
+    )
     for row in ("plain", "layers"):
         med = {k: statistics.median(r[row] for r in v) for k, v in results.items()}
         wall = {k: statistics.median(r[row + "_wall"] for r in v) for k, v in results.items()}
@@ -146,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             line += f"  now/{args.against}: {med['now'] / med[args.against]:.2f}x"
         print(f"{row:>7}  {line}")
     fits = {k: statistics.median(r["fit_forest_ms"] for r in v) for k, v in results.items()}
-    print(f"    fit  IsolationForest+compile {sklearn_fit_ms(args.trials):.1f} ms, fit_forest "
-          + ", ".join(f"{k}: {v:.1f} ms" for k, v in fits.items()) + " (CPU, 1024 rows, 50 trees)")
+    print(
+        f"    fit  IsolationForest+compile {sklearn_fit_ms(args.trials):.1f} ms, fit_forest "
+        + ", ".join(f"{k}: {v:.1f} ms" for k, v in fits.items())
+        + " (CPU, 1024 rows, 50 trees)"
+    )
     return 0
 
 

@@ -59,10 +59,32 @@ from recovery_setup import CUDA, FULL, QUICK, TINY, BenchConfig, build  # noqa: 
 STRATEGIES = BASELINES + ("spikeguard",)
 WITHIN_CLEAN = 0.02
 # Two-sided 95 % Student t quantiles by degrees of freedom (scipy is not a dependency).
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-       10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-CHANGING = ("rollback", "skip_batches", "scale_lr", "set_lr", "restore_lr", "clip", "stop", "set_eps",
-            "reduce_batch_size")
+T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+}
+CHANGING = (
+    "rollback",
+    "skip_batches",
+    "scale_lr",
+    "set_lr",
+    "restore_lr",
+    "clip",
+    "stop",
+    "set_eps",
+    "reduce_batch_size",
+)
 _runtime = None  # one embedded pipeline per process, opened on its first spikeguard run
 
 
@@ -117,22 +139,40 @@ def aggregate(runs: list[dict], seeds: list[int]) -> list[dict]:
         losses = [r["final_eval_loss"] for r in per]
         mean, lo, hi = mean_ci(losses)
         n = len(per)
-        actions = sum(sum(1 for e in r["events"] if e.startswith("action at") and
-                          any(f": {k} applied" in e for k in CHANGING)) for r in per)
-        rows.append({
-            "fault": key[0], "strategy": key[1], "final_eval_loss": mean, "ci95": [lo, hi],
-            "wasted_steps": round(sum(r["wasted_steps"] for r in per) / n),
-            "rollbacks": round(sum(r["rollbacks"] for r in per) / n),
-            "goodput": round(sum(r["goodput"] for r in per) / n, 4),
-            "rerun_steps": round(sum(r["rerun_steps"] for r in per) / n, 1),
-            "skipped_updates": round(sum(r["skipped_updates"] for r in per) / n, 1),
-            "skipped_batches": round(sum(r["skipped_batches"] for r in per) / n, 1),
-            "recovery_seconds": round(sum(r["recovery_seconds"] for r in per) / n, 2),
-            "steps_done": min(r["steps_done"] for r in per),
-            "actions": actions, "per_seed": losses,
-            "responses": sorted({e.split("[", 1)[1].split("]", 1)[0] for r in per for e in r["events"]
-                                 if e.startswith("policy at") and "[" in e}),
-        })
+        actions = sum(
+            sum(
+                1
+                for e in r["events"]
+                if e.startswith("action at") and any(f": {k} applied" in e for k in CHANGING)
+            )
+            for r in per
+        )
+        rows.append(
+            {
+                "fault": key[0],
+                "strategy": key[1],
+                "final_eval_loss": mean,
+                "ci95": [lo, hi],
+                "wasted_steps": round(sum(r["wasted_steps"] for r in per) / n),
+                "rollbacks": round(sum(r["rollbacks"] for r in per) / n),
+                "goodput": round(sum(r["goodput"] for r in per) / n, 4),
+                "rerun_steps": round(sum(r["rerun_steps"] for r in per) / n, 1),
+                "skipped_updates": round(sum(r["skipped_updates"] for r in per) / n, 1),
+                "skipped_batches": round(sum(r["skipped_batches"] for r in per) / n, 1),
+                "recovery_seconds": round(sum(r["recovery_seconds"] for r in per) / n, 2),
+                "steps_done": min(r["steps_done"] for r in per),
+                "actions": actions,
+                "per_seed": losses,
+                "responses": sorted(
+                    {
+                        e.split("[", 1)[1].split("]", 1)[0]
+                        for r in per
+                        for e in r["events"]
+                        if e.startswith("policy at") and "[" in e
+                    }
+                ),
+            }
+        )
     return rows
 
 
@@ -160,19 +200,28 @@ def verdicts(clean: float, rows: list[dict]) -> dict[str, str]:
         # A strategy acted where it wasted more than doing nothing did (a GradScaler's own
         # overflow skips cost every strategy the same).
         palm, floor = mine.get("palm_manual"), mine.get("none", {}).get("wasted_steps", 0)
-        if palm is not None and palm["wasted_steps"] > floor and guard["wasted_steps"] > floor \
-                and not guard["wasted_steps"] < palm["wasted_steps"]:
+        if (
+            palm is not None
+            and palm["wasted_steps"] > floor
+            and guard["wasted_steps"] > floor
+            and not guard["wasted_steps"] < palm["wasted_steps"]
+        ):
             misses.append("wastes no fewer steps than palm_manual")
         out[fault] = "ok" if not misses else "; ".join(misses)
     return out
 
 
-def table(clean: tuple[float, float, float], rows: list[dict], budget: int, seeds: list[int]) -> str:
+def table(
+    clean: tuple[float, float, float], rows: list[dict], budget: int, seeds: list[int]
+) -> str:
     marks = verdicts(clean[0], rows)
-    lines = [f"clean eval loss {clean[0]:.4f} [{clean[1]:.4f}, {clean[2]:.4f}] over seeds {seeds}", "",
-             "| fault | strategy | final eval loss (mean) | 95% interval | vs clean | wasted steps | goodput "
-             "| re-run | skipped updates | skipped batches | rollbacks | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"clean eval loss {clean[0]:.4f} [{clean[1]:.4f}, {clean[2]:.4f}] over seeds {seeds}",
+        "",
+        "| fault | strategy | final eval loss (mean) | 95% interval | vs clean | wasted steps | goodput "
+        "| re-run | skipped updates | skipped batches | rollbacks | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         loss = r["final_eval_loss"]
         rel = f"{100 * (loss / clean[0] - 1):+.1f}%" if math.isfinite(loss) else "diverged"
@@ -180,34 +229,61 @@ def table(clean: tuple[float, float, float], rows: list[dict], budget: int, seed
         note = f"stopped at step {r['steps_done']}" if r["steps_done"] < budget else ""
         if r["responses"]:
             note = (note + " " if note else "") + "responses: " + ", ".join(r["responses"])
-        lines.append(f"| {r['fault']} | {r['strategy']} | {loss:.4f} | {ci} | {rel} | {r['wasted_steps']} "
-                     f"| {r['goodput']:.3f} | {r['rerun_steps']:g} | {r['skipped_updates']:g} "
-                     f"| {r['skipped_batches']:g} | {r['rollbacks']} | {note} |")
+        lines.append(
+            f"| {r['fault']} | {r['strategy']} | {loss:.4f} | {ci} | {rel} | {r['wasted_steps']} "
+            f"| {r['goodput']:.3f} | {r['rerun_steps']:g} | {r['skipped_updates']:g} "
+            f"| {r['skipped_batches']:g} | {r['rollbacks']} | {note} |"
+        )
     lines += [""] + [f"spikeguard on {f}: {v}" for f, v in marks.items()]
     return "\n".join(lines)
 
 
 def _json_float(value: float):
-    return value if math.isfinite(value) else ("NaN" if math.isnan(value) else
-                                               ("Infinity" if value > 0 else "-Infinity"))
+    return (
+        value
+        if math.isfinite(value)
+        else ("NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity"))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the smaller configuration (< 15 min on 2 cores)")
-    size.add_argument("--tiny", action="store_true", help="a seconds-long configuration (the test's)")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per (fault, strategy), paired (default 5; 1 with --tiny)")
+    size.add_argument(
+        "--quick", action="store_true", help="the smaller configuration (< 15 min on 2 cores)"
+    )
+    size.add_argument(
+        "--tiny", action="store_true", help="a seconds-long configuration (the test's)"
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds per (fault, strategy), paired (default 5; 1 with --tiny)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="processes (default: 2, or 1 with --tiny); each opens its own pipeline")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: the ~50M-parameter configuration on a GPU")
-    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of the faults")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes (default: 2, or 1 with --tiny); each opens its own pipeline",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the ~50M-parameter configuration on a GPU",
+    )
+    parser.add_argument(
+        "--faults", default=",".join(FAULTS), help="comma-separated subset of the faults"
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON line, last")
-    parser.add_argument("--details", type=Path, help="write every run with its events (decisions, actions)")
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as one JSON line, last"
+    )
+    parser.add_argument(
+        "--details", type=Path, help="write every run with its events (decisions, actions)"
+    )
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     strategies = [s for s in args.strategies.split(",") if s]
@@ -226,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be at least 1")
     seeds = list(range(args.seed, args.seed + n_seeds))
     jobs = args.jobs if args.jobs is not None else (1 if args.tiny or args.device == "cuda" else 2)
-    tasks = [("clean", "none", s) for s in seeds] + \
-        [(f, strategy, s) for s in seeds for f in faults for strategy in strategies]
+    tasks = [("clean", "none", s) for s in seeds] + [
+        (f, strategy, s) for s in seeds for f in faults for strategy in strategies
+    ]
     started = time.monotonic()
     runs = _run_all(tasks, cfg, jobs)
     clean_runs = [r for r in runs if r["fault"] == "clean"]
@@ -236,30 +313,53 @@ def main(argv: list[str] | None = None) -> int:
     key = {(f, s): i for i, (f, s) in enumerate((f, s) for f in faults for s in strategies)}
     rows.sort(key=lambda r: key[(r["fault"], r["strategy"])])
     print(table(clean, rows, cfg.steps, seeds))
-    print(f"\n{len(runs)} runs in {time.monotonic() - started:.0f} s ({jobs} processes)", flush=True)
+    print(
+        f"\n{len(runs)} runs in {time.monotonic() - started:.0f} s ({jobs} processes)", flush=True
+    )
     if args.details:
-        args.details.write_text(json.dumps({"config": cfg.__dict__, "clean": clean, "runs": runs},
-                                           indent=1, default=str))
+        args.details.write_text(
+            json.dumps(
+                {"config": cfg.__dict__, "clean": clean, "runs": runs}, indent=1, default=str
+            )
+        )
     if args.json:
         out_rows = []
         for r in rows:
-            out_rows.append({
-                "fault": r["fault"], "strategy": r["strategy"],
-                "final_eval_loss": _json_float(r["final_eval_loss"]),
-                "ci95": [_json_float(v) for v in r["ci95"]],
-                "wasted_steps": r["wasted_steps"], "rollbacks": r["rollbacks"], "goodput": r["goodput"],
-                "actions": r["actions"], "per_seed": [_json_float(v) for v in r["per_seed"]],
-            })
-        print(json.dumps({"clean": _json_float(clean[0]), "clean_ci95": [_json_float(clean[1]), _json_float(clean[2])],
-                          "seeds": seeds, "results": out_rows}), flush=True)
+            out_rows.append(
+                {
+                    "fault": r["fault"],
+                    "strategy": r["strategy"],
+                    "final_eval_loss": _json_float(r["final_eval_loss"]),
+                    "ci95": [_json_float(v) for v in r["ci95"]],
+                    "wasted_steps": r["wasted_steps"],
+                    "rollbacks": r["rollbacks"],
+                    "goodput": r["goodput"],
+                    "actions": r["actions"],
+                    "per_seed": [_json_float(v) for v in r["per_seed"]],
+                }
+            )
+        print(
+            json.dumps(
+                {
+                    "clean": _json_float(clean[0]),
+                    "clean_ci95": [_json_float(clean[1]), _json_float(clean[2])],
+                    "seeds": seeds,
+                    "results": out_rows,
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 
 def _run_all(tasks: list[tuple[str, str, int]], cfg: BenchConfig, jobs: int) -> list[dict]:
     def say(r: dict) -> None:
-        print(f"seed {r['seed']} {r['fault']:12s} {r['strategy']:16s} eval {r['final_eval_loss']:.4f} "
-              f"wasted {r['wasted_steps']:4d} rollbacks {r['rollbacks']} ({r['seconds']} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"seed {r['seed']} {r['fault']:12s} {r['strategy']:16s} eval {r['final_eval_loss']:.4f} "
+            f"wasted {r['wasted_steps']:4d} rollbacks {r['rollbacks']} ({r['seconds']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     if jobs <= 1:
         out = []
@@ -274,9 +374,12 @@ def _run_all(tasks: list[tuple[str, str, int]], cfg: BenchConfig, jobs: int) -> 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or bus threads
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=atexit.register,
-                             initargs=(_close_runtime,)) as pool:
+    context = multiprocessing.get_context(
+        "spawn"
+    )  # a fresh interpreter: no forked torch or bus threads
+    with ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=atexit.register, initargs=(_close_runtime,)
+    ) as pool:
         futures = [pool.submit(run_one, t[0], t[1], cfg, t[2]) for t in tasks]
         out = []
         for fut in futures:

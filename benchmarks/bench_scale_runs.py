@@ -62,22 +62,43 @@ def feed(bus: EmbeddedBus, runs: int, steps: int, seed: int) -> None:
     for step in range(steps):
         events = []
         for i, rng in enumerate(rngs):
-            loss = 2.5 * (0.999 ** step) + rng.gauss(0, 0.02)
+            loss = 2.5 * (0.999**step) + rng.gauss(0, 0.02)
             if step and step % 97 == i % 97:  # now and then a spike, so fusion and policy act
                 loss *= 3
-            events.append((TOPICS.steps, StepEvent(run_id=f"run-{i:05d}", step=step, loss=loss,
-                                                   grad_norm=1.0 + rng.gauss(0, 0.05), lr=1e-3,
-                                                   time=0.0)))
+            events.append(
+                (
+                    TOPICS.steps,
+                    StepEvent(
+                        run_id=f"run-{i:05d}",
+                        step=step,
+                        loss=loss,
+                        grad_norm=1.0 + rng.gauss(0, 0.05),
+                        lr=1e-3,
+                        time=0.0,
+                    ),
+                )
+            )
         producer.publish_events(events)
     for step in (0, steps // 2):
-        producer.publish_events((TOPICS.checkpoints, CheckpointEvent(
-            run_id=f"run-{i:05d}", step=step, checkpoint_id=f"c{i}-{step}", healthy=True))
-            for i in range(runs))
+        producer.publish_events(
+            (
+                TOPICS.checkpoints,
+                CheckpointEvent(
+                    run_id=f"run-{i:05d}", step=step, checkpoint_id=f"c{i}-{step}", healthy=True
+                ),
+            )
+            for i in range(runs)
+        )
 
 
 def worker_for(bus: EmbeddedBus, name: str, settings) -> Worker:  # type: ignore[no-untyped-def]
-    return Worker(bus, build_stage(name, settings, TOPICS), metrics=Metrics(CollectorRegistry()),
-                  snapshots=False, max_records=5000)
+    return Worker(
+        bus,
+        build_stage(name, settings, TOPICS),
+        metrics=Metrics(CollectorRegistry()),
+        snapshots=False,
+        max_records=5000,
+    )
 
 
 def drain(worker: Worker) -> None:
@@ -94,8 +115,11 @@ def measure(kind: str, runs: int, steps: int, seed: int) -> dict:
     settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})
     bus = EmbeddedBus(partitions=4)
     feed(bus, runs, steps, seed)
-    upstream = [] if kind in DETECTOR_NAMES else list(DETECTOR_NAMES) + (
-        ["fusion"] if kind == "actuator" else [])
+    upstream = (
+        []
+        if kind in DETECTOR_NAMES
+        else list(DETECTOR_NAMES) + (["fusion"] if kind == "actuator" else [])
+    )
     for name in upstream:
         worker = worker_for(bus, name, settings)
         drain(worker)
@@ -110,10 +134,15 @@ def measure(kind: str, runs: int, steps: int, seed: int) -> dict:
     gc.collect()
     total = held(worker) - empty
     return {
-        "kind": kind, "runs": runs, "steps_per_run": steps, "runs_in_memory": len(worker.stage.runs),
-        "bytes_per_run": round(total / runs), "total_mib": round(total / 2**20, 1),
+        "kind": kind,
+        "runs": runs,
+        "steps_per_run": steps,
+        "runs_in_memory": len(worker.stage.runs),
+        "bytes_per_run": round(total / runs),
+        "total_mib": round(total / 2**20, 1),
         "rss_growth_mib": round((rss_bytes() - rss_before) / 2**20, 1),
-        "rss_mib": round(rss_bytes() / 2**20, 1), "seconds": round(seconds, 1),
+        "rss_mib": round(rss_bytes() / 2**20, 1),
+        "seconds": round(seconds, 1),
     }
 
 
@@ -132,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10_000)
     parser.add_argument("--steps", type=int, default=10, help="steps per run in the 10k-run load")
     parser.add_argument("--sample-runs", type=int, default=8)
-    parser.add_argument("--sample-steps", type=int, default=1300,
-                        help="steps per run for the steady-state size (past ML's warm-up and refits)")
+    parser.add_argument(
+        "--sample-steps",
+        type=int,
+        default=1300,
+        help="steps per run for the steady-state size (past ML's warm-up and refits)",
+    )
     parser.add_argument("--kinds", default=",".join(COMPONENTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -144,19 +177,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for kind in args.kinds.split(","):
-        child = [sys.executable, __file__, "--one", kind, "--runs", str(args.runs), "--steps",
-                 str(args.steps), "--sample-runs", str(args.sample_runs), "--sample-steps",
-                 str(args.sample_steps), "--seed", str(args.seed)]
+        child = [
+            sys.executable,
+            __file__,
+            "--one",
+            kind,
+            "--runs",
+            str(args.runs),
+            "--steps",
+            str(args.steps),
+            "--sample-runs",
+            str(args.sample_runs),
+            "--sample-steps",
+            str(args.sample_steps),
+            "--seed",
+            str(args.seed),
+        ]
         done = subprocess.run(child, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         if not args.json:
             r = rows[-1]
-            print(f"{r['kind']:<12} {r['runs']:>6} runs x {r['steps_per_run']} steps: "
-                  f"{r['bytes_per_run']:>8,} B/run, {r['total_mib']:>7.1f} MiB held, RSS +"
-                  f"{r['rss_growth_mib']:.0f} MiB ({r['rss_mib']:.0f} MiB), {r['seconds']:.1f}s | "
-                  f"steady ({r['steady_steps']} steps) {r['steady_bytes_per_run']:>9,} B/run -> "
-                  f"{r['steady_10k_mib']:>8.1f} MiB for 10k runs, aim {'met' if r['aim_met'] else 'MISSED'}",
-                  flush=True)
+            print(
+                f"{r['kind']:<12} {r['runs']:>6} runs x {r['steps_per_run']} steps: "
+                f"{r['bytes_per_run']:>8,} B/run, {r['total_mib']:>7.1f} MiB held, RSS +"
+                f"{r['rss_growth_mib']:.0f} MiB ({r['rss_mib']:.0f} MiB), {r['seconds']:.1f}s | "
+                f"steady ({r['steady_steps']} steps) {r['steady_bytes_per_run']:>9,} B/run -> "
+                f"{r['steady_10k_mib']:>8.1f} MiB for 10k runs, aim {'met' if r['aim_met'] else 'MISSED'}",
+                flush=True,
+            )
     if args.json:
         print(json.dumps({"aim_bytes_per_worker": AIM_BYTES, "kinds": rows}))
     return 0

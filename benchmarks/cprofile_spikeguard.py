@@ -44,6 +44,7 @@ def _process_cpu() -> float:
 
 def profiled(path_of: Callable[[object], str], call: Callable) -> Callable:
     """``call`` profiled in the calling thread, written to ``path_of(first argument)`` when it returns."""
+
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
         profiler = cProfile.Profile(time.thread_time)
         started = time.thread_time()
@@ -60,24 +61,30 @@ def profiled(path_of: Callable[[object], str], call: Callable) -> Callable:
     return run
 
 
-def clocked(clock: StageClock, path_of: Callable[[object], str], call: Callable,
-            whole_command: bool = False) -> Callable:
+def clocked(
+    clock: StageClock, path_of: Callable[[object], str], call: Callable, whole_command: bool = False
+) -> Callable:
     """``call`` with the stage timers' totals (and the CPU it spanned) written when it returns.
 
     ``whole_command``: ``call`` is the command itself, so the CPU before it (start-up) is its own.
     """
+
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
         thread0, process0, wall0 = time.thread_time(), _process_cpu(), time.perf_counter()
         try:
             return call(*args, **kwargs)
         finally:
-            report = {"thread_cpu_s": time.thread_time() - thread0,
-                      "process_cpu_s": _process_cpu() - process0,
-                      "process_cpu_before_s": process0, "whole_command": whole_command,
-                      "wall_s": time.perf_counter() - wall0,
-                      "stages_cpu_s": dict(clock.seconds), "stages_wall_s": dict(clock.wall),
-                      "calls": dict(clock.calls),
-                      "threads_cpu_s": threads_cpu()}
+            report = {
+                "thread_cpu_s": time.thread_time() - thread0,
+                "process_cpu_s": _process_cpu() - process0,
+                "process_cpu_before_s": process0,
+                "whole_command": whole_command,
+                "wall_s": time.perf_counter() - wall0,
+                "stages_cpu_s": dict(clock.seconds),
+                "stages_wall_s": dict(clock.wall),
+                "calls": dict(clock.calls),
+                "threads_cpu_s": threads_cpu(),
+            }
             Path(path_of(args[0] if args else None)).write_text(json.dumps(report, indent=1))
 
     return run
@@ -115,7 +122,6 @@ def _stage_timers(clock: StageClock) -> None:
     clock.wrap(pump.DirectPipeline, "feed", "pump (batches, order)")
     clock.wrap(pump.DirectPipeline, "finish", "pump (batches, order)")
 
-
     read = backtest_input.iter_steps
     backtest_input.iter_steps = lambda *a, **k: clock.timed_iterator("read the CSV", read(*a, **k))
     clock.wrap(local_skips.LocalSkips, "observe", "the Guard's skip rule (summary)")
@@ -123,15 +129,20 @@ def _stage_timers(clock: StageClock) -> None:
 
 if __name__ == "__main__":
     stages = sys.argv[1] == "--stages"
-    out, argv = sys.argv[1 + stages], sys.argv[2 + stages:]
+    out, argv = sys.argv[1 + stages], sys.argv[2 + stages :]
     suffix = ".json" if stages else ".prof"
-    stem = out[:-len(suffix)] if out.endswith(suffix) else out
+    stem = out[: -len(suffix)] if out.endswith(suffix) else out
     if stages:
         clock = StageClock()
         _stage_timers(clock)
-        worker_loop.Worker.run = clocked(clock, lambda w: f"{stem}.{w.stage.name}.json",  # type: ignore[attr-defined]
-                                         worker_loop.Worker.run)
+        worker_loop.Worker.run = clocked(
+            clock,
+            lambda w: f"{stem}.{w.stage.name}.json",  # type: ignore[attr-defined]
+            worker_loop.Worker.run,
+        )
         sys.exit(clocked(clock, lambda _: out, main, whole_command=True)(argv))
-    worker_loop.Worker.run = profiled(lambda w: f"{stem}.{w.stage.name}.prof",  # type: ignore[attr-defined]
-                                      worker_loop.Worker.run)
+    worker_loop.Worker.run = profiled(
+        lambda w: f"{stem}.{w.stage.name}.prof",  # type: ignore[attr-defined]
+        worker_loop.Worker.run,
+    )
     sys.exit(profiled(lambda _: out, main)(argv))

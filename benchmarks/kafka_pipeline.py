@@ -53,8 +53,12 @@ def broker(bootstrap: str | None) -> Iterator[str]:
         yield bootstrap
         return
     port = _free_port()
-    env = {**os.environ, "SPIKEGUARD_KAFKA_PORT": str(port), "SPIKEGUARD_KAFKA_CONTROLLER_PORT": str(port + 1),
-           "SPIKEGUARD_PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "SPIKEGUARD_KAFKA_PORT": str(port),
+        "SPIKEGUARD_KAFKA_CONTROLLER_PORT": str(port + 1),
+        "SPIKEGUARD_PYTHON": sys.executable,
+    }
     script = str(ROOT / "scripts" / "kafka_local.sh")
     subprocess.run(["bash", script, "start", "--fresh"], env=env, check=True)
     try:
@@ -64,30 +68,54 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | None = None,
-            names: tuple[str, ...] = COMPONENTS, timeout: float = 90.0,
-            client: str = "kafka-python", cprofile: str | None = None,
-            stage_clock: str | None = None) -> Iterator[list[subprocess.Popen]]:
+def workers(
+    bootstrap: str,
+    prefix: str,
+    key: str,
+    extra_env: dict[str, str] | None = None,
+    names: tuple[str, ...] = COMPONENTS,
+    timeout: float = 90.0,
+    client: str = "kafka-python",
+    cprofile: str | None = None,
+    stage_clock: str | None = None,
+) -> Iterator[list[subprocess.Popen]]:
     """The workers of docs/kafka.md under ``prefix``, one process each; stopped (SIGTERM) on exit.
 
     ``client`` is their ``kafka_client`` (``kafka-python`` or ``confluent``). ``cprofile``: a
     directory where each worker's loop is profiled (``cprofile_spikeguard.py``) into ``NAME.STAGE.prof``;
     ``stage_clock``: one where its stage timers go instead, into ``NAME.STAGE.json``.
     """
-    env = {**os.environ, "SPIKEGUARD_TOPIC_PREFIX": prefix, "SPIKEGUARD_SIGNING_KEY": key,
-           "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client, **(extra_env or {})}
+    env = {
+        **os.environ,
+        "SPIKEGUARD_TOPIC_PREFIX": prefix,
+        "SPIKEGUARD_SIGNING_KEY": key,
+        "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap,
+        "SPIKEGUARD_KAFKA_CLIENT": client,
+        **(extra_env or {}),
+    }
     # Logs to files, not pipes: a pipe nobody reads fills up and blocks the worker that logs.
     logs = Path(tempfile.mkdtemp(prefix="spikeguard-bench-workers-"))
     launch = [sys.executable, "-m", "spikeguard"]
-    for directory, flags in ((cprofile, ["{directory}/{name}.prof"]),
-                             (stage_clock, ["--stages", "{directory}/{name}.json"])):
+    for directory, flags in (
+        (cprofile, ["{directory}/{name}.prof"]),
+        (stage_clock, ["--stages", "{directory}/{name}.json"]),
+    ):
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
-            launch = [sys.executable, str(ROOT / "benchmarks" / "cprofile_spikeguard.py"),
-                      *(f.replace("{directory}", directory) for f in flags)]
-    procs = [subprocess.Popen([*(a.format(name=name) for a in launch), "worker", name], env=env,
-                              stdout=subprocess.DEVNULL, stderr=open(logs / f"{name}.log", "w"))
-             for name in names]
+            launch = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "cprofile_spikeguard.py"),
+                *(f.replace("{directory}", directory) for f in flags),
+            ]
+    procs = [
+        subprocess.Popen(
+            [*(a.format(name=name) for a in launch), "worker", name],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(logs / f"{name}.log", "w"),
+        )
+        for name in names
+    ]
     try:
         bus = KafkaBus(bootstrap)
         groups = [f"{prefix}{name}" for name in names]
@@ -96,7 +124,9 @@ def workers(bootstrap: str, prefix: str, key: str, extra_env: dict[str, str] | N
             dead = [p for p in procs if p.poll() is not None]
             if dead:
                 name = dead[0].args[-1]
-                raise RuntimeError(f"worker {name} exited at start: {(logs / f'{name}.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"worker {name} exited at start: {(logs / f'{name}.log').read_text()[-2000:]}"
+                )
             if set(groups) <= bus.active_groups(groups):
                 break
             if time.monotonic() > deadline:
@@ -121,13 +151,17 @@ def new_key() -> str:
     return secrets.token_hex(32)
 
 
-def signed_steps(runs: int, steps: int, key: str, scenario: str = "stable", seed: int = 0) -> list[list[StepEvent]]:
+def signed_steps(
+    runs: int, steps: int, key: str, scenario: str = "stable", seed: int = 0
+) -> list[list[StepEvent]]:
     """``runs`` simulated runs of ``steps`` steps each, every event signed with ``key``."""
     from spikeguard.lab.simulate import generate
 
     out = []
     for r in range(runs):
-        events = generate(scenario, max(200, steps), seed + r, run_id=f"bench-run-{r:04d}").events[:steps]
+        events = generate(scenario, max(200, steps), seed + r, run_id=f"bench-run-{r:04d}").events[
+            :steps
+        ]
         out.append([sign_step(e, key) for e in events])
     return out
 

@@ -37,16 +37,29 @@ def per_step(report: dict[str, Any], steps: int) -> list[Row]:
     cpu, wall = report["stages_cpu_s"], report.get("stages_wall_s", {})
     total_wall = report.get("wall_s") or 0.0
     share = (lambda s: s / total_wall) if total_wall else (lambda s: None)
-    rows = [Row(name, 1e6 * seconds / steps, share(wall.get(name, 0.0)))
-            for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])
-            if 1e6 * seconds / steps >= 0.05]  # a seam the command went through without work
-    rows.append(Row("the loop (no timer)", 1e6 * (report["thread_cpu_s"] - sum(cpu.values())) / steps,
-                    share(total_wall - sum(wall.values())) if wall else None))
+    rows = [
+        Row(name, 1e6 * seconds / steps, share(wall.get(name, 0.0)))
+        for name, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])
+        if 1e6 * seconds / steps >= 0.05
+    ]  # a seam the command went through without work
+    rows.append(
+        Row(
+            "the loop (no timer)",
+            1e6 * (report["thread_cpu_s"] - sum(cpu.values())) / steps,
+            share(total_wall - sum(wall.values())) if wall else None,
+        )
+    )
     others = report["process_cpu_s"] - report["thread_cpu_s"]
     if others > 0.005 * report["process_cpu_s"]:
         rows.append(Row("other threads (Kafka client)", 1e6 * others / steps, None))
     if whole_command(report):
-        rows.append(Row("start-up (interpreter, imports)", 1e6 * report["process_cpu_before_s"] / steps, None))
+        rows.append(
+            Row(
+                "start-up (interpreter, imports)",
+                1e6 * report["process_cpu_before_s"] / steps,
+                None,
+            )
+        )
     return rows
 
 
@@ -57,35 +70,48 @@ def whole_command(report: dict[str, Any]) -> bool:
 
 def total_cpu_s(report: dict[str, Any]) -> float:
     """The process's CPU: the command's start-up included for a whole command."""
-    return report["process_cpu_s"] + (report["process_cpu_before_s"] if whole_command(report) else 0.0)
+    return report["process_cpu_s"] + (
+        report["process_cpu_before_s"] if whole_command(report) else 0.0
+    )
 
 
 def render(path: Path, report: dict[str, Any], steps: int) -> str:
     rows = per_step(report, steps)
     total = 1e6 * total_cpu_s(report) / steps
-    lines = [f"{path.name}: {total:,.1f} CPU µs per step over {steps:,} steps "
-             f"({steps / max(total_cpu_s(report), 1e-9):,.0f} steps per CPU-second)"
-             + (f"; {report['wall_s']:,.1f} s of wall time" if report.get("wall_s") else "")]
+    lines = [
+        f"{path.name}: {total:,.1f} CPU µs per step over {steps:,} steps "
+        f"({steps / max(total_cpu_s(report), 1e-9):,.0f} steps per CPU-second)"
+        + (f"; {report['wall_s']:,.1f} s of wall time" if report.get("wall_s") else "")
+    ]
     for row in rows:
         wall = "" if row.wall_share is None else f"  {100 * row.wall_share:5.1f} % of the wall time"
-        lines.append(f"  {row.stage:<36} {row.cpu_us:8.1f} µs  {100 * row.cpu_us / total:5.1f} %{wall}")
+        lines.append(
+            f"  {row.stage:<36} {row.cpu_us:8.1f} µs  {100 * row.cpu_us / total:5.1f} %{wall}"
+        )
     return "\n".join(lines)
 
 
 def markdown(reports: dict[str, dict[str, Any]], steps: int) -> str:
     """One table for several processes (a pipeline's workers): a column each, and their sum."""
-    columns = {name: {row.stage: row.cpu_us for row in per_step(report, steps)} for name, report in reports.items()}
+    columns = {
+        name: {row.stage: row.cpu_us for row in per_step(report, steps)}
+        for name, report in reports.items()
+    }
     stages: dict[str, float] = {}
     for cpu in columns.values():
         for stage, us in cpu.items():
             stages[stage] = stages.get(stage, 0.0) + us
-    lines = [f"| stage (CPU µs per step) | {' | '.join(columns)} | all |",
-             "|---|" + "---:|" * (len(columns) + 1)]
+    lines = [
+        f"| stage (CPU µs per step) | {' | '.join(columns)} | all |",
+        "|---|" + "---:|" * (len(columns) + 1),
+    ]
     for stage, total in sorted(stages.items(), key=lambda kv: -kv[1]):
         cells = " | ".join(f"{cpu[stage]:.1f}" if stage in cpu else "" for cpu in columns.values())
         lines.append(f"| {stage} | {cells} | {total:.1f} |")
     totals = [1e6 * total_cpu_s(report) / steps for report in reports.values()]
-    lines.append(f"| **total** | {' | '.join(f'**{t:.1f}**' for t in totals)} | **{sum(totals):.1f}** |")
+    lines.append(
+        f"| **total** | {' | '.join(f'**{t:.1f}**' for t in totals)} | **{sum(totals):.1f}** |"
+    )
     return "\n".join(lines)
 
 
@@ -95,24 +121,39 @@ def top_functions(path: Path, steps: int, top: int) -> str:
     lines = [f"{path.name}: cumulative CPU µs per step (cProfile, its overhead included)"]
     for (filename, line, name), (_, calls, _tottime, cumtime, _) in rows:
         where = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
-        lines.append(f"  {1e6 * cumtime / steps:8.1f} µs  {calls / steps:6.2f} calls/step  {where}:{line}({name})")
+        lines.append(
+            f"  {1e6 * cumtime / steps:8.1f} µs  {calls / steps:6.2f} calls/step  {where}:{line}({name})"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", help="stage-timer .json files or .prof files, or directories of them")
-    parser.add_argument("--steps", type=int, required=True, help="the steps the profiled run judged")
+    parser.add_argument(
+        "paths", nargs="+", help="stage-timer .json files or .prof files, or directories of them"
+    )
+    parser.add_argument(
+        "--steps", type=int, required=True, help="the steps the profiled run judged"
+    )
     parser.add_argument("--top", type=int, default=25, help="functions per .prof")
-    parser.add_argument("--markdown", action="store_true",
-                        help="the stage-timer files as one markdown table, a column each")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="the stage-timer files as one markdown table, a column each",
+    )
     args = parser.parse_args(argv)
     files: list[Path] = []
     for given in map(Path, args.paths):
-        files += sorted(given.glob("*.json")) + sorted(given.glob("*.prof")) if given.is_dir() else [given]
+        files += (
+            sorted(given.glob("*.json")) + sorted(given.glob("*.prof"))
+            if given.is_dir()
+            else [given]
+        )
     if args.markdown:
         timers = [f for f in files if f.suffix == ".json" and not f.name.endswith(".prof.json")]
-        print(markdown({f.stem.split(".")[-1]: json.loads(f.read_text()) for f in timers}, args.steps))
+        print(
+            markdown({f.stem.split(".")[-1]: json.loads(f.read_text()) for f in timers}, args.steps)
+        )
         return 0
     for path in files:
         if path.suffix == ".prof":

@@ -50,6 +50,7 @@ UPDATE, SKIP = "update", "skip"
 @dataclass
 class Restart:
     """Go back to the checkpoint at ``step`` (the newest at or before it) and skip ``skip`` batches."""
+
     before: int
     skip: tuple[int, int] | None
     why: str
@@ -76,7 +77,8 @@ class OlmoSkipStep(NoStrategy):
 
     def judge(self, step: int, index: int, loss: float, norm: float, grads: list) -> Any:
         skip = len(self.losses) >= self.min_history and (
-            self._above(loss, self.losses, self.sigma) or self._above(norm, self.norms, self.sigma))
+            self._above(loss, self.losses, self.sigma) or self._above(norm, self.norms, self.sigma)
+        )
         if math.isfinite(loss) and math.isfinite(norm):
             self.losses.append(loss)
             self.norms.append(norm)
@@ -84,7 +86,9 @@ class OlmoSkipStep(NoStrategy):
 
 
 class ZClip(NoStrategy):
-    def __init__(self, alpha: float = 0.97, z: float = 2.5, warmup: int = 25, eps: float = 1e-6) -> None:
+    def __init__(
+        self, alpha: float = 0.97, z: float = 2.5, warmup: int = 25, eps: float = 1e-6
+    ) -> None:
         self.alpha, self.z, self.warmup, self.eps = alpha, z, warmup, eps
         self.buffer: list[float] = []
         self.mean: float | None = None
@@ -133,7 +137,9 @@ class LightningSpike(NoStrategy):
             if spike:
                 first = previous if previous is not None else index
                 self.bad += [first, index]
-                return Restart(step, (first, index), f"spike at step {step} (batch {index}, loss {loss:.3g})")
+                return Restart(
+                    step, (first, index), f"spike at step {step} (batch {index}, loss {loss:.3g})"
+                )
         if math.isfinite(loss):
             self.values.append(loss)
             self.last = loss
@@ -151,8 +157,12 @@ class PalmManual(NoStrategy):
 
     def judge(self, step: int, index: int, loss: float, norm: float, grads: list) -> Any:
         full = len(self.values) >= self.window // 2
-        if not math.isfinite(loss) or (full and loss > self.ratio * sum(self.values) / len(self.values)):
-            return Restart(step - self.back, None, f"spike at step {step} (batch {index}, loss {loss:.3g})")
+        if not math.isfinite(loss) or (
+            full and loss > self.ratio * sum(self.values) / len(self.values)
+        ):
+            return Restart(
+                step - self.back, None, f"spike at step {step} (batch {index}, loss {loss:.3g})"
+            )
         self.values.append(loss)
         return UPDATE
 
@@ -172,9 +182,16 @@ def make(strategy: str, cfg: BenchConfig) -> NoStrategy:
 
 
 def _capture(p: Problem, scaler: Any, loader: GuardedLoader, step: int) -> dict:
-    return copy.deepcopy({"model": p.model.state_dict(), "optimizer": p.optimizer.state_dict(),
-                          "scheduler": p.scheduler.state_dict(), "position": loader.position, "step": step,
-                          "scaler": scaler.state_dict() if scaler is not None else None})
+    return copy.deepcopy(
+        {
+            "model": p.model.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scheduler": p.scheduler.state_dict(),
+            "position": loader.position,
+            "step": step,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+    )
 
 
 def _restore(p: Problem, scaler: Any, loader: GuardedLoader, body: dict) -> int:
@@ -188,13 +205,17 @@ def _restore(p: Problem, scaler: Any, loader: GuardedLoader, body: dict) -> int:
     return body["step"]
 
 
-def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig, seed: int) -> dict:
+def run_baseline(
+    problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig, seed: int
+) -> dict:
     started = time.monotonic()
     rule = make(strategy, cfg)
     p, ledger = problem, Ledger(cfg.steps)
     ledger.watch(p.optimizer)
     scaler = fault.make_scaler()
-    loader = GuardedLoader(p.loader, seed=seed)  # the guard's order: every strategy sees the same batches
+    loader = GuardedLoader(
+        p.loader, seed=seed
+    )  # the guard's order: every strategy sees the same batches
     checkpoints = {0: _capture(p, scaler, loader, 0)}
     limit = cfg.palm_max_restarts if strategy == "palm_manual" else cfg.max_restarts
     step = 0
@@ -221,10 +242,14 @@ def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig
                     del checkpoints[s]  # a restart's timeline overwrites them
                 if verdict.skip is not None:
                     loader.skip(*verdict.skip)
-                elif strategy == "palm_manual":  # the batches before and during the spike, at least palm_skip
+                elif (
+                    strategy == "palm_manual"
+                ):  # the batches before and during the spike, at least palm_skip
                     loader.skip(loader.position, max(loader.position + cfg.palm_skip - 1, index))
                 rule.restarted()
-                ledger.rolled_back(step, f"{verdict.why}: restart at step {step}, skips {loader.skip_ranges}")
+                ledger.rolled_back(
+                    step, f"{verdict.why}: restart at step {step}, skips {loader.skip_ranges}"
+                )
                 continue
             if verdict == SKIP:
                 if scaler is not None:
@@ -242,5 +267,11 @@ def run_baseline(problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig
                 checkpoints[step] = _capture(p, scaler, loader, step)
             if step >= cfg.steps:
                 break
-    return ledger.summary(fault.name, strategy, evaluate(p), loader.skip_ranges, loader.position,
-                          time.monotonic() - started)
+    return ledger.summary(
+        fault.name,
+        strategy,
+        evaluate(p),
+        loader.skip_ranges,
+        loader.position,
+        time.monotonic() - started,
+    )

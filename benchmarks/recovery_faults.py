@@ -41,9 +41,18 @@ import torch
 
 from recovery_setup import BenchConfig
 
-FAULTS = ("bad_shard", "lr_blowup", "instability", "nan_batch", "overflow", "healthy", "data_shift",
-          "transient", "slow_rise")
-FP16_MAX_SCALE = 2.0 ** 16
+FAULTS = (
+    "bad_shard",
+    "lr_blowup",
+    "instability",
+    "nan_batch",
+    "overflow",
+    "healthy",
+    "data_shift",
+    "transient",
+    "slow_rise",
+)
+FP16_MAX_SCALE = 2.0**16
 
 
 class Fault:
@@ -61,20 +70,28 @@ class Fault:
     def make_scaler(self) -> torch.amp.GradScaler | None:
         if not self.uses_scaler:
             return None
-        return torch.amp.GradScaler(self.cfg.device, init_scale=FP16_MAX_SCALE, growth_interval=2000)
+        return torch.amp.GradScaler(
+            self.cfg.device, init_scale=FP16_MAX_SCALE, growth_interval=2000
+        )
 
     def _in(self, index: int | None, length: int) -> bool:
         return index is not None and self.first <= index < self.first + length
 
-    def batch(self, index: int | None, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, index: int | None, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch as the faulty run sees it."""
         if self.name == "bad_shard" and self._in(index, self.cfg.shard_batches):
             gen = torch.Generator().manual_seed(self.seed * 100_003 + int(index))
             flat = y.reshape(-1)
             y = flat[torch.randperm(flat.numel(), generator=gen)].reshape(y.shape)
-        noise = self.cfg.noise_fraction if self.name == "healthy" else \
-            self.cfg.shift_fraction if self.name == "data_shift" and index is not None and index >= self.first \
+        noise = (
+            self.cfg.noise_fraction
+            if self.name == "healthy"
+            else self.cfg.shift_fraction
+            if self.name == "data_shift" and index is not None and index >= self.first
             else 0.0
+        )
         if noise > 0.0 and index is not None:
             gen = torch.Generator().manual_seed(self.seed * 100_019 + int(index))
             hit = torch.rand(y.shape, generator=gen) < noise

@@ -31,7 +31,9 @@ def open_bench_runtime() -> Any:
     return open_runtime(load_settings(DEMO_SETTINGS))
 
 
-def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, runtime: Any) -> dict:
+def run_spikeguard(
+    problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, runtime: Any
+) -> dict:
     started = time.monotonic()
     p, ledger = problem, Ledger(cfg.steps)
     ledger.watch(p.optimizer)
@@ -40,11 +42,26 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
     run_id = f"bench-{fault.name}-{seed}-{time.monotonic_ns() % 10**9}"
     # verify_reruns=1: a suspicious step is re-run once (the demo's setting), so a transient
     # device fault is told from a bad batch.
-    config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=4,
-                         resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
-                         verify_reruns=0 if scaler is not None else 1)
-    guard = Guard(p.model, p.optimizer, p.scheduler, run_id=run_id, config=config, bus=runtime.bus,
-                  topics=runtime.topics, scaler=scaler)
+    config = GuardConfig(
+        checkpoint_dir=workdir,
+        checkpoint_every=cfg.checkpoint_every,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=seed,
+        healthy_stretch=10,
+        verify_reruns=0 if scaler is not None else 1,
+    )
+    guard = Guard(
+        p.model,
+        p.optimizer,
+        p.scheduler,
+        run_id=run_id,
+        config=config,
+        bus=runtime.bus,
+        topics=runtime.topics,
+        scaler=scaler,
+    )
     try:
         data = guard.data(p.loader, max_steps=cfg.steps)
         while guard.step_count < cfg.steps and not guard.should_stop:
@@ -56,10 +73,14 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 fault.grads(index, p.model)
                 if scaler is not None:
-                    scaler.unscale_(p.optimizer)  # the guard's statistics and clipping see true gradients
+                    scaler.unscale_(
+                        p.optimizer
+                    )  # the guard's statistics and clipping see true gradients
                 ledger.begin()
 
-                def again(x=x, y=y, index=index) -> Any:  # the Guard's re-run: same batch, fresh pass
+                def again(
+                    x=x, y=y, index=index
+                ) -> Any:  # the Guard's re-run: same batch, fresh pass
                     redo = fault.loss(index, lm_loss(p.model, x, y))
                     redo.backward()
                     fault.grads(index, p.model)
@@ -67,30 +88,39 @@ def run_spikeguard(problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, 
 
                 guard.step(loss, closure=again if scaler is None else None)
                 if guard.generation != generation:
-                    ledger.rolled_back(guard.step_count, f"rollback decided at step {step}: "
-                                                         f"back to step {guard.step_count}")
+                    ledger.rolled_back(
+                        guard.step_count,
+                        f"rollback decided at step {step}: back to step {guard.step_count}",
+                    )
                     if scaler is not None and _unscaled(scaler):
                         scaler.update()  # the guard voided this step without closing the scaler's step
                 else:
                     ledger.done(step)
     finally:
         guard.close()
-        decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        decisions = [
+            decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)
+        ]
         actions = [decode(r.value, Action) for r in runtime.bus.read_all(runtime.topics.actions)]
         shutil.rmtree(workdir, ignore_errors=True)
     for d in decisions:
         if d.run_id == run_id and d.is_anomaly:
-            ledger.events.append(f"decision step {d.step} epoch {d.epoch}: {d.type.value} "
-                                 f"(confidence {d.confidence:.2f}{', preventive' if d.preventive else ''})")
+            ledger.events.append(
+                f"decision step {d.step} epoch {d.epoch}: {d.type.value} "
+                f"(confidence {d.confidence:.2f}{', preventive' if d.preventive else ''})"
+            )
     for a in actions:  # what the policy chose and why: its reason starts with the response
         if a.run_id == run_id:
             ledger.events.append(f"policy at step {a.apply_at_step}: {a.kind.value}: {a.reason}")
     for a in guard.applied:
-        ledger.events.append(f"action at step {a['step']} epoch {a['epoch']}: {a['kind']} {a['status']}: "
-                             f"{a['result']}")
+        ledger.events.append(
+            f"action at step {a['step']} epoch {a['epoch']}: {a['kind']} {a['status']}: "
+            f"{a['result']}"
+        )
     ranges = data.skip_ranges
-    return ledger.summary(fault.name, "spikeguard", evaluate(p), ranges, data.position,
-                          time.monotonic() - started)
+    return ledger.summary(
+        fault.name, "spikeguard", evaluate(p), ranges, data.position, time.monotonic() - started
+    )
 
 
 def _unscaled(scaler: Any) -> bool:

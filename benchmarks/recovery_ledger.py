@@ -44,8 +44,10 @@ class Ledger:
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Count real optimizer updates (a GradScaler that skips never calls ``optimizer.step``)."""
+
         def hook(*_: Any) -> None:
             self._updated = True
+
         optimizer.register_step_post_hook(hook)
 
     def begin(self) -> None:
@@ -65,18 +67,35 @@ class Ledger:
             self.recovery_seconds += self.seconds.pop(s, 0.0)
         self.events.append(note)
 
-    def summary(self, fault: str, strategy: str, eval_loss: float, skip_ranges: list, position: int,
-                seconds: float) -> dict[str, Any]:
+    def summary(
+        self,
+        fault: str,
+        strategy: str,
+        eval_loss: float,
+        skip_ranges: list,
+        position: int,
+        seconds: float,
+    ) -> dict[str, Any]:
         jumped = sum(max(0, min(int(b), position - 1) - int(a) + 1) for a, b in skip_ranges)
         done = len(self.timeline)
         skipped_updates = sum(1 for applied in self.timeline.values() if not applied)
         rerun = max(0, self.executed - done)
         goodput = (done - skipped_updates) / self.executed if self.executed else 0.0
-        return {"fault": fault, "strategy": strategy, "final_eval_loss": eval_loss,
-                "wasted_steps": rerun + skipped_updates + jumped, "rollbacks": self.rollbacks,
-                "goodput": round(goodput, 4), "recovery_seconds": round(self.recovery_seconds, 2),
-                "rerun_steps": rerun, "skipped_updates": skipped_updates, "skipped_batches": jumped,
-                "steps_done": done, "seconds": round(seconds, 1), "events": self.events}
+        return {
+            "fault": fault,
+            "strategy": strategy,
+            "final_eval_loss": eval_loss,
+            "wasted_steps": rerun + skipped_updates + jumped,
+            "rollbacks": self.rollbacks,
+            "goodput": round(goodput, 4),
+            "recovery_seconds": round(self.recovery_seconds, 2),
+            "rerun_steps": rerun,
+            "skipped_updates": skipped_updates,
+            "skipped_batches": jumped,
+            "steps_done": done,
+            "seconds": round(seconds, 1),
+            "events": self.events,
+        }
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:

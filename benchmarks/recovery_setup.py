@@ -53,7 +53,9 @@ class BenchConfig:
     palm_back: int = 100  # palm_manual: restart at least this many steps before the spike ...
     palm_skip: int = 200  # ... and skip this many batches from there
     max_restarts: int = 20  # lightning_spike gives up restarting after this many ...
-    palm_max_restarts: int = 3  # ... palm_manual (each of its restarts costs hundreds of steps) after this many
+    palm_max_restarts: int = (
+        3  # ... palm_manual (each of its restarts costs hundreds of steps) after this many
+    )
     noise_fraction: float = 0.1  # healthy: this share of every batch's targets is random
     shift_fraction: float = 0.15  # data_shift: this share from fault_step on
     transient_scale: float = 1000.0  # transient: the struck batch's gradients x this, once
@@ -68,17 +70,58 @@ class BenchConfig:
 # step ~310; before that one point must be x1.5 and the climb test is off, so that a healthy
 # warm-up is left alone): a data spike in a run's first 300 steps is rare, and a warm-up
 # looks like one. 80 steps after the fault show what each response left.
-QUICK = BenchConfig(steps=400, block=32, d_model=48, eval_windows=96, fault_step=320, shard_batches=20,
-                    lr_steps=30, overflow_batches=20, palm_back=40, palm_skip=60, slow_steps=30)
+QUICK = BenchConfig(
+    steps=400,
+    block=32,
+    d_model=48,
+    eval_windows=96,
+    fault_step=320,
+    shard_batches=20,
+    lr_steps=30,
+    overflow_batches=20,
+    palm_back=40,
+    palm_skip=60,
+    slow_steps=30,
+)
 FULL = BenchConfig()
-TINY = BenchConfig(steps=90, d_model=32, layers=1, heads=2, block=32, warmup=10, eval_windows=32,
-                   checkpoint_every=10, fault_step=45, shard_batches=8, lr_steps=10,
-                   overflow_batches=8, palm_back=20, palm_skip=30, slow_steps=10)
+TINY = BenchConfig(
+    steps=90,
+    d_model=32,
+    layers=1,
+    heads=2,
+    block=32,
+    warmup=10,
+    eval_windows=32,
+    checkpoint_every=10,
+    fault_step=45,
+    shard_batches=8,
+    lr_steps=10,
+    overflow_batches=8,
+    palm_back=20,
+    palm_skip=30,
+    slow_steps=10,
+)
 # ~50M parameters (12 * 512^2 * 16 in the blocks), for a GPU: ``--device cuda``.
-CUDA = BenchConfig(steps=3000, batch_size=32, block=256, d_model=512, layers=16, heads=8, lr=6e-4,
-                   warmup=200, eval_windows=256, checkpoint_every=100, fault_step=1200, shard_batches=100,
-                   lr_steps=150, overflow_batches=100, palm_back=100, palm_skip=300, slow_steps=150,
-                   device="cuda")
+CUDA = BenchConfig(
+    steps=3000,
+    batch_size=32,
+    block=256,
+    d_model=512,
+    layers=16,
+    heads=8,
+    lr=6e-4,
+    warmup=200,
+    eval_windows=256,
+    checkpoint_every=100,
+    fault_step=1200,
+    shard_batches=100,
+    lr_steps=150,
+    overflow_batches=100,
+    palm_back=100,
+    palm_skip=300,
+    slow_steps=150,
+    device="cuda",
+)
 
 
 def corpus() -> str:
@@ -96,7 +139,7 @@ class Windows(Dataset):
         return (len(self.ids) - self.block - 1) // self.stride
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.ids[i * self.stride:i * self.stride + self.block + 1]
+        chunk = self.ids[i * self.stride : i * self.stride + self.block + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -112,7 +155,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        )
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
@@ -161,15 +206,20 @@ def schedule(cfg: BenchConfig, blowup: str | None) -> typing.Callable[[int], flo
     rollback that restores the scheduler walks into it again, as a mis-set
     schedule would.
     """
+
     def factor(step: int) -> float:
-        base = (step + 1) / cfg.warmup if step < cfg.warmup else \
-            0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
+        base = (
+            (step + 1) / cfg.warmup
+            if step < cfg.warmup
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps)))
+        )
         if blowup == "lr_blowup" and cfg.fault_step <= step < cfg.fault_step + cfg.lr_steps:
             return base * cfg.lr_factor
         if blowup == "slow_rise" and cfg.fault_step <= step < cfg.fault_step + 2 * cfg.slow_steps:
             ramp = min(1.0, (step - cfg.fault_step + 1) / cfg.slow_steps)
             return base * (1.0 + (cfg.slow_lr_factor - 1.0) * ramp)
         return base
+
     return factor
 
 
@@ -181,14 +231,17 @@ def build(seed: int, cfg: BenchConfig, fault: str) -> Problem:
     ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(len(ids) * 0.9)
     train, held = Windows(ids[:split], cfg.block), Windows(ids[split:], cfg.block)
-    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[: cfg.eval_windows]
+    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[
+        : cfg.eval_windows
+    ]
     eval_x = torch.stack([held[int(i)][0] for i in pick]).to(cfg.device)
     eval_y = torch.stack([held[int(i)][1] for i in pick]).to(cfg.device)
     model = TinyGPT(len(chars), cfg).to(cfg.device)
     lr = cfg.lr * (cfg.unstable_lr_factor if fault == "instability" else 1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, schedule(cfg, fault if fault in ("lr_blowup", "slow_rise") else None))
+        optimizer, schedule(cfg, fault if fault in ("lr_blowup", "slow_rise") else None)
+    )
     loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     return Problem(model, optimizer, scheduler, loader, eval_x, eval_y, len(chars))
 

@@ -43,19 +43,72 @@ ROOT = HERE.parent
 #: (name, script, arguments, needs a broker); {out} is the output directory.
 BENCHMARKS: list[tuple[str, str, list[str], bool]] = [
     # The headline row: a 20k-step CSV, three pairs; the memory row on its own (1M steps).
-    ("backtest", "bench_backtest.py", ["--steps", "20000", "--pairs", "3", "--json", "{out}/backtest.json"], False),
-    ("backtest_memory", "bench_backtest.py",
-     ["--steps", "100000", "--pairs", "1", "--memory", "--json", "{out}/backtest_memory.json"], False),
+    (
+        "backtest",
+        "bench_backtest.py",
+        ["--steps", "20000", "--pairs", "3", "--json", "{out}/backtest.json"],
+        False,
+    ),
+    (
+        "backtest_memory",
+        "bench_backtest.py",
+        ["--steps", "100000", "--pairs", "1", "--memory", "--json", "{out}/backtest_memory.json"],
+        False,
+    ),
     ("growth", "bench_growth.py", ["--json", "{out}/growth.json"], False),
-    ("guard_overhead", "bench_guard_overhead.py", ["--steps", "300", "--rounds", "5", "--json"], False),
-    ("grad_stats", "bench_grad_stats.py", ["--rounds", "5", "--json", "{out}/grad_stats.json"], False),
-    ("embedded_cost", "bench_embedded_cost.py", ["--steps", "2000", "--rounds", "3", "--json"], False),
+    (
+        "guard_overhead",
+        "bench_guard_overhead.py",
+        ["--steps", "300", "--rounds", "5", "--json"],
+        False,
+    ),
+    (
+        "grad_stats",
+        "bench_grad_stats.py",
+        ["--rounds", "5", "--json", "{out}/grad_stats.json"],
+        False,
+    ),
+    (
+        "embedded_cost",
+        "bench_embedded_cost.py",
+        ["--steps", "2000", "--rounds", "3", "--json"],
+        False,
+    ),
     ("scale_runs", "bench_scale_runs.py", ["--runs", "2000", "--json"], False),
-    ("kafka_throughput", "bench_kafka_throughput.py",
-     ["--bootstrap", "{bootstrap}", "--steps", "20000", "--runs", "40", "--client", "both", "--layout", "both",
-      "--json"], True),
-    ("kafka_latency", "bench_kafka_latency.py",
-     ["--bootstrap", "{bootstrap}", "--client", "both", "--layout", "cohosted", "--seconds", "15", "--json"], True),
+    (
+        "kafka_throughput",
+        "bench_kafka_throughput.py",
+        [
+            "--bootstrap",
+            "{bootstrap}",
+            "--steps",
+            "20000",
+            "--runs",
+            "40",
+            "--client",
+            "both",
+            "--layout",
+            "both",
+            "--json",
+        ],
+        True,
+    ),
+    (
+        "kafka_latency",
+        "bench_kafka_latency.py",
+        [
+            "--bootstrap",
+            "{bootstrap}",
+            "--client",
+            "both",
+            "--layout",
+            "cohosted",
+            "--seconds",
+            "15",
+            "--json",
+        ],
+        True,
+    ),
 ]
 
 
@@ -63,10 +116,32 @@ BENCHMARKS: list[tuple[str, str, list[str], bool]] = [
 QUICK: dict[str, list[str]] = {
     "backtest": ["--steps", "20000", "--pairs", "1", "--json", "{out}/backtest.json"],
     "embedded_cost": ["--steps", "1000", "--rounds", "1", "--json"],
-    "kafka_throughput": ["--bootstrap", "{bootstrap}", "--steps", "5000", "--runs", "20",
-                         "--client", "confluent", "--layout", "cohosted", "--json"],
-    "kafka_latency": ["--bootstrap", "{bootstrap}", "--client", "confluent", "--layout", "cohosted",
-                      "--seconds", "5", "--drain", "30", "--json"],
+    "kafka_throughput": [
+        "--bootstrap",
+        "{bootstrap}",
+        "--steps",
+        "5000",
+        "--runs",
+        "20",
+        "--client",
+        "confluent",
+        "--layout",
+        "cohosted",
+        "--json",
+    ],
+    "kafka_latency": [
+        "--bootstrap",
+        "{bootstrap}",
+        "--client",
+        "confluent",
+        "--layout",
+        "cohosted",
+        "--seconds",
+        "5",
+        "--drain",
+        "30",
+        "--json",
+    ],
 }
 
 
@@ -107,17 +182,36 @@ def _embedded(report: dict[str, Any]) -> list[Figure]:
     pairs = report.get("paired")
     if pairs:  # the default layout and unpublished in alternating blocks of one process
         figures += [
-            Figure("embedded default (child process), guarded / unguarded step rate, paired blocks",
-                   f"{pairs['ratio']:.2f}x", ">= 0.9x", pairs["ratio"] >= 0.9),
-            Figure("embedded default, the hook's share of the training thread's CPU",
-                   f"{100 * pairs['hook_share']:+.1f}%", "< 2%", pairs["hook_share"] < 0.02),
-            Figure("embedded default, steps never decided", f"{100 * pairs['missed']:.1f}%", "< 2%",
-                   pairs["missed"] < 0.02)]
+            Figure(
+                "embedded default (child process), guarded / unguarded step rate, paired blocks",
+                f"{pairs['ratio']:.2f}x",
+                ">= 0.9x",
+                pairs["ratio"] >= 0.9,
+            ),
+            Figure(
+                "embedded default, the hook's share of the training thread's CPU",
+                f"{100 * pairs['hook_share']:+.1f}%",
+                "< 2%",
+                pairs["hook_share"] < 0.02,
+            ),
+            Figure(
+                "embedded default, steps never decided",
+                f"{100 * pairs['missed']:.1f}%",
+                "< 2%",
+                pairs["missed"] < 0.02,
+            ),
+        ]
     for name, what in (("ratio", "worker threads"), ("ratio_process", "default (child process)")):
         if name in report:
             low, high = report.get(f"{name}_range", (report[name], report[name]))
-            figures.append(Figure(f"embedded, {what}, whole runs", f"{report[name]:.2f}x (rounds {low:.2f}-{high:.2f})",
-                                  ">= 0.9x", report[name] >= 0.9))
+            figures.append(
+                Figure(
+                    f"embedded, {what}, whole runs",
+                    f"{report[name]:.2f}x (rounds {low:.2f}-{high:.2f})",
+                    ">= 0.9x",
+                    report[name] >= 0.9,
+                )
+            )
     return figures
 
 
@@ -125,14 +219,27 @@ def _kafka_throughput(report: dict[str, Any]) -> list[Figure]:
     figures = []
     for name, result in report["pipelines"].items():
         client = name.split("/")[0]
-        raw = report["raw_confluent"] if client == "confluent" and "raw_confluent" in report else report["raw"]
+        raw = (
+            report["raw_confluent"]
+            if client == "confluent" and "raw_confluent" in report
+            else report["raw"]
+        )
         rate, ratio = result["steps_per_s"], result["steps_per_s"] / max(1, raw["steps_per_s"])
         cpu = result.get("cpu_us_per_step_total")
-        decided = f", {result['decisions']:,} of {result['steps']:,} decided" if "decisions" in result else ""
-        figures.append(Figure(f"Kafka throughput, {name}",
-                              f"{rate:,} steps/s, {ratio:.2f}x the raw {client} loop"
-                              + (f" ({cpu} CPU us per step, all workers{decided})" if cpu else ""),
-                              ">= 10k steps/s, >= 0.5x", rate >= 10_000 and ratio >= 0.5))
+        decided = (
+            f", {result['decisions']:,} of {result['steps']:,} decided"
+            if "decisions" in result
+            else ""
+        )
+        figures.append(
+            Figure(
+                f"Kafka throughput, {name}",
+                f"{rate:,} steps/s, {ratio:.2f}x the raw {client} loop"
+                + (f" ({cpu} CPU us per step, all workers{decided})" if cpu else ""),
+                ">= 10k steps/s, >= 0.5x",
+                rate >= 10_000 and ratio >= 0.5,
+            )
+        )
     return figures
 
 
@@ -142,13 +249,24 @@ def _kafka_latency(report: dict[str, Any]) -> list[Figure]:
         p50, p99 = result["decision_ms"]["p50"], result["decision_ms"]["p99"]
         met = p50 is not None and p99 is not None and p50 <= 20 and p99 <= 100
         achieved = result.get("achieved_rate")
-        notes = [f"input paced at {achieved:,} steps/s"] if achieved and achieved < 0.95 * result["rate"] else []
+        notes = (
+            [f"input paced at {achieved:,} steps/s"]
+            if achieved and achieved < 0.95 * result["rate"]
+            else []
+        )
         if "decided" in result and result["decided"] < result.get("steps", 0):
-            notes.append(f"{result['decided']:,} of {result['steps']:,} decided before the drain ended")
+            notes.append(
+                f"{result['decided']:,} of {result['steps']:,} decided before the drain ended"
+            )
         figure = f"decision p50 {p50} ms, p99 {p99} ms" if p50 is not None else "no decision"
-        figures.append(Figure(f"Kafka closed loop at {result['rate']:,.0f} steps/s, {name}",
-                              figure + (f" ({'; '.join(notes)})" if notes else ""),
-                              "p50 <= 20 ms, p99 <= 100 ms", met))
+        figures.append(
+            Figure(
+                f"Kafka closed loop at {result['rate']:,.0f} steps/s, {name}",
+                figure + (f" ({'; '.join(notes)})" if notes else ""),
+                "p50 <= 20 ms, p99 <= 100 ms",
+                met,
+            )
+        )
     return figures
 
 
@@ -156,15 +274,22 @@ def _backtest(report: dict[str, Any]) -> list[Figure]:
     report = report["process"]
     rate, ratio = report["backtest_steps_per_s"], report["backtest_over_naive"]
     cpu = report["backtest_steps_per_cpu_s"]
-    return [Figure(f"offline backtest, {report['steps']:,}-step CSV, whole process",
-                   f"{rate:,.0f} steps/s ({cpu:,.0f} per CPU-s), {ratio:.2f}x the naive baseline",
-                   ">= 20k steps/s, >= 4x", rate >= 20_000 and ratio >= 4.0)]
+    return [
+        Figure(
+            f"offline backtest, {report['steps']:,}-step CSV, whole process",
+            f"{rate:,.0f} steps/s ({cpu:,.0f} per CPU-s), {ratio:.2f}x the naive baseline",
+            ">= 20k steps/s, >= 4x",
+            rate >= 20_000 and ratio >= 4.0,
+        )
+    ]
 
 
 #: The headline rows: benchmark -> its figures and their aims.
 HEADLINE: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
-    "embedded_cost": _embedded, "kafka_throughput": _kafka_throughput,
-    "kafka_latency": _kafka_latency, "backtest": _backtest,
+    "embedded_cost": _embedded,
+    "kafka_throughput": _kafka_throughput,
+    "kafka_latency": _kafka_latency,
+    "backtest": _backtest,
 }
 
 
@@ -194,23 +319,40 @@ def _broker(action: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="/tmp/spikeguard-bench/all", help="where each benchmark's output goes")
-    parser.add_argument("--bootstrap", help="a running broker for the Kafka rows (else the project's is started)")
-    parser.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHMARKS], help="run these only")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="/tmp/spikeguard-bench/all", help="where each benchmark's output goes"
+    )
+    parser.add_argument(
+        "--bootstrap", help="a running broker for the Kafka rows (else the project's is started)"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=[b[0] for b in BENCHMARKS], help="run these only"
+    )
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
-    parser.add_argument("--quick", action="store_true",
-                        help="the four headline rows only, smaller (~3 minutes on a quiet machine)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the four headline rows only, smaller (~3 minutes on a quiet machine)",
+    )
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHMARKS if not args.only or b[0] in args.only]
     if args.quick:
-        chosen = [(name, script, QUICK[name], kafka) for name, script, _, kafka in chosen if name in QUICK]
+        chosen = [
+            (name, script, QUICK[name], kafka) for name, script, _, kafka in chosen if name in QUICK
+        ]
     bootstrap = args.bootstrap or f"127.0.0.1:{os.environ.get('SPIKEGUARD_KAFKA_PORT', '9092')}"
     commands = {
-        name: [sys.executable, str(HERE / script), *(a.format(out=out, bootstrap=bootstrap) for a in arguments)]
+        name: [
+            sys.executable,
+            str(HERE / script),
+            *(a.format(out=out, bootstrap=bootstrap) for a in arguments),
+        ]
         for name, script, arguments, _ in chosen
     }
     if args.list:
@@ -232,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: {' '.join(command)}", flush=True)
             t0 = time.monotonic()
             with open(out / f"{name}.txt", "wb") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+                code = subprocess.run(
+                    command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+                ).returncode
             took[name] = (time.monotonic() - t0, code)
             print(f"   {took[name][0]:6.1f} s, exit {code} -> {out / (name + '.txt')}", flush=True)
     finally:

@@ -120,7 +120,10 @@ def instrument_worker(clock: StageClock, worker: Any) -> None:
     if hosted is not None:
         clock.wrap(stage, "packed", "pack a step's verdicts")
     else:
-        label = f"detector: {stage.name}" if hasattr(stage, "admit") and stage.name not in (
-            "fusion", "actuator") else stage.name
+        label = (
+            f"detector: {stage.name}"
+            if hasattr(stage, "admit") and stage.name not in ("fusion", "actuator")
+            else stage.name
+        )
         clock.wrap(stage, "handle_batch", label)
     clock.wrap(stage, "tick", "deadlines (tick)")

@@ -29,7 +29,9 @@ def windows(ids: torch.Tensor) -> TensorDataset:
     """(one-hot window of CONTEXT characters, next character) at every position."""
     starts = torch.arange(len(ids) - CONTEXT)
     x = ids[starts[:, None] + torch.arange(CONTEXT)]
-    return TensorDataset(nn.functional.one_hot(x, VOCAB).float().reshape(len(x), -1), ids[starts + CONTEXT])
+    return TensorDataset(
+        nn.functional.one_hot(x, VOCAB).float().reshape(len(x), -1), ids[starts + CONTEXT]
+    )
 
 
 def finish(result: dict, as_json: bool) -> dict:
@@ -37,6 +39,8 @@ def finish(result: dict, as_json: bool) -> dict:
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"final eval loss {result['final_eval_loss']:.4f}, {result['rollbacks']} rollback(s), "
-              f"{result['skipped_updates']} skipped update(s), {result['seconds']} s")
+        print(
+            f"final eval loss {result['final_eval_loss']:.4f}, {result['rollbacks']} rollback(s), "
+            f"{result['skipped_updates']} skipped update(s), {result['seconds']} s"
+        )
     return result

@@ -35,7 +35,6 @@ from spikeguard.settings import load_settings
 from _shared import SHORT_RUN, finish  # noqa: E402  (this directory)
 
 
-
 class Chars(Dataset):
     """Windows of ``length`` characters of ``text``; the model predicts each next one."""
 
@@ -47,7 +46,7 @@ class Chars(Dataset):
         return len(self.starts)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        window = self.ids[self.starts[i]:self.starts[i] + self.length]
+        window = self.ids[self.starts[i] : self.starts[i] + self.length]
         return {"input_ids": window, "labels": window}
 
 
@@ -75,7 +74,9 @@ class Fault(TrainerCallback):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fault", choices=("none", "spike", "nan"), default="none")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.tensor([min(ord(c), 127) for c in text])
     split = int(len(ids) * 0.9)
     train, held_out = Chars(ids[:split], 32, 7), Chars(ids[split:], 32, 32)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    )
     fault = Fault(args.fault)
     fault.attach(model)
 
@@ -95,17 +98,42 @@ def main(argv: list[str] | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="spikeguard-hf-")
     guard = SpikeguardCallback(
         run_id=f"hf-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
-        config=GuardConfig(checkpoint_dir=f"{work}/spikeguard", checkpoint_every=20, keep_checkpoints=4,
-                           resume=False, lockstep=True, healthy_stretch=10),
-        bus=runtime.bus, topics=runtime.topics,
-        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
+        config=GuardConfig(
+            checkpoint_dir=f"{work}/spikeguard",
+            checkpoint_every=20,
+            keep_checkpoints=4,
+            resume=False,
+            lockstep=True,
+            healthy_stretch=10,
+        ),
+        bus=runtime.bus,
+        topics=runtime.topics,
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+    )
     training = TrainingArguments(
-        output_dir=work, max_steps=args.steps, per_device_train_batch_size=16, learning_rate=3e-3,
-        lr_scheduler_type="cosine", warmup_steps=20, weight_decay=0.01, max_grad_norm=0.0,
-        seed=args.seed, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10_000,
-        disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=held_out,
-                      callbacks=[fault, guard])
+        output_dir=work,
+        max_steps=args.steps,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=20,
+        weight_decay=0.01,
+        max_grad_norm=0.0,
+        seed=args.seed,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=held_out,
+        callbacks=[fault, guard],
+    )
     started = time.monotonic()
     try:
         trainer.train()
@@ -113,11 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         runtime.close()
     g = guard.guard
-    result = {"example": "hf_trainer", "fault": args.fault, "final_eval_loss": eval_loss,
-              "rollbacks": g.counters["rollbacks"], "global_step": trainer.state.global_step,
-              "skipped_updates": g.counters["skipped_updates"], "updates": g.counters["updates"],
-              "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
-              "seconds": round(time.monotonic() - started, 1)}
+    result = {
+        "example": "hf_trainer",
+        "fault": args.fault,
+        "final_eval_loss": eval_loss,
+        "rollbacks": g.counters["rollbacks"],
+        "global_step": trainer.state.global_step,
+        "skipped_updates": g.counters["skipped_updates"],
+        "updates": g.counters["updates"],
+        "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     return finish(result, args.json)
 
 

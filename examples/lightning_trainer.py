@@ -35,15 +35,17 @@ from spikeguard.settings import load_settings
 from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows  # noqa: E402  (this directory)
 
 
-
-
-
 class CharMLP(L.LightningModule):
     def __init__(self, steps: int) -> None:
         super().__init__()
         self.steps = steps
-        self.net = nn.Sequential(nn.Linear(CONTEXT * VOCAB, 96), nn.GELU(), nn.Linear(96, 96), nn.GELU(),
-                                 nn.Linear(96, VOCAB))
+        self.net = nn.Sequential(
+            nn.Linear(CONTEXT * VOCAB, 96),
+            nn.GELU(),
+            nn.Linear(96, 96),
+            nn.GELU(),
+            nn.Linear(96, VOCAB),
+        )
         self.corrupt: str | None = None  # set by the Fault callback for the batches it poisons
 
     def training_step(self, batch, batch_idx):
@@ -54,9 +56,13 @@ class CharMLP(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=8e-3, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=8e-3, total_steps=self.steps + 1,
-                                                        pct_start=0.1)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=8e-3, total_steps=self.steps + 1, pct_start=0.1
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 class Fault(L.Callback):
@@ -75,7 +81,9 @@ class Fault(L.Callback):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fault", choices=("none", "spike", "nan"), default="none")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -96,13 +104,29 @@ def main(argv: list[str] | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="spikeguard-lightning-")
     guard = SpikeguardCallback(
         run_id=f"lightning-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
-        config=GuardConfig(checkpoint_dir=f"{work}/spikeguard", checkpoint_every=20, keep_checkpoints=4,
-                           resume=False, lockstep=True, healthy_stretch=10),
-        bus=runtime.bus, topics=runtime.topics,
-        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=work, callbacks=[Fault(args.fault), guard])
+        config=GuardConfig(
+            checkpoint_dir=f"{work}/spikeguard",
+            checkpoint_every=20,
+            keep_checkpoints=4,
+            resume=False,
+            lockstep=True,
+            healthy_stretch=10,
+        ),
+        bus=runtime.bus,
+        topics=runtime.topics,
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+    )
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+        callbacks=[Fault(args.fault), guard],
+    )
     started = time.monotonic()
     try:
         trainer.fit(module, loader)
@@ -113,11 +137,17 @@ def main(argv: list[str] | None = None) -> dict:
         x, y = held_out.tensors
         eval_loss = float(nn.functional.cross_entropy(module.net(x[:4096]), y[:4096]))
     g = guard.guard
-    result = {"example": "lightning_trainer", "fault": args.fault, "final_eval_loss": eval_loss,
-              "rollbacks": g.counters["rollbacks"], "global_step": trainer.global_step,
-              "skipped_updates": g.counters["skipped_updates"], "updates": g.counters["updates"],
-              "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
-              "seconds": round(time.monotonic() - started, 1)}
+    result = {
+        "example": "lightning_trainer",
+        "fault": args.fault,
+        "final_eval_loss": eval_loss,
+        "rollbacks": g.counters["rollbacks"],
+        "global_step": trainer.global_step,
+        "skipped_updates": g.counters["skipped_updates"],
+        "updates": g.counters["updates"],
+        "actions": sorted({a["kind"] for a in g.applied if a["status"] == "applied"}),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     return finish(result, args.json)
 
 

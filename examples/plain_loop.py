@@ -36,8 +36,6 @@ from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows  # noqa: E402  (t
 FAULT_BATCHES = range(100, 103)
 
 
-
-
 def corrupt(kind: str, batch_index: int | None, x: torch.Tensor) -> torch.Tensor:
     if kind == "none" or batch_index not in FAULT_BATCHES:
         return x
@@ -47,7 +45,9 @@ def corrupt(kind: str, batch_index: int | None, x: torch.Tensor) -> torch.Tensor
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fault", choices=("none", "spike", "nan"), default="none")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -59,26 +59,47 @@ def main(argv: list[str] | None = None) -> dict:
     split = int(len(ids) * 0.9)
     train, held_out = windows(ids[:split]), windows(ids[split:])
     loader = DataLoader(train, batch_size=64, shuffle=True)
-    model = nn.Sequential(nn.Linear(CONTEXT * VOCAB, 96), nn.GELU(), nn.Linear(96, 96), nn.GELU(),
-                          nn.Linear(96, VOCAB))
+    model = nn.Sequential(
+        nn.Linear(CONTEXT * VOCAB, 96),
+        nn.GELU(),
+        nn.Linear(96, 96),
+        nn.GELU(),
+        nn.Linear(96, VOCAB),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=8e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=8e-3, total_steps=args.steps + 1,
-                                                    pct_start=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=8e-3, total_steps=args.steps + 1, pct_start=0.1
+    )
 
     runtime = open_runtime(load_settings(SHORT_RUN))  # the pipeline, embedded, in this process
-    config = GuardConfig(checkpoint_dir=tempfile.mkdtemp(prefix="spikeguard-plain-"), checkpoint_every=20,
-                         keep_checkpoints=4, resume=False, lockstep=True, healthy_stretch=10,
-                         data_seed=args.seed)
-    guard = Guard(model, optimizer, scheduler, run_id=f"plain-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
-                  config=config, bus=runtime.bus, topics=runtime.topics,
-                  policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
+    config = GuardConfig(
+        checkpoint_dir=tempfile.mkdtemp(prefix="spikeguard-plain-"),
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        healthy_stretch=10,
+        data_seed=args.seed,
+    )
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        run_id=f"plain-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
+        config=config,
+        bus=runtime.bus,
+        topics=runtime.topics,
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+    )
     started = time.monotonic()
     try:
         data = guard.data(loader, max_steps=args.steps)
         while guard.step_count < args.steps and not guard.should_stop:
             for x, y in data:
                 optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(corrupt(args.fault, data.last_index, x)), y)
+                loss = nn.functional.cross_entropy(
+                    model(corrupt(args.fault, data.last_index, x)), y
+                )
                 loss.backward()
                 guard.step(loss)
     finally:
@@ -88,11 +109,17 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         x, y = held_out.tensors
         eval_loss = float(nn.functional.cross_entropy(model(x[:4096]), y[:4096]))
-    result = {"example": "plain_loop", "fault": args.fault, "final_eval_loss": eval_loss,
-              "rollbacks": guard.counters["rollbacks"], "steps": guard.step_count,
-              "skipped_updates": guard.counters["skipped_updates"], "updates": guard.counters["updates"],
-              "actions": sorted({a["kind"] for a in guard.applied if a["status"] == "applied"}),
-              "seconds": round(time.monotonic() - started, 1)}
+    result = {
+        "example": "plain_loop",
+        "fault": args.fault,
+        "final_eval_loss": eval_loss,
+        "rollbacks": guard.counters["rollbacks"],
+        "steps": guard.step_count,
+        "skipped_updates": guard.counters["skipped_updates"],
+        "updates": guard.counters["updates"],
+        "actions": sorted({a["kind"] for a in guard.applied if a["status"] == "applied"}),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     return finish(result, args.json)
 
 

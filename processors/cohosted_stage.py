@@ -111,8 +111,13 @@ class CoHostedDetectors(Stage):
             last[verdict.detector] = at
         topic = self.topics.step_verdicts
         # Built without validation: the checks above are what StepVerdicts' validator checks.
-        return [(topic, StepVerdicts.model_construct(run_id=run_id, step=step, epoch=epoch, verdicts=group))
-                for (run_id, epoch, step), group in steps.items()]
+        return [
+            (
+                topic,
+                StepVerdicts.model_construct(run_id=run_id, step=step, epoch=epoch, verdicts=group),
+            )
+            for (run_id, epoch, step), group in steps.items()
+        ]
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
         return self._by_run([stage.snapshot for stage in self.stages], run_ids)
@@ -132,10 +137,14 @@ class CoHostedDetectors(Stage):
     def restore(self, state: dict[str, Any]) -> None:
         for run_id, per_detector in state.items():
             if not isinstance(per_detector, dict):
-                raise TypeError(f"co-hosted detector state of run {run_id!r} is not a dict by detector")
+                raise TypeError(
+                    f"co-hosted detector state of run {run_id!r} is not a dict by detector"
+                )
         for stage in self.stages:
             # A run saved without this detector (one added since) starts afresh in it.
-            stage.restore({run_id: per[stage.name] for run_id, per in state.items() if stage.name in per})
+            stage.restore(
+                {run_id: per[stage.name] for run_id, per in state.items() if stage.name in per}
+            )
             stage.forget([run_id for run_id, per in state.items() if stage.name not in per])
 
     def forget(self, run_ids: Iterable[str]) -> None:

@@ -23,9 +23,7 @@ WARNING_TYPES = frozenset(
 FULL_WEIGHT_TYPES = frozenset({AnomalyType.LAYER_BLOWUP})
 
 # Types that are critical whatever detector reports them.
-CRITICAL_TYPES = frozenset(
-    {AnomalyType.NON_FINITE, AnomalyType.EXTREME_LOSS}
-)
+CRITICAL_TYPES = frozenset({AnomalyType.NON_FINITE, AnomalyType.EXTREME_LOSS})
 
 
 def is_critical(verdict: Verdict) -> bool:

@@ -65,9 +65,15 @@ def one_run(events: list) -> bool:
 class DetectorStage(PerRunStage[Detector]):
     """steps -> verdicts, with one detector per run fed whole batches (ML scores in bulk)."""
 
-    def __init__(self, topics: Topics, name: str, factory: Callable[[str], Detector],
-                 signing_key: SecretStr | None = None, max_step_gap: int = DEFAULT_MAX_STEP_GAP,
-                 max_epoch_gap: int = DEFAULT_MAX_EPOCH_GAP) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        name: str,
+        factory: Callable[[str], Detector],
+        signing_key: SecretStr | None = None,
+        max_step_gap: int = DEFAULT_MAX_STEP_GAP,
+        max_epoch_gap: int = DEFAULT_MAX_EPOCH_GAP,
+    ) -> None:
         super().__init__(topics, factory)
         self.name = name
         self.signing_key = signing_key
@@ -128,7 +134,11 @@ class DetectorStage(PerRunStage[Detector]):
 
     def shrink(self) -> None:
         super().shrink()
-        self._newest, self._judged, self._ending = dict(self._newest), dict(self._judged), dict(self._ending)
+        self._newest, self._judged, self._ending = (
+            dict(self._newest),
+            dict(self._judged),
+            dict(self._ending),
+        )
 
     def inputs(self) -> dict[str, type[BaseModel]]:
         return {self.topics.steps: StepEvent, self.topics.runs: RunEvent}
@@ -160,8 +170,13 @@ class DetectorStage(PerRunStage[Detector]):
                 verdicts += with_values(self.run(run_id).update_many(run_events), run_events)
                 self._judged[run_id] = (run_events[-1].epoch, run_events[-1].step)  # type: ignore[attr-defined]
         if self._ending:
-            self.end_runs([run_id for run_id, last in self._ending.items()
-                           if self._judged.get(run_id, (-1, -1)) >= last])
+            self.end_runs(
+                [
+                    run_id
+                    for run_id, last in self._ending.items()
+                    if self._judged.get(run_id, (-1, -1)) >= last
+                ]
+            )
         return list(zip(repeat(self.topics.verdicts), verdicts))
 
     def _on_run_event(self, event: RunEvent) -> None:

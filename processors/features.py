@@ -88,8 +88,19 @@ _HUGE = 1e100  # residuals are clamped here before squaring (1e200 is still a fl
 class _Track:
     """Fast/slow EW means and long/short EW variances of one signal (hot path: kept lean)."""
 
-    __slots__ = ("n", "fast", "slow", "var", "var_short", "dvar", "last", "scale",
-                 "abs_floor", "rel_floor", "c")
+    __slots__ = (
+        "n",
+        "fast",
+        "slow",
+        "var",
+        "var_short",
+        "dvar",
+        "last",
+        "scale",
+        "abs_floor",
+        "rel_floor",
+        "c",
+    )
 
     def __init__(self, config: FeatureConfig, abs_floor: float, rel_floor: float) -> None:
         self.c = config
@@ -151,7 +162,14 @@ class _Track:
 
     def state(self) -> list[float]:
         return [
-            self.n, self.fast, self.slow, self.var, self.var_short, self.dvar, self.last, self.scale
+            self.n,
+            self.fast,
+            self.slow,
+            self.var,
+            self.var_short,
+            self.dvar,
+            self.last,
+            self.scale,
         ]
 
     def copy(self) -> _Track:
@@ -159,7 +177,10 @@ class _Track:
         twin = _Track.__new__(_Track)
         twin.n, twin.fast, twin.slow, twin.var = self.n, self.fast, self.slow, self.var
         twin.var_short, twin.dvar, twin.last, twin.scale = (
-            self.var_short, self.dvar, self.last, self.scale
+            self.var_short,
+            self.dvar,
+            self.last,
+            self.scale,
         )
         twin.abs_floor, twin.rel_floor, twin.c = self.abs_floor, self.rel_floor, self.c
         return twin
@@ -279,7 +300,9 @@ class RollingFeatures:
         twin._loss, twin._grad = self._loss.copy(), self._grad.copy()
         twin._upd, twin._step = self._upd.copy(), self._step.copy()
         twin._prev_loss, twin._prev_resid, twin._cov1 = (
-            self._prev_loss, self._prev_resid, self._cov1
+            self._prev_loss,
+            self._prev_resid,
+            self._cov1,
         )
         return twin
 
@@ -334,4 +357,3 @@ class RollingFeatures:
         ):
             track.load(state[key])
         self._prev_loss, self._prev_resid, self._cov1 = (float(v) for v in state["prev"])
-

@@ -58,7 +58,10 @@ from heapq import heapify, heappop, heappush
 from typing import Any, Iterable
 
 from spikeguard.processors.decision_table import (
-    FULL_WEIGHT_TYPES, WARNING_TYPES, is_critical, urgency,
+    FULL_WEIGHT_TYPES,
+    WARNING_TYPES,
+    is_critical,
+    urgency,
 )
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.processors.robust_stats import RollingMedian
@@ -143,7 +146,7 @@ class Fusion:
         verdicts = verdicts if isinstance(verdicts, list) else list(verdicts)
         size, i, n = len(self._expected), 0, len(verdicts)
         while i < n:
-            if not self._heap and size and whole(verdicts[i:i + size], now, out):
+            if not self._heap and size and whole(verdicts[i : i + size], now, out):
                 i += size
                 continue
             add(verdicts[i], now, out)
@@ -165,7 +168,11 @@ class Fusion:
             if v.step != step or v.epoch != epoch or (v.is_anomaly and is_critical(v)):
                 return False
             names.add(v.detector)
-        if names != self._expected or self._deadline_steps is not None and self._deadline_steps <= 0:
+        if (
+            names != self._expected
+            or self._deadline_steps is not None
+            and self._deadline_steps <= 0
+        ):
             return False  # (max_pending >= 1: a lone pending step never overflows it)
         marks = self._marks
         seen_at = now if self._epoch_seen_at is None else self._epoch_seen_at
@@ -278,8 +285,11 @@ class Fusion:
             if mark is not None and mark[0] >= step:
                 continue  # it judged this run past the step: no verdict will come for it
             last_moved = silent_since if mark is None else mark[1]
-            if (last_moved is not None and now - last_moved >= self._deadline_s
-                    and now >= recovering.get(name, now)):
+            if (
+                last_moved is not None
+                and now - last_moved >= self._deadline_s
+                and now >= recovering.get(name, now)
+            ):
                 continue  # stalled, not recovering: decide without it (listed as missing)
             return False
         return True
@@ -297,13 +307,19 @@ class Fusion:
             # since the threshold is > 0 and a step nobody flags scores 0.
             if self._onset is not None and step - self._last_anomaly > self._gap:
                 self._onset = None
-            decision = _validate_decision({
-                "decision_id": decision_id(self.run_id, step, self._epoch),
-                "run_id": self.run_id, "step": step, "epoch": self._epoch,
-                "detectors": {name: v.confidence for name, v in verdicts.items()},
-                "missing": [name for name in self.config.expected if name not in verdicts],
-                "is_anomaly": False, "confidence": 0.0, "evidence": evidence,
-            })
+            decision = _validate_decision(
+                {
+                    "decision_id": decision_id(self.run_id, step, self._epoch),
+                    "run_id": self.run_id,
+                    "step": step,
+                    "epoch": self._epoch,
+                    "detectors": {name: v.confidence for name, v in verdicts.items()},
+                    "missing": [name for name in self.config.expected if name not in verdicts],
+                    "is_anomaly": False,
+                    "confidence": 0.0,
+                    "evidence": evidence,
+                }
+            )
         if evidence is not None and not decision.is_anomaly:
             self._learn_baseline(evidence)
         return decision
@@ -318,7 +334,10 @@ class Fusion:
             return None
         lb, gb = self._loss_baseline.get(), self._grad_baseline.get()
         return {
-            "step": step, "epoch": self._epoch, "loss": loss, "grad_norm": grad,
+            "step": step,
+            "epoch": self._epoch,
+            "loss": loss,
+            "grad_norm": grad,
             "loss_baseline": None if lb != lb else lb,  # NaN: no healthy step yet
             "grad_norm_baseline": None if gb != gb else gb,
         }
@@ -352,7 +371,9 @@ class Fusion:
         critical = [v for v in anomalous if is_critical(v)]
         common: dict[str, Any] = dict(
             decision_id=decision_id(self.run_id, step, self._epoch),
-            run_id=self.run_id, step=step, epoch=self._epoch,
+            run_id=self.run_id,
+            step=step,
+            epoch=self._epoch,
             detectors={name: v.confidence for name, v in verdicts.items()},
             flagged_by={name: v.type for name, v in verdicts.items() if v.is_anomaly},
             missing=[name for name in cfg.expected if name not in verdicts],
@@ -368,11 +389,15 @@ class Fusion:
             for v in sorted(anomalous, key=self._priority):
                 rules.extend(r for r in v.rules if r not in rules)
             return Decision(
-                **common, is_anomaly=True, type=top.type, confidence=min(1.0, confidence),
+                **common,
+                is_anomaly=True,
+                type=top.type,
+                confidence=min(1.0, confidence),
                 critical=bool(critical),
                 urgency=urgency(top.type, confidence, bool(critical), cfg.low_confidence),
                 incident_id=incident_id(self.run_id, self._onset, self._epoch),
-                incident_onset_step=self._onset, rules=rules,
+                incident_onset_step=self._onset,
+                rules=rules,
                 signals={**top.signals, "score": round(score, 4), "by": top.detector},
             )
         if self._onset is not None and step - self._last_anomaly > cfg.incident_gap_steps:
@@ -381,8 +406,13 @@ class Fusion:
             top = max(warnings, key=lambda v: v.confidence)
             kind = top.type if top.type in WARNING_TYPES else AnomalyType.INSTABILITY_WARNING
             return Decision(
-                **common, is_anomaly=False, preventive=True, type=kind,
-                confidence=top.confidence, urgency=Urgency.LOW, rules=list(top.rules),
+                **common,
+                is_anomaly=False,
+                preventive=True,
+                type=kind,
+                confidence=top.confidence,
+                urgency=Urgency.LOW,
+                rules=list(top.rules),
                 signals={**top.signals, "by": top.detector},
             )
         return Decision(**common, is_anomaly=False, confidence=score)
@@ -394,18 +424,28 @@ class Fusion:
     def state_dict(self, *, keep_verdicts: bool = False) -> dict[str, Any]:
         dump = list if keep_verdicts else lambda vs: [v.model_dump(mode="json") for v in vs]
         return {
-            "epoch": self._epoch, "decided": self._decided, "newest": self._newest,
-            "onset": self._onset, "last_anomaly": self._last_anomaly,
-            "late_verdicts": self.late_verdicts, "stale_verdicts": self.stale_verdicts,
+            "epoch": self._epoch,
+            "decided": self._decided,
+            "newest": self._newest,
+            "onset": self._onset,
+            "last_anomaly": self._last_anomaly,
+            "late_verdicts": self.late_verdicts,
+            "stale_verdicts": self.stale_verdicts,
             "duplicate_verdicts": self.duplicate_verdicts,
             "loss_baseline": self._loss_baseline.state_dict(),
             "grad_norm_baseline": self._grad_baseline.state_dict(),
             "marks": {name: list(mark) for name, mark in self._marks.items()},
-            "epoch_seen_at": self._epoch_seen_at, "recovering": dict(self._recovering),
-            "pending": [{"step": s, "verdicts": dump(p.verdicts.values())} for s, p in sorted(self._pending.items())],
+            "epoch_seen_at": self._epoch_seen_at,
+            "recovering": dict(self._recovering),
+            "pending": [
+                {"step": s, "verdicts": dump(p.verdicts.values())}
+                for s, p in sorted(self._pending.items())
+            ],
         }
 
-    def undo_state(self) -> dict[str, Any]:  # Stage.undo_point, per batch: frozen verdicts need no dump
+    def undo_state(
+        self,
+    ) -> dict[str, Any]:  # Stage.undo_point, per batch: frozen verdicts need no dump
         return {**self.state_dict(keep_verdicts=True), UNDO_POINT: True}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -23,7 +23,9 @@ class FusionConfig(BaseModel):
         default_factory=lambda: {"rules": 1.0, "statistical": 1.0, "ml": 0.5},
         description="reliability of each detector's anomaly verdicts in [0, 1] (noisy-OR weights)",
     )
-    default_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of a detector not in weights")
+    default_weight: float = Field(
+        0.5, ge=0.0, le=1.0, description="weight of a detector not in weights"
+    )
     threshold: float = Field(
         0.55, gt=0.0, le=1.0, description="fused score at which a step is anomalous"
     )
@@ -39,31 +41,38 @@ class FusionConfig(BaseModel):
         0.5, ge=0.0, le=1.0, description="a preventive warning needs at least this confidence"
     )
     low_confidence: float = Field(
-        0.7, ge=0.0, le=1.0, description="below this fused confidence the urgency is one level lower"
+        0.7,
+        ge=0.0,
+        le=1.0,
+        description="below this fused confidence the urgency is one level lower",
     )
     deadline_seconds: float = Field(
-        5.0, gt=0.0,
+        5.0,
+        gt=0.0,
         description="a detector whose watermark for a run has not moved for this long (wall "
         "clock) is not waited for until it moves again",
     )
     recovery_seconds: float = Field(
-        60.0, gt=0.0,
+        60.0,
+        gt=0.0,
         description="after an outage (a stretch in which no verdict reached fusion), a detector "
         "that was alive when it began is waited for this long (flow clock) from its end before "
         "fusion decides without it: time to rejoin its group and replay from its snapshot (it "
         "only ever lengthens deadline_seconds)",
     )
     deadline_steps: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="if set, a step also waits only while the run's newest step is less than "
         "this far ahead (timing-dependent after an outage: off by default)",
     )
     max_pending: int = Field(
         1024, ge=1, description="at most this many undecided steps per run (the oldest go first)"
     )
-    incident_gap_steps: int = Field(
-        20, ge=1, description="healthy steps that close an incident"
-    )
+    incident_gap_steps: int = Field(20, ge=1, description="healthy steps that close an incident")
     baseline_window_steps: int = Field(
-        32, ge=1, le=4096, description="recent healthy steps whose median is the evidence's baseline"
+        32,
+        ge=1,
+        le=4096,
+        description="recent healthy steps whose median is the evidence's baseline",
     )

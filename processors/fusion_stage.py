@@ -82,10 +82,16 @@ class FusionStage(RunSettingsStage):
     name = "fusion"
     sets_clock = (Verdict, StepVerdicts)
 
-    def __init__(self, topics: Topics, factory: Callable[..., Fusion],
-                 defaults: FusionConfig | None = None, end_grace_seconds: float = 30.0,
-                 signing_key: SecretStr | None = None, clock: RunClock | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        factory: Callable[..., Fusion],
+        defaults: FusionConfig | None = None,
+        end_grace_seconds: float = 30.0,
+        signing_key: SecretStr | None = None,
+        clock: RunClock | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(topics, factory, end_grace_seconds, signing_key, clock)
         self.wall_clock = wall_clock  # when a batch arrives (the worker's own clock drives tick)
         self.defaults = defaults or FusionConfig()
@@ -95,8 +101,11 @@ class FusionStage(RunSettingsStage):
         self._quiet_total = 0.0
 
     def inputs(self) -> dict[str, type[BaseModel]]:
-        return {self.topics.verdicts: Verdict, self.topics.step_verdicts: StepVerdicts,
-                self.topics.runs: RunEvent}
+        return {
+            self.topics.verdicts: Verdict,
+            self.topics.step_verdicts: StepVerdicts,
+            self.topics.runs: RunEvent,
+        }
 
     # -- the run's own settings (run_settings.RunSettingsStage) -----------------
     def given(self, event: RunEvent) -> dict[str, Any]:
@@ -113,7 +122,9 @@ class FusionStage(RunSettingsStage):
         """Wall time ``now`` on the flow clock; ``arrived``: verdicts came in at ``now``
         (after a quiet stretch, that ends an outage for every run's fusion)."""
         last = self._last_input
-        quiet = 0.0 if last is None else max(0.0, now - last - QUIET_GAP_S)  # the current stretch, beyond the gap
+        quiet = (
+            0.0 if last is None else max(0.0, now - last - QUIET_GAP_S)
+        )  # the current stretch, beyond the gap
         flow = now - self._quiet_total - quiet
         if arrived:
             self._quiet_total += quiet
@@ -129,11 +140,16 @@ class FusionStage(RunSettingsStage):
         # detector -> [step, time], and "epoch_seen_at").
         flow = self.flow_time(self.wall_clock())
         # A batch rewound to its undo point (Worker) is put back as it was: no time passed.
-        restarted = [run_id for run_id, run_state in state.items()
-                     if isinstance(run_state, dict) and not run_state.get(UNDO_POINT)]
+        restarted = [
+            run_id
+            for run_id, run_state in state.items()
+            if isinstance(run_state, dict) and not run_state.get(UNDO_POINT)
+        ]
         for run_state in map(state.__getitem__, restarted):
             if run_state.get("marks"):
-                run_state["marks"] = {name: [mark[0], flow] for name, mark in run_state["marks"].items()}
+                run_state["marks"] = {
+                    name: [mark[0], flow] for name, mark in run_state["marks"].items()
+                }
             if run_state.get("epoch_seen_at") is not None:
                 run_state["epoch_seen_at"] = flow
         super().restore(state)
@@ -187,7 +203,9 @@ class FusionStage(RunSettingsStage):
         if not ended:
             return []
         topic = self.topics.decisions
-        out = [(topic, d) for run_id in ended if run_id in self.runs for d in self.runs[run_id].flush()]
+        out = [
+            (topic, d) for run_id in ended if run_id in self.runs for d in self.runs[run_id].flush()
+        ]
         self.end_runs(ended)
         return out
 
@@ -215,4 +233,9 @@ class FusionStage(RunSettingsStage):
     def flush_runs(self, run_ids: Iterable[str]) -> list[Output]:
         """An idle run is evicted: its pending steps are decided first, not dropped."""
         topic = self.topics.decisions
-        return [(topic, d) for run_id in run_ids if run_id in self.runs for d in self.runs[run_id].flush()]
+        return [
+            (topic, d)
+            for run_id in run_ids
+            if run_id in self.runs
+            for d in self.runs[run_id].flush()
+        ]

@@ -83,8 +83,9 @@ class TailThreshold:
 
     __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting", "_threshold")
 
-    def __init__(self, window: int, rate: float, low: float = 0.90, high: float = 0.99,
-                 lag: int = 0) -> None:
+    def __init__(
+        self, window: int, rate: float, low: float = 0.90, high: float = 0.99, lag: int = 0
+    ) -> None:
         if not 0.0 < rate < 1.0 - high:
             raise ValueError(f"rate must be in (0, {1.0 - high:g}), got {rate}")
         if not 0.0 < low < high < 1.0:
@@ -183,7 +184,9 @@ class OutlierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    level_window: int = Field(100, ge=3, le=4096, description="accepted points in the rolling median")
+    level_window: int = Field(
+        100, ge=3, le=4096, description="accepted points in the rolling median"
+    )
     tail_window: int = Field(
         500, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
     )
@@ -191,7 +194,9 @@ class OutlierConfig(BaseModel):
         10, ge=5, description="residuals in the tail before any point is judged"
     )
     tail_lag: int = Field(
-        50, ge=0, le=4096,
+        50,
+        ge=0,
+        le=4096,
         description="residuals join the tail this many steps late, so that a climb is judged "
         "against the noise from before it rather than teaching the tail its own steps",
     )
@@ -199,21 +204,25 @@ class OutlierConfig(BaseModel):
         300, ge=20, description="until the tail holds this many residuals, the rate is stricter"
     )
     rate: float = Field(
-        1e-5, gt=0.0, lt=0.01,
+        1e-5,
+        gt=0.0,
+        lt=0.01,
         description="target false-alarm rate per healthy step (1e-5: one per 100,000 steps)",
     )
     min_rise: float = Field(
         0.05, ge=0.0, description="the threshold is at least this in log units (0.05: +5 %)"
     )
     young_min_rise: float = Field(
-        math.log(1.5), ge=0.0,
+        math.log(1.5),
+        ge=0.0,
         description="before the tail has settled the threshold is at least this (x1.5)",
     )
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
     )
     lr_rise: float = Field(
-        1.5, gt=1.0,
+        1.5,
+        gt=1.0,
         description="a learning rate this many times the lowest of the last lr_jump_steps steps "
         "is a jump (a warm restart; a warm-up is slower) that explains a rise for lr_grace steps; "
         "one to more than this times the highest LR the run trained at is no warm restart "
@@ -263,15 +272,28 @@ _MIN_HELD = 3  # points since an LR jump before their median says the loss is he
 class OutlierModel:
     """One signal's level, tail and threshold (see the module docstring)."""
 
-    __slots__ = ("config", "level", "newest_quarter", "tail", "lr_recent", "lr_peak", "excused",
-                 "jump_peak", "jump_level", "since_jump", "elevated_run")
+    __slots__ = (
+        "config",
+        "level",
+        "newest_quarter",
+        "tail",
+        "lr_recent",
+        "lr_peak",
+        "excused",
+        "jump_peak",
+        "jump_level",
+        "since_jump",
+        "elevated_run",
+    )
 
     def __init__(self, config: OutlierConfig | None = None) -> None:
         self.config = config or OutlierConfig()
         self.level = RollingMedian(self.config.level_window)
         # The newest quarter of the level's points: below the whole window's, the loss is falling.
         self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
-        self.tail = TailThreshold(self.config.tail_window, self.config.rate, lag=self.config.tail_lag)
+        self.tail = TailThreshold(
+            self.config.tail_window, self.config.rate, lag=self.config.tail_lag
+        )
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,
         # a state saved before it was kept, and then no jump is taken for one beyond it).
@@ -335,7 +357,7 @@ class OutlierModel:
         jump_level, since = self.jump_level, self.since_jump
         if jump_level is None or len(since) + 1 < min(_MIN_HELD, since.window):
             return False
-        values = sorted(since.values()[1 - since.window:] + [y])  # the window's newest, y included
+        values = sorted(since.values()[1 - since.window :] + [y])  # the window's newest, y included
         n = len(values)
         median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
         spread = self.tail.quantile(0.9) - self.tail.quantile(0.5)
@@ -350,10 +372,19 @@ class OutlierModel:
         threshold = self.threshold()
         if threshold != threshold:
             return Judged(False, False, residual, math.nan, level)
-        if self.lr_explains_rise(lr):  # not judged; the threshold is kept for who asks how far out it was
+        if self.lr_explains_rise(
+            lr
+        ):  # not judged; the threshold is kept for who asks how far out it was
             beyond = self.lr_beyond_peak(lr)
-            return Judged(False, False, residual, threshold, level, beyond,
-                          beyond and self.excused > 0 and self._held_rise(y))
+            return Judged(
+                False,
+                False,
+                residual,
+                threshold,
+                level,
+                beyond,
+                beyond and self.excused > 0 and self._held_rise(y),
+            )
         return Judged(True, residual > threshold, residual, threshold, level)
 
     def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
@@ -392,11 +423,17 @@ class OutlierModel:
         self.newest_quarter.update(y)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"level": self.level.state_dict(), "tail": self.tail.state_dict(),
-                "lr_recent": self.lr_recent.state_dict(), "lr_peak": self.lr_peak,
-                "excused": self.excused, "jump_peak": self.jump_peak,
-                "jump_level": self.jump_level, "since_jump": self.since_jump.values(),
-                "elevated_run": self.elevated_run}
+        return {
+            "level": self.level.state_dict(),
+            "tail": self.tail.state_dict(),
+            "lr_recent": self.lr_recent.state_dict(),
+            "lr_peak": self.lr_peak,
+            "excused": self.excused,
+            "jump_peak": self.jump_peak,
+            "jump_level": self.jump_level,
+            "since_jump": self.since_jump.values(),
+            "elevated_run": self.elevated_run,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level.load_state_dict(state["level"])

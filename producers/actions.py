@@ -30,8 +30,16 @@ from spikeguard.producers.evidence import PublishedSteps
 from spikeguard.producers.lr import LRControl
 from spikeguard.schemas import AckStatus, Action, ActionKind, Evidence, StepEvent
 from spikeguard.schemas.actions import (
-    AlertParams, CheckpointParams, ClipParams, RestoreLrParams, RollbackParams, ScaleLrParams,
-    SetEpsParams, SetLrParams, SkipBatchesParams, StopParams,
+    AlertParams,
+    CheckpointParams,
+    ClipParams,
+    RestoreLrParams,
+    RollbackParams,
+    ScaleLrParams,
+    SetEpsParams,
+    SetLrParams,
+    SkipBatchesParams,
+    StopParams,
 )
 
 log = logging.getLogger(__name__)
@@ -41,9 +49,18 @@ Handler = Callable[[Action, "Steerable"], "str | None"]
 
 # Kinds that mean "the run is in trouble": checkpoints after them are unhealthy
 # until a healthy stretch has passed.
-ANOMALY_KINDS = frozenset({ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionKind.SCALE_LR,
-                           ActionKind.SET_LR, ActionKind.CLIP, ActionKind.STOP,
-                           ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+ANOMALY_KINDS = frozenset(
+    {
+        ActionKind.ROLLBACK,
+        ActionKind.SKIP_BATCHES,
+        ActionKind.SCALE_LR,
+        ActionKind.SET_LR,
+        ActionKind.CLIP,
+        ActionKind.STOP,
+        ActionKind.REDUCE_BATCH_SIZE,
+        ActionKind.SET_EPS,
+    }
+)
 # The kinds a decision's claim must be backed for (evidence.py): all that change the run,
 # except RESTORE_LR (it moves the LR back towards the user's own setting, after healthy steps).
 NEEDS_AGREEMENT = ANOMALY_KINDS
@@ -75,15 +92,20 @@ def operator_evidence(published: StepEvent) -> Evidence:
     stop``) reads the run's newest StepEvent from the steps topic and copies its
     values here; the trainer remembers its last 4096 steps.
     """
-    return Evidence(step=published.step, epoch=published.epoch, loss=published.loss,
-                    grad_norm=None if published.skip_reason == "scaler_overflow" else published.grad_norm)
+    return Evidence(
+        step=published.step,
+        epoch=published.epoch,
+        loss=published.loss,
+        grad_norm=None if published.skip_reason == "scaler_overflow" else published.grad_norm,
+    )
 
 
 class ActionQueue:
     """Pending actions of one run, in arrival order, filtered and deduplicated."""
 
-    def __init__(self, ledger: Any, signer: Signer | None = None,
-                 published: PublishedSteps | None = None) -> None:
+    def __init__(
+        self, ledger: Any, signer: Signer | None = None, published: PublishedSteps | None = None
+    ) -> None:
         self.ledger = ledger
         self.signer = signer if signer is not None else Signer()
         self.published = published if published is not None else PublishedSteps()
@@ -104,7 +126,8 @@ class ActionQueue:
             return
         self.broken_plans[action.decision_id] = (
             f"not applied: the rollback {action.action_id} of the same decision was "
-            f"{outcome.status.value} ({outcome.result}); a decision's actions apply whole or not at all")
+            f"{outcome.status.value} ({outcome.result}); a decision's actions apply whole or not at all"
+        )
         while len(self.broken_plans) > MAX_BROKEN_PLANS:
             self.broken_plans.popitem(last=False)
 
@@ -119,8 +142,13 @@ class ActionQueue:
         """Queue ``action``, or the outcome to ack right away (refused or duplicate)."""
         if not self.signer.verifies(action):
             why = "unsigned" if not action.signature else "bad signature"
-            log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
-                        action.action_id, action.run_id, why)
+            log.warning(
+                "spikeguard: refused %s action %s for run %s: %s",
+                action.kind.value,
+                action.action_id,
+                action.run_id,
+                why,
+            )
             return Outcome(action, AckStatus.REJECTED, step, f"{why}; action refused")
         # (only after the signature: a forged rollback must not call off a genuine plan)
         outcome = self._screen(action, step)
@@ -136,19 +164,31 @@ class ActionQueue:
         # values it published (an operator's action copies them from the steps topic; see
         # operator_evidence). Without a key there is nothing to vouch for the evidence itself.
         if action.evidence is None:
-            if self.signer.enabled and (action.kind not in EVIDENCE_EXEMPT
-                                                 or action.decision_id is not None):
-                why = (f"{action.kind.value} action carries no evidence (the step, loss and gradient "
-                       "norm it was decided on); a state-changing action, and any action derived "
-                       "from a decision, must; action refused")
-                log.warning("spikeguard: refused %s action %s for run %s: no evidence", action.kind.value,
-                            action.action_id, action.run_id)
+            if self.signer.enabled and (
+                action.kind not in EVIDENCE_EXEMPT or action.decision_id is not None
+            ):
+                why = (
+                    f"{action.kind.value} action carries no evidence (the step, loss and gradient "
+                    "norm it was decided on); a state-changing action, and any action derived "
+                    "from a decision, must; action refused"
+                )
+                log.warning(
+                    "spikeguard: refused %s action %s for run %s: no evidence",
+                    action.kind.value,
+                    action.action_id,
+                    action.run_id,
+                )
                 return Outcome(action, AckStatus.REJECTED, step, why)
         else:
             problem = self.published.problem(action.evidence)
             if problem is not None:
-                log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
-                            action.action_id, action.run_id, problem)
+                log.warning(
+                    "spikeguard: refused %s action %s for run %s: %s",
+                    action.kind.value,
+                    action.action_id,
+                    action.run_id,
+                    problem,
+                )
                 return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
         # Published is not the same as anomalous: a decision's claim must be of the evidence's own
         # step, and this trainer's own statistics must agree the step was what the decision says.
@@ -161,8 +201,13 @@ class ActionQueue:
                 while len(self.agreed_incidents) > MAX_AGREED_INCIDENTS:
                     self.agreed_incidents.popitem(last=False)
             if problem is not None:
-                log.warning("spikeguard: refused %s action %s for run %s: %s", action.kind.value,
-                            action.action_id, action.run_id, problem)
+                log.warning(
+                    "spikeguard: refused %s action %s for run %s: %s",
+                    action.kind.value,
+                    action.action_id,
+                    action.run_id,
+                    problem,
+                )
                 return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
         if action.action_id in self.ledger:
             return Outcome(action, AckStatus.DUPLICATE, step, "already applied")
@@ -173,8 +218,11 @@ class ActionQueue:
 
     def due(self, step: int) -> list[Action]:
         """Remove and return the actions to apply at ``step`` (stable, by apply_at_step)."""
-        ready = [a for a in self.pending
-                 if a.apply_at_step <= step or (a.decision_id in self.urgent_decisions)]
+        ready = [
+            a
+            for a in self.pending
+            if a.apply_at_step <= step or (a.decision_id in self.urgent_decisions)
+        ]
         if ready:
             ids = {a.action_id for a in ready}
             self.pending = [a for a in self.pending if a.action_id not in ids]
@@ -190,10 +238,13 @@ class Steerable(Protocol):
     clipper: GradClipper
     optimizer: Any  # a torch optimizer, or a framework's wrapper with its param_groups
 
-    def rollback(self, target_step: int, checkpoint_id: str | None = None,
-                 onset_step: int | None = None) -> str: ...
+    def rollback(
+        self, target_step: int, checkpoint_id: str | None = None, onset_step: int | None = None
+    ) -> str: ...
 
-    def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str: ...
+    def skip_steps(
+        self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False
+    ) -> str: ...
 
     def request_checkpoint(self, action: Action, reason: str) -> None: ...
 
@@ -202,14 +253,21 @@ class Steerable(Protocol):
 
 def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
     """Apply one due action; None when the ack comes later (a checkpoint taken at step end)."""
-    late = f"late (due at step {action.apply_at_step}); " if action.apply_at_step < step and \
-        action.decision_id not in guard.actions.urgent_decisions else ""
+    late = (
+        f"late (due at step {action.apply_at_step}); "
+        if action.apply_at_step < step and action.decision_id not in guard.actions.urgent_decisions
+        else ""
+    )
     handler = guard.handlers.get(action.kind)
     try:
         if action.kind in HANDLER_ONLY:
             if handler is None:
-                return Outcome(action, AckStatus.UNHANDLED, step,
-                               f"no handler registered for {action.kind.value}")
+                return Outcome(
+                    action,
+                    AckStatus.UNHANDLED,
+                    step,
+                    f"no handler registered for {action.kind.value}",
+                )
             action.params.check()  # a user handler gets values the schema allows
             result = handler(action, guard) or "handled"
             return Outcome(action, AckStatus.APPLIED, step, late + str(result))
@@ -241,8 +299,12 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
             guard.actions.urgent_decisions.add(action.decision_id)
         return result
     if isinstance(p, SkipBatchesParams):
-        return guard.skip_steps(p.from_step, p.to_step, p.extra,
-                                after_rollback=action.decision_id in guard.actions.urgent_decisions)
+        return guard.skip_steps(
+            p.from_step,
+            p.to_step,
+            p.extra,
+            after_rollback=action.decision_id in guard.actions.urgent_decisions,
+        )
     if isinstance(p, ScaleLrParams):
         return f"lr scaled by {p.factor:g} -> {guard.lr.scale_by(p.factor):.3g}"
     if isinstance(p, SetLrParams):

@@ -35,9 +35,16 @@ class Acknowledgements:
 
     def send(self, outcome: Outcome) -> None:
         a, counters = outcome.action, self.run.counters
-        self.applied.append({"step": outcome.step, "epoch": self.run.generation, "kind": a.kind.value,
-                             "status": outcome.status.value, "result": outcome.result,
-                             "action_id": a.action_id})
+        self.applied.append(
+            {
+                "step": outcome.step,
+                "epoch": self.run.generation,
+                "kind": a.kind.value,
+                "status": outcome.status.value,
+                "result": outcome.result,
+                "action_id": a.action_id,
+            }
+        )
         if outcome.status is AckStatus.APPLIED:
             counters["actions_applied"] += 1
         counters["acks"] += 1
@@ -58,10 +65,20 @@ class Gate(NamedTuple):
 class ActionApplier:
     """Takes actions in from the inbox, applies the due ones at their step, acks each once."""
 
-    def __init__(self, run: RunCursor, *, actions: ActionQueue, ledger: ActionLedger,
-                 inbox: ActionInbox | None, waiter: DecisionWaiter | None, sync: RankSync,
-                 health: HealthTracker, checkpoints: CheckpointKeeper, acks: Acknowledgements,
-                 gate: Gate) -> None:
+    def __init__(
+        self,
+        run: RunCursor,
+        *,
+        actions: ActionQueue,
+        ledger: ActionLedger,
+        inbox: ActionInbox | None,
+        waiter: DecisionWaiter | None,
+        sync: RankSync,
+        health: HealthTracker,
+        checkpoints: CheckpointKeeper,
+        acks: Acknowledgements,
+        gate: Gate,
+    ) -> None:
         self.run = run
         self.actions = actions
         self.ledger = ledger
@@ -93,20 +110,29 @@ class ActionApplier:
         self.gate.weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
         for action in due:
             broken = self.actions.broken_plan(action)
-            if broken is not None and action.kind in STEERING and self.gate.withhold_reason(action) is not None:
+            if (
+                broken is not None
+                and action.kind in STEERING
+                and self.gate.withhold_reason(action) is not None
+            ):
                 broken = None  # withheld anyway (mode, budget): said and acked as withheld, as the rest was
             duplicate = self.rank == 0 and action.action_id in self.ledger
             if self.sync.enabled:  # rank 0's ledger decides for every rank
                 duplicate = self.sync.share(duplicate)
             if duplicate:
-                outcome: Outcome | None = Outcome(action, AckStatus.DUPLICATE, self.run.step_count,
-                                                  "already applied")
+                outcome: Outcome | None = Outcome(
+                    action, AckStatus.DUPLICATE, self.run.step_count, "already applied"
+                )
             elif broken is not None:  # its plan's rollback failed: the rest must not run without it
                 outcome = Outcome(action, AckStatus.FAILED, self.run.step_count, broken)
                 self.ledger.record(action.action_id)
             else:
-                if action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT:  # (an outlier's)
-                    self.checkpoints.keep_incident(action)  # before a rollback moves the data and the store
+                if (
+                    action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT
+                ):  # (an outlier's)
+                    self.checkpoints.keep_incident(
+                        action
+                    )  # before a rollback moves the data and the store
                 outcome = self.gate.apply_one(action)  # (the Guard's: mode, budget, said out loud)
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
@@ -131,12 +157,16 @@ class ActionApplier:
         with the same message, and the action is acked FAILED with it (a rollback agrees
         within itself, checkpointing.py, so it never gets here split).
         """
-        failed = outcome.result if outcome is not None and outcome.status is AckStatus.FAILED else None
+        failed = (
+            outcome.result if outcome is not None and outcome.status is AckStatus.FAILED else None
+        )
         errors = self.sync.outcomes(failed)
         if all(e is None for e in errors) or all(e is not None for e in errors):
             return outcome
-        message = (f"ranks disagree on {action.kind.value} {action.action_id}: "
-                   f"{failures(errors)}; the run stops")
+        message = (
+            f"ranks disagree on {action.kind.value} {action.action_id}: "
+            f"{failures(errors)}; the run stops"
+        )
         self.run.request_stop(message)
         return Outcome(action, AckStatus.FAILED, self.run.step_count, message)
 
@@ -148,4 +178,3 @@ class ActionApplier:
             if self.inbox is not None:
                 self.inbox.resolved(self.resolved)
             self.resolved = 0
-

@@ -42,8 +42,14 @@ def stage(state: Any, reuse: Any = None) -> Any:
     fresh allocations of the whole state cost page faults every checkpoint).
     """
     if isinstance(state, torch.Tensor):
-        if (isinstance(reuse, torch.Tensor) and reuse.shape == state.shape and reuse.dtype == state.dtype
-                and reuse.device.type == "cpu" and reuse.is_contiguous() and state.layout == torch.strided):
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == state.shape
+            and reuse.dtype == state.dtype
+            and reuse.device.type == "cpu"
+            and reuse.is_contiguous()
+            and state.layout == torch.strided
+        ):
             return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
@@ -55,7 +61,11 @@ def stage(state: Any, reuse: Any = None) -> Any:
             out._metadata = copy.deepcopy(state._metadata)
         return out
     if isinstance(state, (list, tuple)):
-        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        old = (
+            reuse
+            if isinstance(reuse, (list, tuple)) and len(reuse) == len(state)
+            else [None] * len(state)
+        )
         items = [stage(v, o) for v, o in zip(state, old)]
         return items if isinstance(state, list) else tuple(items)
     return copy.copy(state)  # numbers and strings are shared; anything mutable (numpy state) copied
@@ -85,7 +95,9 @@ class AsyncSaver:
     def __init__(self, store: CheckpointStore, enabled: bool = True) -> None:
         self.store = store
         self.enabled = enabled
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint") if enabled else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint") if enabled else None
+        )
         self._inflight: tuple[SaveJob, Future] | None = None
         self._finished: list[SaveResult] = []
         self._buffers: Any = None  # the last staged copy, reused once written

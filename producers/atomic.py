@@ -52,10 +52,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-_TEMP = re.compile(r"^\.(?P<target>.+)\.[^.]+\.tmp$")  # ".<target name>.<random>.tmp", as mkstemp names it
+_TEMP = re.compile(
+    r"^\.(?P<target>.+)\.[^.]+\.tmp$"
+)  # ".<target name>.<random>.tmp", as mkstemp names it
 
 
-def remove_stale_temps(directory: str | os.PathLike, owned: Callable[[str], bool] | None = None) -> int:
+def remove_stale_temps(
+    directory: str | os.PathLike, owned: Callable[[str], bool] | None = None
+) -> int:
     """Delete temp files left by a crash mid-write; returns how many.
 
     With ``owned(target_name)``, only the temps of files the caller writes: in a

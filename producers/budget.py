@@ -23,8 +23,9 @@ class Spend(NamedTuple):
 
 
 class RecoveryBudget:
-    def __init__(self, max_skip_share: float = 0.05, max_rerun_share: float = 0.10,
-                 min_steps: int = 400) -> None:
+    def __init__(
+        self, max_skip_share: float = 0.05, max_rerun_share: float = 0.10, min_steps: int = 400
+    ) -> None:
         self.max_skip_share = max_skip_share
         self.max_rerun_share = max_rerun_share
         self.min_steps = min_steps  # always allowed, each: a short run may still recover
@@ -33,11 +34,14 @@ class RecoveryBudget:
         """Why ``asked`` on top of ``spent`` is over budget for a run of ``planned_steps`` (None: it fits)."""
         planned = max(planned_steps, 1)
         for what, ask, used, share in (
-                ("re-run", asked.rerun_steps, spent.rerun_steps, self.max_rerun_share),
-                ("skip the data of", asked.skip_steps, spent.skip_steps, self.max_skip_share)):
+            ("re-run", asked.rerun_steps, spent.rerun_steps, self.max_rerun_share),
+            ("skip the data of", asked.skip_steps, spent.skip_steps, self.max_skip_share),
+        ):
             allowed = max(int(share * planned), self.min_steps)
             if ask > 0 and used + ask > allowed:
-                return (f"over the recovery budget: it would {what} {ask} steps, {used} already spent, "
-                        f"allowed {allowed} ({share:.0%} of {planned} planned steps, at least "
-                        f"{self.min_steps}; GuardConfig max_{'rerun' if what == 're-run' else 'skip'}_share)")
+                return (
+                    f"over the recovery budget: it would {what} {ask} steps, {used} already spent, "
+                    f"allowed {allowed} ({share:.0%} of {planned} planned steps, at least "
+                    f"{self.min_steps}; GuardConfig max_{'rerun' if what == 're-run' else 'skip'}_share)"
+                )
         return None

@@ -72,10 +72,25 @@ class Saved(NamedTuple):
 class CheckpointKeeper:
     """Saves, resumes and rollback loads of one Guard's state; acks the checkpoints asked for."""
 
-    def __init__(self, run: RunCursor, *, saver: AsyncSaver, parts: StateParts, ledger: ActionLedger,
-                 position: DataPosition, lr: LRControl, clipper: GradClipper, health: HealthTracker,
-                 incidents: IncidentRecorder, events: RunEvents, io_faults: IOFaults, sync: RankSync,
-                 config: GuardConfig, sharded: bool, ack: Callable[[Outcome], None]) -> None:
+    def __init__(
+        self,
+        run: RunCursor,
+        *,
+        saver: AsyncSaver,
+        parts: StateParts,
+        ledger: ActionLedger,
+        position: DataPosition,
+        lr: LRControl,
+        clipper: GradClipper,
+        health: HealthTracker,
+        incidents: IncidentRecorder,
+        events: RunEvents,
+        io_faults: IOFaults,
+        sync: RankSync,
+        config: GuardConfig,
+        sharded: bool,
+        ack: Callable[[Outcome], None],
+    ) -> None:
         self.run = run
         self.saver = saver
         self.parts = parts
@@ -92,7 +107,9 @@ class CheckpointKeeper:
         self.config = config
         self.sharded = sharded  # a sharded model's shards are read collectively (parts.read)
         self.ack = ack
-        self.requests: list[tuple[Action, str]] = []  # checkpoints actions asked for, taken at step end
+        self.requests: list[
+            tuple[Action, str]
+        ] = []  # checkpoints actions asked for, taken at step end
 
     @property
     def store(self) -> CheckpointStore:
@@ -119,13 +136,23 @@ class CheckpointKeeper:
             finished = peek is not None and bool(peek.get("finished"))
             newest = self.store.newest()
             if mode is ResumeMode.MUST and (finished or newest is None):
-                decision = ("refuse", f"resume='must': run {run.run_id} has "
-                            f"{'only a finished run' if finished else 'no checkpoint'} in "
-                            f"{self.store.directory} to resume")
-            elif finished or (mode is ResumeMode.NEVER and (peek is not None or newest is not None)):
-                archived = lifecycle.archive_finished(self.store.directory)  # the directory is shared
-                log.warning(lifecycle.finished_message(run.run_id, peek or {}, archived) if finished
-                            else lifecycle.fresh_message(run.run_id, archived))
+                decision = (
+                    "refuse",
+                    f"resume='must': run {run.run_id} has "
+                    f"{'only a finished run' if finished else 'no checkpoint'} in "
+                    f"{self.store.directory} to resume",
+                )
+            elif finished or (
+                mode is ResumeMode.NEVER and (peek is not None or newest is not None)
+            ):
+                archived = lifecycle.archive_finished(
+                    self.store.directory
+                )  # the directory is shared
+                log.warning(
+                    lifecycle.finished_message(run.run_id, peek or {}, archived)
+                    if finished
+                    else lifecycle.fresh_message(run.run_id, archived)
+                )
                 decision = "fresh"
             elif mode is ResumeMode.NEVER:
                 decision = "fresh"
@@ -143,14 +170,22 @@ class CheckpointKeeper:
             run.step_count, run.generation = info.step, info.epoch
             log.warning(lifecycle.resume_message(run.run_id, info, self.store.directory))
         elif decision:
-            log.error("spikeguard: run %s: none of its %d checkpoints could be read on every rank "
-                      "(%s); training from step 0", run.run_id, len(decision), "; ".join(loaded.passed))
-        run.generation = max(run.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
+            log.error(
+                "spikeguard: run %s: none of its %d checkpoints could be read on every rank "
+                "(%s); training from step 0",
+                run.run_id,
+                len(decision),
+                "; ".join(loaded.passed),
+            )
+        run.generation = max(
+            run.generation, apply_restart_facts(side, self.position, self.lr, self.clipper)
+        )
         return info
 
     # -- which checkpoint: decided once, by rank 0; loaded by every rank or by none ------
-    def rollback_candidates(self, target_step: int, checkpoint_id: str | None,
-                            onset_step: int | None = None) -> tuple[list[Candidate], str]:
+    def rollback_candidates(
+        self, target_step: int, checkpoint_id: str | None, onset_step: int | None = None
+    ) -> tuple[list[Candidate], str]:
         """Rank 0's choice for a rollback to ``target_step``, and the older healthy ones to fall
         back to, newest first; with a note when the named checkpoint is not the one chosen.
 
@@ -169,8 +204,10 @@ class CheckpointKeeper:
             before = [c for c in self.store.list(0) if c.healthy and c.step < onset_step]
             if before:
                 info = before[-1]  # the list is newest first
-                note = (f" (checkpoint {checkpoint_id or 'at step ' + str(target_step)} is not on disk "
-                        f"any more; the oldest healthy one before the onset {onset_step})")
+                note = (
+                    f" (checkpoint {checkpoint_id or 'at step ' + str(target_step)} is not on disk "
+                    f"any more; the oldest healthy one before the onset {onset_step})"
+                )
         if info is None:
             return [], note
         older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]
@@ -204,8 +241,13 @@ class CheckpointKeeper:
                     error = f"{type(exc).__name__}: {exc}"[:1000]
                 error = self.sync.agree(error)
             if error is not None:
-                log.error("spikeguard: checkpoint %s (step %d) cannot be loaded: %s; trying the next "
-                          "older one", cand.checkpoint_id, cand.step, error)
+                log.error(
+                    "spikeguard: checkpoint %s (step %d) cannot be loaded: %s; trying the next "
+                    "older one",
+                    cand.checkpoint_id,
+                    cand.step,
+                    error,
+                )
                 passed.append(f"step {cand.step} ({cand.checkpoint_id}): {error}")
                 continue
             try:
@@ -215,7 +257,9 @@ class CheckpointKeeper:
                 error = f"{type(exc).__name__}: {exc}"[:1000]
             error = self.sync.agree(error)
             if error is not None:  # some rank's state is half loaded: no rank trains on
-                message = f"loading checkpoint {cand.checkpoint_id} (step {cand.step}) failed: {error}"
+                message = (
+                    f"loading checkpoint {cand.checkpoint_id} (step {cand.step}) failed: {error}"
+                )
                 self.run.request_stop(message)
                 raise ActionFailed(message + "; the run stops")
             return Loaded(info, passed)
@@ -225,8 +269,9 @@ class CheckpointKeeper:
         """The applied action ids and the run's restart facts, to the ledger file (rank 0)."""
         if self.rank == 0:
             run = self.run
-            facts = restart_facts(run.run_id, run.generation, run.step_count, self.position, self.lr,
-                                  self.clipper)
+            facts = restart_facts(
+                run.run_id, run.generation, run.step_count, self.position, self.lr, self.clipper
+            )
             if run.finished:
                 facts["finished"] = lifecycle.finished_fact(run.step_count, run.generation, "close")
             self.ledger.persist(facts)
@@ -265,14 +310,24 @@ class CheckpointKeeper:
         except Exception as exc:  # noqa: BLE001 - running out of memory for the copy must not kill training
             log.exception("spikeguard: checkpoint failed")
             for action, _ in requests:
-                self.ack(Outcome(action, AckStatus.FAILED, self.run.step_count, f"checkpoint failed: {exc!r}"))
+                self.ack(
+                    Outcome(
+                        action, AckStatus.FAILED, self.run.step_count, f"checkpoint failed: {exc!r}"
+                    )
+                )
 
     def save(self, reason: str, requests: list[Action] | None = None) -> SaveJob:
         """Copy the state now; the write happens in the background (AsyncSaver)."""
         run = self.run
         healthy = self.health.healthy(run.step_count) and reason not in ("emergency",)
-        job = SaveJob(run.step_count, run.generation, healthy, reason,
-                      self.position.state_dict()["position"], list(requests or ()))
+        job = SaveJob(
+            run.step_count,
+            run.generation,
+            healthy,
+            reason,
+            self.position.state_dict()["position"],
+            list(requests or ()),
+        )
         self.saver.submit(lambda: self.parts.state_dict(self.rank), job)
         run.counters["checkpoints"] += 1
         run.finished = run.finished or reason == "final"
@@ -291,11 +346,21 @@ class CheckpointKeeper:
                 result, status = f"checkpoint failed: {r.error!r}", AckStatus.FAILED
             else:
                 self.io_faults.worked(IOKind.CHECKPOINT)
-                event = CheckpointEvent(run_id=self.run.run_id, step=job.step, epoch=job.epoch,
-                                        checkpoint_id=info.checkpoint_id, path=str(info.path),
-                                        healthy=job.healthy, batch_index=job.batch_index, reason=job.reason)
+                event = CheckpointEvent(
+                    run_id=self.run.run_id,
+                    step=job.step,
+                    epoch=job.epoch,
+                    checkpoint_id=info.checkpoint_id,
+                    path=str(info.path),
+                    healthy=job.healthy,
+                    batch_index=job.batch_index,
+                    reason=job.reason,
+                )
                 self.events.checkpoint(event, r.removed)
-                result, status = f"checkpoint {event.checkpoint_id} at step {job.step}", AckStatus.APPLIED
+                result, status = (
+                    f"checkpoint {event.checkpoint_id} at step {job.step}",
+                    AckStatus.APPLIED,
+                )
             for action in job.requests:
                 self.ack(Outcome(action, status, job.step, result))
             done.append(Saved(r, event))
@@ -316,9 +381,13 @@ class CheckpointKeeper:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
             # Fusion's onset, the one the report shows; without it, the earliest it could be.
             onset = action.incident_onset_step
-            self.incidents.incident(action.incident_id,
-                                    self.onset_of(action) if onset is None else onset, self.run.generation,
-                                    self.run.step_count, self.store.newest_healthy)
+            self.incidents.incident(
+                action.incident_id,
+                self.onset_of(action) if onset is None else onset,
+                self.run.generation,
+                self.run.step_count,
+                self.store.newest_healthy,
+            )
 
     def incident_found(self, action: Action) -> None:
         """An anomaly action that names an incident: the incident began up to
@@ -333,10 +402,20 @@ class CheckpointKeeper:
         # (demote: steps after the onset; the one at the onset holds the state before it, still good)
         try:
             demoted: list[CheckpointInfo] = self.store.demote(onset, self.run.generation)
-        except OSError as exc:  # a read-only directory: they keep their names (the policy's rollback
+        except (
+            OSError
+        ) as exc:  # a read-only directory: they keep their names (the policy's rollback
             self.io_faults.failed(IOKind.CHECKPOINT, exc)  # targets lie before the onset anyway)
             return
         for info in demoted:
-            self.events.checkpoint(CheckpointEvent(
-                run_id=self.run.run_id, step=info.step, epoch=info.epoch, checkpoint_id=info.checkpoint_id,
-                path=str(info.path), healthy=False), [])
+            self.events.checkpoint(
+                CheckpointEvent(
+                    run_id=self.run.run_id,
+                    step=info.step,
+                    epoch=info.epoch,
+                    checkpoint_id=info.checkpoint_id,
+                    path=str(info.path),
+                    healthy=False,
+                ),
+                [],
+            )

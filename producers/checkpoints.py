@@ -108,7 +108,9 @@ class CheckpointInfo:
 class CheckpointStore:
     """The checkpoints of one run (as one rank sees them) in one directory."""
 
-    def __init__(self, directory: str | os.PathLike, run_id: str, keep: int = 3, rank: int = 0) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, run_id: str, keep: int = 3, rank: int = 0
+    ) -> None:
         #: What the last save rotated out (the guard tells the actuator).
         self.removed: list[CheckpointInfo] = []
         self.directory = Path(directory)
@@ -135,8 +137,11 @@ class CheckpointStore:
             file_rank = int(m.group(5)) if m.group(5) is not None else 0
             if file_rank != rank:
                 continue
-            found.append(CheckpointInfo(m.group(4), int(m.group(2)), int(m.group(1)),
-                                        m.group(3) == "h", path, file_rank))
+            found.append(
+                CheckpointInfo(
+                    m.group(4), int(m.group(2)), int(m.group(1)), m.group(3) == "h", path, file_rank
+                )
+            )
         return sorted(found, key=lambda c: c.order, reverse=True)
 
     def newest(self) -> CheckpointInfo | None:
@@ -153,15 +158,24 @@ class CheckpointStore:
         return None
 
     # -- writing --------------------------------------------------------------
-    def save(self, payload: dict[str, Any], *, step: int, epoch: int, healthy: bool) -> CheckpointInfo:
+    def save(
+        self, payload: dict[str, Any], *, step: int, epoch: int, healthy: bool
+    ) -> CheckpointInfo:
         """Write ``payload`` atomically (this rank's file), then rotate."""
         cid = checkpoint_id(self.run_id, step, epoch)
         suffix = f".rank{self.rank}.pt" if self.rank else ".pt"
         name = f"ckpt-e{epoch:05d}-s{step:010d}-{'h' if healthy else 'u'}-{cid}{suffix}"
         path = self.directory / name
         payload = self._save_shards(payload, cid)
-        body = dict(payload, format=FORMAT, checkpoint_id=cid, step=step, epoch=epoch,
-                    healthy=healthy, run_id=self.run_id)
+        body = dict(
+            payload,
+            format=FORMAT,
+            checkpoint_id=cid,
+            step=step,
+            epoch=epoch,
+            healthy=healthy,
+            run_id=self.run_id,
+        )
         checksum = self.sum_path(cid)
         checksum.unlink(missing_ok=True)  # (a stale one must not vouch for the new file)
         hashing: list[_Hashing] = []
@@ -169,6 +183,7 @@ class CheckpointStore:
         def write(handle: Any) -> None:
             hashing.append(_Hashing(handle))
             torch.save(body, hashing[0])
+
         atomic_write(path, write)
         atomic_write_bytes(checksum, hashing[0].sha256.hexdigest().encode())
         info = CheckpointInfo(cid, step, epoch, healthy, path, self.rank)
@@ -185,9 +200,13 @@ class CheckpointStore:
         demoted = []
         for c in self.list():
             if c.healthy and c.epoch == epoch and c.step > after_step:
-                path = c.path.with_name(c.path.name.replace(f"-s{c.step:010d}-h-", f"-s{c.step:010d}-u-", 1))
+                path = c.path.with_name(
+                    c.path.name.replace(f"-s{c.step:010d}-h-", f"-s{c.step:010d}-u-", 1)
+                )
                 os.replace(c.path, path)
-                demoted.append(CheckpointInfo(c.checkpoint_id, c.step, c.epoch, False, path, c.rank))
+                demoted.append(
+                    CheckpointInfo(c.checkpoint_id, c.step, c.epoch, False, path, c.rank)
+                )
         return demoted
 
     def rotate(self) -> list[CheckpointInfo]:
@@ -223,8 +242,11 @@ class CheckpointStore:
 
     def _save_shards(self, payload: dict[str, Any], cid: str) -> dict[str, Any]:
         """Write the parts' ``DCP_KEY`` state with dcp.save (collective); their path stays in the file."""
-        sharded = {name: part[DCP_KEY] for name, part in payload.items()
-                   if isinstance(part, dict) and DCP_KEY in part}
+        sharded = {
+            name: part[DCP_KEY]
+            for name, part in payload.items()
+            if isinstance(part, dict) and DCP_KEY in part
+        }
         if not sharded:
             return payload
         if len(sharded) > 1:
@@ -232,9 +254,13 @@ class CheckpointStore:
         import torch.distributed.checkpoint as dcp
 
         target = self.shard_dir(cid)
-        dcp.save(next(iter(sharded.values())), checkpoint_id=str(target))  # the part loads it as it is
-        return {name: dict(part, **{DCP_KEY: target.name}) if name in sharded else part
-                for name, part in payload.items()}
+        dcp.save(
+            next(iter(sharded.values())), checkpoint_id=str(target)
+        )  # the part loads it as it is
+        return {
+            name: dict(part, **{DCP_KEY: target.name}) if name in sharded else part
+            for name, part in payload.items()
+        }
 
     def _with_shard_paths(self, body: dict[str, Any]) -> dict[str, Any]:
         for part in body.values():
@@ -245,7 +271,7 @@ class CheckpointStore:
     def _remove_orphan_shards(self) -> None:
         known = {c.checkpoint_id for c in self.list(0)}
         for path in self.directory.glob("dcp-c-*"):
-            if path.is_dir() and path.name[len("dcp-"):] not in known:
+            if path.is_dir() and path.name[len("dcp-") :] not in known:
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- reading --------------------------------------------------------------
@@ -258,27 +284,42 @@ class CheckpointStore:
         body = self._read(info.path, self.sum_path(info.checkpoint_id, 0))
         if body.get("format") == 1:  # the guard's parts were nested then
             nested = body.pop("guard", {})
-            body.update(lr=nested.get("lr"), clip=nested.get("clip"), health=nested.get("health"),
-                        ledger=nested.get("ledger"), format=FORMAT)
+            body.update(
+                lr=nested.get("lr"),
+                clip=nested.get("clip"),
+                health=nested.get("health"),
+                ledger=nested.get("ledger"),
+                format=FORMAT,
+            )
         if body.get("format") != FORMAT:
-            raise CheckpointUnreadable(f"{info.path.name}: unknown checkpoint format {body.get('format')!r}")
+            raise CheckpointUnreadable(
+                f"{info.path.name}: unknown checkpoint format {body.get('format')!r}"
+            )
         if self.rank:
-            companion = next((c for c in self.list() if c.checkpoint_id == info.checkpoint_id), None)
+            companion = next(
+                (c for c in self.list() if c.checkpoint_id == info.checkpoint_id), None
+            )
             if companion is None:
-                raise CheckpointUnreadable(f"checkpoint {info.checkpoint_id} (step {info.step}) has no "
-                                           f"state of rank {self.rank} (its companion file is missing)")
-            body["rank_state"] = self._with_shard_paths(self._read(companion.path, self.sum_path(
-                info.checkpoint_id)))
+                raise CheckpointUnreadable(
+                    f"checkpoint {info.checkpoint_id} (step {info.step}) has no "
+                    f"state of rank {self.rank} (its companion file is missing)"
+                )
+            body["rank_state"] = self._with_shard_paths(
+                self._read(companion.path, self.sum_path(info.checkpoint_id))
+            )
         return self._with_shard_paths(body)
 
     def _read(self, path: Path, checksum: Path) -> dict[str, Any]:
         try:
             expected = checksum.read_text().strip() if checksum.exists() else None
             if expected is not None and file_sha256(path) != expected:
-                raise CheckpointUnreadable(f"{path.name}: checksum mismatch (the file is truncated "
-                                           "or altered)")
+                raise CheckpointUnreadable(
+                    f"{path.name}: checksum mismatch (the file is truncated or altered)"
+                )
             return torch.load(path, map_location="cpu", weights_only=True)
         except CheckpointUnreadable:
             raise
         except Exception as exc:  # noqa: BLE001 - any read error: this checkpoint is unusable here
-            raise CheckpointUnreadable(f"{path.name}: cannot be read: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointUnreadable(
+                f"{path.name}: cannot be read: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -77,8 +77,14 @@ class GradClipper:
         return factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {"max_norm": self.max_norm, "z": self.z, "mean": self.mean, "var": self.var,
-                "count": self.count, "clipped": self.clipped}
+        return {
+            "max_norm": self.max_norm,
+            "z": self.z,
+            "mean": self.mean,
+            "var": self.var,
+            "count": self.count,
+            "clipped": self.clipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.max_norm = state.get("max_norm")

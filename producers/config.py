@@ -54,83 +54,109 @@ class GuardConfig(BaseModel):
         50, ge=0, description="steps between periodic checkpoints; 0 = only on demand"
     )
     keep_checkpoints: int = Field(
-        4, ge=1, le=1000, description="newest checkpoints kept, plus always the newest healthy one; "
-        "(keep - 1) x checkpoint_every must cover the policy's rollback distance + detection_delay_steps"
+        4,
+        ge=1,
+        le=1000,
+        description="newest checkpoints kept, plus always the newest healthy one; "
+        "(keep - 1) x checkpoint_every must cover the policy's rollback distance + detection_delay_steps",
     )
     detection_delay_steps: int = Field(
-        25, ge=0, description="steps from an incident's onset to the rollback that answers it "
-        "(patience + pipeline lag): the kept checkpoints must reach this much further back"
+        25,
+        ge=0,
+        description="steps from an incident's onset to the rollback that answers it "
+        "(patience + pipeline lag): the kept checkpoints must reach this much further back",
     )
     preset: str | None = Field(
-        None, description="the run's model profile (small, medium, large; see `spikeguard presets`); "
-        "None: SPIKEGUARD_PRESET if set"
+        None,
+        description="the run's model profile (small, medium, large; see `spikeguard presets`); "
+        "None: SPIKEGUARD_PRESET if set",
     )
     policy: dict[str, Any] = Field(
         default_factory=dict, description="the run's PolicyConfig overrides, over the preset's"
     )
     async_checkpoint: bool = Field(
-        True, description="write checkpoints on a background thread (the step only copies the state "
-        "to CPU memory); at most one write in flight, a save due meanwhile waits for it"
+        True,
+        description="write checkpoints on a background thread (the step only copies the state "
+        "to CPU memory); at most one write in flight, a save due meanwhile waits for it",
     )
     resume: ResumeMode = Field(
-        ResumeMode.AUTO, description="auto: resume an unfinished run of this run_id, start a finished "
+        ResumeMode.AUTO,
+        description="auto: resume an unfinished run of this run_id, start a finished "
         "one afresh (its files moved aside); must: resume or raise; never: always start from step 0 "
-        "(earlier files moved aside). One WARNING line says what happened. true/false mean auto/never"
+        "(earlier files moved aside). One WARNING line says what happened. true/false mean auto/never",
     )
     mode: GuardMode = Field(
-        GuardMode.PROTECT, description="protect: apply what the pipeline decides; observe: log, report "
+        GuardMode.PROTECT,
+        description="protect: apply what the pipeline decides; observe: log, report "
         "and count what it would do, apply nothing (a first run); skip-only: only the Guard's own "
-        "update skips"
+        "update skips",
     )
     loggers: list[Literal["tensorboard", "wandb"]] = Field(
-        default_factory=list, description="also send every action taken or withheld to TensorBoard "
+        default_factory=list,
+        description="also send every action taken or withheld to TensorBoard "
         "(needs the tensorboard package; SummaryWriter's default runs/ directory) and/or the active "
-        "W&B run (wandb.log, spikeguard/ keys); a missing one is said once and skipped"
+        "W&B run (wandb.log, spikeguard/ keys); a missing one is said once and skipped",
     )
     max_skip_share: float = Field(
-        0.05, ge=0.0, le=1.0, description="recovery budget: the share of the run's steps whose data "
-        "skip windows may skip; an action past it is refused with a WARNING (the pipeline alerts)"
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="recovery budget: the share of the run's steps whose data "
+        "skip windows may skip; an action past it is refused with a WARNING (the pipeline alerts)",
     )
     max_rerun_share: float = Field(
-        0.10, ge=0.0, le=1.0, description="recovery budget: the share of the run's steps rollbacks "
-        "may re-run; a rollback past it is refused with a WARNING (the pipeline alerts)"
+        0.10,
+        ge=0.0,
+        le=1.0,
+        description="recovery budget: the share of the run's steps rollbacks "
+        "may re-run; a rollback past it is refused with a WARNING (the pipeline alerts)",
     )
     recovery_min_steps: int = Field(
-        400, ge=0, description="recovery budget floor: re-running or skipping up to this many steps "
+        400,
+        ge=0,
+        description="recovery budget floor: re-running or skipping up to this many steps "
         "(each) is always within budget, however short the run; one recovery of the default policy "
         "(a rollback at least 100 steps before the onset, the window from the onset plus 200 "
-        "batches skipped) fits it, so the budget bounds repeated recoveries, not the first one"
+        "batches skipped) fits it, so the budget bounds repeated recoveries, not the first one",
     )
     max_grad_norm: float | None = Field(
-        None, gt=0.0, description="the Guard clips gradients at this total norm after measuring them "
+        None,
+        gt=0.0,
+        description="the Guard clips gradients at this total norm after measuring them "
         "(use it instead of your own clip_grad_norm_ before guard.step, which would hide the true "
-        "norm from the detectors); None: no clipping of the Guard's own unless an action asks"
+        "norm from the detectors); None: no clipping of the Guard's own unless an action asks",
     )
     unprotected_after_s: float = Field(
-        30.0, gt=0, description="a published step the pipeline has not judged (no signed pulse from "
+        30.0,
+        gt=0,
+        description="a published step the pipeline has not judged (no signed pulse from "
         "the actuator) for this long makes the run unprotected: one WARNING naming the likely causes "
-        "and spikeguard_trainer_unprotected=1; training goes on with the local protections"
+        "and spikeguard_trainer_unprotected=1; training goes on with the local protections",
     )
     top_k_layers: int = Field(
         5, ge=0, le=64, description="largest per-parameter gradient norms reported per step"
     )
     param_norm: bool = Field(
-        False, description="report the total parameter norm (one norm pass over the parameters, on "
-        "device, read with the step's statistics); off by default: no default detector reads it"
+        False,
+        description="report the total parameter norm (one norm pass over the parameters, on "
+        "device, read with the step's statistics); off by default: no default detector reads it",
     )
     update_norm: bool = Field(
-        False, description="off by default (no default detector reads it, and on the measured runs "
+        False,
+        description="off by default (no default detector reads it, and on the measured runs "
         "it warned no earlier than the LR does: docs/detection.md); report the norm of the parameter "
         "change each optimizer step made "
         "(producers/update_norm.py): costs one device copy of the parameters (this rank's shards) "
         "and three passes over them per step, no extra device-to-host transfer; the event of step s "
-        "carries step s-1's update, 0 when that update was skipped"
+        "carries step s-1's update, 0 when that update was skipped",
     )
     skip_nonfinite: bool = Field(
         True, description="skip the optimizer update at once on a non-finite loss or gradient"
     )
     incident_window: int = Field(
-        10, ge=0, description="checkpoints within this many steps of a non-finite value are unhealthy"
+        10,
+        ge=0,
+        description="checkpoints within this many steps of a non-finite value are unhealthy",
     )
     healthy_stretch: int = Field(
         25,
@@ -138,7 +164,10 @@ class GuardConfig(BaseModel):
         description="finite steps needed after an anomaly action before checkpoints count as healthy",
     )
     clip_beta: float = Field(
-        0.98, gt=0.0, lt=1.0, description="EMA decay of the gradient-norm baseline (adaptive clipping)"
+        0.98,
+        gt=0.0,
+        lt=1.0,
+        description="EMA decay of the gradient-norm baseline (adaptive clipping)",
     )
     clip_warmup: int = Field(
         25, ge=1, description="gradient norms observed before adaptive clipping may clip"
@@ -178,7 +207,10 @@ class GuardConfig(BaseModel):
         4096, ge=16, description="recent steps whose batch index is remembered (for skips)"
     )
     verify_reruns: int = Field(
-        0, ge=0, le=1, description="re-run a non-finite or outlier step once from the same state to tell "
+        0,
+        ge=0,
+        le=1,
+        description="re-run a non-finite or outlier step once from the same state to tell "
         "a flaky device (transient: the re-run's update applied when its values are clean, else "
         "skipped; no rollback) from bad data (reproducible); needs "
         "guard.step(loss, closure=...); costs one forward+backward per such step (producers/rerun.py)",
@@ -196,7 +228,9 @@ class GuardConfig(BaseModel):
         True, description="skip the update of an isolated outlier step at once (local rule)"
     )
     skip_max_run: int = Field(
-        2, ge=1, description="outliers in a row still skipped; a longer run is not isolated, and "
+        2,
+        ge=1,
+        description="outliers in a row still skipped; a longer run is not isolated, and "
         "is left to the pipeline (the rule then learns it)",
     )
 

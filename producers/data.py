@@ -72,11 +72,19 @@ class GuardedLoader:
     to a resume or rollback point, skip ranges).
     """
 
-    def __init__(self, loader: Any, *, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 epochs: int | None = None, stop_when: Callable[[], bool] | None = None,
-                 before_batch: Callable[[], None] | None = None,
-                 on_batch: Callable[[Any, bool], None] | None = None,
-                 on_open: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        epochs: int | None = None,
+        stop_when: Callable[[], bool] | None = None,
+        before_batch: Callable[[], None] | None = None,
+        on_batch: Callable[[Any, bool], None] | None = None,
+        on_open: Callable[[], None] | None = None,
+    ) -> None:
         self.loader = loader
         # The order's seed is the guard's (its data_seed), even where the user passed a generator:
         # that generator is re-seeded per epoch from it, so a second wrapper of the same loader
@@ -130,12 +138,18 @@ class GuardedLoader:
         return any(a <= index <= b for a, b in self.skip_ranges)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges],
-                "seed": self.seed, "batches_per_epoch": self.batches_per_epoch}
+        return {
+            "position": self.position,
+            "skip_ranges": [list(r) for r in self.skip_ranges],
+            "seed": self.seed,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state.get("seed", self.seed))
-        self.skip_ranges = merge_ranges(self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())])
+        self.skip_ranges = merge_ranges(
+            self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())]
+        )
         self.seek(int(state["position"]))
 
     def data_end(self) -> int | None:
@@ -169,8 +183,11 @@ class GuardedLoader:
                 raise StopIteration
             if self.before_batch is not None:
                 self.before_batch()
-            if self._iter is None or self._next_index > self.position or (
-                    self.batches_per_epoch and self.position >= self._epoch_end):
+            if (
+                self._iter is None
+                or self._next_index > self.position
+                or (self.batches_per_epoch and self.position >= self._epoch_end)
+            ):
                 self._open(self.position)  # behind us (a rollback) or in another epoch: start over
             try:
                 index, batch = self._advance()
@@ -207,10 +224,17 @@ class GuardedLoader:
     def _say_new_pass(self, epoch: int, first: int) -> None:
         """Another pass over the data to reach max_steps: a WARNING when skip windows made it needed."""
         bpe = self.batches_per_epoch or 0
-        skipped = sum(max(0, min(b, first - 1) - max(a, first - bpe) + 1) for a, b in self.skip_ranges)
+        skipped = sum(
+            max(0, min(b, first - 1) - max(a, first - bpe) + 1) for a, b in self.skip_ranges
+        )
         if skipped:
-            log.warning("spikeguard: skip windows dropped %d batches of data epoch %d: re-reading the data "
-                        "from its start (data epoch %d) to reach max_steps", skipped, epoch - 1, epoch)
+            log.warning(
+                "spikeguard: skip windows dropped %d batches of data epoch %d: re-reading the data "
+                "from its start (data epoch %d) to reach max_steps",
+                skipped,
+                epoch - 1,
+                epoch,
+            )
         else:
             log.info("spikeguard: data epoch %d begins (reading on to max_steps)", epoch)
 
@@ -263,7 +287,9 @@ class GuardedLoader:
         """Tell the loader which data epoch starts, and seed what it would draw from the global RNG."""
         loader = self.loader
         samplers = _samplers(loader)
-        if callable(getattr(loader, "set_epoch", None)):  # accelerate's DataLoaderShard passes it on
+        if callable(
+            getattr(loader, "set_epoch", None)
+        ):  # accelerate's DataLoaderShard passes it on
             loader.set_epoch(epoch)
         else:
             for s in samplers:
@@ -290,7 +316,11 @@ def _samplers(loader: Any) -> list[Any]:
     """The loader's sampler objects (sampler, batch sampler, the batch sampler's sampler), once each."""
     found: list[Any] = []
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for s in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+    for s in (
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ):
         if s is not None and not any(s is f for f in found):
             found.append(s)
     return found

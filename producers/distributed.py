@@ -49,7 +49,9 @@ except ImportError:  # pragma: no cover - a torch built without distributed
 class RankSync:
     def __init__(self, group: Any = None) -> None:
         self.group = group
-        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.enabled = (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        )
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
         self.device = torch.device("cpu")
@@ -62,8 +64,13 @@ class RankSync:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
-    def flags(self, local_nonfinite: torch.Tensor, due: bool, loss: torch.Tensor,
-              grad_norm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def flags(
+        self,
+        local_nonfinite: torch.Tensor,
+        due: bool,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Every rank's flags, loss and gradient norm, combined; on device, not synced.
 
         ``any_nonfinite``: some rank saw a non-finite loss or gradient; ``any_due``:
@@ -76,15 +83,23 @@ class RankSync:
         One all-gather of a fixed-length vector per rank: its shape never depends on
         the rank (which gradients it has, whether it has any).
         """
+
         def finite(t: torch.Tensor | None) -> torch.Tensor:
             if t is None:
                 return torch.tensor(-1.0, device=self.device)  # no gradient: below any norm
             t = t.detach().to(self.device).float().reshape(())
             return torch.where(torch.isfinite(t), t, torch.full_like(t, float("inf")))
+
         raw_loss = loss.detach().to(self.device).float().reshape(())
-        vec = torch.stack([local_nonfinite.to(self.device).float().reshape(()),
-                           torch.tensor(1.0 if due else 0.0, device=self.device),
-                           finite(loss), finite(grad_norm), raw_loss])
+        vec = torch.stack(
+            [
+                local_nonfinite.to(self.device).float().reshape(()),
+                torch.tensor(1.0 if due else 0.0, device=self.device),
+                finite(loss),
+                finite(grad_norm),
+                raw_loss,
+            ]
+        )
         if self.enabled:
             gathered = [torch.empty_like(vec) for _ in range(self.world_size)]
             dist.all_gather(gathered, vec, group=self.group)
@@ -93,9 +108,15 @@ class RankSync:
             rows = vec.reshape(1, -1)
         top = rows.max(dim=0).values
         losses = rows[:, 4]
-        return {"any_nonfinite": top[0], "any_due": top[1], "max_loss": top[2], "max_grad_norm": top[3],
-                # (torch.max propagates NaN; the mean of the ranks' losses is the global batch's)
-                "run_loss": losses.max(), "mean_loss": losses.mean()}
+        return {
+            "any_nonfinite": top[0],
+            "any_due": top[1],
+            "max_loss": top[2],
+            "max_grad_norm": top[3],
+            # (torch.max propagates NaN; the mean of the ranks' losses is the global batch's)
+            "run_loss": losses.max(),
+            "mean_loss": losses.mean(),
+        }
 
     def broadcast(self, payload: list[dict] | None) -> list[dict]:
         """Rank 0's ``payload`` on every rank."""
@@ -143,8 +164,9 @@ def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
-def sharded_norms(tensors: Sequence[torch.Tensor | None],
-                  like: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def sharded_norms(
+    tensors: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
     """The 2-norm of every whole tensor, on device, from this rank's slices: one all-reduce.
 
     Plain tensors beside the DTensors count as replicated (rank 0's copy). ``None``
@@ -156,12 +178,16 @@ def sharded_norms(tensors: Sequence[torch.Tensor | None],
     tensors = [None if t is None else _no_partial(t) for t in tensors]
     present = [t for t in tensors if t is not None]
     group, coordinate = _mesh_group(list(like) if like is not None else present)
-    squares_of = iter(torch.stack([n.float() for n in torch._foreach_norm(local_tensors(present))]) ** 2
-                      if present else [])
+    squares_of = iter(
+        torch.stack([n.float() for n in torch._foreach_norm(local_tensors(present))]) ** 2
+        if present
+        else []
+    )
     zero = torch.zeros((), device=_device(present or like))
     squares = torch.stack([next(squares_of) if t is not None else zero for t in tensors])
-    weights = torch.tensor([0.0 if t is None else _weight(t, coordinate) for t in tensors],
-                           device=squares.device)
+    weights = torch.tensor(
+        [0.0 if t is None else _weight(t, coordinate) for t in tensors], device=squares.device
+    )
     squares = squares * weights
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     return squares.sqrt()
@@ -177,7 +203,9 @@ def _no_partial(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
         from torch.distributed.tensor import Replicate
 
-        return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+        return t.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in t.placements]
+        )
     return t
 
 
@@ -188,14 +216,20 @@ def _mesh_group(tensors: Sequence[torch.Tensor]) -> tuple[Any, int]:
         if isinstance(t, DTensor) and not any(t.device_mesh == m for m in meshes):
             meshes.append(t.device_mesh)
     if len(meshes) != 1:
-        raise ValueError(f"sharded gradient norms need every DTensor on one device mesh, found {len(meshes)}")
+        raise ValueError(
+            f"sharded gradient norms need every DTensor on one device mesh, found {len(meshes)}"
+        )
     mesh = meshes[0]
     if mesh.ndim == 1:
         return mesh.get_group(), mesh.get_local_rank()
-    if mesh.size() == dist.get_world_size():  # an N-d mesh over every rank: the default group spans it
+    if (
+        mesh.size() == dist.get_world_size()
+    ):  # an N-d mesh over every rank: the default group spans it
         return None, dist.get_rank()
-    raise ValueError(f"sharded gradient norms: a {mesh.ndim}-d mesh over {mesh.size()} of "
-                     f"{dist.get_world_size()} ranks is not supported")
+    raise ValueError(
+        f"sharded gradient norms: a {mesh.ndim}-d mesh over {mesh.size()} of "
+        f"{dist.get_world_size()} ranks is not supported"
+    )
 
 
 def _weight(t: torch.Tensor, rank_in_group: int) -> float:

@@ -70,21 +70,33 @@ class StepView(NamedTuple):
     def describe(self) -> str:
         def z(value: float | None) -> str:
             return "not above its baseline" if value is None else f"z {value:.2f}"
-        return (f"loss {self.loss!r} ({z(self.loss_z)}), grad_norm {self.grad_norm!r} "
-                f"({z(self.grad_z)}), {'non-finite' if self.non_finite else 'finite'}"
-                f"{', scaler overflow' if self.scaler_overflow else ''}"
-                f"{', after an LR jump beyond its peak' if self.lr_beyond_peak else ''}")
+
+        return (
+            f"loss {self.loss!r} ({z(self.loss_z)}), grad_norm {self.grad_norm!r} "
+            f"({z(self.grad_z)}), {'non-finite' if self.non_finite else 'finite'}"
+            f"{', scaler overflow' if self.scaler_overflow else ''}"
+            f"{', after an LR jump beyond its peak' if self.lr_beyond_peak else ''}"
+        )
 
 
-def own_view(non_finite: bool, scaler_overflow: bool, scored: SkipDecision | None = None) -> StepView:
+def own_view(
+    non_finite: bool, scaler_overflow: bool, scored: SkipDecision | None = None
+) -> StepView:
     """A step's local judgement; ``scored``: the outlier model's SkipDecision (None: not scored).
 
     The published values are filled in by :meth:`PublishedSteps.remember`.
     """
     if scored is None:
         return StepView(math.nan, None, non_finite, scaler_overflow)
-    return StepView(math.nan, None, non_finite, scaler_overflow, scored.loss_z, scored.grad_z,
-                    scored.lr_beyond_peak)
+    return StepView(
+        math.nan,
+        None,
+        non_finite,
+        scaler_overflow,
+        scored.loss_z,
+        scored.grad_z,
+        scored.lr_beyond_peak,
+    )
 
 
 def disagreement(claim: Claim, view: StepView) -> str | None:
@@ -94,12 +106,17 @@ def disagreement(claim: Claim, view: StepView) -> str | None:
     elif claim.type in _OVERFLOW_TYPES:
         agrees = view.scaler_overflow or view.non_finite
     else:
-        agrees = (view.non_finite or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z
-                  or (claim.type is AnomalyType.LR_INDUCED_RISE and view.lr_beyond_peak))
+        agrees = (
+            view.non_finite
+            or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z
+            or (claim.type is AnomalyType.LR_INDUCED_RISE and view.lr_beyond_peak)
+        )
     if agrees:
         return None
-    return (f"the decision calls step {claim.step} of epoch {claim.epoch} {claim.type.value}, but this "
-            f"trainer saw {view.describe()} there (it agrees at z >= {AGREE_Z:g} or a non-finite value)")
+    return (
+        f"the decision calls step {claim.step} of epoch {claim.epoch} {claim.type.value}, but this "
+        f"trainer saw {view.describe()} there (it agrees at z >= {AGREE_Z:g} or a non-finite value)"
+    )
 
 
 def _same(a: float | None, b: float | None) -> bool:
@@ -121,12 +138,21 @@ class PublishedSteps:
         self.size = size
         self._views: OrderedDict[tuple[int, int], StepView] = OrderedDict()
 
-    def remember(self, epoch: int, step: int, loss: float, grad_norm: float | None,
-                 view: StepView | None = None) -> None:
+    def remember(
+        self,
+        epoch: int,
+        step: int,
+        loss: float,
+        grad_norm: float | None,
+        view: StepView | None = None,
+    ) -> None:
         """Keep step ``step`` of ``epoch``: its published values and (``view``) its local judgement."""
         views = self._views
-        views[(epoch, step)] = view._replace(loss=loss, grad_norm=grad_norm) if view is not None \
+        views[(epoch, step)] = (
+            view._replace(loss=loss, grad_norm=grad_norm)
+            if view is not None
             else StepView(loss, grad_norm)
+        )
         views.move_to_end((epoch, step))
         while len(views) > self.size:
             views.popitem(last=False)
@@ -142,26 +168,36 @@ class PublishedSteps:
         where = f"step {evidence.step} of epoch {evidence.epoch}"
         found = self._views.get((evidence.epoch, evidence.step))
         if found is None:
-            return (f"evidence names {where}, which this trainer did not publish (or not among "
-                    f"its last {self.size} steps)")
+            return (
+                f"evidence names {where}, which this trainer did not publish (or not among "
+                f"its last {self.size} steps)"
+            )
         if not _same(evidence.loss, found.loss):
             return f"evidence loss {evidence.loss!r} at {where}, but this trainer published {found.loss!r}"
         if not _same(evidence.grad_norm, found.grad_norm):
-            return (f"evidence grad_norm {evidence.grad_norm!r} at {where}, but this trainer "
-                    f"published {found.grad_norm!r}")
+            return (
+                f"evidence grad_norm {evidence.grad_norm!r} at {where}, but this trainer "
+                f"published {found.grad_norm!r}"
+            )
         return None
 
-    def claim_problem(self, claim: Claim, evidence: Evidence | None, agreed: bool = False) -> str | None:
+    def claim_problem(
+        self, claim: Claim, evidence: Evidence | None, agreed: bool = False
+    ) -> str | None:
         """Why an action answering ``claim`` must not change the run (None: the trainer agrees).
 
         ``agreed``: the trainer backed this incident's claim before (ActionQueue.agreed_incidents);
         the claimed step must still be one it published, but need not look anomalous to it.
         """
         if evidence is not None and (evidence.step, evidence.epoch) != (claim.step, claim.epoch):
-            return (f"the decision is about step {claim.step} of epoch {claim.epoch}, but its evidence "
-                    f"is of step {evidence.step} of epoch {evidence.epoch}")
+            return (
+                f"the decision is about step {claim.step} of epoch {claim.epoch}, but its evidence "
+                f"is of step {evidence.step} of epoch {evidence.epoch}"
+            )
         view = self._views.get((claim.epoch, claim.step))
         if view is None:
-            return (f"the decision names step {claim.step} of epoch {claim.epoch}, which this trainer "
-                    f"did not publish (or not among its last {self.size} steps)")
+            return (
+                f"the decision names step {claim.step} of epoch {claim.epoch}, which this trainer "
+                f"did not publish (or not among its last {self.size} steps)"
+            )
         return None if agreed else disagreement(claim, view)

@@ -97,7 +97,9 @@ class BatchStream:
         return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.skip_ranges = merge_ranges(self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())])
+        self.skip_ranges = merge_ranges(
+            self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())]
+        )
         self.position = max(self.position, int(state.get("position", 0)))
 
 
@@ -146,15 +148,24 @@ class FrameworkGuard(Guard):
     Guard's own facts follow it (see :meth:`resume`).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, *,
-                 framework_step: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any = None,
+        *,
+        framework_step: int = 0,
+        **kwargs: Any,
+    ) -> None:
         self.framework_step = framework_step
         super().__init__(model, optimizer, scheduler, **kwargs)
         self.stream = BatchStream()
         self.position.attach(self.stream)  # (a resumed data state is handed over here)
         self.hooks = LRScaleHooks(self.lr, torch_optimizer(optimizer))
         self._untouched: Untouched | None = None  # put back after the framework's step
-        self.rolled_back = False  # the last second half ended a rolled-back step (the caller moves its step)
+        self.rolled_back = (
+            False  # the last second half ended a rolled-back step (the caller moves its step)
+        )
 
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
         """The framework resumes the model; the Guard never loads weights over it.
@@ -166,24 +177,40 @@ class FrameworkGuard(Guard):
         """
         mode = ResumeMode(mode)
         if mode is ResumeMode.MUST and self.framework_step <= 0:
-            raise ConfigError(f"resume='must': the framework started run {self.run_id} at step 0; "
-                              "resume it from its checkpoint (or use resume='auto')")
+            raise ConfigError(
+                f"resume='must': the framework started run {self.run_id} at step 0; "
+                "resume it from its checkpoint (or use resume='auto')"
+            )
         if mode is ResumeMode.NEVER or self.framework_step <= 0:
             return super().resume(ResumeMode.NEVER)
         side = self.ledger.read() or {}
-        self.generation = max(self.generation, apply_restart_facts(side, self.position, self.lr, self.clipper))
-        log.warning("spikeguard: the framework resumed run %s at step %d; the Guard's own state follows "
-                    "(%d applied actions, %d skip windows, LR factor %.3g)%s", self.run_id,
-                    self.framework_step, len(self.ledger), len(side.get("skip_ranges") or ()), self.lr.scale,
-                    "" if side else " (no ledger file found: nothing to carry over)")
+        self.generation = max(
+            self.generation, apply_restart_facts(side, self.position, self.lr, self.clipper)
+        )
+        log.warning(
+            "spikeguard: the framework resumed run %s at step %d; the Guard's own state follows "
+            "(%d applied actions, %d skip windows, LR factor %.3g)%s",
+            self.run_id,
+            self.framework_step,
+            len(self.ledger),
+            len(side.get("skip_ranges") or ()),
+            self.lr.scale,
+            "" if side else " (no ledger file found: nothing to carry over)",
+        )
         return None
 
     def batch_read(self) -> bool:
         """The framework read a (micro-)batch for training; True when it is in a skip window."""
         return self.stream.read()
 
-    def before_update(self, loss: torch.Tensor | float, batch: Any = None,
-                      closure: Callable[[], torch.Tensor] | None = None, *, step: int | None = None) -> bool:
+    def before_update(
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        step: int | None = None,
+    ) -> bool:
         self.rolled_back = False
         allowed = super().before_update(loss, batch, closure, step=step)
         if allowed:
@@ -210,8 +237,11 @@ class FrameworkGuard(Guard):
         recorded) and, after a rollback or stop, its scheduler: both are put back after it."""
         void_update(self.optimizer)
         stepped = interrupted and self.scheduler is not None
-        self._untouched = Untouched(self.amp.keep(), self.scheduler.state_dict() if stepped else None,
-                                    [g["lr"] for g in self.optimizer.param_groups] if stepped else None)
+        self._untouched = Untouched(
+            self.amp.keep(),
+            self.scheduler.state_dict() if stepped else None,
+            [g["lr"] for g in self.optimizer.param_groups] if stepped else None,
+        )
 
     def _data_skipped(self) -> bool:
         return self.stream.span_skipped()  # (a skip window applied in this first half counts too)

@@ -100,7 +100,9 @@ class FirstHalf(NamedTuple):
 
     step: int
     stats: StepStats
-    reason: str | None  # why the update is void (None: applied; "scaler_overflow": the scaler skipped it)
+    reason: (
+        str | None
+    )  # why the update is void (None: applied; "scaler_overflow": the scaler skipped it)
     nonfinite: bool
     overflow: bool  # the scaler's own overflow: inf/NaN gradients with a finite loss
     scored: SkipDecision | None  # the local outlier model's judgement (evidence.py)
@@ -117,24 +119,51 @@ class StepResult(NamedTuple):
 
 
 class Guard:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 *, run_id: str | None = None, config: GuardConfig | None = None, bus: Any = None,
-                 topics: Topics | None = None, scaler: Any = None, process_group: Any = None,
-                 connect: bool = True, preset: str | None = None,
-                 policy: dict[str, Any] | None = None, mode: GuardMode | str | None = None,
-                 resume: ResumeMode | str | bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        run_id: str | None = None,
+        config: GuardConfig | None = None,
+        bus: Any = None,
+        topics: Topics | None = None,
+        scaler: Any = None,
+        process_group: Any = None,
+        connect: bool = True,
+        preset: str | None = None,
+        policy: dict[str, Any] | None = None,
+        mode: GuardMode | str | None = None,
+        resume: ResumeMode | str | bool | None = None,
+    ) -> None:
         self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py); FSDP1 refused, first
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.run_id = run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
+        self.run_id = (
+            run_id or os.environ.get("SPIKEGUARD_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
+        )
         self.sync = RankSync(process_group)
         self.rank = self.sync.rank
         self._runtime = None
         settings = None
-        if bus is None and connect and (self.rank == 0 or (config is not None and config.publish_all_ranks)):
+        if (
+            bus is None
+            and connect
+            and (self.rank == 0 or (config is not None and config.publish_all_ranks))
+        ):
             from spikeguard.runtime import open_runtime  # embedded pipeline threads, or Kafka
 
             self._runtime = open_runtime()
-            bus, topics, settings = self._runtime.bus, topics or self._runtime.topics, self._runtime.settings
+            bus, topics, settings = (
+                self._runtime.bus,
+                topics or self._runtime.topics,
+                self._runtime.settings,
+            )
         cfg = config or getattr(settings, "guard", None) or GuardConfig()
         given = {k: v for k, v in (("mode", mode), ("resume", resume)) if v is not None}
         if given:  # the arguments win over the config (validated as the config's own fields)
@@ -152,34 +181,58 @@ class Guard:
         # The one signer of this Guard's records and checker of its actions: the Guard's own
         # config's key, else its runtime's, else the one an embedded runtime left on the bus it
         # was handed (that pipeline refuses unsigned steps).
-        self.signer = Signer(cfg.signing_key or (settings.keys() if settings is not None else None)
-                             or getattr(bus, "signing_key", None))
+        self.signer = Signer(
+            cfg.signing_key
+            or (settings.keys() if settings is not None else None)
+            or getattr(bus, "signing_key", None)
+        )
         self.actions = ActionQueue(self.ledger, self.signer)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
-        self.updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
+        self.updates = UpdateNorm(
+            list(model.parameters()), cfg.update_norm
+        )  # normed at the next step
         self.clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
-        if cfg.max_grad_norm is not None:  # the Guard clips after measuring: the true norm is published
+        if (
+            cfg.max_grad_norm is not None
+        ):  # the Guard clips after measuring: the true norm is published
             self.clipper.set_fixed(cfg.max_grad_norm)
         self.lr = LRControl(optimizer)
         self.torch_optimizer = torch_optimizer(optimizer, required=False)  # the one a scaler steps
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
-        self.incidents = IncidentRecorder(directory, self.run_id, cfg.provenance_window,  # forensics
-                                          faults=self.io_faults)
+        self.incidents = IncidentRecorder(
+            directory,
+            self.run_id,
+            cfg.provenance_window,  # forensics
+            faults=self.io_faults,
+        )
         self.rerun = RerunCheck(cfg.verify_reruns)
         # The local outlier model always scores (it backs decisions: evidence.py); it skips
         # only with skip_outliers.
         self.skip_rule = SkipRule(max_run=cfg.skip_max_run)
         # Everything a checkpoint holds and a rollback puts back, in load order.
-        weights = ([("sharded", ShardedState(model, optimizer))] if self.sharded  # every rank its shards
-                   else [("model", ModelPart(model)), ("optimizer", optimizer)])
-        self.parts = StateParts([
-            *weights, ("scheduler", scheduler),
-            ("scaler", scaler), ("rng", RNGPart()), ("lr", self.lr), ("clip", self.clipper),
-            ("health", self.health), ("ledger", self.ledger), ("skip_rule", self.skip_rule),
-            ("data", self.position)], per_rank=("rng", "sharded"))
+        weights = (
+            [("sharded", ShardedState(model, optimizer))]
+            if self.sharded  # every rank its shards
+            else [("model", ModelPart(model)), ("optimizer", optimizer)]
+        )
+        self.parts = StateParts(
+            [
+                *weights,
+                ("scheduler", scheduler),
+                ("scaler", scaler),
+                ("rng", RNGPart()),
+                ("lr", self.lr),
+                ("clip", self.clipper),
+                ("health", self.health),
+                ("ledger", self.ledger),
+                ("skip_rule", self.skip_rule),
+                ("data", self.position),
+            ],
+            per_rank=("rng", "sharded"),
+        )
         self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
         #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
         self.step_count = 0
@@ -187,9 +240,13 @@ class Guard:
         self.generation = 0
         self.mode = cfg.mode
         self.narrator = Narrator(self.run_id, loggers_from(cfg.loggers))
-        self.budget = RecoveryBudget(cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps)
+        self.budget = RecoveryBudget(
+            cfg.max_skip_share, cfg.max_rerun_share, cfg.recovery_min_steps
+        )
         self._rollback_listeners: list[Callable[[int, int], None]] = []
-        self._refused_decisions: OrderedDict[str, str] = OrderedDict()  # decision -> why not applied
+        self._refused_decisions: OrderedDict[str, str] = (
+            OrderedDict()
+        )  # decision -> why not applied
         self._outlier_note = "an isolated outlier step"  # the skip rule's words for the last one
         self.should_stop, self.stop_reason = False, None
         self.max_steps: int | None = None
@@ -201,10 +258,22 @@ class Guard:
         #: windows, in steps and in micro-batches), scaler_skips (a GradScaler's own
         #: overflows), outlier_skips (outlier steps found), transient_steps (steps a re-run
         #: found different), actions_withheld (not applied: mode or recovery budget).
-        self.counters = dict(steps=0, updates=0, skipped_updates=0, skipped_update_batches=0,
-                             rollbacks=0, checkpoints=0, actions_applied=0, acks=0,
-                             skipped_batches=0, skipped_steps=0, scaler_skips=0, outlier_skips=0,
-                             transient_steps=0, actions_withheld=0)
+        self.counters = dict(
+            steps=0,
+            updates=0,
+            skipped_updates=0,
+            skipped_update_batches=0,
+            rollbacks=0,
+            checkpoints=0,
+            actions_applied=0,
+            acks=0,
+            skipped_batches=0,
+            skipped_steps=0,
+            scaler_skips=0,
+            outlier_skips=0,
+            transient_steps=0,
+            actions_withheld=0,
+        )
         self.resumed_from: CheckpointInfo | None = None
         self._half: FirstHalf | None = None  # between before_update and after_update
         self._started = False
@@ -217,33 +286,71 @@ class Guard:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
             bus.create_topics([t.runs], compacted=True)
-            self.publisher = BackgroundPublisher(bus.producer(), self.run_id, cfg.queue_size,
-                                                 threaded=not cfg.lockstep,
-                                                 signing_key=self.signer.key)
+            self.publisher = BackgroundPublisher(
+                bus.producer(),
+                self.run_id,
+                cfg.queue_size,
+                threaded=not cfg.lockstep,
+                signing_key=self.signer.key,
+            )
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
-                watch = ProtectionWatch(self.run_id, self.signer, timeout_s=cfg.unprotected_after_s,
-                                        published=lambda: (self.generation, self.step_count - 1))
-                self.inbox = ActionInbox(bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch)
+                watch = ProtectionWatch(
+                    self.run_id,
+                    self.signer,
+                    timeout_s=cfg.unprotected_after_s,
+                    published=lambda: (self.generation, self.step_count - 1),
+                )
+                self.inbox = ActionInbox(
+                    bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch
+                )
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
-        self.events = RunEvents(self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks)
+        self.events = RunEvents(
+            self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks
+        )
         self.acks = Acknowledgements(self, self.events)
         self.applied = self.acks.applied  # every ack: what was done, newest last
         self.checkpoints = CheckpointKeeper(
-            self, saver=self.saver, parts=self.parts, ledger=self.ledger, position=self.position, lr=self.lr,
-            clipper=self.clipper, health=self.health, incidents=self.incidents, events=self.events,
-            io_faults=self.io_faults, sync=self.sync, config=cfg, sharded=self.sharded, ack=self.acks.send)
+            self,
+            saver=self.saver,
+            parts=self.parts,
+            ledger=self.ledger,
+            position=self.position,
+            lr=self.lr,
+            clipper=self.clipper,
+            health=self.health,
+            incidents=self.incidents,
+            events=self.events,
+            io_faults=self.io_faults,
+            sync=self.sync,
+            config=cfg,
+            sharded=self.sharded,
+            ack=self.acks.send,
+        )
         self.applier = ActionApplier(
-            self, actions=self.actions, ledger=self.ledger, inbox=self.inbox, waiter=self.waiter,
-            sync=self.sync, health=self.health, checkpoints=self.checkpoints, acks=self.acks,
-            gate=Gate(self._weigh_plans, self._withhold_reason, self._apply_one))
+            self,
+            actions=self.actions,
+            ledger=self.ledger,
+            inbox=self.inbox,
+            waiter=self.waiter,
+            sync=self.sync,
+            health=self.health,
+            checkpoints=self.checkpoints,
+            acks=self.acks,
+            gate=Gate(self._weigh_plans, self._withhold_reason, self._apply_one),
+        )
         self.resume(cfg.resume)
 
     # -- the user's API ------------------------------------------------------
-    def data(self, loader: Any, epochs: int | None = None, max_steps: int | None = None,
-             sample_ids: Callable[[Any], list] | None = None,
-             skip_ids: SkipIds | None = None) -> GuardedLoader:
+    def data(
+        self,
+        loader: Any,
+        epochs: int | None = None,
+        max_steps: int | None = None,
+        sample_ids: Callable[[Any], list] | None = None,
+        skip_ids: SkipIds | None = None,
+    ) -> GuardedLoader:
         """``loader`` wrapped: global batch index, resume after rollback, skips, fixed order.
 
         ``max_steps`` is the run's length in optimizer steps: the Guard stops there, and reads
@@ -260,10 +367,17 @@ class Guard:
             if skip_ids is not None:
                 leave_out(loader, skip_ids)
             self.incidents.attach(loader, sample_ids)
-            self.position.attach(GuardedLoader(loader, seed=self.data_seed, epochs=epochs,
-                                               stop_when=self._done, before_batch=self._start,
-                                               on_batch=self._batch_read,
-                                               on_open=self.incidents.restart))
+            self.position.attach(
+                GuardedLoader(
+                    loader,
+                    seed=self.data_seed,
+                    epochs=epochs,
+                    stop_when=self._done,
+                    before_batch=self._start,
+                    on_batch=self._batch_read,
+                    on_open=self.incidents.restart,
+                )
+            )
         elif epochs is not None:
             self.loader.epochs = epochs
         # With the run's length known, the data is read again rather than the run cut short.
@@ -283,8 +397,12 @@ class Guard:
         """Register ``handler(action, guard) -> result text`` for an action kind."""
         self.handlers[ActionKind(kind)] = handler
 
-    def step(self, loss: torch.Tensor | float, batch: Any = None,
-             closure: Callable[[], torch.Tensor] | None = None) -> bool:
+    def step(
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        closure: Callable[[], torch.Tensor] | None = None,
+    ) -> bool:
         """Replaces ``optimizer.step()`` (and ``scheduler.step()``); True when the update was applied.
 
         With gradient accumulation call it once per optimizer step, after the last
@@ -301,8 +419,14 @@ class Guard:
             self.scheduler.step()
         return self.after_update().updated
 
-    def before_update(self, loss: torch.Tensor | float, batch: Any = None,
-                      closure: Callable[[], torch.Tensor] | None = None, *, step: int | None = None) -> bool:
+    def before_update(
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        step: int | None = None,
+    ) -> bool:
         """The first half of a step: after the backward, before the optimizer's step.
 
         The statistics (one device-to-host transfer, unscaled under a GradScaler, shared
@@ -317,9 +441,12 @@ class Guard:
         step = self.step_count
         self.applier.collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
-        self.amp.begin(self.torch_optimizer)  # statistics and clipping are about the unscaled gradients
-        stats, grads = self.stats.compute(loss, batch, self._riders(bool(due)),
-                                          self.updates.last_update(step, self.generation))
+        self.amp.begin(
+            self.torch_optimizer
+        )  # statistics and clipping are about the unscaled gradients
+        stats, grads = self.stats.compute(
+            loss, batch, self._riders(bool(due)), self.updates.last_update(step, self.generation)
+        )
         if self.sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, self.sync.world_size)
         shared = stats.riders
@@ -335,7 +462,9 @@ class Guard:
             if self.sync.enabled:
                 sent = [a.model_dump(mode="json") for a in due] if self.rank == 0 else None
                 due = [Action.model_validate(d) for d in self.sync.broadcast(sent)]
-            interrupted = self.applier.apply(due, step)  # rolled back or stopped: this step's update is void
+            interrupted = self.applier.apply(
+                due, step
+            )  # rolled back or stopped: this step's update is void
         reason: str | None = None
         scored, rerun = None, None
         if interrupted:
@@ -348,8 +477,12 @@ class Guard:
             if reason is None and not overflow:
                 judged = self._judge_outlier(stats)
                 reason = "outlier_step" if self._skips(judged) else None
-            if reason is not None and self.rerun.enabled and self.mode is not GuardMode.OBSERVE and not (
-                    self.sync.enabled or self.amp.enabled):
+            if (
+                reason is not None
+                and self.rerun.enabled
+                and self.mode is not GuardMode.OBSERVE
+                and not (self.sync.enabled or self.amp.enabled)
+            ):
                 # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 stats, rerun = self.rerun.judge(closure, params, stats)
@@ -375,7 +508,9 @@ class Guard:
         else:
             if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
-            self.updates.before_update(step, self.generation, applies=not overflow)  # an overflow skip: 0
+            self.updates.before_update(
+                step, self.generation, applies=not overflow
+            )  # an overflow skip: 0
             if overflow:  # the scaler skips this update itself
                 reason = "scaler_overflow"
                 self.counters["scaler_skips"] += 1
@@ -383,8 +518,9 @@ class Guard:
                 self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
-        self._half = FirstHalf(step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale,
-                               self.lr.effective())
+        self._half = FirstHalf(
+            step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale, self.lr.effective()
+        )
         return reason in (None, "scaler_overflow")
 
     @property
@@ -413,14 +549,28 @@ class Guard:
         if reason in (None, "scaler_overflow"):
             self.amp.count(half.overflow)
         if reason != SKIPPED_DATA:  # (a step whose data a skip window covers is not published)
-            self.events.step(step, self.generation, stats, lr=half.lr, reason=reason,
-                             loss_scale=half.loss_scale, overflow_streak=self.amp.streak,
-                             batch_index=self.loader.last_index if self.loader is not None else None,
-                             rerun=half.rerun, outlier=half.scored is not None and half.scored.skip)
-            self.actions.published.remember(self.generation, step, stats.loss,  # checked against action evidence
-                                            None if reason == "scaler_overflow" else stats.grad_norm,
-                                            own_view(half.nonfinite, half.overflow, half.scored))
-            self.health.observe(step, not (half.nonfinite or reason in ("outlier_step", "transient")))  # a local onset
+            self.events.step(
+                step,
+                self.generation,
+                stats,
+                lr=half.lr,
+                reason=reason,
+                loss_scale=half.loss_scale,
+                overflow_streak=self.amp.streak,
+                batch_index=self.loader.last_index if self.loader is not None else None,
+                rerun=half.rerun,
+                outlier=half.scored is not None and half.scored.skip,
+            )
+            self.actions.published.remember(
+                self.generation,
+                step,
+                stats.loss,  # checked against action evidence
+                None if reason == "scaler_overflow" else stats.grad_norm,
+                own_view(half.nonfinite, half.overflow, half.scored),
+            )
+            self.health.observe(
+                step, not (half.nonfinite or reason in ("outlier_step", "transient"))
+            )  # a local onset
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         self.incidents.step(step)
         self._batch_seen = False
@@ -453,8 +603,15 @@ class Guard:
         self.finished = self.finished or finished
         self.checkpoints.persist_ledger()
         if self._started:
-            self.events.run("end", self.plan, self.max_steps, self.step_count, self.generation, self.finished,
-                            self.stop_reason or ("finished" if self.finished else "closed"))
+            self.events.run(
+                "end",
+                self.plan,
+                self.max_steps,
+                self.step_count,
+                self.generation,
+                self.finished,
+                self.stop_reason or ("finished" if self.finished else "closed"),
+            )
         for part in (self.waiter, self.inbox):
             if part is not None:
                 part.close()
@@ -481,7 +638,9 @@ class Guard:
         """Load every part; applied-action ids and skip ranges are merged, never replaced."""
         self.parts.load_state_dict(body, self.rank)
 
-    def rollback(self, target_step: int, checkpoint_id: str | None = None, onset_step: int | None = None) -> str:
+    def rollback(
+        self, target_step: int, checkpoint_id: str | None = None, onset_step: int | None = None
+    ) -> str:
         """Every rank calls it at the same step; rank 0 chooses the checkpoint, every rank loads
         that one (or, when a rank cannot read it, all the next older healthy one), or all fail.
         ``onset_step``: the incident's onset, for when the target has rotated out
@@ -490,14 +649,18 @@ class Guard:
         self.checkpoints.drain()
         # Rank 0 chooses once its own saves are on disk (waited for above); the rest follow.
         candidates, note = self.sync.share(
-            self.checkpoints.rollback_candidates(target_step, checkpoint_id, onset_step) if self.rank == 0
-            else None)
+            self.checkpoints.rollback_candidates(target_step, checkpoint_id, onset_step)
+            if self.rank == 0
+            else None
+        )
         loaded = self.checkpoints.load_agreed(candidates)
         info = loaded.info
         if loaded.passed:
             note += f" (passed over {'; '.join(loaded.passed)})"
         if info is None:
-            raise ActionFailed(f"no checkpoint at or before step {target_step} to roll back to{note}")
+            raise ActionFailed(
+                f"no checkpoint at or before step {target_step} to roll back to{note}"
+            )
         from_step = self.step_count
         self.generation += 1
         self.step_count = info.step
@@ -507,7 +670,9 @@ class Guard:
         self._rolled_back(from_step, info.step)
         return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {self.generation}{note}"
 
-    def skip_steps(self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False) -> str:
+    def skip_steps(
+        self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False
+    ) -> str:
         start, end, steps = self.position.skip_steps(from_step, to_step, extra, after_rollback)
         self.counters["skipped_batches"] += end - start + 1
         self.counters["skipped_steps"] += steps
@@ -517,10 +682,15 @@ class Guard:
         ends = getattr(self.loader, "data_end", None)  # (a framework's stream has no end it knows)
         data_end = ends() if ends is not None else None
         if data_end is not None and end >= data_end:
-            log.warning("spikeguard: the skip window %d..%d reaches past the end of the data (its last "
-                        "batch is %d): this pass ends %d batches early; guard.data(loader, max_steps=N) "
-                        "reads the data again to reach N steps instead", start, end, data_end - 1,
-                        min(end, data_end - 1) - max(start, self.loader.position) + 1)
+            log.warning(
+                "spikeguard: the skip window %d..%d reaches past the end of the data (its last "
+                "batch is %d): this pass ends %d batches early; guard.data(loader, max_steps=N) "
+                "reads the data again to reach N steps instead",
+                start,
+                end,
+                data_end - 1,
+                min(end, data_end - 1) - max(start, self.loader.position) + 1,
+            )
         return text
 
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> CheckpointInfo | None:
@@ -553,7 +723,9 @@ class Guard:
 
     # -- internals ------------------------------------------------------------
     def _done(self) -> bool:
-        return self.should_stop or (self.max_steps is not None and self.step_count >= self.max_steps)
+        return self.should_stop or (
+            self.max_steps is not None and self.step_count >= self.max_steps
+        )
 
     def _batch_read(self, batch: Any, used: bool) -> None:
         self.incidents.batch(batch, used)
@@ -564,8 +736,15 @@ class Guard:
     def _start(self) -> None:
         if not self._started:
             self._started = True
-            self.events.run("start", self.plan, self.max_steps, self.step_count, self.generation, False,
-                            "resumed" if self.resumed_from is not None else "new")
+            self.events.run(
+                "start",
+                self.plan,
+                self.max_steps,
+                self.step_count,
+                self.generation,
+                False,
+                "resumed" if self.resumed_from is not None else "new",
+            )
             # A rollback target before anything can go wrong, on every rank or on none: rank 0
             # decides (a rank that starts late would find rank 0's checkpoint and skip its own).
             if self.sync.share(self.store.newest() is None and self.saver.in_flight is None):
@@ -576,15 +755,23 @@ class Guard:
         if not self.sync.enabled:
             return None
         if self.amp.enabled:  # an inf gradient is the scaler's overflow; only the loss counts here
-            return lambda bad, loss, norm: self.sync.flags((~torch.isfinite(loss)).float(), due, loss, norm)
+            return lambda bad, loss, norm: self.sync.flags(
+                (~torch.isfinite(loss)).float(), due, loss, norm
+            )
         return lambda bad, loss, norm: self.sync.flags(bad, due, loss, norm)
 
     def _judge_outlier(self, stats: Any) -> StepJudged:
         """The local outlier model's judgement (not yet learned), on values every rank shares
         (the largest of any rank)."""
         r = stats.riders
-        loss, grad = (r["max_loss"], r["max_grad_norm"]) if self.sync.enabled else (stats.loss, stats.grad_norm)
-        return self.skip_rule.judge(loss, None if grad is None or grad < 0 else grad, self.lr.effective())
+        loss, grad = (
+            (r["max_loss"], r["max_grad_norm"])
+            if self.sync.enabled
+            else (stats.loss, stats.grad_norm)
+        )
+        return self.skip_rule.judge(
+            loss, None if grad is None or grad < 0 else grad, self.lr.effective()
+        )
 
     def _skips(self, judged: StepJudged | None) -> bool:
         """Whether the local rule skips a judged step (it always scores; it skips with skip_outliers)."""
@@ -592,8 +779,10 @@ class Guard:
 
     def _found_outlier(self, decision: SkipDecision) -> None:
         self.counters["outlier_skips"] += 1
-        self._outlier_note = (f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
-                              f"grad z={_z(decision.grad_z)})")
+        self._outlier_note = (
+            f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
+            f"grad z={_z(decision.grad_z)})"
+        )
 
     def _void_update(self, interrupted: bool) -> None:
         """This step's update does not happen: every gradient None, the scaler's scale kept."""
@@ -612,14 +801,18 @@ class Guard:
         """Say the Guard's own update skip out loud; in observe mode say it would, and do not."""
         if reason not in ("non_finite", "outlier_step", "transient"):
             return reason
-        why = {"non_finite": f"non-finite loss or gradient (loss {stats.loss:.4g})",
-               "transient": "a re-run of the step came out different (a transient device fault)",
-               "outlier_step": self._outlier_note}[reason]
+        why = {
+            "non_finite": f"non-finite loss or gradient (loss {stats.loss:.4g})",
+            "transient": "a re-run of the step came out different (a transient device fault)",
+            "outlier_step": self._outlier_note,
+        }[reason]
         if self.mode is GuardMode.OBSERVE:
             self.counters["actions_withheld"] += 1
             self.narrator.would_skip_update(step, why)
             return None
-        log.warning("spikeguard: skipped the update of step %d: %s; cost: 1 update, no rollback", step, why)
+        log.warning(
+            "spikeguard: skipped the update of step %d: %s; cost: 1 update, no rollback", step, why
+        )
         return reason
 
     def _apply_one(self, action: Action) -> Outcome | None:
@@ -642,7 +835,11 @@ class Guard:
             return "observe mode"
         if self.mode is GuardMode.SKIP_ONLY:
             return "skip-only mode (only the Guard's own update skips are taken)"
-        if action.kind is ActionKind.STOP and action.decision_id is not None and self._refused_decisions:
+        if (
+            action.kind is ActionKind.STOP
+            and action.decision_id is not None
+            and self._refused_decisions
+        ):
             # Past the budget the Guard alerts and asks: ending the run is a person's call then
             # (an operator's `spikeguard stop` has no decision and still applies).
             return "the recovery budget is spent: stopping the run is left to a person (spikeguard stop)"
@@ -666,10 +863,15 @@ class Guard:
                     self._refused_decisions.popitem(last=False)
 
     def _over_budget(self, plan: list[Action]) -> str | None:
-        asked = [self._asked(a) for a in plan if a.kind in STEERING and a.action_id not in self.ledger]
+        asked = [
+            self._asked(a) for a in plan if a.kind in STEERING and a.action_id not in self.ledger
+        ]
         total = Spend(sum(s.rerun_steps for s in asked), sum(s.skip_steps for s in asked))
-        return self.budget.refusal(total, Spend(self.narrator.rerun_steps, self.counters["skipped_steps"]),
-                                   self.planned_steps())
+        return self.budget.refusal(
+            total,
+            Spend(self.narrator.rerun_steps, self.counters["skipped_steps"]),
+            self.planned_steps(),
+        )
 
     def _asked(self, action: Action) -> Spend:
         """What a rollback or skip window would cost, in steps, before it is applied."""
@@ -683,8 +885,13 @@ class Guard:
 
     def _cost(self) -> Cost:
         c = self.counters
-        return Cost(self.step_count, self.narrator.rerun_steps, c["skipped_batches"], c["skipped_steps"],
-                    self.lr.effective())
+        return Cost(
+            self.step_count,
+            self.narrator.rerun_steps,
+            c["skipped_batches"],
+            c["skipped_steps"],
+            self.lr.effective(),
+        )
 
     def planned_steps(self) -> int:
         """The run's length for the recovery budget: max_steps, else what the loader holds, else the
@@ -718,11 +925,21 @@ class Guard:
     def summary(self) -> RunSummary:
         """The run so far: incidents, actions taken and withheld, and the goodput."""
         c, n = self.counters, self.narrator
-        return RunSummary(self.run_id, self.mode.value, self.step_count, c["steps"], n.rerun_steps,
-                          c["skipped_batches"], c["skipped_steps"], c["skipped_updates"],
-                          len(n.incidents), dict(n.applied), dict(n.withheld), self.lr.scale)
+        return RunSummary(
+            self.run_id,
+            self.mode.value,
+            self.step_count,
+            c["steps"],
+            n.rerun_steps,
+            c["skipped_batches"],
+            c["skipped_steps"],
+            c["skipped_updates"],
+            len(n.incidents),
+            dict(n.applied),
+            dict(n.withheld),
+            self.lr.scale,
+        )
 
 
 def _z(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
-

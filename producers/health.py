@@ -37,8 +37,11 @@ class HealthTracker:
         return not (self.anomaly_open or recent)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_nonfinite": self.last_nonfinite, "anomaly_open": self.anomaly_open,
-                "finite_run": self.finite_run}
+        return {
+            "last_nonfinite": self.last_nonfinite,
+            "anomaly_open": self.anomaly_open,
+            "finite_run": self.finite_run,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_nonfinite = state.get("last_nonfinite")

@@ -32,9 +32,16 @@ def group_name(run_id: str, rank: int) -> str:
 
 
 class ActionInbox:
-    def __init__(self, bus: Bus, topics: Topics, run_id: str, rank: int = 0,
-                 threaded: bool = True, poll_timeout: float | None = None,
-                 protection: ProtectionWatch | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        topics: Topics,
+        run_id: str,
+        rank: int = 0,
+        threaded: bool = True,
+        poll_timeout: float | None = None,
+        protection: ProtectionWatch | None = None,
+    ) -> None:
         self.run_id = run_id
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
@@ -46,7 +53,9 @@ class ActionInbox:
         # the stop. A consumer that can be woken to stop lets the thread sleep long (each wake-up
         # of it costs the training thread a GIL hand-off).
         self._wakeup = getattr(self._consumer, "wakeup", None)
-        self.poll_timeout = poll_timeout if poll_timeout is not None else 0.5 if self._wakeup else 0.05
+        self.poll_timeout = (
+            poll_timeout if poll_timeout is not None else 0.5 if self._wakeup else 0.05
+        )
         self._producer = bus.producer()  # for dead letters only
         self._ready: deque[Action] = deque()
         self._lock = threading.Lock()  # the consumer is used by one thread at a time
@@ -58,8 +67,9 @@ class ActionInbox:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name=f"spikeguard-inbox-{run_id}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"spikeguard-inbox-{run_id}", daemon=True
+            )
             self._thread.start()
 
     # -- training thread ------------------------------------------------------
@@ -114,13 +124,20 @@ class ActionInbox:
                     action = record.decoded(Action)
                 except SchemaError as exc:
                     self.malformed += 1
-                    log.warning("spikeguard: undecodable action at %s[%d]@%d: %s",
-                                record.topic, record.partition, record.offset, exc)
+                    log.warning(
+                        "spikeguard: undecodable action at %s[%d]@%d: %s",
+                        record.topic,
+                        record.partition,
+                        record.offset,
+                        exc,
+                    )
                     self._dead_letter(record, exc)
                     continue
                 if action.run_id != self.run_id:
                     continue
-                if action.kind is ActionKind.PULSE:  # about the pipeline, not for the training thread
+                if (
+                    action.kind is ActionKind.PULSE
+                ):  # about the pipeline, not for the training thread
                     if self.protection is not None:
                         self.protection.pulse(action)
                     continue
@@ -134,8 +151,9 @@ class ActionInbox:
 
     def _dead_letter(self, record, exc: Exception) -> None:
         try:
-            self._producer.publish(self.dlq_topic, encode(dead_letter(record, exc, self.group)),
-                                   key=record.key)
+            self._producer.publish(
+                self.dlq_topic, encode(dead_letter(record, exc, self.group)), key=record.key
+            )
             self._producer.flush(5.0)
         except Exception as failure:  # noqa: BLE001 - training goes on; the log keeps it
             log.error("spikeguard: could not send a dead letter: %r", failure)

@@ -24,12 +24,21 @@ from spikeguard.producers.io_faults import IOFaults, IOKind
 
 log = logging.getLogger(__name__)
 
-LOOKBACK = 8  # steps before the onset whose batches may have caused it (the skip windows reach as far)
+LOOKBACK = (
+    8  # steps before the onset whose batches may have caused it (the skip windows reach as far)
+)
 
 
 class IncidentRecorder:
-    def __init__(self, directory: Path, run_id: str, window: int = 512, lookback: int = LOOKBACK,
-                 max_files: int = 100, faults: IOFaults | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        run_id: str,
+        window: int = 512,
+        lookback: int = LOOKBACK,
+        max_files: int = 100,
+        faults: IOFaults | None = None,
+    ) -> None:
         self.directory = Path(directory) / "incidents"
         self.run_id = run_id
         self.samples = StepSamples(window)
@@ -62,8 +71,14 @@ class IncidentRecorder:
             self.samples.record(step, self._pending)
         self._pending = []
 
-    def incident(self, incident_id: str | None, onset_step: int, epoch: int, now_step: int,
-                 checkpoint: Callable[[int], Any]) -> Path | None:
+    def incident(
+        self,
+        incident_id: str | None,
+        onset_step: int,
+        epoch: int,
+        now_step: int,
+        checkpoint: Callable[[int], Any],
+    ) -> Path | None:
         """Write the incident's file once; ``checkpoint(max_step)`` finds a healthy CheckpointInfo.
 
         A write that fails (full disk, read-only directory) is reported through ``faults``
@@ -78,8 +93,14 @@ class IncidentRecorder:
         self.faults.worked(IOKind.INCIDENT)
         return path
 
-    def _write(self, incident_id: str, onset_step: int, epoch: int, now_step: int,
-               checkpoint: Callable[[int], Any]) -> Path:
+    def _write(
+        self,
+        incident_id: str,
+        onset_step: int,
+        epoch: int,
+        now_step: int,
+        checkpoint: Callable[[int], Any],
+    ) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         info = checkpoint(onset_step - 1)
         kept = None
@@ -90,11 +111,22 @@ class IncidentRecorder:
                     os.link(info.path, kept)
             except OSError:
                 shutil.copyfile(info.path, kept)
-        record = IncidentBatches(self.run_id, incident_id, onset_step, epoch,
-                                 kept.name if kept else None, info.step if info else None,
-                                 self.samples.between(onset_step - self.lookback, now_step))
+        record = IncidentBatches(
+            self.run_id,
+            incident_id,
+            onset_step,
+            epoch,
+            kept.name if kept else None,
+            info.step if info else None,
+            self.samples.between(onset_step - self.lookback, now_step),
+        )
         path = record.write(self.directory / f"{incident_id}.json")
         self.written[incident_id] = path
-        log.info("incident %s: %d batches' sample ids and the checkpoint of step %s kept in %s",
-                 incident_id, len(record.batches), record.checkpoint_step, path)
+        log.info(
+            "incident %s: %d batches' sample ids and the checkpoint of step %s kept in %s",
+            incident_id,
+            len(record.batches),
+            record.checkpoint_step,
+            path,
+        )
         return path

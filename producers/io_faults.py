@@ -38,7 +38,7 @@ class IOKind(str, Enum):
 _CONSEQUENCE = {
     IOKind.CHECKPOINT: "no new rollback target until writes work again (older checkpoints still serve)",
     IOKind.LEDGER: "applied actions are still remembered in memory and in the next checkpoint that "
-                   "can be written; a crash before then could re-apply one",
+    "can be written; a crash before then could re-apply one",
     IOKind.INCIDENT: "the incident's forensic record is incomplete; recovery is unaffected",
 }
 
@@ -70,17 +70,27 @@ class IOFaults:
         self._errors_total.labels(kind.value).inc()
         if kind not in self._failing:
             self._failing.add(kind)
-            log.error("spikeguard: run %s: %s write failed: %s; training goes on: %s "
-                      "(further %s failures are counted in spikeguard_trainer_io_errors_total, "
-                      "not logged)", self.run_id, kind.value, describe(exc), _CONSEQUENCE[kind],
-                      kind.value)
+            log.error(
+                "spikeguard: run %s: %s write failed: %s; training goes on: %s "
+                "(further %s failures are counted in spikeguard_trainer_io_errors_total, "
+                "not logged)",
+                self.run_id,
+                kind.value,
+                describe(exc),
+                _CONSEQUENCE[kind],
+                kind.value,
+            )
 
     def worked(self, kind: IOKind) -> None:
         """A write of ``kind`` succeeded: if it was failing, say once that it works again."""
         if kind in self._failing:
             self._failing.discard(kind)
-            log.warning("spikeguard: run %s: %s writes work again (%d failed meanwhile)",
-                        self.run_id, kind.value, self.counts[kind.value])
+            log.warning(
+                "spikeguard: run %s: %s writes work again (%d failed meanwhile)",
+                self.run_id,
+                kind.value,
+                self.counts[kind.value],
+            )
 
     def attempt(self, kind: IOKind, write: Callable[[], Any]) -> bool:
         """Run ``write()``; an OSError is recorded instead of raised. True when it worked."""

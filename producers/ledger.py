@@ -27,8 +27,12 @@ SIDECAR = "spikeguard-ledger.json"
 
 
 class ActionLedger:
-    def __init__(self, path: str | os.PathLike | None = None, max_ids: int = 10_000,
-                 faults: IOFaults | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        max_ids: int = 10_000,
+        faults: IOFaults | None = None,
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.max_ids = max_ids
         self.faults = faults if faults is not None else IOFaults()
@@ -75,9 +79,12 @@ class ActionLedger:
                 raise ValueError(f"a JSON {type(body).__name__}, not an object")
             self.load_state_dict(body)
         except (OSError, ValueError, TypeError) as exc:
-            log.warning("spikeguard: the action ledger %s is unreadable (%s); going on with the ids "
-                        "and facts of the checkpoint (an action applied after it could apply again)",
-                        self.path, describe(exc))
+            log.warning(
+                "spikeguard: the action ledger %s is unreadable (%s); going on with the ids "
+                "and facts of the checkpoint (an action applied after it could apply again)",
+                self.path,
+                describe(exc),
+            )
             return None
         return body
 
@@ -88,11 +95,18 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
 
 
-def restart_facts(run_id: str, epoch: int, step: int, position: Any, lr: Any, clipper: Any) -> dict[str, Any]:
+def restart_facts(
+    run_id: str, epoch: int, step: int, position: Any, lr: Any, clipper: Any
+) -> dict[str, Any]:
     """What the sidecar keeps beside the ids: what a restart must not forget since the
     last checkpoint (the epoch, the data to skip, the settings actions changed)."""
-    return {"run_id": run_id, "epoch": epoch, "step": step, "skip_ranges": position.skip_ranges,
-            "settings": {"lr_scale": lr.scale, "clip": clipper.settings()}}
+    return {
+        "run_id": run_id,
+        "epoch": epoch,
+        "step": step,
+        "skip_ranges": position.skip_ranges,
+        "settings": {"lr_scale": lr.scale, "clip": clipper.settings()},
+    }
 
 
 def apply_restart_facts(side: dict[str, Any], position: Any, lr: Any, clipper: Any) -> int:

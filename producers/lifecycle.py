@@ -53,16 +53,22 @@ def archive_finished(directory: Path) -> Path:
 
 def finished_message(run_id: str, side: dict[str, Any], archived: Path) -> str:
     fact = side.get("finished") or {}
-    return (f"spikeguard: run {run_id} already finished (step {fact.get('step')}, {fact.get('reason')}); "
-            f"not resuming it: training from step 0, the finished run's checkpoints were moved to "
-            f"{archived} (give each run its own run_id to keep them apart)")
+    return (
+        f"spikeguard: run {run_id} already finished (step {fact.get('step')}, {fact.get('reason')}); "
+        f"not resuming it: training from step 0, the finished run's checkpoints were moved to "
+        f"{archived} (give each run its own run_id to keep them apart)"
+    )
 
 
 def fresh_message(run_id: str, archived: Path) -> str:
-    return (f"spikeguard: resume='never': run {run_id} starts from step 0; its earlier checkpoints were "
-            f"moved to {archived}")
+    return (
+        f"spikeguard: resume='never': run {run_id} starts from step 0; its earlier checkpoints were "
+        f"moved to {archived}"
+    )
 
 
 def resume_message(run_id: str, info: Any, directory: Path) -> str:
-    return (f"spikeguard: resuming run {run_id} from step {info.step} (epoch {info.epoch}) of checkpoint "
-            f"{info.checkpoint_id} in {directory}; resume='never' or a new run_id starts over")
+    return (
+        f"spikeguard: resuming run {run_id} from step {info.step} (epoch {info.epoch}) of checkpoint "
+        f"{info.checkpoint_id} in {directory}; resume='never' or a new run_id starts over"
+    )

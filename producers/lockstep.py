@@ -29,13 +29,19 @@ class DecisionWaiter:
         self.run_id = run_id
         self.timeout = timeout
         bus.create_topics([topics.decisions])
-        self._consumer = bus.consumer(f"spikeguard-lockstep.{run_id}.{uuid.uuid4().hex[:8]}",
-                                      [topics.decisions], from_beginning=True)
+        self._consumer = bus.consumer(
+            f"spikeguard-lockstep.{run_id}.{uuid.uuid4().hex[:8]}",
+            [topics.decisions],
+            from_beginning=True,
+        )
         self._seen: dict[tuple[int, int], Decision] = {}
         self._order: deque[tuple[int, int]] = deque()
         self.timeouts = 0
         self._silent = False  # a wait timed out and no decision came since: do not wait again
-        self._last_anomaly: tuple[int, int] = (-1, -1)  # (epoch, step) of the newest anomalous decision
+        self._last_anomaly: tuple[int, int] = (
+            -1,
+            -1,
+        )  # (epoch, step) of the newest anomalous decision
 
     def wait(self, epoch: int, step: int) -> Decision | None:
         """The decision of (epoch, step), or None after ``timeout`` seconds."""
@@ -51,8 +57,12 @@ class DecisionWaiter:
             if remaining <= 0:
                 self.timeouts += 1
                 self._silent = True
-                log.warning("spikeguard lockstep: no decision for step %d within %gs: no pipeline "
-                            "answers; training goes on without waiting until one does", step, self.timeout)
+                log.warning(
+                    "spikeguard lockstep: no decision for step %d within %gs: no pipeline "
+                    "answers; training goes on without waiting until one does",
+                    step,
+                    self.timeout,
+                )
                 return None
             self._poll(min(remaining, 0.5))
         return self._seen[key]
@@ -75,7 +85,10 @@ class DecisionWaiter:
             return
         if decision.is_anomaly or decision.preventive:
             self._last_anomaly = (epoch, step)
-        elif not (self._last_anomaly[0] == epoch and 0 < step - self._last_anomaly[1] <= AFTER_ANOMALY_STEPS):
+        elif not (
+            self._last_anomaly[0] == epoch
+            and 0 < step - self._last_anomaly[1] <= AFTER_ANOMALY_STEPS
+        ):
             return
         deadline = time.monotonic() + settle  # the actions derived from it follow within moments
         while time.monotonic() < deadline:

@@ -66,7 +66,9 @@ class LRControl:
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g, lr in zip(groups, saved):
-            _assign(g, lr * self.scale if not isinstance(lr, torch.Tensor) else lr.item() * self.scale)
+            _assign(
+                g, lr * self.scale if not isinstance(lr, torch.Tensor) else lr.item() * self.scale
+            )
         return saved
 
     def put_back(self, saved: list[Any] | None) -> None:

@@ -49,7 +49,9 @@ class RunSummary(NamedTuple):
     steps_rerun: int  # steps run again after rollbacks
     batches_skipped: int  # batches skip windows dropped
     steps_skipped: int  # the same, in optimizer steps' worth of data
-    updates_skipped: int  # optimizer updates the Guard skipped (non-finite, outlier, a re-run's verdict)
+    updates_skipped: (
+        int  # optimizer updates the Guard skipped (non-finite, outlier, a re-run's verdict)
+    )
     incidents: int
     actions: dict[str, int]  # applied, by kind
     withheld: dict[str, int]  # not applied (mode or budget), by kind
@@ -59,11 +61,13 @@ class RunSummary(NamedTuple):
         def kinds(counts: dict[str, int]) -> str:
             return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
 
-        text = (f"spikeguard run {self.run_id} ({self.mode} mode): {self.steps_kept} steps kept of "
-                f"{self.steps_run} run; {self.steps_rerun} re-run after rollbacks, "
-                f"{self.batches_skipped} batches ({self.steps_skipped} steps' data) skipped, "
-                f"{self.updates_skipped} update(s) skipped. {self.incidents} incident(s); "
-                f"actions applied: {kinds(self.actions)}; withheld: {kinds(self.withheld)}.")
+        text = (
+            f"spikeguard run {self.run_id} ({self.mode} mode): {self.steps_kept} steps kept of "
+            f"{self.steps_run} run; {self.steps_rerun} re-run after rollbacks, "
+            f"{self.batches_skipped} batches ({self.steps_skipped} steps' data) skipped, "
+            f"{self.updates_skipped} update(s) skipped. {self.incidents} incident(s); "
+            f"actions applied: {kinds(self.actions)}; withheld: {kinds(self.withheld)}."
+        )
         if self.lr_scale != 1.0:
             text += f" The LR ends at {self.lr_scale:.3g}x its schedule."
         return text
@@ -90,11 +94,15 @@ class Narrator:
         if rerun > 0:
             costs.append(f"{rerun} steps to re-run")
         if after.skipped_batches > before.skipped_batches:
-            costs.append(f"{after.skipped_batches - before.skipped_batches} batches skipped "
-                         f"({after.skipped_steps - before.skipped_steps} steps' data)")
+            costs.append(
+                f"{after.skipped_batches - before.skipped_batches} batches skipped "
+                f"({after.skipped_steps - before.skipped_steps} steps' data)"
+            )
         costs.append(f"LR now {after.lr:.3g}")
-        text = (f"spikeguard: {action.kind.value} at step {before.step}: {result}; why: "
-                f"{_why(action)}; cost: {', '.join(costs)}{_of(action)}")
+        text = (
+            f"spikeguard: {action.kind.value} at step {before.step}: {result}; why: "
+            f"{_why(action)}; cost: {', '.join(costs)}{_of(action)}"
+        )
         log.warning("%s", text)
         if self.loggers:
             send(self.loggers, before.step, action, True, text)
@@ -103,16 +111,21 @@ class Narrator:
         """An action not taken: what it would have done, and why it was not."""
         self.withheld[action.kind.value] += 1
         self._incident(action)
-        text = (f"spikeguard: would {action.kind.value.replace('_', ' ')} at step {step} ({would}), "
-                f"not done: {because}; why it was asked: {_why(action)}{_of(action)}")
+        text = (
+            f"spikeguard: would {action.kind.value.replace('_', ' ')} at step {step} ({would}), "
+            f"not done: {because}; why it was asked: {_why(action)}{_of(action)}"
+        )
         log.warning("%s", text)
         if self.loggers:
             send(self.loggers, step, action, False, text)
 
     def would_skip_update(self, step: int, reason: str) -> None:
         self.withheld["skip_update"] += 1
-        log.warning("spikeguard: would skip the update of step %d (%s), not done: observe mode", step,
-                    reason.replace("_", " "))
+        log.warning(
+            "spikeguard: would skip the update of step %d (%s), not done: observe mode",
+            step,
+            reason.replace("_", " "),
+        )
 
     def _incident(self, action: Action) -> None:
         if action.incident_id:

@@ -100,15 +100,18 @@ class DataPosition:
         for s in [s for s in self.spans if s >= step]:
             del self.spans[s]
 
-    def skip_steps(self, from_step: int, to_step: int, extra: int = 0,
-                   after_rollback: bool = False) -> tuple[int, int, int]:
+    def skip_steps(
+        self, from_step: int, to_step: int, extra: int = 0, after_rollback: bool = False
+    ) -> tuple[int, int, int]:
         """Skip the batches steps ``from_step..to_step`` read, plus ``extra`` steps' worth after.
 
         Returns ``(first batch, last batch, optimizer steps covered)``.
         """
         if to_step < from_step or extra < 0:
             raise ActionFailed(f"bad skip window {from_step}..{to_step} (+{extra})")
-        first, second = (self.old_spans, self.spans) if after_rollback else (self.spans, self.old_spans)
+        first, second = (
+            (self.old_spans, self.spans) if after_rollback else (self.spans, self.old_spans)
+        )
         known = [first.get(s, second.get(s)) for s in range(from_step, to_step + 1)]
         known = [k for k in known if k is not None]
         if not known:
@@ -134,18 +137,25 @@ class DataPosition:
             self.loader.load_state_dict(state)  # position from the checkpoint, skip ranges merged
         else:
             skips = list((self.pending or {}).get("skip_ranges", []))
-            self.pending = dict(state, skip_ranges=merge_ranges(skips + list(state.get("skip_ranges", []))))
+            self.pending = dict(
+                state, skip_ranges=merge_ranges(skips + list(state.get("skip_ranges", [])))
+            )
 
 
 class StateParts:
     """Named Stateful parts; ``per_rank`` names the parts every rank saves for itself."""
 
-    def __init__(self, parts: Iterable[tuple[str, Stateful | None]], per_rank: Iterable[str] = ("rng",)) -> None:
-        self.parts: OrderedDict[str, Stateful] = OrderedDict((n, p) for n, p in parts if p is not None)
+    def __init__(
+        self, parts: Iterable[tuple[str, Stateful | None]], per_rank: Iterable[str] = ("rng",)
+    ) -> None:
+        self.parts: OrderedDict[str, Stateful] = OrderedDict(
+            (n, p) for n, p in parts if p is not None
+        )
         for name, part in self.parts.items():
             if not isinstance(part, Stateful):
-                raise TypeError(f"state part {name!r} ({type(part).__name__}) has no "
-                                "state_dict/load_state_dict")
+                raise TypeError(
+                    f"state part {name!r} ({type(part).__name__}) has no state_dict/load_state_dict"
+                )
         self.per_rank = frozenset(per_rank)
 
     def __getitem__(self, name: str) -> Stateful:
@@ -158,8 +168,11 @@ class StateParts:
         return list(self.parts)
 
     def state_dict(self, rank: int = 0) -> dict[str, Any]:
-        return {name: part.state_dict() for name, part in self.parts.items()
-                if rank == 0 or name in self.per_rank}
+        return {
+            name: part.state_dict()
+            for name, part in self.parts.items()
+            if rank == 0 or name in self.per_rank
+        }
 
     def read(self, body: dict[str, Any], rank: int = 0) -> dict[str, Any]:
         """``body`` with what its parts keep outside it read into memory (a part's ``read_state``:

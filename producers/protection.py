@@ -41,9 +41,15 @@ class ProtectionWatch:
     thread in lockstep).
     """
 
-    def __init__(self, run_id: str, signer: Signer, published: Callable[[], tuple[int, int]],
-                 timeout_s: float = 30.0, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        signer: Signer,
+        published: Callable[[], tuple[int, int]],
+        timeout_s: float = 30.0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.run_id = run_id
         self.signer = signer
         self.published = published
@@ -73,8 +79,12 @@ class ProtectionWatch:
         if self.unprotected:
             self.unprotected = False
             self._gauge.set(0)
-            log.warning("spikeguard: run %s is judged by the pipeline again (pulse for step %d of epoch %d)",
-                        self.run_id, judged[1], judged[0])
+            log.warning(
+                "spikeguard: run %s is judged by the pipeline again (pulse for step %d of epoch %d)",
+                self.run_id,
+                judged[1],
+                judged[0],
+            )
 
     def check(self) -> bool:
         """Note the trainer's newest step; True (and one WARNING the first time) when the run is unprotected."""
@@ -83,8 +93,12 @@ class ProtectionWatch:
         waiting = self._waiting
         if waiting and newest < waiting[-1][0]:
             waiting.clear()  # resumed from an older step: the abandoned steps will never be judged
-        if (newest[1] >= 0 and (self.judged is None or newest > self.judged)
-                and (not waiting or newest > waiting[-1][0]) and len(waiting) < _MAX_MARKS):
+        if (
+            newest[1] >= 0
+            and (self.judged is None or newest > self.judged)
+            and (not waiting or newest > waiting[-1][0])
+            and len(waiting) < _MAX_MARKS
+        ):
             waiting.append((newest, now))
         if not waiting or now - waiting[0][1] < self.timeout_s or self.unprotected:
             return self.unprotected
@@ -92,16 +106,25 @@ class ProtectionWatch:
         self._gauge.set(1)
         oldest = waiting[0][0]
         if self.bad_pulses:
-            cause = (f"{self.bad_pulses} pulses from the pipeline failed their signature check: the trainer's "
-                     "signing key differs from the actuator's (SPIKEGUARD_SIGNING_KEY)")
+            cause = (
+                f"{self.bad_pulses} pulses from the pipeline failed their signature check: the trainer's "
+                "signing key differs from the actuator's (SPIKEGUARD_SIGNING_KEY)"
+            )
         else:
-            cause = ("likely causes: the trainer's signing key differs from the workers' (its steps then "
-                     "go to the DLQ), no workers run for this topic prefix (spikeguard worker ...), its "
-                     "steps are refused to the DLQ for another reason, or the pipeline lags this far behind")
-        log.warning("spikeguard: run %s is NOT protected by the pipeline: step %d of epoch %d, published "
-                    "%.0f s ago, has not been judged (newest judged: %s); %s. Training goes on with the "
-                    "local protections only (non-finite and outlier skips)",
-                    self.run_id, oldest[1], oldest[0], now - waiting[0][1],
-                    "none" if self.judged is None else f"step {self.judged[1]} of epoch {self.judged[0]}", cause)
+            cause = (
+                "likely causes: the trainer's signing key differs from the workers' (its steps then "
+                "go to the DLQ), no workers run for this topic prefix (spikeguard worker ...), its "
+                "steps are refused to the DLQ for another reason, or the pipeline lags this far behind"
+            )
+        log.warning(
+            "spikeguard: run %s is NOT protected by the pipeline: step %d of epoch %d, published "
+            "%.0f s ago, has not been judged (newest judged: %s); %s. Training goes on with the "
+            "local protections only (non-finite and outlier skips)",
+            self.run_id,
+            oldest[1],
+            oldest[0],
+            now - waiting[0][1],
+            "none" if self.judged is None else f"step {self.judged[1]} of epoch {self.judged[0]}",
+            cause,
+        )
         return True
-

@@ -36,7 +36,6 @@ from spikeguard.schemas.signing import SIGNED_TYPES, sign
 log = logging.getLogger(__name__)
 
 
-
 class Item(NamedTuple):
     """One queued event."""
 
@@ -49,9 +48,16 @@ class Item(NamedTuple):
 class BackgroundPublisher:
     """A bounded, drop-oldest, background sender of events keyed by ``run_id``."""
 
-    def __init__(self, producer: Producer, key: str, queue_size: int = 10_000,
-                 interval: float = 0.02, threaded: bool = True,
-                 metrics: Metrics | None = None, signing_key: SecretStr | None = None) -> None:
+    def __init__(
+        self,
+        producer: Producer,
+        key: str,
+        queue_size: int = 10_000,
+        interval: float = 0.02,
+        threaded: bool = True,
+        metrics: Metrics | None = None,
+        signing_key: SecretStr | None = None,
+    ) -> None:
         self.producer = producer
         self.signing_key = signing_key
         # Also counted where Prometheus sees it: a trainer losing events must show.
@@ -70,20 +76,30 @@ class BackgroundPublisher:
         self._idle = threading.Event()
         self._idle.set()
         self._parked = False  # the sender sleeps until woken: nothing was queued (under _lock)
-        self._hurry = False  # something queued must go now (an urgent step, a control event, a flush)
+        self._hurry = (
+            False  # something queued must go now (an urgent step, a control event, a flush)
+        )
         self._pass_event = "event" in inspect.signature(producer.publish).parameters
         # A pipeline in a child process takes step fields as queued (spikeguard/runtime/child.py):
         # building, signing and encoding them then happen there, off this process's GIL.
         self._ship = getattr(producer, "ship_fields", None)
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name=f"spikeguard-publisher-{key}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"spikeguard-publisher-{key}", daemon=True
+            )
             self._thread.start()
 
     # -- training thread ------------------------------------------------------
-    def submit(self, topic: str, model: type[BaseModel] | None, fields: Any, *,
-               droppable: bool = True, urgent: bool = False) -> None:
+    def submit(
+        self,
+        topic: str,
+        model: type[BaseModel] | None,
+        fields: Any,
+        *,
+        droppable: bool = True,
+        urgent: bool = False,
+    ) -> None:
         """Queue one event (``model(**fields)``, or ``fields`` itself when model is None).
 
         ``urgent``: a step that must reach the pipeline (kept over ordinary steps when the
@@ -212,5 +228,6 @@ class BackgroundPublisher:
         except Exception as exc:  # noqa: BLE001 - the bus must never kill training
             self.failed += 1
             if self.failed <= 5 or self.failed % 1000 == 0:
-                log.warning("spikeguard could not publish to %s (%d failures): %r",
-                            topic, self.failed, exc)
+                log.warning(
+                    "spikeguard could not publish to %s (%d failures): %r", topic, self.failed, exc
+                )

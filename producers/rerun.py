@@ -54,15 +54,22 @@ class RerunCheck:
         self.tolerance = tolerance
         self._rng: dict | None = None
         self.counts = {"transient": 0, "reproducible": 0}
-        self.last: tuple[float, float | None] | None = None  # the last re-run's loss and gradient norm
+        self.last: tuple[float, float | None] | None = (
+            None  # the last re-run's loss and gradient norm
+        )
 
     def before_step(self) -> None:
         """Called when the previous step is done: what the next forward pass will draw from."""
         if self.enabled:
             self._rng = rng.capture()
 
-    def verify(self, closure: Closure, params: list[torch.nn.Parameter], first_loss: float,
-               first_norm: float | None) -> Verdict | None:
+    def verify(
+        self,
+        closure: Closure,
+        params: list[torch.nn.Parameter],
+        first_loss: float,
+        first_norm: float | None,
+    ) -> Verdict | None:
         """Recompute the step; None when it cannot be (off, no closure, no captured state)."""
         if not self.enabled or closure is None or self._rng is None:
             return None
@@ -75,10 +82,17 @@ class RerunCheck:
         finally:
             rng.restore(after)
         grads = [p.grad.detach().flatten() for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.cat([g.float() for g in grads]))) if grads else None
+        norm = (
+            float(torch.linalg.vector_norm(torch.cat([g.float() for g in grads])))
+            if grads
+            else None
+        )
         self.last = (loss, norm)
         differs = _differ(first_loss, loss, self.tolerance) or (
-            first_norm is not None and norm is not None and _differ(first_norm, norm, self.tolerance))
+            first_norm is not None
+            and norm is not None
+            and _differ(first_norm, norm, self.tolerance)
+        )
         verdict: Verdict = "transient" if differs else "reproducible"
         self.counts[verdict] += 1
         return verdict
@@ -89,7 +103,11 @@ class RerunCheck:
         """The Guard's use: ``(stats to publish, verdict)``. A transient step publishes the
         re-run's loss and norm (what the data really gives), so the pipeline does not act on a
         fault the device made; its per-layer norms are unknown (the first run's were the fault's)."""
-        verdict = self.verify(closure, params, stats.loss, stats.grad_norm) if closure is not None else None
+        verdict = (
+            self.verify(closure, params, stats.loss, stats.grad_norm)
+            if closure is not None
+            else None
+        )
         if verdict == "transient" and self.last is not None:
             loss, norm = self.last
             stats = replace(stats, loss=loss, grad_norm=norm, top_grad_norms={}, nonfinite_grads=0)

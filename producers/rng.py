@@ -20,8 +20,13 @@ def capture() -> dict:
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # only if the program uses numpy at all
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        state["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     return state
 
 
@@ -35,8 +40,9 @@ def restore(state: dict) -> None:
         import numpy
 
         s = state["numpy"]
-        numpy.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"],
-                                s["has_gauss"], s["cached"]))
+        numpy.random.set_state(
+            (s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"])
+        )
 
 
 def _python_state() -> list:

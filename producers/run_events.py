@@ -16,7 +16,9 @@ from spikeguard.schemas import Ack, CheckpointEvent, RunEvent, StepEvent, Topics
 
 
 class RunEvents:
-    def __init__(self, publisher: Any, topics: Topics, run_id: str, rank: int, all_ranks: bool) -> None:
+    def __init__(
+        self, publisher: Any, topics: Topics, run_id: str, rank: int, all_ranks: bool
+    ) -> None:
         self.publisher = publisher
         self.topics = topics
         self.run_id = run_id
@@ -24,49 +26,111 @@ class RunEvents:
         self.steps_on = publisher is not None and (rank == 0 or all_ranks)
         self.rank0_on = publisher is not None and rank == 0
 
-    def step(self, step: int, epoch: int, stats: Any, *, lr: float, reason: str | None,
-             loss_scale: float | None, overflow_streak: int, batch_index: int | None,
-             rerun: str | None = None, outlier: bool = False) -> None:
+    def step(
+        self,
+        step: int,
+        epoch: int,
+        stats: Any,
+        *,
+        lr: float,
+        reason: str | None,
+        loss_scale: float | None,
+        overflow_streak: int,
+        batch_index: int | None,
+        rerun: str | None = None,
+        outlier: bool = False,
+    ) -> None:
         """``outlier``: the Guard's own rule found the step an outlier (skipped or not)."""
         if not self.steps_on:
             return
         # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
         overflow = reason == "scaler_overflow"
         # What the pipeline must see, and soon: kept under backlog, sent without waiting for a batch.
-        urgent = outlier or (reason is not None and not overflow) or not math.isfinite(stats.loss) or (
-            not overflow and not stats.finite)
-        self.publisher.submit(self.topics.steps, StepEvent, dict(
-            run_id=self.run_id, step=step, epoch=epoch, rank=self.rank, time=time.time(),
-            loss=stats.loss, loss_mean=stats.loss_mean, loss_ranks=stats.ranks,
-            grad_norm=None if overflow else stats.grad_norm, lr=lr,
-            loss_scale=loss_scale, param_norm=stats.param_norm,
-            update_norm=stats.update_norm,  # the previous step's update (update_norm.py)
-            top_grad_norms={} if overflow else stats.top_grad_norms,
-            nonfinite_grads=0 if overflow else stats.nonfinite_grads, update_skipped=reason is not None,
-            skip_reason=reason, overflow_streak=overflow_streak if overflow else 0,
-            batch_index=batch_index, batch=stats.batch, rerun=rerun), urgent=urgent)
+        urgent = (
+            outlier
+            or (reason is not None and not overflow)
+            or not math.isfinite(stats.loss)
+            or (not overflow and not stats.finite)
+        )
+        self.publisher.submit(
+            self.topics.steps,
+            StepEvent,
+            dict(
+                run_id=self.run_id,
+                step=step,
+                epoch=epoch,
+                rank=self.rank,
+                time=time.time(),
+                loss=stats.loss,
+                loss_mean=stats.loss_mean,
+                loss_ranks=stats.ranks,
+                grad_norm=None if overflow else stats.grad_norm,
+                lr=lr,
+                loss_scale=loss_scale,
+                param_norm=stats.param_norm,
+                update_norm=stats.update_norm,  # the previous step's update (update_norm.py)
+                top_grad_norms={} if overflow else stats.top_grad_norms,
+                nonfinite_grads=0 if overflow else stats.nonfinite_grads,
+                update_skipped=reason is not None,
+                skip_reason=reason,
+                overflow_streak=overflow_streak if overflow else 0,
+                batch_index=batch_index,
+                batch=stats.batch,
+                rerun=rerun,
+            ),
+            urgent=urgent,
+        )
 
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:
             return
         self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
         for gone in removed:  # no longer a rollback target: say so
-            self.publisher.submit(self.topics.checkpoints, None, CheckpointEvent(
-                run_id=self.run_id, step=gone.step, epoch=gone.epoch,
-                checkpoint_id=gone.checkpoint_id, path=str(gone.path), healthy=gone.healthy,
-                deleted=True), droppable=False)
+            self.publisher.submit(
+                self.topics.checkpoints,
+                None,
+                CheckpointEvent(
+                    run_id=self.run_id,
+                    step=gone.step,
+                    epoch=gone.epoch,
+                    checkpoint_id=gone.checkpoint_id,
+                    path=str(gone.path),
+                    healthy=gone.healthy,
+                    deleted=True,
+                ),
+                droppable=False,
+            )
 
     def ack(self, outcome: Any) -> None:
         if not self.rank0_on:
             return
         a = outcome.action
-        self.publisher.submit(self.topics.acks, Ack, dict(
-            run_id=self.run_id, action_id=a.action_id, kind=a.kind, status=outcome.status,
-            step=outcome.step, rank=self.rank, result=outcome.result[:500],
-            time=time.time()), droppable=False)  # sent now: a replay puts it among the steps by it
+        self.publisher.submit(
+            self.topics.acks,
+            Ack,
+            dict(
+                run_id=self.run_id,
+                action_id=a.action_id,
+                kind=a.kind,
+                status=outcome.status,
+                step=outcome.step,
+                rank=self.rank,
+                result=outcome.result[:500],
+                time=time.time(),
+            ),
+            droppable=False,
+        )  # sent now: a replay puts it among the steps by it
 
-    def run(self, kind: str, plan: Any, planned_steps: int | None, step: int, epoch: int,
-            finished: bool, reason: str) -> None:
+    def run(
+        self,
+        kind: str,
+        plan: Any,
+        planned_steps: int | None,
+        step: int,
+        epoch: int,
+        finished: bool,
+        reason: str,
+    ) -> None:
         """The run's start or end with its settings, on the compacted runs topic (never dropped).
 
         Signed with the run's key by the publisher, as steps are: the workers apply
@@ -75,8 +139,23 @@ class RunEvents:
         if not self.rank0_on:
             return
         cfg = plan.config
-        self.publisher.submit(self.topics.runs, RunEvent, dict(
-            run_id=self.run_id, kind=kind, preset=plan.preset, policy=plan.policy, fusion=plan.fusion,
-            checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
-            detection_delay_steps=cfg.detection_delay_steps, planned_steps=planned_steps, step=step,
-            epoch=epoch, finished=finished, reason=reason), droppable=False)
+        self.publisher.submit(
+            self.topics.runs,
+            RunEvent,
+            dict(
+                run_id=self.run_id,
+                kind=kind,
+                preset=plan.preset,
+                policy=plan.policy,
+                fusion=plan.fusion,
+                checkpoint_every=cfg.checkpoint_every,
+                keep_checkpoints=cfg.keep_checkpoints,
+                detection_delay_steps=cfg.detection_delay_steps,
+                planned_steps=planned_steps,
+                step=step,
+                epoch=epoch,
+                finished=finished,
+                reason=reason,
+            ),
+            droppable=False,
+        )

@@ -40,7 +40,9 @@ class RunPlan:
     preset: str | None
     policy: dict[str, Any] = field(default_factory=dict)  # overrides only (over the preset)
     min_rollback_steps: int = 0
-    fusion: dict[str, Any] = field(default_factory=dict)  # FusionConfig overrides (policy["fusion"])
+    fusion: dict[str, Any] = field(
+        default_factory=dict
+    )  # FusionConfig overrides (policy["fusion"])
 
     @property
     def reach(self) -> int:
@@ -48,7 +50,9 @@ class RunPlan:
         return (self.config.keep_checkpoints - 1) * self.config.checkpoint_every
 
 
-def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any] | None = None) -> RunPlan:
+def make_plan(
+    cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any] | None = None
+) -> RunPlan:
     """The run's plan, or ConfigError naming the settings that do not fit together, and why."""
     from spikeguard.actuators.presets import get_preset  # the policy's own models, not a copy
 
@@ -59,7 +63,9 @@ def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any
     try:
         full = chosen.policy_config(**overrides) if chosen else _policy_config(overrides)
     except ValidationError as exc:
-        raise ConfigError(f"policy overrides of run do not validate as PolicyConfig: {exc}") from exc
+        raise ConfigError(
+            f"policy overrides of run do not validate as PolicyConfig: {exc}"
+        ) from exc
     if chosen is not None and "checkpoint_every" not in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"checkpoint_every": chosen.checkpoint_interval_steps})
     plan = RunPlan(cfg, name, overrides, full.rollback_min_steps_before_onset, fusion)
@@ -67,8 +73,11 @@ def make_plan(cfg: GuardConfig, preset: str | None = None, policy: dict[str, Any
     if problem and (name or overrides):
         raise ConfigError(problem)
     if problem:
-        log.warning("spikeguard: %s (the pipeline's own policy decides; name the run's policy with "
-                    "preset= or policy= to have this checked)", problem)
+        log.warning(
+            "spikeguard: %s (the pipeline's own policy decides; name the run's policy with "
+            "preset= or policy= to have this checked)",
+            problem,
+        )
     return plan
 
 
@@ -77,8 +86,12 @@ def check(plan: RunPlan) -> str | None:
     from spikeguard.actuators.run_settings import cadence_problem  # the actuator checks the same
 
     cfg = plan.config
-    return cadence_problem(cfg.checkpoint_every, cfg.keep_checkpoints, cfg.detection_delay_steps,
-                           plan.min_rollback_steps)
+    return cadence_problem(
+        cfg.checkpoint_every,
+        cfg.keep_checkpoints,
+        cfg.detection_delay_steps,
+        plan.min_rollback_steps,
+    )
 
 
 def _fusion_overrides(overrides: Any) -> dict[str, Any]:
@@ -88,7 +101,9 @@ def _fusion_overrides(overrides: Any) -> dict[str, Any]:
     try:
         FusionConfig.model_validate(dict(overrides))
     except (ValidationError, TypeError, ValueError) as exc:
-        raise ConfigError(f"policy['fusion'] of run does not validate as FusionConfig: {exc}") from exc
+        raise ConfigError(
+            f"policy['fusion'] of run does not validate as FusionConfig: {exc}"
+        ) from exc
     return dict(overrides)
 
 

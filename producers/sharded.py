@@ -49,10 +49,12 @@ def model_is_sharded(model: torch.nn.Module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # (imported only if the program uses FSDP)
     fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
-        raise ConfigError("the Guard supports sharded models through FSDP2 "
-                          "(torch.distributed.fsdp.fully_shard) or DTensor parameters, not FSDP1's "
-                          "FullyShardedDataParallel: its flat shards give one rank's slice of the "
-                          "gradient norm; shard the model with fully_shard, then build the Guard")
+        raise ConfigError(
+            "the Guard supports sharded models through FSDP2 "
+            "(torch.distributed.fsdp.fully_shard) or DTensor parameters, not FSDP1's "
+            "FullyShardedDataParallel: its flat shards give one rank's slice of the "
+            "gradient norm; shard the model with fully_shard, then build the Guard"
+        )
     return is_sharded([p for p in model.parameters()])
 
 
@@ -64,7 +66,10 @@ class ShardedState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         tensors: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         groups = None
@@ -81,7 +86,10 @@ class ShardedState:
         any rank (DCP raises on every rank then) leaves the model and the optimizer as they were.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
         from torch.utils._pytree import tree_map_only
 
         tensors = state[DCP_KEY]
@@ -96,7 +104,10 @@ class ShardedState:
         return dict(state, **{DCP_KEY: template})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         state = self.read_state(state)  # (already in memory when the Guard read it first)
         tensors = state[DCP_KEY]

@@ -22,7 +22,11 @@ import math
 from typing import Any, Iterable, NamedTuple
 
 from spikeguard.processors.outlier_model import (
-    Judged, OutlierConfig, grad_norm_config, log_of, loss_config,
+    Judged,
+    OutlierConfig,
+    grad_norm_config,
+    log_of,
+    loss_config,
 )
 
 
@@ -61,8 +65,12 @@ class SkipRule:
     (False, True, False)
     """
 
-    def __init__(self, loss: OutlierConfig | None = None, grad_norm: OutlierConfig | None = None,
-                 max_run: int = 2) -> None:
+    def __init__(
+        self,
+        loss: OutlierConfig | None = None,
+        grad_norm: OutlierConfig | None = None,
+        max_run: int = 2,
+    ) -> None:
         if max_run < 1:
             raise ValueError(f"max_run must be >= 1, got {max_run}")
         self.loss = loss or loss_config()
@@ -72,8 +80,9 @@ class SkipRule:
         self._grad = self.grad_norm.model()
         self.run = 0  # elevated steps in a row so far
 
-    def decide(self, loss: float, grad_norm: float | None = None,
-               lr: float | None = None) -> SkipDecision:
+    def decide(
+        self, loss: float, grad_norm: float | None = None, lr: float | None = None
+    ) -> SkipDecision:
         """Judge one step, then learn it. Non-finite values are not judged here (the Guard
         skips them on its own) and are never learned. ``lr`` is the step's learning rate:
         a recent rise of it explains a rise of the loss (a warm restart)."""
@@ -81,8 +90,9 @@ class SkipRule:
         self.learn(judged)
         return judged.decision
 
-    def judge(self, loss: float, grad_norm: float | None = None,
-              lr: float | None = None) -> StepJudged:
+    def judge(
+        self, loss: float, grad_norm: float | None = None, lr: float | None = None
+    ) -> StepJudged:
         """Judge one step and change nothing: ``learn`` takes it in. The Guard learns only the
         values it keeps (a re-run's, when the first computation was a device's fault)."""
         if not math.isfinite(loss):
@@ -95,8 +105,13 @@ class SkipRule:
         loss_hit = loss_judged.elevated
         grad_hit = grad_judged is not None and grad_judged.elevated
         skip = (loss_hit or grad_hit) and self.run + 1 <= self.max_run
-        decision = SkipDecision(skip, _SIGNALS[loss_hit, grad_hit], _score(loss_judged), _score(grad_judged),
-                                loss_judged.lr_beyond_peak)
+        decision = SkipDecision(
+            skip,
+            _SIGNALS[loss_hit, grad_hit],
+            _score(loss_judged),
+            _score(grad_judged),
+            loss_judged.lr_beyond_peak,
+        )
         return StepJudged(decision, y, loss_judged, g, grad_judged, lr)
 
     def learn(self, judged: StepJudged) -> None:
@@ -124,7 +139,12 @@ class SkipRule:
 
 
 #: (loss elevated, gradient norm elevated) -> SkipDecision.signal
-_SIGNALS = {(False, False): "", (True, False): "loss", (False, True): "grad_norm", (True, True): "loss+grad_norm"}
+_SIGNALS = {
+    (False, False): "",
+    (True, False): "loss",
+    (False, True): "grad_norm",
+    (True, True): "loss+grad_norm",
+}
 
 
 def _score(judged: Judged | None) -> float | None:

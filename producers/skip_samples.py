@@ -64,9 +64,13 @@ def read_skip_ids(source: SkipIds) -> frozenset[int]:
     except (OSError, ValueError) as exc:
         raise SkipIdsError(f"skip_ids {path}: not readable JSON ({exc})") from None
     ids = body.get("skip_ids") if isinstance(body, dict) else body
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise SkipIdsError(f"skip_ids {path}: expected spikeguard inspect's report (a 'skip_ids' "
-                           "list) or a JSON list of dataset indices")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise SkipIdsError(
+            f"skip_ids {path}: expected spikeguard inspect's report (a 'skip_ids' "
+            "list) or a JSON list of dataset indices"
+        )
     return frozenset(ids)
 
 
@@ -80,18 +84,25 @@ def leave_out(loader: Any, source: SkipIds) -> int:
     batch_sampler: Any = getattr(loader, "batch_sampler", None)
     holder: Any = batch_sampler
     inner: Any = getattr(batch_sampler, "sampler", None)
-    if isinstance(inner, _RecordingSampler):  # forensics' tap stays outermost: it sees what is drawn
+    if isinstance(
+        inner, _RecordingSampler
+    ):  # forensics' tap stays outermost: it sees what is drawn
         holder, inner = inner, inner.inner
     if isinstance(inner, _SkippingSampler):
         inner = inner.inner  # a second skip list replaces the first
     every_index_once = isinstance(inner, SequentialSampler) or (
-        isinstance(inner, RandomSampler) and not inner.replacement and inner._num_samples is None)
-    if (type(batch_sampler) is not BatchSampler or getattr(loader, "_dataset_kind", 0) != 0
-            or not every_index_once):
+        isinstance(inner, RandomSampler) and not inner.replacement and inner._num_samples is None
+    )
+    if (
+        type(batch_sampler) is not BatchSampler
+        or getattr(loader, "_dataset_kind", 0) != 0
+        or not every_index_once
+    ):
         raise SkipIdsError(
             f"skip_ids needs a DataLoader over a map-style dataset with a SequentialSampler or a "
             f"RandomSampler without replacement (its ids are dataset indices); this loader's "
-            f"sampler is {type(inner).__name__}")
+            f"sampler is {type(inner).__name__}"
+        )
     size = len(inner.data_source)
     present = sum(1 for i in skipped if 0 <= i < size)
     holder.sampler = _SkippingSampler(inner, skipped, size - present)

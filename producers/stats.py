@@ -42,14 +42,20 @@ class StepStats:
 
     @property
     def finite(self) -> bool:
-        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+        return math.isfinite(self.loss) and (
+            self.grad_norm is None or math.isfinite(self.grad_norm)
+        )
 
 
 class GradStats:
     """Computes :class:`StepStats` for a fixed set of named parameters."""
 
-    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], top_k: int = 5,
-                 param_norm: bool = False) -> None:
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+        top_k: int = 5,
+        param_norm: bool = False,
+    ) -> None:
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -72,11 +78,16 @@ class GradStats:
         grads = self.grads()[1]
         return local_tensors(grads) if self.sharded and self.params else grads
 
-    def compute(self, loss: torch.Tensor | float, batch: Sequence | None = None,
-                riders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                                 Mapping[str, torch.Tensor]] | None = None,
-                update: Sequence[torch.Tensor] | None = None,
-                ) -> tuple[StepStats, list[torch.Tensor]]:
+    def compute(
+        self,
+        loss: torch.Tensor | float,
+        batch: Sequence | None = None,
+        riders: Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor | None], Mapping[str, torch.Tensor]
+        ]
+        | None = None,
+        update: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[StepStats, list[torch.Tensor]]:
         """Statistics of the gradients as they are now, and the gradient list (for clipping).
 
         ``riders(nonfinite, loss, total_norm)`` gets a device flag (1.0 when the loss or
@@ -101,21 +112,33 @@ class GradStats:
             tensors.extend(weights)
             tensors.extend(update)
             all_norms = sharded_norms(tensors, like=self.params)
-            sharded_norm_list = all_norms[[i for i, p in enumerate(self.params) if p.grad is not None]]
-            other_norms = [all_norms[n:n + m], all_norms[n + m:]]
+            sharded_norm_list = all_norms[
+                [i for i, p in enumerate(self.params) if p.grad is not None]
+            ]
+            other_norms = [all_norms[n : n + m], all_norms[n + m :]]
             device = all_norms.device
         else:
-            flat = torch._foreach_norm(grads + weights + update) if grads or weights or update else []
+            flat = (
+                torch._foreach_norm(grads + weights + update) if grads or weights or update else []
+            )
             g, m = len(grads), len(weights)
-            stacked = [torch.stack([t.float() for t in part]) if part else torch.zeros(0, device=device)
-                       for part in (flat[:g], flat[g:g + m], flat[g + m:])]
+            stacked = [
+                torch.stack([t.float() for t in part]) if part else torch.zeros(0, device=device)
+                for part in (flat[:g], flat[g : g + m], flat[g + m :])
+            ]
             other_norms = stacked[1:]
-        loss_t = loss.detach().reshape(()).float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        loss_t = (
+            loss.detach().reshape(()).float()
+            if isinstance(loss, torch.Tensor)
+            else torch.tensor(float(loss))
+        )
         parts.append(loss_t.to(device).reshape(1))
         k = min(self.top_k, len(grads))
         total = None
         if grads:
-            if sharded_norm_list is not None:  # the global norm, not this rank's slice; clipping scales the slices
+            if (
+                sharded_norm_list is not None
+            ):  # the global norm, not this rank's slice; clipping scales the slices
                 norms, grads = sharded_norm_list, local_tensors(grads)
             else:
                 norms = stacked[0]
@@ -155,15 +178,20 @@ class GradStats:
         bstats = None
         if n_batch:
             size, nan_in, inf_in, outliers, max_frac = (next(it) for _ in range(5))
-            bstats = {"size": int(size), "nan_inputs": int(nan_in), "inf_inputs": int(inf_in),
-                      "outliers": int(outliers),
-                      "max_label_fraction": None if max_frac < 0 else min(1.0, max(0.0, max_frac))}
+            bstats = {
+                "size": int(size),
+                "nan_inputs": int(nan_in),
+                "inf_inputs": int(inf_in),
+                "outliers": int(outliers),
+                "max_label_fraction": None if max_frac < 0 else min(1.0, max(0.0, max_frac)),
+            }
         riding = {name: next(it) for name in rider_names}
         nonfinite = 0
         if grad_norm is not None and not math.isfinite(grad_norm):
             nonfinite = count_nonfinite(grads)  # rare path: a second transfer is fine here
-        return StepStats(loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding,
-                         update_norm=unorm), grads
+        return StepStats(
+            loss_v, grad_norm, top, nonfinite, pnorm, bstats, riding, update_norm=unorm
+        ), grads
 
 
 def across_ranks(stats: StepStats, world_size: int) -> StepStats:
@@ -175,8 +203,9 @@ def across_ranks(stats: StepStats, world_size: int) -> StepStats:
     them with the step's statistics: no extra transfer).
     """
     r = stats.riders
-    return replace(stats, loss=r["run_loss"], loss_mean=r["mean_loss"], ranks=world_size,
-                   rank_loss=stats.loss)
+    return replace(
+        stats, loss=r["run_loss"], loss_mean=r["mean_loss"], ranks=world_size, rank_loss=stats.loss
+    )
 
 
 def count_nonfinite(tensors: Sequence[torch.Tensor]) -> int:

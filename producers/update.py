@@ -22,7 +22,8 @@ def torch_optimizer(optimizer: Any, required: bool = True) -> Any:
     inner = optimizer
     # (accelerate's AcceleratedOptimizer is an Optimizer subclass around the real one)
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) or (
-            not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer")):
+        not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer")
+    ):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         if not required:

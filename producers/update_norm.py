@@ -97,8 +97,14 @@ class UpdateNorm:
             try:
                 with torch.no_grad():
                     self._delta = [torch.empty_like(p) for p in self.params]
-            except (torch.OutOfMemoryError, RuntimeError) as exc:  # its own failure never ends training
+            except (
+                torch.OutOfMemoryError,
+                RuntimeError,
+            ) as exc:  # its own failure never ends training
                 self.enabled = False
-                log.warning("spikeguard: update_norm off for this run: no memory for a copy of the "
-                            "parameters (%s); GuardConfig(update_norm=False) says so up front", exc)
+                log.warning(
+                    "spikeguard: update_norm off for this run: no memory for a copy of the "
+                    "parameters (%s); GuardConfig(update_norm=False) says so up front",
+                    exc,
+                )
         return self.enabled

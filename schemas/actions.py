@@ -184,8 +184,17 @@ class PulseParams(ActionParams):
 PARAMS: dict[ActionKind, type[ActionParams]] = {
     cls.model_fields["kind"].default: cls
     for cls in (
-        RollbackParams, SkipBatchesParams, SetLrParams, ScaleLrParams, RestoreLrParams,
-        ClipParams, CheckpointParams, StopParams, ReduceBatchSizeParams, SetEpsParams, AlertParams,
+        RollbackParams,
+        SkipBatchesParams,
+        SetLrParams,
+        ScaleLrParams,
+        RestoreLrParams,
+        ClipParams,
+        CheckpointParams,
+        StopParams,
+        ReduceBatchSizeParams,
+        SetEpsParams,
+        AlertParams,
         PulseParams,
     )
 }
@@ -193,8 +202,17 @@ assert set(PARAMS) == set(ActionKind), "every action kind has its parameters"
 
 AnyParams = Annotated[
     Union[
-        RollbackParams, SkipBatchesParams, SetLrParams, ScaleLrParams, RestoreLrParams,
-        ClipParams, CheckpointParams, StopParams, ReduceBatchSizeParams, SetEpsParams, AlertParams,
+        RollbackParams,
+        SkipBatchesParams,
+        SetLrParams,
+        ScaleLrParams,
+        RestoreLrParams,
+        ClipParams,
+        CheckpointParams,
+        StopParams,
+        ReduceBatchSizeParams,
+        SetEpsParams,
+        AlertParams,
         PulseParams,
     ],
     Field(discriminator="kind"),
@@ -210,7 +228,10 @@ def tag_params(data: Any) -> Any:
         params = {}
     if isinstance(params, dict) and "kind" not in params and "kind" in data:
         kind = data["kind"]
-        return {**data, "params": {**params, "kind": kind.value if isinstance(kind, ActionKind) else kind}}
+        return {
+            **data,
+            "params": {**params, "kind": kind.value if isinstance(kind, ActionKind) else kind},
+        }
     return data
 
 
@@ -224,7 +245,8 @@ def document_params(schema: dict[str, Any]) -> None:
         if required and "kind" in required:
             required.remove("kind")
     schema["properties"]["params"] = {
-        "type": "object", "description": "the parameters of this kind (see allOf)",
+        "type": "object",
+        "description": "the parameters of this kind (see allOf)",
     }
     schema["allOf"] = [
         {

@@ -50,8 +50,9 @@ def encode(event: BaseModel) -> bytes:
     return event.model_dump_json().encode()
 
 
-def decode(data: bytes | bytearray | memoryview | str, model: type[M],
-           max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+def decode(
+    data: bytes | bytearray | memoryview | str, model: type[M], max_bytes: int = MAX_MESSAGE_BYTES
+) -> M:
     """Parse ``data`` into ``model`` or raise a SchemaError that says why.
 
     ``max_bytes``: a bigger message is refused before parsing (a worker sets its own, lower).
@@ -112,5 +113,3 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> Exception:
         parts.append(f"{where}: {error['msg']} (got {error.get('input')!r:.60})")
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return MalformedMessage(f"{model.__name__}: " + "; ".join(parts) + more)
-
-

@@ -14,7 +14,12 @@ from enum import Enum
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
 )
 
 from spikeguard.schemas.actions import ActionKind, AnyParams, document_params, tag_params
@@ -30,7 +35,9 @@ MAX_COUNTER = 2**53 - 1
 Step = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 # A rollback makes a run repeat step numbers; the epoch (number of rollbacks
 # applied so far) tells a re-run step from a late duplicate of the original.
-Epoch = Annotated[int, Field(ge=0, le=MAX_COUNTER, description="rollbacks applied before this record")]
+Epoch = Annotated[
+    int, Field(ge=0, le=MAX_COUNTER, description="rollbacks applied before this record")
+]
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -141,17 +148,22 @@ class StepEvent(_Event):
     time: float = Field(default_factory=time.time, description="unix seconds")
     loss: float
     loss_mean: float | None = Field(
-        None, description="with several ranks: the mean of the ranks' losses (the global batch's loss)"
+        None,
+        description="with several ranks: the mean of the ranks' losses (the global batch's loss)",
     )
     loss_ranks: int | None = Field(
-        None, ge=1, le=MAX_COUNTER, description="with several ranks: how many; `loss` is then the "
+        None,
+        ge=1,
+        le=MAX_COUNTER,
+        description="with several ranks: how many; `loss` is then the "
         "largest of their losses, so a spike in any rank's data is a spike of the run",
     )
     grad_norm: float | None = Field(None, description="total L2 norm before clipping")
     lr: float | None = None
     loss_scale: float | None = Field(None, description="fp16 GradScaler scale, if any")
     update_norm: float | None = Field(
-        None, description="L2 norm of the parameter change made by the previous optimizer step "
+        None,
+        description="L2 norm of the parameter change made by the previous optimizer step "
         "(the one that produced the parameters this step's loss was computed at); 0 when that "
         "update was skipped; none at a run's first step or after a rollback",
     )
@@ -161,17 +173,22 @@ class StepEvent(_Event):
     )
     nonfinite_grads: int = Field(0, ge=0, description="gradient elements that were NaN/Inf")
     update_skipped: bool = Field(False, description="the trainer skipped this update itself")
-    skip_reason: Literal["non_finite", "outlier_step", "scaler_overflow", "transient"] | None = Field(
-        None,
-        description="why the update was skipped: a non-finite loss or gradient, the Guard's local "
-        "outlier rule, the fp16 GradScaler's own overflow check (normal, not an anomaly), or a "
-        "re-run that came out different (a suspected hardware fault; the values are the re-run's)",
+    skip_reason: Literal["non_finite", "outlier_step", "scaler_overflow", "transient"] | None = (
+        Field(
+            None,
+            description="why the update was skipped: a non-finite loss or gradient, the Guard's local "
+            "outlier rule, the fp16 GradScaler's own overflow check (normal, not an anomaly), or a "
+            "re-run that came out different (a suspected hardware fault; the values are the re-run's)",
+        )
     )
     rerun: Literal["transient", "reproducible"] | None = Field(
-        None, description="the Guard re-ran this suspicious step once (verify_reruns=1): did it differ?"
+        None,
+        description="the Guard re-ran this suspicious step once (verify_reruns=1): did it differ?",
     )
     overflow_streak: int = Field(
-        0, ge=0, description="consecutive GradScaler overflow skips up to this step, each one "
+        0,
+        ge=0,
+        description="consecutive GradScaler overflow skips up to this step, each one "
         "lowering the loss scale (0 when this step's update was not an overflow skip)",
     )
     batch_index: int | None = Field(None, ge=0, le=MAX_COUNTER, description="global data position")
@@ -210,9 +227,11 @@ class Verdict(_Event):
     horizon_steps: int | None = Field(None, ge=1)
     health: HealthLevel | None = None
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the detector worker, see schemas.signing "
+        None,
+        max_length=128,
+        description="hex HMAC-SHA256 by the detector worker, see schemas.signing "
         "(optional on the wire; "
-        "a consumer with the key refuses a record without it)"
+        "a consumer with the key refuses a record without it)",
     )
 
 
@@ -236,9 +255,11 @@ class StepVerdicts(_Event):
     epoch: Epoch = 0
     verdicts: list[Verdict] = Field(min_length=1, max_length=MAX_STEP_VERDICTS)
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the detector worker over the whole "
+        None,
+        max_length=128,
+        description="hex HMAC-SHA256 by the detector worker over the whole "
         "record, verdicts included, see schemas.signing (a consumer with the key refuses a record "
-        "without it)"
+        "without it)",
     )
 
     @model_validator(mode="after")
@@ -247,11 +268,16 @@ class StepVerdicts(_Event):
         # verdicts speak of another step, or twice for one detector, is refused whole.
         names = set()
         for verdict in self.verdicts:
-            if (verdict.run_id, verdict.step, verdict.epoch) != (self.run_id, self.step, self.epoch):
+            if (verdict.run_id, verdict.step, verdict.epoch) != (
+                self.run_id,
+                self.step,
+                self.epoch,
+            ):
                 raise ValueError(
                     f"a verdict of {verdict.detector} is for run {verdict.run_id} step {verdict.step} "
                     f"epoch {verdict.epoch}, not the record's run {self.run_id} step {self.step} "
-                    f"epoch {self.epoch}")
+                    f"epoch {self.epoch}"
+                )
             if verdict.detector in names:
                 raise ValueError(f"two verdicts of detector {verdict.detector} for one step")
             names.add(verdict.detector)
@@ -313,8 +339,9 @@ class Decision(_Event):
     type: AnomalyType = AnomalyType.NONE
     confidence: float = Field(0.0, ge=0.0, le=1.0)
     critical: bool = Field(
-        False, description="a critical anomaly (non-finite values, extreme loss, a detector "
-        "sure on its own): decided at once, answered at once"
+        False,
+        description="a critical anomaly (non-finite values, extreme loss, a detector "
+        "sure on its own): decided at once, answered at once",
     )
     urgency: Urgency = Field(Urgency.NONE, description="for people and dashboards")
     preventive: bool = Field(False, description="an early warning, not an anomaly")
@@ -331,8 +358,10 @@ class Decision(_Event):
     signals: dict[str, Scalar] = Field(default_factory=dict)
     evidence: Evidence | None = None
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by fusion, see schemas.signing (optional on the wire; "
-        "a consumer with the key refuses a record without it)"
+        None,
+        max_length=128,
+        description="hex HMAC-SHA256 by fusion, see schemas.signing (optional on the wire; "
+        "a consumer with the key refuses a record without it)",
     )
 
 
@@ -354,9 +383,12 @@ class Action(_Event):
     decision_id: str | None = None
     incident_id: str | None = None
     incident_onset_step: int | None = Field(
-        None, ge=0, le=MAX_COUNTER,
+        None,
+        ge=0,
+        le=MAX_COUNTER,
         description="the incident's first anomalous step, as fusion found it: the trainer keeps "
-        "the incident's samples and pre-onset checkpoint around it")
+        "the incident's samples and pre-onset checkpoint around it",
+    )
     evidence: Evidence | None = Field(
         None, description="what the decision rested on, for the trainer to check"
     )
@@ -381,7 +413,9 @@ class Action(_Event):
     @model_validator(mode="after")
     def _params_match_kind(self) -> "Action":
         if self.params.kind is not self.kind:
-            raise ValueError(f"params of {self.params.kind.value} given to a {self.kind.value} action")
+            raise ValueError(
+                f"params of {self.params.kind.value} given to a {self.kind.value} action"
+            )
         return self
 
 
@@ -397,9 +431,11 @@ class Ack(_Event):
     result: str = ""
     time: float = Field(default_factory=time.time)
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
+        None,
+        max_length=128,
+        description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
         "(optional on the wire; "
-        "a consumer with the key refuses a record without it)"
+        "a consumer with the key refuses a record without it)",
     )
 
 
@@ -419,9 +455,11 @@ class CheckpointEvent(_Event):
     )
     time: float = Field(default_factory=time.time)
     signature: str | None = Field(
-        None, max_length=128, description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
+        None,
+        max_length=128,
+        description="hex HMAC-SHA256 by the run's trainer, see schemas.signing "
         "(optional on the wire; "
-        "a consumer with the key refuses a record without it)"
+        "a consumer with the key refuses a record without it)",
     )
 
 
@@ -459,19 +497,30 @@ class RunEvent(_Event):
         default_factory=dict, description="PolicyConfig overrides over the preset's values"
     )
     fusion: dict[str, Any] = Field(
-        default_factory=dict, description="FusionConfig overrides over the fusion stage's own settings"
+        default_factory=dict,
+        description="FusionConfig overrides over the fusion stage's own settings",
     )
-    checkpoint_every: int = Field(0, ge=0, description="steps between periodic checkpoints; 0 = on demand")
+    checkpoint_every: int = Field(
+        0, ge=0, description="steps between periodic checkpoints; 0 = on demand"
+    )
     keep_checkpoints: int = Field(1, ge=1)
     detection_delay_steps: int = Field(0, ge=0)
-    planned_steps: int | None = Field(None, ge=0, description="the run's planned optimizer steps, if known")
-    step: Step = Field(0, description="start: the first step (after a resume); end: the last step + 1")
+    planned_steps: int | None = Field(
+        None, ge=0, description="the run's planned optimizer steps, if known"
+    )
+    step: Step = Field(
+        0, description="start: the first step (after a resume); end: the last step + 1"
+    )
     epoch: Epoch = 0
-    finished: bool = Field(False, description="end: the run completed its plan (it will not be resumed)")
+    finished: bool = Field(
+        False, description="end: the run completed its plan (it will not be resumed)"
+    )
     reason: str = ""
     time: float = Field(default_factory=time.time)
     # Optional on the wire (a record without it still decodes); a stage with the key refuses it.
-    signature: str | None = Field(None, description="hex HMAC-SHA256 of the run's key, see schemas.signing")
+    signature: str | None = Field(
+        None, description="hex HMAC-SHA256 of the run's key, see schemas.signing"
+    )
 
 
 EVENT_TYPES: tuple[type[_Event], ...] = (

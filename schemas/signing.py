@@ -46,7 +46,14 @@ from pydantic import BaseModel, SecretStr
 
 from spikeguard.errors import RecordNotAuthenticated, RunEventNotAuthenticated, StepNotAuthenticated
 from spikeguard.schemas.events import (
-    Ack, Action, CheckpointEvent, Decision, RunEvent, StepEvent, StepVerdicts, Verdict,
+    Ack,
+    Action,
+    CheckpointEvent,
+    Decision,
+    RunEvent,
+    StepEvent,
+    StepVerdicts,
+    Verdict,
 )
 
 
@@ -61,8 +68,14 @@ class Role(str, Enum):
 
 #: The one role entitled to produce each signed record type.
 ROLE_OF: dict[type[BaseModel], Role] = {
-    StepEvent: Role.TRAINER, RunEvent: Role.TRAINER, CheckpointEvent: Role.TRAINER, Ack: Role.TRAINER,
-    Verdict: Role.DETECTORS, StepVerdicts: Role.DETECTORS, Decision: Role.FUSION, Action: Role.ACTUATOR,
+    StepEvent: Role.TRAINER,
+    RunEvent: Role.TRAINER,
+    CheckpointEvent: Role.TRAINER,
+    Ack: Role.TRAINER,
+    Verdict: Role.DETECTORS,
+    StepVerdicts: Role.DETECTORS,
+    Decision: Role.FUSION,
+    Action: Role.ACTUATOR,
 }
 
 
@@ -91,8 +104,9 @@ class Keyring:
         return frozenset(self._keys)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Keyring) and {r: key_fingerprint(k) for r, k in self._keys.items()} == {
-            r: key_fingerprint(k) for r, k in other._keys.items()}
+        return isinstance(other, Keyring) and {
+            r: key_fingerprint(k) for r, k in self._keys.items()
+        } == {r: key_fingerprint(k) for r, k in other._keys.items()}
 
     def __hash__(self) -> int:
         return hash(frozenset((r, key_fingerprint(k)) for r, k in self._keys.items()))
@@ -125,9 +139,11 @@ def key_for(record: BaseModel | type, key: SigningKey) -> SecretStr | str | byte
     found = key.key_for(record_type)
     if found is None:
         role = role_of(record_type)
-        raise NoKeyForRole(f"this process holds no {role.value if role else '?'} key (it signs "
-                           f"{record_type.__name__} records); set SPIKEGUARD_"
-                           f"{(role.value if role else '?').upper()}_KEY or the shared SPIKEGUARD_SIGNING_KEY")
+        raise NoKeyForRole(
+            f"this process holds no {role.value if role else '?'} key (it signs "
+            f"{record_type.__name__} records); set SPIKEGUARD_"
+            f"{(role.value if role else '?').upper()}_KEY or the shared SPIKEGUARD_SIGNING_KEY"
+        )
     return found
 
 
@@ -240,9 +256,16 @@ SIGNERS: dict[type[BaseModel], str] = {
     Action: "the actuator",
 }
 SIGNED_TYPES = frozenset(SIGNERS)
-_WHAT = {StepEvent: "step event", RunEvent: "run event", CheckpointEvent: "checkpoint event",
-         Ack: "ack", Verdict: "verdict",
-         StepVerdicts: "step's verdicts", Decision: "decision", Action: "action"}
+_WHAT = {
+    StepEvent: "step event",
+    RunEvent: "run event",
+    CheckpointEvent: "checkpoint event",
+    Ack: "ack",
+    Verdict: "verdict",
+    StepVerdicts: "step's verdicts",
+    Decision: "decision",
+    Action: "action",
+}
 
 
 def sign(record: BaseModel, key: SigningKey) -> BaseModel:
@@ -260,7 +283,8 @@ def signature_problem(record: BaseModel, key: SigningKey) -> str | None:
     hashed again (:data:`VERIFIED`); anything else is.
     """
     what = _WHAT.get(type(record)) or next(
-        (w for t, w in _WHAT.items() if isinstance(record, t)), type(record).__name__)
+        (w for t, w in _WHAT.items() if isinstance(record, t)), type(record).__name__
+    )
     signature = getattr(record, "signature", None)
     if not signature:
         signer = next((s for t, s in SIGNERS.items() if isinstance(record, t)), "its producer")
@@ -303,7 +327,11 @@ class Signer:
     def sign(self, record: BaseModel) -> BaseModel:
         """``record`` signed (any of :data:`SIGNED_TYPES`), or as it is without a key or with a
         signature already."""
-        if self.key is None or type(record) not in SIGNED_TYPES or getattr(record, "signature", None) is not None:
+        if (
+            self.key is None
+            or type(record) not in SIGNED_TYPES
+            or getattr(record, "signature", None) is not None
+        ):
             return record
         return sign(record, self.key)
 
@@ -343,7 +371,9 @@ def describe(record: BaseModel) -> str:
     """How a refusal names ``record``: "run start at step 0", "step 12", "decision for step 12 of epoch 1", ..."""
     if isinstance(record, RunEvent):
         return f"run {record.kind} at step {record.step}"
-    what = _WHAT.get(type(record)) or next((w for t, w in _WHAT.items() if isinstance(record, t)), "record")
+    what = _WHAT.get(type(record)) or next(
+        (w for t, w in _WHAT.items() if isinstance(record, t)), "record"
+    )
     if isinstance(record, StepEvent):
         return f"step {record.step}" + (f" of epoch {record.epoch}" if record.epoch else "")
     step, epoch = getattr(record, "step", None), getattr(record, "epoch", 0)
@@ -368,8 +398,12 @@ def authenticate(record: BaseModel, key: SigningKey | None) -> None:
         return
     run_id = getattr(record, "run_id", "?")
     if isinstance(record, RunEvent):
-        raise RunEventNotAuthenticated(f"run {run_id} {record.kind}: {problem}; refused, the run's "
-                                       "settings and state are unchanged")
+        raise RunEventNotAuthenticated(
+            f"run {run_id} {record.kind}: {problem}; refused, the run's "
+            "settings and state are unchanged"
+        )
     if isinstance(record, StepEvent):
         raise StepNotAuthenticated(f"run {run_id} step {record.step}: {problem}")
-    raise RecordNotAuthenticated(f"run {run_id} {describe(record)}: {problem}; refused, nothing acts on it")
+    raise RecordNotAuthenticated(
+        f"run {run_id} {describe(record)}: {problem}; refused, nothing acts on it"
+    )

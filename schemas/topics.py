@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "spikeguard."
-TOPICS = ("steps", "verdicts", "step-verdicts", "decisions", "actions", "acks", "checkpoints", "dlq")
+TOPICS = (
+    "steps",
+    "verdicts",
+    "step-verdicts",
+    "decisions",
+    "actions",
+    "acks",
+    "checkpoints",
+    "dlq",
+)
 
 
 @dataclass(frozen=True)

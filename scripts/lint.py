@@ -1,8 +1,9 @@
 """Lint and type check the project, as CI does: ``python scripts/lint.py``.
 
-Runs ``ruff check`` over the repository and ``mypy`` over the package, both
-with the settings in pyproject.toml, and exits non-zero if either finds
-anything. It never reformats: ``ruff format`` is for the files you touch.
+Runs ``ruff check`` and ``ruff format --check`` over the repository and
+``mypy`` over the package, all with the settings in pyproject.toml, and exits
+non-zero if any finds anything. It never reformats: run ``ruff format`` on the
+files you touch.
 
 mypy cannot follow the package-dir mapping of pyproject.toml (``schemas/`` is
 ``spikeguard.schemas``, ...), so it checks a tree of symbolic links that puts
@@ -22,7 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: top-level folder -> where it installs under the one import name (pyproject.toml's package-dir)
-MAPPED = {"schemas": "schemas", "producers": "producers", "processors": "processors", "actuators": "actuators"}
+MAPPED = {
+    "schemas": "schemas",
+    "producers": "producers",
+    "processors": "processors",
+    "actuators": "actuators",
+}
 
 
 def cache_dir() -> Path:
@@ -35,7 +41,11 @@ def package_tree(where: Path) -> Path:
     """``where/spikeguard``: links to every entry of ``spikeguard/`` plus the mapped folders."""
     tree = where / "spikeguard"
     tree.mkdir(parents=True, exist_ok=True)
-    wanted = {entry.name: entry for entry in (ROOT / "spikeguard").iterdir() if entry.name != "__pycache__"}
+    wanted = {
+        entry.name: entry
+        for entry in (ROOT / "spikeguard").iterdir()
+        if entry.name != "__pycache__"
+    }
     wanted.update({name: ROOT / folder for name, folder in MAPPED.items()})
     for link in tree.iterdir():
         if link.name not in wanted or link.resolve() != wanted[link.name].resolve():
@@ -47,15 +57,28 @@ def package_tree(where: Path) -> Path:
 
 
 def run_ruff(paths: list[str]) -> int:
-    return subprocess.call([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"), *paths],
-                           cwd=ROOT)
+    """``ruff check`` and ``ruff format --check``: lint findings and unformatted files both fail."""
+    config = ["--config", str(ROOT / "pyproject.toml")]
+    checked = subprocess.call([sys.executable, "-m", "ruff", "check", *config, *paths], cwd=ROOT)
+    formatted = subprocess.call(
+        [sys.executable, "-m", "ruff", "format", "--check", *config, *paths], cwd=ROOT
+    )
+    return checked or formatted
 
 
 def run_mypy(targets: list[str] | None = None) -> int:
     cache = cache_dir()
     tree = package_tree(cache / "src")
-    command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-               "--cache-dir", str(cache / "cache"), *(targets or [tree.name])]
+    command = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(cache / "cache"),
+        *(targets or [tree.name]),
+    ]
     return subprocess.call(command, cwd=tree.parent)
 
 

@@ -28,7 +28,10 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     from spikeguard.streaming.run_clock import RunClock
 
     topics = topics or Topics(settings.topic_prefix)
-    gaps = {"max_step_gap": settings.worker.max_step_gap, "max_epoch_gap": settings.worker.max_epoch_gap}
+    gaps = {
+        "max_step_gap": settings.worker.max_step_gap,
+        "max_epoch_gap": settings.worker.max_epoch_gap,
+    }
     if name in DETECTOR_NAMES:
         stage = _detector_stage(name, settings, topics)
         stage.max_step_gap, stage.max_epoch_gap = gaps["max_step_gap"], gaps["max_epoch_gap"]
@@ -37,8 +40,13 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
         # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
         # The key authenticates the verdicts it decides on and the run events whose settings it
         # applies (no key: taken as they come); the run clock bounds how far a record may jump.
-        return FusionStage(topics, lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
-                           defaults=settings.fusion, signing_key=settings.keys(), clock=RunClock(**gaps))
+        return FusionStage(
+            topics,
+            lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
+            defaults=settings.fusion,
+            signing_key=settings.keys(),
+            clock=RunClock(**gaps),
+        )
     if name == "actuator":
         return ActuatorStage(
             topics,
@@ -49,7 +57,8 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
             # A live pipeline (a key, or an explicit --insecure) tells each trainer it is judged;
             # a backtest or replay has no trainer to tell, and stays deterministic.
             pulse_interval_s=settings.worker.pulse_interval_s
-            if settings.keys() is not None or settings.insecure else None,
+            if settings.keys() is not None or settings.insecure
+            else None,
         )
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
 
@@ -61,8 +70,14 @@ def _detector_stage(name: str, settings: "Settings", topics: Topics) -> "Stage":
     if name == "ml":  # the detector stage, plus releasing quiet runs' forests
         from spikeguard.processors.detectors.ml.stage import MLStage
 
-        return MLStage(topics, lambda run_id: DETECTORS["ml"](settings.ml), settings.ml.release_idle_s,
-                       signing_key=settings.keys())
+        return MLStage(
+            topics,
+            lambda run_id: DETECTORS["ml"](settings.ml),
+            settings.ml.release_idle_s,
+            signing_key=settings.keys(),
+        )
     detector_cls = DETECTORS[name]
     config = getattr(settings, name)
-    return DetectorStage(topics, name, lambda run_id: detector_cls(config), signing_key=settings.keys())
+    return DetectorStage(
+        topics, name, lambda run_id: detector_cls(config), signing_key=settings.keys()
+    )

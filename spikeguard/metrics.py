@@ -33,7 +33,9 @@ HEALTH_LEVELS = {level: i for i, level in enumerate(HealthLevel)}
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None, run_idle_s: float = 3600.0) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, run_idle_s: float = 3600.0
+    ) -> None:
         self.registry = registry if registry is not None else REGISTRY
         r = self.registry
         self.records_in = Counter(
@@ -54,24 +56,46 @@ class Metrics:
             ["component", "error"],
             registry=r,
         )
-        self.unreadable_snapshots = Counter("spikeguard_state_snapshots_unreadable_total",
+        self.unreadable_snapshots = Counter(
+            "spikeguard_state_snapshots_unreadable_total",
             "State snapshots that could not be read (that partition started afresh).",
-            ["component"], registry=r)
-        self.state_refused = Counter("spikeguard_state_records_refused_total",
+            ["component"],
+            registry=r,
+        )
+        self.state_refused = Counter(
+            "spikeguard_state_records_refused_total",
             "Run states not saved because their record would exceed the record size limit "
-            "(a restart starts that run afresh).", ["component"], registry=r)
-        self.runs_evicted = Counter("spikeguard_runs_evicted_total",
-            "Runs a worker dropped from memory, by why (ended, idle).", ["component", "reason"],
-            registry=r)
-        self.runs_refused = Counter("spikeguard_runs_refused_total",
+            "(a restart starts that run afresh).",
+            ["component"],
+            registry=r,
+        )
+        self.runs_evicted = Counter(
+            "spikeguard_runs_evicted_total",
+            "Runs a worker dropped from memory, by why (ended, idle).",
+            ["component", "reason"],
+            registry=r,
+        )
+        self.runs_refused = Counter(
+            "spikeguard_runs_refused_total",
             "Records of a run a worker refused because it already held worker.max_runs runs "
-            "(a flood of made-up run ids, or a limit set too low).", ["component"], registry=r)
-        self.trainer_unprotected = Gauge("spikeguard_trainer_unprotected",
+            "(a flood of made-up run ids, or a limit set too low).",
+            ["component"],
+            registry=r,
+        )
+        self.trainer_unprotected = Gauge(
+            "spikeguard_trainer_unprotected",
             "1 while a trainer has steps the pipeline has not judged for longer than its "
             "guard.unprotected_after_s (no valid pulse from the actuator): it trains with its "
-            "local protections only.", ["run_id"], registry=r)
-        self.runs_in_memory = Gauge("spikeguard_runs_in_memory",
-            "Runs whose state a worker holds in memory.", ["component"], registry=r)
+            "local protections only.",
+            ["run_id"],
+            registry=r,
+        )
+        self.runs_in_memory = Gauge(
+            "spikeguard_runs_in_memory",
+            "Runs whose state a worker holds in memory.",
+            ["component"],
+            registry=r,
+        )
         self.batch_seconds = Histogram(
             "spikeguard_batch_processing_seconds",
             "Time to process one polled batch, publishing and flushing included.",
@@ -102,7 +126,9 @@ class Metrics:
             "spikeguard_actions_total", "Actions issued, by kind.", ["kind"], registry=r
         )
         self.acks = Counter(
-            "spikeguard_acks_total", "Acks received, by kind and status.", ["kind", "status"],
+            "spikeguard_acks_total",
+            "Acks received, by kind and status.",
+            ["kind", "status"],
             registry=r,
         )
         self.run_loss = Gauge(
@@ -137,7 +163,9 @@ class Metrics:
         )
         # -- per run (removed when the run ends) -------------------------------
         self.run_last_step = Gauge(
-            "spikeguard_run_last_step", "Newest step a run's trainer published.", ["run_id"],
+            "spikeguard_run_last_step",
+            "Newest step a run's trainer published.",
+            ["run_id"],
             registry=r,
         )
         self.run_last_step_time = Gauge(
@@ -149,18 +177,23 @@ class Metrics:
         self.run_lr = Gauge(
             "spikeguard_run_lr",
             "LR of a run's newest step (the schedule times the Guard's factor, which LR actions "
-            "change for the rest of the run).", ["run_id"], registry=r,
+            "change for the rest of the run).",
+            ["run_id"],
+            registry=r,
         )
         self.run_last_actions_time = Gauge(
             "spikeguard_run_last_actions_timestamp_seconds",
             "When (unix seconds) a run last got this plan of actions: the kinds one decision "
             "caused, in the order issued and joined by '+' (rollback+skip_batches+scale_lr). "
             "One series per plan, so a dashboard draws one mark per plan, at its time.",
-            ["run_id", "kinds"], registry=r,
+            ["run_id", "kinds"],
+            registry=r,
         )
         self.run_epoch = Gauge(
-            "spikeguard_run_epoch", "A run's epoch (how many rollbacks it went through).",
-            ["run_id"], registry=r,
+            "spikeguard_run_epoch",
+            "A run's epoch (how many rollbacks it went through).",
+            ["run_id"],
+            registry=r,
         )
         self.run_health_level = Gauge(
             "spikeguard_run_health_level",
@@ -189,15 +222,18 @@ class Metrics:
             registry=r,
         )
         self.run_actions = Counter(
-            "spikeguard_run_actions_total", "Actions issued for a run, by kind.",
-            ["run_id", "kind"], registry=r,
+            "spikeguard_run_actions_total",
+            "Actions issued for a run, by kind.",
+            ["run_id", "kind"],
+            registry=r,
         )
         self.run_reruns = Counter(
             "spikeguard_run_reruns_total",
             "Suspicious steps the Guard re-ran once (verify_reruns=1), by outcome: transient "
             "(the re-run differed: a device or data-loading fault; the re-run's update applied "
             "when its own values are clean, else skipped) or reproducible (the step itself is bad).",
-            ["run_id", "outcome"], registry=r,
+            ["run_id", "outcome"],
+            registry=r,
         )
         # -- goodput (after Google's ml-goodput-measurement: badput is disruptions and the
         # progress they wasted). Counted from step events, once per (epoch, step) per process.
@@ -205,30 +241,35 @@ class Metrics:
             "spikeguard_run_steps_total",
             "A run's optimizer steps by timeline: first (new progress) or rerun (a step run "
             "again after a rollback: badput).",
-            ["run_id", "timeline"], registry=r,
+            ["run_id", "timeline"],
+            registry=r,
         )
         self.run_updates_skipped = Counter(
             "spikeguard_run_updates_skipped_total",
             "Steps whose update the trainer skipped, by its skip_reason (non_finite, "
             "outlier_step, scaler_overflow, transient): badput.",
-            ["run_id", "reason"], registry=r,
+            ["run_id", "reason"],
+            registry=r,
         )
         self.run_batches_skipped = Counter(
             "spikeguard_run_batches_skipped_total",
             "Batches the policy asked a run to skip (SKIP_BATCHES: the rewound window plus the "
             "extra): data not trained on.",
-            ["run_id"], registry=r,
+            ["run_id"],
+            registry=r,
         )
         self.run_recovery_seconds = Counter(
             "spikeguard_run_recovery_seconds_total",
             "Wall time a run spent re-running steps after rollbacks (from its step events' times).",
-            ["run_id"], registry=r,
+            ["run_id"],
+            registry=r,
         )
         self.run_goodput = Gauge(
             "spikeguard_run_goodput_ratio",
             "Share of a run's steps so far that were new progress with their update applied "
             "(1 - badput): first-timeline steps minus skipped updates, over all steps run.",
-            ["run_id"], registry=r,
+            ["run_id"],
+            registry=r,
         )
         self.runs_tracked = Gauge(
             "spikeguard_runs_tracked", "Runs this process keeps per-run series for.", registry=r
@@ -248,7 +289,9 @@ class Metrics:
             registry=r,
         )
         self.alerts_sent = Counter(
-            "spikeguard_alerts_sent_total", "Alert messages delivered, by channel.", ["channel"],
+            "spikeguard_alerts_sent_total",
+            "Alert messages delivered, by channel.",
+            ["channel"],
             registry=r,
         )
         self.alerts_failed = Counter(
@@ -260,9 +303,17 @@ class Metrics:
         )
         #: Seconds of silence after which a run counts as ended (its series removed).
         self.run_idle_s = run_idle_s
-        self._per_run = (self.run_loss, self.run_grad_norm, self.run_health, self.run_last_step,
-                         self.run_last_step_time, self.run_epoch, self.run_health_level,
-                         self.run_goodput, self.run_lr)
+        self._per_run = (
+            self.run_loss,
+            self.run_grad_norm,
+            self.run_health,
+            self.run_last_step,
+            self.run_last_step_time,
+            self.run_epoch,
+            self.run_health_level,
+            self.run_goodput,
+            self.run_lr,
+        )
         self._goodput: dict[str, GoodputTally] = {}
         self._run_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
         self._run_seen: dict[str, float] = {}
@@ -286,8 +337,7 @@ class Metrics:
             if due:
                 # Every tenth of the idle time: the sweep is O(runs), not per batch.
                 self._next_sweep = now + max(1.0, self.run_idle_s / 10)
-                idle = [run for run, seen in self._run_seen.items()
-                        if now - seen > self.run_idle_s]
+                idle = [run for run, seen in self._run_seen.items() if now - seen > self.run_idle_s]
             else:
                 idle = []
         for run_id in idle:
@@ -385,9 +435,14 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     run_actions: dict[tuple[str, str], int] = {}
     plans: dict[tuple[str, str], list[str]] = {}  # (run_id, decision) -> kinds, as issued
     runs: set[str] = set()
-    if any(type(event) is StepVerdicts for _, event in outputs):  # counted as the verdicts they carry
-        outputs = [(topic, verdict) for topic, event in outputs
-                   for verdict in (event.verdicts if type(event) is StepVerdicts else (event,))]  # type: ignore[attr-defined]
+    if any(
+        type(event) is StepVerdicts for _, event in outputs
+    ):  # counted as the verdicts they carry
+        outputs = [
+            (topic, verdict)
+            for topic, event in outputs
+            for verdict in (event.verdicts if type(event) is StepVerdicts else (event,))
+        ]  # type: ignore[attr-defined]
     for _, event in outputs:
         if isinstance(event, Verdict):
             key = (event.detector, event.is_anomaly)

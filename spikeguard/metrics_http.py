@@ -65,8 +65,9 @@ class KafkaLag:
             try:
                 if self._admin is None:
                     self._admin = KafkaAdminClient(**self.config)
-                    self._reader = KafkaConsumer(**self.config, group_id=None,
-                                                 enable_auto_commit=False)
+                    self._reader = KafkaConsumer(
+                        **self.config, group_id=None, enable_auto_commit=False
+                    )
                 return self._read()
             except Exception:
                 self.close()
@@ -106,8 +107,9 @@ def kafka_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int], 
 def _committed_offsets(admin, group_prefix: str) -> dict:
     """``{group: {TopicPartition: OffsetAndMetadata}}`` of the groups under the prefix."""
     if hasattr(admin, "list_groups"):  # kafka-python 3.x: one OffsetFetch for every group
-        groups = [g["group_id"] for g in admin.list_groups()
-                  if g["group_id"].startswith(group_prefix)]
+        groups = [
+            g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(group_prefix)
+        ]
         return admin.list_group_offsets({g: None for g in groups}) if groups else {}
     groups = [g for g, *_ in admin.list_consumer_groups() if g.startswith(group_prefix)]
     return {g: admin.list_consumer_group_offsets(g) for g in groups}
@@ -153,8 +155,13 @@ class LagCollector:
 class MetricsServer:
     """A running ``/metrics`` endpoint; :meth:`close` stops it and frees the port."""
 
-    def __init__(self, server, thread: threading.Thread, registry: CollectorRegistry,
-                 collector: "LagCollector | None" = None) -> None:
+    def __init__(
+        self,
+        server,
+        thread: threading.Thread,
+        registry: CollectorRegistry,
+        collector: "LagCollector | None" = None,
+    ) -> None:
         self._server, self._thread = server, thread
         self._registry, self._collector = registry, collector
 
@@ -173,8 +180,13 @@ class MetricsServer:
             self._collector = None
 
 
-def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "0.0.0.0",
-          bus: "Bus | None" = None, group_prefix: str = "") -> MetricsServer:
+def serve(
+    port: int,
+    registry: CollectorRegistry | None = None,
+    addr: str = "0.0.0.0",
+    bus: "Bus | None" = None,
+    group_prefix: str = "",
+) -> MetricsServer:
     """Serve ``registry`` (the process-wide one by default) on ``addr:port``; 0 picks a port.
 
     With ``bus``, consumer lag of the groups under ``group_prefix`` is served too.

@@ -25,8 +25,15 @@ log = logging.getLogger(__name__)
 class PipelineWatch:
     """Checks the components' consumer groups now, and every ``interval_s`` after :meth:`start`."""
 
-    def __init__(self, bus: Bus, topics: Topics, where: str, *, timeout_s: float = 5.0,
-                 interval_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        topics: Topics,
+        where: str,
+        *,
+        timeout_s: float = 5.0,
+        interval_s: float = 15.0,
+    ) -> None:
         self.bus, self.topics, self.where = bus, topics, where
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.groups = {f"{topics.prefix}{name}": name for name in COMPONENTS}
@@ -43,12 +50,17 @@ class PipelineWatch:
             live = self.bus.active_groups([*self.groups, self.cohosted], self.timeout_s)  # type: ignore[attr-defined]
         except BusError as exc:
             if not self._failed:  # once per outage, not once per check
-                log.warning("spikeguard: could not check for pipeline workers on %s: %s", self.where, exc)
+                log.warning(
+                    "spikeguard: could not check for pipeline workers on %s: %s", self.where, exc
+                )
             self._failed = True
             return None
         self._failed = False
-        missing = [name for group, name in self.groups.items() if group not in live
-                   and not (name in DETECTOR_NAMES and self.cohosted in live)]
+        missing = [
+            name
+            for group, name in self.groups.items()
+            if group not in live and not (name in DETECTOR_NAMES and self.cohosted in live)
+        ]
         if missing != self.missing:
             self._say(missing, first=self.missing is None)
         self.missing = missing
@@ -57,22 +69,35 @@ class PipelineWatch:
     def _say(self, missing: list[str], first: bool) -> None:
         prefix = self.topics.prefix
         if len(missing) == len(self.groups):
-            log.warning("spikeguard: no pipeline workers are running on %s for topic prefix %r "
-                        "(no live consumer group for %s): training goes on with the local protections "
-                        "only (non-finite skip) until `spikeguard worker` runs",
-                        self.where, prefix, ", ".join(missing))
+            log.warning(
+                "spikeguard: no pipeline workers are running on %s for topic prefix %r "
+                "(no live consumer group for %s): training goes on with the local protections "
+                "only (non-finite skip) until `spikeguard worker` runs",
+                self.where,
+                prefix,
+                ", ".join(missing),
+            )
         elif missing:
-            log.warning("spikeguard: the pipeline on %s (topic prefix %r) is incomplete, no worker "
-                        "runs for %s: those steps are not judged or acted on until one does",
-                        self.where, prefix, ", ".join(missing))
+            log.warning(
+                "spikeguard: the pipeline on %s (topic prefix %r) is incomplete, no worker "
+                "runs for %s: those steps are not judged or acted on until one does",
+                self.where,
+                prefix,
+                ", ".join(missing),
+            )
         elif not first:
-            log.warning("spikeguard: every pipeline worker runs again on %s (topic prefix %r)",
-                        self.where, prefix)
+            log.warning(
+                "spikeguard: every pipeline worker runs again on %s (topic prefix %r)",
+                self.where,
+                prefix,
+            )
 
     def start(self) -> None:
         """Re-check every ``interval_s`` in a daemon thread (no thread when it is 0)."""
         if self.interval_s > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="spikeguard-pipeline-watch", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="spikeguard-pipeline-watch", daemon=True
+            )
             self._thread.start()
 
     def _run(self) -> None:

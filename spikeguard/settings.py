@@ -11,13 +11,22 @@ the field and where the value came from, and a name that is no setting (a file
 key, a ``SPIKEGUARD_*`` variable, a flag) is refused with the closest real name.
 Secrets are ``SecretStr``: never in reprs or logs.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.alerting.config import AlertingConfig
@@ -37,7 +46,14 @@ from spikeguard.settings_sources import (
     settings_from_env,
 )
 
-__all__ = ["ENV_PREFIX", "Settings", "load_settings", "load_settings_with_origins", "origin_of", "parse_assignments"]
+__all__ = [
+    "ENV_PREFIX",
+    "Settings",
+    "load_settings",
+    "load_settings_with_origins",
+    "origin_of",
+    "parse_assignments",
+]
 StatisticalConfig, RulesConfig, MLConfig, PredictorConfig = (
     CONFIGS["statistical"],
     CONFIGS["rules"],
@@ -124,16 +140,20 @@ class Settings(BaseModel):
         "required on Kafka (see insecure); embedded mode makes a random one per process",
     )
     trainer_key: SecretStr | None = Field(
-        None, description="the trainers' own key (steps, run events, checkpoints, acks); default signing_key",
+        None,
+        description="the trainers' own key (steps, run events, checkpoints, acks); default signing_key",
     )
     detectors_key: SecretStr | None = Field(
-        None, description="the detector workers' own key (verdicts); default signing_key",
+        None,
+        description="the detector workers' own key (verdicts); default signing_key",
     )
     fusion_key: SecretStr | None = Field(
-        None, description="fusion's own key (decisions); default signing_key",
+        None,
+        description="fusion's own key (decisions); default signing_key",
     )
     actuator_key: SecretStr | None = Field(
-        None, description="the actuator's own key (actions); default signing_key",
+        None,
+        description="the actuator's own key (actions); default signing_key",
     )
     insecure: bool = Field(
         False,
@@ -141,7 +161,10 @@ class Settings(BaseModel):
         "(anyone who can write the actions topic then steers the run); logged as a WARNING",
     )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535, description="serve Prometheus metrics on this port (workers, the embedded runtime)"
+        None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics on this port (workers, the embedded runtime)",
     )
     snapshot_interval_s: float = Field(
         2.0, gt=0, description="how often a worker snapshots its state and commits offsets"
@@ -161,14 +184,25 @@ class Settings(BaseModel):
         """What this process signs and checks with: the shared ``signing_key`` when no role has
         a key of its own, else a keyring of each role's key (a role without one: the shared key,
         if any). None: no key at all."""
-        roles = {Role.TRAINER: self.trainer_key, Role.DETECTORS: self.detectors_key,
-                 Role.FUSION: self.fusion_key, Role.ACTUATOR: self.actuator_key}
+        roles = {
+            Role.TRAINER: self.trainer_key,
+            Role.DETECTORS: self.detectors_key,
+            Role.FUSION: self.fusion_key,
+            Role.ACTUATOR: self.actuator_key,
+        }
         if all(key is None for key in roles.values()):
             return self.signing_key
         return Keyring({role: key or self.signing_key for role, key in roles.items()})
 
-    @field_validator("signing_key", "trainer_key", "detectors_key", "fusion_key", "actuator_key",
-                     "sasl_password", mode="before")
+    @field_validator(
+        "signing_key",
+        "trainer_key",
+        "detectors_key",
+        "fusion_key",
+        "actuator_key",
+        "sasl_password",
+        mode="before",
+    )
     @classmethod
     def _empty_secret_is_none(cls, value: Any) -> Any:
         # `KEY=${KEY:-}` in a compose file or shell gives "": that is no key, not a key.

@@ -79,7 +79,11 @@ def closest_setting(model: type[BaseModel], dotted: str) -> str | None:
     """
     parts = dotted.split(".")
     head = ".".join(parts[:-1])
-    if len(parts) > 1 and unknown_part(model, head) is None and _component_at(model, head) is not None:
+    if (
+        len(parts) > 1
+        and unknown_part(model, head) is None
+        and _component_at(model, head) is not None
+    ):
         fields = list(_component_at(model, head).model_fields)  # type: ignore[union-attr]
         close = difflib.get_close_matches(parts[-1], fields, n=1, cutoff=0.7)
         return f"{head}.{close[0]}" if close else None
@@ -103,7 +107,8 @@ def check_dotted(model: type[BaseModel], dotted: str, where: str) -> None:
     if unknown_part(model, dotted) is not None:
         close = closest_setting(model, dotted)
         raise ConfigError(
-            f"{where}: unknown setting '{dotted}'" + (f" (did you mean '{close}'?)" if close else "")
+            f"{where}: unknown setting '{dotted}'"
+            + (f" (did you mean '{close}'?)" if close else "")
         )
 
 
@@ -122,8 +127,10 @@ def settings_from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[st
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-        if unknown_part(model, dotted) is None:  # a setting, even under a reserved prefix (KAFKA_CLIENT)
+        dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+        if (
+            unknown_part(model, dotted) is None
+        ):  # a setting, even under a reserved prefix (KAFKA_CLIENT)
             found[dotted] = value
             continue
         if is_other_variable(name):
@@ -137,7 +144,8 @@ def settings_from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[st
         wrong.append(f"{name}: no setting '{dotted}'{hint}")
     if wrong:
         raise ConfigError(
-            "unknown SPIKEGUARD_* variable: " + "; ".join(sorted(wrong))
+            "unknown SPIKEGUARD_* variable: "
+            + "; ".join(sorted(wrong))
             + " (variables read by scripts and tests are listed in spikeguard/settings_sources.py)"
         )
     return found
@@ -177,8 +185,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def flatten_file(model: type[BaseModel], data: Mapping[str, Any], where: str,
-                 prefix: str = "") -> dict[str, Any]:
+def flatten_file(
+    model: type[BaseModel], data: Mapping[str, Any], where: str, prefix: str = ""
+) -> dict[str, Any]:
     """``{dotted name: value}`` from a file's nested tables, refusing unknown keys."""
     flat: dict[str, Any] = {}
     for key, value in data.items():

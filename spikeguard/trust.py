@@ -49,7 +49,8 @@ def ensure_signing_key(settings: Settings, who: str) -> Settings:
             "spikeguard: INSECURE: %s runs without a signing key (--insecure / SPIKEGUARD_INSECURE=1): "
             "nothing it publishes is signed and nothing it reads is checked, anyone who can write "
             "the %s* topics steers the run",
-            who, settings.topic_prefix,
+            who,
+            settings.topic_prefix,
         )
         return settings
     raise MissingSigningKey(

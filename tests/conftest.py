@@ -49,7 +49,9 @@ def _module_helpers_source(path: Path) -> str:
             return True
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return False
-        return node.name.startswith("test") or any("fixture" in ast.unparse(d) for d in node.decorator_list)
+        return node.name.startswith("test") or any(
+            "fixture" in ast.unparse(d) for d in node.decorator_list
+        )
 
     for node in filter(left_out, ast.walk(ast.parse(source))):
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
@@ -96,7 +98,9 @@ RUN_ORDER = ("slow", "kafka", "pipeline", "heavy", "unit")
 
 
 def _rank(item: pytest.Item) -> int:
-    return next(rank for rank, name in enumerate(RUN_ORDER) if item.get_closest_marker(name) is not None)
+    return next(
+        rank for rank, name in enumerate(RUN_ORDER) if item.get_closest_marker(name) is not None
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -121,10 +125,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     over = sorted(
-        ((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S), reverse=True
+        ((seconds, test) for test, seconds in _unit_durations.items() if seconds > UNIT_BUDGET_S),
+        reverse=True,
     )
     if over:
-        terminalreporter.section(f"unit tests over {UNIT_BUDGET_S:.0f} s (mark them heavy or pipeline)")
+        terminalreporter.section(
+            f"unit tests over {UNIT_BUDGET_S:.0f} s (mark them heavy or pipeline)"
+        )
         for seconds, test in over:
             terminalreporter.write_line(f"{seconds:6.1f} s  {test}")
 
@@ -254,8 +261,12 @@ def regression_loader():
     def make(samples: int = 8192):
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(samples, 8, generator=generator)
-        y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+        y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(
+            samples, 1, generator=generator
+        )
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True
+        )
 
     return make
 
@@ -280,7 +291,9 @@ def spiked_step():
     return step
 
 
-def wait_until(check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.05) -> object:
+def wait_until(
+    check: Callable[[], object], what: str, within_s: float = 60.0, every_s: float = 0.05
+) -> object:
     """Poll ``check`` until it returns something true, and return that; fail naming ``what``
     after ``within_s`` (a bound on a hung pipeline, not a speed check)."""
     deadline = time.monotonic() + within_s

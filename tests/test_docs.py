@@ -11,9 +11,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "CHANGELOG.md",
+        *(ROOT / "docs").glob("*.md"),
+    ]
+)
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
-HISTORY = re.compile(r"\b(this|last|previous|next) round\b|\brounds? ago\b|\bissue #?\d+|\bthis session\b", re.I)
+HISTORY = re.compile(
+    r"\b(this|last|previous|next) round\b|\brounds? ago\b|\bissue #?\d+|\bthis session\b", re.I
+)
+
+
 #: Guides that other pages link to and that are written alongside these; checked once present.
 def _ids(pages):
     return [str(page.relative_to(ROOT)) for page in pages]
@@ -54,5 +65,12 @@ def test_the_readme_is_a_front_door():
 
 def test_the_pages_exist():
     names = {page.name for page in PAGES}
-    assert {"design.md", "benchmarks.md", "kafka.md", "offline.md", "forensics.md", "integrations.md"} <= names
+    assert {
+        "design.md",
+        "benchmarks.md",
+        "kafka.md",
+        "offline.md",
+        "forensics.md",
+        "integrations.md",
+    } <= names
     assert "## Recovery" in (ROOT / "docs" / "benchmarks.md").read_text()

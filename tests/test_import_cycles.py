@@ -16,8 +16,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: top-level folder -> its import name (pyproject.toml's package-dir)
-FOLDERS = {"spikeguard": "spikeguard", "producers": "spikeguard.producers", "processors": "spikeguard.processors",
-           "actuators": "spikeguard.actuators", "schemas": "spikeguard.schemas"}
+FOLDERS = {
+    "spikeguard": "spikeguard",
+    "producers": "spikeguard.producers",
+    "processors": "spikeguard.processors",
+    "actuators": "spikeguard.actuators",
+    "schemas": "spikeguard.schemas",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -48,7 +53,9 @@ def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(
+                    parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])
+                )
             targets.update(owner(f"{base}.{alias.name}") for alias in node.names)
     return {t for t in targets if t is not None and t != module}
 

@@ -21,8 +21,13 @@ spec.loader.exec_module(lint)
 
 
 def _lint(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, str(ROOT / "scripts" / "lint.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=1200)
+    return subprocess.run(
+        [PYTHON, str(ROOT / "scripts" / "lint.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 @pytest.mark.timeout(1500)
@@ -35,8 +40,22 @@ def test_the_project_passes_ruff_and_mypy():
 def test_ruff_applies_the_project_rules(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os\n\nx = '" + "a" * 120 + "'\n")
-    done = subprocess.run([PYTHON, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"),
-                           "--output-format", "concise", str(probe)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "ruff",
+            "check",
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            "--output-format",
+            "concise",
+            str(probe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
     assert "F401" in done.stdout and "E501" in done.stdout
 
@@ -51,3 +70,11 @@ def test_the_type_check_tree_maps_the_top_level_folders(tmp_path):
     (tree / "gone.py").symlink_to(tmp_path / "nowhere.py")
     lint.package_tree(tmp_path)
     assert not (tree / "gone.py").is_symlink()
+
+
+def test_an_unformatted_file_fails_the_lint_and_a_formatted_one_passes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("x = {  'a':1 }\n")  # lint-clean, but not as ruff format writes it
+    assert lint.run_ruff([str(probe)]) != 0
+    probe.write_text('x = {"a": 1}\n')
+    assert lint.run_ruff([str(probe)]) == 0

@@ -24,4 +24,6 @@ def test_every_package_directory_is_listed_for_the_wheel():
             if any(part.startswith((".", "__")) for part in relative.parts):
                 continue
             found.add(".".join([name, *relative.parts]))
-    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
+    assert found - listed == set(), (
+        f"packages missing from pyproject.toml: {sorted(found - listed)}"
+    )

@@ -19,7 +19,9 @@ def pytest_collection_finish(session):
         print("tier", item.name, *sorted(names))
 """
     )
-    pytester.makeini("[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n")
+    pytester.makeini(
+        "[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n"
+    )
     pytester.makepyfile(
         test_sorted="""
         import subprocess
@@ -64,12 +66,18 @@ def pytest_collection_finish(session):
 
 
 def test_a_slow_unit_test_is_named_at_the_end(pytester, monkeypatch):
-    pytester.makeconftest(CONFTEST.read_text().replace("UNIT_BUDGET_S = 3.0", "UNIT_BUDGET_S = 0.0"))
-    pytester.makeini("[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n")
+    pytester.makeconftest(
+        CONFTEST.read_text().replace("UNIT_BUDGET_S = 3.0", "UNIT_BUDGET_S = 0.0")
+    )
+    pytester.makeini(
+        "[pytest]\nmarkers =\n    unit: u\n    kafka: k\n    slow: s\n    pipeline: p\n    heavy: h\n"
+    )
     pytester.makepyfile(test_budget="def test_over_budget():\n    sum(range(10_000))\n")
     result = pytester.runpytest("-m", "unit")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*unit tests over 0 s (mark them heavy or pipeline)*", "*test_over_budget*"])
+    result.stdout.fnmatch_lines(
+        ["*unit tests over 0 s (mark them heavy or pipeline)*", "*test_over_budget*"]
+    )
 
 
 def test_no_test_sleeps_a_fixed_time_to_wait_for_something():
@@ -93,7 +101,10 @@ def test_no_test_sleeps_a_fixed_time_to_wait_for_something():
                     fixed.append(f"{path.relative_to(CONFTEST.parent)}:{child.lineno}")
                 loops = (ast.While, ast.For, ast.AsyncFor)
                 functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-                visit(child, False if isinstance(child, functions) else in_loop or isinstance(child, loops))
+                visit(
+                    child,
+                    False if isinstance(child, functions) else in_loop or isinstance(child, loops),
+                )
 
         visit(ast.parse(path.read_text()), False)
     assert fixed == []

@@ -123,10 +123,16 @@ class Detector(ABC, Generic[S]):
 
     def stale(self, event: StepEvent) -> Verdict:
         """The verdict on a late step from before a rollback: no news, nothing learnt."""
-        return validate_verdict({
-            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-            "detector": self.name, "is_anomaly": False, "signals": {"stale": 1},
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": False,
+                "signals": {"stale": 1},
+            }
+        )
 
     def scored(self, event: StepEvent, state: S, work: Callable[[StepEvent, S], T]) -> T:
         """``work(event, state)``, computed once per step for ``score`` and ``track`` both.

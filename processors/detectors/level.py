@@ -58,7 +58,9 @@ from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.processors.outlier_model import Judged as Point
 
 
-_MEAN_DEVIATION_TO_SIGMA = math.sqrt(math.pi / 2.0)  # sigma over mean absolute deviation, Gaussian noise
+_MEAN_DEVIATION_TO_SIGMA = math.sqrt(
+    math.pi / 2.0
+)  # sigma over mean absolute deviation, Gaussian noise
 
 
 class LevelCode(IntEnum):
@@ -107,11 +109,29 @@ class LevelJudged(NamedTuple):
 class RiseTest:
     """Block medians of accepted points compared across ``horizons`` (see the module docstring)."""
 
-    __slots__ = ("block", "horizons", "min_rise", "min_blocks", "rate", "_current", "_medians",
-                 "_tails", "_excused", "_since_excused")
+    __slots__ = (
+        "block",
+        "horizons",
+        "min_rise",
+        "min_blocks",
+        "rate",
+        "_current",
+        "_medians",
+        "_tails",
+        "_excused",
+        "_since_excused",
+    )
 
-    def __init__(self, *, block: int, horizons: tuple[int, ...], min_rise: float, min_blocks: int,
-                 rate: float, history: int) -> None:
+    def __init__(
+        self,
+        *,
+        block: int,
+        horizons: tuple[int, ...],
+        min_rise: float,
+        min_blocks: int,
+        rate: float,
+        history: int,
+    ) -> None:
         self.block = block
         self.horizons = horizons
         self.min_rise = min_rise
@@ -123,8 +143,10 @@ class RiseTest:
         # percentile, which a capped climb cannot lift (their 99th percentile, it would).
         # They join max(horizons) blocks late: a climb is judged against the differences
         # from before it, not against its own.
-        self._tails = [TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9,
-                                     lag=max(horizons)) for _ in horizons]
+        self._tails = [
+            TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9, lag=max(horizons))
+            for _ in horizons
+        ]
         self._excused = False  # an LR rise explained a point of the current block
         # Blocks completed since the last one with an explained point: a horizon that
         # reaches back to (or before) it compares across the LR rise, and is not judged.
@@ -166,9 +188,13 @@ class RiseTest:
         self._current, self._excused = [], False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"current": list(self._current), "medians": list(self._medians),
-                "tails": [t.state_dict() for t in self._tails], "excused": self._excused,
-                "since_excused": self._since_excused}
+        return {
+            "current": list(self._current),
+            "medians": list(self._medians),
+            "tails": [t.state_dict() for t in self._tails],
+            "excused": self._excused,
+            "since_excused": self._since_excused,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._current = [float(v) for v in state["current"]]
@@ -184,7 +210,7 @@ def climb_chance(n: int, m: int, high: float) -> float:
     at or below the median): each is high with probability ``high``, in the middle with
     ``0.5 - high``."""
     middle = 0.5 - high
-    return sum(math.comb(n, j) * high ** j * middle ** (n - j) for j in range(m, n + 1))
+    return sum(math.comb(n, j) * high**j * middle ** (n - j) for j in range(m, n + 1))
 
 
 class Place(IntEnum):
@@ -221,8 +247,10 @@ class ClimbTest:
         self.quantile = quantile
         high = 1.0 - quantile
         if climb_chance(window, window, high) > rate:
-            raise ValueError(f"climb_window {window} is too short for climb_rate {rate} at "
-                             f"climb_quantile {quantile}: even {window} of {window} is likelier")
+            raise ValueError(
+                f"climb_window {window} is too short for climb_rate {rate} at "
+                f"climb_quantile {quantile}: even {window} of {window} is likelier"
+            )
         self.points = next(m for m in range(1, window + 1) if climb_chance(window, m, high) <= rate)
         self._places: list[int] = []  # the last judged points' places, oldest first
         self._pending: list[float] = []  # the window's residuals, before they join the reference
@@ -247,7 +275,7 @@ class ClimbTest:
     def judge(self, place: Place) -> int:
         """High points among the last ``window`` (this one included); 0 if any is low
         or fewer than ``window`` have been judged since the count started."""
-        recent = self._places[1 - self.window:] + [place]
+        recent = self._places[1 - self.window :] + [place]
         if len(recent) < self.window or Place.LOW in recent:
             return 0
         return recent.count(Place.HIGH)
@@ -265,8 +293,11 @@ class ClimbTest:
             self._reference.update(self._pending.pop(0))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"places": list(self._places), "pending": list(self._pending),
-                "reference": self._reference.values()}
+        return {
+            "places": list(self._places),
+            "pending": list(self._pending),
+            "reference": self._reference.values(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._places = [int(v) for v in state.get("places", ())]
@@ -279,21 +310,52 @@ class ClimbTest:
 class LevelMonitor:
     """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
-    __slots__ = ("model", "rises", "climb", "spike_rise", "divergence_points", "divergence_rise",
-                 "recent_alpha", "raise_z", "_elevated", "_recent", "_spread")
+    __slots__ = (
+        "model",
+        "rises",
+        "climb",
+        "spike_rise",
+        "divergence_points",
+        "divergence_rise",
+        "recent_alpha",
+        "raise_z",
+        "_elevated",
+        "_recent",
+        "_spread",
+    )
 
-    def __init__(self, *, outliers: OutlierConfig, spike_ratio: float, divergence_points: int,
-                 divergence_ratio: float,
-                 rise_block: int, rise_horizons: tuple[int, ...], rise_min: float,
-                 rise_min_blocks: int, rise_rate: float, rise_history: int,
-                 climb_window: int, climb_quantile: float, climb_rate: float, climb_reference: int,
-                 recent_alpha: float, raise_z: float) -> None:
+    def __init__(
+        self,
+        *,
+        outliers: OutlierConfig,
+        spike_ratio: float,
+        divergence_points: int,
+        divergence_ratio: float,
+        rise_block: int,
+        rise_horizons: tuple[int, ...],
+        rise_min: float,
+        rise_min_blocks: int,
+        rise_rate: float,
+        rise_history: int,
+        climb_window: int,
+        climb_quantile: float,
+        climb_rate: float,
+        climb_reference: int,
+        recent_alpha: float,
+        raise_z: float,
+    ) -> None:
         self.model = OutlierModel(outliers)
-        self.rises = RiseTest(block=rise_block, horizons=tuple(rise_horizons),
-                              min_rise=math.log(rise_min), min_blocks=rise_min_blocks,
-                              rate=rise_rate, history=rise_history)
-        self.climb = ClimbTest(window=climb_window, quantile=climb_quantile, rate=climb_rate,
-                               reference=climb_reference)
+        self.rises = RiseTest(
+            block=rise_block,
+            horizons=tuple(rise_horizons),
+            min_rise=math.log(rise_min),
+            min_blocks=rise_min_blocks,
+            rate=rise_rate,
+            history=rise_history,
+        )
+        self.climb = ClimbTest(
+            window=climb_window, quantile=climb_quantile, rate=climb_rate, reference=climb_reference
+        )
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
@@ -316,8 +378,9 @@ class LevelMonitor:
         # The standard error of an EW mean of noise whose mean absolute deviation is
         # ``spread``: sigma = spread * sqrt(pi / 2) (exact for Gaussian noise, near it for others).
         standard_error = spread * _MEAN_DEVIATION_TO_SIGMA * math.sqrt(a / (2.0 - a))
-        return judged._replace(recent=recent, spread=spread,
-                               raised=recent > self.raise_z * standard_error)
+        return judged._replace(
+            recent=recent, spread=spread, raised=recent > self.raise_z * standard_error
+        )
 
     def _judge(self, y: float, lr: float | None) -> LevelJudged:
         point = self.model.judge(y, lr)
@@ -339,8 +402,9 @@ class LevelMonitor:
         if place is not None:
             count = self.climb.judge(place)
             if count >= self.climb.points:
-                return LevelJudged(LevelCode.CLIMB, count / self.climb.points, point.residual,
-                                   point, block)
+                return LevelJudged(
+                    LevelCode.CLIMB, count / self.climb.points, point.residual, point, block
+                )
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
@@ -364,9 +428,14 @@ class LevelMonitor:
         self.rises.advance(y, judged.block, not point.judged)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "rises": self.rises.state_dict(),
-                "climb": self.climb.state_dict(),
-                "elevated": self._elevated, "recent": self._recent, "spread": self._spread}
+        return {
+            "model": self.model.state_dict(),
+            "rises": self.rises.state_dict(),
+            "climb": self.climb.state_dict(),
+            "elevated": self._elevated,
+            "recent": self._recent,
+            "spread": self._spread,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

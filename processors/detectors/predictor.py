@@ -122,7 +122,11 @@ def _with_features(state: PredictorState, features: RollingFeatures) -> Predicto
 
 def _adopt(state: PredictorState, after: PredictorState) -> None:
     """Make ``state`` what ``after`` is (in place: the detector holds ``state``)."""
-    state.features, state.warning, state.lr_warning = after.features, after.warning, after.lr_warning
+    state.features, state.warning, state.lr_warning = (
+        after.features,
+        after.warning,
+        after.lr_warning,
+    )
     state.prev_lr, state.max_lr = after.prev_lr, after.max_lr
     state.best, state.improved_at = after.best, after.improved_at
 
@@ -191,9 +195,17 @@ class PredictorDetector(Detector[PredictorState]):
 
     def score(self, event: StepEvent, state: PredictorState) -> Verdict:
         if not self.config.enabled:
-            return validate_verdict({"run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-                                     "detector": self.name, "is_anomaly": False,
-                                     "loss": event.loss, "grad_norm": event.grad_norm})
+            return validate_verdict(
+                {
+                    "run_id": event.run_id,
+                    "step": event.step,
+                    "epoch": event.epoch,
+                    "detector": self.name,
+                    "is_anomaly": False,
+                    "loss": event.loss,
+                    "grad_norm": event.grad_norm,
+                }
+            )
         a = self.scored(event, state, self._assess)
         return self._verdict(event, a.kind, a.conf, a.p, a.health, a.signals, a.rules)
 
@@ -248,13 +260,21 @@ class PredictorDetector(Detector[PredictorState]):
 
     def _assess(self, event: StepEvent, state: PredictorState) -> _Assessment:
         if not event.finite:  # the instability is here: say so, learn nothing
-            return _Assessment(AnomalyType.INSTABILITY_WARNING, 1.0, 1.0, HealthLevel.CRITICAL,
-                               {"non_finite": 1}, ["non_finite"], None)
+            return _Assessment(
+                AnomalyType.INSTABILITY_WARNING,
+                1.0,
+                1.0,
+                HealthLevel.CRITICAL,
+                {"non_finite": 1},
+                ["non_finite"],
+                None,
+            )
         f, features = state.features.peek_event(event)
         return self._judge(event, state, f, features)
 
-    def _judge(self, event: StepEvent, state: PredictorState, f: Features | None,
-               features: RollingFeatures) -> _Assessment:
+    def _judge(
+        self, event: StepEvent, state: PredictorState, f: Features | None, features: RollingFeatures
+    ) -> _Assessment:
         """The assessment of a finite step, given its features and the features after it."""
         c = self.config
         after = _with_features(state, features)  # the features are new already: no copy
@@ -267,17 +287,27 @@ class PredictorDetector(Detector[PredictorState]):
             after.warning = False
             after.lr_warning = False
             if stalled:
-                return _Assessment(AnomalyType.STALLED, 0.6, 0.0, HealthLevel.WARNING,
-                                   {"warmup": 1}, ["stalled"], after)
-            return _Assessment(AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD, {"warmup": 1}, [],
-                               after)
+                return _Assessment(
+                    AnomalyType.STALLED,
+                    0.6,
+                    0.0,
+                    HealthLevel.WARNING,
+                    {"warmup": 1},
+                    ["stalled"],
+                    after,
+                )
+            return _Assessment(
+                AnomalyType.NONE, 0.0, 0.0, HealthLevel.GOOD, {"warmup": 1}, [], after
+            )
 
         p, rough = self.probability(f)
         after.warning = p >= c.warn_probability - (c.hysteresis if state.warning else 0.0)
         # A jump to an LR the run has never had: a restored LR (after a cut, a rollback or a
         # warm restart) only returns to a rate the run already trained at, and is not news.
         lr_jump = (
-            lr is not None and prev_lr is not None and 0.0 < prev_lr * c.lr_jump_factor <= lr
+            lr is not None
+            and prev_lr is not None
+            and 0.0 < prev_lr * c.lr_jump_factor <= lr
             and lr > max_lr
         )
         sustained = lr is not None and rough >= c.lr_min_roughness and f.loss_trend >= 0.0
@@ -341,27 +371,36 @@ class PredictorDetector(Detector[PredictorState]):
             return True
         return False
 
-    def _verdict(self, event: StepEvent, kind: AnomalyType, conf: float, p: float,
-                 health: HealthLevel, signals: dict[str, Any],
-                 rules: list[str] | None = None) -> Verdict:
+    def _verdict(
+        self,
+        event: StepEvent,
+        kind: AnomalyType,
+        conf: float,
+        p: float,
+        health: HealthLevel,
+        signals: dict[str, Any],
+        rules: list[str] | None = None,
+    ) -> Verdict:
         # Validated as a dict (no BaseModel.__init__ frame), with the step's own values,
         # which the detector stage would otherwise add in a copy of the verdict.
-        return validate_verdict({
-            "run_id": event.run_id,
-            "step": event.step,
-            "epoch": event.epoch,
-            "detector": self.name,
-            "is_anomaly": kind is not AnomalyType.NONE,
-            "type": kind,
-            "confidence": min(max(conf, 0.0), 1.0),
-            "rules": rules or [],
-            "signals": signals,
-            "loss": event.loss,
-            "grad_norm": event.grad_norm,
-            "instability_probability": p,
-            "horizon_steps": self.config.horizon_steps,
-            "health": health,
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": kind is not AnomalyType.NONE,
+                "type": kind,
+                "confidence": min(max(conf, 0.0), 1.0),
+                "rules": rules or [],
+                "signals": signals,
+                "loss": event.loss,
+                "grad_norm": event.grad_norm,
+                "instability_probability": p,
+                "horizon_steps": self.config.horizon_steps,
+                "health": health,
+            }
+        )
 
     # -- state ---------------------------------------------------------------
     def dump(self, state: PredictorState) -> dict[str, Any]:

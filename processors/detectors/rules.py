@@ -32,19 +32,27 @@ from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 class RulesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_loss: float = Field(1e4, gt=0.0, description="a loss above this is extreme, whatever came before")
+    max_loss: float = Field(
+        1e4, gt=0.0, description="a loss above this is extreme, whatever came before"
+    )
     extreme_loss_ratio: float = Field(
-        10.0, gt=1.0,
+        10.0,
+        gt=1.0,
         description="a loss this many times its recent reference (reference_quantile) is extreme",
     )
-    max_grad_norm: float = Field(1e4, gt=0.0, description="a gradient norm above this is an explosion")
+    max_grad_norm: float = Field(
+        1e4, gt=0.0, description="a gradient norm above this is an explosion"
+    )
     grad_norm_ratio: float = Field(
-        14.0, gt=1.0,
+        14.0,
+        gt=1.0,
         description="a gradient norm this many times its recent reference is an explosion "
         "(healthy runs show isolated jumps up to ~x8, exploding ones x20 and more)",
     )
     grad_persist_steps: int = Field(
-        2, ge=1, le=16,
+        2,
+        ge=1,
+        le=16,
         description="a gradient norm over grad_norm_ratio with no loss rule firing is an explosion "
         "once it has lasted this many steps; before that it is only said in the verdict's "
         "signals (real ResNet/WMT runs have one-step jumps of x16-x134 that leave the loss alone)",
@@ -53,16 +61,22 @@ class RulesConfig(BaseModel):
         100, ge=3, le=4096, description="healthy steps the ratio rules' references are taken over"
     )
     reference_quantile: float = Field(
-        0.99, ge=0.5, le=1.0,
+        0.99,
+        ge=0.5,
+        le=1.0,
         description="the reference is this quantile of those steps, not their median: a small "
         "batch's loss is heavy-tailed (a batch-1 loss 10x its median is ordinary; 10x its "
         "99th percentile is not)",
     )
     min_history: int = Field(8, ge=1, description="healthy steps before the ratio rules apply")
-    lr_min: float = Field(0.0, description="a learning rate below this is out of bounds (0 is allowed)")
+    lr_min: float = Field(
+        0.0, description="a learning rate below this is out of bounds (0 is allowed)"
+    )
     lr_max: float = Field(10.0, gt=0.0, description="a learning rate above this is out of bounds")
     lr_jump_ratio: float = Field(
-        10.0, gt=1.0, description="a learning rate this many times the previous one is out of bounds"
+        10.0,
+        gt=1.0,
+        description="a learning rate this many times the previous one is out of bounds",
     )
     min_loss_scale: float = Field(
         1.0, gt=0.0, description="an fp16 loss scale below this has collapsed"
@@ -70,18 +84,29 @@ class RulesConfig(BaseModel):
     loss_scale_halvings: int = Field(
         8, ge=1, description="a loss scale this many halvings below its recent peak has collapsed"
     )
-    loss_scale_window: int = Field(100, ge=2, le=4096, description="steps over which the peak is taken")
+    loss_scale_window: int = Field(
+        100, ge=2, le=4096, description="steps over which the peak is taken"
+    )
     loss_scale_warmup: int = Field(
-        20, ge=0,
+        20,
+        ge=0,
         description="steps with a loss scale before the halving rule applies (scalers calibrate first)",
     )
     max_outlier_fraction: float = Field(
-        0.05, ge=0.0, le=1.0, description="a batch with more outliers per input than this is anomalous"
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="a batch with more outliers per input than this is anomalous",
     )
     max_label_fraction: float = Field(
-        0.95, gt=0.0, le=1.0, description="a batch whose most frequent label has more than this share"
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description="a batch whose most frequent label has more than this share",
     )
-    min_batch_size: int = Field(8, ge=1, description="smaller batches are not judged on outliers or labels")
+    min_batch_size: int = Field(
+        8, ge=1, description="smaller batches are not judged on outliers or labels"
+    )
 
 
 # rule name -> (type, confidence, critical); the order is the precedence of the type.
@@ -102,6 +127,7 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
     "batch_label_imbalance": (AnomalyType.BAD_BATCH, 0.65, False),
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
+
 
 class RulesState:
     """One run's references: recent quantiles of healthy steps, the loss-scale peak, the last LR."""
@@ -145,16 +171,22 @@ class RulesDetector(Detector[RulesState]):
         if loss_ok:
             if loss > cfg.max_loss:
                 fired.append("loss_above_max")
-            ref = (state.loss.quantile(cfg.reference_quantile)
-                   if len(state.loss) >= cfg.min_history else math.nan)
+            ref = (
+                state.loss.quantile(cfg.reference_quantile)
+                if len(state.loss) >= cfg.min_history
+                else math.nan
+            )
             if ref > 0.0 and loss >= cfg.extreme_loss_ratio * ref:
                 fired.append("loss_ratio")
                 signals["loss_ratio"] = round(loss / ref, 3)
         if grad is not None and grad_ok:
             if grad > cfg.max_grad_norm:
                 fired.append("grad_norm_above_max")
-            ref = (state.grad.quantile(cfg.reference_quantile)
-                   if len(state.grad) >= cfg.min_history else math.nan)
+            ref = (
+                state.grad.quantile(cfg.reference_quantile)
+                if len(state.grad) >= cfg.min_history
+                else math.nan
+            )
             if ref > 0.0 and grad >= cfg.grad_norm_ratio * ref:
                 # One step up with no loss rule firing is said, not flagged (real runs
                 # have such one-step jumps that leave the loss alone); it is an
@@ -169,17 +201,34 @@ class RulesDetector(Detector[RulesState]):
         if event.batch is not None:
             self._check_batch(event, fired)
         if not fired:
-            return validate_verdict({
-                "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-                "detector": self.name, "is_anomaly": False, "signals": signals,
-                "loss": loss, "grad_norm": grad,
-            })
+            return validate_verdict(
+                {
+                    "run_id": event.run_id,
+                    "step": event.step,
+                    "epoch": event.epoch,
+                    "detector": self.name,
+                    "is_anomaly": False,
+                    "signals": signals,
+                    "loss": loss,
+                    "grad_norm": grad,
+                }
+            )
         fired.sort(key=_ORDER.__getitem__)
         kind, confidence, critical = RULES[fired[0]]
         return Verdict(
-            run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-            is_anomaly=True, type=kind, confidence=confidence, critical=critical,
-            rules=fired, signals=signals, message=", ".join(fired), loss=loss, grad_norm=grad,
+            run_id=event.run_id,
+            step=event.step,
+            epoch=event.epoch,
+            detector=self.name,
+            is_anomaly=True,
+            type=kind,
+            confidence=confidence,
+            critical=critical,
+            rules=fired,
+            signals=signals,
+            message=", ".join(fired),
+            loss=loss,
+            grad_norm=grad,
         )
 
     def track(self, event: StepEvent, state: RulesState, verdict: Verdict) -> None:
@@ -231,19 +280,29 @@ class RulesDetector(Detector[RulesState]):
         if batch.size >= cfg.min_batch_size:
             if batch.outliers > cfg.max_outlier_fraction * batch.size:
                 fired.append("batch_outliers")
-            if batch.max_label_fraction is not None and batch.max_label_fraction > cfg.max_label_fraction:
+            if (
+                batch.max_label_fraction is not None
+                and batch.max_label_fraction > cfg.max_label_fraction
+            ):
                 fired.append("batch_label_imbalance")
 
     def copy(self, state: RulesState) -> RulesState:
         twin = RulesState.__new__(RulesState)
-        twin.loss, twin.grad, twin.scales = state.loss.copy(), state.grad.copy(), state.scales.copy()
+        twin.loss, twin.grad, twin.scales = (
+            state.loss.copy(),
+            state.grad.copy(),
+            state.scales.copy(),
+        )
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         return twin
 
     def dump(self, state: RulesState) -> dict[str, Any]:
         return {
-            "loss": state.loss.state_dict(), "grad_norm": state.grad.state_dict(),
-            "scales": state.scales.state_dict(), "scale_seen": state.scale_seen, "lr": state.lr,
+            "loss": state.loss.state_dict(),
+            "grad_norm": state.grad.state_dict(),
+            "scales": state.scales.state_dict(),
+            "scale_seen": state.scale_seen,
+            "lr": state.lr,
             "grad_up": state.grad_up,
         }
 

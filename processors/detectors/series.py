@@ -71,25 +71,84 @@ class SeriesMonitor:
 
     __slots__ = (
         # parameters
-        "level_window", "warmup", "scale_alpha", "min_scale", "z_spike", "min_jump", "z_instant",
-        "instant_jump", "retain", "confirm_steps", "z_confirm", "z_exit", "div_alpha", "div_forget",
-        "div_z", "div_min", "osc_alpha", "osc_ref_alpha", "osc_level", "calm_level", "relearn_after",
-        "alt_level", "alt_ratio", "alt_lift",
+        "level_window",
+        "warmup",
+        "scale_alpha",
+        "min_scale",
+        "z_spike",
+        "min_jump",
+        "z_instant",
+        "instant_jump",
+        "retain",
+        "confirm_steps",
+        "z_confirm",
+        "z_exit",
+        "div_alpha",
+        "div_forget",
+        "div_z",
+        "div_min",
+        "osc_alpha",
+        "osc_ref_alpha",
+        "osc_level",
+        "calm_level",
+        "relearn_after",
+        "alt_level",
+        "alt_ratio",
+        "alt_lift",
         # learned state
-        "_med", "_smean", "_sn", "_level_sigma", "_last", "_level", "_floor", "_ln",
-        "_vprev", "_vprev2", "_slope", "_vshort", "_vref", "_one", "_two", "_high", "_high_slow", "_vn",
-        "_osc", "_pending",
-        "_age", "_run",
-        "_run_kind", "_n",
+        "_med",
+        "_smean",
+        "_sn",
+        "_level_sigma",
+        "_last",
+        "_level",
+        "_floor",
+        "_ln",
+        "_vprev",
+        "_vprev2",
+        "_slope",
+        "_vshort",
+        "_vref",
+        "_one",
+        "_two",
+        "_high",
+        "_high_slow",
+        "_vn",
+        "_osc",
+        "_pending",
+        "_age",
+        "_run",
+        "_run_kind",
+        "_n",
     )
 
     def __init__(
-        self, *, level_window: int, warmup: int, scale_alpha: float, min_scale: float,
-        z_spike: float, min_jump: float, z_instant: float, instant_jump: float, retain: float,
-        confirm_steps: int, z_confirm: float,
-        z_exit: float, div_alpha: float, div_forget: float, div_z: float, div_min: float,
-        osc_alpha: float, osc_ref_alpha: float, osc_level: float, calm_level: float,
-        relearn_after: int, alt_level: float, alt_ratio: float, alt_lift: float,
+        self,
+        *,
+        level_window: int,
+        warmup: int,
+        scale_alpha: float,
+        min_scale: float,
+        z_spike: float,
+        min_jump: float,
+        z_instant: float,
+        instant_jump: float,
+        retain: float,
+        confirm_steps: int,
+        z_confirm: float,
+        z_exit: float,
+        div_alpha: float,
+        div_forget: float,
+        div_z: float,
+        div_min: float,
+        osc_alpha: float,
+        osc_ref_alpha: float,
+        osc_level: float,
+        calm_level: float,
+        relearn_after: int,
+        alt_level: float,
+        alt_ratio: float,
+        alt_lift: float,
     ) -> None:
         self.level_window = level_window
         self.warmup = warmup
@@ -172,8 +231,18 @@ class SeriesMonitor:
         point's code; :meth:`learn` then learns it when the caller judged it normal.
         """
         code, _, _, osc, swings, (pending, age, spike_over, level) = judged
-        (self._vprev, self._vprev2, self._slope, self._vn, self._vshort, self._vref, self._one,
-         self._two, self._high, self._high_slow) = swings
+        (
+            self._vprev,
+            self._vprev2,
+            self._slope,
+            self._vn,
+            self._vshort,
+            self._vref,
+            self._one,
+            self._two,
+            self._high,
+            self._high_slow,
+        ) = swings
         self._osc = osc
         if code == WARMUP:
             return WARMUP
@@ -203,8 +272,13 @@ class SeriesMonitor:
         independent noise, growing or not; large for a flip-flop)."""
         return _alternation(self._one, self._two)
 
-    def _decide(self, y: float, osc: float, alternation: float, lift: float,
-                ) -> tuple[int, float, float, tuple]:
+    def _decide(
+        self,
+        y: float,
+        osc: float,
+        alternation: float,
+        lift: float,
+    ) -> tuple[int, float, float, tuple]:
         """The code of ``y`` and the episode state after it: (pending, age, spike over, level)."""
         if self._n < self.warmup:
             return WARMUP, 0.0, 0.0, (self._pending, self._age, False, self._level)
@@ -230,8 +304,12 @@ class SeriesMonitor:
             # when the follow-up is itself far out.
             if z >= self.z_exit and r >= self.retain * pending and r >= self.min_jump:
                 age += 1
-                if (age >= self.confirm_steps or z >= self.z_confirm
-                        or z >= self.z_instant or r >= self.instant_jump):
+                if (
+                    age >= self.confirm_steps
+                    or z >= self.z_confirm
+                    or z >= self.z_instant
+                    or r >= self.instant_jump
+                ):
                     return SPIKE, z, r, (0.0, age, spike_over, level)
                 return CANDIDATE, z, r, (pending, age, spike_over, level)
         age = 0
@@ -273,8 +351,23 @@ class SeriesMonitor:
         """
         prev, prev2 = self._vprev, self._vprev2
         if prev != prev:
-            return 1.0, 1.0, 0.0, (y, prev, self._slope, self._vn, self._vshort, self._vref,
-                                   self._one, self._two, self._high, self._high_slow)
+            return (
+                1.0,
+                1.0,
+                0.0,
+                (
+                    y,
+                    prev,
+                    self._slope,
+                    self._vn,
+                    self._vshort,
+                    self._vref,
+                    self._one,
+                    self._two,
+                    self._high,
+                    self._high_slow,
+                ),
+            )
         d = y - prev
         a = self.osc_alpha
         dev = abs(d - self._slope)
@@ -291,8 +384,11 @@ class SeriesMonitor:
         # flip-flop lifts them; a loss that falls, or whose lower half falls, does not.
         upper = y if y > prev else prev
         high = self._high + a * (upper - self._high) if self._high == self._high else upper
-        high_slow = (self._high_slow + 0.5 * a * (upper - self._high_slow)
-                    if self._high_slow == self._high_slow else upper)
+        high_slow = (
+            self._high_slow + 0.5 * a * (upper - self._high_slow)
+            if self._high_slow == self._high_slow
+            else upper
+        )
         lift = (high - high_slow) / one if one > 0.0 else 0.0
         vn = self._vn + 1
         ref = self._vref
@@ -312,8 +408,12 @@ class SeriesMonitor:
         rate = 1.0 / vn
         if rate < self.osc_ref_alpha:
             rate = self.osc_ref_alpha if ratio < self.calm_level else 0.125 * self.osc_ref_alpha
-        return ratio, alternation, lift, (y, prev, slope, vn, vshort, ref + rate * (dev - ref), one,
-                                          two, high, high_slow)
+        return (
+            ratio,
+            alternation,
+            lift,
+            (y, prev, slope, vn, vshort, ref + rate * (dev - ref), one, two, high, high_slow),
+        )
 
     def _learn(self, y: float, osc: float) -> None:
         last = self._last
@@ -352,14 +452,28 @@ class SeriesMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "med": self._med.state_dict(), "scale_mean": self._smean, "scale_n": self._sn,
-            "last": self._last, "level": self._level, "floor": self._floor,
-            "vprev": self._vprev, "vprev2": self._vprev2, "slope": self._slope,
-            "vshort": self._vshort, "vref": self._vref, "one": self._one, "two": self._two,
-            "high": self._high, "high_slow": self._high_slow,
+            "med": self._med.state_dict(),
+            "scale_mean": self._smean,
+            "scale_n": self._sn,
+            "last": self._last,
+            "level": self._level,
+            "floor": self._floor,
+            "vprev": self._vprev,
+            "vprev2": self._vprev2,
+            "slope": self._slope,
+            "vshort": self._vshort,
+            "vref": self._vref,
+            "one": self._one,
+            "two": self._two,
+            "high": self._high,
+            "high_slow": self._high_slow,
             "vn": self._vn,
-            "pending": self._pending, "age": self._age,
-            "run": self._run, "run_kind": self._run_kind, "n": self._n, "ln": self._ln,
+            "pending": self._pending,
+            "age": self._age,
+            "run": self._run,
+            "run_kind": self._run_kind,
+            "n": self._n,
+            "ln": self._ln,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -43,11 +43,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from spikeguard.processors.detectors import level as lv
 from spikeguard.processors.outlier_model import Judged as Point
 from spikeguard.processors.outlier_model import (
-    OutlierConfig, grad_norm_config, log_of, loss_config,
+    OutlierConfig,
+    grad_norm_config,
+    log_of,
+    loss_config,
 )
 from spikeguard.processors.detectors.base import Detector, validate_verdict
 from spikeguard.processors.detectors.series import (
-    ALTERNATION, Judged, OK, OSCILLATION, WARMUP, SeriesMonitor,
+    ALTERNATION,
+    Judged,
+    OK,
+    OSCILLATION,
+    WARMUP,
+    SeriesMonitor,
 )
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -59,7 +67,9 @@ class SeriesConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    level_window: int = Field(16, ge=3, le=1024, description="points in the rolling median baseline")
+    level_window: int = Field(
+        16, ge=3, le=1024, description="points in the rolling median baseline"
+    )
     warmup: int = Field(30, ge=2, description="accepted points before anything is flagged")
     scale_alpha: float = Field(
         1 / 64, gt=0.0, le=1.0, description="EW weight of the noise scale (mean |first difference|)"
@@ -74,15 +84,19 @@ class SeriesConfig(BaseModel):
         0.05, ge=0.0, description="and at least this far in log units (0.05 = +5%)"
     )
     z_instant: float = Field(
-        24.0, gt=0.0,
+        24.0,
+        gt=0.0,
         description="a jump this far up is flagged at once (real healthy one-step jumps reach ~18)",
     )
     instant_jump: float = Field(
-        math.log(2.5), ge=0.0,
+        math.log(2.5),
+        ge=0.0,
         description="a jump this far up in log units is flagged at once (x2.5; real blips reach x2)",
     )
     retain: float = Field(
-        0.65, ge=0.0, le=1.0,
+        0.65,
+        ge=0.0,
+        le=1.0,
         description="a candidate is confirmed while the signal stays up by this share of its jump",
     )
     confirm_steps: int = Field(2, ge=1, le=16, description="steps it must stay up to be confirmed")
@@ -92,23 +106,36 @@ class SeriesConfig(BaseModel):
     z_exit: float = Field(
         3.0, gt=0.0, description="a confirmed spike lasts while the signal stays this far up"
     )
-    div_alpha: float = Field(1 / 32, gt=0.0, le=1.0, description="EW weight of the slow level (divergence)")
+    div_alpha: float = Field(
+        1 / 32, gt=0.0, le=1.0, description="EW weight of the slow level (divergence)"
+    )
     div_forget: float = Field(
-        1 / 400, ge=0.0, le=1.0, description="rate at which the running best level forgets (per step)"
+        1 / 400,
+        ge=0.0,
+        le=1.0,
+        description="rate at which the running best level forgets (per step)",
     )
     div_z: float = Field(
         8.0, gt=0.0, description="a rise of the slow level above its best, in its own noise units"
     )
     div_min: float = Field(0.08, ge=0.0, description="and in log units (0.08 = +8%)")
-    osc_alpha: float = Field(1 / 16, gt=0.0, le=1.0, description="EW weight of the short-run swing size")
+    osc_alpha: float = Field(
+        1 / 16, gt=0.0, le=1.0, description="EW weight of the short-run swing size"
+    )
     osc_ref_alpha: float = Field(
-        1 / 256, gt=0.0, le=1.0, description="EW weight of the long-run swing size (learns while calm)"
+        1 / 256,
+        gt=0.0,
+        le=1.0,
+        description="EW weight of the long-run swing size (learns while calm)",
     )
     osc_level: float = Field(
-        4.0, gt=1.0, description="short-run over long-run swing size that is an oscillation (1 = steady)"
+        4.0,
+        gt=1.0,
+        description="short-run over long-run swing size that is an oscillation (1 = steady)",
     )
     calm_level: float = Field(
-        1.5, gt=1.0,
+        1.5,
+        gt=1.0,
         description="while the swing ratio is above this, the noise scale stops learning and the "
         "long-run swing size learns 8x slower (a growing oscillation must not become the new normal)",
     )
@@ -116,17 +143,20 @@ class SeriesConfig(BaseModel):
         500, ge=1, description="after this many consecutive flagged points the baseline starts over"
     )
     alt_level: float = Field(
-        2.5, gt=1.0,
+        2.5,
+        gt=1.0,
         description="short-run over long-run swing size that is an oscillation when the swings "
         "alternate (alt_ratio): a flip-flop, found before it reaches osc_level",
     )
     alt_ratio: float = Field(
-        3.0, gt=1.0,
+        3.0,
+        gt=1.0,
         description="short-run one-step over two-step swing size that is an alternation "
         "(independent noise, growing or not: about 1; healthy runs reach 2.3 at most)",
     )
     alt_lift: float = Field(
-        0.1, ge=0.0,
+        0.1,
+        ge=0.0,
         description="an alternation is an oscillation only while the higher of each two points "
         "in a row (short-run mean) is this many one-step swings above the same mean at half the "
         "weight: a growing flip-flop lifts its highs (0.13-0.4), a healthy run cycling through "
@@ -151,7 +181,8 @@ class LevelConfig(BaseModel):
         default_factory=loss_config, description="the loss's outlier model (shared with the Guard)"
     )
     spike_ratio: float = Field(
-        2.5, gt=1.0,
+        2.5,
+        gt=1.0,
         description="a first elevated point this ratio above the level is a spike at once, not an "
         "outlier step (real healthy one-step jumps reach x2; the simulator's benign ones too)",
     )
@@ -161,7 +192,9 @@ class LevelConfig(BaseModel):
     divergence_ratio: float = Field(
         10.0, gt=1.0, description="one point this ratio above the level is a divergence"
     )
-    rise_block: int = Field(50, ge=5, le=4096, description="accepted points per block of the rise test")
+    rise_block: int = Field(
+        50, ge=5, le=4096, description="accepted points per block of the rise test"
+    )
     rise_horizons: tuple[int, ...] = Field(
         (1, 8, 32), min_length=1, description="blocks back each block's median is compared with"
     )
@@ -170,35 +203,46 @@ class LevelConfig(BaseModel):
         10, ge=5, description="differences a horizon's tail holds before it judges a rise"
     )
     rise_rate: float = Field(
-        1e-7, gt=0.0, lt=0.01,
+        1e-7,
+        gt=0.0,
+        lt=0.01,
         description="false-alarm rate of the rise test per step and horizon (a rise cuts the LR: "
-        "as rare as a climb)"
+        "as rare as a climb)",
     )
     rise_history: int = Field(200, ge=50, le=65536, description="differences each tail keeps")
     climb_window: int = Field(10, ge=2, le=256, description="points the climb test looks back over")
     climb_quantile: float = Field(
-        0.9, gt=0.5, lt=1.0,
+        0.9,
+        gt=0.5,
+        lt=1.0,
         description="a point counts towards a climb when its residual is over this quantile of "
         "the run's own residuals",
     )
     climb_rate: float = Field(
-        1e-7, gt=0.0, lt=0.01,
+        1e-7,
+        gt=0.0,
+        lt=0.01,
         description="chance per step that independent healthy points make a climb (it sets how "
         "many of climb_window points must be over climb_quantile, none under the median: 8 of "
         "10 at the defaults); a climb cuts the LR, so it is rarer than an outlier step's 1e-5",
     )
     climb_reference: int = Field(
-        50, ge=10, le=4096,
+        50,
+        ge=10,
+        le=4096,
         description="residuals just before the climb window whose spread (median to "
         "climb_quantile) the climb's bar is at least: the tail lags noise that grows",
     )
     recent_alpha: float = Field(
-        1 / 16, gt=0.0, le=1.0,
+        1 / 16,
+        gt=0.0,
+        le=1.0,
         description="EW weight of the short-run mean of the loss over its level (that mean has the "
         "noise of a mean of 2/alpha - 1 points)",
     )
     raise_z: float = Field(
-        3.0, gt=0.0,
+        3.0,
+        gt=0.0,
         description="swings are an oscillation only while that mean is this many of its own "
         "standard errors above the level: swings that leave the loss where it was are growing "
         "noise (a warm-up's larger steps), not an oscillation",
@@ -214,8 +258,13 @@ class StatisticalConfig(BaseModel):
     loss: SeriesConfig = Field(default_factory=SeriesConfig, description="thresholds for the loss")
     grad_norm: SeriesConfig = Field(
         default_factory=lambda: SeriesConfig(
-            min_scale=0.02, min_jump=_LOG2, z_instant=100.0, instant_jump=math.log(14.0),
-            retain=0.75, z_confirm=100.0, div_min=1.0,
+            min_scale=0.02,
+            min_jump=_LOG2,
+            z_instant=100.0,
+            instant_jump=math.log(14.0),
+            retain=0.75,
+            z_confirm=100.0,
+            div_min=1.0,
         ),
         description="thresholds for the gradient norm (spikier than the loss: larger jumps needed)",
     )
@@ -228,9 +277,13 @@ class StatisticalConfig(BaseModel):
         description="the gradient norm's outlier model (shared with the Guard)",
     )
     watch_level: bool = Field(True, description="run the robust level test of the loss")
-    watch_grad_norm: bool = Field(True, description="also monitor the gradient norm when events carry it")
+    watch_grad_norm: bool = Field(
+        True, description="also monitor the gradient norm when events carry it"
+    )
     grad_persist_steps: int = Field(
-        2, ge=1, le=16,
+        2,
+        ge=1,
+        le=16,
         description="a gradient-norm spike with a calm loss is a gradient explosion once it has "
         "been up this many steps in a row, each still up by grad_norm.retain of the first jump "
         "(in log units); before that it is said, not flagged (real runs have one-step "
@@ -262,9 +315,15 @@ def _lr_induced_rise(level: lv.LevelJudged | None, grad: Point | None) -> tuple[
     A signal counts once the points since the jump are held above the level at the jump
     (``lr_held_rise``: far inside the bar of one point), or one point is over its threshold.
     """
-    for signal, point in (("loss", None if level is None else level.point), ("gradient norm", grad)):
-        if point is not None and point.lr_beyond_peak and (
-                point.lr_held_rise or point.residual > point.threshold):
+    for signal, point in (
+        ("loss", None if level is None else level.point),
+        ("gradient norm", grad),
+    ):
+        if (
+            point is not None
+            and point.lr_beyond_peak
+            and (point.lr_held_rise or point.residual > point.threshold)
+        ):
             return signal, point
     return None
 
@@ -326,18 +385,36 @@ class StatisticalDetector(Detector[StatisticalState]):
         y = log_of(loss, self._floor)
         g = None if grad is None else log_of(grad, self._floor)
         return Judgement(
-            (y, g), state.loss.judge(y), None if g is None else state.grad.judge(g),
+            (y, g),
+            state.loss.judge(y),
+            None if g is None else state.grad.judge(g),
             state.level.judge(y, event.lr) if self._watch_level else None,
             None if g is None else state.grad_model.judge(g, event.lr),
         )
 
-    def _verdict(self, event: StepEvent, kind: AnomalyType, confidence: float, rule: str,
-                 z: float, jump: float, message: str) -> Verdict:
+    def _verdict(
+        self,
+        event: StepEvent,
+        kind: AnomalyType,
+        confidence: float,
+        rule: str,
+        z: float,
+        jump: float,
+        message: str,
+    ) -> Verdict:
         return Verdict(
-            run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-            loss=event.loss, grad_norm=event.grad_norm,
-            is_anomaly=True, type=kind, confidence=confidence, rules=[rule],
-            signals={"z": round(z, 3), "jump": round(jump, 4)}, message=message,
+            run_id=event.run_id,
+            step=event.step,
+            epoch=event.epoch,
+            detector=self.name,
+            loss=event.loss,
+            grad_norm=event.grad_norm,
+            is_anomaly=True,
+            type=kind,
+            confidence=confidence,
+            rules=[rule],
+            signals={"z": round(z, 3), "jump": round(jump, 4)},
+            message=message,
         )
 
     def score(self, event: StepEvent, state: StatisticalState) -> Verdict:
@@ -347,10 +424,18 @@ class StatisticalDetector(Detector[StatisticalState]):
             loss, grad = event.loss, event.grad_norm
             what, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad)
             return Verdict(
-                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-                loss=event.loss, grad_norm=event.grad_norm,
-                is_anomaly=True, type=AnomalyType.NON_FINITE, confidence=1.0, critical=True,
-                rules=[f"{what}_non_finite"], message=f"{what} is {value}",
+                run_id=event.run_id,
+                step=event.step,
+                epoch=event.epoch,
+                detector=self.name,
+                loss=event.loss,
+                grad_norm=event.grad_norm,
+                is_anomaly=True,
+                type=AnomalyType.NON_FINITE,
+                confidence=1.0,
+                critical=True,
+                rules=[f"{what}_non_finite"],
+                message=f"{what} is {value}",
             )
         # The loss speaks first: its level test, then its swings; the gradient
         # norm when the loss has nothing to say.
@@ -361,18 +446,35 @@ class StatisticalDetector(Detector[StatisticalState]):
             rule = AnomalyType.LR_INDUCED_RISE.value
             # How far out: an explained point is not judged, so its .score is 0.
             z = risen.residual / risen.threshold if risen.threshold > 0.0 else 1.0
-            return self._verdict(event, AnomalyType.LR_INDUCED_RISE, _confidence(z), rule, z,
-                                 risen.residual, f"{rule}: the {signal} is up x{math.exp(risen.residual):.2f} "
-                                 "after the LR jumped beyond any rate the run had trained at")
+            return self._verdict(
+                event,
+                AnomalyType.LR_INDUCED_RISE,
+                _confidence(z),
+                rule,
+                z,
+                risen.residual,
+                f"{rule}: the {signal} is up x{math.exp(risen.residual):.2f} "
+                "after the LR jumped beyond any rate the run had trained at",
+            )
         if level is not None and level.code in _LEVEL_TYPES:
             kind, rule = _LEVEL_TYPES[level.code]
-            return self._verdict(event, kind, _confidence(level.score), rule, level.score, level.rise,
-                                 f"{rule}: {level.score:.2f} x its threshold, x{math.exp(level.rise):.2f}")
+            return self._verdict(
+                event,
+                kind,
+                _confidence(level.score),
+                rule,
+                level.score,
+                level.rise,
+                f"{rule}: {level.score:.2f} x its threshold, x{math.exp(level.rise):.2f}",
+            )
         # Swings that leave the loss where it was are noise growing (a warm-up's larger steps,
         # a loss nearing its floor), not an oscillation that hurts the run; unless the loss
         # alternates step to step, which growing noise does not.
         loss_raised = level is None or level.raised
-        for signal, swings in (("loss", judgement.loss_swings), ("grad_norm", judgement.grad_swings)):
+        for signal, swings in (
+            ("loss", judgement.loss_swings),
+            ("grad_norm", judgement.grad_swings),
+        ):
             if swings is None:
                 continue
             code = swings[0]
@@ -380,34 +482,63 @@ class StatisticalDetector(Detector[StatisticalState]):
             if alternates or code in (OSCILLATION, ALTERNATION) and loss_raised:
                 osc = swings[1]
                 rule = f"{signal}_{'alternation' if code == ALTERNATION else 'oscillation'}"
-                bar = self.config.loss.alt_level if code == ALTERNATION else self.config.loss.osc_level
-                return self._verdict(event, AnomalyType.OSCILLATION,
-                                     _confidence(osc / bar), rule, osc,
-                                     swings[2], f"{rule}: swings x{osc:.1f} their usual size")
+                bar = (
+                    self.config.loss.alt_level
+                    if code == ALTERNATION
+                    else self.config.loss.osc_level
+                )
+                return self._verdict(
+                    event,
+                    AnomalyType.OSCILLATION,
+                    _confidence(osc / bar),
+                    rule,
+                    osc,
+                    swings[2],
+                    f"{rule}: swings x{osc:.1f} their usual size",
+                )
         point = judgement.grad_point
         if point is not None and point.elevated:
             if state.grad_up + 1 >= self._grad_persist:
                 return self._verdict(
-                    event, AnomalyType.GRADIENT_EXPLOSION, _confidence(point.score), "grad_norm_spike",
-                    point.score, point.residual,
+                    event,
+                    AnomalyType.GRADIENT_EXPLOSION,
+                    _confidence(point.score),
+                    "grad_norm_spike",
+                    point.score,
+                    point.residual,
                     f"grad_norm_spike: {point.score:.2f} x its threshold, x{math.exp(point.residual):.1f}",
                 )
             # A one-step grad-norm jump the loss does not follow (real ResNet/WMT runs:
             # x16-x134, the loss within +26 %): said, not an anomaly (the Guard's skip
             # rule drops that update). Lasting, it is an explosion.
             return Verdict(
-                run_id=event.run_id, step=event.step, epoch=event.epoch, detector=self.name,
-                loss=event.loss, grad_norm=event.grad_norm, is_anomaly=False, confidence=0.3,
-                signals={"z": round(point.score, 3), "jump": round(point.residual, 4),
-                         "grad_norm_jump": 1},
+                run_id=event.run_id,
+                step=event.step,
+                epoch=event.epoch,
+                detector=self.name,
+                loss=event.loss,
+                grad_norm=event.grad_norm,
+                is_anomaly=False,
+                confidence=0.3,
+                signals={
+                    "z": round(point.score, 3),
+                    "jump": round(point.residual, 4),
+                    "grad_norm_jump": 1,
+                },
                 message=f"grad_norm jumped x{math.exp(point.residual):.1f} with the loss calm; "
                 "an explosion if it lasts",
             )
-        return validate_verdict({
-            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-            "detector": self.name, "is_anomaly": False,
-            "loss": event.loss, "grad_norm": event.grad_norm,
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": False,
+                "loss": event.loss,
+                "grad_norm": event.grad_norm,
+            }
+        )
 
     def protects(self, verdict: Verdict) -> bool:
         # Each signal's model protects its own baseline (an elevated point stays out
@@ -442,9 +573,13 @@ class StatisticalDetector(Detector[StatisticalState]):
             state.grad.learn(g)
 
     def dump(self, state: StatisticalState) -> dict[str, Any]:
-        return {"loss": state.loss.state_dict(), "grad_norm": state.grad.state_dict(),
-                "level": state.level.state_dict(), "grad_model": state.grad_model.state_dict(),
-                "grad_up": state.grad_up}
+        return {
+            "loss": state.loss.state_dict(),
+            "grad_norm": state.grad.state_dict(),
+            "level": state.level.state_dict(),
+            "grad_model": state.grad_model.state_dict(),
+            "grad_up": state.grad_up,
+        }
 
     def load(self, data: dict[str, Any]) -> StatisticalState:
         state = StatisticalState(self.config)

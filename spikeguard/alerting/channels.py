@@ -50,7 +50,8 @@ class Alert:
         return cls(
             run_id=decision.run_id,
             incident_id=decision.incident_id or decision.decision_id,
-            step=decision.incident_onset_step if decision.incident_onset_step is not None
+            step=decision.incident_onset_step
+            if decision.incident_onset_step is not None
             else decision.step,
             epoch=decision.epoch,
             type=decision.type.value,
@@ -138,9 +139,18 @@ class EmailChannel:
 
     name = "email"
 
-    def __init__(self, host: str, port: int, sender: str, recipients: list[str], *,
-                 timeout_s: float = 5.0, starttls: bool = False, username: str | None = None,
-                 password: SecretStr | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        sender: str,
+        recipients: list[str],
+        *,
+        timeout_s: float = 5.0,
+        starttls: bool = False,
+        username: str | None = None,
+        password: SecretStr | None = None,
+    ) -> None:
         if not recipients:
             raise ValueError("EmailChannel needs at least one recipient")
         self.host, self.port = host, port

@@ -27,7 +27,9 @@ class AlertingConfig(BaseModel):
     smtp_password: SecretStr | None = Field(None, description="never logged")
     timeout_s: float = Field(5.0, gt=0, description="per delivery attempt")
     retries: int = Field(3, ge=0, le=20, description="further attempts after a failed one")
-    backoff_s: float = Field(1.0, ge=0, description="wait before the first retry; doubles each time")
+    backoff_s: float = Field(
+        1.0, ge=0, description="wait before the first retry; doubles each time"
+    )
     backoff_max_s: float = Field(60.0, ge=0, description="longest wait between attempts")
     max_per_minute: int = Field(
         20, ge=1, description="per channel; beyond it messages are dropped (and counted)"

@@ -47,8 +47,13 @@ class _RunWatch:
 class MonitorStage(Stage):
     name = "monitor"
 
-    def __init__(self, topics: Topics, metrics: Metrics, notifier: Notifier | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        metrics: Metrics,
+        notifier: Notifier | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(topics)
         self.metrics = metrics
         self.notifier = notifier
@@ -57,8 +62,13 @@ class MonitorStage(Stage):
 
     def inputs(self) -> dict[str, type[BaseModel]]:
         t = self.topics
-        return {t.steps: StepEvent, t.decisions: Decision, t.actions: Action, t.acks: Ack,
-                t.checkpoints: CheckpointEvent}
+        return {
+            t.steps: StepEvent,
+            t.decisions: Decision,
+            t.actions: Action,
+            t.acks: Ack,
+            t.checkpoints: CheckpointEvent,
+        }
 
     def _run(self, run_id: str) -> _RunWatch:
         watch = self.runs.get(run_id)
@@ -92,8 +102,9 @@ class MonitorStage(Stage):
                     self.notifier.offer(event, now)
             elif isinstance(event, Action):
                 if event.decision_id:
-                    _bounded_put(self._run(event.run_id).actions, event.action_id,
-                                 event.decision_id)
+                    _bounded_put(
+                        self._run(event.run_id).actions, event.action_id, event.decision_id
+                    )
             elif isinstance(event, Ack):
                 watch = self._run(event.run_id)
                 decision_id = watch.actions.pop(event.action_id, None)
@@ -113,9 +124,10 @@ class MonitorStage(Stage):
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
         if self.notifier is None:
             return {}
-        return {run_id: {"announced": [i for i, r in self.notifier.announced.items()
-                                       if r == run_id]}
-                for run_id in set(run_ids)}
+        return {
+            run_id: {"announced": [i for i, r in self.notifier.announced.items() if r == run_id]}
+            for run_id in set(run_ids)
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         if self.notifier is None:

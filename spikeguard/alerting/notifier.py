@@ -46,8 +46,9 @@ class _Sender:
         self.notifier = notifier
         self.queue: queue.Queue = queue.Queue(maxsize=notifier.queue_size)
         self.sent_at: deque[float] = deque()
-        self.thread = threading.Thread(target=self._run, name=f"spikeguard-alert-{channel.name}",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"spikeguard-alert-{channel.name}", daemon=True
+        )
         self.thread.start()
 
     def put(self, alert: Alert) -> None:
@@ -84,11 +85,16 @@ class _Sender:
             try:
                 self.channel.send(alert)
             except AlertDeliveryError as exc:
-                log.warning("alert to %s failed (attempt %d of %d): %s", self.channel.name,
-                            attempt + 1, n.retries + 1, exc)
+                log.warning(
+                    "alert to %s failed (attempt %d of %d): %s",
+                    self.channel.name,
+                    attempt + 1,
+                    n.retries + 1,
+                    exc,
+                )
                 if attempt < n.retries:
                     # Closing cuts the wait short; the remaining attempts then run at once.
-                    n._closing.wait(min(n.backoff_max_s, n.backoff_s * 2 ** attempt))
+                    n._closing.wait(min(n.backoff_max_s, n.backoff_s * 2**attempt))
                 continue
             except Exception:  # noqa: BLE001 - a broken channel must not kill its thread
                 log.exception("alert channel %s raised", self.channel.name)
@@ -133,15 +139,28 @@ class Notifier:
         if config.webhook_url:
             channels.append(WebhookChannel(config.webhook_url, config.timeout_s))
         if config.email_to:
-            channels.append(EmailChannel(
-                config.smtp_host, config.smtp_port, config.email_from, config.email_to,
-                timeout_s=config.timeout_s, starttls=config.smtp_starttls,
-                username=config.smtp_username, password=config.smtp_password,
-            ))
-        return cls(channels, min_urgency=config.min_urgency, retries=config.retries,
-                   backoff_s=config.backoff_s, backoff_max_s=config.backoff_max_s,
-                   max_per_minute=config.max_per_minute, queue_size=config.queue_size,
-                   metrics=metrics)
+            channels.append(
+                EmailChannel(
+                    config.smtp_host,
+                    config.smtp_port,
+                    config.email_from,
+                    config.email_to,
+                    timeout_s=config.timeout_s,
+                    starttls=config.smtp_starttls,
+                    username=config.smtp_username,
+                    password=config.smtp_password,
+                )
+            )
+        return cls(
+            channels,
+            min_urgency=config.min_urgency,
+            retries=config.retries,
+            backoff_s=config.backoff_s,
+            backoff_max_s=config.backoff_max_s,
+            max_per_minute=config.max_per_minute,
+            queue_size=config.queue_size,
+            metrics=metrics,
+        )
 
     @property
     def channels(self) -> list[str]:
@@ -186,8 +205,9 @@ class Notifier:
     # -- state (so a restarted monitor does not announce an incident again) ----
     def state_dict(self, run_ids: Iterable[str] | None = None) -> dict[str, Any]:
         runs = None if run_ids is None else set(run_ids)
-        return {"announced": [[i, r] for i, r in self.announced.items()
-                              if runs is None or r in runs]}
+        return {
+            "announced": [[i, r] for i, r in self.announced.items() if runs is None or r in runs]
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for incident, run_id in state.get("announced", []):

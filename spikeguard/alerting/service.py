@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from spikeguard.settings import Settings
 
 
-def build_monitor(bus: "Bus", settings: "Settings", topics: "Topics", metrics: Metrics,
-                  **worker_options: object) -> tuple[Worker, Notifier]:
+def build_monitor(
+    bus: "Bus", settings: "Settings", topics: "Topics", metrics: Metrics, **worker_options: object
+) -> tuple[Worker, Notifier]:
     """The monitor's worker and its notifier (close both when done)."""
     notifier = Notifier.from_config(settings.alerting, metrics)
     stage = MonitorStage(topics, metrics, notifier)
@@ -41,7 +42,9 @@ def alerting_configured(settings: "Settings") -> bool:
     return bool(settings.alerting.webhook_url or settings.alerting.email_to)
 
 
-def start_monitoring(runtime: "Runtime", metrics: Metrics | None = None, serve_http: bool = True) -> None:
+def start_monitoring(
+    runtime: "Runtime", metrics: Metrics | None = None, serve_http: bool = True
+) -> None:
     """The embedded runtime's hook: ``/metrics`` and the monitor thread, when asked for.
 
     ``serve_http=False``: the monitor only (its latencies counted into ``metrics``),
@@ -55,13 +58,21 @@ def start_monitoring(runtime: "Runtime", metrics: Metrics | None = None, serve_h
     if serving:
         from spikeguard.metrics_http import serve
 
-        server = serve(settings.metrics_port, metrics.registry, bus=runtime.bus,  # type: ignore[arg-type]
-                       group_prefix=runtime.topics.prefix)
+        server = serve(
+            settings.metrics_port,
+            metrics.registry,
+            bus=runtime.bus,  # type: ignore[arg-type]
+            group_prefix=runtime.topics.prefix,
+        )
         runtime.closers.append(server.close)
     worker, notifier = build_monitor(
-        runtime.bus, settings, runtime.topics, metrics,
+        runtime.bus,
+        settings,
+        runtime.topics,
+        metrics,
         snapshots=runtime.bus.engine != "embedded" or settings.data_dir is not None,
-        snapshot_interval_s=settings.snapshot_interval_s, poll_timeout_s=0.05,
+        snapshot_interval_s=settings.snapshot_interval_s,
+        poll_timeout_s=0.05,
     )
     thread = threading.Thread(target=worker.run, name="spikeguard-monitor", daemon=True)
     runtime.workers.append(worker)

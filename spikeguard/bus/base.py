@@ -34,8 +34,17 @@ class Record:
     making it).
     """
 
-    __slots__ = ("topic", "partition", "offset", "key", "_value", "headers", "timestamp_ms",
-                 "_cache", "_event")
+    __slots__ = (
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "_value",
+        "headers",
+        "timestamp_ms",
+        "_cache",
+        "_event",
+    )
 
     def __init__(
         self,
@@ -115,8 +124,10 @@ class Record:
         return hash((self.topic, self.partition, self.offset))
 
     def __repr__(self) -> str:
-        return (f"Record({self.topic!r}, partition={self.partition}, offset={self.offset}, "
-                f"key={self.key!r}, value={self.value!r:.80})")
+        return (
+            f"Record({self.topic!r}, partition={self.partition}, offset={self.offset}, "
+            f"key={self.key!r}, value={self.value!r:.80})"
+        )
 
 
 TopicPartition = tuple[str, int]

@@ -21,7 +21,15 @@ import threading
 import time
 from typing import Any, Iterable, Mapping
 
-from spikeguard.bus.base import Consumer, Headers, Producer, RebalanceCallback, Record, as_key, undelivered
+from spikeguard.bus.base import (
+    Consumer,
+    Headers,
+    Producer,
+    RebalanceCallback,
+    Record,
+    as_key,
+    undelivered,
+)
 from spikeguard.bus.kafka import KafkaBus, _Masked
 from spikeguard.errors import BusError, CommitRefused, ConfigError, DeliveryError
 
@@ -37,15 +45,28 @@ __all__ = ["ConfluentBus", "librdkafka_options"]
 SEND_LINGER_MS = 2
 
 #: Error codes of a commit refused because the group went on without this member (CommitRefused).
-_GROUP_MOVED_ON = frozenset() if ck is None else frozenset((
-    ck.KafkaError.UNKNOWN_MEMBER_ID, ck.KafkaError.ILLEGAL_GENERATION, ck.KafkaError.REBALANCE_IN_PROGRESS,
-    ck.KafkaError._ASSIGNMENT_LOST, ck.KafkaError.FENCED_INSTANCE_ID))
+_GROUP_MOVED_ON = (
+    frozenset()
+    if ck is None
+    else frozenset(
+        (
+            ck.KafkaError.UNKNOWN_MEMBER_ID,
+            ck.KafkaError.ILLEGAL_GENERATION,
+            ck.KafkaError.REBALANCE_IN_PROGRESS,
+            ck.KafkaError._ASSIGNMENT_LOST,
+            ck.KafkaError.FENCED_INSTANCE_ID,
+        )
+    )
+)
 
 log = logging.getLogger(__name__)
 
 # kafka-python consumer option names whose librdkafka name is not the dotted form.
-_RENAMED = {"fetch_max_wait_ms": "fetch.wait.max.ms", "max_poll_records": None,
-            "request_timeout_ms": "socket.timeout.ms"}
+_RENAMED = {
+    "fetch_max_wait_ms": "fetch.wait.max.ms",
+    "max_poll_records": None,
+    "request_timeout_ms": "socket.timeout.ms",
+}
 
 
 def librdkafka_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +87,10 @@ def librdkafka_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def _require() -> Any:
     if ck is None:
-        raise ConfigError("kafka_client='confluent' needs confluent-kafka: "
-                          "pip install 'spikeguard[confluent]' (or kafka_client='kafka-python')")
+        raise ConfigError(
+            "kafka_client='confluent' needs confluent-kafka: "
+            "pip install 'spikeguard[confluent]' (or kafka_client='kafka-python')"
+        )
     return ck
 
 
@@ -101,8 +124,11 @@ class ConfluentBus(KafkaBus):
             config["sasl.username"] = self.sasl_username
             if self.sasl_password is not None:
                 config["sasl.password"] = _Masked(self.sasl_password.get_secret_value())
-        for ours, theirs in (("ssl_cafile", "ssl.ca.location"), ("ssl_certfile", "ssl.certificate.location"),
-                             ("ssl_keyfile", "ssl.key.location")):
+        for ours, theirs in (
+            ("ssl_cafile", "ssl.ca.location"),
+            ("ssl_certfile", "ssl.certificate.location"),
+            ("ssl_keyfile", "ssl.key.location"),
+        ):
             if getattr(self, ours) is not None:
                 config[theirs] = getattr(self, ours)
         return config
@@ -111,7 +137,9 @@ class ConfluentBus(KafkaBus):
         try:
             return factory(*args)
         except ck.KafkaException as exc:
-            raise BusError(f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc}") from exc
+            raise BusError(
+                f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc}"
+            ) from exc
 
     def producer(self) -> Producer:
         config = {
@@ -129,8 +157,15 @@ class ConfluentBus(KafkaBus):
         }
         return self._build("producer", ConfluentProducer, config)
 
-    def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
-                 on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:
+    def consumer(
+        self,
+        group: str,
+        topics: Iterable[str],
+        *,
+        from_beginning: bool = True,
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> Consumer:
         membership: dict[str, Any] = {}
         if self.session_timeout_ms is not None:
             membership["session.timeout.ms"] = self.session_timeout_ms
@@ -148,7 +183,9 @@ class ConfluentBus(KafkaBus):
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest" if from_beginning else "latest",
         }
-        return self._build("consumer", ConfluentConsumer, config, list(topics), on_assign, on_revoke)
+        return self._build(
+            "consumer", ConfluentConsumer, config, list(topics), on_assign, on_revoke
+        )
 
 
 class ConfluentProducer(Producer):
@@ -173,7 +210,13 @@ class ConfluentProducer(Producer):
             count, first = self._failed.get(topic, (0, str(err)))
             self._failed[topic] = (count + 1, first)
 
-    def publish(self, topic: str, value: bytes, key: str | bytes | None = None, headers: Headers | None = None) -> None:
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Headers | None = None,
+    ) -> None:
         key = as_key(key)
         self._topics.add(topic)
         while True:
@@ -194,8 +237,13 @@ class ConfluentProducer(Producer):
         with self._lock:
             failed, self._failed = self._failed, {}
             topics, self._topics = self._topics, set()
-        still = [f"{left} record(s) still unacknowledged after {timeout}s (published to {sorted(topics)})"
-                 ] if left else []
+        still = (
+            [
+                f"{left} record(s) still unacknowledged after {timeout}s (published to {sorted(topics)})"
+            ]
+            if left
+            else []
+        )
         if failed or still:
             raise undelivered(failed, *still)
 
@@ -219,7 +267,11 @@ def _record(m: Any) -> Record:
     headers = m.headers()
     _, timestamp = m.timestamp()
     return Record(
-        m.topic(), m.partition(), m.offset(), m.key(), m.value(),
+        m.topic(),
+        m.partition(),
+        m.offset(),
+        m.key(),
+        m.value(),
         tuple((k, v if v is not None else b"") for k, v in headers) if headers else (),
         timestamp if timestamp > 0 else 0,
     )
@@ -233,15 +285,23 @@ class ConfluentConsumer(Consumer):
     assignment itself: librdkafka cannot seek a partition it is not yet fetching.
     """
 
-    def __init__(self, config: dict[str, Any], topics: list[str], on_assign: RebalanceCallback | None,
-                 on_revoke: RebalanceCallback | None):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        topics: list[str],
+        on_assign: RebalanceCallback | None,
+        on_revoke: RebalanceCallback | None,
+    ):
         self.on_assign, self.on_revoke = on_assign, on_revoke
-        self._assigning: dict[tuple[str, int], int] | None = None  # seeks asked for inside on_assign
+        self._assigning: dict[tuple[str, int], int] | None = (
+            None  # seeks asked for inside on_assign
+        )
         self._gained: set[tuple[str, int]] = set()
         self._consumer = ck.Consumer(config)
         try:
-            self._consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked,
-                                     on_lost=self._revoked)
+            self._consumer.subscribe(
+                topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
+            )
         except BaseException:
             self._consumer.close()
             raise
@@ -256,9 +316,14 @@ class ConfluentConsumer(Consumer):
             seeks = self._assigning
         finally:
             self._assigning, self._gained = None, set()
-        consumer.assign([ck.TopicPartition(tp.topic, tp.partition, seeks.get((tp.topic, tp.partition),
-                                                                             ck.OFFSET_INVALID))
-                         for tp in partitions])
+        consumer.assign(
+            [
+                ck.TopicPartition(
+                    tp.topic, tp.partition, seeks.get((tp.topic, tp.partition), ck.OFFSET_INVALID)
+                )
+                for tp in partitions
+            ]
+        )
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
         lost = {(tp.topic, tp.partition) for tp in partitions}
@@ -296,16 +361,24 @@ class ConfluentConsumer(Consumer):
     def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         try:
             if offsets is None:
-                positions = [tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0]
+                positions = [
+                    tp
+                    for tp in self._consumer.position(self._consumer.assignment())
+                    if tp.offset >= 0
+                ]
             else:
-                positions = [ck.TopicPartition(topic, partition, offset)
-                             for (topic, partition), offset in offsets.items()]
+                positions = [
+                    ck.TopicPartition(topic, partition, offset)
+                    for (topic, partition), offset in offsets.items()
+                ]
             if positions:
                 self._consumer.commit(offsets=positions, asynchronous=False)
         except ck.KafkaException as exc:
             if exc.args and getattr(exc.args[0], "code", lambda: None)() in _GROUP_MOVED_ON:
-                raise CommitRefused(f"commit refused, the group moved on (the records will be delivered "
-                                    f"again): {exc}") from exc
+                raise CommitRefused(
+                    f"commit refused, the group moved on (the records will be delivered "
+                    f"again): {exc}"
+                ) from exc
             raise BusError(f"commit failed (the records will be delivered again): {exc}") from exc
 
     def assignment(self) -> set[tuple[str, int]]:

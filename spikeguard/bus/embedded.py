@@ -278,7 +278,11 @@ class EmbeddedBus(Bus):
         # A long recorded run comes back within the same bounds as a live one.
         for name, topic in self._topics.items():
             for partition, log in enumerate(topic.logs):
-                if self.max_records is not None and len(log) > self.max_records and not log.compacted:
+                if (
+                    self.max_records is not None
+                    and len(log) > self.max_records
+                    and not log.compacted
+                ):
                     log.trim(log.end - self.max_records)
                 self._retain(name, partition)
 

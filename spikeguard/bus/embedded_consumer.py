@@ -149,9 +149,17 @@ class EmbeddedConsumer(Consumer):
     def _out_of_range(self, tp: TopicPartition, position: int, beginning: int, end: int) -> int:
         """Where to read from when ``position`` was trimmed: Kafka's ``auto_offset_reset``."""
         resume = beginning if self._from_beginning else end
-        logger.warning("spikeguard: group %r asked for offset %d of %s[%d], which retention dropped "
-                    "(log start %d); resuming at the %s, offset %d", self.group, position, tp[0], tp[1],
-                    beginning, "earliest" if self._from_beginning else "latest", resume)
+        logger.warning(
+            "spikeguard: group %r asked for offset %d of %s[%d], which retention dropped "
+            "(log start %d); resuming at the %s, offset %d",
+            self.group,
+            position,
+            tp[0],
+            tp[1],
+            beginning,
+            "earliest" if self._from_beginning else "latest",
+            resume,
+        )
         return resume
 
     def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:

@@ -31,7 +31,9 @@ def merged(families: Iterable[Metric]) -> list[Metric]:
     samples: dict[str, dict[tuple, Sample]] = {}
     for family in families:
         if family.name not in by_name:
-            by_name[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            by_name[family.name] = Metric(
+                family.name, family.documentation, family.type, family.unit
+            )
             samples[family.name] = {}
         kept = samples[family.name]
         for sample in family.samples:

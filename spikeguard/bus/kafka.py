@@ -21,8 +21,15 @@ from typing import Any, Iterable, Mapping
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.future import Future
 from kafka.errors import (
-    CommitFailedError, FencedInstanceIdError, IllegalGenerationError, KafkaConnectionError, KafkaError,
-    NodeNotReadyError, RebalanceInProgressError, TopicAlreadyExistsError, UnknownMemberIdError,
+    CommitFailedError,
+    FencedInstanceIdError,
+    IllegalGenerationError,
+    KafkaConnectionError,
+    KafkaError,
+    NodeNotReadyError,
+    RebalanceInProgressError,
+    TopicAlreadyExistsError,
+    UnknownMemberIdError,
 )
 from kafka.structs import OffsetAndMetadata
 from pydantic import SecretStr
@@ -59,9 +66,11 @@ class _SlowIOStepNote(logging.Filter):
             return True
         self.seen += 1
         if self.seen == 1:
-            log.info("kafka-python reports slow steps of its IO thread ('blocking the event loop'): "
-                     "in a worker that is the GIL held by the detectors or a busy CPU, not a fault; "
-                     "further reports go to DEBUG (logger 'kafka.net.selector')")
+            log.info(
+                "kafka-python reports slow steps of its IO thread ('blocking the event loop'): "
+                "in a worker that is the GIL held by the detectors or a busy CPU, not a fault; "
+                "further reports go to DEBUG (logger 'kafka.net.selector')"
+            )
         return logging.getLogger("kafka").isEnabledFor(logging.DEBUG)
 
 
@@ -84,7 +93,11 @@ def _record(r: Any) -> Record:
     headers = r.headers  # usually empty: no generator per record then
     timestamp = r.timestamp
     return Record(
-        r.topic, r.partition, r.offset, r.key, r.value,
+        r.topic,
+        r.partition,
+        r.offset,
+        r.key,
+        r.value,
         tuple((k, v if v is not None else b"") for k, v in headers) if headers else (),
         timestamp if timestamp is not None and timestamp >= 0 else 0,
     )
@@ -93,8 +106,13 @@ def _record(r: Any) -> Record:
 #: A poll that failed only because the broker could not be reached.
 _BROKER_AWAY = (KafkaConnectionError, NodeNotReadyError)
 #: A commit refused because the group went on without this member (CommitRefused).
-_GROUP_MOVED_ON = (CommitFailedError, UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError,
-                   FencedInstanceIdError)
+_GROUP_MOVED_ON = (
+    CommitFailedError,
+    UnknownMemberIdError,
+    IllegalGenerationError,
+    RebalanceInProgressError,
+    FencedInstanceIdError,
+)
 
 
 class _Listener(AsyncConsumerRebalanceListener):
@@ -126,8 +144,13 @@ class _Listener(AsyncConsumerRebalanceListener):
 class _KafkaConsumer(Consumer):
     """A group member; commits only when told to, and only what it polled."""
 
-    def __init__(self, config: dict[str, Any], topics: list[str], on_assign: RebalanceCallback | None,
-                 on_revoke: RebalanceCallback | None):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        topics: list[str],
+        on_assign: RebalanceCallback | None,
+        on_revoke: RebalanceCallback | None,
+    ):
         self.on_assign, self.on_revoke = on_assign, on_revoke
         self._broker_away = False  # a poll failed to reach the broker, and none has since succeeded
         self._consumer = KafkaConsumer(**config)
@@ -142,7 +165,9 @@ class _KafkaConsumer(Consumer):
             self._consumer.close(autocommit=False)
             raise
 
-    async def off_the_io_thread(self, callback: RebalanceCallback, partitions: set[tuple[str, int]]) -> None:
+    async def off_the_io_thread(
+        self, callback: RebalanceCallback, partitions: set[tuple[str, int]]
+    ) -> None:
         """Run ``callback(partitions)`` on a helper thread and wait for it without blocking the IO loop."""
         net = self._consumer._net  # kafka-python 3.x's IO loop: the one documented way back onto it
         done = Future()
@@ -151,7 +176,9 @@ class _KafkaConsumer(Consumer):
             try:
                 callback(partitions)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the IO thread, then by poll
-                net.call_soon_threadsafe(lambda error=exc: done.failure(error))  # (exc is unbound after the block)
+                net.call_soon_threadsafe(
+                    lambda error=exc: done.failure(error)
+                )  # (exc is unbound after the block)
             else:
                 net.call_soon_threadsafe(lambda: done.success(None))
 
@@ -160,7 +187,9 @@ class _KafkaConsumer(Consumer):
 
     def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
         try:
-            batches = self._consumer.poll(timeout_ms=max(0, int(timeout * 1000)), max_records=max_records)
+            batches = self._consumer.poll(
+                timeout_ms=max(0, int(timeout * 1000)), max_records=max_records
+            )
         except KafkaError as exc:
             if exc.__cause__ is not None and not isinstance(exc.__cause__, KafkaError):
                 raise exc.__cause__  # a rebalance callback failed: its own error, as on the embedded bus
@@ -168,7 +197,9 @@ class _KafkaConsumer(Consumer):
                 # The broker is away (an outage, a restart): the consumer reconnects by itself,
                 # and a worker that polls again meanwhile loses nothing. Said once per outage.
                 if not self._broker_away:
-                    log.warning("the broker is unreachable (%r); polling again until it is back", exc)
+                    log.warning(
+                        "the broker is unreachable (%r); polling again until it is back", exc
+                    )
                 self._broker_away = True
                 time.sleep(max(0.0, min(timeout, 1.0)))  # the poll's own wait, not a busy loop
                 return []
@@ -183,11 +214,16 @@ class _KafkaConsumer(Consumer):
             if offsets is None:
                 self._consumer.commit()
             elif offsets:
-                self._consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-                                       for (topic, partition), offset in offsets.items()})
+                self._consumer.commit(
+                    {
+                        TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                        for (topic, partition), offset in offsets.items()
+                    }
+                )
         except _GROUP_MOVED_ON as exc:
-            raise CommitRefused(f"commit refused, the group moved on (the records will be delivered again): "
-                                f"{exc!r}") from exc
+            raise CommitRefused(
+                f"commit refused, the group moved on (the records will be delivered again): {exc!r}"
+            ) from exc
         except KafkaError as exc:
             raise BusError(f"commit failed (the records will be delivered again): {exc!r}") from exc
 
@@ -281,8 +317,10 @@ class KafkaBus(Bus):
         self._members_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (f"KafkaBus(bootstrap_servers={self.bootstrap_servers!r}, client_id={self.client_id!r}, "
-                f"security_protocol={self.security_protocol!r}, sasl_mechanism={self.sasl_mechanism!r})")
+        return (
+            f"KafkaBus(bootstrap_servers={self.bootstrap_servers!r}, client_id={self.client_id!r}, "
+            f"security_protocol={self.security_protocol!r}, sasl_mechanism={self.sasl_mechanism!r})"
+        )
 
     def _config(self) -> dict[str, Any]:
         """Connection and security settings shared by every client."""
@@ -305,14 +343,28 @@ class KafkaBus(Bus):
         try:
             return factory(*args)
         except KafkaError as exc:
-            raise BusError(f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc!r}") from exc
+            raise BusError(
+                f"cannot open a Kafka {what} on {self.bootstrap_servers!r}: {exc!r}"
+            ) from exc
 
     def producer(self) -> Producer:
-        return self._connect("producer", KafkaBusProducer, self._config(), self.max_message_bytes,
-                             500 if self.linger_ms is None else self.linger_ms)
+        return self._connect(
+            "producer",
+            KafkaBusProducer,
+            self._config(),
+            self.max_message_bytes,
+            500 if self.linger_ms is None else self.linger_ms,
+        )
 
-    def consumer(self, group: str, topics: Iterable[str], *, from_beginning: bool = True,
-                 on_assign: RebalanceCallback | None = None, on_revoke: RebalanceCallback | None = None) -> Consumer:
+    def consumer(
+        self,
+        group: str,
+        topics: Iterable[str],
+        *,
+        from_beginning: bool = True,
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> Consumer:
         membership: dict[str, Any] = {}
         if self.session_timeout_ms is not None:
             membership["session_timeout_ms"] = self.session_timeout_ms
@@ -338,15 +390,21 @@ class KafkaBus(Bus):
         """
         ms = max(100, int(timeout * 1000))
         try:
-            admin = KafkaAdminClient(**self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms)
+            admin = KafkaAdminClient(
+                **self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms
+            )
         except Exception as exc:  # noqa: BLE001 - DNS, refused, TLS, SASL: all mean "unreachable"
-            raise BusError(f"no Kafka broker answers at {self.bootstrap_servers!r} within "
-                           f"{timeout:g}s: {exc!r}") from exc
+            raise BusError(
+                f"no Kafka broker answers at {self.bootstrap_servers!r} within "
+                f"{timeout:g}s: {exc!r}"
+            ) from exc
         try:
             if not admin.describe_cluster().get("brokers"):
                 raise BusError(f"the cluster at {self.bootstrap_servers!r} reports no broker")
         except KafkaError as exc:
-            raise BusError(f"the cluster at {self.bootstrap_servers!r} does not answer: {exc!r}") from exc
+            raise BusError(
+                f"the cluster at {self.bootstrap_servers!r} does not answer: {exc!r}"
+            ) from exc
         finally:
             admin.close()
 
@@ -354,8 +412,12 @@ class KafkaBus(Bus):
         """Those of ``groups`` that have at least one live member right now."""
         ms = max(100, int(timeout * 1000))
         names = list(groups)
-        admin = self._connect("admin client", lambda: KafkaAdminClient(
-            **self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms))
+        admin = self._connect(
+            "admin client",
+            lambda: KafkaAdminClient(
+                **self._config(), bootstrap_timeout_ms=ms, request_timeout_ms=ms
+            ),
+        )
         try:
             described = admin.describe_groups(names)
         except KafkaError as exc:
@@ -381,13 +443,25 @@ class KafkaBus(Bus):
             missing = [t for t in names if t not in set(admin.list_topics())]
             if not missing:
                 return
-            configs = ({"cleanup.policy": "compact", "max.message.bytes": str(self.max_message_bytes)}
-                       if compacted else {})
-            spec = {t: {"num_partitions": self.partitions, "replication_factor": self.replication_factor,
-                        "configs": configs} for t in missing}
+            configs = (
+                {"cleanup.policy": "compact", "max.message.bytes": str(self.max_message_bytes)}
+                if compacted
+                else {}
+            )
+            spec = {
+                t: {
+                    "num_partitions": self.partitions,
+                    "replication_factor": self.replication_factor,
+                    "configs": configs,
+                }
+                for t in missing
+            }
             result = admin.create_topics(spec, raise_errors=False)
-            errors = {t["name"]: t.get("error_message") or t["error_code"] for t in result["topics"]
-                      if t["error_code"] not in (0, TopicAlreadyExistsError.errno)}
+            errors = {
+                t["name"]: t.get("error_message") or t["error_code"]
+                for t in result["topics"]
+                if t["error_code"] not in (0, TopicAlreadyExistsError.errno)
+            }
             if errors:
                 raise BusError(f"could not create topics: {errors}")
             admin.wait_for_topics(missing, timeout_ms=30_000)
@@ -399,17 +473,26 @@ class KafkaBus(Bus):
     def delete_records(self, topic: str, before: Mapping[int, int], timeout: float = 30.0) -> None:
         admin = self._connect("admin client", lambda: KafkaAdminClient(**self._config()))
         try:
-            admin.delete_records({TopicPartition(topic, p): o for p, o in before.items()},
-                                 timeout_ms=int(timeout * 1000))
+            admin.delete_records(
+                {TopicPartition(topic, p): o for p, o in before.items()},
+                timeout_ms=int(timeout * 1000),
+            )
         except KafkaError as exc:
-            raise BusError(f"could not delete records of {topic!r} below {dict(before)}: {exc!r}") from exc
+            raise BusError(
+                f"could not delete records of {topic!r} below {dict(before)}: {exc!r}"
+            ) from exc
         finally:
             admin.close()
 
     def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
         deadline = time.monotonic() + timeout
-        config = {**self._config(), "group_id": None, "enable_auto_commit": False,
-                  "allow_auto_create_topics": False, "auto_offset_reset": "earliest"}
+        config = {
+            **self._config(),
+            "group_id": None,
+            "enable_auto_commit": False,
+            "allow_auto_create_topics": False,
+            "auto_offset_reset": "earliest",
+        }
         consumer = self._connect("reader", lambda: KafkaConsumer(**config))
         try:
             tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
@@ -422,12 +505,18 @@ class KafkaBus(Bus):
             while True:
                 left = deadline - time.monotonic()
                 wait_ms = max(1, int(left * 1000))
-                behind = [tp for tp in tps if (consumer.position(tp, timeout_ms=wait_ms) or 0) < end[tp]]
+                behind = [
+                    tp for tp in tps if (consumer.position(tp, timeout_ms=wait_ms) or 0) < end[tp]
+                ]
                 if not behind:
                     break
                 if left <= 0:
-                    raise BusError(f"read_all({topic!r}) did not reach the end offsets {end} within {timeout}s")
-                for tp, batch in consumer.poll(timeout_ms=int(min(left, 0.5) * 1000), max_records=10_000).items():
+                    raise BusError(
+                        f"read_all({topic!r}) did not reach the end offsets {end} within {timeout}s"
+                    )
+                for tp, batch in consumer.poll(
+                    timeout_ms=int(min(left, 0.5) * 1000), max_records=10_000
+                ).items():
                     records.extend(_record(r) for r in batch if r.offset < end[tp])
             return sorted(records, key=lambda r: (r.partition, r.offset))
         except KafkaError as exc:

@@ -45,10 +45,21 @@ class KafkaBusProducer(Producer):
     record is sent as soon as the sender gets the GIL, a request per few records.
     """
 
-    def __init__(self, config: dict[str, Any], max_request_size: int = 1024 * 1024,
-                 linger_ms: int = 500, batch_size: int = 256 * 1024):
-        self._producer = KafkaProducer(**config, enable_idempotence=True, acks="all", linger_ms=linger_ms,
-                                       batch_size=batch_size, max_request_size=max_request_size)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        max_request_size: int = 1024 * 1024,
+        linger_ms: int = 500,
+        batch_size: int = 256 * 1024,
+    ):
+        self._producer = KafkaProducer(
+            **config,
+            enable_idempotence=True,
+            acks="all",
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            max_request_size=max_request_size,
+        )
         # (topic, future) of every record not yet known acknowledged, oldest first.
         self._pending: deque[tuple[str, Any]] = deque()
         self._lock = threading.Lock()
@@ -56,7 +67,9 @@ class KafkaBusProducer(Producer):
         self._sending = False  # send_now raised the accumulator's flush flag
         self._send_now_unavailable = False  # kafka-python's internals were not as send_now needs
         self._queued: list[Any] = []  # the batches queued at the last send_now
-        self._lost: list[tuple[str, Any]] = []  # failed, seen by send_now or unacknowledged, not yet raised
+        self._lost: list[
+            tuple[str, Any]
+        ] = []  # failed, seen by send_now or unacknowledged, not yet raised
         # (topic, key) -> partition, as kafka-python's default partitioner picks it; that
         # partitioner builds a set and a sorted list of the topic's partitions per record.
         # Emptied at every flush, so a topic given more partitions is seen within a batch.
@@ -68,14 +81,25 @@ class KafkaBusProducer(Producer):
         found = self._partitions.get((topic, key))
         if found is None:
             partitions = sorted(self._producer.partitions_for(topic))
-            found = self._partitions[(topic, key)] = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+            found = self._partitions[(topic, key)] = partitions[
+                (murmur2(key) & 0x7FFFFFFF) % len(partitions)
+            ]
         return found
 
-    def publish(self, topic: str, value: bytes, key: str | bytes | None = None, headers: Headers | None = None) -> None:
+    def publish(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        headers: Headers | None = None,
+    ) -> None:
         key = as_key(key)
         try:
             future = self._producer.send(
-                topic, value=value, key=key, partition=self._partition(topic, key),
+                topic,
+                value=value,
+                key=key,
+                partition=self._partition(topic, key),
                 headers=[(k, bytes(v)) for k, v in headers] if headers else None,
             )
         except KafkaError as exc:
@@ -96,8 +120,11 @@ class KafkaBusProducer(Producer):
         try:
             self._send_now()
         except AttributeError as exc:  # a kafka-python whose internals moved: latency, not records
-            log.warning("spikeguard: this kafka-python has no %s: sending without waiting is off, each "
-                        "batch waits for its acknowledgements as before", exc)
+            log.warning(
+                "spikeguard: this kafka-python has no %s: sending without waiting is off, each "
+                "batch waits for its acknowledgements as before",
+                exc,
+            )
             self._send_now_unavailable = True
             self.flush()
 
@@ -160,8 +187,11 @@ class KafkaBusProducer(Producer):
             self._lower()
         # The usual case, every record acknowledged, is read off the futures' fields;
         # only the others are waited on (get() builds each record's metadata).
-        pending = [(topic, future) for topic, future in pending
-                   if not future.is_done or future.exception is not None]
+        pending = [
+            (topic, future)
+            for topic, future in pending
+            if not future.is_done or future.exception is not None
+        ]
         failed: dict[str, tuple[int, str]] = {}
         for topic, future in pending:
             # Wait on each future too: kafka-python's flush() can return while a

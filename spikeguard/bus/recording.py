@@ -72,7 +72,9 @@ class Recording:
         for topic_dir in sorted(p for p in self.directory.iterdir() if p.is_dir()):
             if topic_dir.name == _GROUPS:
                 for offsets in topic_dir.glob("*.json"):
-                    groups[offsets.stem] = {(t, p): o for t, p, o in json.loads(offsets.read_text())}
+                    groups[offsets.stem] = {
+                        (t, p): o for t, p, o in json.loads(offsets.read_text())
+                    }
                 continue
             logs = topics[topic_dir.name] = [[] for _ in range(partitions)]
             for log_file in sorted(topic_dir.glob("*.jsonl")):
@@ -99,8 +101,13 @@ def _read_log(path: Path) -> list[Stored]:
                 handle.truncate(good)
                 break
             good += len(raw)
-            value = (None if "n" in line else
-                     line["v"].encode() if "v" in line else base64.b64decode(line["vb"]))
+            value = (
+                None
+                if "n" in line
+                else line["v"].encode()
+                if "v" in line
+                else base64.b64decode(line["vb"])
+            )
             key = base64.b64decode(line["k"]) if "k" in line else None
             headers = tuple((k, base64.b64decode(v)) for k, v in line.get("h", ()))
             stored.append((key, value, headers, line["t"]))

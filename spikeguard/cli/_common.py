@@ -12,7 +12,9 @@ if TYPE_CHECKING:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (flags > SPIKEGUARD_* env > config file > defaults)")
+    group = parser.add_argument_group(
+        "settings (flags > SPIKEGUARD_* env > config file > defaults)"
+    )
     group.add_argument(
         "--config",
         metavar="FILE",

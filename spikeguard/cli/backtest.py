@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("file", help="CSV (step,loss[,grad_norm,lr,run_id]) or JSONL of StepEvents")
-    parser.add_argument("--out", required=True, help="where to write decisions (JSONL); - for stdout")
+    parser.add_argument(
+        "--out", required=True, help="where to write decisions (JSONL); - for stdout"
+    )
     parser.add_argument("--all", action="store_true", help="write healthy decisions too")
     add_settings_flags(parser)
     parser.set_defaults(func=run)

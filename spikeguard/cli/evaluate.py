@@ -73,34 +73,76 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3],
-                        help="seeds of the synthetic suite (default 0 1 2 3)")
-    parser.add_argument("--scenario", nargs="+", choices=sorted(SCENARIOS), metavar="NAME",
-                        help="only these scenarios: " + ", ".join(SCENARIOS))
-    parser.add_argument("--files", nargs="+", metavar="FILE",
-                        help="labelled CSV/JSONL runs instead of the synthetic suite")
-    parser.add_argument("--real-spikes", metavar="DIR", nargs="?", const=IN_REPO,
-                        help="real curves with labelled spikes (no DIR: the repository's "
-                             "data/real-spikes)")
-    parser.add_argument("--labels", metavar="FILE",
-                        help="labels of --real-spikes (default: DIR/labels.csv, else the lab's)")
-    parser.add_argument("--healthy", metavar="DIR", nargs="?", const=IN_REPO,
-                        help="real healthy runs (no DIR: the repository's data/modded-nanogpt)")
-    parser.add_argument("--false-actions", metavar="PATH", nargs="*",
-                        help="healthy runs, by kind (a CSV or a folder per kind; none: the "
-                             "repository's data/healthy runs, data/modded-nanogpt, data/mlperf-bert): "
-                             "report each system's false actions per 10k steps instead of scores")
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS),
-                        default=list(SYSTEMS), help="what to score (default: all)")
-    parser.add_argument("--loss-only", action="store_true",
-                        help="drop grad_norm, lr and update_norm (as in most real logs); "
-                             "non-finite labels on a finite loss are dropped too")
-    parser.add_argument("--incidents-only", action="store_true",
-                        help="drop the marks whose response is only to skip one update "
-                             "(type outlier_step): score what a system escalates")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        help="seeds of the synthetic suite (default 0 1 2 3)",
+    )
+    parser.add_argument(
+        "--scenario",
+        nargs="+",
+        choices=sorted(SCENARIOS),
+        metavar="NAME",
+        help="only these scenarios: " + ", ".join(SCENARIOS),
+    )
+    parser.add_argument(
+        "--files",
+        nargs="+",
+        metavar="FILE",
+        help="labelled CSV/JSONL runs instead of the synthetic suite",
+    )
+    parser.add_argument(
+        "--real-spikes",
+        metavar="DIR",
+        nargs="?",
+        const=IN_REPO,
+        help="real curves with labelled spikes (no DIR: the repository's data/real-spikes)",
+    )
+    parser.add_argument(
+        "--labels",
+        metavar="FILE",
+        help="labels of --real-spikes (default: DIR/labels.csv, else the lab's)",
+    )
+    parser.add_argument(
+        "--healthy",
+        metavar="DIR",
+        nargs="?",
+        const=IN_REPO,
+        help="real healthy runs (no DIR: the repository's data/modded-nanogpt)",
+    )
+    parser.add_argument(
+        "--false-actions",
+        metavar="PATH",
+        nargs="*",
+        help="healthy runs, by kind (a CSV or a folder per kind; none: the "
+        "repository's data/healthy runs, data/modded-nanogpt, data/mlperf-bert): "
+        "report each system's false actions per 10k steps instead of scores",
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=list(SYSTEMS),
+        default=list(SYSTEMS),
+        help="what to score (default: all)",
+    )
+    parser.add_argument(
+        "--loss-only",
+        action="store_true",
+        help="drop grad_norm, lr and update_norm (as in most real logs); "
+        "non-finite labels on a finite loss are dropped too",
+    )
+    parser.add_argument(
+        "--incidents-only",
+        action="store_true",
+        help="drop the marks whose response is only to skip one update "
+        "(type outlier_step): score what a system escalates",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when the pipeline misses a target")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when the pipeline misses a target"
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -118,8 +160,10 @@ def _shown(path: str | None, in_repo: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     real = args.real_spikes is not None or args.healthy is not None
     if sum((bool(args.files), real, args.false_actions is not None)) > 1:
-        print("evaluate: --files, --real-spikes/--healthy and --false-actions cannot be combined",
-              file=sys.stderr)
+        print(
+            "evaluate: --files, --real-spikes/--healthy and --false-actions cannot be combined",
+            file=sys.stderr,
+        )
         return 2
     if args.false_actions is not None:
         return false_actions_report(args)
@@ -142,7 +186,7 @@ def _score(args, settings, config, scores, seconds) -> int:
     total = 0
     runs = _runs(args)
     bar = run_progress(runs)
-    for group, events, labels in (bar if bar is not None else runs):
+    for group, events, labels in bar if bar is not None else runs:
         if args.loss_only:
             events, labels = loss_only(events, labels)
         steps = [e.step for e in events]
@@ -153,11 +197,14 @@ def _score(args, settings, config, scores, seconds) -> int:
             if args.incidents_only:
                 marks = [m for m in marks if m.type != OUTLIER]
             seconds[name] += time.perf_counter() - started
-            scores[name].setdefault(group, []).append(score_run(steps, labels, marks, config, group))
+            scores[name].setdefault(group, []).append(
+                score_run(steps, labels, marks, config, group)
+            )
             if group == HEALTHY:
                 incidents = [m for m in marks if m.type != OUTLIER]
                 scores[name].setdefault(HEALTHY_INCIDENTS, []).append(
-                    score_run(steps, labels, incidents, config, HEALTHY_INCIDENTS))
+                    score_run(steps, labels, incidents, config, HEALTHY_INCIDENTS)
+                )
         if bar is not None:
             bar.set_postfix_str(f"{total:,} steps", refresh=False)
     if bar is not None:
@@ -166,10 +213,21 @@ def _score(args, settings, config, scores, seconds) -> int:
 
 
 #: What each simple rule's flag does in its trainer (a false action on a healthy run).
-RULE_ACTIONS = {"naive": "flag", "six_sigma": "skip", "axolotl": "skip", "metaseq": "skip",
-                "lightning": "stop", "llm_foundry": "stop"}
-PIPELINE_COLUMNS = (("stops", "stops"), ("rollbacks", "rollbacks"), ("lr_cuts", "LR cuts"),
-                    ("skipped_batches", "skipped batches"), ("local_skips", "local skips"))
+RULE_ACTIONS = {
+    "naive": "flag",
+    "six_sigma": "skip",
+    "axolotl": "skip",
+    "metaseq": "skip",
+    "lightning": "stop",
+    "llm_foundry": "stop",
+}
+PIPELINE_COLUMNS = (
+    ("stops", "stops"),
+    ("rollbacks", "rollbacks"),
+    ("lr_cuts", "LR cuts"),
+    ("skipped_batches", "skipped batches"),
+    ("local_skips", "local skips"),
+)
 
 
 def false_actions_report(args: argparse.Namespace) -> int:
@@ -185,8 +243,11 @@ def false_actions_report(args: argparse.Namespace) -> int:
     except SpikeguardError as exc:
         print(f"evaluate: {exc}", file=sys.stderr)
         return 2
-    report: dict = {"unit": "actions per 10,000 steps", "rule_actions": {r: RULE_ACTIONS[r] for r in rules},
-                    "kinds": {}}
+    report: dict = {
+        "unit": "actions per 10,000 steps",
+        "rule_actions": {r: RULE_ACTIONS[r] for r in rules},
+        "kinds": {},
+    }
     for kind, runs in kinds.items():
         started = time.perf_counter()
         runs_events = [run.events for run in runs]
@@ -196,11 +257,16 @@ def false_actions_report(args: argparse.Namespace) -> int:
             row["pipeline"] = {**counts.per_10k(), "counts": counts._asdict()}
         for name in rules:
             flags = rule_flags(name, runs_events)
-            row[name] = {"per_10k": flags.flagged * 10_000 / max(flags.steps, 1), "count": flags.flagged,
-                         "runs_flagged": flags.runs_flagged}
+            row[name] = {
+                "per_10k": flags.flagged * 10_000 / max(flags.steps, 1),
+                "count": flags.flagged,
+                "runs_flagged": flags.runs_flagged,
+            }
         report["kinds"][kind] = row
-        print(f"evaluate: {kind}: {row['steps']:,} steps, {time.perf_counter() - started:.1f} s",
-              file=sys.stderr)
+        print(
+            f"evaluate: {kind}: {row['steps']:,} steps, {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
     print(json.dumps(report, indent=2) if args.json else render_false_actions(report))
     return 0
 
@@ -219,13 +285,19 @@ def render_false_actions(report: dict) -> str:
         line = [kind, str(row["runs"]), f"{row['steps']:,}"]
         if with_pipeline:
             line += [_fmt(row["pipeline"][key], 1) for key, _ in PIPELINE_COLUMNS]
-        line += [f"{_fmt(row[r]['per_10k'], 1)} ({row[r]['runs_flagged']}/{row['runs']})" for r in rules]
+        line += [
+            f"{_fmt(row[r]['per_10k'], 1)} ({row[r]['runs_flagged']}/{row['runs']})" for r in rules
+        ]
         table.append(line)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = [f"== false actions on healthy runs ({report['unit']}; pipeline: what the policy and the "
-             "Guard's local skip rule would do; rules: steps flagged (runs flagged/runs))"]
-    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-              for r in table]
+    lines = [
+        f"== false actions on healthy runs ({report['unit']}; pipeline: what the policy and the "
+        "Guard's local skip rule would do; rules: steps flagged (runs flagged/runs))"
+    ]
+    lines += [
+        "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+        for r in table
+    ]
     return "\n".join(lines)
 
 
@@ -244,14 +316,18 @@ def _report(args, config, scores, seconds, total) -> int:
     print(f"evaluate: {total:,} steps; {timing}", file=sys.stderr)
     if args.json:
         real = args.real_spikes is not None or args.healthy is not None
-        report["inputs"] = {"files": args.files,
-                            "real_spikes": _shown(args.real_spikes, "data/real-spikes"),
-                            "labels": args.labels,
-                            "healthy": _shown(args.healthy, "data/modded-nanogpt"),
-                            "seeds": None if args.files or real else args.seeds,
-                            "scenarios": args.scenario, "loss_only": args.loss_only,
-                            "incidents_only": args.incidents_only,
-                            "steps": total, "config": config.model_dump()}
+        report["inputs"] = {
+            "files": args.files,
+            "real_spikes": _shown(args.real_spikes, "data/real-spikes"),
+            "labels": args.labels,
+            "healthy": _shown(args.healthy, "data/modded-nanogpt"),
+            "seeds": None if args.files or real else args.seeds,
+            "scenarios": args.scenario,
+            "loss_only": args.loss_only,
+            "incidents_only": args.incidents_only,
+            "steps": total,
+            "config": config.model_dump(),
+        }
         report["timing_seconds"] = dict(seconds)
         print(json.dumps(report, indent=2))
     else:
@@ -313,7 +389,9 @@ def build_report(scores: dict[str, dict[str, list[RunScore]]]) -> dict:
     report: dict = {"systems": {}}
     for name, groups in scores.items():
         rows = {group: summarize(runs).as_dict() for group, runs in groups.items()}
-        every = [score for group, runs in groups.items() if group != HEALTHY_INCIDENTS for score in runs]
+        every = [
+            score for group, runs in groups.items() if group != HEALTHY_INCIDENTS for score in runs
+        ]
         clean = [score for score in every if not score.episodes]
         if clean and len(clean) < len(every):
             rows[CLEAN] = summarize(clean).as_dict()
@@ -357,8 +435,10 @@ def targets(systems: dict) -> list[dict]:
             continue
         theirs = systems[baseline]["rows"]
         worse = [
-            group for group, row in rows.items()
-            if group != CLEAN and theirs.get(group, {}).get("f1") is not None
+            group
+            for group, row in rows.items()
+            if group != CLEAN
+            and theirs.get(group, {}).get("f1") is not None
             and (row["f1"] is None or row["f1"] <= theirs[group]["f1"])
             and not row["f1"] == theirs[group]["f1"] == 1.0
         ]
@@ -371,8 +451,11 @@ def targets(systems: dict) -> list[dict]:
     if HEALTHY in rows and others:
         best = min(r[HEALTHY]["false_alarms_per_10k"] for r in others)
         mine = rows[HEALTHY_INCIDENTS]["false_alarms_per_10k"]
-        check(f"false alarms per 10k on {HEALTHY} <= the best baseline ({best:.2f})", mine,
-              mine <= best)
+        check(
+            f"false alarms per 10k on {HEALTHY} <= the best baseline ({best:.2f})",
+            mine,
+            mine <= best,
+        )
     return checks
 
 
@@ -385,22 +468,33 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 COLUMNS = (
-    ("runs", "runs", 0), ("steps", "steps", 0), ("episodes", "episodes", 0),
-    ("recall", "recall", 3), ("precision", "precision", 3), ("f1", "F1", 3),
-    ("false_alarms_per_10k", "FA/10k clean", 2), ("median_delay", "med delay", 1),
-    ("median_lead", "med lead", 1), ("false_warnings_per_10k", "warn-for-nothing/10k", 2),
+    ("runs", "runs", 0),
+    ("steps", "steps", 0),
+    ("episodes", "episodes", 0),
+    ("recall", "recall", 3),
+    ("precision", "precision", 3),
+    ("f1", "F1", 3),
+    ("false_alarms_per_10k", "FA/10k clean", 2),
+    ("median_delay", "med delay", 1),
+    ("median_lead", "med lead", 1),
+    ("false_warnings_per_10k", "warn-for-nothing/10k", 2),
 )
 
 
 COMPARE = (
-    ("recall", "recall", 3), ("precision", "precision", 3), ("f1", "F1", 3),
-    ("false_alarms_per_10k", "FA/10k clean", 2), ("median_delay", "med delay", 1),
+    ("recall", "recall", 3),
+    ("precision", "precision", 3),
+    ("f1", "F1", 3),
+    ("false_alarms_per_10k", "FA/10k clean", 2),
+    ("median_delay", "med delay", 1),
 )
 
 
 def comparison(report: dict) -> str:
     """One line per group and system: the headline numbers side by side, delay per kind."""
-    table = [["set", "system"] + [title for _, title, _ in COMPARE] + ["recall (median delay) by kind"]]
+    table = [
+        ["set", "system"] + [title for _, title, _ in COMPARE] + ["recall (median delay) by kind"]
+    ]
     groups = list(next(iter(report["systems"].values()))["rows"])
     if REAL_SPIKES in groups or HEALTHY in groups:  # different sets: their sum means nothing
         groups = [g for g in groups if g not in (CLEAN, OVERALL)]
@@ -409,14 +503,20 @@ def comparison(report: dict) -> str:
             row = system["rows"].get(group)
             if row is None:
                 continue
-            kinds = "; ".join(f"{k} {v['detected']}/{v['episodes']} ({_fmt(v['median_delay'], 0)})"
-                              for k, v in row["by_kind"].items())
+            kinds = "; ".join(
+                f"{k} {v['detected']}/{v['episodes']} ({_fmt(v['median_delay'], 0)})"
+                for k, v in row["by_kind"].items()
+            )
             table.append([group, name] + [_fmt(row[key], d) for key, _, d in COMPARE] + [kinds])
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = ["== comparison"]
     for r in table:
-        lines.append("  ".join(c.ljust(w) if j in (0, 1, len(r) - 1) else c.rjust(w)
-                               for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                c.ljust(w) if j in (0, 1, len(r) - 1) else c.rjust(w)
+                for j, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -435,12 +535,17 @@ def render(report: dict) -> str:
         for i, r in enumerate(table):
             if i and r[0] in (CLEAN, OVERALL) and table[i - 1][0] not in (CLEAN, OVERALL):
                 out.append("-" * (sum(widths) + 2 * len(widths)))
-            out.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in
-                                 enumerate(zip(r, widths))))
+            out.append(
+                "  ".join(
+                    c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))
+                )
+            )
         kinds = rows[OVERALL]["by_kind"]
         if kinds:
-            parts = [f"{k} {v['detected']}/{v['episodes']} (delay {_fmt(v['median_delay'], 1)})"
-                     for k, v in kinds.items()]
+            parts = [
+                f"{k} {v['detected']}/{v['episodes']} (delay {_fmt(v['median_delay'], 1)})"
+                for k, v in kinds.items()
+            ]
             out.append("recall by kind: " + "; ".join(parts))
     out.append("\n" + comparison(report))
     if "targets" in report:

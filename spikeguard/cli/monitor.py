@@ -26,8 +26,10 @@ log = logging.getLogger(__name__)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "monitor", help="serve metrics (lag, latency) and send alerts for every run",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "monitor",
+        help="serve metrics (lag, latency) and send alerts for every run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     add_settings_flags(parser)
@@ -49,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if settings.metrics_port is not None:
         from spikeguard.metrics_http import serve
 
-        server = serve(settings.metrics_port, metrics.registry, bus=bus,
-                       group_prefix=topics.prefix)
-    worker, notifier = build_monitor(bus, settings, topics, metrics,
-                                     snapshot_interval_s=settings.snapshot_interval_s)
+        server = serve(settings.metrics_port, metrics.registry, bus=bus, group_prefix=topics.prefix)
+    worker, notifier = build_monitor(
+        bus, settings, topics, metrics, snapshot_interval_s=settings.snapshot_interval_s
+    )
 
     def stop(signum: int, _frame: object) -> None:
         log.warning("signal %d: stopping", signum)
@@ -60,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"spikeguard monitor on {settings.engine} ({settings.bootstrap_servers or 'in-process'}), "
-          f"prefix {settings.topic_prefix!r}, alerts to {', '.join(notifier.channels)}"
-          + (f", metrics on :{settings.metrics_port}" if server else ""), flush=True)
+    print(
+        f"spikeguard monitor on {settings.engine} ({settings.bootstrap_servers or 'in-process'}), "
+        f"prefix {settings.topic_prefix!r}, alerts to {', '.join(notifier.channels)}"
+        + (f", metrics on :{settings.metrics_port}" if server else ""),
+        flush=True,
+    )
     try:
         worker.run()
     finally:

@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({p["name"]: p for p in presets}, indent=2))
         return 0
     header = ["name"] + [title for _, title, _ in _COLUMNS]
-    rows = [[p["name"]] + [str((p["policy"] if where else p)[key]) for key, _, where in _COLUMNS]
-            for p in presets]
+    rows = [
+        [p["name"]] + [str((p["policy"] if where else p)[key]) for key, _, where in _COLUMNS]
+        for p in presets
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

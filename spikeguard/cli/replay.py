@@ -35,7 +35,9 @@ from spikeguard.schemas import Ack, Action, CheckpointEvent, Decision, StepEvent
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "replay", help="re-judge recorded runs under new settings", description=__doc__,
+        "replay",
+        help="re-judge recorded runs under new settings",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--data-dir", help="a directory recorded by the embedded bus (else Kafka)")
@@ -43,8 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefix", default="replay.", help="topic prefix for --publish")
     parser.add_argument("--publish", action="store_true", help="publish new decisions and actions")
     parser.add_argument("--out", help="also write the new decisions (anomalous) as JSONL here")
-    parser.add_argument("--current-settings", action="store_true",
-                        help="judge with today's settings, not the recorded ones")
+    parser.add_argument(
+        "--current-settings",
+        action="store_true",
+        help="judge with today's settings, not the recorded ones",
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -80,12 +85,17 @@ def read_topic(bus, topic, model, runs, key=None, refused: Counter | None = None
 def signatures_line(flagged: Counter, checked: bool, topics: Topics) -> str:
     """One line: how many records the signature check left out (or, with no key, found unsigned)."""
     total = sum(flagged.values())
-    per_topic = ", ".join(f"{topic.removeprefix(topics.prefix)} {count}" for topic, count in sorted(flagged.items()))
+    per_topic = ", ".join(
+        f"{topic.removeprefix(topics.prefix)} {count}" for topic, count in sorted(flagged.items())
+    )
     if checked:
-        return (f"signatures checked: {total} record(s) not signed by their producer's key left out"
-                + (f" ({per_topic})" if total else ""))
-    return ("signatures NOT checked (no signing key): "
-            + (f"{total} record(s) carry no signature ({per_topic})" if total else "every record is signed"))
+        return (
+            f"signatures checked: {total} record(s) not signed by their producer's key left out"
+            + (f" ({per_topic})" if total else "")
+        )
+    return "signatures NOT checked (no signing key): " + (
+        f"{total} record(s) carry no signature ({per_topic})" if total else "every record is signed"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs, key, flagged)
     recorded, _ = read_topic(bus, source.decisions, Decision, runs, key, flagged)
     recorded_actions, _ = read_topic(bus, source.actions, Action, runs, key, flagged)
-    acks, _ = read_topic(bus, source.acks, Ack, runs, key, flagged)  # the actuator hears what the trainer did
+    acks, _ = read_topic(
+        bus, source.acks, Ack, runs, key, flagged
+    )  # the actuator hears what the trainer did
     print(signatures_line(flagged, key is not None, source))
     if not steps:
         raise SpikeguardError(f"no step events on {source.steps} to replay")
@@ -124,19 +136,32 @@ def run(args: argparse.Namespace) -> int:
         return {(d.run_id, d.epoch, d.step): d.type.value for d in items if d.is_anomaly}
 
     before, after = anomalous(recorded), anomalous(decisions)
-    print(f"replayed {len(steps)} steps of {len({s.run_id for s in steps})} run(s)"
-          f" ({bad} unreadable records skipped)")
-    print(f"anomalous decisions: recorded {len(before)}, now {len(after)}; "
-          f"new {len(after.keys() - before.keys())}, gone {len(before.keys() - after.keys())}, "
-          f"type changed {sum(before[k] != after[k] for k in before.keys() & after.keys())}")
-    print(f"actions now: {len(actions)} ({', '.join(sorted({a.kind.value for a in actions})) or 'none'})")
+    print(
+        f"replayed {len(steps)} steps of {len({s.run_id for s in steps})} run(s)"
+        f" ({bad} unreadable records skipped)"
+    )
+    print(
+        f"anomalous decisions: recorded {len(before)}, now {len(after)}; "
+        f"new {len(after.keys() - before.keys())}, gone {len(before.keys() - after.keys())}, "
+        f"type changed {sum(before[k] != after[k] for k in before.keys() & after.keys())}"
+    )
+    print(
+        f"actions now: {len(actions)} ({', '.join(sorted({a.kind.value for a in actions})) or 'none'})"
+    )
     if recorded_with is not None:
         changed = sorted(parse_assignments(args.set))
-        print("judged with the recorded settings" + (f", changed: {', '.join(changed)}" if changed else ""))
+        print(
+            "judged with the recorded settings"
+            + (f", changed: {', '.join(changed)}" if changed else "")
+        )
     else:
-        print("judged with today's settings" + ("" if args.current_settings else
-                                                " (no recorded settings found)"))
-    for line in render(diff_decisions(recorded, decisions), diff_actions(recorded_actions, actions)):
+        print(
+            "judged with today's settings"
+            + ("" if args.current_settings else " (no recorded settings found)")
+        )
+    for line in render(
+        diff_decisions(recorded, decisions), diff_actions(recorded_actions, actions)
+    ):
         print(line)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:

@@ -37,9 +37,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
     parser.add_argument("--out", metavar="DIR", help="write RUN.png and RUN.html per run here")
     parser.add_argument("--export", metavar="FILE", help="write the runs' events as a JSONL export")
-    parser.add_argument("--incidents", metavar="DIR",
-                        help="the Guard's incident records (and spikeguard inspect's output) to show "
-                             "per incident in the HTML")
+    parser.add_argument(
+        "--incidents",
+        metavar="DIR",
+        help="the Guard's incident records (and spikeguard inspect's output) to show "
+        "per incident in the HTML",
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -49,24 +52,38 @@ def summarise(decisions, actions, acks, checkpoints, letters) -> dict:
     for d in decisions:
         if not d.incident_id:
             continue
-        incident = runs[d.run_id]["incidents"].setdefault(d.incident_id, {
-            "onset_step": d.incident_onset_step if d.incident_onset_step is not None else d.step,
-            "epoch": d.epoch, "type": d.type.value, "urgency": d.urgency.value, "steps": 0,
-        })
+        incident = runs[d.run_id]["incidents"].setdefault(
+            d.incident_id,
+            {
+                "onset_step": d.incident_onset_step
+                if d.incident_onset_step is not None
+                else d.step,
+                "epoch": d.epoch,
+                "type": d.type.value,
+                "urgency": d.urgency.value,
+                "steps": 0,
+            },
+        )
         incident["steps"] += 1
         if _URGENCY[d.urgency] > _URGENCY[Urgency(incident["urgency"])]:
             incident["urgency"] = d.urgency.value
     answers = {a.action_id: a.status.value for a in acks}
     for a in actions:
-        runs[a.run_id]["actions"].append({
-            "kind": a.kind.value, "apply_at_step": a.apply_at_step,
-            "status": answers.get(a.action_id, "no ack"), "reason": a.reason,
-        })
+        runs[a.run_id]["actions"].append(
+            {
+                "kind": a.kind.value,
+                "apply_at_step": a.apply_at_step,
+                "status": answers.get(a.action_id, "no ack"),
+                "reason": a.reason,
+            }
+        )
     for c in checkpoints:
         runs[c.run_id]["checkpoints"] += 1
     return {
-        "runs": {run: {**info, "incidents": list(info["incidents"].values())}
-                 for run, info in sorted(runs.items())},
+        "runs": {
+            run: {**info, "incidents": list(info["incidents"].values())}
+            for run, info in sorted(runs.items())
+        },
         "dead_letters": dict(Counter(letter.source_topic for letter in letters)),
     }
 
@@ -149,16 +166,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**report, "files": written} if written else report, indent=2))
         return 0
     for run_id, info in report["runs"].items():
-        print(f"run {run_id}: {len(info['incidents'])} incident(s), "
-              f"{len(info['actions'])} action(s), {info['checkpoints']} checkpoint(s)")
+        print(
+            f"run {run_id}: {len(info['incidents'])} incident(s), "
+            f"{len(info['actions'])} action(s), {info['checkpoints']} checkpoint(s)"
+        )
         if "goodput" in info:
             print(f"  {Goodput(**info['goodput'])}")
         for incident in info["incidents"]:
-            print(f"  incident at step {incident['onset_step']} (epoch {incident['epoch']}): "
-                  f"{incident['type']}, {incident['urgency']}, {incident['steps']} step(s)")
+            print(
+                f"  incident at step {incident['onset_step']} (epoch {incident['epoch']}): "
+                f"{incident['type']}, {incident['urgency']}, {incident['steps']} step(s)"
+            )
         for action in info["actions"]:
-            print(f"  action {action['kind']:<18} at step {action['apply_at_step']:<7} "
-                  f"{action['status']:<10} {action['reason']}")
+            print(
+                f"  action {action['kind']:<18} at step {action['apply_at_step']:<7} "
+                f"{action['status']:<10} {action['reason']}"
+            )
     if report["dead_letters"]:
         print("dead letters: " + ", ".join(f"{t}: {n}" for t, n in report["dead_letters"].items()))
     for path in written:

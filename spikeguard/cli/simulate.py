@@ -25,16 +25,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("scenario", nargs="?", choices=sorted(SCENARIOS), metavar="SCENARIO",
-                        help="one of: " + ", ".join(SCENARIOS))
+    parser.add_argument(
+        "scenario",
+        nargs="?",
+        choices=sorted(SCENARIOS),
+        metavar="SCENARIO",
+        help="one of: " + ", ".join(SCENARIOS),
+    )
     parser.add_argument("--steps", type=int, default=5000, help="run length (default 5000)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--run-id", help="run id (default sim-SCENARIO-sSEED-nSTEPS)")
     parser.add_argument("--out", default="-", help="CSV file to write; - for stdout (default)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--suite", metavar="DIR", help="write the default suite to DIR instead")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3],
-                        help="seeds of the suite (default 0 1 2 3)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        help="seeds of the suite (default 0 1 2 3)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -83,4 +93,6 @@ def describe(labelled: LabelledRun) -> str:
         previous = lab.kind if lab.kind else None
     parts = ", ".join(f"{k} x{v}" for k, v in sorted(episodes.items())) or "no anomaly"
     extra = ", ".join(f"{k} x{v}" for k, v in sorted(benign.items()))
-    return f"{labelled.run_id}: {len(labelled.events)} steps, {parts}" + (f"; {extra}" if extra else "")
+    return f"{labelled.run_id}: {len(labelled.events)} steps, {parts}" + (
+        f"; {extra}" if extra else ""
+    )

@@ -19,13 +19,23 @@ from spikeguard.cli._common import add_settings_flags, settings_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("stop", help="ask a run's trainer to stop (signed, with evidence)",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "stop",
+        help="ask a run's trainer to stop (signed, with evidence)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_id", help="the run to stop")
-    parser.add_argument("--reason", default="operator stop", help="said in the trainer's log and ack")
-    parser.add_argument("--wait", type=float, default=30.0, metavar="SECONDS",
-                        help="wait this long for the trainer's ack (0: do not wait; default 30)")
+    parser.add_argument(
+        "--reason", default="operator stop", help="said in the trainer's log and ack"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="wait this long for the trainer's ack (0: do not wait; default 30)",
+    )
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 
@@ -34,21 +44,34 @@ def run(args: argparse.Namespace) -> int:
     from spikeguard.errors import BusError, ConfigError
     from spikeguard.producers.actions import operator_evidence
     from spikeguard.runtime import make_bus
-    from spikeguard.schemas import Ack, Action, ActionKind, StepEvent, Topics, action_id, decode, encode
+    from spikeguard.schemas import (
+        Ack,
+        Action,
+        ActionKind,
+        StepEvent,
+        Topics,
+        action_id,
+        decode,
+        encode,
+    )
     from spikeguard.schemas.signing import sign_action
     from spikeguard.trust import ensure_signing_key
 
     settings = settings_from(args)
     if not settings.bootstrap_servers:
-        raise ConfigError("stop needs the run's broker (--bootstrap-servers / SPIKEGUARD_BOOTSTRAP_SERVERS): "
-                          "an embedded pipeline lives inside the trainer's process")
+        raise ConfigError(
+            "stop needs the run's broker (--bootstrap-servers / SPIKEGUARD_BOOTSTRAP_SERVERS): "
+            "an embedded pipeline lives inside the trainer's process"
+        )
     settings = ensure_signing_key(settings, "spikeguard stop")
     topics = Topics(settings.topic_prefix)
     bus = make_bus(settings)
     try:
         newest = None
         for record in bus.read_all(topics.steps):
-            if record.key is not None and record.key != args.run_id.encode():  # another run: skip the parse
+            if (
+                record.key is not None and record.key != args.run_id.encode()
+            ):  # another run: skip the parse
                 continue
             try:
                 event = decode(record.value, StepEvent)
@@ -58,18 +81,32 @@ def run(args: argparse.Namespace) -> int:
             if event.run_id == args.run_id and newer:
                 newest = event
         if newest is None:
-            raise BusError(f"no step of run {args.run_id!r} on {topics.steps}: nothing to name as evidence")
+            raise BusError(
+                f"no step of run {args.run_id!r} on {topics.steps}: nothing to name as evidence"
+            )
         stop = Action(
-            action_id=action_id(f"operator-stop/{args.run_id}/{newest.epoch}/{newest.step}", "stop"),
-            run_id=args.run_id, kind=ActionKind.STOP, apply_at_step=newest.step + 1,
-            params={"reason": args.reason}, evidence=operator_evidence(newest), reason=args.reason)
-        if settings.keys() is not None:  # an operator's stop is an action: the actuator's key signs it
+            action_id=action_id(
+                f"operator-stop/{args.run_id}/{newest.epoch}/{newest.step}", "stop"
+            ),
+            run_id=args.run_id,
+            kind=ActionKind.STOP,
+            apply_at_step=newest.step + 1,
+            params={"reason": args.reason},
+            evidence=operator_evidence(newest),
+            reason=args.reason,
+        )
+        if (
+            settings.keys() is not None
+        ):  # an operator's stop is an action: the actuator's key signs it
             stop = sign_action(stop, settings.keys())
         producer = bus.producer()
         producer.publish(topics.actions, encode(stop), key=args.run_id)
         producer.flush()
-        print(f"stop {stop.action_id} sent to run {args.run_id} (evidence: step {newest.step} of epoch "
-              f"{newest.epoch})", flush=True)
+        print(
+            f"stop {stop.action_id} sent to run {args.run_id} (evidence: step {newest.step} of epoch "
+            f"{newest.epoch})",
+            flush=True,
+        )
         deadline = time.monotonic() + max(0.0, args.wait)
         while time.monotonic() < deadline:
             for record in bus.read_all(topics.acks):

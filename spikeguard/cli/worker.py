@@ -38,18 +38,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("name", choices=[*COMPONENTS, COHOSTED, "all"],
-                        help="the component to run; 'detectors': the four detectors behind one "
-                        "consumer (instead of their four workers)")
+    parser.add_argument(
+        "name",
+        choices=[*COMPONENTS, COHOSTED, "all"],
+        help="the component to run; 'detectors': the four detectors behind one "
+        "consumer (instead of their four workers)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument(
-        "--insecure", action="store_true", default=None,
+        "--insecure",
+        action="store_true",
+        default=None,
         help="on Kafka, run without SPIKEGUARD_SIGNING_KEY (nothing signed or checked: anyone who "
         "can write the steps, verdicts, decisions, checkpoints, acks, actions or runs topic steers "
         "the runs). Also SPIKEGUARD_INSECURE=1",
     )
     parser.add_argument(
-        "--instance-id", metavar="NAME",
+        "--instance-id",
+        metavar="NAME",
         help="Kafka static membership: a name stable across restarts of this worker and unique "
         "among its running copies (e.g. the pod name); a restart then takes its partitions back "
         "at once. Also SPIKEGUARD_INSTANCE_ID",
@@ -67,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
     from spikeguard.trust import ensure_signing_key
 
-    settings = settings_from(args, metrics_port=args.metrics_port, insecure=args.insecure,
-                             instance_id=args.instance_id)
+    settings = settings_from(
+        args, metrics_port=args.metrics_port, insecure=args.insecure, instance_id=args.instance_id
+    )
     names = COMPONENTS if args.name == "all" else (args.name,)
     # On Kafka every component signs what it publishes and takes only signed inputs: without
     # the key a detector's verdicts, fusion's decisions and the actuator's actions are refused
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)  # before the workers create their inputs
     bus.create_topics(topics.all())
+
     def stage(name: str):  # type: ignore[no-untyped-def]
         if name == COHOSTED:
             from spikeguard.processors.cohosted_stage import CoHostedDetectors
@@ -93,14 +101,18 @@ def run(args: argparse.Namespace) -> int:
         return build_stage(name, settings, topics)
 
     workers = [
-        Worker(bus, stage(name), metrics=default_metrics(),
-               snapshot_interval_s=settings.snapshot_interval_s,
-               run_idle_ttl_s=settings.worker.run_idle_ttl_s,
-               max_state_record_bytes=settings.worker.max_state_record_bytes,
-               max_unacked_records=settings.worker.max_unacked_records,
-               metrics_linger_s=settings.worker.ended_run_metrics_linger_s,
-               max_runs=settings.worker.max_runs,
-               max_input_record_bytes=settings.worker.max_input_record_bytes)
+        Worker(
+            bus,
+            stage(name),
+            metrics=default_metrics(),
+            snapshot_interval_s=settings.snapshot_interval_s,
+            run_idle_ttl_s=settings.worker.run_idle_ttl_s,
+            max_state_record_bytes=settings.worker.max_state_record_bytes,
+            max_unacked_records=settings.worker.max_unacked_records,
+            metrics_linger_s=settings.worker.ended_run_metrics_linger_s,
+            max_runs=settings.worker.max_runs,
+            max_input_record_bytes=settings.worker.max_input_record_bytes,
+        )
         for name in names
     ]
     stopping = threading.Event()
@@ -121,14 +133,18 @@ def run(args: argparse.Namespace) -> int:
     for thread in threads:
         thread.start()
     client = f" via {settings.kafka_client}" if settings.engine == "kafka" else ""
-    print(f"spikeguard worker: {', '.join(names)} on {settings.engine}{client} "
-          f"({settings.bootstrap_servers or 'in-process'}), prefix {settings.topic_prefix!r}",
-          flush=True)
+    print(
+        f"spikeguard worker: {', '.join(names)} on {settings.engine}{client} "
+        f"({settings.bootstrap_servers or 'in-process'}), prefix {settings.topic_prefix!r}",
+        flush=True,
+    )
     while any(t.is_alive() for t in threads):
         for thread in threads:
             thread.join(timeout=0.5)
         if any(w.failure is not None for w in workers):
-            for worker in workers:  # one component down: the process goes, its supervisor restarts it
+            for (
+                worker
+            ) in workers:  # one component down: the process goes, its supervisor restarts it
                 worker.stop()
     bus.close()
     failed = [w.failure_reason for w in workers if w.failure is not None]

@@ -53,9 +53,10 @@ class CharWindows(Dataset):
         amplitude = self.poisoned.get(int(i))
         noise = None
         if amplitude is not None:  # garbage bytes, the same ones on every read (seeded by index)
-            noise = amplitude * torch.randn(self.context * self.vocab,
-                                            generator=torch.Generator().manual_seed(int(i)))
-        return self.ids[i:i + self.context], self.ids[i + self.context], noise
+            noise = amplitude * torch.randn(
+                self.context * self.vocab, generator=torch.Generator().manual_seed(int(i))
+            )
+        return self.ids[i : i + self.context], self.ids[i + self.context], noise
 
     def collate(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One-hot inputs for the whole batch at once (floats, so a fault can scale them)."""
@@ -70,8 +71,13 @@ class CharWindows(Dataset):
 class CharMLP(nn.Module):
     def __init__(self, context: int, vocab: int, hidden: int = 96) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(context * vocab, hidden), nn.GELU(),
-                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, vocab))
+        self.net = nn.Sequential(
+            nn.Linear(context * vocab, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, vocab),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -111,7 +117,9 @@ def build(seed: int, setup: DemoSetup) -> Problem:
     vocab = len(chars)
     train = CharWindows(ids[:split], setup.context, vocab)
     held = CharWindows(ids[split:], setup.context, vocab)
-    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[: setup.eval_size]
+    pick = torch.randperm(len(held), generator=torch.Generator().manual_seed(1234))[
+        : setup.eval_size
+    ]
     eval_x, eval_y = held.collate([held[int(i)] for i in pick])
     model = CharMLP(setup.context, vocab, setup.hidden)
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
@@ -123,8 +131,9 @@ def build(seed: int, setup: DemoSetup) -> Problem:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
-    loader = DataLoader(train, batch_size=setup.batch_size, shuffle=True, drop_last=True,
-                        collate_fn=train.collate)
+    loader = DataLoader(
+        train, batch_size=setup.batch_size, shuffle=True, drop_last=True, collate_fn=train.collate
+    )
     return Problem(model, optimizer, scheduler, loader, eval_x, eval_y)
 
 
@@ -136,7 +145,10 @@ def evaluate(problem: Problem) -> float:
 
 def inject(fault: str, batch_index: int | None, x: torch.Tensor, setup: DemoSetup) -> torch.Tensor:
     """The batch as the faulty run sees it (``spike`` and ``nan`` faults live in the data)."""
-    if batch_index is None or not setup.fault_step <= batch_index < setup.fault_step + setup.fault_batches:
+    if (
+        batch_index is None
+        or not setup.fault_step <= batch_index < setup.fault_step + setup.fault_batches
+    ):
         return x
     if fault == "spike":
         return x * setup.spike_scale
@@ -159,8 +171,10 @@ def plant_poison(problem: Problem, data_seed: int, setup: DemoSetup) -> list[int
     from spikeguard.producers.data import epoch_seed
 
     dataset = problem.loader.dataset
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch_seed(data_seed, 0)))
-    batch = order[setup.fault_step * setup.batch_size:(setup.fault_step + 1) * setup.batch_size]
+    order = torch.randperm(
+        len(dataset), generator=torch.Generator().manual_seed(epoch_seed(data_seed, 0))
+    )
+    batch = order[setup.fault_step * setup.batch_size : (setup.fault_step + 1) * setup.batch_size]
     planted = [int(batch[i]) for i in POISON_SLOTS]
     dataset.poisoned.update({i: setup.spike_scale for i in planted})
     return planted

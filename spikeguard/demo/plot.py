@@ -24,13 +24,18 @@ def report_outcome(outcome: "DemoOutcome", png: str, runtime: Any = None) -> str
     if runtime is not None:
         (record,) = load_bus(runtime.bus, runtime.topics, source="the demo's bus").values()
     else:
-        record = RunRecord(f"demo-{outcome.fault}-{outcome.seed}-unguarded", steps=[
-            StepEvent(run_id="unguarded", step=step, epoch=epoch, loss=loss, time=0.0)
-            for step, epoch, loss in outcome.losses
-        ])
+        record = RunRecord(
+            f"demo-{outcome.fault}-{outcome.seed}-unguarded",
+            steps=[
+                StepEvent(run_id="unguarded", step=step, epoch=epoch, loss=loss, time=0.0)
+                for step, epoch, loss in outcome.losses
+            ],
+        )
     timeline = build_timeline(record)
     guard = "guarded" if outcome.guarded else "no guard"
-    draw(timeline, png, title=f"spikeguard demo: {outcome.fault} fault, {guard}, seed {outcome.seed}")
+    draw(
+        timeline, png, title=f"spikeguard demo: {outcome.fault} fault, {guard}, seed {outcome.seed}"
+    )
     page = str(Path(png).with_suffix(".html"))
     write(timeline, page, png)
     return page

@@ -21,7 +21,15 @@ from torch import nn
 
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.data import GuardedLoader
-from spikeguard.demo.model import DemoSetup, Problem, blow_up_lr, build, evaluate, inject, plant_poison
+from spikeguard.demo.model import (
+    DemoSetup,
+    Problem,
+    blow_up_lr,
+    build,
+    evaluate,
+    inject,
+    plant_poison,
+)
 from spikeguard.producers.guard import Guard
 from spikeguard.schemas import Decision, decode
 
@@ -53,8 +61,12 @@ class DemoOutcome:
     nonfinite_updates: int = 0  # optimizer updates applied with a non-finite gradient
     actions_applied: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, rollback generation, loss)
-    detections: list[tuple[int, int, str]] = field(default_factory=list)  # (step, rollback generation, type)
+    losses: list[tuple[int, int, float]] = field(
+        default_factory=list
+    )  # (step, rollback generation, loss)
+    detections: list[tuple[int, int, str]] = field(
+        default_factory=list
+    )  # (step, rollback generation, type)
     actions: list[dict] = field(default_factory=list)
     transient_steps: int = 0  # steps a re-run found different (the ``flaky`` fault)
     planted: list[int] = field(default_factory=list)  # the ``poison`` fault's sample ids
@@ -72,6 +84,7 @@ def _count_nonfinite_updates(optimizer: torch.optim.Optimizer, tally: Counter) -
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
             tally["nonfinite"] += 1
+
     optimizer.register_step_pre_hook(hook)
 
 
@@ -82,9 +95,16 @@ def _train_step(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return loss
 
 
-def run_demo(fault: str = "spike", seed: int = 0, guarded: bool = True, setup: DemoSetup | None = None,
-             runtime: Any = None, progress: Progress | None = None,
-             config: GuardConfig | None = None, keep_incidents: str | None = None) -> DemoOutcome:
+def run_demo(
+    fault: str = "spike",
+    seed: int = 0,
+    guarded: bool = True,
+    setup: DemoSetup | None = None,
+    runtime: Any = None,
+    progress: Progress | None = None,
+    config: GuardConfig | None = None,
+    keep_incidents: str | None = None,
+) -> DemoOutcome:
     """``keep_incidents``: a directory to copy the Guard's incident records (forensics) into."""
     setup = setup or DemoSetup()
     torch.set_num_threads(1)
@@ -94,7 +114,9 @@ def run_demo(fault: str = "spike", seed: int = 0, guarded: bool = True, setup: D
     _count_nonfinite_updates(problem.optimizer, tally)
     started = time.monotonic()
     if guarded:
-        outcome = _guarded(problem, fault, seed, setup, runtime, progress, tally, config, keep_incidents)
+        outcome = _guarded(
+            problem, fault, seed, setup, runtime, progress, tally, config, keep_incidents
+        )
     else:
         outcome = _unguarded(problem, fault, seed, setup, progress, tally)
     outcome.planted = planted
@@ -104,8 +126,14 @@ def run_demo(fault: str = "spike", seed: int = 0, guarded: bool = True, setup: D
     return outcome
 
 
-def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
-               progress: Progress | None, tally: Counter) -> DemoOutcome:
+def _unguarded(
+    problem: Problem,
+    fault: str,
+    seed: int,
+    setup: DemoSetup,
+    progress: Progress | None,
+    tally: Counter,
+) -> DemoOutcome:
     outcome = DemoOutcome(fault, False, seed, 0, math.nan)
     loader = GuardedLoader(problem.loader, seed=seed)  # the same deterministic order as the guard's
     step = 0
@@ -113,8 +141,11 @@ def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
         for x, y in loader:
             if fault == "divergence" and step == setup.fault_step:
                 blow_up_lr(problem, setup.lr_blowup)
-            loss = _train_step(problem, _flaky(inject(fault, loader.last_index, x, setup), fault, step,
-                                               setup, set()), y)
+            loss = _train_step(
+                problem,
+                _flaky(inject(fault, loader.last_index, x, setup), fault, step, setup, set()),
+                y,
+            )
             problem.optimizer.step()
             problem.scheduler.step()
             outcome.losses.append((step, 0, float(loss.detach())))
@@ -129,8 +160,11 @@ def _unguarded(problem: Problem, fault: str, seed: int, setup: DemoSetup,
 
 def _flaky(x: torch.Tensor, fault: str, step: int, setup: DemoSetup, struck: set) -> torch.Tensor:
     """The ``flaky`` fault: the device corrupts the first computation of each fault step, once."""
-    if fault != "flaky" or not setup.fault_step <= step < setup.fault_step + setup.fault_batches \
-            or step in struck:
+    if (
+        fault != "flaky"
+        or not setup.fault_step <= step < setup.fault_step + setup.fault_batches
+        or step in struck
+    ):
         return x
     struck.add(step)
     return x * float("nan")
@@ -152,9 +186,17 @@ def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
     return cfg
 
 
-def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime: Any,
-             progress: Progress | None, tally: Counter, config: GuardConfig | None,
-             keep_incidents: str | None = None) -> DemoOutcome:
+def _guarded(
+    problem: Problem,
+    fault: str,
+    seed: int,
+    setup: DemoSetup,
+    runtime: Any,
+    progress: Progress | None,
+    tally: Counter,
+    config: GuardConfig | None,
+    keep_incidents: str | None = None,
+) -> DemoOutcome:
     outcome = DemoOutcome(fault, True, seed, 0, math.nan)
     owned = runtime is None
     if owned:
@@ -168,15 +210,30 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
         raise BusError(f"the demo needs its pipeline: {runtime.problem}")
     workdir = tempfile.mkdtemp(prefix="spikeguard-demo-")
     run_id = f"demo-{fault}-{seed}-{int(time.time() * 1000) % 10**9}"
-    cfg = config or GuardConfig(checkpoint_dir=workdir, checkpoint_every=20, keep_checkpoints=4,
-                                resume=False, lockstep=True, data_seed=seed, healthy_stretch=10,
-                                verify_reruns=1)  # a suspicious step is re-run once: flaky or data?
+    cfg = config or GuardConfig(
+        checkpoint_dir=workdir,
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=seed,
+        healthy_stretch=10,
+        verify_reruns=1,
+    )  # a suspicious step is re-run once: flaky or data?
     cfg = _checking_signatures(cfg, runtime)
     # The run names the policy its pipeline applies, so the Guard checks its checkpoint
     # cadence against it (and publishes it on the runs topic) rather than the defaults.
     policy = runtime.settings.policy.model_dump(mode="json", exclude_defaults=True)
-    guard = Guard(problem.model, problem.optimizer, problem.scheduler, run_id=run_id,
-                  bus=runtime.bus, topics=runtime.topics, config=cfg, policy=policy)
+    guard = Guard(
+        problem.model,
+        problem.optimizer,
+        problem.scheduler,
+        run_id=run_id,
+        bus=runtime.bus,
+        topics=runtime.topics,
+        config=cfg,
+        policy=policy,
+    )
     blown, struck = False, set()
     try:
         data = guard.data(problem.loader, max_steps=setup.steps)
@@ -194,14 +251,17 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
                     progress(guard.step_count, setup.steps, float(loss.detach()))
     finally:
         guard.close()
-        decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        decisions = [
+            decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)
+        ]
         if owned:
             runtime.close()
         incidents = Path(workdir) / "incidents"
         if keep_incidents and incidents.is_dir():
             shutil.copytree(incidents, keep_incidents, dirs_exist_ok=True)
-            outcome.incident_files = sorted(str(Path(keep_incidents) / f.name)
-                                            for f in incidents.glob("*.json"))
+            outcome.incident_files = sorted(
+                str(Path(keep_incidents) / f.name) for f in incidents.glob("*.json")
+            )
         shutil.rmtree(workdir, ignore_errors=True)
     mine = [d for d in decisions if d.run_id == run_id and d.is_anomaly and not d.preventive]
     outcome.detections = [(d.step, d.epoch, d.type.value) for d in mine]
@@ -213,5 +273,7 @@ def _guarded(problem: Problem, fault: str, seed: int, setup: DemoSetup, runtime:
     ranges = guard.loader.skip_ranges if guard.loader is not None else []
     outcome.skipped_batches = sum(b - a + 1 for a, b in ranges)
     outcome.actions = list(guard.applied)
-    outcome.actions_applied = dict(Counter(a["kind"] for a in guard.applied if a["status"] == "applied"))
+    outcome.actions_applied = dict(
+        Counter(a["kind"] for a in guard.applied if a["status"] == "applied")
+    )
     return outcome

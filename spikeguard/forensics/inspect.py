@@ -65,32 +65,57 @@ def load_setup(spec: str) -> InspectSetup:
         raise InspectSetupError(f"--setup {spec!r}: {exc}") from None
     setup = factory()
     if not isinstance(setup, InspectSetup):
-        raise InspectSetupError(f"--setup {spec!r} returned {type(setup).__name__}, not an InspectSetup")
+        raise InspectSetupError(
+            f"--setup {spec!r} returned {type(setup).__name__}, not an InspectSetup"
+        )
     return setup
 
 
-def inspect_incident(incident: IncidentBatches, setup: InspectSetup, out_dir: str | Path,
-                     top: int = TOP) -> dict:
+def inspect_incident(
+    incident: IncidentBatches, setup: InspectSetup, out_dir: str | Path, top: int = TOP
+) -> dict:
     """Rank the incident's samples through its pre-onset checkpoint; write JSON and HTML."""
     if incident.checkpoint is None:
-        raise SpikeguardError(f"incident {incident.incident_id}: no checkpoint before its onset was kept")
+        raise SpikeguardError(
+            f"incident {incident.incident_id}: no checkpoint before its onset was kept"
+        )
     if not Path(incident.checkpoint).is_file():
-        raise SpikeguardError(f"incident {incident.incident_id}: its checkpoint {incident.checkpoint} is "
-                              f"missing (keep the .pt file next to the incident's .json)")
+        raise SpikeguardError(
+            f"incident {incident.incident_id}: its checkpoint {incident.checkpoint} is "
+            f"missing (keep the .pt file next to the incident's .json)"
+        )
     body = torch.load(incident.checkpoint, map_location="cpu", weights_only=True)
     setup.model.load_state_dict(body["model"])
-    items = [(sid, batch["step"], setup.dataset[sid]) for batch in incident.batches for sid in batch["ids"]]
+    items = [
+        (sid, batch["step"], setup.dataset[sid])
+        for batch in incident.batches
+        for sid in batch["ids"]
+    ]
     if not items:
-        raise SpikeguardError(f"incident {incident.incident_id}: no sample ids were recorded for its window")
+        raise SpikeguardError(
+            f"incident {incident.incident_id}: no sample ids were recorded for its window"
+        )
     ranked = rank_samples(setup.model, items, setup.collate, setup.loss_fn)
     report = {
-        "run_id": incident.run_id, "incident_id": incident.incident_id,
-        "onset_step": incident.onset_step, "epoch": incident.epoch,
-        "checkpoint_step": incident.checkpoint_step, "samples": len(items),
+        "run_id": incident.run_id,
+        "incident_id": incident.incident_id,
+        "onset_step": incident.onset_step,
+        "epoch": incident.epoch,
+        "checkpoint_step": incident.checkpoint_step,
+        "samples": len(items),
         "steps": [b["step"] for b in incident.batches],
-        "top": [{"sample_id": s.sample_id, "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm,
-                 "loss_z": round(s.loss_z, 2), "grad_z": round(s.grad_z, 2), "score": round(s.score, 2)}
-                for s in ranked[:top]],
+        "top": [
+            {
+                "sample_id": s.sample_id,
+                "step": s.step,
+                "loss": s.loss,
+                "grad_norm": s.grad_norm,
+                "loss_z": round(s.loss_z, 2),
+                "grad_z": round(s.grad_z, 2),
+                "score": round(s.score, 2),
+            }
+            for s in ranked[:top]
+        ],
     }
     report["skip_ids"] = [row["sample_id"] for row in report["top"] if row["score"] >= 6]
     out = Path(out_dir)
@@ -106,7 +131,8 @@ def _html(report: dict) -> str:
     rows = "".join(
         f"<tr><td>{i}</td><td>{e(str(r['sample_id']))}</td><td>{r['step']}</td><td>{r['loss']:.4g}</td>"
         f"<td>{r['grad_norm']:.4g}</td><td>{r['loss_z']}</td><td>{r['grad_z']}</td><td><b>{r['score']}</b></td></tr>"
-        for i, r in enumerate(report["top"], 1))
+        for i, r in enumerate(report["top"], 1)
+    )
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>spikeguard inspect</title></head><body>"
         f"<h1>Incident {e(report['incident_id'])} of run {e(report['run_id'])}</h1>"
@@ -116,4 +142,5 @@ def _html(report: dict) -> str:
         f"window) of the sample's own loss and gradient norm.</p>"
         "<table border=1><tr><th>#</th><th>sample id</th><th>step</th><th>loss</th><th>grad norm</th>"
         f"<th>loss z</th><th>grad z</th><th>score</th></tr>{rows}</table>"
-        f"<p>Skip list (score &ge; 6): {e(json.dumps(report['skip_ids'], default=str))}</p></body></html>")
+        f"<p>Skip list (score &ge; 6): {e(json.dumps(report['skip_ids'], default=str))}</p></body></html>"
+    )

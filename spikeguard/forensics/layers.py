@@ -61,13 +61,23 @@ def _shares(event: StepEvent) -> dict[str, float]:
     total = event.grad_norm
     if not total or not math.isfinite(total) or total <= 0:
         return {}
-    return {name: (norm / total) ** 2 for name, norm in event.top_grad_norms.items()
-            if math.isfinite(norm)}
+    return {
+        name: (norm / total) ** 2
+        for name, norm in event.top_grad_norms.items()
+        if math.isfinite(norm)
+    }
 
 
-def attribute(steps: Sequence[StepEvent], onset_step: int, *, lookback: int = LOOKBACK_STEPS,
-              baseline_steps: int = BASELINE_STEPS, min_rise: float = MIN_RISE,
-              min_z: float = MIN_Z, after: int = 2) -> list[LayerMove]:
+def attribute(
+    steps: Sequence[StepEvent],
+    onset_step: int,
+    *,
+    lookback: int = LOOKBACK_STEPS,
+    baseline_steps: int = BASELINE_STEPS,
+    min_rise: float = MIN_RISE,
+    min_z: float = MIN_Z,
+    after: int = 2,
+) -> list[LayerMove]:
     """Layers whose gradient share moved in ``[onset - lookback, onset + after]``.
 
     ``steps`` are one training history (one epoch chain, rank 0) in step order;
@@ -84,8 +94,11 @@ def attribute(steps: Sequence[StepEvent], onset_step: int, *, lookback: int = LO
     moves: list[LayerMove] = []
     for layer in layers:
         baseline = statistics.median(s.get(layer, 0.0) for s in base_shares)
-        logs = [math.log(e.top_grad_norms[layer]) for e in base
-                if e.top_grad_norms.get(layer, 0) > 0 and math.isfinite(e.top_grad_norms[layer])]
+        logs = [
+            math.log(e.top_grad_norms[layer])
+            for e in base
+            if e.top_grad_norms.get(layer, 0) > 0 and math.isfinite(e.top_grad_norms[layer])
+        ]
         center = statistics.median(logs) if logs else None
         spread = max(MAD_FLOOR, robust_sigma(logs, center)) if logs else None
         first: StepEvent | None = None
@@ -103,6 +116,10 @@ def attribute(steps: Sequence[StepEvent], onset_step: int, *, lookback: int = LO
                 peak, peak_z, peak_norm = share, z, norm
         if first is None:
             continue
-        ratio = peak_norm / math.exp(center) if peak_norm is not None and center is not None else None
-        moves.append(LayerMove(layer, first.step, onset_step - first.step, baseline, peak, ratio, peak_z))
+        ratio = (
+            peak_norm / math.exp(center) if peak_norm is not None and center is not None else None
+        )
+        moves.append(
+            LayerMove(layer, first.step, onset_step - first.step, baseline, peak, ratio, peak_z)
+        )
     return sorted(moves, key=lambda m: (m.first_step, -(m.peak_share - m.baseline_share)))

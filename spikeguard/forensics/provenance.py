@@ -39,7 +39,9 @@ class _RecordingSampler:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getattr__(self, name: str) -> Any:  # set_epoch, epoch, num_replicas, ...: the real sampler's
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # set_epoch, epoch, num_replicas, ...: the real sampler's
         return getattr(self.inner, name)
 
 
@@ -69,7 +71,11 @@ class SampleIdTap:
         # Only torch's own BatchSampler over a map-style dataset (0) is known to draw one index
         # per sample in batch order; another batch sampler (accelerate's shards, a bucketing
         # one) could yield other indices than it was handed: no ids rather than wrong ones.
-        if inner is None or type(batch_sampler) is not BatchSampler or getattr(loader, "_dataset_kind", 0) != 0:
+        if (
+            inner is None
+            or type(batch_sampler) is not BatchSampler
+            or getattr(loader, "_dataset_kind", 0) != 0
+        ):
             return "none"
         if not isinstance(inner, _RecordingSampler):
             batch_sampler.sampler = _RecordingSampler(inner, self.drawn)
@@ -113,4 +119,6 @@ class StepSamples:
             self.steps.popitem(last=False)
 
     def between(self, first: int, last: int) -> list[dict]:
-        return [{"step": s, "ids": ids} for s, ids in sorted(self.steps.items()) if first <= s <= last]
+        return [
+            {"step": s, "ids": ids} for s, ids in sorted(self.steps.items()) if first <= s <= last
+        ]

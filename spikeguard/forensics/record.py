@@ -24,9 +24,13 @@ class IncidentBatches:
     incident_id: str
     onset_step: int
     epoch: int
-    checkpoint: str | None  # the checkpoint taken before the onset (relative: to the file's directory)
+    checkpoint: (
+        str | None
+    )  # the checkpoint taken before the onset (relative: to the file's directory)
     checkpoint_step: int | None
-    batches: list[dict] = field(default_factory=list)  # [{"step": int, "ids": [...]}], in step order
+    batches: list[dict] = field(
+        default_factory=list
+    )  # [{"step": int, "ids": [...]}], in step order
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -59,9 +63,13 @@ def summary(directory: str | Path, run_id: str, incident_id: str) -> dict | None
     if not path.is_file():
         return None
     record = IncidentBatches.read(path)
-    found = {"record": str(path), "batches": len(record.batches),
-             "samples": sum(len(b["ids"]) for b in record.batches),
-             "checkpoint_step": record.checkpoint_step, "top": None}
+    found = {
+        "record": str(path),
+        "batches": len(record.batches),
+        "samples": sum(len(b["ids"]) for b in record.batches),
+        "checkpoint_step": record.checkpoint_step,
+        "top": None,
+    }
     inspected = directory / f"inspect-{run_id}-{incident_id}.json"
     if inspected.is_file():
         try:
@@ -83,4 +91,6 @@ def skipped_samples(directory: str | Path, incident_id: str, params: dict) -> li
     except (KeyError, TypeError, ValueError):
         return None
     record = IncidentBatches.read(path)
-    return [sid for batch in record.batches if first <= batch["step"] <= last for sid in batch["ids"]]
+    return [
+        sid for batch in record.batches if first <= batch["step"] <= last for sid in batch["ids"]
+    ]

@@ -45,15 +45,19 @@ class SampleScore:
 
 
 def _robust_z(values: Sequence[float]) -> list[float]:
-    logs = [math.log(v) if v > 0 and math.isfinite(v) else (math.inf if v != 0 else -math.inf)
-            for v in values]
+    logs = [
+        math.log(v) if v > 0 and math.isfinite(v) else (math.inf if v != 0 else -math.inf)
+        for v in values
+    ]
     finite = [v for v in logs if math.isfinite(v)]
     if not finite:
         return [0.0] * len(values)
     center = statistics.median(finite)
     spread = max(1e-3, robust_sigma(finite, center))
     # A non-finite loss or gradient is as suspect as a sample can be.
-    return [(v - center) / spread if math.isfinite(v) else (math.inf if v > 0 else 0.0) for v in logs]
+    return [
+        (v - center) / spread if math.isfinite(v) else (math.inf if v > 0 else 0.0) for v in logs
+    ]
 
 
 #: Bytes the per-sample gradients of one chunk may take (chunk size = this / the model's bytes).
@@ -61,8 +65,12 @@ CHUNK_BYTES = 256 * 2**20
 MAX_CHUNK = 256
 
 
-def rank_samples(model: torch.nn.Module, items: Sequence[tuple[SampleId, int, Any]],
-                 collate: Callable[[list[Any]], Any], loss_fn: LossFn) -> list[SampleScore]:
+def rank_samples(
+    model: torch.nn.Module,
+    items: Sequence[tuple[SampleId, int, Any]],
+    collate: Callable[[list[Any]], Any],
+    loss_fn: LossFn,
+) -> list[SampleScore]:
     """Each ``(sample_id, step, item)`` through ``model`` alone: its loss and gradient norm, ranked.
 
     ``item`` is what the dataset returns for that id; ``collate`` makes a batch
@@ -75,11 +83,20 @@ def rank_samples(model: torch.nn.Module, items: Sequence[tuple[SampleId, int, An
     try:
         losses, norms = _batched(model, items, collate, loss_fn)
     except Exception as exc:  # noqa: BLE001 - vmap's refusals are of many kinds; the loop is exact
-        log.info("per-sample gradients in one pass did not work (%s: %s); replaying the %d "
-                 "samples one at a time", type(exc).__name__, exc, len(items))
+        log.info(
+            "per-sample gradients in one pass did not work (%s: %s); replaying the %d "
+            "samples one at a time",
+            type(exc).__name__,
+            exc,
+            len(items),
+        )
         losses, norms = _one_by_one(model, items, collate, loss_fn)
-    scores = [SampleScore(sid, step, loss, norm, lz, gz) for (sid, step, _), loss, norm, lz, gz
-              in zip(items, losses, norms, _robust_z(losses), _robust_z(norms))]
+    scores = [
+        SampleScore(sid, step, loss, norm, lz, gz)
+        for (sid, step, _), loss, norm, lz, gz in zip(
+            items, losses, norms, _robust_z(losses), _robust_z(norms)
+        )
+    ]
     return sorted(scores, key=lambda s: -s.score)
 
 
@@ -94,25 +111,33 @@ class _LossOf(torch.nn.Module):
         return self.loss_fn(self.model, batch)
 
 
-def _batched(model: torch.nn.Module, items: Sequence[tuple[SampleId, int, Any]],
-             collate: Callable[[list[Any]], Any], loss_fn: LossFn) -> tuple[list[float], list[float]]:
+def _batched(
+    model: torch.nn.Module,
+    items: Sequence[tuple[SampleId, int, Any]],
+    collate: Callable[[list[Any]], Any],
+    loss_fn: LossFn,
+) -> tuple[list[float], list[float]]:
     from torch.func import functional_call, grad, vmap
     from torch.utils._pytree import tree_map
 
     wrapper = _LossOf(model, loss_fn)
-    params = {f"model.{name}": p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    params = {
+        f"model.{name}": p.detach() for name, p in model.named_parameters() if p.requires_grad
+    }
     size = sum(p.numel() * p.element_size() for p in params.values())
     chunk = max(1, min(MAX_CHUNK, CHUNK_BYTES // max(size, 1)))
 
     def one(weights: dict[str, torch.Tensor], sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = functional_call(wrapper, weights, (tree_map(lambda t: t.unsqueeze(0), sample),)).sum()
+        loss = functional_call(
+            wrapper, weights, (tree_map(lambda t: t.unsqueeze(0), sample),)
+        ).sum()
         return loss, loss.detach()
 
     per_sample = vmap(grad(one, has_aux=True), in_dims=(None, 0), randomness="same")
     losses: list[float] = []
     norms: list[float] = []
     for start in range(0, len(items), chunk):
-        batch = collate([item for _, _, item in items[start:start + chunk]])
+        batch = collate([item for _, _, item in items[start : start + chunk]])
         grads, loss = per_sample(params, batch)
         squares = sum(g.flatten(1).pow(2).sum(dim=1) for g in grads.values())
         losses += loss.tolist()
@@ -120,8 +145,12 @@ def _batched(model: torch.nn.Module, items: Sequence[tuple[SampleId, int, Any]],
     return losses, norms
 
 
-def _one_by_one(model: torch.nn.Module, items: Sequence[tuple[SampleId, int, Any]],
-                collate: Callable[[list[Any]], Any], loss_fn: LossFn) -> tuple[list[float], list[float]]:
+def _one_by_one(
+    model: torch.nn.Module,
+    items: Sequence[tuple[SampleId, int, Any]],
+    collate: Callable[[list[Any]], Any],
+    loss_fn: LossFn,
+) -> tuple[list[float], list[float]]:
     params = [p for p in model.parameters() if p.requires_grad]
     losses: list[float] = []
     norms: list[float] = []

@@ -60,9 +60,15 @@ log = logging.getLogger(__name__)
 class SpikeguardCallback(TrainerCallback):
     """Guards a ``transformers.Trainer`` run; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
 
-    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None, *,
-                 mode: GuardMode | str | None = None, resume: ResumeMode | str | None = None,
-                 **guard_kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_id: str | None = None,
+        config: GuardConfig | None = None,
+        *,
+        mode: GuardMode | str | None = None,
+        resume: ResumeMode | str | None = None,
+        **guard_kwargs: Any,
+    ) -> None:
         self.run_id = run_id
         self.config = config
         # As for the plain Guard (None: the config's, "protect" and "auto" by default).
@@ -79,36 +85,63 @@ class SpikeguardCallback(TrainerCallback):
         self._losses.append(loss.detach())
 
     # -- Trainer events --------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **_: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **_: Any,
+    ) -> None:
         if self.guard is not None:
             self.guard.close(finished=False)  # a second train() call: a new guarded stretch
         # The Trainer resumes the model itself (resume_from_checkpoint); the Guard's own facts
         # follow it as ``resume`` says (FrameworkGuard.resume).
-        config = self.config or GuardConfig(checkpoint_dir=str(Path(args.output_dir) / "spikeguard"))
-        kwargs = {"scaler": getattr(optimizer, "scaler", None), **self.guard_kwargs}  # accelerate's fp16
-        self.guard = FrameworkGuard(model, optimizer, lr_scheduler, run_id=self.run_id, config=config,
-                                    mode=self.mode, resume=self.resume, framework_step=state.global_step,
-                                    **kwargs)
+        config = self.config or GuardConfig(
+            checkpoint_dir=str(Path(args.output_dir) / "spikeguard")
+        )
+        kwargs = {
+            "scaler": getattr(optimizer, "scaler", None),
+            **self.guard_kwargs,
+        }  # accelerate's fp16
+        self.guard = FrameworkGuard(
+            model,
+            optimizer,
+            lr_scheduler,
+            run_id=self.run_id,
+            config=config,
+            mode=self.mode,
+            resume=self.resume,
+            framework_step=state.global_step,
+            **kwargs,
+        )
         self.guard.max_steps = state.max_steps
         self.guard.step_count = state.global_step
         # A Trainer resumed at step n skips n x accumulation batches of its data (its own sampler
         # state, skip_first_batches): the batch count starts there too.
-        self.guard.stream.position = max(self.guard.stream.position,
-                                         state.global_step * args.gradient_accumulation_steps)
+        self.guard.stream.position = max(
+            self.guard.stream.position, state.global_step * args.gradient_accumulation_steps
+        )
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         if args.max_grad_norm and args.max_grad_norm > 0:
-            log.info("spikeguard: the Trainer clips gradients at max_grad_norm=%g before its callbacks "
-                     "run, so the gradient norms published are the clipped ones; max_grad_norm=0 leaves "
-                     "clipping to spikeguard", args.max_grad_norm)
+            log.info(
+                "spikeguard: the Trainer clips gradients at max_grad_norm=%g before its callbacks "
+                "run, so the gradient norms published are the clipped ones; max_grad_norm=0 leaves "
+                "clipping to spikeguard",
+                args.max_grad_norm,
+            )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.guard is None:
             return
         losses, self._losses = self._losses, []
         if not losses:
-            raise SpikeguardError("spikeguard: no training loss seen this step: the model's output has "
-                                  "no .loss; call SpikeguardCallback.record_loss(loss) from compute_loss")
+            raise SpikeguardError(
+                "spikeguard: no training loss seen this step: the model's output has "
+                "no .loss; call SpikeguardCallback.record_loss(loss) from compute_loss"
+            )
         self.guard.before_update(mean_loss(losses, self._summed), step=state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
@@ -120,7 +153,9 @@ class SpikeguardCallback(TrainerCallback):
                 control.should_training_stop = False  # the flow callback saw the old last step
             state.global_step = guard.step_count  # the checkpoint's step: scheduler and steps agree
         if guard.should_stop:
-            log.warning("spikeguard: stopping training at step %d: %s", state.global_step, guard.stop_reason)
+            log.warning(
+                "spikeguard: stopping training at step %d: %s", state.global_step, guard.stop_reason
+            )
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:

@@ -55,9 +55,15 @@ OWN_PARTS = ("lr", "clip", "health", "ledger", "skip_rule", "data")
 class SpikeguardCallback(Callback):
     """Guards a Lightning fit; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
 
-    def __init__(self, run_id: str | None = None, config: GuardConfig | None = None, *,
-                 mode: GuardMode | str | None = None, resume: ResumeMode | str | None = None,
-                 **guard_kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_id: str | None = None,
+        config: GuardConfig | None = None,
+        *,
+        mode: GuardMode | str | None = None,
+        resume: ResumeMode | str | None = None,
+        **guard_kwargs: Any,
+    ) -> None:
         self.run_id = run_id
         self.config = config
         # As for the plain Guard (None: the config's, "protect" and "auto" by default).
@@ -70,28 +76,42 @@ class SpikeguardCallback(Callback):
     # -- Lightning hooks -------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
-            raise ConfigError("spikeguard's Lightning callback needs automatic optimization with one "
-                              "optimizer")
+            raise ConfigError(
+                "spikeguard's Lightning callback needs automatic optimization with one optimizer"
+            )
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
-        config = self.config or GuardConfig(checkpoint_dir=str(Path(trainer.default_root_dir) / "spikeguard"))
+        config = self.config or GuardConfig(
+            checkpoint_dir=str(Path(trainer.default_root_dir) / "spikeguard")
+        )
         # The precision plugin's GradScaler (16-mixed): its gradients are unscaled before this
         # callback's first half, and its overflows are its own skips, as under Guard.step.
         kwargs = {"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs}
-        self.guard = FrameworkGuard(pl_module, trainer.optimizers[0], scheduler, run_id=self.run_id,
-                                    config=config, mode=self.mode, resume=self.resume,
-                                    framework_step=trainer.global_step, **kwargs)
+        self.guard = FrameworkGuard(
+            pl_module,
+            trainer.optimizers[0],
+            scheduler,
+            run_id=self.run_id,
+            config=config,
+            mode=self.mode,
+            resume=self.resume,
+            framework_step=trainer.global_step,
+            **kwargs,
+        )
         self.guard.max_steps = trainer.max_steps if trainer.max_steps > 0 else None
         self.guard.step_count = trainer.global_step
         # Resumed mid-run: the batches before the resumed step were read by the first run.
-        self.guard.stream.position = max(self.guard.stream.position,
-                                         trainer.global_step * trainer.accumulate_grad_batches)
+        self.guard.stream.position = max(
+            self.guard.stream.position, trainer.global_step * trainer.accumulate_grad_batches
+        )
         if self._restored is not None:  # resumed from a Lightning checkpoint
             self.guard.generation = max(self.guard.generation, _generation(self._restored))
             self.guard.parts.load_state_dict(self._restored.get("parts", {}))
             self._restored = None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.guard is not None:
             self.guard.batch_read()
 
@@ -104,12 +124,18 @@ class SpikeguardCallback(Callback):
         losses, self._losses = self._losses, []
         self.guard.before_update(mean_loss(losses, summed=True), step=trainer.global_step)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         guard = self.guard
         if guard is None or not guard.after_update().interrupted:
             return
         if guard.should_stop:
-            log.warning("spikeguard: stopping training at step %d: %s", trainer.global_step, guard.stop_reason)
+            log.warning(
+                "spikeguard: stopping training at step %d: %s",
+                trainer.global_step,
+                guard.stop_reason,
+            )
             trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -125,8 +151,12 @@ class SpikeguardCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.guard is None:
             return {}
-        return {"generation": self.guard.generation,
-                "parts": {n: self.guard.parts[n].state_dict() for n in OWN_PARTS if n in self.guard.parts}}
+        return {
+            "generation": self.guard.generation,
+            "parts": {
+                n: self.guard.parts[n].state_dict() for n in OWN_PARTS if n in self.guard.parts
+            },
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard is None:

@@ -59,8 +59,10 @@ class WandbLogger:
     def action(self, step: int, action: Action, applied: bool, text: str) -> None:
         key = f"spikeguard/{'applied' if applied else 'withheld'}/{action.kind.value}"
         self.counts[key] += 1
-        self.wandb.log({key: self.counts[key], "spikeguard/step": step, "spikeguard/action": text},
-                       commit=False)
+        self.wandb.log(
+            {key: self.counts[key], "spikeguard/step": step, "spikeguard/action": text},
+            commit=False,
+        )
 
 
 def loggers_from(names: Iterable[str]) -> list[ActionLogger]:
@@ -71,18 +73,25 @@ def loggers_from(names: Iterable[str]) -> list[ActionLogger]:
             try:
                 found.append(TensorBoardLogger())
             except ImportError as exc:
-                log.warning("spikeguard: loggers=['tensorboard'] but TensorBoard is not usable (%s): "
-                            "pip install tensorboard; actions are not sent there", exc)
+                log.warning(
+                    "spikeguard: loggers=['tensorboard'] but TensorBoard is not usable (%s): "
+                    "pip install tensorboard; actions are not sent there",
+                    exc,
+                )
         elif name == "wandb":
             try:
                 import wandb
             except ImportError:
-                log.warning("spikeguard: loggers=['wandb'] but wandb is not installed; actions are "
-                            "not sent there")
+                log.warning(
+                    "spikeguard: loggers=['wandb'] but wandb is not installed; actions are "
+                    "not sent there"
+                )
                 continue
             if wandb.run is None:
-                log.warning("spikeguard: loggers=['wandb'] but no W&B run is active (wandb.init() "
-                            "before the Guard); actions are not sent there")
+                log.warning(
+                    "spikeguard: loggers=['wandb'] but no W&B run is active (wandb.init() "
+                    "before the Guard); actions are not sent there"
+                )
                 continue
             found.append(WandbLogger(wandb))
     return found
@@ -95,5 +104,9 @@ def send(loggers: list[ActionLogger], step: int, action: Action, applied: bool, 
             logger.action(step, action, applied, text)
         except Exception as exc:  # noqa: BLE001 - a logger's failure never reaches the training loop
             loggers.remove(logger)
-            log.warning("spikeguard: %s failed (%s: %s); actions are no longer sent there",
-                        type(logger).__name__, type(exc).__name__, exc)
+            log.warning(
+                "spikeguard: %s failed (%s: %s); actions are no longer sent there",
+                type(logger).__name__,
+                type(exc).__name__,
+                exc,
+            )

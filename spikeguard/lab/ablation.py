@@ -77,38 +77,58 @@ def ablate(runs: list[tuple[str, list[StepEvent], list | None]]) -> list[dict]:
             marks = fuse(events[0].run_id, verdicts, names)
             scores.setdefault(group, []).append(score_run(steps, labels, marks))
             skips.setdefault(group, []).append(
-                score_run(steps, labels, [m for m in marks if m.type == OUTLIER]))
+                score_run(steps, labels, [m for m in marks if m.type == OUTLIER])
+            )
             scores.setdefault(group + " (incidents)", []).append(
-                score_run(steps, labels, [m for m in marks if m.type != OUTLIER]))
+                score_run(steps, labels, [m for m in marks if m.type != OUTLIER])
+            )
         for group, group_scores in scores.items():
             s = summarize(group_scores)
             base = group.removesuffix(" (incidents)")
-            rows.append({"config": config, "set": group, "episodes": s.episodes,
-                         "detected": s.detected, "recall": s.recall, "precision": s.precision,
-                         "f1": s.f1, "false_alarms": s.false_alarm_episodes,
-                         "fa_per_10k": s.false_alarms_per_10k,
-                         "skips_per_10k": summarize(skips[base]).false_alarms_per_10k,
-                         "median_delay": s.median_delay})
+            rows.append(
+                {
+                    "config": config,
+                    "set": group,
+                    "episodes": s.episodes,
+                    "detected": s.detected,
+                    "recall": s.recall,
+                    "precision": s.precision,
+                    "f1": s.f1,
+                    "false_alarms": s.false_alarm_episodes,
+                    "fa_per_10k": s.false_alarms_per_10k,
+                    "skips_per_10k": summarize(skips[base]).false_alarms_per_10k,
+                    "median_delay": s.median_delay,
+                }
+            )
     return rows
 
 
 def contributions(rows: list[dict]) -> list[dict]:
     """Per detector and set: the incidents it alone detects, the false incident alarms it alone
     raises (``outlier_step`` skips apart), and the guard-skip marks per 10k with and without it."""
-    incidents = {(r["config"], r["set"].removesuffix(" (incidents)")): r
-                 for r in rows if r["set"].endswith(" (incidents)")}
+    incidents = {
+        (r["config"], r["set"].removesuffix(" (incidents)")): r
+        for r in rows
+        if r["set"].endswith(" (incidents)")
+    }
     marks = {(r["config"], r["set"]): r for r in rows if not r["set"].endswith(" (incidents)")}
     out = []
     for (config, group), r in incidents.items():
         if config == "all":
             continue
         a = incidents["all", group]
-        out.append({"detector": config[1:], "set": group,
-                    "adds_detections": a["detected"] - r["detected"],
-                    "adds_false_alarms": a["false_alarms"] - r["false_alarms"],
-                    "f1_without": r["f1"], "f1_with": a["f1"],
-                    "skips_without": marks[config, group]["skips_per_10k"],
-                    "skips_with": marks["all", group]["skips_per_10k"]})
+        out.append(
+            {
+                "detector": config[1:],
+                "set": group,
+                "adds_detections": a["detected"] - r["detected"],
+                "adds_false_alarms": a["false_alarms"] - r["false_alarms"],
+                "f1_without": r["f1"],
+                "f1_with": a["f1"],
+                "skips_without": marks[config, group]["skips_per_10k"],
+                "skips_with": marks["all", group]["skips_per_10k"],
+            }
+        )
     return out
 
 
@@ -119,19 +139,34 @@ def _fmt(v) -> str:
 def _table(rows: list[dict], cols: tuple[str, ...]) -> None:
     print("  ".join(f"{c:>24}" if c == "set" else f"{c:>13}" for c in cols))
     for row in rows:
-        print("  ".join(f"{_fmt(row[c]):>24}" if c == "set" else f"{_fmt(row[c]):>13}" for c in cols))
+        print(
+            "  ".join(f"{_fmt(row[c]):>24}" if c == "set" else f"{_fmt(row[c]):>13}" for c in cols)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spikeguard.lab.ablation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1],
-                        help="seeds of the synthetic suite (none: skip it)")
+    parser = argparse.ArgumentParser(
+        prog="python -m spikeguard.lab.ablation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="*",
+        default=[0, 1],
+        help="seeds of the synthetic suite (none: skip it)",
+    )
     parser.add_argument("--real-spikes", metavar="DIR", help="real curves with labelled spikes")
     parser.add_argument("--healthy", metavar="DIR", help="real healthy runs")
-    parser.add_argument("--layer-seeds", type=int, nargs="*", default=[],
-                        help="seeds of the real torch runs with per-layer norms (4 runs a seed, "
-                        "~5 s each on one core)")
+    parser.add_argument(
+        "--layer-seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="seeds of the real torch runs with per-layer norms (4 runs a seed, "
+        "~5 s each on one core)",
+    )
     args = parser.parse_args(argv)
     runs: list[tuple[str, list[StepEvent], list | None]] = []
     if args.seeds:
@@ -150,14 +185,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.layer_seeds:
         from spikeguard.lab.layer_runs import layer_set
 
-        runs += [(group, r.events, r.labels if r.layer else None)
-                 for group, r in layer_set(tuple(args.layer_seeds))]
+        runs += [
+            (group, r.events, r.labels if r.layer else None)
+            for group, r in layer_set(tuple(args.layer_seeds))
+        ]
     rows = ablate(runs)
-    _table(rows, ("config", "set", "episodes", "detected", "recall", "precision", "f1",
-                  "false_alarms", "fa_per_10k", "skips_per_10k", "median_delay"))
+    _table(
+        rows,
+        (
+            "config",
+            "set",
+            "episodes",
+            "detected",
+            "recall",
+            "precision",
+            "f1",
+            "false_alarms",
+            "fa_per_10k",
+            "skips_per_10k",
+            "median_delay",
+        ),
+    )
     print("\nwhat each detector adds (incidents; all detectors vs all but it; skips per 10k):")
-    _table(contributions(rows), ("detector", "set", "adds_detections", "adds_false_alarms",
-                                 "f1_without", "f1_with", "skips_without", "skips_with"))
+    _table(
+        contributions(rows),
+        (
+            "detector",
+            "set",
+            "adds_detections",
+            "adds_false_alarms",
+            "f1_without",
+            "f1_with",
+            "skips_without",
+            "skips_with",
+        ),
+    )
     return 0
 
 

@@ -55,8 +55,16 @@ def offline(settings: Settings) -> Settings:
     )
     # Offline steps come from a file the user chose, not from a live trainer:
     # there is no run to steer, so they are judged without step signatures.
-    return settings.model_copy(update={"fusion": fusion, "signing_key": None, "trainer_key": None,
-                                       "detectors_key": None, "fusion_key": None, "actuator_key": None})
+    return settings.model_copy(
+        update={
+            "fusion": fusion,
+            "signing_key": None,
+            "trainer_key": None,
+            "detectors_key": None,
+            "fusion_key": None,
+            "actuator_key": None,
+        }
+    )
 
 
 @contextmanager
@@ -124,10 +132,14 @@ class OfflinePipeline:
         # Detectors write to a staging topic; the pump hands their verdicts
         # on to fusion in the order a live pipeline would see them.
         self._detectors = [
-            build_stage(name, settings, self._staged) for name in components if name in DETECTOR_NAMES
+            build_stage(name, settings, self._staged)
+            for name in components
+            if name in DETECTOR_NAMES
         ]
         self._others = [
-            build_stage(name, settings, self.topics) for name in components if name not in DETECTOR_NAMES
+            build_stage(name, settings, self.topics)
+            for name in components
+            if name not in DETECTOR_NAMES
         ]
 
     def feed(self, inputs: Sequence[tuple[str, BaseModel]]) -> dict[str, list[BaseModel]]:
@@ -140,7 +152,9 @@ class OfflinePipeline:
         with paused_gc():
             return self._segment((), drain=True)
 
-    def _segment(self, inputs: Sequence[tuple[str, BaseModel]], drain: bool) -> dict[str, list[BaseModel]]:
+    def _segment(
+        self, inputs: Sequence[tuple[str, BaseModel]], drain: bool
+    ) -> dict[str, list[BaseModel]]:
         topics, staged = self.topics, self._staged
         bus = EmbeddedBus(partitions=1)  # one partition: a single, total order
         producer = bus.producer()
@@ -160,7 +174,9 @@ class OfflinePipeline:
         for i, (topic, e) in enumerate(inputs):
             if topic == topics.steps:
                 order.setdefault((e.run_id, e.epoch, e.step), i)  # type: ignore[attr-defined]
-        readers = {topic: bus.consumer(f"offline.reader.{topic}", [topic]) for topic in self.outputs}
+        readers = {
+            topic: bus.consumer(f"offline.reader.{topic}", [topic]) for topic in self.outputs
+        }
         busy = True
         while busy:
             busy = False
@@ -217,7 +233,9 @@ def backtest_stream(
     with the batches the bus pump (:class:`OfflinePipeline`) would give them.
     """
     if segment_steps <= 0 or segment_steps % BATCH:
-        raise ValueError(f"segment_steps must be a positive multiple of {BATCH}, got {segment_steps}")
+        raise ValueError(
+            f"segment_steps must be a positive multiple of {BATCH}, got {segment_steps}"
+        )
     pipeline = DirectPipeline(offline(settings or load_settings(env={})), metrics)
     events = iter(events)
     while True:
@@ -269,7 +287,9 @@ def replay_events(
 
 
 def interleave(
-    steps: Iterable[StepEvent], checkpoints: Iterable[CheckpointEvent], topics: Topics,
+    steps: Iterable[StepEvent],
+    checkpoints: Iterable[CheckpointEvent],
+    topics: Topics,
     acks: Iterable[Ack] = (),
 ) -> Iterator[tuple[str, list[BaseModel]]]:
     """Steps and checkpoints in the order the live run made them, as (topic, events) segments.

@@ -131,8 +131,9 @@ def _csv(lines: Iterable[str], name: str, run_id: str) -> Iterator[StepEvent]:
         if events is None:
             numbers = range(line + 1, line + 1 + len(rows))
             kept = [(row, n) for row, n in zip(rows, numbers) if not _blank(row)]
-            yield from _rows([r for r, _ in kept], [n for _, n in kept], columns, name,
-                             columns.last)
+            yield from _rows(
+                [r for r, _ in kept], [n for _, n in kept], columns, name, columns.last
+            )
         else:
             yield from events
         line += len(raw)
@@ -203,7 +204,10 @@ def _chunk(rows: list[list[str]], c: _Columns, last: dict[str, int]) -> list[Ste
             events = []
             for i, step in enumerate(steps):
                 fields: dict[str, object] = {
-                    "run_id": runs[i], "step": step, "loss": losses[i], "time": float(step),
+                    "run_id": runs[i],
+                    "step": step,
+                    "loss": losses[i],
+                    "time": float(step),
                 }
                 for column, column_values in optional:
                     value = column_values[i]
@@ -287,8 +291,9 @@ def _in_order(runs: list[str], steps: list[int], last: dict[str, int]) -> dict[s
     return newest
 
 
-def _rows(rows: list[list[str]], line_numbers: list[int], c: _Columns, name: str,
-          last: dict[str, int]) -> Iterator[StepEvent]:
+def _rows(
+    rows: list[list[str]], line_numbers: list[int], c: _Columns, name: str, last: dict[str, int]
+) -> Iterator[StepEvent]:
     # The loop of runfile._read_csv, yielding instead of collecting.
     for row, line in zip(rows, line_numbers):
         where = f"{name}:{line}"

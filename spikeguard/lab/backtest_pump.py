@@ -68,8 +68,12 @@ def _in_order(stage: Stage, items: list[tuple[str, Any]]) -> bool:
 class DirectPipeline:
     """All detectors + fusion over steps, fed segment by segment; decisions out."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None,
-                 detectors: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        detectors: Sequence[str] | None = None,
+    ) -> None:
         """``detectors``: all by default; fewer to measure what one costs (fusion's
         ``expected`` should then name the same)."""
         from spikeguard.components import DETECTOR_NAMES, build_stage
@@ -89,7 +93,7 @@ class DirectPipeline:
         topic = self.topics.steps
         decisions: list[Decision] = []
         for start in range(0, len(steps), BATCH):
-            items = list(zip(repeat(topic), steps[start:start + BATCH]))
+            items = list(zip(repeat(topic), steps[start : start + BATCH]))
             staged: list[Verdict] = []
             for stage in self._detectors:
                 staged += map(_EVENT, self._run(stage, self._admitted(stage, items)))
@@ -113,7 +117,9 @@ class DirectPipeline:
                 decisions += self._fuse(events, {})  # type: ignore[arg-type]
 
     # -- one round ------------------------------------------------------------
-    def _fuse(self, staged: list[Verdict], order: dict[tuple[str, int, int], int]) -> list[Decision]:
+    def _fuse(
+        self, staged: list[Verdict], order: dict[tuple[str, int, int], int]
+    ) -> list[Decision]:
         # Sorted (stably) by input position, the look-ups at C speed.
         places = list(map(order.get, map(_STEP_KEY, staged), repeat(len(order))))
         staged = [staged[i] for i in sorted(range(len(staged)), key=places.__getitem__)]
@@ -121,7 +127,7 @@ class DirectPipeline:
         fusion = self._fusion
         decisions: list[Any] = []
         for start in range(0, len(staged), BATCH):
-            items = list(zip(repeat(topic), staged[start:start + BATCH]))
+            items = list(zip(repeat(topic), staged[start : start + BATCH]))
             decisions += map(_EVENT, self._run(fusion, items))
         decisions += map(_EVENT, fusion.tick(time.time()))  # the Worker ticks after each poll
         return decisions
@@ -146,8 +152,9 @@ class DirectPipeline:
             try:
                 admit(*item)
             except RecordRejected as exc:
-                log.warning("%s: %s step %s dropped: %s", stage.name, item[1].run_id,
-                            item[1].step, exc)
+                log.warning(
+                    "%s: %s step %s dropped: %s", stage.name, item[1].run_id, item[1].step, exc
+                )
                 self._count(stage, "dead_letters", type(exc).__name__)
                 continue
             kept.append(item)
@@ -161,8 +168,12 @@ class DirectPipeline:
 
         def failed(index: int, exc: Exception) -> None:
             event = items[index][1]
-            log.exception("%s: %s step %s failed; dropped", stage.name, event.run_id,
-                          getattr(event, "step", None))
+            log.exception(
+                "%s: %s step %s failed; dropped",
+                stage.name,
+                event.run_id,
+                getattr(event, "step", None),
+            )
             self._count(stage, "dead_letters", "StageError")
 
         return handle_batch(stage, items, failed)
@@ -170,4 +181,3 @@ class DirectPipeline:
     def _count(self, stage: Stage, metric: str, label: str, n: int = 1) -> None:
         if self.metrics is not None:
             getattr(self.metrics, metric).labels(stage.name, label).inc(n)
-

@@ -113,7 +113,10 @@ class SixSigmaBaseline:
         return loss or grad
 
 
-BASELINES: dict[str, type] = {NaiveBaseline.name: NaiveBaseline, SixSigmaBaseline.name: SixSigmaBaseline}
+BASELINES: dict[str, type] = {
+    NaiveBaseline.name: NaiveBaseline,
+    SixSigmaBaseline.name: SixSigmaBaseline,
+}
 BASELINES.update(TRAINER_RULES)
 
 

@@ -52,12 +52,18 @@ class Mark(NamedTuple):
 class EvaluationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    merge_gap: int = Field(5, ge=0, description="alarms at most this many steps apart form one episode")
+    merge_gap: int = Field(
+        5, ge=0, description="alarms at most this many steps apart form one episode"
+    )
     pre_tolerance: int = Field(
         2, ge=0, description="steps before an episode whose alarms count (delay 0)"
     )
-    post_tolerance: int = Field(5, ge=0, description="steps after an episode whose alarms still count")
-    lookback: int = Field(50, ge=1, description="how far before an episode a warning counts as lead")
+    post_tolerance: int = Field(
+        5, ge=0, description="steps after an episode whose alarms still count"
+    )
+    lookback: int = Field(
+        50, ge=1, description="how far before an episode a warning counts as lead"
+    )
 
 
 class Episode(NamedTuple):
@@ -163,8 +169,9 @@ def score_run(
         for a, b in warnings
     )
     clean = sum(not lab.label for lab in labels)
-    return RunScore(group, len(steps), clean, results, len(alarms), false_alarms, len(warnings),
-                    false_warnings)
+    return RunScore(
+        group, len(steps), clean, results, len(alarms), false_alarms, len(warnings), false_warnings
+    )
 
 
 def _first_in(sorted_steps: Sequence[int], lo: int, hi: int) -> int | None:

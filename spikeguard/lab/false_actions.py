@@ -77,10 +77,11 @@ class Checkpoints:
     def due(self, step: int, healthy: bool) -> list[CheckpointEvent]:
         if self.every <= 0 or step % self.every:
             return []
-        new = CheckpointEvent(run_id=self.run_id, step=step, checkpoint_id=f"ckpt-{step}", healthy=healthy,
-                              time=0.0)
+        new = CheckpointEvent(
+            run_id=self.run_id, step=step, checkpoint_id=f"ckpt-{step}", healthy=healthy, time=0.0
+        )
         self.kept.append(new)
-        newest = self.kept[-self.keep:]
+        newest = self.kept[-self.keep :]
         newest_healthy = next((c for c in reversed(self.kept) if c.healthy), None)
         kept = [c for c in self.kept if c in newest or c is newest_healthy]
         out = [new] + [c.model_copy(update={"deleted": True}) for c in self.kept if c not in kept]
@@ -88,8 +89,12 @@ class Checkpoints:
         return out
 
 
-def policy_actions(decisions: Iterable[Decision], run_id: str, policy: PolicyConfig | None = None,
-                   guard: GuardConfig | None = None) -> PolicyActions:
+def policy_actions(
+    decisions: Iterable[Decision],
+    run_id: str,
+    policy: PolicyConfig | None = None,
+    guard: GuardConfig | None = None,
+) -> PolicyActions:
     """Hand ``decisions`` (one run's, in step order) to the recovery policy as the live run would."""
     guard = guard or GuardConfig()
     recovery = RecoveryPolicy(policy or PolicyConfig(), run_id=run_id)
@@ -109,9 +114,19 @@ def policy_actions(decisions: Iterable[Decision], run_id: str, policy: PolicyCon
                 stops += 1
             elif kind is ActionKind.ROLLBACK:
                 rollbacks += 1
-                actions += recovery.on_ack(Ack(run_id=run_id, action_id=action.action_id, kind=kind,
-                                               status=AckStatus.APPLIED, step=action.apply_at_step, time=0.0))
-            elif kind is ActionKind.SET_LR or (isinstance(params, ScaleLrParams) and params.factor < 1):
+                actions += recovery.on_ack(
+                    Ack(
+                        run_id=run_id,
+                        action_id=action.action_id,
+                        kind=kind,
+                        status=AckStatus.APPLIED,
+                        step=action.apply_at_step,
+                        time=0.0,
+                    )
+                )
+            elif kind is ActionKind.SET_LR or (
+                isinstance(params, ScaleLrParams) and params.factor < 1
+            ):
                 lr_cuts += 1
             elif isinstance(params, SkipBatchesParams):
                 skipped += params.to_step - params.from_step + 1 + params.extra
@@ -121,8 +136,9 @@ def policy_actions(decisions: Iterable[Decision], run_id: str, policy: PolicyCon
     return PolicyActions(stops, rollbacks, lr_cuts, skipped)
 
 
-def pipeline_false_actions(runs: Iterable[Sequence[StepEvent]], settings=None,
-                           guard: GuardConfig | None = None) -> FalseActions:
+def pipeline_false_actions(
+    runs: Iterable[Sequence[StepEvent]], settings=None, guard: GuardConfig | None = None
+) -> FalseActions:
     """The pipeline + policy + the Guard's skip rule over healthy runs, summed."""
     from spikeguard.lab.backtest import backtest_events
     from spikeguard.settings import load_settings
@@ -133,8 +149,11 @@ def pipeline_false_actions(runs: Iterable[Sequence[StepEvent]], settings=None,
     for events in runs:
         decisions = backtest_events(events, settings)
         run_id = events[0].run_id if events else "healthy"
-        counts = (len(events), *policy_actions(decisions, run_id, settings.policy, guard),
-                  count_local_skips(events, guard))
+        counts = (
+            len(events),
+            *policy_actions(decisions, run_id, settings.policy, guard),
+            count_local_skips(events, guard),
+        )
         total = [a + b for a, b in zip(total, counts)]
     return FalseActions(*total)
 
@@ -144,7 +163,9 @@ class RuleFlags(NamedTuple):
 
     steps: int
     flagged: int  # steps flagged
-    runs_flagged: int  # runs with at least one: for a rule that stops, the runs it would have stopped
+    runs_flagged: (
+        int  # runs with at least one: for a rule that stops, the runs it would have stopped
+    )
 
 
 def rule_flags(name: str, runs: Iterable[Sequence[StepEvent]]) -> RuleFlags:

@@ -53,8 +53,13 @@ class HealthyKind:
 
 
 def _loader(dataset: TensorDataset, batch: int, seed: int) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def _regression_data(seed: int, n: int = 4096, dim: int = 8, noise: float = 0.5) -> TensorDataset:
@@ -64,8 +69,9 @@ def _regression_data(seed: int, n: int = 4096, dim: int = 8, noise: float = 0.5)
     return TensorDataset(x, x @ w + noise * torch.randn(n, 1, generator=g))
 
 
-def _noisy_blobs(seed: int, n: int = 8192, dim: int = 16, classes: int = 4,
-                 label_noise: float = 0.2) -> TensorDataset:
+def _noisy_blobs(
+    seed: int, n: int = 8192, dim: int = 16, classes: int = 4, label_noise: float = 0.2
+) -> TensorDataset:
     """Overlapping Gaussian classes; a ``label_noise`` share of labels drawn at random."""
     g = torch.Generator().manual_seed(seed)
     centres = 1.5 * torch.randn(classes, dim, generator=g)
@@ -102,31 +108,41 @@ def _cross_entropy(model: nn.Module) -> Callable[[list[torch.Tensor]], torch.Ten
 
 def regression(batch: int, lr: float) -> Callable[[int, int], HealthyTask]:
     """Linear regression with SGD: the loss falls to its noise floor and stays there."""
+
     def build(seed: int, steps: int) -> HealthyTask:
         torch.manual_seed(seed)
         model = nn.Linear(8, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         loader = _loader(_regression_data(seed), batch, seed)
         return HealthyTask(model, optimizer, None, loader, _mse(model))
+
     return build
 
 
 def noisy_classification(batch: int) -> Callable[[int, int], HealthyTask]:
     """An MLP on overlapping classes with 20 % random labels, Adam: a heavy-tailed loss."""
+
     def build(seed: int, steps: int) -> HealthyTask:
         torch.manual_seed(seed)
         model = _mlp(16, 64, 4)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        return HealthyTask(model, optimizer, None, _loader(_noisy_blobs(seed), batch, seed),
-                           _cross_entropy(model))
+        return HealthyTask(
+            model, optimizer, None, _loader(_noisy_blobs(seed), batch, seed), _cross_entropy(model)
+        )
+
     return build
 
 
-def _teacher_task(seed: int, lr: float, batch: int = 16) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                                   DataLoader]:
+def _teacher_task(
+    seed: int, lr: float, batch: int = 16
+) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
     torch.manual_seed(seed)
     model = _mlp(32, 128, 128, 10)
-    return model, torch.optim.Adam(model.parameters(), lr=lr), _loader(_teacher_data(seed), batch, seed)
+    return (
+        model,
+        torch.optim.Adam(model.parameters(), lr=lr),
+        _loader(_teacher_data(seed), batch, seed),
+    )
 
 
 def falling(seed: int, steps: int) -> HealthyTask:
@@ -148,8 +164,9 @@ def lr_drop(seed: int, steps: int) -> HealthyTask:
 def warm_restarts(seed: int, steps: int) -> HealthyTask:
     """Cosine annealing with warm restarts: at each restart the LR jumps back up, the loss with it."""
     model, optimizer, loader = _teacher_task(seed, lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=max(1, steps // 7),
-                                                                     T_mult=2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        optimizer, T_0=max(1, steps // 7), T_mult=2
+    )
     return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
@@ -167,10 +184,25 @@ def warmup(seed: int, steps: int) -> HealthyTask:
     return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
-_SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "our teacher", "a small bird", "the river")
+_SUBJECTS = (
+    "the cat",
+    "a dog",
+    "my friend",
+    "the old man",
+    "our teacher",
+    "a small bird",
+    "the river",
+)
 _VERBS = ("sees", "likes", "follows", "finds", "carries", "watches", "hears")
-_OBJECTS = ("the ball", "a red box", "the moon", "some bread", "the green door", "a long road",
-            "the sea")
+_OBJECTS = (
+    "the ball",
+    "a red box",
+    "the moon",
+    "some bread",
+    "the green door",
+    "a long road",
+    "the sea",
+)
 _ENDINGS = (".", " today.", " again.", " at night.", " in the rain.")
 
 
@@ -181,8 +213,10 @@ def made_up_text(seed: int, sentences: int = 6000) -> str:
     def pick(words: tuple[str, ...]) -> str:
         return words[int(torch.randint(0, len(words), (1,), generator=g))]
 
-    return " ".join(f"{pick(_SUBJECTS)} {pick(_VERBS)} {pick(_OBJECTS)}{pick(_ENDINGS)}"
-                    for _ in range(sentences))
+    return " ".join(
+        f"{pick(_SUBJECTS)} {pick(_VERBS)} {pick(_OBJECTS)}{pick(_ENDINGS)}"
+        for _ in range(sentences)
+    )
 
 
 class CharGRU(nn.Module):
@@ -211,35 +245,73 @@ def char_lm(seed: int, steps: int, context: int = 32, batch: int = 16) -> Health
 
     def loss(b: list[torch.Tensor]) -> torch.Tensor:
         (w,) = b
-        return nn.functional.cross_entropy(model(w[:, :-1]).reshape(-1, vocab), w[:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(
+            model(w[:, :-1]).reshape(-1, vocab), w[:, 1:].reshape(-1)
+        )
 
     return HealthyTask(model, optimizer, None, _loader(TensorDataset(windows), batch, seed), loss)
 
 
-KINDS: dict[str, HealthyKind] = {k.name: k for k in (
-    HealthyKind("regression_b1", "linear regression, batch 1, SGD 0.01 (stationary loss)",
-                regression(1, 0.01)),
-    HealthyKind("regression_b4", "linear regression, batch 4, SGD 0.02 (stationary loss)",
-                regression(4, 0.02)),
-    HealthyKind("regression_b32", "linear regression, batch 32, SGD 0.05 (stationary loss)",
-                regression(32, 0.05)),
-    HealthyKind("classification_noisy_b1", "MLP, 4 classes, 20% label noise, batch 1, Adam 1e-3",
-                noisy_classification(1)),
-    HealthyKind("classification_noisy_b4", "MLP, 4 classes, 20% label noise, batch 4, Adam 1e-3",
-                noisy_classification(4)),
-    HealthyKind("classification_noisy_b32", "MLP, 4 classes, 20% label noise, batch 32, Adam 1e-3",
-                noisy_classification(32)),
-    HealthyKind("falling", "MLP on a teacher's labels, batch 32, Adam 1e-4: the loss falls all run",
-                falling),
-    HealthyKind("lr_drop", "noisy classification, batch 16, Adam 1e-2 then 1e-3 half-way (benign drop)",
-                lr_drop),
-    HealthyKind("warm_restarts", "teacher MLP, batch 16, Adam 3e-3, cosine with warm restarts "
-                "(T_0 = steps/7, x2)", warm_restarts),
-    HealthyKind("warmup", "teacher MLP, batch 16, Adam 3e-3, linear warm-up over steps/5 then cosine",
-                warmup),
-    HealthyKind("char_lm", "character GRU (64 units) on made-up sentences, batch 16 x 32, AdamW 3e-3",
-                char_lm),
-)}
+KINDS: dict[str, HealthyKind] = {
+    k.name: k
+    for k in (
+        HealthyKind(
+            "regression_b1",
+            "linear regression, batch 1, SGD 0.01 (stationary loss)",
+            regression(1, 0.01),
+        ),
+        HealthyKind(
+            "regression_b4",
+            "linear regression, batch 4, SGD 0.02 (stationary loss)",
+            regression(4, 0.02),
+        ),
+        HealthyKind(
+            "regression_b32",
+            "linear regression, batch 32, SGD 0.05 (stationary loss)",
+            regression(32, 0.05),
+        ),
+        HealthyKind(
+            "classification_noisy_b1",
+            "MLP, 4 classes, 20% label noise, batch 1, Adam 1e-3",
+            noisy_classification(1),
+        ),
+        HealthyKind(
+            "classification_noisy_b4",
+            "MLP, 4 classes, 20% label noise, batch 4, Adam 1e-3",
+            noisy_classification(4),
+        ),
+        HealthyKind(
+            "classification_noisy_b32",
+            "MLP, 4 classes, 20% label noise, batch 32, Adam 1e-3",
+            noisy_classification(32),
+        ),
+        HealthyKind(
+            "falling",
+            "MLP on a teacher's labels, batch 32, Adam 1e-4: the loss falls all run",
+            falling,
+        ),
+        HealthyKind(
+            "lr_drop",
+            "noisy classification, batch 16, Adam 1e-2 then 1e-3 half-way (benign drop)",
+            lr_drop,
+        ),
+        HealthyKind(
+            "warm_restarts",
+            "teacher MLP, batch 16, Adam 3e-3, cosine with warm restarts (T_0 = steps/7, x2)",
+            warm_restarts,
+        ),
+        HealthyKind(
+            "warmup",
+            "teacher MLP, batch 16, Adam 3e-3, linear warm-up over steps/5 then cosine",
+            warmup,
+        ),
+        HealthyKind(
+            "char_lm",
+            "character GRU (64 units) on made-up sentences, batch 16 x 32, AdamW 3e-3",
+            char_lm,
+        ),
+    )
+}
 
 
 class StepRecord(NamedTuple):
@@ -308,15 +380,24 @@ versions and CPUs).
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spikeguard.lab.healthy_runs",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="data/healthy",
-                        help="folder for the CSVs (default data/healthy)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"steps per run (default {DEFAULT_STEPS})")
+    parser = argparse.ArgumentParser(
+        prog="python -m spikeguard.lab.healthy_runs", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--out", default="data/healthy", help="folder for the CSVs (default data/healthy)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"steps per run (default {DEFAULT_STEPS})"
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), metavar="KIND",
-                        help="only these kinds: " + ", ".join(KINDS))
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=list(KINDS),
+        default=list(KINDS),
+        metavar="KIND",
+        help="only these kinds: " + ", ".join(KINDS),
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -327,13 +408,26 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         rows = record(kind, args.steps, args.seed)
         write_csv(out / f"{kind}.csv", rows)
-        print(f"{kind}: {len(rows)} steps, loss {rows[0].loss:.4g} -> {rows[-1].loss:.4g}, "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
-    table = "\n".join(f"| {k}.csv | {args.steps} | {KINDS[k].description} |" for k in KINDS
-                      if (out / f"{k}.csv").exists())
-    (out / "SOURCES.md").write_text(SOURCES.format(out=args.out, steps=args.steps, seed=args.seed,
-                                                   torch=torch.__version__.split("+")[0], rows=table),
-                                    encoding="utf-8")
+        print(
+            f"{kind}: {len(rows)} steps, loss {rows[0].loss:.4g} -> {rows[-1].loss:.4g}, "
+            f"{time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
+    table = "\n".join(
+        f"| {k}.csv | {args.steps} | {KINDS[k].description} |"
+        for k in KINDS
+        if (out / f"{k}.csv").exists()
+    )
+    (out / "SOURCES.md").write_text(
+        SOURCES.format(
+            out=args.out,
+            steps=args.steps,
+            seed=args.seed,
+            torch=torch.__version__.split("+")[0],
+            rows=table,
+        ),
+        encoding="utf-8",
+    )
     return 0
 
 

@@ -110,9 +110,13 @@ def label_events(
             i += 1
             continue
         j = i
-        while j + 1 < n and math.isfinite(losses[j + 1]) and losses[j + 1] >= r.recovery_ratio * base:
+        while (
+            j + 1 < n and math.isfinite(losses[j + 1]) and losses[j + 1] >= r.recovery_ratio * base
+        ):
             j += 1
-        unrecovered = (j + 1 == n and not r.excerpt) or (j + 1 < n and not math.isfinite(losses[j + 1]))
+        unrecovered = (j + 1 == n and not r.excerpt) or (
+            j + 1 < n and not math.isfinite(losses[j + 1])
+        )
         kind = "divergence" if unrecovered else ("outlier_step" if j == i else "spike")
         peak = max(losses[i : j + 1]) / base
         events.append(LabelledEvent(steps[i], steps[j], kind, j - i + 1, round(peak, 3)))
@@ -131,8 +135,9 @@ def _slow_rises(steps, losses, kind_at, r: LabelRules) -> list[LabelledEvent]:
     def close() -> None:
         if len(run) >= r.rise_points:
             peak = max(losses[k] for k in run) / lowest
-            found.append(LabelledEvent(steps[run[0]], steps[run[-1]], "slow_rise", len(run),
-                                       round(peak, 3)))
+            found.append(
+                LabelledEvent(steps[run[0]], steps[run[-1]], "slow_rise", len(run), round(peak, 3))
+            )
         run.clear()
 
     for k, loss in enumerate(losses):
@@ -166,15 +171,26 @@ def point_labels(steps: Sequence[int], events: Iterable[LabelledEvent]):
     return labels
 
 
-def write_labels(target: str | os.PathLike | IO[str], labels: dict[str, list[LabelledEvent]]) -> None:
+def write_labels(
+    target: str | os.PathLike | IO[str], labels: dict[str, list[LabelledEvent]]
+) -> None:
     """A labels file: one row per event, ``file`` naming the run's CSV."""
+
     def rows(handle: IO[str]) -> None:
         out = csv.writer(handle, lineterminator="\n")
         out.writerow(LABEL_COLUMNS)
         for name in sorted(labels):
             for e in labels[name]:
-                out.writerow([name, e.start_step, e.end_step, e.kind, e.points,
-                              "" if e.peak_ratio is None else e.peak_ratio])
+                out.writerow(
+                    [
+                        name,
+                        e.start_step,
+                        e.end_step,
+                        e.kind,
+                        e.points,
+                        "" if e.peak_ratio is None else e.peak_ratio,
+                    ]
+                )
 
     if isinstance(target, (str, os.PathLike)):
         with open(target, "w", encoding="utf-8", newline="") as handle:
@@ -199,7 +215,9 @@ def read_labels(path: str | os.PathLike) -> dict[str, list[LabelledEvent]]:
         for row in reader:
             where = f"{path}:{reader.line_num}"
             if row["kind"] not in KINDS:
-                raise LabelFileError(f"{where}: kind {row['kind']!r} is not one of {', '.join(KINDS)}")
+                raise LabelFileError(
+                    f"{where}: kind {row['kind']!r} is not one of {', '.join(KINDS)}"
+                )
             try:
                 start, end = int(row["start_step"]), int(row["end_step"])
                 points = int(row.get("points") or 0)
@@ -208,7 +226,9 @@ def read_labels(path: str | os.PathLike) -> dict[str, list[LabelledEvent]]:
                 raise LabelFileError(f"{where}: {exc}") from None
             if end < start:
                 raise LabelFileError(f"{where}: end_step {end} before start_step {start}")
-            out.setdefault(row["file"], []).append(LabelledEvent(start, end, row["kind"], points, peak))
+            out.setdefault(row["file"], []).append(
+                LabelledEvent(start, end, row["kind"], points, peak)
+            )
     return out
 
 
@@ -251,28 +271,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m spikeguard.lab.labelling",
-                                     description="label the curves of a folder by the written rules")
+    parser = argparse.ArgumentParser(
+        prog="python -m spikeguard.lab.labelling",
+        description="label the curves of a folder by the written rules",
+    )
     parser.add_argument("folder")
     parser.add_argument("--out", help="labels CSV to write (default: print)")
-    parser.add_argument("--min-history", type=int, default=LabelRules.min_history,
-                        help="clean points a baseline needs (default %(default)s)")
-    parser.add_argument("--excerpt", action="store_true",
-                        help="the curves are windows cut out of runs (their end is not the run's end)")
-    parser.add_argument("--plot", help="PNG of every curve with its labelled events (needs matplotlib)")
+    parser.add_argument(
+        "--min-history",
+        type=int,
+        default=LabelRules.min_history,
+        help="clean points a baseline needs (default %(default)s)",
+    )
+    parser.add_argument(
+        "--excerpt",
+        action="store_true",
+        help="the curves are windows cut out of runs (their end is not the run's end)",
+    )
+    parser.add_argument(
+        "--plot", help="PNG of every curve with its labelled events (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
     if not Path(args.folder).is_dir():
         print(f"{args.folder}: not a folder", file=sys.stderr)
         return 2
-    labels = label_folder(args.folder, LabelRules(min_history=args.min_history, excerpt=args.excerpt))
+    labels = label_folder(
+        args.folder, LabelRules(min_history=args.min_history, excerpt=args.excerpt)
+    )
     write_labels(args.out or sys.stdout, labels)
     if args.plot:
         _plot(args.folder, labels, args.plot)
     return 0
 
 
-_COLOURS = {"outlier_step": "tab:orange", "spike": "tab:red", "slow_rise": "tab:purple",
-            "divergence": "black", "non_finite": "tab:gray"}
+_COLOURS = {
+    "outlier_step": "tab:orange",
+    "spike": "tab:red",
+    "slow_rise": "tab:purple",
+    "divergence": "black",
+    "non_finite": "tab:gray",
+}
 
 
 def _plot(folder, labels, target) -> None:
@@ -289,8 +327,13 @@ def _plot(folder, labels, target) -> None:
         ax.plot([s for s, _ in finite], [l for _, l in finite], lw=0.6)
         ax.set_yscale("log")
         for e in labels[name]:
-            ax.axvspan(e.start_step, e.end_step + 0.5 * max(1, steps[1] - steps[0]), alpha=0.35,
-                       color=_COLOURS[e.kind], label=e.kind)
+            ax.axvspan(
+                e.start_step,
+                e.end_step + 0.5 * max(1, steps[1] - steps[0]),
+                alpha=0.35,
+                color=_COLOURS[e.kind],
+                label=e.kind,
+            )
         handles = dict(zip(*ax.get_legend_handles_labels()[::-1]))
         if handles:
             ax.legend(handles.values(), handles.keys(), fontsize=7, loc="upper right")

@@ -86,14 +86,16 @@ def layer_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(seed, steps, task, optimizer, inject_at, block, factor, label_steps, depth,
-                      width, top_k)
+        return _train(
+            seed, steps, task, optimizer, inject_at, block, factor, label_steps, depth, width, top_k
+        )
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(seed, steps, task, optimizer, inject_at, block, factor, label_steps, depth, width,
-           top_k) -> LayerRun:
+def _train(
+    seed, steps, task, optimizer, inject_at, block, factor, label_steps, depth, width, top_k
+) -> LayerRun:
     if task not in ("regression", "classification"):
         raise ValueError(f"task must be 'regression' or 'classification', not {task!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -104,7 +106,9 @@ def _train(seed, steps, task, optimizer, inject_at, block, factor, label_steps, 
     model = _Blocks(inputs, width, depth, outputs)
     teacher = torch.randn(inputs, outputs, generator=gen)
     if optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-3, weight_decay=0.01
+        )
     elif optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     else:
@@ -113,7 +117,8 @@ def _train(seed, steps, task, optimizer, inject_at, block, factor, label_steps, 
     stats = GradStats(list(model.named_parameters()), top_k=top_k)
     target = model.blocks[block][0]
     name = f"{'sgd' if optimizer == 'sgd' else 'adam'}-{task}-s{seed}" + (
-        f"-blowup{inject_at}" if inject_at is not None else "")
+        f"-blowup{inject_at}" if inject_at is not None else ""
+    )
     events, labels = [], []
     for step in range(steps):
         lr = _lr(step, steps, base, warmup=steps // 20)
@@ -135,8 +140,17 @@ def _train(seed, steps, task, optimizer, inject_at, block, factor, label_steps, 
         loss.backward()
         s, _ = stats.compute(loss)
         opt.step()
-        events.append(StepEvent(run_id=name, step=step, time=float(step), loss=s.loss,
-                                grad_norm=s.grad_norm, lr=lr, top_grad_norms=s.top_grad_norms))
+        events.append(
+            StepEvent(
+                run_id=name,
+                step=step,
+                time=float(step),
+                loss=s.loss,
+                grad_norm=s.grad_norm,
+                lr=lr,
+                top_grad_norms=s.top_grad_norms,
+            )
+        )
         hit = inject_at is not None and inject_at <= step < inject_at + label_steps
         labels.append(StepLabel(hit, KIND if hit else ""))
     layer = None if inject_at is None else f"blocks.{block}.0.weight"
@@ -154,6 +168,16 @@ def layer_set(seeds: tuple[int, ...] = (0, 1, 2), steps: int = 800) -> list[tupl
     for seed in seeds:
         for task, optimizer in (("regression", "adam"), ("regression", "sgd")):
             out.append(("layer-healthy", layer_run(seed, steps, task=task, optimizer=optimizer)))
-            out.append(("layer-blowup", layer_run(seed, steps, task=task, optimizer=optimizer,
-                                                  inject_at=steps // 2 + 37 * seed)))
+            out.append(
+                (
+                    "layer-blowup",
+                    layer_run(
+                        seed,
+                        steps,
+                        task=task,
+                        optimizer=optimizer,
+                        inject_at=steps // 2 + 37 * seed,
+                    ),
+                )
+            )
     return out

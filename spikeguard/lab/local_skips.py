@@ -58,8 +58,9 @@ class LocalSkips:
         if self.skipped:
             text += f" (steps {steps}{more})"
         if self.recorded:
-            text += "; recorded in the file: " + ", ".join(f"{n} {reason}" for reason, n in
-                                                             sorted(self.recorded.items()))
+            text += "; recorded in the file: " + ", ".join(
+                f"{n} {reason}" for reason, n in sorted(self.recorded.items())
+            )
         return text
 
 

@@ -30,7 +30,11 @@ LABELS_DIR = Path(__file__).with_name("labels")
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 #: The data sets inside it.
 REAL_SPIKES_DIR, MODDED_NANOGPT_DIR, MLPERF_BERT_DIR, HEALTHY_DIR = (
-    "real-spikes", "modded-nanogpt", "mlperf-bert", "healthy")
+    "real-spikes",
+    "modded-nanogpt",
+    "mlperf-bert",
+    "healthy",
+)
 #: Inside a ``real-spikes`` folder, the curves that are scored (the BigScience
 #: windows, 3-11 points each, are shorter than any rule's warm-up).
 SPIKE_SUBFOLDER = "algoperf_submissions"
@@ -88,8 +92,9 @@ def labels_for(folder: Path, labels: str | os.PathLike | None = None) -> Path:
     )
 
 
-def load_spike_set(path: str | os.PathLike | None = None,
-                   labels: str | os.PathLike | None = None) -> list[RealRun]:
+def load_spike_set(
+    path: str | os.PathLike | None = None, labels: str | os.PathLike | None = None
+) -> list[RealRun]:
     """Every curve of the real-spike folder with its labels (a curve absent from them: no event)."""
     folder = spike_folder(path)
     truth = read_labels(labels_for(folder, labels))

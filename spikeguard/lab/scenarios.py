@@ -109,8 +109,10 @@ def spike_profile(rng: np.random.Generator, size: float = 1.0, persistent: bool 
 
     ``persistent``: it stays at >= 70 % of its size for at least 5 steps.
     """
-    shape = rng.choice(["decay", "plateau"]) if persistent else rng.choice(
-        ["transient", "decay", "plateau"], p=[0.3, 0.4, 0.3]
+    shape = (
+        rng.choice(["decay", "plateau"])
+        if persistent
+        else rng.choice(["transient", "decay", "plateau"], p=[0.3, 0.4, 0.3])
     )
     if shape == "transient":
         return np.full(int(rng.integers(1, 3)), size)
@@ -148,14 +150,18 @@ def sudden_spike(c: Canvas) -> None:
 
 def gradual_spike(c: Canvas) -> None:
     for _ in range(_count(c, per=2000, most=5)):
-        rise, hold, fall = (int(loguniform(c.rng, a, b)) for a, b in ((20, 400), (1, 50), (20, 500)))
+        rise, hold, fall = (
+            int(loguniform(c.rng, a, b)) for a, b in ((20, 400), (1, 50), (20, 500))
+        )
         start = c.place(rise + hold + fall)
         if start is None:
             return
         peak = math.log(loguniform(c.rng, max(1.3, math.exp(20 * c.sigma[start])), 4.0))
         up = peak * (np.arange(1, rise + 1) / rise) ** c.rng.uniform(1.0, 2.5)
         down = peak * (1 - np.arange(1, fall + 1) / fall) ** c.rng.uniform(0.7, 2.0)
-        profile = np.concatenate([up, np.full(hold, peak), down]) * _wobble(c.rng, rise + hold + fall)
+        profile = np.concatenate([up, np.full(hold, peak), down]) * _wobble(
+            c.rng, rise + hold + fall
+        )
         c.add_loss(start, profile, "gradual_spike")
         _follow(c, start, profile, grad=(0.3, 1.5))
 

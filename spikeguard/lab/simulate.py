@@ -76,8 +76,14 @@ SCENARIOS: dict[str, str] = {
     "non_finite": "NaN/Inf loss or gradient norm: single steps, bursts, or a blow-up at the end",
     "grad_explosion": "grad norm explodes (often after a slow climb); the loss spikes 1-10 steps later",
 }
-ANOMALY_KINDS = ("sudden_spike", "gradual_spike", "divergence", "oscillation", "non_finite",
-                 "grad_explosion")
+ANOMALY_KINDS = (
+    "sudden_spike",
+    "gradual_spike",
+    "divergence",
+    "oscillation",
+    "non_finite",
+    "grad_explosion",
+)
 _CLEAN = ("stable", "heavy_tailed", "data_shift", "eval_bumps")
 _SUITE_LENGTHS = (2000, 3500, 6000, 10000)
 
@@ -142,7 +148,9 @@ def generate(scenario: str, steps: int, seed: int, run_id: str | None = None) ->
         if rng.random() < 0.25:
             sc.eval_bumps(canvas)
     rate = sc.loguniform(rng, 1 / 400, 1 / 120) if heavy else sc.loguniform(rng, 1 / 3000, 1 / 300)
-    grad_rate = sc.loguniform(rng, 1 / 1500, 1 / 300) if heavy else sc.loguniform(rng, 1 / 5000, 1 / 600)
+    grad_rate = (
+        sc.loguniform(rng, 1 / 1500, 1 / 300) if heavy else sc.loguniform(rng, 1 / 5000, 1 / 600)
+    )
     _blips(canvas, rate, grad_rate)
     params.update(blip_rate=rate, grad_blip_rate=grad_rate)
     run_id = run_id or f"sim-{scenario}-s{seed}-n{steps}"
@@ -187,8 +195,16 @@ def _healthy(rng: np.random.Generator, n: int, heavy: bool) -> tuple[sc.Canvas, 
 
     earliest = max(150, int(0.04 * n))
     canvas = sc.Canvas(rng, log_trend, sigma, noise, log_grad, lr, earliest)
-    params = dict(lr_params, loss_start=start, loss_end=end, alpha=alpha, sigma=sigma0, df=df,
-                  grad_end=g_end, grad_sigma=g_sigma)
+    params = dict(
+        lr_params,
+        loss_start=start,
+        loss_end=end,
+        alpha=alpha,
+        sigma=sigma0,
+        df=df,
+        grad_end=g_end,
+        grad_sigma=g_sigma,
+    )
     return canvas, params
 
 

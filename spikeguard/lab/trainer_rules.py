@@ -84,8 +84,9 @@ class LightningSpike:
 class KillLossSpike:
     name = "llm_foundry"
 
-    def __init__(self, window: int = 100, multiplier: float = 2.0, patience: int = 4,
-                 loss_cap: float = 10.0) -> None:
+    def __init__(
+        self, window: int = 100, multiplier: float = 2.0, patience: int = 4, loss_cap: float = 10.0
+    ) -> None:
         self.window = window
         self.multiplier = multiplier
         self.patience = patience
@@ -169,4 +170,6 @@ def robust_z(value: float, history) -> float:
     return (value - median) / mad
 
 
-TRAINER_RULES = {cls.name: cls for cls in (AxolotlRobustZ, MetaseqEwm, LightningSpike, KillLossSpike)}
+TRAINER_RULES = {
+    cls.name: cls for cls in (AxolotlRobustZ, MetaseqEwm, LightningSpike, KillLossSpike)
+}

@@ -6,7 +6,14 @@ a bus), ``timeline`` turns its events into incidents, actions and rollbacks,
 writes the HTML.
 """
 
-from spikeguard.reporting.load import ReportError, RunRecord, export_jsonl, load_bus, load_directory, load_jsonl
+from spikeguard.reporting.load import (
+    ReportError,
+    RunRecord,
+    export_jsonl,
+    load_bus,
+    load_directory,
+    load_jsonl,
+)
 from spikeguard.reporting.timeline import Timeline, build_timeline
 
 __all__ = [

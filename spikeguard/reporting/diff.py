@@ -32,7 +32,11 @@ def _decisions(items: Iterable[Decision]) -> dict[tuple, Decision]:
 
 def _actions(items: Iterable[Action]) -> dict[tuple, Action]:
     # A pulse tells a live trainer it is judged; a replay has no trainer, and sends none.
-    return {(a.run_id, a.kind.value, a.apply_at_step): a for a in items if a.kind is not ActionKind.PULSE}
+    return {
+        (a.run_id, a.kind.value, a.apply_at_step): a
+        for a in items
+        if a.kind is not ActionKind.PULSE
+    }
 
 
 def _what(d: Decision) -> tuple:
@@ -44,8 +48,11 @@ def diff_decisions(before: Iterable[Decision], after: Iterable[Decision]) -> Dif
     return Diff(
         added=[new[k] for k in sorted(new.keys() - old.keys())],
         removed=[old[k] for k in sorted(old.keys() - new.keys())],
-        changed=[(old[k], new[k]) for k in sorted(old.keys() & new.keys())
-                 if _what(old[k]) != _what(new[k])],
+        changed=[
+            (old[k], new[k])
+            for k in sorted(old.keys() & new.keys())
+            if _what(old[k]) != _what(new[k])
+        ],
     )
 
 
@@ -54,8 +61,11 @@ def diff_actions(before: Iterable[Action], after: Iterable[Action]) -> Diff:
     return Diff(
         added=[new[k] for k in sorted(new.keys() - old.keys())],
         removed=[old[k] for k in sorted(old.keys() - new.keys())],
-        changed=[(old[k], new[k]) for k in sorted(old.keys() & new.keys())
-                 if old[k].params != new[k].params],
+        changed=[
+            (old[k], new[k])
+            for k in sorted(old.keys() & new.keys())
+            if old[k].params != new[k].params
+        ],
     )
 
 
@@ -74,20 +84,28 @@ def _action(a: Action) -> str:
 
 def render(decisions: Diff, actions: Diff) -> list[str]:
     """Printable lines: + added, - removed, ~ changed; notable actions named at the end."""
-    lines = [f"decisions: {len(decisions.added)} added, {len(decisions.removed)} removed, "
-             f"{len(decisions.changed)} changed"]
+    lines = [
+        f"decisions: {len(decisions.added)} added, {len(decisions.removed)} removed, "
+        f"{len(decisions.changed)} changed"
+    ]
     lines += [f"  + {_decision(d)}" for d in decisions.added]
     lines += [f"  - {_decision(d)}" for d in decisions.removed]
     for old, new in decisions.changed:
-        lines.append(f"  ~ run {old.run_id} step {old.step} (epoch {old.epoch}): "
-                     f"{old.type.value}, {old.urgency.value} -> {new.type.value}, {new.urgency.value}")
-    lines.append(f"actions: {len(actions.added)} added, {len(actions.removed)} removed, "
-                 f"{len(actions.changed)} changed")
+        lines.append(
+            f"  ~ run {old.run_id} step {old.step} (epoch {old.epoch}): "
+            f"{old.type.value}, {old.urgency.value} -> {new.type.value}, {new.urgency.value}"
+        )
+    lines.append(
+        f"actions: {len(actions.added)} added, {len(actions.removed)} removed, "
+        f"{len(actions.changed)} changed"
+    )
     lines += [f"  + {_action(a)}" for a in actions.added]
     lines += [f"  - {_action(a)}" for a in actions.removed]
     for old, new in actions.changed:
-        lines.append(f"  ~ run {old.run_id} {old.kind.value} at step {old.apply_at_step}: "
-                     f"{_params(old.params)} -> {_params(new.params)}")
+        lines.append(
+            f"  ~ run {old.run_id} {old.kind.value} at step {old.apply_at_step}: "
+            f"{_params(old.params)} -> {_params(new.params)}"
+        )
     for kind in NOTABLE:
         appear = [a for a in actions.added if a.kind.value == kind]
         vanish = [a for a in actions.removed if a.kind.value == kind]

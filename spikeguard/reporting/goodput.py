@@ -26,9 +26,11 @@ class Goodput(NamedTuple):
     ratio: float  # steps kept with their update applied, over all steps run
 
     def __str__(self) -> str:
-        return (f"goodput {self.ratio:.1%}: {self.steps_kept} steps kept, {self.steps_rerun} "
-                f"re-run after rollbacks ({self.recovery_seconds:.1f} s), {self.batches_skipped} "
-                f"batches skipped, {self.updates_skipped} update(s) skipped")
+        return (
+            f"goodput {self.ratio:.1%}: {self.steps_kept} steps kept, {self.steps_rerun} "
+            f"re-run after rollbacks ({self.recovery_seconds:.1f} s), {self.batches_skipped} "
+            f"batches skipped, {self.updates_skipped} update(s) skipped"
+        )
 
 
 def goodput(run: RunRecord) -> Goodput:
@@ -44,5 +46,12 @@ def goodput(run: RunRecord) -> Goodput:
             reasons[event.skip_reason or "unknown"] += 1
     applied = {ack.action_id for ack in run.acks if ack.status.value == "applied"}
     skipped = {a.action_id: skipped_batches(a) for a in run.actions if a.action_id in applied}
-    return Goodput(tally.first, tally.rerun, sum(skipped.values()), tally.skipped,
-                   dict(sorted(reasons.items())), round(seconds, 3), round(tally.ratio, 4))
+    return Goodput(
+        tally.first,
+        tally.rerun,
+        sum(skipped.values()),
+        tally.skipped,
+        dict(sorted(reasons.items())),
+        round(seconds, 3),
+        round(tally.ratio, 4),
+    )

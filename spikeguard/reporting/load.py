@@ -18,15 +18,28 @@ from pydantic import BaseModel
 
 from spikeguard.errors import SchemaError, SpikeguardError
 from spikeguard.schemas import (
-    Ack, Action, ActionKind, CheckpointEvent, Decision, StepEvent, StepVerdicts, Topics, Verdict, decode,
+    Ack,
+    Action,
+    ActionKind,
+    CheckpointEvent,
+    Decision,
+    StepEvent,
+    StepVerdicts,
+    Topics,
+    Verdict,
+    decode,
 )
 
 if TYPE_CHECKING:
     from spikeguard.bus import Bus
 
 MODELS: dict[str, type[BaseModel]] = {
-    "steps": StepEvent, "verdicts": Verdict, "decisions": Decision, "actions": Action,
-    "acks": Ack, "checkpoints": CheckpointEvent,
+    "steps": StepEvent,
+    "verdicts": Verdict,
+    "decisions": Decision,
+    "actions": Action,
+    "acks": Ack,
+    "checkpoints": CheckpointEvent,
 }
 
 
@@ -67,15 +80,18 @@ def _collect(pairs: Iterable[tuple[str, BaseModel]], runs: set[str] | None) -> d
     return dict(sorted(found.items()))
 
 
-def _require(found: dict[str, RunRecord], source: str, runs: set[str] | None) -> dict[str, RunRecord]:
+def _require(
+    found: dict[str, RunRecord], source: str, runs: set[str] | None
+) -> dict[str, RunRecord]:
     if not found:
         which = f" of run(s) {', '.join(sorted(runs))}" if runs else ""
         raise ReportError(f"{source}: no step events{which}; is this a recorded spikeguard run?")
     return found
 
 
-def load_bus(bus: "Bus", topics: Topics, runs: set[str] | None = None,
-             source: str = "the bus") -> dict[str, RunRecord]:
+def load_bus(
+    bus: "Bus", topics: Topics, runs: set[str] | None = None, source: str = "the bus"
+) -> dict[str, RunRecord]:
     """Every recorded run on ``bus`` under ``topics``' prefix."""
 
     def pairs():
@@ -97,8 +113,9 @@ def load_bus(bus: "Bus", topics: Topics, runs: set[str] | None = None,
     return _require(_collect(pairs(), runs), source, runs)
 
 
-def load_directory(directory: str | os.PathLike, prefix: str = Topics().prefix,
-                   runs: set[str] | None = None) -> dict[str, RunRecord]:
+def load_directory(
+    directory: str | os.PathLike, prefix: str = Topics().prefix, runs: set[str] | None = None
+) -> dict[str, RunRecord]:
     """A directory the embedded bus recorded (``data_dir``)."""
     from spikeguard.bus import EmbeddedBus
 
@@ -107,10 +124,20 @@ def load_directory(directory: str | os.PathLike, prefix: str = Topics().prefix,
         raise ReportError(f"{path}: no such directory")
     steps_dir = path / f"{prefix}steps"
     if not steps_dir.is_dir():
-        raise ReportError(f"{path}: not a recording of the embedded bus "
-                          f"(no {prefix}steps/ in it; another --topic-prefix?)")
-    partitions = 1 + max((int(f.stem) for d in path.iterdir() if d.is_dir()
-                          for f in d.glob("*.jsonl") if f.stem.isdigit()), default=0)
+        raise ReportError(
+            f"{path}: not a recording of the embedded bus "
+            f"(no {prefix}steps/ in it; another --topic-prefix?)"
+        )
+    partitions = 1 + max(
+        (
+            int(f.stem)
+            for d in path.iterdir()
+            if d.is_dir()
+            for f in d.glob("*.jsonl")
+            if f.stem.isdigit()
+        ),
+        default=0,
+    )
     bus = EmbeddedBus(partitions=partitions, data_dir=path)
     try:
         return load_bus(bus, Topics(prefix), runs, source=str(path))
@@ -135,7 +162,9 @@ def load_jsonl(file: str | os.PathLike, runs: set[str] | None = None) -> dict[st
                     model = MODELS[name]
                     event = decode(json.dumps(item["event"]).encode(), model)
                 except (ValueError, KeyError, TypeError, SchemaError) as exc:
-                    raise ReportError(f"{path}:{number}: not a spikeguard export line ({exc})") from None
+                    raise ReportError(
+                        f"{path}:{number}: not a spikeguard export line ({exc})"
+                    ) from None
                 yield name, event
 
     return _require(_collect(pairs(), runs), str(path), runs)

@@ -38,5 +38,8 @@ def load(directory: str | os.PathLike) -> dict[str, Any] | None:
         return None
     recorded = json.loads(path.read_text())
     # One level: a dict-valued field (fusion.weights) is one value, set whole.
-    return {f"{section}.{name}": value
-            for section, fields in recorded.items() for name, value in fields.items()}
+    return {
+        f"{section}.{name}": value
+        for section, fields in recorded.items()
+        for name, value in fields.items()
+    }

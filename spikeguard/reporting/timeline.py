@@ -51,7 +51,9 @@ class Incident:
     detectors: dict[str, dict] = field(default_factory=dict)  # name -> verdict summary
     rules: list[str] = field(default_factory=list)
     critical: bool = False
-    layers: list[dict] = field(default_factory=list)  # forensics.layers.LayerMove, first mover first
+    layers: list[dict] = field(
+        default_factory=list
+    )  # forensics.layers.LayerMove, first mover first
     samples: dict | None = None  # forensics.record.summary: the incident's record, if one was given
 
 
@@ -95,8 +97,9 @@ class Timeline:
 
 
 def _baseline(points: list[StepPoint], index: int) -> float | None:
-    before = [p.loss for p in points[max(0, index - 4 * BASELINE_STEPS):index]
-              if math.isfinite(p.loss)][-BASELINE_STEPS:]
+    before = [
+        p.loss for p in points[max(0, index - 4 * BASELINE_STEPS) : index] if math.isfinite(p.loss)
+    ][-BASELINE_STEPS:]
     return statistics.median(before) if before else None
 
 
@@ -122,13 +125,25 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
             continue  # a re-delivered record, or another rank's copy
         first = trained.setdefault(event.step, event.epoch)
         index_of[key] = len(points)
-        points.append(StepPoint(event.step, event.epoch, event.loss, event.grad_norm, event.time,
-                                rerun=first < event.epoch, lr=event.lr))
+        points.append(
+            StepPoint(
+                event.step,
+                event.epoch,
+                event.loss,
+                event.grad_norm,
+                event.time,
+                rerun=first < event.epoch,
+                lr=event.lr,
+            )
+        )
     verdicts: dict[tuple[int, int], dict[str, dict]] = {}
     for v in run.verdicts:
         verdicts.setdefault((v.epoch, v.step), {})[v.detector] = {
-            "anomaly": v.is_anomaly, "type": v.type.value, "confidence": round(v.confidence, 3),
-            "rules": list(v.rules), "message": v.message,
+            "anomaly": v.is_anomaly,
+            "type": v.type.value,
+            "confidence": round(v.confidence, 3),
+            "rules": list(v.rules),
+            "message": v.message,
         }
     anomalies: list[tuple[int, int, str]] = []
     incidents: dict[str, Incident] = {}
@@ -145,14 +160,26 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
             at = index_of.get((d.epoch, onset))
             point = points[at] if at is not None else None
             found = incidents[incident_id] = Incident(
-                incident_id, onset, d.epoch, d.type.value, d.urgency.value, d.step, d.step, 0,
-                time=point.time if point else None, loss=point.loss if point else None,
+                incident_id,
+                onset,
+                d.epoch,
+                d.type.value,
+                d.urgency.value,
+                d.step,
+                d.step,
+                0,
+                time=point.time if point else None,
+                loss=point.loss if point else None,
                 baseline=_baseline(points, at) if at is not None else None,
                 detectors=verdicts.get((d.epoch, onset)) or verdicts.get((d.epoch, d.step), {}),
-                rules=list(d.rules), critical=d.critical,
+                rules=list(d.rules),
+                critical=d.critical,
             )
         found.decisions += 1
-        found.first_step, found.last_step = min(found.first_step, d.step), max(found.last_step, d.step)
+        found.first_step, found.last_step = (
+            min(found.first_step, d.step),
+            max(found.last_step, d.step),
+        )
         if _RANK[d.urgency.value] > _RANK[found.urgency]:
             found.urgency = d.urgency.value
         for rule in d.rules:
@@ -174,22 +201,38 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         if ack is not None:
             later = [e for t, e in epoch_at if t >= ack.time]
             ack_epoch = later[0] if later else (epoch_at[-1][1] if epoch_at else None)
-        rows.append(ActionRow(
-            a.action_id, a.kind.value, a.apply_at_step, dict(a.params), a.reason, a.incident_id,
-            ack.status.value if ack else "no ack", ack.step if ack else None, ack_epoch,
-            ack.time if ack else None, ack.result if ack else "", a.decision_id,
-        ))
+        rows.append(
+            ActionRow(
+                a.action_id,
+                a.kind.value,
+                a.apply_at_step,
+                dict(a.params),
+                a.reason,
+                a.incident_id,
+                ack.status.value if ack else "no ack",
+                ack.step if ack else None,
+                ack_epoch,
+                ack.time if ack else None,
+                ack.result if ack else "",
+                a.decision_id,
+            )
+        )
         if a.kind.value == "rollback" and ack is not None and ack.status.value == "applied":
             target = a.params.get("target_step")
             if isinstance(target, (int, float)):
                 rollbacks.append((ack.step, int(target), ack_epoch if ack_epoch is not None else 0))
     # A skip planned with a rollback is applied on the rewound step; it happened where the
     # rollback left, and is drawn there.
-    rolled_back_at = {r.decision_id: r.ack_step for r in rows
-                      if r.kind == "rollback" and r.ack_status == "applied" and r.decision_id}
-    data_skips = [(rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0,
-                   _skipped_steps(r.params)) for r in rows
-                  if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None]
+    rolled_back_at = {
+        r.decision_id: r.ack_step
+        for r in rows
+        if r.kind == "rollback" and r.ack_status == "applied" and r.decision_id
+    }
+    data_skips = [
+        (rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0, _skipped_steps(r.params))
+        for r in rows
+        if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None
+    ]
     if incidents_dir is not None:
         for row in rows:
             if row.kind == "skip_batches" and row.incident_id:
@@ -203,17 +246,24 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         if incidents_dir is not None:
             incident.samples = summary(incidents_dir, run.run_id, incident.incident_id)
     return Timeline(
-        run.run_id, points, anomalies,
-        sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)), rows, rollbacks,
+        run.run_id,
+        points,
+        anomalies,
+        sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)),
+        rows,
+        rollbacks,
         checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
         reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
-        data_skips=data_skips, goodput=goodput(run),
+        data_skips=data_skips,
+        goodput=goodput(run),
     )
 
 
 def _skipped_steps(params: dict) -> int:
     """Steps' worth of data a SKIP_BATCHES action drops: its window plus its extra."""
     try:
-        return max(int(params["to_step"]) - int(params["from_step"]) + 1, 0) + int(params.get("extra", 0))
+        return max(int(params["to_step"]) - int(params["from_step"]) + 1, 0) + int(
+            params.get("extra", 0)
+        )
     except (KeyError, TypeError, ValueError):
         return 0

@@ -62,13 +62,21 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         bus.create_topics(topics.compacted(), compacted=True)
         bus.create_topics(topics.all())
     except BusError as exc:
-        log.warning("spikeguard: Kafka at %s is unreachable, training goes on with the local "
-                    "protections only (non-finite skip), no pipeline: %s",
-                    settings.bootstrap_servers, exc)
+        log.warning(
+            "spikeguard: Kafka at %s is unreachable, training goes on with the local "
+            "protections only (non-finite skip), no pipeline: %s",
+            settings.bootstrap_servers,
+            exc,
+        )
         bus.close()
         return Runtime(None, topics, settings, problem=str(exc))
-    watch = PipelineWatch(bus, topics, str(settings.bootstrap_servers),
-                          timeout_s=settings.connect_timeout_s, interval_s=settings.pipeline_check_s)
+    watch = PipelineWatch(
+        bus,
+        topics,
+        str(settings.bootstrap_servers),
+        timeout_s=settings.connect_timeout_s,
+        interval_s=settings.pipeline_check_s,
+    )
     watch.check()  # one line at start when workers are missing
     watch.start()
     return Runtime(bus, topics, settings, watch=watch)
@@ -82,8 +90,10 @@ def _open_with_child(settings: Settings, metrics: Metrics | None) -> Runtime | N
     here, the child's series merged in at each scrape.
     """
     if sys.platform == "win32":  # no passing of pipe ends to a child there
-        log.info("spikeguard: the embedded pipeline runs as threads of this process "
-                 "(a child process needs a Unix platform)")
+        log.info(
+            "spikeguard: the embedded pipeline runs as threads of this process "
+            "(a child process needs a Unix platform)"
+        )
         return None
     from spikeguard.runtime.child import ChildPipeline
 
@@ -100,7 +110,10 @@ def _open_with_child(settings: Settings, metrics: Metrics | None) -> Runtime | N
         from spikeguard.metrics import default_metrics
         from spikeguard.metrics_http import LagCollector, serve
 
-        local = [(metrics or default_metrics()).registry, LagCollector.for_bus(runtime.bus, runtime.topics.prefix)]
+        local = [
+            (metrics or default_metrics()).registry,
+            LagCollector.for_bus(runtime.bus, runtime.topics.prefix),
+        ]
         server = serve(settings.metrics_port, combined_registry(local, runtime.child.metrics))
         runtime.closers.insert(0, server.close)  # before the child goes: a scrape still finds it
     return runtime
@@ -113,6 +126,9 @@ def _record_settings(settings: Settings) -> None:
     try:
         save(settings, settings.data_dir)
     except OSError as exc:  # a convenience for later replays, never a reason not to train
-        log.warning("spikeguard: could not record the judging settings in %s: %s; training goes "
-                    "on (a replay of this recording needs the settings given again)",
-                    settings.data_dir, describe(exc))
+        log.warning(
+            "spikeguard: could not record the judging settings in %s: %s; training goes "
+            "on (a replay of this recording needs the settings given again)",
+            settings.data_dir,
+            describe(exc),
+        )

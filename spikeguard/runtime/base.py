@@ -23,7 +23,9 @@ def make_bus(settings: Settings) -> Bus:
 
         kind = KafkaBus
         if settings.kafka_client == "confluent":
-            from spikeguard.bus.confluent import ConfluentBus  # ConfigError naming the extra if missing
+            from spikeguard.bus.confluent import (
+                ConfluentBus,
+            )  # ConfigError naming the extra if missing
 
             kind = ConfluentBus
         return kind(
@@ -41,9 +43,12 @@ def make_bus(settings: Settings) -> Bus:
             session_timeout_ms=int(settings.session_timeout_s * 1000),
             heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )
-    return EmbeddedBus(partitions=settings.partitions, data_dir=settings.data_dir,
-                       keep_consumed=settings.embedded_keep_consumed,
-                       max_records=settings.embedded_max_records)
+    return EmbeddedBus(
+        partitions=settings.partitions,
+        data_dir=settings.data_dir,
+        keep_consumed=settings.embedded_keep_consumed,
+        max_records=settings.embedded_max_records,
+    )
 
 
 @dataclass

@@ -92,9 +92,20 @@ class PendingStep(Record):
 
     __slots__ = ("fields", "signing_key")
 
-    def __init__(self, topic: str, partition: int, offset: int, key: bytes | None,
-                 value: bytes | None, headers: tuple = (), timestamp_ms: int = 0,
-                 cache: dict | None = None, event: Any = None, *, signing_key: Any = None) -> None:
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        headers: tuple = (),
+        timestamp_ms: int = 0,
+        cache: dict | None = None,
+        event: Any = None,
+        *,
+        signing_key: Any = None,
+    ) -> None:
         super().__init__(topic, partition, offset, key, None, headers, timestamp_ms, cache={})
         self.fields = event
         self.signing_key = signing_key
@@ -149,9 +160,17 @@ class Forwarder:
     side) per burst, not per record. A record of an ``urgent`` topic goes at once.
     """
 
-    def __init__(self, bus: Bus, topics: list[str], group: str, link: Link,
-                 linger_s: float, max_linger_s: float = 0.0, urgent: tuple[str, ...] = (),
-                 poll_timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        topics: list[str],
+        group: str,
+        link: Link,
+        linger_s: float,
+        max_linger_s: float = 0.0,
+        urgent: tuple[str, ...] = (),
+        poll_timeout_s: float = 0.5,
+    ) -> None:
         self.link = link
         self.linger_s = linger_s
         self.max_linger_s = max(linger_s, max_linger_s)
@@ -207,8 +226,13 @@ class Forwarder:
         self.thread.join(timeout=10)
 
 
-def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "",
-            on_metrics: Callable[[Any], None] | None = None) -> None:
+def receive(
+    bus: Bus,
+    conn: Connection,
+    signing_key: Any = None,
+    dlq: str = "",
+    on_metrics: Callable[[Any], None] | None = None,
+) -> None:
     """Publish the batches that come in on ``conn`` into ``bus`` until ``None`` or the pipe closes.
 
     Step fields (only the child gets them) are built and signed here with the
@@ -226,10 +250,14 @@ def receive(bus: Bus, conn: Connection, signing_key: Any = None, dlq: str = "",
                 if on_metrics is not None:
                     on_metrics(message[1])
                 continue
-            producer.publish_records([  # type: ignore[attr-defined]
-                (topic, key, value, headers, None) if fields is None
-                else _built(topic, key, fields, signing_key, dlq)
-                for topic, key, value, headers, fields in message[1]])
+            producer.publish_records(
+                [  # type: ignore[attr-defined]
+                    (topic, key, value, headers, None)
+                    if fields is None
+                    else _built(topic, key, fields, signing_key, dlq)
+                    for topic, key, value, headers, fields in message[1]
+                ]
+            )
             producer.flush()
     except (EOFError, OSError):
         return
@@ -248,11 +276,25 @@ def _built(topic: str, key: bytes | None, fields: dict, signing_key: Any, dlq: s
     except (ValidationError, TypeError) as exc:
         log.warning("spikeguard: a trainer's step could not be built: %s", exc)
         text = json.dumps(fields, default=str)
-        letter = DeadLetter(source_topic=topic, partition=-1, offset=-1, key=str(fields.get("run_id")),
-                            value=text[:10_000], value_bytes=len(text), error=type(exc).__name__,
-                            reason=str(exc), consumer="spikeguard.bridge")
+        letter = DeadLetter(
+            source_topic=topic,
+            partition=-1,
+            offset=-1,
+            key=str(fields.get("run_id")),
+            value=text[:10_000],
+            value_bytes=len(text),
+            error=type(exc).__name__,
+            reason=str(exc),
+            consumer="spikeguard.bridge",
+        )
         return (dlq, key, encode(letter), (), None)
-    return (topic, key, None, (), sign_step(event, signing_key) if signing_key is not None else event)
+    return (
+        topic,
+        key,
+        None,
+        (),
+        sign_step(event, signing_key) if signing_key is not None else event,
+    )
 
 
 class ChildPipeline:
@@ -277,7 +319,8 @@ class ChildPipeline:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "spikeguard.runtime.child", str(down_r), str(up_w)],
-                pass_fds=(down_r, up_w), close_fds=True,
+                pass_fds=(down_r, up_w),
+                close_fds=True,
             )
         except (OSError, ValueError) as exc:  # no interpreter to start, or no fd passing here
             for fd in (down_r, down_w, up_r, up_w):
@@ -298,17 +341,25 @@ class ChildPipeline:
             code = self.process.wait()
             self._down.conn.close()
             self._up.close()
-            raise BusError(f"the embedded pipeline process did not start within {STARTUP_TIMEOUT_S:.0f}s "
-                           f"(exit code {code}; see its stderr)")
+            raise BusError(
+                f"the embedded pipeline process did not start within {STARTUP_TIMEOUT_S:.0f}s "
+                f"(exit code {code}; see its stderr)"
+            )
         #: Seconds from launch to the child's workers running (imports, mostly).
         self.startup_s = time.perf_counter() - self.started
         worker = settings.worker
         group = f"{topics.prefix}{BRIDGE_GROUP}"
-        self.forwarder = Forwarder(bus, inputs_of(topics), group, self._down,
-                                   worker.embedded_batch_linger_s,
-                                   worker.embedded_bridge_max_linger_s).start()
-        self.receiver = threading.Thread(target=self._receive, args=(bus,),
-                                         name="spikeguard-bridge-up", daemon=True)
+        self.forwarder = Forwarder(
+            bus,
+            inputs_of(topics),
+            group,
+            self._down,
+            worker.embedded_batch_linger_s,
+            worker.embedded_bridge_max_linger_s,
+        ).start()
+        self.receiver = threading.Thread(
+            target=self._receive, args=(bus,), name="spikeguard-bridge-up", daemon=True
+        )
         self.receiver.start()
         self._bus = bus
         bus.pipeline_link = self  # type: ignore[attr-defined]  # the publisher's way down
@@ -321,8 +372,12 @@ class ChildPipeline:
         before, and its steps are judged (refused) as before. Once the child is
         gone the publisher builds its steps itself again, for whoever reads them.
         """
-        if (self.problem is not None or self._closing or topic != self.topics.steps
-                or not self._is_own_key(signing_key)):
+        if (
+            self.problem is not None
+            or self._closing
+            or topic != self.topics.steps
+            or not self._is_own_key(signing_key)
+        ):
             return False
         items = [(topic, _run_key(fields), None, (), fields) for fields in batch]
         # For readers in this process; the forwarder only commits past them.
@@ -385,9 +440,11 @@ class ChildPipeline:
         if code is not None:
             why = f"it exited with code {code} ({why})"
         self.problem = f"the embedded pipeline process stopped: {why}"
-        log.error("spikeguard: %s; training goes on with the Guard's local protections only "
-                  "(non-finite and outlier skips): no rollbacks or other actions until restarted",
-                  self.problem)
+        log.error(
+            "spikeguard: %s; training goes on with the Guard's local protections only "
+            "(non-finite and outlier skips): no rollbacks or other actions until restarted",
+            self.problem,
+        )
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Hand the child what the trainer published, let its workers save and stop, then wait."""
@@ -428,7 +485,9 @@ def child_main(down_fd: int, up_fd: int) -> int:
     down = Connection(down_fd, writable=False)
     up = Link(Connection(up_fd, readable=False))
     settings = down.recv()
-    if settings.worker.embedded_process_nice and hasattr(os, "nice"):  # the trainer first on busy cores
+    if settings.worker.embedded_process_nice and hasattr(
+        os, "nice"
+    ):  # the trainer first on busy cores
         os.nice(settings.worker.embedded_process_nice)
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
@@ -437,18 +496,30 @@ def child_main(down_fd: int, up_fd: int) -> int:
     bus.signing_key = settings.keys()  # type: ignore[attr-defined]
     runtime = Runtime(bus, topics, settings)
     worker = settings.worker
-    forwarder = Forwarder(bus, outputs_of(topics), f"{topics.prefix}{BRIDGE_GROUP}", up,
-                          worker.embedded_batch_linger_s, worker.embedded_bridge_max_linger_s,
-                          urgent=(topics.actions,))
+    forwarder = Forwarder(
+        bus,
+        outputs_of(topics),
+        f"{topics.prefix}{BRIDGE_GROUP}",
+        up,
+        worker.embedded_batch_linger_s,
+        worker.embedded_bridge_max_linger_s,
+        urgent=(topics.actions,),
+    )
     start_workers(runtime)
-    from spikeguard.alerting.service import start_monitoring  # alerts live here; /metrics in the trainer
+    from spikeguard.alerting.service import (
+        start_monitoring,
+    )  # alerts live here; /metrics in the trainer
     from spikeguard.metrics import default_metrics
 
     start_monitoring(runtime, serve_http=False)
     up.send(READY)  # before the forwarder's first batch can use the pipe
     forwarder.start()
-    registry = default_metrics().registry  # what the workers count into (they get no Metrics of their own)
-    if settings.metrics_port is not None:  # served by the trainer's process: the lag of these groups too
+    registry = (
+        default_metrics().registry
+    )  # what the workers count into (they get no Metrics of their own)
+    if (
+        settings.metrics_port is not None
+    ):  # served by the trainer's process: the lag of these groups too
         from spikeguard.metrics_http import LagCollector
 
         registry.register(LagCollector.for_bus(bus, topics.prefix))

@@ -35,8 +35,13 @@ _EVENT = itemgetter(1)
 RecordFailed = Callable[[int, Exception], None]
 
 
-def handle_batch(stage: Stage, items: Sequence[tuple[str, BaseModel]], on_failure: RecordFailed,
-                 name: str | None = None, run_ids: set[str] | None = None) -> list[Output]:
+def handle_batch(
+    stage: Stage,
+    items: Sequence[tuple[str, BaseModel]],
+    on_failure: RecordFailed,
+    name: str | None = None,
+    run_ids: set[str] | None = None,
+) -> list[Output]:
     """``stage.handle_batch(items)`` as one transaction; on failure, record by record.
 
     ``name`` labels the log line of a failed batch (default: the stage's name);

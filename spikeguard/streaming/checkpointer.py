@@ -34,8 +34,14 @@ _OFFSET = attrgetter("offset")
 
 
 class Checkpointer:
-    def __init__(self, store: StateStore, stage: Stage, topics: Iterable[str], group: str,
-                 on_unadoptable=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self,
+        store: StateStore,
+        stage: Stage,
+        topics: Iterable[str],
+        group: str,
+        on_unadoptable=None,
+    ) -> None:  # type: ignore[no-untyped-def]
         self.store = store
         self.stage = stage
         self.topics = list(topics)
@@ -77,8 +83,9 @@ class Checkpointer:
                 if until is not None and record.offset < until:
                     continue
             kept.append(record)
-        for tp in [tp for tp, runs in self._skip.items()
-                   if self.positions.get(tp, 0) >= max(runs.values())]:
+        for tp in [
+            tp for tp, runs in self._skip.items() if self.positions.get(tp, 0) >= max(runs.values())
+        ]:
             del self._skip[tp]
         return kept
 
@@ -94,7 +101,9 @@ class Checkpointer:
         for run_id in run_ids:
             self._dirty_runs.discard(run_id)
             self._tombstones[run_id] = None
-            partition = self._ended_in[run_id] = None if partitions is None else partitions.get(run_id)
+            partition = self._ended_in[run_id] = (
+                None if partitions is None else partitions.get(run_id)
+            )
             if partition is not None:  # so that its partition comes due, and the tombstone goes out
                 self._dirty_partitions.add(partition)
 
@@ -125,8 +134,13 @@ class Checkpointer:
         return bool(self._dirty_partitions or self._dirty_runs or self._tombstones)
 
     # -- saving -----------------------------------------------------------------
-    def save(self, producer: Producer, run_partition: dict[str, int], partitions: Iterable[int] | None = None,
-             now: float = 0.0) -> dict[TopicPartition, int]:
+    def save(
+        self,
+        producer: Producer,
+        run_partition: dict[str, int],
+        partitions: Iterable[int] | None = None,
+        now: float = 0.0,
+    ) -> dict[TopicPartition, int]:
         """Write the changed runs, then the touched partitions' positions (the caller flushes).
 
         ``partitions``: only these (None: every partition with something to save).
@@ -166,7 +180,9 @@ class Checkpointer:
                 self._dirty_runs.difference_update(by_partition.get(partition, ()))
         return saved
 
-    def tombstone(self, producer: Producer, alive: Iterable[str], partitions: Iterable[int] | None = None) -> bool:
+    def tombstone(
+        self, producer: Producer, alive: Iterable[str], partitions: Iterable[int] | None = None
+    ) -> bool:
         """After a commit: tombstone the ended runs (not those back in memory since). True if any.
 
         ``partitions``: the partitions that commit covered (None: all): the runs of other
@@ -188,8 +204,9 @@ class Checkpointer:
         return bool(gone)
 
     # -- rebalancing ----------------------------------------------------------
-    def assign(self, gained: set[TopicPartition], consumer: Consumer,
-               run_partition: dict[str, int]) -> None:
+    def assign(
+        self, gained: set[TopicPartition], consumer: Consumer, run_partition: dict[str, int]
+    ) -> None:
         """Restore the runs of the partitions gained and seek their inputs to match."""
         self.store.invalidate()  # the previous owner may have written since we read it
         try:
@@ -198,8 +215,13 @@ class Checkpointer:
         finally:
             self.store.invalidate()  # what was read is in the stage now: free it
 
-    def _assign_one(self, partition: int, gained: set[TopicPartition], consumer: Consumer,
-                    run_partition: dict[str, int]) -> None:
+    def _assign_one(
+        self,
+        partition: int,
+        gained: set[TopicPartition],
+        consumer: Consumer,
+        run_partition: dict[str, int],
+    ) -> None:
         snapshot = self.store.load(partition)
         if not snapshot:
             return
@@ -211,8 +233,13 @@ class Checkpointer:
             self.stage.forget(snapshot["runs"])
             if self._on_unadoptable is not None:
                 self._on_unadoptable()
-            log.warning("%s: cannot restore partition %d (%s: %s); it starts afresh",
-                        self.group, partition, type(exc).__name__, exc)
+            log.warning(
+                "%s: cannot restore partition %d (%s: %s); it starts afresh",
+                self.group,
+                partition,
+                type(exc).__name__,
+                exc,
+            )
             return
         for run_id in snapshot["runs"]:
             run_partition[run_id] = partition
@@ -227,8 +254,9 @@ class Checkpointer:
             for topic, offset in offsets.items():
                 if (topic, partition) in gained:
                     self._skip.setdefault((topic, partition), {})[run_id] = offset
-        log.info("%s: restored partition %d (%d runs)", self.group, partition,
-                 len(snapshot["runs"]))
+        log.info(
+            "%s: restored partition %d (%d runs)", self.group, partition, len(snapshot["runs"])
+        )
 
     def revoke(self, lost: set[TopicPartition], runs: Iterable[str]) -> None:
         """These partitions (and their runs) moved away: nothing of theirs is saved by us now."""

@@ -14,8 +14,14 @@ import sys
 import types
 from typing import Any, Iterable
 
-_SHARED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, types.CodeType)
+_SHARED = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.CodeType,
+)
 
 
 def deep_size(*roots: Any, exclude: Iterable[Any] = ()) -> int:
@@ -42,8 +48,12 @@ def deep_size(*roots: Any, exclude: Iterable[Any] = ()) -> int:
             attrs = getattr(obj, "__dict__", None)
             if attrs is not None:
                 stack.append(attrs)
-            slots = [slot for cls in type(obj).__mro__ for slot in getattr(cls, "__slots__", ())
-                     if isinstance(slot, str) and hasattr(obj, slot)]
+            slots = [
+                slot
+                for cls in type(obj).__mro__
+                for slot in getattr(cls, "__slots__", ())
+                if isinstance(slot, str) and hasattr(obj, slot)
+            ]
             stack.extend(getattr(obj, slot) for slot in slots)
             if attrs is None and not slots and type(obj).__module__.startswith("sklearn"):
                 # A compiled sklearn object (a fitted tree) keeps its arrays out of sight;

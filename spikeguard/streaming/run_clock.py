@@ -39,8 +39,9 @@ class RunTime(NamedTuple):
 class RunClock:
     """The clocks of the runs a stage holds (bounded with them: :meth:`forget`)."""
 
-    def __init__(self, max_step_gap: int = DEFAULT_MAX_STEP_GAP,
-                 max_epoch_gap: int = DEFAULT_MAX_EPOCH_GAP) -> None:
+    def __init__(
+        self, max_step_gap: int = DEFAULT_MAX_STEP_GAP, max_epoch_gap: int = DEFAULT_MAX_EPOCH_GAP
+    ) -> None:
         if max_step_gap < 1 or max_epoch_gap < 1:
             raise ValueError("RunClock: max_step_gap and max_epoch_gap must be at least 1")
         self.max_step_gap = max_step_gap
@@ -60,12 +61,14 @@ class RunClock:
             raise RecordBeyondRunClock(
                 f"run {run_id}: {what} (epoch {epoch}) is more than {self.max_epoch_gap} epochs past "
                 f"epoch {now.epoch}, the run's newest (far future: forged or corrupt); refused, "
-                "the run's clock is unchanged")
+                "the run's clock is unchanged"
+            )
         if step - now.step > self.max_step_gap:
             raise RecordBeyondRunClock(
                 f"run {run_id}: {what} is more than {self.max_step_gap} steps past "
                 f"step {now.step}, the furthest the run has published (far future: forged or corrupt); "
-                "refused, the run's clock is unchanged")
+                "refused, the run's clock is unchanged"
+            )
 
     def advance(self, run_id: str, epoch: int, step: int) -> None:
         """The run has published (epoch, step): its clock moves forward to it (never back)."""

@@ -58,9 +58,14 @@ def validated(model: type[BaseModel], values: dict[str, Any], what: str, run_id:
     try:
         return model.model_validate(values)
     except (ValidationError, TypeError, ValueError) as exc:
-        detail = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors(include_url=False)
-        ) if isinstance(exc, ValidationError) else str(exc)
+        detail = (
+            "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
+                for e in exc.errors(include_url=False)
+            )
+            if isinstance(exc, ValidationError)
+            else str(exc)
+        )
         raise RunSettingsRejected(
             f"run {run_id}: {what} do not validate ({detail}); the run keeps this stage's defaults"
         ) from None
@@ -97,8 +102,11 @@ class EndingRuns:
         """Remove and return the runs to end now: ``handled(run_id, epoch, end_step)``, or too old."""
         if not self.pending:
             return []
-        out = [run_id for run_id, (epoch, step, since) in self.pending.items()
-               if now - since >= self.grace_seconds or handled(run_id, epoch, step)]
+        out = [
+            run_id
+            for run_id, (epoch, step, since) in self.pending.items()
+            if now - since >= self.grace_seconds or handled(run_id, epoch, step)
+        ]
         for run_id in out:
             del self.pending[run_id]
         return out
@@ -126,8 +134,14 @@ class RunSettingsStage(PerRunStage):
     #: The records that move a run's clock (besides its start); the others are only checked.
     sets_clock: tuple[type[BaseModel], ...] = ()
 
-    def __init__(self, topics: Any, factory: Callable[..., Any], end_grace_seconds: float = 30.0,
-                 signing_key: SecretStr | None = None, clock: RunClock | None = None) -> None:
+    def __init__(
+        self,
+        topics: Any,
+        factory: Callable[..., Any],
+        end_grace_seconds: float = 30.0,
+        signing_key: SecretStr | None = None,
+        clock: RunClock | None = None,
+    ) -> None:
         super().__init__(topics, factory)
         # With a key, only records signed by their producer are taken (run events: the run's Guard).
         self.signing_key = signing_key
@@ -155,7 +169,11 @@ class RunSettingsStage(PerRunStage):
         # An ack has no epoch: its step alone is checked against the run's furthest.
         epoch = getattr(event, "epoch", None)
         self.clock.check(run_id, epoch, step, describe(event))
-        if isinstance(event, self.sets_clock) or isinstance(event, RunEvent) and event.kind == "start":
+        if (
+            isinstance(event, self.sets_clock)
+            or isinstance(event, RunEvent)
+            and event.kind == "start"
+        ):
             self.clock.advance(run_id, epoch, step)
         if isinstance(event, RunEvent) and event.kind == "start":  # a subclass too
             given = self.given(event)
@@ -180,15 +198,21 @@ class RunSettingsStage(PerRunStage):
         old = self.runs.get(run_id)
         if old is not None and (config is None or old.config == config):
             return old
-        new = self.runs[run_id] = self.factory(run_id) if config is None else self.factory(run_id, config)
+        new = self.runs[run_id] = (
+            self.factory(run_id) if config is None else self.factory(run_id, config)
+        )
         if old is not None:
             new.load_state_dict(old.state_dict())
         return new
 
     def due_ends(self, now: float) -> list[str]:
         """The runs to end now (the caller emits what they still hold, then calls end_runs)."""
-        return self.ending.due(now, lambda run_id, epoch, step: run_id not in self.runs
-                               or self.handled(run_id, epoch, step))
+        return self.ending.due(
+            now,
+            lambda run_id, epoch, step: (
+                run_id not in self.runs or self.handled(run_id, epoch, step)
+            ),
+        )
 
     # -- state: the run's given settings and a pending end travel with its object ----
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:

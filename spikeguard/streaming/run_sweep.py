@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class RunSweep:
-    def __init__(self, stage: Stage, metrics: Any, run_idle_ttl_s: float, metrics_linger_s: float,
-                 group: str) -> None:
+    def __init__(
+        self, stage: Stage, metrics: Any, run_idle_ttl_s: float, metrics_linger_s: float, group: str
+    ) -> None:
         self.stage, self.metrics, self.group = stage, metrics, group
         self.run_idle_ttl_s = run_idle_ttl_s
         self.metrics_linger_s = metrics_linger_s
@@ -42,11 +43,14 @@ class RunSweep:
         self.stage.end_runs(idle)
         self._idled += len(idle)
         self.metrics.runs_evicted.labels(self.stage.name, "idle").inc(len(idle))
-        log.info("%s: %d runs idle for over %.0fs evicted", self.group, len(idle), self.run_idle_ttl_s)
+        log.info(
+            "%s: %d runs idle for over %.0fs evicted", self.group, len(idle), self.run_idle_ttl_s
+        )
         return outputs
 
-    def ended(self, now: float, run_partition: dict[str, int],
-              popped: dict[str, int] | None = None) -> list[str]:
+    def ended(
+        self, now: float, run_partition: dict[str, int], popped: dict[str, int] | None = None
+    ) -> list[str]:
         """The runs the stage ended since the last call, gone from ``run_partition`` (in place).
 
         ``popped``: filled with the ended runs' partitions, as they were.
@@ -54,7 +58,9 @@ class RunSweep:
         ended = self.stage.drain_ended()
         if ended:
             if len(ended) > self._idled:
-                self.metrics.runs_evicted.labels(self.stage.name, "ended").inc(len(ended) - self._idled)
+                self.metrics.runs_evicted.labels(self.stage.name, "ended").inc(
+                    len(ended) - self._idled
+                )
             self._idled = 0
             due = now + self.metrics_linger_s
             self._high = max(self._high, len(run_partition))

@@ -139,8 +139,13 @@ class StateStore:
                     # so someone must hear about it.
                     self._count_unreadable()
                     what = f"partition {key}" if key.isdigit() else key
-                    log.warning("%s: unreadable state snapshot for %s at offset %s (%s); "
-                                "it starts afresh", self.topic, what, record.offset, exc)
+                    log.warning(
+                        "%s: unreadable state snapshot for %s at offset %s (%s); it starts afresh",
+                        self.topic,
+                        what,
+                        record.offset,
+                        exc,
+                    )
                     loaded.drop(key, self)
             self._loaded = loaded
         return self._loaded
@@ -149,15 +154,21 @@ class StateStore:
         if not isinstance(value, dict):
             raise ValueError("not a JSON object")
         if key.startswith(self._run_prefix):
-            partition, offsets, state = value.get("partition"), value.get("offsets"), value.get("state")
-            if not (isinstance(partition, int) and isinstance(offsets, dict) and isinstance(state, dict)):
+            partition, offsets, state = (
+                value.get("partition"),
+                value.get("offsets"),
+                value.get("state"),
+            )
+            if not (
+                isinstance(partition, int) and isinstance(offsets, dict) and isinstance(state, dict)
+            ):
                 raise ValueError("not a run record with partition, offsets and state")
-            loaded.runs[key[len(self._run_prefix):]] = (partition, offsets, state)
+            loaded.runs[key[len(self._run_prefix) :]] = (partition, offsets, state)
         elif key.startswith(self._partition_prefix):
             offsets = value.get("offsets")
             if not isinstance(offsets, dict):
                 raise ValueError("not a partition record with offsets")
-            loaded.markers[int(key[len(self._partition_prefix):])] = offsets
+            loaded.markers[int(key[len(self._partition_prefix) :])] = offsets
         elif key.isdigit():  # the older layout: one record per partition
             if not (isinstance(value.get("runs"), dict) and isinstance(value.get("offsets"), dict)):
                 raise ValueError("not a snapshot object with offsets and runs")
@@ -193,14 +204,22 @@ class StateStore:
                 self.refused += 1
                 if self._on_refused is not None:
                     self._on_refused()
-                log.warning("%s: state of run %s not saved: %d bytes is over the %d-byte record "
-                            "limit; a restart starts that run afresh", self.topic, run_id, size,
-                            self.max_record_bytes)
+                log.warning(
+                    "%s: state of run %s not saved: %d bytes is over the %d-byte record "
+                    "limit; a restart starts that run afresh",
+                    self.topic,
+                    run_id,
+                    size,
+                    self.max_record_bytes,
+                )
                 producer.publish(self.topic, None, key=key)  # type: ignore[arg-type]
                 continue
             producer.publish(self.topic, value, key=key)
-        producer.publish(self.topic, json.dumps({"partition": partition, "offsets": offsets}).encode(),
-                         key=self.partition_key(partition))
+        producer.publish(
+            self.topic,
+            json.dumps({"partition": partition, "offsets": offsets}).encode(),
+            key=self.partition_key(partition),
+        )
         return refused
 
     def delete_runs(self, producer: Producer, run_ids: list[str]) -> None:
@@ -241,9 +260,9 @@ class _Loaded:
 
     def drop(self, key: str, store: StateStore) -> None:
         if key.startswith(store._run_prefix):
-            self.runs.pop(key[len(store._run_prefix):], None)
+            self.runs.pop(key[len(store._run_prefix) :], None)
         elif key.startswith(store._partition_prefix):
-            tail = key[len(store._partition_prefix):]
+            tail = key[len(store._partition_prefix) :]
             if tail.isdigit():
                 self.markers.pop(int(tail), None)
         elif key.isdigit():

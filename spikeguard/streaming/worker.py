@@ -51,10 +51,18 @@ from pydantic import BaseModel
 from spikeguard.bus import Bus, Record
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import (
-    CommitRefused, DeliveryError, RecordRejected, SchemaError, TooManyRuns,
+    CommitRefused,
+    DeliveryError,
+    RecordRejected,
+    SchemaError,
+    TooManyRuns,
 )
 from spikeguard.metrics import (
-    Metrics, default_metrics, observe_ignored, observe_inputs, observe_outputs,
+    Metrics,
+    default_metrics,
+    observe_ignored,
+    observe_inputs,
+    observe_outputs,
 )
 from spikeguard.streaming.batch_transaction import handle_batch
 from spikeguard.streaming.checkpointer import Checkpointer
@@ -129,13 +137,23 @@ class Worker:
             issubclass(model, (StepEvent, Ack)) for model in self._models.values()
         )
         unreadable = self.metrics.unreadable_snapshots.labels(stage.name).inc
-        self._store = StateStore(
-            bus, topics.state(stage.name), on_unreadable=unreadable, component=stage.name,
-            max_record_bytes=max_state_record_bytes,
-            on_refused=self.metrics.state_refused.labels(stage.name).inc,
-        ) if snapshots else None
-        self._saver = Checkpointer(self._store, stage, self._models, self.group,
-                                   on_unadoptable=unreadable) if self._store else None
+        self._store = (
+            StateStore(
+                bus,
+                topics.state(stage.name),
+                on_unreadable=unreadable,
+                component=stage.name,
+                max_record_bytes=max_state_record_bytes,
+                on_refused=self.metrics.state_refused.labels(stage.name).inc,
+            )
+            if snapshots
+            else None
+        )
+        self._saver = (
+            Checkpointer(self._store, stage, self._models, self.group, on_unadoptable=unreadable)
+            if self._store
+            else None
+        )
         self._producer = bus.producer()
         # Which partition each run in memory came from (to forget it when the partition moves).
         self._run_partition: dict[str, int] = {}
@@ -160,8 +178,9 @@ class Worker:
                 self.run_once()
         except Exception as exc:  # noqa: BLE001 - whatever it is, this worker cannot go on
             self.failure = exc
-            log.error("%s: cannot go on: %s: %s", self.group, type(exc).__name__, exc,
-                      exc_info=True)
+            log.error(
+                "%s: cannot go on: %s: %s", self.group, type(exc).__name__, exc, exc_info=True
+            )
         finally:
             self.close()
 
@@ -181,7 +200,9 @@ class Worker:
         if records and self.batch_linger_s > 0 and len(records) < self.max_records:
             self._pause(self.batch_linger_s)
             records += self._consumer.poll(self.max_records - len(records), 0)
-        if self._revoke_failure is not None:  # a delivery failure the rebalance callback (in poll) saw
+        if (
+            self._revoke_failure is not None
+        ):  # a delivery failure the rebalance callback (in poll) saw
             raise self._revoke_failure
         started = time.perf_counter()
         now = self.clock()
@@ -280,8 +301,13 @@ class Worker:
 
         def failed(index: int, exc: Exception) -> None:
             record = sources[index]
-            log.exception("%s: record %s[%d]@%d failed", self.group, record.topic,
-                          record.partition, record.offset)
+            log.exception(
+                "%s: record %s[%d]@%d failed",
+                self.group,
+                record.topic,
+                record.partition,
+                record.offset,
+            )
             self._to_dlq(record, exc)
 
         return handle_batch(self.stage, items, failed, self.group, run_ids)
@@ -326,9 +352,12 @@ class Worker:
             raise TooManyRuns(
                 f"run {run_id}: this {self.stage.name} worker already holds {len(held) + len(new_runs)} "
                 f"runs, its limit (worker.max_runs={self.max_runs}); refused until runs end or idle out "
-                "(a flood of made-up run ids, or raise the limit)")
+                "(a flood of made-up run ids, or raise the limit)"
+            )
 
-    def _decode_all(self, records: list[Record]) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
+    def _decode_all(
+        self, records: list[Record]
+    ) -> tuple[list[tuple[str, BaseModel]], list[Record]]:
         models = self._models
         if len(models) == 1:  # fusion: one input topic
             ((topic, model),) = models.items()
@@ -344,8 +373,12 @@ class Worker:
         limit = self.max_input_record_bytes
         for record in records:
             try:
-                raw = record._value  # the bytes as received; an in-process event is not encoded for this
-                if raw is not None and len(raw) > limit:  # refused unparsed (worker.max_input_record_bytes)
+                raw = (
+                    record._value
+                )  # the bytes as received; an in-process event is not encoded for this
+                if (
+                    raw is not None and len(raw) > limit
+                ):  # refused unparsed (worker.max_input_record_bytes)
                     decode(raw, self._models[record.topic], max_bytes=limit)
                 event = record.decoded(self._models[record.topic])
             except SchemaError as exc:
@@ -362,14 +395,20 @@ class Worker:
         # Which partition each run came from (to forget its runs when it moves away).
         partitions = set(map(_PARTITION, sources))
         if len(partitions) == 1:
-            self._run_partition.update(zip(map(_RUN_ID, map(_EVENT, items)), repeat(partitions.pop())))
+            self._run_partition.update(
+                zip(map(_RUN_ID, map(_EVENT, items)), repeat(partitions.pop()))
+            )
         else:
-            self._run_partition.update(zip(map(_RUN_ID, map(_EVENT, items)), map(_PARTITION, sources)))
+            self._run_partition.update(
+                zip(map(_RUN_ID, map(_EVENT, items)), map(_PARTITION, sources))
+            )
         # Counted per batch, not per record: label look-ups cost a microsecond each.
         name = self.stage.name
-        topics = Counter(map(_TOPIC, records)) if len(self._models) > 1 else {
-            records[0].topic: len(records)
-        }
+        topics = (
+            Counter(map(_TOPIC, records))
+            if len(self._models) > 1
+            else {records[0].topic: len(records)}
+        )
         for topic, count in topics.items():
             self.metrics.records_in.labels(name, topic).inc(count)
         # No timestamp is 0 (the usual case): the plain minimum is the oldest.
@@ -394,8 +433,14 @@ class Worker:
 
     def _to_dlq(self, record: Record, exc: BaseException) -> None:
         letter = dead_letter(record, exc, self.group)
-        log.warning("%s: %s[%d]@%d to the DLQ: %s", self.group, record.topic, record.partition,
-                    record.offset, letter.reason)
+        log.warning(
+            "%s: %s[%d]@%d to the DLQ: %s",
+            self.group,
+            record.topic,
+            record.partition,
+            record.offset,
+            letter.reason,
+        )
         self._producer.publish(self.dlq_topic, encode(letter), key=record.key)
         self.metrics.dead_letters.labels(self.stage.name, letter.error).inc()
 

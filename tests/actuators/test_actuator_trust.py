@@ -17,8 +17,20 @@ from spikeguard.bus import EmbeddedBus
 from spikeguard.components import build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.schemas import (
-    MAX_COUNTER, Ack, AckStatus, Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision,
-    Evidence, Topics, decision_id, decode, encode,
+    MAX_COUNTER,
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    Evidence,
+    Topics,
+    decision_id,
+    decode,
+    encode,
 )
 from spikeguard.schemas.signing import sign
 from spikeguard.settings import load_settings
@@ -44,10 +56,25 @@ def publish(bus: EmbeddedBus, worker: Worker, *events) -> None:
 
 
 def decision(step: int, key: str | None, anomaly: bool = False) -> tuple[str, Decision]:
-    fields = dict(is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0,
-                  incident_id=f"i{step}", incident_onset_step=step) if anomaly else dict(is_anomaly=False)
-    made = Decision(decision_id=decision_id(RUN, step), run_id=RUN, step=step,
-                    evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0, grad_norm=1.0), **fields)
+    fields = (
+        dict(
+            is_anomaly=True,
+            critical=True,
+            type=AnomalyType.NON_FINITE,
+            confidence=1.0,
+            incident_id=f"i{step}",
+            incident_onset_step=step,
+        )
+        if anomaly
+        else dict(is_anomaly=False)
+    )
+    made = Decision(
+        decision_id=decision_id(RUN, step),
+        run_id=RUN,
+        step=step,
+        evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0, grad_norm=1.0),
+        **fields,
+    )
     return TOPICS.decisions, made if key is None else sign(made, key)
 
 
@@ -68,8 +95,11 @@ def the_real_run(bus: EmbeddedBus, worker: Worker, key: str | None, *forged) -> 
 
 
 def rollbacks(bus: EmbeddedBus) -> list[Action]:
-    return [a for a in (decode(r.value, Action) for r in bus.read_all(TOPICS.actions))
-            if a.kind is ActionKind.ROLLBACK]
+    return [
+        a
+        for a in (decode(r.value, Action) for r in bus.read_all(TOPICS.actions))
+        if a.kind is ActionKind.ROLLBACK
+    ]
 
 
 def letters(bus: EmbeddedBus) -> list[DeadLetter]:
@@ -91,7 +121,9 @@ def test_one_forged_far_future_decision_no_longer_disarms_the_run():
     assert f"run {RUN} decision for step {MAX_COUNTER}: no signature" in letter.reason
 
 
-@pytest.mark.parametrize("forged_key", [None, "another-key-0123456789abcdef"], ids=["unsigned", "other-key"])
+@pytest.mark.parametrize(
+    "forged_key", [None, "another-key-0123456789abcdef"], ids=["unsigned", "other-key"]
+)
 def test_forged_checkpoints_and_acks_are_refused_and_choose_nothing(forged_key):
     """Checkpoint events choose the rollback target, acks say whether a rollback counted: the trainer's own only."""
     bus = EmbeddedBus(partitions=1)
@@ -101,15 +133,27 @@ def test_forged_checkpoints_and_acks_are_refused_and_choose_nothing(forged_key):
     (rollback,) = rollbacks(bus)
     assert rollback.params.checkpoint_id == "c20"
     # An ack saying the rollback failed would make the policy give up its target.
-    forged_ack = Ack(run_id=RUN, action_id=rollback.action_id, kind=ActionKind.ROLLBACK,
-                     status=AckStatus.FAILED, step=151, result="forged")
-    publish(bus, worker, (TOPICS.acks, forged_ack if forged_key is None else sign(forged_ack, forged_key)))
+    forged_ack = Ack(
+        run_id=RUN,
+        action_id=rollback.action_id,
+        kind=ActionKind.ROLLBACK,
+        status=AckStatus.FAILED,
+        step=151,
+        result="forged",
+    )
+    publish(
+        bus,
+        worker,
+        (TOPICS.acks, forged_ack if forged_key is None else sign(forged_ack, forged_key)),
+    )
     policy = worker.stage.run(RUN)
     assert [c.checkpoint_id for c in policy.recovery.book.healthy] == ["c20"]
     assert rollback.action_id not in policy.acks
     refused = letters(bus)
     assert [(d.source_topic, d.error) for d in refused] == [
-        (TOPICS.checkpoints, "RecordNotAuthenticated"), (TOPICS.acks, "RecordNotAuthenticated")]
+        (TOPICS.checkpoints, "RecordNotAuthenticated"),
+        (TOPICS.acks, "RecordNotAuthenticated"),
+    ]
 
 
 def test_without_a_key_a_far_future_decision_is_refused_by_the_run_clock_not_adopted():
@@ -137,11 +181,16 @@ def test_the_worker_logs_one_info_line_per_incident_it_handles(caplog):
     with caplog.at_level(logging.INFO, logger="spikeguard.actuators.actuator_stage"):
         the_real_run(bus, worker, KEY)
         later = decision(152, KEY, anomaly=True)[1].model_copy(
-            update={"incident_id": "i151", "incident_onset_step": 151, "signature": None})
+            update={"incident_id": "i151", "incident_onset_step": 151, "signature": None}
+        )
         publish(bus, worker, (TOPICS.decisions, sign(later, KEY)))
-    lines = [r.getMessage() for r in caplog.records if r.name == "spikeguard.actuators.actuator_stage"]
-    assert [line.split(" (")[0] for line in lines] == [f"actuator: run {RUN} incident i150",
-                                                       f"actuator: run {RUN} incident i151"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "spikeguard.actuators.actuator_stage"
+    ]
+    assert [line.split(" (")[0] for line in lines] == [
+        f"actuator: run {RUN} incident i150",
+        f"actuator: run {RUN} incident i151",
+    ]
     assert "): alert at step 151" in lines[0]
     assert "): rollback+skip_batches+scale_lr+clip at step 152" in lines[1]
     assert len(rollbacks(bus)) == 1

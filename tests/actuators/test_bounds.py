@@ -17,17 +17,22 @@ from spikeguard.actuators.checkpoints import CheckpointBook
 from spikeguard.schemas import CheckpointEvent
 
 
-@pytest.mark.parametrize("current, factor, floor, expected", [
-    (1.0, 0.5, 0.05, 0.5),
-    (0.08, 0.5, 0.05, 0.625),  # stops at the floor
-    (0.05, 0.5, 0.05, 1.0),  # at the floor: nothing to do
-])
+@pytest.mark.parametrize(
+    "current, factor, floor, expected",
+    [
+        (1.0, 0.5, 0.05, 0.5),
+        (0.08, 0.5, 0.05, 0.625),  # stops at the floor
+        (0.05, 0.5, 0.05, 1.0),  # at the floor: nothing to do
+    ],
+)
 def test_effective_decrease(current: float, factor: float, floor: float, expected: float) -> None:
     assert effective_decrease(current, factor, floor) == pytest.approx(expected)
     assert current * effective_decrease(current, factor, floor) >= floor - 1e-12
 
 
-@pytest.mark.parametrize("current, factor, expected", [(0.4, 1.25, 1.25), (0.9, 1.25, 1 / 0.9), (1.0, 1.25, 1.0)])
+@pytest.mark.parametrize(
+    "current, factor, expected", [(0.4, 1.25, 1.25), (0.9, 1.25, 1 / 0.9), (1.0, 1.25, 1.0)]
+)
 def test_effective_increase(current: float, factor: float, expected: float) -> None:
     assert effective_increase(current, factor) == pytest.approx(expected)
 

@@ -5,8 +5,9 @@ from spikeguard.schemas import CheckpointEvent
 
 
 def event(step, healthy=True, deleted=False):
-    return CheckpointEvent(run_id="r", step=step, checkpoint_id=f"c{step}", healthy=healthy,
-                           deleted=deleted)
+    return CheckpointEvent(
+        run_id="r", step=step, checkpoint_id=f"c{step}", healthy=healthy, deleted=deleted
+    )
 
 
 def test_a_deleted_checkpoint_is_no_longer_a_target():

@@ -25,8 +25,9 @@ STEPS = 480
 BAD_BATCHES = range(398, 406)  # just before a checkpoint (400): the old cadence kept none 100 back
 
 
-def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path, regression_loader,
-                                                                       spiked_step):
+def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(
+    tmp_path, regression_loader, spiked_step
+):
     settings = load_settings({"topic_prefix": f"defaults-{uuid.uuid4().hex[:8]}."}, env={})
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
@@ -34,9 +35,22 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(tmp_path
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         # Defaults but for where checkpoints go, lockstep (one seed, one result) and the key.
-        config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, lockstep_timeout=30.0, data_seed=0,
-                             resume=False, signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="defaults", config=config, bus=runtime.bus, topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            lockstep=True,
+            lockstep_timeout=30.0,
+            data_seed=0,
+            resume=False,
+            signing_key=runtime.settings.signing_key,
+        )
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="defaults",
+            config=config,
+            bus=runtime.bus,
+            topics=runtime.topics,
+        )
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()

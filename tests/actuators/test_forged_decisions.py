@@ -25,7 +25,17 @@ from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, AnomalyType, DeadLetter, Decision, Evidence, StepEvent, decode, encode,
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    AnomalyType,
+    DeadLetter,
+    Decision,
+    Evidence,
+    StepEvent,
+    decode,
+    encode,
 )
 from spikeguard.settings import load_settings
 
@@ -40,40 +50,74 @@ def forged(step: int, published: dict[int, StepEvent]) -> Decision:
     evidence = None
     if step == 100:  # names a step the trainer did publish, with a loss it never had
         real = published[step - 1]
-        evidence = Evidence(step=real.step, epoch=real.epoch, loss=math.nan, grad_norm=real.grad_norm)
-    return Decision(decision_id=f"forged-{step}", run_id=RUN, step=step, is_anomaly=True, critical=True,
-                    type=AnomalyType.NON_FINITE, confidence=1.0, incident_id=f"forged-incident-{step}",
-                    incident_onset_step=step, evidence=evidence)
+        evidence = Evidence(
+            step=real.step, epoch=real.epoch, loss=math.nan, grad_norm=real.grad_norm
+        )
+    return Decision(
+        decision_id=f"forged-{step}",
+        run_id=RUN,
+        step=step,
+        is_anomaly=True,
+        critical=True,
+        type=AnomalyType.NON_FINITE,
+        confidence=1.0,
+        incident_id=f"forged-incident-{step}",
+        incident_onset_step=step,
+        evidence=evidence,
+    )
 
 
 @pytest.mark.parametrize("child", [False, True], ids=["threads", "child-process"])
 def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_back(
-        tmp_path, regression_loader, spiked_step, child):
+    tmp_path, regression_loader, spiked_step, child
+):
     # Threads: the actuator reads the trainer's bus and refuses the forgeries. Child process (the
     # default): the trainer's bus carries decisions only up from the pipeline, so a decision
     # written on it reaches no actuator at all.
-    settings = load_settings({"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}.",
-                              "worker": {"embedded_process": child}}, env={})
+    settings = load_settings(
+        {"topic_prefix": f"forged-{uuid.uuid4().hex[:8]}.", "worker": {"embedded_process": child}},
+        env={},
+    )
     # Its own metrics registry: the process-wide one would keep this run's series for later tests.
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         bus, topics = runtime.bus, runtime.topics
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=20, keep_checkpoints=8,
-                             lockstep=True, lockstep_timeout=30.0, data_seed=0, resume=False,
-                             signing_key=runtime.settings.signing_key)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every=20,
+            keep_checkpoints=8,
+            lockstep=True,
+            lockstep_timeout=30.0,
+            data_seed=0,
+            resume=False,
+            signing_key=runtime.settings.signing_key,
+        )
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
             if guard.generation == 0 and guard.step_count in FORGE_AT:
-                published = {e.step: e for e in (decode(r.value, StepEvent) for r in bus.read_all(topics.steps))
-                             if e.run_id == RUN}
-                forger.publish(topics.decisions, encode(forged(guard.step_count, published)), key=RUN)
+                published = {
+                    e.step: e
+                    for e in (decode(r.value, StepEvent) for r in bus.read_all(topics.steps))
+                    if e.run_id == RUN
+                }
+                forger.publish(
+                    topics.decisions, encode(forged(guard.step_count, published)), key=RUN
+                )
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
-        actions = [a for a in (decode(r.value, Action) for r in bus.read_all(topics.actions)) if a.run_id == RUN]
-        acks = {a.action_id: a for a in (decode(r.value, Ack) for r in bus.read_all(topics.acks)) if a.run_id == RUN}
+        actions = [
+            a
+            for a in (decode(r.value, Action) for r in bus.read_all(topics.actions))
+            if a.run_id == RUN
+        ]
+        acks = {
+            a.action_id: a
+            for a in (decode(r.value, Ack) for r in bus.read_all(topics.acks))
+            if a.run_id == RUN
+        }
         letters = [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
 
     # The actuator signed no action for any forged decision: each went to the DLQ, with the reason.
@@ -87,7 +131,9 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
         assert all("no signature" in d.reason for d in refused)
     # The real incident is still answered: a rollback to a checkpoint before it, applied.
     real = [a for a in actions if a.kind is ActionKind.ROLLBACK]
-    assert real and any(acks[a.action_id].status is AckStatus.APPLIED for a in real if a.action_id in acks)
+    assert real and any(
+        acks[a.action_id].status is AckStatus.APPLIED for a in real if a.action_id in acks
+    )
     assert guard.generation >= 1 and not guard.should_stop and guard.step_count == STEPS
     assert guard.counters["rollbacks"] == 1
 
@@ -97,18 +143,42 @@ def test_a_rollback_the_trainer_refused_neither_counts_against_the_window_nor_lo
     from spikeguard.actuators import PolicyConfig, RecoveryPolicy
     from spikeguard.schemas import CheckpointEvent
 
-    policy = RecoveryPolicy(PolicyConfig(max_rollbacks_in_window=1, rollback_window_steps=10_000,
-                                         non_finite_skipped_by_trainer=False), run_id=RUN)
+    policy = RecoveryPolicy(
+        PolicyConfig(
+            max_rollbacks_in_window=1,
+            rollback_window_steps=10_000,
+            non_finite_skipped_by_trainer=False,
+        ),
+        run_id=RUN,
+    )
     policy.on_checkpoint(CheckpointEvent(run_id=RUN, step=0, checkpoint_id="c0", healthy=True))
 
     def critical(step: int) -> list[Action]:
-        return policy.on_decision(Decision(
-            decision_id=f"d{step}", run_id=RUN, step=step, is_anomaly=True, critical=True,
-            type=AnomalyType.NON_FINITE, confidence=1.0, incident_id=f"i{step}", incident_onset_step=step))
+        return policy.on_decision(
+            Decision(
+                decision_id=f"d{step}",
+                run_id=RUN,
+                step=step,
+                is_anomaly=True,
+                critical=True,
+                type=AnomalyType.NON_FINITE,
+                confidence=1.0,
+                incident_id=f"i{step}",
+                incident_onset_step=step,
+            )
+        )
 
     first = next(a for a in critical(150) if a.kind is ActionKind.ROLLBACK)
-    policy.on_ack(Ack(run_id=RUN, action_id=first.action_id, kind=ActionKind.ROLLBACK,
-                      status=AckStatus.REJECTED, step=151, result="carries no evidence; action refused"))
+    policy.on_ack(
+        Ack(
+            run_id=RUN,
+            action_id=first.action_id,
+            kind=ActionKind.ROLLBACK,
+            status=AckStatus.REJECTED,
+            step=151,
+            result="carries no evidence; action refused",
+        )
+    )
     second = critical(300)
     assert [a.params.checkpoint_id for a in second if a.kind is ActionKind.ROLLBACK] == ["c0"]
     assert ActionKind.STOP not in {a.kind for a in second}

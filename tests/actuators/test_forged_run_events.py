@@ -35,8 +35,10 @@ FORGE_AT = 40  # the trainer's step at which the forged starts are written (afte
 RUN = "victim"
 # Within every validated range, and together they disarm the run: no detector's anomaly
 # weighs anything in fusion, and no checkpoint is ever far enough back for a rollback.
-DISARMED = dict(fusion={"weights": {"statistical": 0.0, "rules": 0.0, "ml": 0.0}, "default_weight": 0.0},
-                policy={"rollback_min_steps_before_onset": 1_000_000})
+DISARMED = dict(
+    fusion={"weights": {"statistical": 0.0, "rules": 0.0, "ml": 0.0}, "default_weight": 0.0},
+    policy={"rollback_min_steps_before_onset": 1_000_000},
+)
 
 
 def forged_start(**fields) -> RunEvent:
@@ -56,18 +58,31 @@ def until_refused(bus, topics, count: int, within_s: float = 60.0) -> None:
 
 @pytest.mark.parametrize("child", [False, True], ids=["threads", "child-process"])
 def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_back(
-        tmp_path, regression_loader, spiked_step, child):
+    tmp_path, regression_loader, spiked_step, child
+):
     # child-process: the Guard's signed run events and the forgeries cross the bridge to the
     # workers in another interpreter, and their dead letters come back.
-    settings = load_settings({"topic_prefix": f"forgedrun-{uuid.uuid4().hex[:8]}.",
-                              "worker": {"embedded_process": child}}, env={})
+    settings = load_settings(
+        {
+            "topic_prefix": f"forgedrun-{uuid.uuid4().hex[:8]}.",
+            "worker": {"embedded_process": child},
+        },
+        env={},
+    )
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         bus, topics = runtime.bus, runtime.topics
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=20, keep_checkpoints=8,
-                             lockstep=True, lockstep_timeout=30.0, data_seed=0, resume=False)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every=20,
+            keep_checkpoints=8,
+            lockstep=True,
+            lockstep_timeout=30.0,
+            data_seed=0,
+            resume=False,
+        )
         guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
@@ -76,15 +91,28 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
                 # The runs topic is compacted: the next record of the key replaces this one at
                 # once, so the second forgery waits until every stage has read (and refused) it.
                 until_refused(bus, topics, 6)
-                forger.publish(topics.runs, encode(sign_run_event(forged_start(reason="other key"),
-                                                                  "not-the-runs-key")), key=RUN)
+                forger.publish(
+                    topics.runs,
+                    encode(sign_run_event(forged_start(reason="other key"), "not-the-runs-key")),
+                    key=RUN,
+                )
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         stages = {w.stage.name: w.stage for w in runtime.workers}  # none here with a child process
-        applied = None if child else (stages["fusion"].run(RUN).config.weights,
-                                      stages["actuator"].run(RUN).config.rollback_min_steps_before_onset)
+        applied = (
+            None
+            if child
+            else (
+                stages["fusion"].run(RUN).config.weights,
+                stages["actuator"].run(RUN).config.rollback_min_steps_before_onset,
+            )
+        )
         guard.close()
         letters = [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
-        ends = [e for e in (decode(r.value, RunEvent) for r in bus.read_all(topics.runs)) if e.kind == "end"]
+        ends = [
+            e
+            for e in (decode(r.value, RunEvent) for r in bus.read_all(topics.runs))
+            if e.kind == "end"
+        ]
 
     # The Guard signs its run events; every stage applied its start (no overrides: the defaults)
     # and refused nothing of it (only the forged two are dead letters below).
@@ -96,7 +124,9 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
     consumers = {c.removeprefix(topics.prefix) for c, _ in refused}
     assert consumers == {"statistical", "rules", "ml", "predictor", "fusion", "actuator"}, refused
     assert len(refused) == 2 * 6
-    assert all(l.error == "RunEventNotAuthenticated" for l in letters if l.source_topic == topics.runs)
+    assert all(
+        l.error == "RunEventNotAuthenticated" for l in letters if l.source_topic == topics.runs
+    )
     assert sum(f"run {RUN} start: no signature" in r for _, r in refused) == 6
     assert sum(f"run {RUN} start: bad signature" in r for _, r in refused) == 6
     # And the real spike was answered as the run's own settings say: one rollback, applied.

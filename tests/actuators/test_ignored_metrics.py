@@ -19,14 +19,16 @@ def worker_for(component: str) -> tuple[EmbeddedBus, Worker, CollectorRegistry]:
     bus = EmbeddedBus(partitions=1)
     settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})
     registry = CollectorRegistry()
-    worker = Worker(bus, build_stage(component, settings, TOPICS), metrics=Metrics(registry),
-                    snapshots=False)
+    worker = Worker(
+        bus, build_stage(component, settings, TOPICS), metrics=Metrics(registry), snapshots=False
+    )
     return bus, worker, registry
 
 
 def ignored(registry: CollectorRegistry, component: str, reason: str) -> float:
     value = registry.get_sample_value(
-        "spikeguard_ignored_records_total", {"component": component, "reason": reason})
+        "spikeguard_ignored_records_total", {"component": component, "reason": reason}
+    )
     return value or 0.0
 
 
@@ -47,16 +49,23 @@ def test_fusion_counts_late_stale_and_duplicate_verdicts() -> None:
     step0 = [verdict(0, d) for d in ALL]
     run(bus, worker, TOPICS.verdicts, step0 + [step0[0]])  # decided, then a late copy
     assert ignored(registry, "fusion", "late_verdict") == 1
-    pending = [verdict(1, "rules"), verdict(1, "rules"), verdict(1, "rules", run_id="other"),
-               verdict(1, "rules", run_id="other")]  # two runs in one batch, one duplicate each
+    pending = [
+        verdict(1, "rules"),
+        verdict(1, "rules"),
+        verdict(1, "rules", run_id="other"),
+        verdict(1, "rules", run_id="other"),
+    ]  # two runs in one batch, one duplicate each
     run(bus, worker, TOPICS.verdicts, pending)
     assert ignored(registry, "fusion", "duplicate_verdict") == 2
     run(bus, worker, TOPICS.verdicts, [verdict(0, "rules", epoch=1), verdict(5, "ml", epoch=0)])
     assert ignored(registry, "fusion", "stale_verdict") == 1  # epoch 0 after epoch 1 began
     # counted once: the next batches add nothing for what was already exported
     run(bus, worker, TOPICS.verdicts, [verdict(1, "ml", epoch=1)])
-    assert (ignored(registry, "fusion", "late_verdict"), ignored(registry, "fusion", "duplicate_verdict"),
-            ignored(registry, "fusion", "stale_verdict")) == (1, 2, 1)
+    assert (
+        ignored(registry, "fusion", "late_verdict"),
+        ignored(registry, "fusion", "duplicate_verdict"),
+        ignored(registry, "fusion", "stale_verdict"),
+    ) == (1, 2, 1)
 
 
 def test_the_policy_counts_duplicate_and_late_decisions() -> None:
@@ -65,7 +74,9 @@ def test_the_policy_counts_duplicate_and_late_decisions() -> None:
     def decision(step: int) -> Decision:
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=False)
 
-    run(bus, worker, TOPICS.decisions, [decision(s) for s in range(10)] + [decision(9), decision(3)])
+    run(
+        bus, worker, TOPICS.decisions, [decision(s) for s in range(10)] + [decision(9), decision(3)]
+    )
     policy = worker.stage.runs["r"]
     assert policy.counts["duplicate"] == 2  # 9 again; 3 is also a decision id it has seen
     assert ignored(registry, "actuator", "duplicate_decision") == 2

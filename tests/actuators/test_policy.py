@@ -31,16 +31,34 @@ CKPTS = (100, 200, 300, 400)
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def dec(step: int, kind: T | None = None, *, onset: int | None = None, preventive: bool = False,
-        with_incident: bool = True) -> Decision:
+def dec(
+    step: int,
+    kind: T | None = None,
+    *,
+    onset: int | None = None,
+    preventive: bool = False,
+    with_incident: bool = True,
+) -> Decision:
     if kind is None:
         return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False)
     if preventive:
-        return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True,
-                        type=kind, preventive=True, confidence=0.6)
+        return Decision(
+            decision_id=decision_id(R, step),
+            run_id=R,
+            step=step,
+            is_anomaly=True,
+            type=kind,
+            preventive=True,
+            confidence=0.6,
+        )
     onset = step if onset is None else onset
     return Decision(
-        decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True, type=kind, confidence=0.9,
+        decision_id=decision_id(R, step),
+        run_id=R,
+        step=step,
+        is_anomaly=True,
+        type=kind,
+        confidence=0.9,
         critical=kind in CRITICAL_TYPES,  # as fusion marks them
         incident_id=incident_id(R, onset) if with_incident else None,
         incident_onset_step=onset if with_incident else None,
@@ -51,10 +69,22 @@ def ckpt(step: int, healthy: bool = True) -> CheckpointEvent:
     return CheckpointEvent(run_id=R, step=step, checkpoint_id=f"ck-{step}", healthy=healthy)
 
 
-def ack(action: Action, status: AckStatus = AckStatus.APPLIED, step: int | None = None,
-        rank: int = 0, result: str = "") -> Ack:
-    return Ack(run_id=R, action_id=action.action_id, kind=action.kind, status=status, rank=rank,
-               step=action.apply_at_step if step is None else step, result=result)
+def ack(
+    action: Action,
+    status: AckStatus = AckStatus.APPLIED,
+    step: int | None = None,
+    rank: int = 0,
+    result: str = "",
+) -> Ack:
+    return Ack(
+        run_id=R,
+        action_id=action.action_id,
+        kind=action.kind,
+        status=status,
+        rank=rank,
+        step=action.apply_at_step if step is None else step,
+        result=result,
+    )
 
 
 # The rollback machinery (epochs, acks, escalation, bounds) is exercised with a trigger that
@@ -102,74 +132,171 @@ def same(actual: list[tuple[str, dict]], expected: list[tuple[ActionKind, dict]]
 # Each row: (config, script, expected). Script items: (step, type or None, onset); steps 401..first-1
 # are healthy first. Expected: step -> actions (kind, params subset); unlisted steps produce nothing.
 def _rows() -> list:
-    roll = lambda t, s, cid=None: (K.ROLLBACK, {"target_step": t, "checkpoint_id": cid or f"ck-{t}"})  # noqa: E731
+    def roll(t, s, cid=None):
+        return K.ROLLBACK, {"target_step": t, "checkpoint_id": cid or f"ck-{t}"}
+
     skip = lambda a, b, extra=200: (K.SKIP_BATCHES, {"from_step": a, "to_step": b, "extra": extra})  # noqa: E731
     scale = lambda f: (K.SCALE_LR, {"factor": f})  # noqa: E731
     clip = lambda n: (K.CLIP, {"max_norm": n})  # noqa: E731
     div = [(s, T.DIVERGENCE, 500) for s in range(500, 576)]
     return [
-        pytest.param({}, [(500, T.NON_FINITE, 500)],
-                     {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]}, id="critical-non-finite"),
-        pytest.param({}, [(s, T.EXTREME_LOSS, 450) for s in range(500, 504)],
-                     {503: [roll(300, 503), skip(450, 503), scale(0.5), clip(1.0)]},
-                     id="critical-extreme-loss-judged-after-patience-target-before-onset"),
-        pytest.param({}, [(500, T.EXTREME_LOSS, 500), (501, None, 0), (502, None, 0), (503, None, 0)],
-                     {503: [roll(400, 503), skip(500, 503), scale(0.5), clip(1.0)]},
-                     id="critical-extreme-loss-without-evidence-of-absorption-rolls-back"),
-        pytest.param({}, [(500, T.NON_FINITE, 500), (501, T.NON_FINITE, 500), (502, T.NON_FINITE, 500)],
-                     {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]}, id="critical-acts-once"),
-        pytest.param({}, [(500, T.GRADIENT_EXPLOSION, 500), (501, T.GRADIENT_EXPLOSION, 500), (502, None, 0)],
-                     {500: [scale(0.4), clip(1.0)]}, id="explosion-lr-and-clip"),
-        pytest.param({}, [(500, T.GRADIENT_EXPLOSION, 500), (501, T.GRADIENT_EXPLOSION, 500),
-                          (502, T.LOSS_SPIKE, 500)],
-                     {500: [scale(0.4), clip(1.0)],
-                      502: [roll(400, 502), skip(500, 502), scale(0.4), clip(0.5)]},
-                     id="explosion-then-loss-rolls-back"),
-        pytest.param({"rollback_restores_lr": False},
-                     [(500, T.GRADIENT_EXPLOSION, 500), (502, T.LOSS_SPIKE, 500)],
-                     {500: [scale(0.4), clip(1.0)], 502: [roll(400, 502), skip(500, 502), clip(0.5)]},
-                     id="explosion-then-loss-guard-keeps-lr"),
-        pytest.param({}, [(500, T.LOSS_SPIKE, 500), (501, T.GRADIENT_EXPLOSION, 500)],
-                     {501: [roll(400, 501), skip(500, 501), scale(0.4), clip(1.0)]},
-                     id="explosion-with-loss-already-following"),
-        pytest.param({}, [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
-                     {503: [roll(400, 503), skip(500, 503)]}, id="spike-not-recovering-data-lr-stays"),
-        pytest.param({"lr_decrease_factor_spike": 0.5}, [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
-                     {503: [roll(400, 503), skip(500, 503), scale(0.5)]}, id="spike-lr-cut-is-a-setting"),
-        pytest.param({}, [(500, T.LOSS_SPIKE, 500), (501, None, 0), (502, None, 0), (503, None, 0)],
-                     {503: [(K.CHECKPOINT, {"reason": "on_demand"}), (K.ALERT, {"severity": "info"})]},
-                     id="spike-recovering-watch-only"),
-        pytest.param({"spike_patience_steps": 5},
-                     [(500, T.LOSS_SPIKE, 500)] + [(s, T.LOSS_SPIKE, 500) for s in range(501, 506)],
-                     {505: [roll(400, 505), skip(500, 505)]}, id="spike-patience-is-a-setting"),
-        pytest.param({}, [(500, T.LOSS_SPIKE, 500), (501, T.NON_FINITE, 500), (502, T.NON_FINITE, 500),
-                          (503, T.NON_FINITE, 500)],
-                     {501: [roll(400, 501), skip(500, 501), scale(0.5), clip(1.0)]},
-                     id="spike-turning-critical-acts-at-once"),
-        pytest.param({}, div,
-                     {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)], 525: [scale(0.8)],
-                      550: [scale(0.8)], 575: [roll(400, 575), skip(500, 575), scale(0.512)]},
-                     id="divergence-lr-steps-then-rollback"),
-        pytest.param({"rollback_restores_lr": False}, div,
-                     {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)], 525: [scale(0.8)],
-                      550: [scale(0.8)], 575: [roll(400, 575), skip(500, 575)]},
-                     id="divergence-guard-keeps-lr"),
-        pytest.param({}, [(500, T.OSCILLATION, 500), (510, T.OSCILLATION, 500)],
-                     {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]}, id="oscillation"),
-        pytest.param({}, [(500, T.ML_OUTLIER, 500), (501, T.ML_OUTLIER, 500)],
-                     {500: [(K.ALERT, {"severity": "warning"})]}, id="other-types-alert-once"),
-        pytest.param({}, [(500, T.OUTLIER_STEP, 500), (501, None, 0), (600, T.OUTLIER_STEP, 600)],
-                     {500: [(K.ALERT, {"severity": "info"})], 600: [(K.ALERT, {"severity": "info"})]},
-                     id="outlier-step-is-said-never-recovered"),
-        pytest.param({}, [(500, T.LOSS_SPIKE, 500), (501, None, 0), (502, None, 0),
-                          (503, T.OUTLIER_STEP, 503), (504, None, 0)],
-                     {503: [(K.ALERT, {"severity": "info"})],
-                      504: [(K.CHECKPOINT, {"reason": "on_demand"}), (K.ALERT, {"severity": "info"})]},
-                     id="outlier-step-is-not-a-spike-going-on"),
-        pytest.param({}, [(500, T.SLOW_RISE, 500), (510, T.SLOW_RISE, 500)],
-                     {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]}, id="slow-rise"),
-        pytest.param({"apply_lag_steps": 0}, [(500, T.NON_FINITE, 500)],
-                     {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]}, id="lag-zero"),
+        pytest.param(
+            {},
+            [(500, T.NON_FINITE, 500)],
+            {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]},
+            id="critical-non-finite",
+        ),
+        pytest.param(
+            {},
+            [(s, T.EXTREME_LOSS, 450) for s in range(500, 504)],
+            {503: [roll(300, 503), skip(450, 503), scale(0.5), clip(1.0)]},
+            id="critical-extreme-loss-judged-after-patience-target-before-onset",
+        ),
+        pytest.param(
+            {},
+            [(500, T.EXTREME_LOSS, 500), (501, None, 0), (502, None, 0), (503, None, 0)],
+            {503: [roll(400, 503), skip(500, 503), scale(0.5), clip(1.0)]},
+            id="critical-extreme-loss-without-evidence-of-absorption-rolls-back",
+        ),
+        pytest.param(
+            {},
+            [(500, T.NON_FINITE, 500), (501, T.NON_FINITE, 500), (502, T.NON_FINITE, 500)],
+            {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]},
+            id="critical-acts-once",
+        ),
+        pytest.param(
+            {},
+            [(500, T.GRADIENT_EXPLOSION, 500), (501, T.GRADIENT_EXPLOSION, 500), (502, None, 0)],
+            {500: [scale(0.4), clip(1.0)]},
+            id="explosion-lr-and-clip",
+        ),
+        pytest.param(
+            {},
+            [
+                (500, T.GRADIENT_EXPLOSION, 500),
+                (501, T.GRADIENT_EXPLOSION, 500),
+                (502, T.LOSS_SPIKE, 500),
+            ],
+            {
+                500: [scale(0.4), clip(1.0)],
+                502: [roll(400, 502), skip(500, 502), scale(0.4), clip(0.5)],
+            },
+            id="explosion-then-loss-rolls-back",
+        ),
+        pytest.param(
+            {"rollback_restores_lr": False},
+            [(500, T.GRADIENT_EXPLOSION, 500), (502, T.LOSS_SPIKE, 500)],
+            {500: [scale(0.4), clip(1.0)], 502: [roll(400, 502), skip(500, 502), clip(0.5)]},
+            id="explosion-then-loss-guard-keeps-lr",
+        ),
+        pytest.param(
+            {},
+            [(500, T.LOSS_SPIKE, 500), (501, T.GRADIENT_EXPLOSION, 500)],
+            {501: [roll(400, 501), skip(500, 501), scale(0.4), clip(1.0)]},
+            id="explosion-with-loss-already-following",
+        ),
+        pytest.param(
+            {},
+            [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
+            {503: [roll(400, 503), skip(500, 503)]},
+            id="spike-not-recovering-data-lr-stays",
+        ),
+        pytest.param(
+            {"lr_decrease_factor_spike": 0.5},
+            [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
+            {503: [roll(400, 503), skip(500, 503), scale(0.5)]},
+            id="spike-lr-cut-is-a-setting",
+        ),
+        pytest.param(
+            {},
+            [(500, T.LOSS_SPIKE, 500), (501, None, 0), (502, None, 0), (503, None, 0)],
+            {503: [(K.CHECKPOINT, {"reason": "on_demand"}), (K.ALERT, {"severity": "info"})]},
+            id="spike-recovering-watch-only",
+        ),
+        pytest.param(
+            {"spike_patience_steps": 5},
+            [(500, T.LOSS_SPIKE, 500)] + [(s, T.LOSS_SPIKE, 500) for s in range(501, 506)],
+            {505: [roll(400, 505), skip(500, 505)]},
+            id="spike-patience-is-a-setting",
+        ),
+        pytest.param(
+            {},
+            [
+                (500, T.LOSS_SPIKE, 500),
+                (501, T.NON_FINITE, 500),
+                (502, T.NON_FINITE, 500),
+                (503, T.NON_FINITE, 500),
+            ],
+            {501: [roll(400, 501), skip(500, 501), scale(0.5), clip(1.0)]},
+            id="spike-turning-critical-acts-at-once",
+        ),
+        pytest.param(
+            {},
+            div,
+            {
+                500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)],
+                525: [scale(0.8)],
+                550: [scale(0.8)],
+                575: [roll(400, 575), skip(500, 575), scale(0.512)],
+            },
+            id="divergence-lr-steps-then-rollback",
+        ),
+        pytest.param(
+            {"rollback_restores_lr": False},
+            div,
+            {
+                500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)],
+                525: [scale(0.8)],
+                550: [scale(0.8)],
+                575: [roll(400, 575), skip(500, 575)],
+            },
+            id="divergence-guard-keeps-lr",
+        ),
+        pytest.param(
+            {},
+            [(500, T.OSCILLATION, 500), (510, T.OSCILLATION, 500)],
+            {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]},
+            id="oscillation",
+        ),
+        pytest.param(
+            {},
+            [(500, T.ML_OUTLIER, 500), (501, T.ML_OUTLIER, 500)],
+            {500: [(K.ALERT, {"severity": "warning"})]},
+            id="other-types-alert-once",
+        ),
+        pytest.param(
+            {},
+            [(500, T.OUTLIER_STEP, 500), (501, None, 0), (600, T.OUTLIER_STEP, 600)],
+            {500: [(K.ALERT, {"severity": "info"})], 600: [(K.ALERT, {"severity": "info"})]},
+            id="outlier-step-is-said-never-recovered",
+        ),
+        pytest.param(
+            {},
+            [
+                (500, T.LOSS_SPIKE, 500),
+                (501, None, 0),
+                (502, None, 0),
+                (503, T.OUTLIER_STEP, 503),
+                (504, None, 0),
+            ],
+            {
+                503: [(K.ALERT, {"severity": "info"})],
+                504: [(K.CHECKPOINT, {"reason": "on_demand"}), (K.ALERT, {"severity": "info"})],
+            },
+            id="outlier-step-is-not-a-spike-going-on",
+        ),
+        pytest.param(
+            {},
+            [(500, T.SLOW_RISE, 500), (510, T.SLOW_RISE, 500)],
+            {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]},
+            id="slow-rise",
+        ),
+        pytest.param(
+            {"apply_lag_steps": 0},
+            [(500, T.NON_FINITE, 500)],
+            {500: [roll(400, 500), skip(500, 500), scale(0.5), clip(1.0)]},
+            id="lag-zero",
+        ),
     ]
 
 
@@ -183,12 +310,17 @@ def test_strategy_table(config: dict, script: list, expected: dict) -> None:
         want = expected.get(step, [])
         assert same(summary(actions), want), (step, summary(actions), want)
         assert all(a.apply_at_step == step + lag for a in actions)
-        assert all(a.run_id == R and a.decision_id == decision_id(R, step) and a.reason for a in actions)
+        assert all(
+            a.run_id == R and a.decision_id == decision_id(R, step) and a.reason for a in actions
+        )
 
 
 # --- missing checkpoints ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("ckpts, unhealthy", [((), ()), ((450,), ()), ((450,), (300, 350))],
-                         ids=["none", "too-close-to-onset", "only-unhealthy-eligible"])
+@pytest.mark.parametrize(
+    "ckpts, unhealthy",
+    [((), ()), ((450,), ()), ((450,), (300, 350))],
+    ids=["none", "too-close-to-onset", "only-unhealthy-eligible"],
+)
 def test_no_eligible_checkpoint_falls_back(ckpts: tuple, unhealthy: tuple) -> None:
     policy = make(ckpts=ckpts, rollback_min_steps_before_onset=100)
     for step in unhealthy:
@@ -243,8 +375,12 @@ def test_second_rollback_for_the_same_incident_stops_the_run() -> None:
 
 @pytest.mark.parametrize("window, stops", [(1000, True), (50, False)])
 def test_rollbacks_within_a_window_escalate(window: int, stops: bool) -> None:
-    policy = make(ckpts=range(100, 1001, 100), rollback_window_steps=window, max_rollbacks_in_window=2,
-                  rollback_min_steps_before_onset=10)
+    policy = make(
+        ckpts=range(100, 1001, 100),
+        rollback_window_steps=window,
+        max_rollbacks_in_window=2,
+        rollback_min_steps_before_onset=10,
+    )
     healthy(policy, 1001, 1100)
     assert _rollback(policy, 1100).params["target_step"] == 1000
     healthy(policy, 1001, 1080)
@@ -279,7 +415,10 @@ def test_lr_and_clip_stay_within_bounds() -> None:
 
 def test_lr_restored_gradually_never_above_base() -> None:
     policy = make()
-    assert summary(policy.on_decision(dec(500, T.GRADIENT_EXPLOSION)))[0] == ("scale_lr", {"factor": 0.4})
+    assert summary(policy.on_decision(dec(500, T.GRADIENT_EXPLOSION)))[0] == (
+        "scale_lr",
+        {"factor": 0.4},
+    )
     restores = [a for a in healthy(policy, 501, 2000) if a.kind is K.RESTORE_LR]
     factors = [a.params["factor"] for a in restores]
     assert factors[:3] == [1.25, 1.25, 1.25] and all(1 < f <= 1.25 for f in factors)
@@ -316,9 +455,14 @@ def test_warnings_are_low_key_and_rate_limited() -> None:
     assert summary(second) == [("checkpoint", {"reason": "on_demand"}), ("clip", {"max_norm": 0.5})]
     healthy(policy, 601, 700)
     third = policy.on_decision(dec(700, T.INSTABILITY_WARNING, preventive=True))
-    assert kinds(third) == [K.CHECKPOINT]  # clipping is not tightened below initial x factor by warnings
+    assert kinds(third) == [
+        K.CHECKPOINT
+    ]  # clipping is not tightened below initial x factor by warnings
     healthy(policy, 701, 800)
-    assert kinds(policy.on_decision(dec(800, T.STALLED, preventive=True))) == [K.CHECKPOINT, K.ALERT]
+    assert kinds(policy.on_decision(dec(800, T.STALLED, preventive=True))) == [
+        K.CHECKPOINT,
+        K.ALERT,
+    ]
     everything = first + second + third
     assert not {K.ROLLBACK, K.SCALE_LR, K.SKIP_BATCHES, K.STOP} & set(kinds(everything))
 
@@ -427,11 +571,17 @@ def test_failed_rollback_alerts_once_and_is_not_retried() -> None:
     rollback = policy.on_decision(dec(500, T.NON_FINITE))[0]
     policy.on_decision(dec(501, T.NON_FINITE, onset=500))
     alert = policy.on_ack(ack(rollback, AckStatus.FAILED, result="checkpoint file missing"))
-    assert summary(alert) == [("alert", {"severity": "critical", "message": alert[0].params["message"]})]
-    assert "not retried" in alert[0].params["message"] and "file missing" in alert[0].params["message"]
+    assert summary(alert) == [
+        ("alert", {"severity": "critical", "message": alert[0].params["message"]})
+    ]
+    assert (
+        "not retried" in alert[0].params["message"] and "file missing" in alert[0].params["message"]
+    )
     assert policy.on_ack(ack(rollback, AckStatus.FAILED, rank=1)) == []
     assert "ck-400" not in [c.checkpoint_id for c in policy.recovery.book.healthy]
-    assert policy.recovery.lr.current == pytest.approx(0.5)  # the SCALE_LR sent with it still applied
+    assert policy.recovery.lr.current == pytest.approx(
+        0.5
+    )  # the SCALE_LR sent with it still applied
     # The incident goes on: quiet through the grace steps, then — no second rollback — a stop.
     outs = [policy.on_decision(dec(s, T.NON_FINITE, onset=500)) for s in range(502, 507)]
     assert outs[:4] == [[]] * 4
@@ -471,8 +621,13 @@ def _scenario(policy: RecoveryPolicy, snapshot_at: int | None = None) -> list[di
     Returns every action as JSON; with ``snapshot_at`` the policy is rebuilt from a JSON
     round trip of its state right after the first decision for that step.
     """
-    schedule = {300: (T.GRADIENT_EXPLOSION, 300), 301: (T.LOSS_SPIKE, 300), 400: (T.LOSS_SPIKE, 400),
-                450: (T.INSTABILITY_WARNING, None), 520: (T.NON_FINITE, 520)}
+    schedule = {
+        300: (T.GRADIENT_EXPLOSION, 300),
+        301: (T.LOSS_SPIKE, 300),
+        400: (T.LOSS_SPIKE, 400),
+        450: (T.INSTABILITY_WARNING, None),
+        520: (T.NON_FINITE, 520),
+    }
     schedule.update({s: (T.DIVERGENCE, 700) for s in range(700, 760)})
     fired: set[int] = set()  # skipped data does not come back: an anomaly happens once
     out: list[Action] = []
@@ -481,7 +636,9 @@ def _scenario(policy: RecoveryPolicy, snapshot_at: int | None = None) -> list[di
         if step % 50 == 0:
             out += policy.on_checkpoint(ckpt(step, healthy=not 300 <= step <= 330))
         kind, onset = schedule.get(step, (None, None)) if step not in fired else (None, None)
-        actions = policy.on_decision(dec(step, kind, onset=onset, preventive=kind is T.INSTABILITY_WARNING))
+        actions = policy.on_decision(
+            dec(step, kind, onset=onset, preventive=kind is T.INSTABILITY_WARNING)
+        )
         out += actions
         if step == snapshot_at and not snapshotted:
             snapshotted = True
@@ -505,7 +662,9 @@ def test_replay_yields_identical_actions_and_ids() -> None:
     assert first == second
     assert len({a["action_id"] for a in first}) == len(first)  # no id collides
     assert [a["kind"] for a in first].count("rollback") == 2
-    assert {"skip_batches", "scale_lr", "clip", "checkpoint", "restore_lr", "alert"} <= {a["kind"] for a in first}
+    assert {"skip_batches", "scale_lr", "clip", "checkpoint", "restore_lr", "alert"} <= {
+        a["kind"] for a in first
+    }
     # Restoring from a snapshot (JSON round trip) midway changes nothing.
     for at in (301, 402, 521, 720, 900):
         assert _scenario(make(ckpts=()), snapshot_at=at) == first
@@ -549,7 +708,9 @@ def test_the_policy_answers_fusion_s_critical_flag() -> None:
     type, except a finite loss: that one is judged after the patience (it may be absorbed)."""
     policy = make()
     healthy(policy, 401, 500)
-    assert policy.on_decision(dec(500, T.BAD_BATCH)) == []  # not critical: judged after the patience
+    assert (
+        policy.on_decision(dec(500, T.BAD_BATCH)) == []
+    )  # not critical: judged after the patience
     other = make()
     healthy(other, 401, 500)
     critical = dec(500, T.BAD_BATCH).model_copy(update={"critical": True})
@@ -562,20 +723,29 @@ def test_the_policy_answers_fusion_s_critical_flag() -> None:
 def test_a_decision_without_an_incident_is_an_incident_of_its_own() -> None:
     policy = make()
     healthy(policy, 401, 500)
-    assert kinds(policy.on_decision(dec(500, T.GRADIENT_EXPLOSION, with_incident=False))) == [K.SCALE_LR, K.CLIP]
+    assert kinds(policy.on_decision(dec(500, T.GRADIENT_EXPLOSION, with_incident=False))) == [
+        K.SCALE_LR,
+        K.CLIP,
+    ]
     # no regrouping in the policy: 505 is a new incident, so its explosion is answered again
-    assert kinds(policy.on_decision(dec(505, T.GRADIENT_EXPLOSION, with_incident=False))) == [K.SCALE_LR, K.CLIP]
+    assert kinds(policy.on_decision(dec(505, T.GRADIENT_EXPLOSION, with_incident=False))) == [
+        K.SCALE_LR,
+        K.CLIP,
+    ]
     assert not hasattr(policy.config, "incident_gap_steps")
 
 
 # --- config -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, field", [
-    ({"spike_types": (T.LOSS_SPIKE, T.NON_FINITE)}, "non_finite"),
-    ({"clip_norm_initial": 50.0}, "clip_norm_initial"),
-    ({"lr_decrease_factor_critical": 1.5}, "lr_decrease_factor_critical"),
-    ({"lr_restore_factor": 0.9}, "lr_restore_factor"),
-    ({"no_such_setting": 1}, "no_such_setting"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"spike_types": (T.LOSS_SPIKE, T.NON_FINITE)}, "non_finite"),
+        ({"clip_norm_initial": 50.0}, "clip_norm_initial"),
+        ({"lr_decrease_factor_critical": 1.5}, "lr_decrease_factor_critical"),
+        ({"lr_restore_factor": 0.9}, "lr_restore_factor"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+    ],
+)
 def test_bad_config_names_the_field(bad: dict, field: str) -> None:
     with pytest.raises(ValidationError, match=field):
         PolicyConfig(**bad)
@@ -584,11 +754,21 @@ def test_bad_config_names_the_field(bad: dict, field: str) -> None:
 def test_default_strategy_of_every_type() -> None:
     cfg = PolicyConfig()
     assert {t: cfg.strategy_of(t, critical=t in CRITICAL_TYPES) for t in T} == {
-        T.NONE: "notice", T.NON_FINITE: "critical", T.EXTREME_LOSS: "critical",
-        T.GRADIENT_EXPLOSION: "explosion", T.LOSS_SPIKE: "spike", T.DIVERGENCE: "slow",
-        T.OSCILLATION: "slow", T.LR_OUT_OF_BOUNDS: "notice", T.LOSS_SCALE_COLLAPSE: "notice",
-        T.BAD_BATCH: "spike", T.ML_OUTLIER: "notice", T.INSTABILITY_WARNING: "preventive",
-        T.STALLED: "preventive", T.LR_TOO_HIGH: "preventive", T.SLOW_RISE: "slow",
+        T.NONE: "notice",
+        T.NON_FINITE: "critical",
+        T.EXTREME_LOSS: "critical",
+        T.GRADIENT_EXPLOSION: "explosion",
+        T.LOSS_SPIKE: "spike",
+        T.DIVERGENCE: "slow",
+        T.OSCILLATION: "slow",
+        T.LR_OUT_OF_BOUNDS: "notice",
+        T.LOSS_SCALE_COLLAPSE: "notice",
+        T.BAD_BATCH: "spike",
+        T.ML_OUTLIER: "notice",
+        T.INSTABILITY_WARNING: "preventive",
+        T.STALLED: "preventive",
+        T.LR_TOO_HIGH: "preventive",
+        T.SLOW_RISE: "slow",
         T.OUTLIER_STEP: "notice",  # the policy answers it before any strategy: one info ALERT
         T.LAYER_BLOWUP: "notice",  # the ml detector's layer view: one ALERT per incident
         T.LR_INDUCED_RISE: "notice",  # the policy answers it before any strategy: the LR scaled back
@@ -596,10 +776,23 @@ def test_default_strategy_of_every_type() -> None:
 
 
 def test_optional_knobs_stay_bounded() -> None:
-    policy = make(eps_actions=True, batch_size_actions=True, max_eps=1e-6, min_batch_size_factor=0.5,
-                  max_rollbacks_in_window=10, rollback_min_steps_before_onset=10)
+    policy = make(
+        eps_actions=True,
+        batch_size_actions=True,
+        max_eps=1e-6,
+        min_batch_size_factor=0.5,
+        max_rollbacks_in_window=10,
+        rollback_min_steps_before_onset=10,
+    )
     out = policy.on_decision(dec(500, T.NON_FINITE))
-    assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP, K.REDUCE_BATCH_SIZE, K.SET_EPS]
+    assert kinds(out) == [
+        K.ROLLBACK,
+        K.SKIP_BATCHES,
+        K.SCALE_LR,
+        K.CLIP,
+        K.REDUCE_BATCH_SIZE,
+        K.SET_EPS,
+    ]
     assert dict(out[4].params) == {"factor": 0.5} and out[5].params["eps"] == pytest.approx(1e-7)
     policy.on_ack(ack(out[0]))
     healthy(policy, 401, 450)
@@ -621,7 +814,9 @@ def test_every_action_of_an_incident_names_its_onset_for_the_trainers_forensics(
     later = spike.on_decision(dec(330, T.EXTREME_LOSS, onset=328)) + healthy(spike, 331, 340)
     (rollback,) = [a for a in later if a.kind is K.ROLLBACK]
     assert rollback.decision_id == decision_id(R, 333) and rollback.incident_onset_step == 328
-    restore = Action(action_id="x", run_id=R, kind=K.RESTORE_LR, apply_at_step=9, params={"factor": 2})
+    restore = Action(
+        action_id="x", run_id=R, kind=K.RESTORE_LR, apply_at_step=9, params={"factor": 2}
+    )
     assert b"incident_onset_step" not in canonical_payload(restore)  # signed only when set
 
 

@@ -16,7 +16,9 @@ R = "run-1"
 
 
 def dec(step: int, ident: str | None = None) -> Decision:
-    return Decision(decision_id=ident or decision_id(R, step), run_id=R, step=step, is_anomaly=False)
+    return Decision(
+        decision_id=ident or decision_id(R, step), run_id=R, step=step, is_anomaly=False
+    )
 
 
 def run(steps: int, **config: int) -> RecoveryPolicy:
@@ -34,11 +36,15 @@ def test_a_full_window_of_decision_ids_is_small() -> None:
 
 
 def counts_after_repeats(policy: RecoveryPolicy) -> dict[str, int]:
-    for d in (dec(2999), dec(2500), dec(1999),  # admitted, in the window: duplicates
-              dec(1998),  # admitted, but out of the window: forgotten, late
-              dec(2700, "d-from-elsewhere"),  # never admitted: late
-              dec(2700, decision_id(R, 2701)),  # an admitted id, though at another step: duplicate
-              dec(2600, decision_id(R, 2600, epoch=1))):  # another epoch's id: late
+    for d in (
+        dec(2999),
+        dec(2500),
+        dec(1999),  # admitted, in the window: duplicates
+        dec(1998),  # admitted, but out of the window: forgotten, late
+        dec(2700, "d-from-elsewhere"),  # never admitted: late
+        dec(2700, decision_id(R, 2701)),  # an admitted id, though at another step: duplicate
+        dec(2600, decision_id(R, 2600, epoch=1)),
+    ):  # another epoch's id: late
         assert policy.on_decision(d) == []
     return dict(policy.counts)
 

@@ -21,8 +21,12 @@ def test_three_profiles_with_valid_policies() -> None:
 def test_a_preset_holds_only_values_the_code_uses() -> None:
     # checkpoint_interval_steps is the Guard's checkpoint_every (run_plan.py); the policy
     # becomes the PolicyConfig. An LR, clip or warm-up here would be shown and never used.
-    assert set(get_preset("small").model_dump()) == {"name", "description", "checkpoint_interval_steps",
-                                                      "policy"}
+    assert set(get_preset("small").model_dump()) == {
+        "name",
+        "description",
+        "checkpoint_interval_steps",
+        "policy",
+    }
 
 
 def test_medium_is_the_default_policy() -> None:
@@ -31,12 +35,20 @@ def test_medium_is_the_default_policy() -> None:
 
 def test_larger_models_are_more_cautious() -> None:
     small, medium, large = (get_preset(n) for n in ("small", "medium", "large"))
-    assert small.checkpoint_interval_steps > medium.checkpoint_interval_steps > large.checkpoint_interval_steps
+    assert (
+        small.checkpoint_interval_steps
+        > medium.checkpoint_interval_steps
+        > large.checkpoint_interval_steps
+    )
     s, m, lg = (p.policy_config() for p in (small, medium, large))
     assert s.lr_restore_healthy_steps < m.lr_restore_healthy_steps < lg.lr_restore_healthy_steps
     assert s.skip_extra_batches < m.skip_extra_batches < lg.skip_extra_batches
     assert s.spike_patience_steps <= m.spike_patience_steps <= lg.spike_patience_steps
-    assert lg.lr_decrease_factor_explosion <= m.lr_decrease_factor_explosion <= s.lr_decrease_factor_explosion
+    assert (
+        lg.lr_decrease_factor_explosion
+        <= m.lr_decrease_factor_explosion
+        <= s.lr_decrease_factor_explosion
+    )
 
 
 def test_overrides_and_unknown_names() -> None:
@@ -63,7 +75,11 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
 
 def test_cli_one_profile(capsys: pytest.CaptureFixture) -> None:
     out = _cli(capsys, "large")
-    assert out.startswith("large:") and "rollback_min_steps_before_onset" in out and "learning_rate" not in out
+    assert (
+        out.startswith("large:")
+        and "rollback_min_steps_before_onset" in out
+        and "learning_rate" not in out
+    )
 
 
 def test_cli_json(capsys: pytest.CaptureFixture) -> None:

@@ -11,31 +11,66 @@ import pytest
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.actuators.responses import Response
 from spikeguard.schemas import (
-    Ack, AckStatus, ActionKind, AnomalyType as T, CheckpointEvent, Decision, Evidence, decision_id, incident_id,
+    Ack,
+    AckStatus,
+    ActionKind,
+    AnomalyType as T,
+    CheckpointEvent,
+    Decision,
+    Evidence,
+    decision_id,
+    incident_id,
 )
 
 R = "run-responses"
 K = ActionKind
 
 
-def dec(step: int, kind: T | None = None, *, onset: int | None = None, critical: bool | None = None,
-        confidence: float = 0.9, rules: tuple[str, ...] = (), loss: float = 2.0, grad: float = 1.0) -> Decision:
+def dec(
+    step: int,
+    kind: T | None = None,
+    *,
+    onset: int | None = None,
+    critical: bool | None = None,
+    confidence: float = 0.9,
+    rules: tuple[str, ...] = (),
+    loss: float = 2.0,
+    grad: float = 1.0,
+) -> Decision:
     """A decision whose evidence has loss and gradient baselines 2.0 and 1.0."""
-    evidence = Evidence(step=step, loss=loss, grad_norm=grad, loss_baseline=2.0, grad_norm_baseline=1.0)
+    evidence = Evidence(
+        step=step, loss=loss, grad_norm=grad, loss_baseline=2.0, grad_norm_baseline=1.0
+    )
     if kind is None:
-        return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False,
-                        evidence=evidence)
+        return Decision(
+            decision_id=decision_id(R, step),
+            run_id=R,
+            step=step,
+            is_anomaly=False,
+            evidence=evidence,
+        )
     onset = step if onset is None else onset
-    return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=True, type=kind,
-                    confidence=confidence, rules=list(rules), evidence=evidence,
-                    critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
-                    incident_id=incident_id(R, onset), incident_onset_step=onset)
+    return Decision(
+        decision_id=decision_id(R, step),
+        run_id=R,
+        step=step,
+        is_anomaly=True,
+        type=kind,
+        confidence=confidence,
+        rules=list(rules),
+        evidence=evidence,
+        critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
+        incident_id=incident_id(R, onset),
+        incident_onset_step=onset,
+    )
 
 
 def make(ckpts=(100, 200, 300, 400, 500, 600, 700), **config) -> RecoveryPolicy:
     policy = RecoveryPolicy(PolicyConfig(**config), run_id=R)
     for step in ckpts:
-        policy.on_checkpoint(CheckpointEvent(run_id=R, step=step, checkpoint_id=f"ck-{step}", healthy=True))
+        policy.on_checkpoint(
+            CheckpointEvent(run_id=R, step=step, checkpoint_id=f"ck-{step}", healthy=True)
+        )
     return policy
 
 
@@ -54,7 +89,16 @@ def kinds(actions) -> list[ActionKind]:
     return [a.kind for a in actions]
 
 
-CHANGES = {K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.SET_LR, K.CLIP, K.STOP, K.SET_EPS, K.REDUCE_BATCH_SIZE}
+CHANGES = {
+    K.ROLLBACK,
+    K.SKIP_BATCHES,
+    K.SCALE_LR,
+    K.SET_LR,
+    K.CLIP,
+    K.STOP,
+    K.SET_EPS,
+    K.REDUCE_BATCH_SIZE,
+}
 
 
 def test_a_non_finite_step_the_guard_skipped_gets_an_alert_and_a_recurring_one_a_rollback() -> None:
@@ -75,19 +119,25 @@ def test_a_spike_the_run_absorbed_is_not_rolled_back() -> None:
     """A x100 loss for two steps that the run's own clipping made harmless: watched, no rollback."""
     policy = make()
     feed(policy, healthy(401, 800))
-    spike = [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=1.0),
-             dec(801, T.EXTREME_LOSS, onset=800, loss=150.0, grad=1.0)]  # clipped: the norm stays
+    spike = [
+        dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=1.0),
+        dec(801, T.EXTREME_LOSS, onset=800, loss=150.0, grad=1.0),
+    ]  # clipped: the norm stays
     out = feed(policy, spike + healthy(802, 1100))
     assert not set(kinds(out)) & CHANGES, [a.reason for a in out]
     assert any(a.reason.startswith("[absorbed]") for a in out)
 
 
-def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> None:
+def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> (
+    None
+):
     """The update of a x1e4 input went through unclipped: the weights moved, the loss looking
     normal a few steps later proves nothing."""
     policy = make()
     feed(policy, healthy(401, 800))
-    out = feed(policy, [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3)] + healthy(801, 804))
+    out = feed(
+        policy, [dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3)] + healthy(801, 804)
+    )
     assert kinds(out)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
     assert "not absorbed" in out[0].reason
     # Decided on a healthy step, it still names the spike's incident (the Guard records it),
@@ -104,18 +154,27 @@ def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouche
     feed(policy, healthy(401, 800))
     out = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
     assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES]
-    assert out[0].params.target_step == 700 and out[1].params.from_step == 800  # from the onset: 701..799 were fine
+    assert (
+        out[0].params.target_step == 700 and out[1].params.from_step == 800
+    )  # from the onset: 701..799 were fine
     assert all(a.reason.startswith("[data_spike]") for a in out)
 
 
 def test_low_confidence_incidents_never_stop_a_run() -> None:
     """A chain of non-critical incidents past every budget: said once each, never a stop."""
-    policy = make(ckpts=range(100, 5001, 100), max_rollbacks_in_window=2, rollback_window_steps=10_000,
-                  rollback_min_steps_before_onset=10)
+    policy = make(
+        ckpts=range(100, 5001, 100),
+        max_rollbacks_in_window=2,
+        rollback_window_steps=10_000,
+        rollback_min_steps_before_onset=10,
+    )
     out = []
     for onset in range(1000, 5000, 500):
         out += feed(policy, healthy(onset - 40, onset))
-        out += feed(policy, [dec(s, T.LOSS_SPIKE, onset=onset, confidence=0.6) for s in range(onset, onset + 4)])
+        out += feed(
+            policy,
+            [dec(s, T.LOSS_SPIKE, onset=onset, confidence=0.6) for s in range(onset, onset + 4)],
+        )
     assert K.STOP not in kinds(out)
     assert not policy.stopped
     assert kinds(out).count(K.ROLLBACK) == 2  # the window's budget, then watched
@@ -127,8 +186,15 @@ def test_a_critical_decision_recurring_after_a_recovery_stops_the_run() -> None:
     feed(policy, healthy(401, 800))
     first = feed(policy, [dec(800, T.NON_FINITE, onset=800), dec(801, T.NON_FINITE, onset=800)])
     rollback = next(a for a in first if a.kind is K.ROLLBACK)
-    policy.on_ack(Ack(run_id=R, action_id=rollback.action_id, kind=K.ROLLBACK, status=AckStatus.APPLIED,
-                      step=rollback.apply_at_step))
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
     feed(policy, healthy(701, 800))  # the re-run, then the same trouble again
     stop = feed(policy, [dec(s, T.NON_FINITE, onset=800) for s in range(800, 812)])
     assert kinds(stop)[-3:] == [K.CHECKPOINT, K.STOP, K.ALERT] and policy.stopped
@@ -136,11 +202,16 @@ def test_a_critical_decision_recurring_after_a_recovery_stops_the_run() -> None:
 
 def test_no_checkpoint_fallback_only_for_a_confirmed_incident() -> None:
     unconfirmed = make(ckpts=())
-    out = feed(unconfirmed, healthy(1, 50) + [dec(s, T.LOSS_SPIKE, onset=50) for s in range(50, 54)])
+    out = feed(
+        unconfirmed, healthy(1, 50) + [dec(s, T.LOSS_SPIKE, onset=50) for s in range(50, 54)]
+    )
     assert kinds(out) == [K.ALERT] and "no fallback" in out[0].params.message
     assert unconfirmed.recovery.lr.current == 1.0
     confirmed = make(ckpts=())
-    out = feed(confirmed, healthy(1, 50) + [dec(50, T.NON_FINITE, onset=50), dec(51, T.NON_FINITE, onset=50)])
+    out = feed(
+        confirmed,
+        healthy(1, 50) + [dec(50, T.NON_FINITE, onset=50), dec(51, T.NON_FINITE, onset=50)],
+    )
     assert K.SKIP_BATCHES in kinds(out) and K.SCALE_LR in kinds(out)
 
 
@@ -155,8 +226,12 @@ def test_an_outlier_step_alert_does_not_claim_the_guard_skipped_it() -> None:
 def test_an_lr_jump_alone_changes_nothing() -> None:
     """A warm restart looks like an LR jump: said, never acted on without a rise after it."""
     policy = make()
-    out = feed(policy, healthy(401, 500) + [dec(500, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7,
-                                                rules=("lr_jump",))] + healthy(501, 900))
+    out = feed(
+        policy,
+        healthy(401, 500)
+        + [dec(500, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))]
+        + healthy(501, 900),
+    )
     assert kinds(out) == [K.ALERT] and out[0].reason.startswith("[lr_jump_watched]")
 
 
@@ -176,14 +251,20 @@ def test_an_lr_induced_rise_scales_the_lr_back_and_holds_it() -> None:
 
 def test_a_loss_scale_collapse_is_watched_and_nothing_is_changed() -> None:
     policy = make()
-    out = feed(policy, healthy(401, 500) + [dec(s, T.LOSS_SCALE_COLLAPSE, critical=False, onset=500)
-                                           for s in range(500, 530)] + healthy(530, 800))
+    out = feed(
+        policy,
+        healthy(401, 500)
+        + [dec(s, T.LOSS_SCALE_COLLAPSE, critical=False, onset=500) for s in range(500, 530)]
+        + healthy(530, 800),
+    )
     assert kinds(out) == [K.ALERT] and out[0].reason.startswith("[loss_scale_watched]")
     assert policy.recovery.lr.current == 1.0
 
 
 def test_recurring_explosions_lower_the_restore_ceiling_each_time() -> None:
-    policy = make(lr_restore_healthy_steps=10, lr_restore_factor=2.0, lr_ceiling_decrease_factor=0.5)
+    policy = make(
+        lr_restore_healthy_steps=10, lr_restore_factor=2.0, lr_ceiling_decrease_factor=0.5
+    )
     ceilings = []
     step = 500
     for _ in range(3):
@@ -191,15 +272,24 @@ def test_recurring_explosions_lower_the_restore_ceiling_each_time() -> None:
         ceilings.append(policy.recovery.lr.ceiling)
         step += 200
     assert ceilings == [1.0, 0.5, 0.25]
-    assert policy.recovery.lr.current == pytest.approx(0.25)  # restored up to the ceiling, no further
+    assert policy.recovery.lr.current == pytest.approx(
+        0.25
+    )  # restored up to the ceiling, no further
 
 
 def test_every_action_names_its_response() -> None:
     policy = make()
-    out = feed(policy, healthy(401, 500) + [dec(500, T.GRADIENT_EXPLOSION)] + healthy(501, 1000)
-               + [dec(s, T.LOSS_SPIKE, onset=1000) for s in range(1000, 1004)])
+    out = feed(
+        policy,
+        healthy(401, 500)
+        + [dec(500, T.GRADIENT_EXPLOSION)]
+        + healthy(501, 1000)
+        + [dec(s, T.LOSS_SPIKE, onset=1000) for s in range(1000, 1004)],
+    )
     names = {r.value for r in Response}
-    assert out and all(a.reason.startswith("[") and a.reason[1:a.reason.index("]")] in names for a in out)
+    assert out and all(
+        a.reason.startswith("[") and a.reason[1 : a.reason.index("]")] in names for a in out
+    )
 
 
 def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scaled_back_when_it_recurs():
@@ -213,8 +303,15 @@ def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scal
     assert kinds(out)[-1] is K.ROLLBACK and K.SKIP_BATCHES not in kinds(out)
     rollback = out[-1]
     assert rollback.params.target_step == 600 and rollback.reason.startswith("[lr_induced]")
-    policy.on_ack(Ack(run_id=R, action_id=rollback.action_id, kind=K.ROLLBACK, status=AckStatus.APPLIED,
-                      step=rollback.apply_at_step))
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
     assert policy.recovery.lr.current == 1.0  # the checkpoint's LR
     feed(policy, healthy(601, 750))
     again = policy.on_decision(jump)
@@ -227,14 +324,23 @@ def test_the_new_state_round_trips_through_strict_json_mid_incident() -> None:
     import json
 
     policy = make()
-    feed(policy, healthy(401, 700) + [dec(700, T.GRADIENT_EXPLOSION, onset=700)] + healthy(701, 790)
-         + [dec(790, T.LR_OUT_OF_BOUNDS, critical=False, rules=("lr_jump",)),
-            dec(800, T.EXTREME_LOSS, onset=800, loss=300.0, grad=float("inf"))])
+    feed(
+        policy,
+        healthy(401, 700)
+        + [dec(700, T.GRADIENT_EXPLOSION, onset=700)]
+        + healthy(701, 790)
+        + [
+            dec(790, T.LR_OUT_OF_BOUNDS, critical=False, rules=("lr_jump",)),
+            dec(800, T.EXTREME_LOSS, onset=800, loss=300.0, grad=float("inf")),
+        ],
+    )
     state = json.loads(json.dumps(policy.state_dict(), allow_nan=False))
     twin = make()
     twin.load_state_dict(state)
     rest = healthy(801, 804)
-    assert [(a.kind, a.reason) for a in feed(twin, rest)] == [(a.kind, a.reason) for a in feed(policy, rest)]
+    assert [(a.kind, a.reason) for a in feed(twin, rest)] == [
+        (a.kind, a.reason) for a in feed(policy, rest)
+    ]
 
 
 def _lr_jump_run(jump_to_peak: bool, loss_rise: float, jump: int = 90, steps: int = 160) -> list:
@@ -259,14 +365,18 @@ def _lr_jump_run(jump_to_peak: bool, loss_rise: float, jump: int = 90, steps: in
     return events
 
 
-@pytest.mark.parametrize("jump_to_peak, loss_rise, scaled_back", [
-    (False, 1.15, True),  # beyond any rate the run trained at, and the loss rose: the LR did it
-    (False, 1.0, False),  # the same jump, the loss within its noise: watched only
-    (True, 1.15, False),  # a warm restart back to the peak raises the loss on purpose
-    (True, 1.0, False),   # a warm restart the loss does not notice
-])
+@pytest.mark.parametrize(
+    "jump_to_peak, loss_rise, scaled_back",
+    [
+        (False, 1.15, True),  # beyond any rate the run trained at, and the loss rose: the LR did it
+        (False, 1.0, False),  # the same jump, the loss within its noise: watched only
+        (True, 1.15, False),  # a warm restart back to the peak raises the loss on purpose
+        (True, 1.0, False),  # a warm restart the loss does not notice
+    ],
+)
 def test_an_lr_induced_rise_is_answered_with_the_lr_and_a_warm_restart_with_nothing(
-        jump_to_peak: bool, loss_rise: float, scaled_back: bool) -> None:
+    jump_to_peak: bool, loss_rise: float, scaled_back: bool
+) -> None:
     """The detectors and fusion on the run's steps, then the policy: a +15 % rise held after an
     LR jump is far inside the young bar of one point (x1.5) and explained by the LR, yet it is
     the LR's doing when the jump went beyond any rate the run had trained at."""

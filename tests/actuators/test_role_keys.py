@@ -16,18 +16,37 @@ from spikeguard.bus import EmbeddedBus
 from spikeguard.components import build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.schemas import (
-    Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision, Evidence, Topics, decision_id,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    Evidence,
+    Topics,
+    decision_id,
     decode,
 )
-from spikeguard.schemas.signing import Keyring, Role, sign, sign_action, signature_problem, verify_action
+from spikeguard.schemas.signing import (
+    Keyring,
+    Role,
+    sign,
+    sign_action,
+    signature_problem,
+    verify_action,
+)
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
 
 from .test_actuator_trust import publish
 
-KEYS = {"trainer_key": "trainer-key-0123456789abcdef", "detectors_key": "detectors-key-0123456789abcdef",
-        "fusion_key": "fusion-key-0123456789abcdef", "actuator_key": "actuator-key-0123456789abcdef"}
+KEYS = {
+    "trainer_key": "trainer-key-0123456789abcdef",
+    "detectors_key": "detectors-key-0123456789abcdef",
+    "fusion_key": "fusion-key-0123456789abcdef",
+    "actuator_key": "actuator-key-0123456789abcdef",
+}
 TOPICS = Topics("rolekeys.")
 RUN = "victim"
 
@@ -42,10 +61,25 @@ def actuator(bus: EmbeddedBus, settings) -> Worker:
 
 
 def decision(step: int, anomaly: bool = False) -> Decision:
-    fields = dict(is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0,
-                  incident_id=f"i{step}", incident_onset_step=step) if anomaly else dict(is_anomaly=False)
-    return Decision(decision_id=decision_id(RUN, step), run_id=RUN, step=step,
-                    evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0, grad_norm=1.0), **fields)
+    fields = (
+        dict(
+            is_anomaly=True,
+            critical=True,
+            type=AnomalyType.NON_FINITE,
+            confidence=1.0,
+            incident_id=f"i{step}",
+            incident_onset_step=step,
+        )
+        if anomaly
+        else dict(is_anomaly=False)
+    )
+    return Decision(
+        decision_id=decision_id(RUN, step),
+        run_id=RUN,
+        step=step,
+        evidence=Evidence(step=step, loss=math.nan if anomaly else 1.0, grad_norm=1.0),
+        **fields,
+    )
 
 
 def run_with(decision_key: str) -> tuple[list[Action], list[DeadLetter]]:
@@ -55,8 +89,14 @@ def run_with(decision_key: str) -> tuple[list[Action], list[DeadLetter]]:
     worker = actuator(bus, settings_with(**KEYS))
     checkpoint = CheckpointEvent(run_id=RUN, step=20, checkpoint_id="c20", healthy=True)
     publish(bus, worker, (TOPICS.checkpoints, sign(checkpoint, KEYS["trainer_key"])))
-    publish(bus, worker, *[(TOPICS.decisions, sign(decision(s), decision_key)) for s in range(21, 150)])
-    publish(bus, worker, *[(TOPICS.decisions, sign(decision(s, anomaly=True), decision_key)) for s in (150, 151)])
+    publish(
+        bus, worker, *[(TOPICS.decisions, sign(decision(s), decision_key)) for s in range(21, 150)]
+    )
+    publish(
+        bus,
+        worker,
+        *[(TOPICS.decisions, sign(decision(s, anomaly=True), decision_key)) for s in (150, 151)],
+    )
     actions = [decode(r.value, Action) for r in bus.read_all(TOPICS.actions)]
     return actions, [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
 
@@ -76,13 +116,20 @@ def test_decisions_signed_with_the_fusion_key_roll_back_and_the_actions_carry_th
     (rollback,) = [a for a in actions if a.kind is ActionKind.ROLLBACK]
     assert rollback.params.checkpoint_id == "c20" and not letters
     assert verify_action(rollback, KEYS["actuator_key"])
-    assert not verify_action(rollback, KEYS["fusion_key"]) and not verify_action(rollback, KEYS["detectors_key"])
+    assert not verify_action(rollback, KEYS["fusion_key"]) and not verify_action(
+        rollback, KEYS["detectors_key"]
+    )
 
 
 def test_a_detector_host_holding_its_own_key_and_the_trainers_cannot_sign_a_decision_or_an_action():
     """What a detectors process holds (its key, the trainer's to check steps): nothing that steers."""
-    detector_host = settings_with(trainer_key=KEYS["trainer_key"], detectors_key=KEYS["detectors_key"]).keys()
-    assert isinstance(detector_host, Keyring) and detector_host.roles == {Role.TRAINER, Role.DETECTORS}
+    detector_host = settings_with(
+        trainer_key=KEYS["trainer_key"], detectors_key=KEYS["detectors_key"]
+    ).keys()
+    assert isinstance(detector_host, Keyring) and detector_host.roles == {
+        Role.TRAINER,
+        Role.DETECTORS,
+    }
     try:
         sign(decision(5), detector_host)
     except ValueError as exc:
@@ -103,9 +150,13 @@ def test_a_detector_host_holding_its_own_key_and_the_trainers_cannot_sign_a_deci
 
 
 def test_one_shared_key_is_the_default_and_a_role_without_its_own_key_uses_it():
-    assert settings_with(signing_key="shared-key-0123456789abcdef").keys().get_secret_value() == \
-        "shared-key-0123456789abcdef"
-    mixed = settings_with(signing_key="shared-key-0123456789abcdef", actuator_key=KEYS["actuator_key"]).keys()
+    assert (
+        settings_with(signing_key="shared-key-0123456789abcdef").keys().get_secret_value()
+        == "shared-key-0123456789abcdef"
+    )
+    mixed = settings_with(
+        signing_key="shared-key-0123456789abcdef", actuator_key=KEYS["actuator_key"]
+    ).keys()
     assert isinstance(mixed, Keyring) and mixed.roles == set(Role)
     made = sign(decision(5), mixed)
     assert signature_problem(made, "shared-key-0123456789abcdef") is None  # fusion: the shared key

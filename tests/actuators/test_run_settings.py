@@ -15,8 +15,18 @@ import pytest
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import build_stage
 from spikeguard.schemas import (
-    Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision, Evidence, RunEvent,
-    Topics, decision_id, decode, encode,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    Evidence,
+    RunEvent,
+    Topics,
+    decision_id,
+    decode,
+    encode,
 )
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
@@ -29,8 +39,9 @@ def make_worker(bus: EmbeddedBus, **settings) -> Worker:
     # The decisions below are critical non-finite ones, recovered from at once by a policy
     # whose trainer does not skip them itself (the Guard does: then one needs nothing).
     settings = {"policy.non_finite_skipped_by_trainer": False, **settings}
-    stage = build_stage("actuator", load_settings({"topic_prefix": TOPICS.prefix, **settings}, env={}),
-                        TOPICS)
+    stage = build_stage(
+        "actuator", load_settings({"topic_prefix": TOPICS.prefix, **settings}, env={}), TOPICS
+    )
     return Worker(bus, stage, snapshots=False)
 
 
@@ -43,27 +54,51 @@ def publish(bus: EmbeddedBus, worker: Worker, *events) -> None:
 
 
 def start(run_id: str = RUN, **fields) -> tuple[str, RunEvent]:
-    values = dict(run_id=run_id, kind="start", preset="small", checkpoint_every=20, keep_checkpoints=4,
-                  detection_delay_steps=10, policy={"non_finite_skipped_by_trainer": False})
+    values = dict(
+        run_id=run_id,
+        kind="start",
+        preset="small",
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        detection_delay_steps=10,
+        policy={"non_finite_skipped_by_trainer": False},
+    )
     return TOPICS.runs, RunEvent(**{**values, **fields})
 
 
 def end(step: int, run_id: str = RUN, epoch: int = 0) -> tuple[str, RunEvent]:
-    return TOPICS.runs, RunEvent(run_id=run_id, kind="end", preset="small", step=step, epoch=epoch,
-                                 finished=True)
+    return TOPICS.runs, RunEvent(
+        run_id=run_id, kind="end", preset="small", step=step, epoch=epoch, finished=True
+    )
 
 
 def checkpoint(step: int, run_id: str = RUN) -> tuple[str, CheckpointEvent]:
-    return TOPICS.checkpoints, CheckpointEvent(run_id=run_id, step=step, checkpoint_id=f"c{step}",
-                                               healthy=True)
+    return TOPICS.checkpoints, CheckpointEvent(
+        run_id=run_id, step=step, checkpoint_id=f"c{step}", healthy=True
+    )
 
 
 def decision(step: int, run_id: str = RUN, anomaly: bool = False) -> tuple[str, Decision]:
-    fields = dict(is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0,
-                  incident_id=f"i{step}", incident_onset_step=step) if anomaly else dict(is_anomaly=False)
+    fields = (
+        dict(
+            is_anomaly=True,
+            critical=True,
+            type=AnomalyType.NON_FINITE,
+            confidence=1.0,
+            incident_id=f"i{step}",
+            incident_onset_step=step,
+        )
+        if anomaly
+        else dict(is_anomaly=False)
+    )
     loss = math.nan if anomaly else 1.0
-    return TOPICS.decisions, Decision(decision_id=decision_id(run_id, step), run_id=run_id, step=step,
-                                      evidence=Evidence(step=step, loss=loss, grad_norm=1.0), **fields)
+    return TOPICS.decisions, Decision(
+        decision_id=decision_id(run_id, step),
+        run_id=run_id,
+        step=step,
+        evidence=Evidence(step=step, loss=loss, grad_norm=1.0),
+        **fields,
+    )
 
 
 def actions(bus: EmbeddedBus, run_id: str = RUN) -> list[Action]:
@@ -79,9 +114,17 @@ def test_the_runs_preset_decides_the_rollback_the_stage_default_would_not():
     bus = EmbeddedBus(partitions=2)
     worker = make_worker(bus)
     # "plain" names no policy: the stage's own, which finds no checkpoint 100 steps back.
-    publish(bus, worker, start(), start("plain", preset=None), checkpoint(20), checkpoint(20, "plain"))
-    publish(bus, worker, *healthy_run(60), decision(60, anomaly=True),
-            *healthy_run(60, "plain"), decision(60, "plain", anomaly=True))
+    publish(
+        bus, worker, start(), start("plain", preset=None), checkpoint(20), checkpoint(20, "plain")
+    )
+    publish(
+        bus,
+        worker,
+        *healthy_run(60),
+        decision(60, anomaly=True),
+        *healthy_run(60, "plain"),
+        decision(60, "plain", anomaly=True),
+    )
     mine = actions(bus)
     assert ActionKind.ROLLBACK in {a.kind for a in mine}, [a.reason for a in mine]
     rollback = next(a for a in mine if a.kind is ActionKind.ROLLBACK)
@@ -94,7 +137,12 @@ def test_the_runs_preset_decides_the_rollback_the_stage_default_would_not():
 def test_overrides_without_a_preset_apply_over_the_stages_own_policy():
     bus = EmbeddedBus(partitions=1)
     worker = make_worker(bus, **{"policy.skip_extra_batches": 7})
-    publish(bus, worker, start(preset=None, policy={"rollback_min_steps_before_onset": 40}), checkpoint(20))
+    publish(
+        bus,
+        worker,
+        start(preset=None, policy={"rollback_min_steps_before_onset": 40}),
+        checkpoint(20),
+    )
     publish(bus, worker, *healthy_run(60), decision(60, anomaly=True))
     skip = next(a for a in actions(bus) if a.kind is ActionKind.SKIP_BATCHES)
     assert skip.params.extra == 7  # the stage's own setting, kept
@@ -107,7 +155,10 @@ def test_a_start_that_arrives_after_the_first_decisions_applies_from_then_on_wit
     publish(bus, worker, checkpoint(20))
     publish(bus, worker, *healthy_run(40))  # judged under the stage's policy: nothing to do
     policy_before = worker.stage.runs[RUN]
-    assert policy_before.config.rollback_min_steps_before_onset == 100 and policy_before.high_water == 39
+    assert (
+        policy_before.config.rollback_min_steps_before_onset == 100
+        and policy_before.high_water == 39
+    )
     publish(bus, worker, start(), decision(39))  # the start overtaken; then a redelivered decision
     policy = worker.stage.runs[RUN]
     assert policy.config.rollback_min_steps_before_onset == 30
@@ -117,12 +168,15 @@ def test_a_start_that_arrives_after_the_first_decisions_applies_from_then_on_wit
     assert ActionKind.ROLLBACK in {a.kind for a in actions(bus)}
 
 
-@pytest.mark.parametrize("bad, words", [
-    (dict(preset="huge"), "unknown preset 'huge'"),
-    (dict(policy={"rollback_min_steps_befor": 5}), "rollback_min_steps_befor"),
-    (dict(policy={"lr_decrease_factor_spike": 3.0}), "lr_decrease_factor_spike"),
-    (dict(policy={"spike_types": ["non_finite"]}), "always critical"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (dict(preset="huge"), "unknown preset 'huge'"),
+        (dict(policy={"rollback_min_steps_befor": 5}), "rollback_min_steps_befor"),
+        (dict(policy={"lr_decrease_factor_spike": 3.0}), "lr_decrease_factor_spike"),
+        (dict(policy={"spike_types": ["non_finite"]}), "always critical"),
+    ],
+)
 def test_a_bad_preset_or_override_goes_to_the_dlq_and_the_run_keeps_the_defaults(bad, words):
     bus = EmbeddedBus(partitions=1)
     worker = make_worker(bus)
@@ -142,8 +196,16 @@ def test_a_cadence_that_cannot_serve_the_applied_policy_is_answered_with_one_ale
     # No policy named: the Guard could check only PolicyConfig's defaults; here the pipeline's
     # own distance is 300 (a setting of this actuator), which 3 x 50 cannot reach.
     worker = make_worker(bus, **{"policy.rollback_min_steps_before_onset": 300})
-    publish(bus, worker, start(preset=None, checkpoint_every=50, keep_checkpoints=3, detection_delay_steps=25))
-    publish(bus, worker, start(preset=None, checkpoint_every=50, keep_checkpoints=3, detection_delay_steps=25))
+    publish(
+        bus,
+        worker,
+        start(preset=None, checkpoint_every=50, keep_checkpoints=3, detection_delay_steps=25),
+    )
+    publish(
+        bus,
+        worker,
+        start(preset=None, checkpoint_every=50, keep_checkpoints=3, detection_delay_steps=25),
+    )
     alerts = actions(bus)
     assert len({a.action_id for a in alerts}) == 1 and alerts[0].kind is ActionKind.ALERT
     assert alerts[0].params.severity == "warning"

@@ -20,12 +20,29 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from recovery_baselines import LightningSpike, OlmoSkipStep, PalmManual, Restart, ZClip, SKIP, UPDATE  # noqa: E402
+from recovery_baselines import (  # noqa: E402
+    LightningSpike,
+    OlmoSkipStep,
+    PalmManual,
+    Restart,
+    ZClip,
+    SKIP,
+    UPDATE,
+)
 from recovery_faults import Fault  # noqa: E402
 from recovery_setup import TINY  # noqa: E402
 
-KEYS = {"fault", "strategy", "final_eval_loss", "wasted_steps", "rollbacks", "ci95", "goodput", "actions",
-        "per_seed"}
+KEYS = {
+    "fault",
+    "strategy",
+    "final_eval_loss",
+    "wasted_steps",
+    "rollbacks",
+    "ci95",
+    "goodput",
+    "actions",
+    "per_seed",
+}
 FAULTS = ("nan_batch", "overflow", "healthy")
 
 
@@ -33,9 +50,21 @@ FAULTS = ("nan_batch", "overflow", "healthy")
 def tiny_run() -> dict:
     python = os.environ.get("SPIKEGUARD_PYTHON", sys.executable)
     done = subprocess.run(
-        [python, str(BENCH / "bench_recovery.py"), "--tiny", "--json", "--faults", ",".join(FAULTS),
-         "--strategies", "none,lightning_spike,palm_manual,spikeguard"],
-        capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+        [
+            python,
+            str(BENCH / "bench_recovery.py"),
+            "--tiny",
+            "--json",
+            "--faults",
+            ",".join(FAULTS),
+            "--strategies",
+            "none,lightning_spike,palm_manual,spikeguard",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parent,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -50,12 +79,17 @@ def test_json_contract(tiny_run: dict) -> None:
     assert isinstance(tiny_run["clean"], float) and math.isfinite(tiny_run["clean"])
     assert tiny_run["seeds"] == [0]  # --tiny: one seed unless --seeds says more
     pairs = [(r["fault"], r["strategy"]) for r in tiny_run["results"]]
-    assert pairs == [(f, s) for f in FAULTS for s in ("none", "lightning_spike", "palm_manual", "spikeguard")]
+    assert pairs == [
+        (f, s) for f in FAULTS for s in ("none", "lightning_spike", "palm_manual", "spikeguard")
+    ]
     for row in tiny_run["results"]:
         assert set(row) == KEYS
         assert isinstance(row["wasted_steps"], int) and row["wasted_steps"] >= 0
         assert isinstance(row["rollbacks"], int) and row["rollbacks"] >= 0
-        assert isinstance(row["final_eval_loss"], float) or row["final_eval_loss"] in ("NaN", "Infinity")
+        assert isinstance(row["final_eval_loss"], float) or row["final_eval_loss"] in (
+            "NaN",
+            "Infinity",
+        )
         assert 0.0 <= row["goodput"] <= 1.0 and len(row["per_seed"]) == 1 and len(row["ci95"]) == 2
 
 
@@ -66,7 +100,9 @@ def test_a_healthy_run_gets_no_action_and_full_goodput(tiny_run: dict) -> None:
     assert guarded["final_eval_loss"] == _row(tiny_run, "healthy", "none")["final_eval_loss"]
 
 
-def test_a_nan_batch_the_guard_skipped_costs_spikeguard_one_update_not_a_rollback(tiny_run: dict) -> None:
+def test_a_nan_batch_the_guard_skipped_costs_spikeguard_one_update_not_a_rollback(
+    tiny_run: dict,
+) -> None:
     guarded = _row(tiny_run, "nan_batch", "spikeguard")
     assert guarded["rollbacks"] == 0 and guarded["wasted_steps"] == 1
     assert guarded["wasted_steps"] < _row(tiny_run, "nan_batch", "palm_manual")["wasted_steps"]
@@ -76,12 +112,20 @@ def test_mean_and_interval_over_seeds_and_the_paired_verdict() -> None:
     from bench_recovery import mean_ci, verdicts
 
     mean, lo, hi = mean_ci([1.0, 2.0, 3.0])
-    assert mean == 2.0 and (lo, hi) == pytest.approx((2.0 - 4.303 / math.sqrt(3), 2.0 + 4.303 / math.sqrt(3)))
+    assert mean == 2.0 and (lo, hi) == pytest.approx(
+        (2.0 - 4.303 / math.sqrt(3), 2.0 + 4.303 / math.sqrt(3))
+    )
     assert math.isnan(mean_ci([1.0, float("nan")])[0])
 
     def row(strategy, losses, wasted=0, actions=0):
-        return {"fault": "f", "strategy": strategy, "final_eval_loss": sum(losses) / len(losses),
-                "per_seed": losses, "wasted_steps": wasted, "actions": actions}
+        return {
+            "fault": "f",
+            "strategy": strategy,
+            "final_eval_loss": sum(losses) / len(losses),
+            "per_seed": losses,
+            "wasted_steps": wasted,
+            "actions": actions,
+        }
 
     # Paired by seed: spikeguard is worse on every seed by 0.01, with seeds far apart: not within.
     worse = [row("zclip", [2.0, 2.5, 3.0]), row("spikeguard", [2.01, 2.51, 3.01])]
@@ -105,9 +149,16 @@ def test_nan_batch_ruins_an_unguarded_run_and_not_a_guarded_one(tiny_run: dict) 
 def test_overflow_burst_costs_every_run_its_skipped_updates(tiny_run: dict) -> None:
     none = _row(tiny_run, "overflow", "none")
     assert isinstance(none["final_eval_loss"], float)
-    assert none["wasted_steps"] == TINY.overflow_batches  # every overflow is an update the scaler skipped
-    guarded = _row(tiny_run, "overflow", "spikeguard")  # a rollback under a GradScaler keeps the run going
-    assert isinstance(guarded["final_eval_loss"], float) and guarded["final_eval_loss"] < tiny_run["clean"] * 1.05
+    assert (
+        none["wasted_steps"] == TINY.overflow_batches
+    )  # every overflow is an update the scaler skipped
+    guarded = _row(
+        tiny_run, "overflow", "spikeguard"
+    )  # a rollback under a GradScaler keeps the run going
+    assert (
+        isinstance(guarded["final_eval_loss"], float)
+        and guarded["final_eval_loss"] < tiny_run["clean"] * 1.05
+    )
 
 
 def test_olmo_skip_step_skips_a_six_sigma_loss_and_nan() -> None:
@@ -126,12 +177,16 @@ def test_zclip_clips_an_outlier_norm_to_its_adaptive_bound() -> None:
     clip = ZClip()
     gen = torch.Generator().manual_seed(0)
     for step in range(60):
-        clip.judge(step, step, 2.0, 1.0 + 0.05 * float(torch.randn(1, generator=gen)), [torch.ones(1)])
+        clip.judge(
+            step, step, 2.0, 1.0 + 0.05 * float(torch.randn(1, generator=gen)), [torch.ones(1)]
+        )
     grads = [torch.full((4,), 5.0)]  # norm 10: far above ~1 +- 0.05
     mean, std, before = clip.mean, math.sqrt(clip.var), clip.clipped
     clip.judge(60, 60, 2.0, 10.0, grads)
     z = (10.0 - mean) / std
-    assert float(torch.linalg.vector_norm(grads[0])) == pytest.approx(mean + 2.5 / z * std, rel=1e-4)
+    assert float(torch.linalg.vector_norm(grads[0])) == pytest.approx(
+        mean + 2.5 / z * std, rel=1e-4
+    )
     assert clip.clipped == before + 1
 
 
@@ -159,5 +214,9 @@ def test_bad_shard_corrupts_only_its_window_and_the_same_way_twice() -> None:
     y = x + 1
     assert torch.equal(fault.batch(TINY.fault_step - 1, x, y)[1], y)
     first = fault.batch(TINY.fault_step, x, y)[1]
-    assert not torch.equal(first, y) and torch.equal(first.flatten().sort().values, y.flatten().sort().values)
-    assert torch.equal(fault.batch(TINY.fault_step, x, y)[1], first)  # a re-run meets the same bad batch
+    assert not torch.equal(first, y) and torch.equal(
+        first.flatten().sort().values, y.flatten().sort().values
+    )
+    assert torch.equal(
+        fault.batch(TINY.fault_step, x, y)[1], first
+    )  # a re-run meets the same bad batch

@@ -12,14 +12,33 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_every_row_has_a_command_whose_script_exists(tmp_path):
     listed = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--list", "--out", str(tmp_path), "--bootstrap", "127.0.0.1:1"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            str(BENCH / "run_all.py"),
+            "--list",
+            "--out",
+            str(tmp_path),
+            "--bootstrap",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
     # backtest throughput (the 20k-step headline row) and memory, growth, hook overhead, gradient
     # statistics, embedded cost, scale in runs, Kafka throughput and latency: nine rows, nine commands.
-    assert set(rows) == {"backtest", "backtest_memory", "growth", "guard_overhead", "grad_stats",
-                         "embedded_cost", "scale_runs", "kafka_throughput", "kafka_latency"}
+    assert set(rows) == {
+        "backtest",
+        "backtest_memory",
+        "growth",
+        "guard_overhead",
+        "grad_stats",
+        "embedded_cost",
+        "scale_runs",
+        "kafka_throughput",
+        "kafka_latency",
+    }
     for name, command in rows.items():
         script = Path(command.split()[1])
         assert script.is_file(), f"{name}: {script} is missing"
@@ -31,9 +50,19 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
 
 def test_quick_runs_the_four_headline_rows_smaller(tmp_path):
     listed = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--list", "--out", str(tmp_path),
-         "--bootstrap", "127.0.0.1:1"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            str(BENCH / "run_all.py"),
+            "--quick",
+            "--list",
+            "--out",
+            str(tmp_path),
+            "--bootstrap",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
     assert set(rows) == {"backtest", "embedded_cost", "kafka_throughput", "kafka_latency"}
@@ -48,35 +77,96 @@ def test_each_headline_row_is_printed_beside_its_aim(tmp_path):
         import run_all
     finally:
         sys.path.remove(str(BENCH))
-    (tmp_path / "backtest.json").write_text(json.dumps({"process": {
-        "steps": 20000, "backtest_steps_per_s": 5000.0, "backtest_over_naive": 0.9,
-        "backtest_steps_per_cpu_s": 8000.0}}))
-    (tmp_path / "embedded_cost.txt").write_text("warming up\n" + json.dumps(
-        {"ratio": 0.95, "ratio_range": [0.9, 1.0], "ratio_process": 0.5,
-         "paired": {"ratio": 0.93, "hook_share": 0.031, "missed": 0.0}}) + "\n")
-    (tmp_path / "kafka_throughput.txt").write_text(json.dumps({
-        "raw": {"steps_per_s": 14000}, "raw_confluent": {"steps_per_s": 40000},
-        "pipelines": {"confluent/cohosted": {"steps_per_s": 21000, "cpu_us_per_step_total": 180,
-                                             "decisions": 20000, "steps": 20000}}}) + "\n")
-    (tmp_path / "kafka_latency.txt").write_text(json.dumps({
-        "confluent/cohosted": {"rate": 1000.0, "achieved_rate": 640, "steps": 20000, "decided": 20000,
-                               "decision_ms": {"p50": 15, "p99": 250}},
-        "kafka-python/cohosted": {"rate": 1000.0, "achieved_rate": 990, "steps": 20000, "decided": 0,
-                                  "decision_ms": {"p50": None, "p99": None}}}) + "\n")
-    lines = run_all.headline(tmp_path, ["backtest", "embedded_cost", "kafka_throughput", "kafka_latency"])
+    (tmp_path / "backtest.json").write_text(
+        json.dumps(
+            {
+                "process": {
+                    "steps": 20000,
+                    "backtest_steps_per_s": 5000.0,
+                    "backtest_over_naive": 0.9,
+                    "backtest_steps_per_cpu_s": 8000.0,
+                }
+            }
+        )
+    )
+    (tmp_path / "embedded_cost.txt").write_text(
+        "warming up\n"
+        + json.dumps(
+            {
+                "ratio": 0.95,
+                "ratio_range": [0.9, 1.0],
+                "ratio_process": 0.5,
+                "paired": {"ratio": 0.93, "hook_share": 0.031, "missed": 0.0},
+            }
+        )
+        + "\n"
+    )
+    (tmp_path / "kafka_throughput.txt").write_text(
+        json.dumps(
+            {
+                "raw": {"steps_per_s": 14000},
+                "raw_confluent": {"steps_per_s": 40000},
+                "pipelines": {
+                    "confluent/cohosted": {
+                        "steps_per_s": 21000,
+                        "cpu_us_per_step_total": 180,
+                        "decisions": 20000,
+                        "steps": 20000,
+                    }
+                },
+            }
+        )
+        + "\n"
+    )
+    (tmp_path / "kafka_latency.txt").write_text(
+        json.dumps(
+            {
+                "confluent/cohosted": {
+                    "rate": 1000.0,
+                    "achieved_rate": 640,
+                    "steps": 20000,
+                    "decided": 20000,
+                    "decision_ms": {"p50": 15, "p99": 250},
+                },
+                "kafka-python/cohosted": {
+                    "rate": 1000.0,
+                    "achieved_rate": 990,
+                    "steps": 20000,
+                    "decided": 0,
+                    "decision_ms": {"p50": None, "p99": None},
+                },
+            }
+        )
+        + "\n"
+    )
+    lines = run_all.headline(
+        tmp_path, ["backtest", "embedded_cost", "kafka_throughput", "kafka_latency"]
+    )
     text = "\n".join(lines)
-    assert "20,000-step CSV" in text and "5,000 steps/s" in text and "[aim >= 20k steps/s, >= 4x: missed]" in text
+    assert (
+        "20,000-step CSV" in text
+        and "5,000 steps/s" in text
+        and "[aim >= 20k steps/s, >= 4x: missed]" in text
+    )
     assert "0.95x (rounds 0.90-1.00)  [aim >= 0.9x: met]" in text
-    assert ("21,000 steps/s, 0.53x the raw confluent loop (180 CPU us per step, all workers, 20,000 of "
-            "20,000 decided)  [aim >= 10k steps/s, >= 0.5x: met]") in text
-    assert ("p50 15 ms, p99 250 ms (input paced at 640 steps/s)  [aim p50 <= 20 ms, p99 <= 100 ms: missed]"
-            in text)
-    assert ("kafka-python/cohosted: no decision (0 of 20,000 decided before the drain ended)  "
-            "[aim p50 <= 20 ms, p99 <= 100 ms: missed]") in text
+    assert (
+        "21,000 steps/s, 0.53x the raw confluent loop (180 CPU us per step, all workers, 20,000 of "
+        "20,000 decided)  [aim >= 10k steps/s, >= 0.5x: met]"
+    ) in text
+    assert (
+        "p50 15 ms, p99 250 ms (input paced at 640 steps/s)  [aim p50 <= 20 ms, p99 <= 100 ms: missed]"
+        in text
+    )
+    assert (
+        "kafka-python/cohosted: no decision (0 of 20,000 decided before the drain ended)  "
+        "[aim p50 <= 20 ms, p99 <= 100 ms: missed]"
+    ) in text
     # Under each missed aim of the Kafka and backtest rows, one line to its profile; none under a met one.
     pointers = [line for line in lines if line.startswith("    where the time goes")]
-    assert pointers == [f"    where the time goes, what would close it: {run_all.PROFILES[name]}"
-                        for name in ("kafka_latency", "kafka_latency", "backtest")]
+    assert pointers == [
+        f"    where the time goes, what would close it: {run_all.PROFILES[name]}"
+        for name in ("kafka_latency", "kafka_latency", "backtest")
+    ]
     assert lines[-1] == pointers[-1] and lines[-2].startswith("offline backtest")
     assert "0.93x  [aim >= 0.9x: met]" in text and "+3.1%  [aim < 2%: missed]" in text
     # paired ratio, hook share, missed; threads and child process; throughput, two latencies + pointers,
@@ -94,8 +184,11 @@ def test_each_profile_pointer_names_a_section_of_the_benchmarks_page():
     finally:
         sys.path.remove(str(BENCH))
     page = BENCH.parent / "docs" / "benchmarks.md"
-    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-               for line in page.read_text().splitlines() if line.startswith("#")}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in page.read_text().splitlines()
+        if line.startswith("#")
+    }
     for name, pointer in run_all.PROFILES.items():
         path, anchor = pointer.split("#")
         assert path == "docs/benchmarks.md"

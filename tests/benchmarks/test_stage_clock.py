@@ -39,13 +39,21 @@ def test_nested_stages_are_counted_exclusively_and_add_up_to_the_thread():
     assert clock.seconds["inner"] >= 0.06
     assert 0.03 <= clock.seconds["outer"] < 0.05  # its own spin, not its two inner calls
     assert abs(sum(clock.seconds.values()) - spent) < 0.01
-    assert clock.wall["inner"] >= clock.seconds["inner"] * 0.99  # wall includes any wait for the CPU
+    assert (
+        clock.wall["inner"] >= clock.seconds["inner"] * 0.99
+    )  # wall includes any wait for the CPU
 
 
 def test_a_report_reads_as_cpu_per_step_with_the_loop_and_the_other_threads():
-    report = {"thread_cpu_s": 1.0, "process_cpu_s": 1.5, "process_cpu_before_s": 0.5, "whole_command": False,
-              "wall_s": 4.0, "stages_cpu_s": {"decode": 0.6, "sign": 0.3},
-              "stages_wall_s": {"decode": 1.0, "sign": 1.0}}
+    report = {
+        "thread_cpu_s": 1.0,
+        "process_cpu_s": 1.5,
+        "process_cpu_before_s": 0.5,
+        "whole_command": False,
+        "wall_s": 4.0,
+        "stages_cpu_s": {"decode": 0.6, "sign": 0.3},
+        "stages_wall_s": {"decode": 1.0, "sign": 1.0},
+    }
     rows = {row.stage: row for row in per_step(report, steps=1000)}
     assert rows["decode"].cpu_us == 600.0 and rows["sign"].cpu_us == 300.0
     assert round(rows["the loop (no timer)"].cpu_us, 6) == 100.0

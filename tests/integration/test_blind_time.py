@@ -29,16 +29,33 @@ from spikeguard.schemas.signing import sign_step
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 RUN = "blind-run"
 STEPS_PER_SECOND = 20
-KEY = "blind-time-test-key"  # the pipeline's signing key; the test signs its steps as a trainer does
+KEY = (
+    "blind-time-test-key"  # the pipeline's signing key; the test signs its steps as a trainer does
+)
 
 
 def start_pipeline(bootstrap: str, prefix: str, log, env_extra: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap,
-           "SPIKEGUARD_SIGNING_KEY": KEY, **env_extra}
+    env = {
+        **os.environ,
+        "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap,
+        "SPIKEGUARD_SIGNING_KEY": KEY,
+        **env_extra,
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "spikeguard", "worker", "all", "--topic-prefix", prefix,
-         "--set", "snapshot_interval_s=0.5"],
-        env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "spikeguard",
+            "worker",
+            "all",
+            "--topic-prefix",
+            prefix,
+            "--set",
+            "snapshot_interval_s=0.5",
+        ],
+        env=env,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -50,8 +67,10 @@ class Feed:
         self.produced: list[float] = []  # broker timestamps (producer clock) of decisions, seconds
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._guarded, args=(f,), daemon=True)
-                        for f in (self._publish, self._read)]
+        self.threads = [
+            threading.Thread(target=self._guarded, args=(f,), daemon=True)
+            for f in (self._publish, self._read)
+        ]
 
     def __enter__(self) -> "Feed":
         for thread in self.threads:
@@ -82,7 +101,9 @@ class Feed:
             producer.close()
 
     def _read(self) -> None:
-        consumer = self.bus.consumer(f"blind-reader-{uuid.uuid4().hex[:6]}", [self.topics.decisions])
+        consumer = self.bus.consumer(
+            f"blind-reader-{uuid.uuid4().hex[:6]}", [self.topics.decisions]
+        )
         try:
             while not self.stop.is_set():
                 for record in consumer.poll(timeout=0.2):
@@ -95,7 +116,9 @@ class Feed:
         return sorted(x for x in self.produced if x > t)
 
 
-def blind_time_after_kill(bootstrap: str, tmp_path, env_extra: dict[str, str], limit: float) -> float:
+def blind_time_after_kill(
+    bootstrap: str, tmp_path, env_extra: dict[str, str], limit: float
+) -> float:
     """Seconds from SIGKILL (with an immediate restart) to the first decision the new process made."""
     from spikeguard.bus.kafka import KafkaBus
 
@@ -120,7 +143,8 @@ def blind_time_after_kill(bootstrap: str, tmp_path, env_extra: dict[str, str], l
             while not feed.after(killed):
                 assert restarted.poll() is None, log.read_text()
                 assert time.time() - killed < limit, (
-                    f"no decision {limit:.0f}s after the kill\n" + log.read_text()[-3000:])
+                    f"no decision {limit:.0f}s after the kill\n" + log.read_text()[-3000:]
+                )
                 assert not feed.errors, feed.errors
                 time.sleep(0.1)
             return feed.after(killed)[0] - killed
@@ -136,8 +160,9 @@ def blind_time_after_kill(bootstrap: str, tmp_path, env_extra: dict[str, str], l
 
 
 def test_decisions_resume_within_seconds_after_kill_9_and_restart(kafka_bootstrap, tmp_path):
-    blind = blind_time_after_kill(kafka_bootstrap, tmp_path, {"SPIKEGUARD_INSTANCE_ID": "blind-a"},
-                                  limit=120)
+    blind = blind_time_after_kill(
+        kafka_bootstrap, tmp_path, {"SPIKEGUARD_INSTANCE_ID": "blind-a"}, limit=120
+    )
     print(f"\nblind time after kill -9 + immediate restart (static membership): {blind:.1f} s")
     # Aim 10 s (docs/benchmarks.md); the process start itself (Python, torch) is part of it.
     assert blind < 25.0, f"decisions resumed only {blind:.1f}s after the kill"

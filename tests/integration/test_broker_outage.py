@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 
 from spikeguard.lab.backtest import replay_events
-from spikeguard.schemas import Action, CheckpointEvent, Decision, StepEvent, Topics, Verdict, decode, encode
+from spikeguard.schemas import (
+    Action,
+    CheckpointEvent,
+    Decision,
+    StepEvent,
+    Topics,
+    Verdict,
+    decode,
+    encode,
+)
 from spikeguard.schemas.signing import sign
 from spikeguard.settings import load_settings
 
@@ -45,10 +54,14 @@ def loss(step: int) -> float:
 
 
 def the_run() -> tuple[list[StepEvent], list[CheckpointEvent]]:
-    steps = [StepEvent(run_id=RUN, step=s, loss=loss(s), grad_norm=1.0 + 0.05 * math.cos(s * 0.7))
-             for s in range(STEPS)]
-    checkpoints = [CheckpointEvent(run_id=RUN, step=s, checkpoint_id=f"c{s}", healthy=True)
-                   for s in range(CHECKPOINT_EVERY, SPIKE, CHECKPOINT_EVERY)]
+    steps = [
+        StepEvent(run_id=RUN, step=s, loss=loss(s), grad_norm=1.0 + 0.05 * math.cos(s * 0.7))
+        for s in range(STEPS)
+    ]
+    checkpoints = [
+        CheckpointEvent(run_id=RUN, step=s, checkpoint_id=f"c{s}", healthy=True)
+        for s in range(CHECKPOINT_EVERY, SPIKE, CHECKPOINT_EVERY)
+    ]
     return steps, checkpoints
 
 
@@ -59,9 +72,18 @@ def anomalous(decisions) -> dict[int, tuple]:
     said: dict[int, set] = {}
     for d in decisions:
         said.setdefault(d.step, set()).add(
-            (d.type.value, d.critical, d.urgency.value if d.urgency else None,
-             None if d.critical else tuple(sorted(d.missing))) if d.is_anomaly else None)
-    assert all(len(ways) == 1 for ways in said.values()), {s: w for s, w in said.items() if len(w) > 1}
+            (
+                d.type.value,
+                d.critical,
+                d.urgency.value if d.urgency else None,
+                None if d.critical else tuple(sorted(d.missing)),
+            )
+            if d.is_anomaly
+            else None
+        )
+    assert all(len(ways) == 1 for ways in said.values()), {
+        s: w for s, w in said.items() if len(w) > 1
+    }
     return {step: next(iter(ways)) for step, ways in said.items() if None not in ways}
 
 
@@ -70,8 +92,13 @@ def summary(actions) -> list[tuple]:
     actuator's pulses ("judged up to step s": wall-clock paced) are not decisions' actions.
     Each once: a restarted worker publishes again what it had not committed (the same id,
     which a trainer applies once)."""
-    return sorted({(a.action_id, a.kind.value, a.apply_at_step, repr(a.params))
-                   for a in actions if a.kind.value != "pulse"})
+    return sorted(
+        {
+            (a.action_id, a.kind.value, a.apply_at_step, repr(a.params))
+            for a in actions
+            if a.kind.value != "pulse"
+        }
+    )
 
 
 class Supervised:
@@ -89,8 +116,13 @@ class Supervised:
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", "all"], env=self.env,
-                                stdout=self.log.open("a"), stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "spikeguard", "worker", "all"],
+            env=self.env,
+            stdout=self.log.open("a"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def check(self) -> None:
         """Fails the test if the worker stopped other than on an error, or too often."""
@@ -100,7 +132,9 @@ class Supervised:
         tail = self.log.read_text()[-3000:]
         assert code != 0 and "cannot go on" in tail and self.restarts < self.MAX_RESTARTS, tail
         self.restarts += 1
-        print(f"worker exited ({code}) after the outage: restarted ({self.restarts})\n{tail[-600:]}")
+        print(
+            f"worker exited ({code}) after the outage: restarted ({self.restarts})\n{tail[-600:]}"
+        )
         self.process = self._start()
 
     def stop(self) -> None:
@@ -131,11 +165,16 @@ class Feed(threading.Thread):
         try:
             producer = self.bus.producer()
             for event in self.steps:
-                while True:  # as a trainer's publisher does: a record the broker refused is sent again
+                while (
+                    True
+                ):  # as a trainer's publisher does: a record the broker refused is sent again
                     producer.publish(self.topics.steps, encode(sign(event, KEY)), key=RUN)
                     if event.step in self.checkpoints:
-                        producer.publish(self.topics.checkpoints,
-                                         encode(sign(self.checkpoints[event.step], KEY)), key=RUN)
+                        producer.publish(
+                            self.topics.checkpoints,
+                            encode(sign(self.checkpoints[event.step], KEY)),
+                            key=RUN,
+                        )
                     try:
                         # Waits in the producer while the broker is away (no duplicate from a
                         # timeout); refused at once when the client knows no leader: sent again.
@@ -152,7 +191,11 @@ class Feed(threading.Thread):
 
 
 def read(bus, topic: str, model) -> list:
-    return [e for e in (decode(r.value, model) for r in bus.read_all(topic, timeout=30)) if e.run_id == RUN]
+    return [
+        e
+        for e in (decode(r.value, model) for r in bus.read_all(topic, timeout=30))
+        if e.run_id == RUN
+    ]
 
 
 def comeback(bus, topics: Topics, back_at: float) -> str:
@@ -164,7 +207,9 @@ def comeback(bus, topics: Topics, back_at: float) -> str:
         if at >= 0:
             name = decode(record.value, Verdict).detector
             first[name] = min(first.get(name, at), at)
-    return ", ".join(f"{name} +{at:.1f}s" for name, at in sorted(first.items(), key=lambda item: item[1]))
+    return ", ".join(
+        f"{name} +{at:.1f}s" for name, at in sorted(first.items(), key=lambda item: item[1])
+    )
 
 
 def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollback(tmp_path):
@@ -176,7 +221,10 @@ def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollbac
     topics = Topics(prefix)
     want_decisions = anomalous(reference[topics.decisions])
     want_actions = summary(reference[topics.actions])
-    assert want_decisions[SPIKE][:2] == ("extreme_loss", True)  # the run is the incident it means to be
+    assert want_decisions[SPIKE][:2] == (
+        "extreme_loss",
+        True,
+    )  # the run is the incident it means to be
     assert any(a.kind.value == "rollback" for a in reference[topics.actions])
 
     port = free_port_pair()
@@ -206,18 +254,23 @@ def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollbac
         stopped = script(port, "stop")
         assert stopped.returncode == 0, stopped.stderr
         print(f"\nbroker stopped at step {feed.published} in {time.monotonic() - down:.1f}s")
-        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))  # the outage itself, not a wait on a condition
+        outage_left = max(0.0, OUTAGE_S - (time.monotonic() - down))
+        time.sleep(outage_left)  # the outage itself, not a wait on a condition
         restarted = script(port, "start")
         assert restarted.returncode == 0, restarted.stderr
         back_at = time.time()
-        print(f"broker back after {time.monotonic() - down:.1f}s; the feed is at step {feed.published}")
+        print(
+            f"broker back after {time.monotonic() - down:.1f}s; the feed is at step {feed.published}"
+        )
 
         deadline = time.monotonic() + 120
         decided: set[int] = set()
         while len(decided) < STEPS:
             worker.check()
             assert feed.error is None, feed.error
-            assert time.monotonic() < deadline, f"{STEPS - len(decided)} steps undecided\n" + log.read_text()[-3000:]
+            assert time.monotonic() < deadline, (
+                f"{STEPS - len(decided)} steps undecided\n" + log.read_text()[-3000:]
+            )
             decided = {d.step for d in read(bus, topics.decisions, Decision)}
             time.sleep(0.5)
         feed.join(60)
@@ -228,7 +281,10 @@ def test_a_30s_broker_outage_across_the_spike_changes_no_decision_and_no_rollbac
         assert len(got) >= STEPS
         assert anomalous(got) == want_decisions
         deadline = time.monotonic() + 30
-        while summary(read(bus, topics.actions, Action)) != want_actions and time.monotonic() < deadline:
+        while (
+            summary(read(bus, topics.actions, Action)) != want_actions
+            and time.monotonic() < deadline
+        ):
             worker.check()
             time.sleep(0.5)  # the actuator answers the last decisions
         assert summary(read(bus, topics.actions, Action)) == want_actions

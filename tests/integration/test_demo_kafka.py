@@ -34,14 +34,29 @@ def spikeguard(*args: str) -> list[str]:
 def readme_workers(kafka_bootstrap, tmp_path):
     prefix = f"demo-{uuid.uuid4().hex[:8]}."
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
-    env.update(SPIKEGUARD_SIGNING_KEY="demo-kafka-key-" + uuid.uuid4().hex, SPIKEGUARD_TOPIC_PREFIX=prefix)
+    env.update(
+        SPIKEGUARD_SIGNING_KEY="demo-kafka-key-" + uuid.uuid4().hex, SPIKEGUARD_TOPIC_PREFIX=prefix
+    )
     workers, logs = [], []
     for name in COMPONENTS:
         log = tmp_path / f"{name}.log"
         logs.append(log)
-        workers.append(subprocess.Popen(
-            spikeguard("worker", name, "--bootstrap-servers", kafka_bootstrap, "--instance-id", f"{name}-0"),
-            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True))
+        workers.append(
+            subprocess.Popen(
+                spikeguard(
+                    "worker",
+                    name,
+                    "--bootstrap-servers",
+                    kafka_bootstrap,
+                    "--instance-id",
+                    f"{name}-0",
+                ),
+                env=env,
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         deadline = time.monotonic() + 120
         for worker, log in zip(workers, logs):
@@ -61,15 +76,22 @@ def readme_workers(kafka_bootstrap, tmp_path):
 
 def test_the_demo_on_kafka_with_the_readmes_workers_recovers_like_embedded(readme_workers):
     env, logs = readme_workers
-    done = subprocess.run(spikeguard("demo", "--fault", "spike", "--json", "--plot", ""), env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        spikeguard("demo", "--fault", "spike", "--json", "--plot", ""),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     kafka = json.loads(done.stdout.strip().splitlines()[-1])
     clean = run_demo("none", seed=0, guarded=False).final_eval_loss
     embedded = run_demo("spike", seed=0, guarded=True)
-    print(f"clean {clean:.4f} embedded {embedded.final_eval_loss:.4f} (rollbacks {embedded.rollbacks}) "
-          f"kafka {kafka['final_eval_loss']:.4f} (rollbacks {kafka['rollbacks']}, "
-          f"actions {kafka['actions_applied']})")
+    print(
+        f"clean {clean:.4f} embedded {embedded.final_eval_loss:.4f} (rollbacks {embedded.rollbacks}) "
+        f"kafka {kafka['final_eval_loss']:.4f} (rollbacks {kafka['rollbacks']}, "
+        f"actions {kafka['actions_applied']})"
+    )
     assert kafka["steps"] == 300 and kafka["rollbacks"] >= 1 and kafka["skipped_batches"] > 0
     assert abs(kafka["final_eval_loss"] - clean) <= 0.02 * clean
     assert abs(kafka["final_eval_loss"] - embedded.final_eval_loss) <= 0.02 * clean

@@ -20,7 +20,17 @@ from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.components import DETECTOR_NAMES
-from spikeguard.schemas import Ack, AckStatus, Action, ActionKind, Decision, StepVerdicts, Topics, Verdict, decode
+from spikeguard.schemas import (
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    Decision,
+    StepVerdicts,
+    Topics,
+    Verdict,
+    decode,
+)
 from spikeguard.settings import load_settings
 
 STEPS = 260
@@ -40,9 +50,15 @@ def train(bus, topics, tmp_path, run_id, signing_key=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = GuardConfig(checkpoint_dir=str(tmp_path / run_id), checkpoint_every=20, keep_checkpoints=8,
-                         lockstep=True, lockstep_timeout=30.0, data_seed=0, signing_key=signing_key,
-                        )
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path / run_id),
+        checkpoint_every=20,
+        keep_checkpoints=8,
+        lockstep=True,
+        lockstep_timeout=30.0,
+        data_seed=0,
+        signing_key=signing_key,
+    )
     guard = Guard(model, optimizer, run_id=run_id, config=config, bus=bus, topics=topics)
     corrupted = 0
     for x, y in guard.data(make_problem(), epochs=10, max_steps=STEPS):
@@ -66,10 +82,14 @@ def wait_for_the_applied_acks(bus, topics, run_id, wait_until):
     """Until the rollback's and the LR change's acks, which the guard sends last, can be read back."""
 
     def applied():
-        return {a.kind for a in read(bus, topics.acks, Ack, run_id) if a.status is AckStatus.APPLIED}
+        return {
+            a.kind for a in read(bus, topics.acks, Ack, run_id) if a.status is AckStatus.APPLIED
+        }
 
-    wait_until(lambda: {ActionKind.ROLLBACK, ActionKind.SCALE_LR} <= applied(),
-               f"the applied rollback and LR acks of {run_id} on the bus")
+    wait_until(
+        lambda: {ActionKind.ROLLBACK, ActionKind.SCALE_LR} <= applied(),
+        f"the applied rollback and LR acks of {run_id} on the bus",
+    )
 
 
 def check_the_loop_closed(bus, topics, guard, corrupted, run_id):
@@ -95,16 +115,25 @@ def test_embedded_loop(tmp_path):
     settings = load_settings({"topic_prefix": prefix}, env={})
     with open_runtime(settings) as runtime:
         # The runtime made this process's key; the trainer obeys only what it signs.
-        guard, corrupted = train(runtime.bus, runtime.topics, tmp_path, "embedded-run",
-                                 signing_key=runtime.settings.signing_key)
+        guard, corrupted = train(
+            runtime.bus,
+            runtime.topics,
+            tmp_path,
+            "embedded-run",
+            signing_key=runtime.settings.signing_key,
+        )
         check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "embedded-run")
 
 
 @pytest.mark.kafka
-@pytest.mark.parametrize("layout", [
-    ("all",),  # every component as a thread of one `spikeguard worker all` process
-    ("detectors", "fusion", "actuator"),  # the four detectors co-hosted behind one consumer
-], ids=["worker-all", "cohosted-detectors"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("all",),  # every component as a thread of one `spikeguard worker all` process
+        ("detectors", "fusion", "actuator"),  # the four detectors co-hosted behind one consumer
+    ],
+    ids=["worker-all", "cohosted-detectors"],
+)
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])  # settings.kafka_client
 def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client, wait_until):
     from spikeguard.bus.confluent import ConfluentBus
@@ -112,13 +141,23 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client, wait_until):
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}."
     key = "e2e-signing-key-" + uuid.uuid4().hex
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": key,
-           "SPIKEGUARD_KAFKA_CLIENT": client}
+    env = {
+        **os.environ,
+        "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SPIKEGUARD_SIGNING_KEY": key,
+        "SPIKEGUARD_KAFKA_CLIENT": client,
+    }
     logs = [tmp_path / f"worker-{name}.log" for name in layout]
-    workers = [subprocess.Popen(
-        [sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-    ) for name, log in zip(layout, logs)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "spikeguard", "worker", name, "--topic-prefix", prefix],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, log in zip(layout, logs)
+    ]
     try:
         deadline = time.monotonic() + 60
         for worker, log in zip(workers, logs):
@@ -126,14 +165,18 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client, wait_until):
                 assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
             assert f"on kafka via {client} " in log.read_text()  # the workers speak Kafka with it
-        bus = (ConfluentBus if client == "confluent" else KafkaBus)(kafka_bootstrap)  # the trainer too
+        bus = (ConfluentBus if client == "confluent" else KafkaBus)(
+            kafka_bootstrap
+        )  # the trainer too
         topics = Topics(prefix)
         guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
         wait_for_the_applied_acks(bus, topics, "kafka-run", wait_until)
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
         if "detectors" in layout:  # the co-hosted detectors sent each step's verdicts as one record
             packed = read(bus, topics.step_verdicts, StepVerdicts, "kafka-run")
-            assert packed and all({v.detector for v in p.verdicts} == set(DETECTOR_NAMES) for p in packed)
+            assert packed and all(
+                {v.detector for v in p.verdicts} == set(DETECTOR_NAMES) for p in packed
+            )
             assert not read(bus, topics.verdicts, Verdict, "kafka-run")
         bus.close()
     finally:

@@ -46,10 +46,22 @@ def test_the_default_guard_leaves_a_healthy_run_alone(tmp_path, kind):
     task = KINDS[kind].build(SEED, steps)
     start_lr = [group["lr"] for group in task.optimizer.param_groups]
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
-        config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, data_seed=SEED, resume=False,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(task.model, task.optimizer, task.scheduler, run_id=f"healthy-{kind}", config=config,
-                      bus=runtime.bus, topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            lockstep=True,
+            data_seed=SEED,
+            resume=False,
+            signing_key=runtime.settings.signing_key,
+        )
+        guard = Guard(
+            task.model,
+            task.optimizer,
+            task.scheduler,
+            run_id=f"healthy-{kind}",
+            config=config,
+            bus=runtime.bus,
+            topics=runtime.topics,
+        )
         try:
             for batch in guard.data(task.loader, epochs=steps, max_steps=steps):
                 task.optimizer.zero_grad(set_to_none=True)
@@ -61,11 +73,15 @@ def test_the_default_guard_leaves_a_healthy_run_alone(tmp_path, kind):
         actions = [decode(r.value, Action) for r in runtime.bus.read_all(runtime.topics.actions)]
     counters = guard.counters
     taken = Counter(a.kind.value for a in actions if a.kind is not ActionKind.ALERT)
-    seen = (f"{kind}: {guard.step_count} of {steps} steps, stop={guard.stop_reason!r}, "
-            f"counters={counters}, actions={dict(taken)}")
+    seen = (
+        f"{kind}: {guard.step_count} of {steps} steps, stop={guard.stop_reason!r}, "
+        f"counters={counters}, actions={dict(taken)}"
+    )
     assert not guard.should_stop and guard.step_count == steps, seen
     assert counters["rollbacks"] == 0 and taken[ActionKind.ROLLBACK.value] == 0, seen
     assert counters["skipped_batches"] == 0 and taken[ActionKind.SKIP_BATCHES.value] == 0, seen
     assert not {ActionKind.SCALE_LR.value, ActionKind.SET_LR.value} & set(taken), seen
-    assert [group["lr"] for group in task.optimizer.param_groups] == start_lr, seen  # no scheduler here
+    assert [group["lr"] for group in task.optimizer.param_groups] == start_lr, (
+        seen
+    )  # no scheduler here
     assert counters["outlier_skips"] <= MAX_LOCAL_SKIP_SHARE * steps, seen

@@ -47,11 +47,15 @@ def free_port_pair() -> int:
 
 
 def script(port: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPIKEGUARD_KAFKA_PORT": str(port),
-           "SPIKEGUARD_KAFKA_CONTROLLER_PORT": str(port + 1),
-           "SPIKEGUARD_PYTHON": os.environ.get("SPIKEGUARD_PYTHON", sys.executable)}
-    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=240)
+    env = {
+        **os.environ,
+        "SPIKEGUARD_KAFKA_PORT": str(port),
+        "SPIKEGUARD_KAFKA_CONTROLLER_PORT": str(port + 1),
+        "SPIKEGUARD_PYTHON": os.environ.get("SPIKEGUARD_PYTHON", sys.executable),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 def topics(port: int) -> set[str]:

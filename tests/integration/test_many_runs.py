@@ -40,8 +40,14 @@ def run_ids() -> list[str]:
 def step_event(run_id: str, step: int) -> StepEvent:
     # A fixed, run-dependent trace: no randomness, every run slightly different.
     n = int(run_id[4:])
-    return StepEvent(run_id=run_id, step=step, loss=2.0 + (n % 97) * 0.01 - step * 0.001,
-                     grad_norm=1.0 + (n % 13) * 0.05, lr=1e-3, time=0.0)
+    return StepEvent(
+        run_id=run_id,
+        step=step,
+        loss=2.0 + (n % 97) * 0.01 - step * 0.001,
+        grad_norm=1.0 + (n % 13) * 0.05,
+        lr=1e-3,
+        time=0.0,
+    )
 
 
 def end_event(run_id: str) -> RunEvent:
@@ -55,8 +61,14 @@ def drain(worker: Worker) -> None:
 
 def per_run_bytes(stage, worker) -> int:
     """What the stage and the worker hold, runs and all (not the bus, not shared code)."""
-    return deep_size(stage.runs, stage.last_seen, stage._newest, stage._judged, stage._ending,
-                     worker._run_partition)
+    return deep_size(
+        stage.runs,
+        stage.last_seen,
+        stage._newest,
+        stage._judged,
+        stage._ending,
+        worker._run_partition,
+    )
 
 
 @pytest.mark.heavy
@@ -64,8 +76,13 @@ def test_ten_thousand_runs_on_one_embedded_worker():
     bus = EmbeddedBus(partitions=4)
     settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})
     stage = build_stage("statistical", settings, TOPICS)
-    worker = Worker(bus, stage, metrics=Metrics(CollectorRegistry()), snapshot_interval_s=3600,
-                    metrics_linger_s=0)
+    worker = Worker(
+        bus,
+        stage,
+        metrics=Metrics(CollectorRegistry()),
+        snapshot_interval_s=3600,
+        metrics_linger_s=0,
+    )
     empty = per_run_bytes(stage, worker)
     producer = bus.producer()
     for step in range(STEPS):  # all runs at once: 10,000 concurrent runs
@@ -74,7 +91,10 @@ def test_ten_thousand_runs_on_one_embedded_worker():
     worker.checkpoint()
 
     assert worker.failure is None
-    got = {(v.run_id, v.step) for v in (decode(r.value, Verdict) for r in bus.read_all(TOPICS.verdicts))}
+    got = {
+        (v.run_id, v.step)
+        for v in (decode(r.value, Verdict) for r in bus.read_all(TOPICS.verdicts))
+    }
     assert got == {(run, step) for run in run_ids() for step in range(STEPS)}
     assert len(stage.runs) == RUNS
     records = bus.read_all(TOPICS.state("statistical"))
@@ -82,8 +102,10 @@ def test_ten_thousand_runs_on_one_embedded_worker():
     largest = max(len(r.value) for r in records)
     assert largest < 20_000, largest  # ~1 MB was one partition's record at 6,500 runs
     held = per_run_bytes(stage, worker) - empty
-    print(f"\n10,000 runs: {held / RUNS:,.0f} bytes per run in memory, "
-          f"{held / 2**20:.1f} MiB in all; largest state record {largest:,} bytes")
+    print(
+        f"\n10,000 runs: {held / RUNS:,.0f} bytes per run in memory, "
+        f"{held / 2**20:.1f} MiB in all; largest state record {largest:,} bytes"
+    )
 
     bus.create_topics([TOPICS.runs], compacted=True)
     producer.publish_events((TOPICS.runs, end_event(run)) for run in run_ids())
@@ -140,10 +162,21 @@ def test_ten_thousand_runs_on_one_kafka_worker(kafka_bootstrap, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEGUARD_")}
     worker = subprocess.Popen(
         # --insecure: the runs here are unsigned (what is measured is memory, not trust)
-        [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix,
-         "--set", "snapshot_interval_s=1", "--insecure"],
+        [
+            sys.executable,
+            "-m",
+            "spikeguard",
+            "worker",
+            "statistical",
+            "--topic-prefix",
+            prefix,
+            "--set",
+            "snapshot_interval_s=1",
+            "--insecure",
+        ],
         env={**env, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap},
-        stdout=log.open("w"), stderr=subprocess.STDOUT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 600
@@ -176,9 +209,11 @@ def test_ten_thousand_runs_on_one_kafka_worker(kafka_bootstrap, tmp_path):
             if newest and not live:
                 break
             time.sleep(2.0)
-        print(f"\nKafka worker, 10,000 runs: RSS {loaded_rss / 2**20:.0f} MiB loaded, "
-              f"{rss_bytes(worker.pid) / 2**20:.0f} MiB after the runs ended; "
-              f"largest state record {largest:,} bytes")
+        print(
+            f"\nKafka worker, 10,000 runs: RSS {loaded_rss / 2**20:.0f} MiB loaded, "
+            f"{rss_bytes(worker.pid) / 2**20:.0f} MiB after the runs ended; "
+            f"largest state record {largest:,} bytes"
+        )
         assert loaded_rss < 2**30
         assert worker.poll() is None  # alive
     finally:

@@ -39,7 +39,10 @@ def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     """The group's committed offset of each partition of ``topic`` that has one."""
     reader = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     try:
-        found = {p: reader.committed(TopicPartition(topic, p)) for p in reader.partitions_for_topic(topic)}
+        found = {
+            p: reader.committed(TopicPartition(topic, p))
+            for p in reader.partitions_for_topic(topic)
+        }
     finally:
         reader.close()
     return {p: getattr(c, "offset", c) for p, c in found.items() if c is not None}
@@ -47,18 +50,30 @@ def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
 
 def detectors(bus: KafkaBus, settings, topics: Topics, interval_s: float) -> Worker:
     stage = CoHostedDetectors([build_stage(name, settings, topics) for name in DETECTOR_NAMES])
-    return Worker(bus, stage, metrics=Metrics(CollectorRegistry()), max_records=20,
-                  snapshot_interval_s=interval_s, poll_timeout_s=0.5)
+    return Worker(
+        bus,
+        stage,
+        metrics=Metrics(CollectorRegistry()),
+        max_records=20,
+        snapshot_interval_s=interval_s,
+        poll_timeout_s=0.5,
+    )
 
 
-def test_each_partition_is_committed_at_its_saved_state_and_a_kill_decides_every_step_once(kafka_bootstrap):
+def test_each_partition_is_committed_at_its_saved_state_and_a_kill_decides_every_step_once(
+    kafka_bootstrap,
+):
     prefix = f"pcommit-{uuid.uuid4().hex[:8]}."
     topics = Topics(prefix)
     # Fusion waits for every detector however slow a loaded machine makes it: this test is about
     # commits, and a step decided without a late detector would differ from the backtest.
-    settings = load_settings({"topic_prefix": prefix, "signing_key": KEY, "fusion.deadline_seconds": 600}, env={})
-    runs = [generate("sudden_spike" if r % 2 else "stable", STEPS, r, run_id=f"pc-run-{r}").events
-            for r in range(RUNS)]
+    settings = load_settings(
+        {"topic_prefix": prefix, "signing_key": KEY, "fusion.deadline_seconds": 600}, env={}
+    )
+    runs = [
+        generate("sudden_spike" if r % 2 else "stable", STEPS, r, run_id=f"pc-run-{r}").events
+        for r in range(RUNS)
+    ]
     steps = [sign_step(e, KEY) for many in zip(*runs) for e in many]
 
     bus = KafkaBus(kafka_bootstrap)
@@ -90,12 +105,18 @@ def test_each_partition_is_committed_at_its_saved_state_and_a_kill_decides_every
     for partition, offset in group_offsets.items():
         # Committed exactly where the partition's saved state is, never past it.
         assert store.load(partition)["offsets"][topics.steps] == offset
-    assert any(first._saver.positions[(topics.steps, p)] > offset for p, offset in group_offsets.items())
+    assert any(
+        first._saver.positions[(topics.steps, p)] > offset for p, offset in group_offsets.items()
+    )
     first._consumer.close()  # killed: no final save, no commit
 
     second = detectors(bus, settings, topics, interval_s=0.05)
-    fusion = Worker(bus, build_stage("fusion", settings, topics), metrics=Metrics(CollectorRegistry()),
-                    poll_timeout_s=0.5)
+    fusion = Worker(
+        bus,
+        build_stage("fusion", settings, topics),
+        metrics=Metrics(CollectorRegistry()),
+        poll_timeout_s=0.5,
+    )
     deadline = time.monotonic() + 180
     while True:
         if second.run_once() + fusion.run_once():
@@ -108,8 +129,12 @@ def test_each_partition_is_committed_at_its_saved_state_and_a_kill_decides_every
     fusion.close()
     first._producer.close()
 
-    offline = run_offline([(topics.steps, e) for e in steps], settings, [*DETECTOR_NAMES, "fusion"],
-                          {topics.decisions: Decision})[topics.decisions]
+    offline = run_offline(
+        [(topics.steps, e) for e in steps],
+        settings,
+        [*DETECTOR_NAMES, "fusion"],
+        {topics.decisions: Decision},
+    )[topics.decisions]
     expected = by_step_of(offline)
     decided = by_step(bus, topics, timeout=10)
     assert set(decided) == set(expected)
@@ -128,4 +153,6 @@ def by_step_of(decisions) -> dict[tuple[str, int], set[str]]:
 
 
 def by_step(bus: KafkaBus, topics: Topics, timeout: float) -> dict[tuple[str, int], set[str]]:
-    return by_step_of(decode(r.value, Decision) for r in bus.read_all(topics.decisions, timeout=timeout))
+    return by_step_of(
+        decode(r.value, Decision) for r in bus.read_all(topics.decisions, timeout=timeout)
+    )

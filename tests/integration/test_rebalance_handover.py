@@ -34,7 +34,9 @@ RUNS = [f"hand-{i}" for i in range(8)]  # spread over the 4 partitions
 STEPS = 30
 
 
-def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(kafka_bootstrap, caplog):
+def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
+    kafka_bootstrap, caplog
+):
     prefix = f"handover-{uuid.uuid4().hex[:8]}."
     topics = Topics(prefix)
     settings = load_settings({"topic_prefix": prefix, "signing_key": KEY}, env={})
@@ -43,8 +45,13 @@ def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
 
     def worker(bus: KafkaBus) -> Worker:
         # No periodic snapshot: only the hand-over can save and commit what the first one judged.
-        return Worker(bus, build_stage("statistical", settings, topics), metrics=Metrics(CollectorRegistry()),
-                      snapshot_interval_s=3600.0, poll_timeout_s=0.1)
+        return Worker(
+            bus,
+            build_stage("statistical", settings, topics),
+            metrics=Metrics(CollectorRegistry()),
+            snapshot_interval_s=3600.0,
+            poll_timeout_s=0.1,
+        )
 
     def verdicts() -> list[Verdict]:
         return [decode(r.value, Verdict) for r in feed.read_all(topics.verdicts, timeout=30.0)]
@@ -78,12 +85,16 @@ def test_the_first_worker_commits_on_revoke_and_the_second_judges_nothing_twice(
             for run_id in RUNS:
                 producer.publish(topics.steps, encode(sign(events[run_id][STEPS], KEY)), key=run_id)
             producer.flush()
-            wait(lambda: {v.run_id for v in verdicts() if v.step == STEPS} == set(RUNS),
-                 "every run's step after the hand-over judged")
+            wait(
+                lambda: {v.run_id for v in verdicts() if v.step == STEPS} == set(RUNS),
+                "every run's step after the hand-over judged",
+            )
         assert not [r for r in caplog.records if "snapshot on revoke failed" in r.getMessage()]
         assert first.failure is None and second.failure is None
         judged = [(v.run_id, v.step) for v in verdicts()]
-        assert len(judged) == len(RUNS) * (STEPS + 1) and len(set(judged)) == len(judged)  # exactly once
+        assert len(judged) == len(RUNS) * (STEPS + 1) and len(set(judged)) == len(
+            judged
+        )  # exactly once
     finally:
         for w in (first, second):
             if w is not None:

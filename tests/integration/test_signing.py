@@ -49,32 +49,55 @@ def test_the_guard_refuses_to_start_on_kafka_without_a_key(kafka_bootstrap, monk
         Guard(model, optimizer, run_id="no-key", config=GuardConfig(checkpoint_dir=str(tmp_path)))
 
 
-def test_the_guard_opts_out_only_explicitly_and_loudly(kafka_bootstrap, monkeypatch, tmp_path, caplog):
-    kafka_env(monkeypatch, kafka_bootstrap, f"sign-{uuid.uuid4().hex[:8]}.", SPIKEGUARD_INSECURE="1")
+def test_the_guard_opts_out_only_explicitly_and_loudly(
+    kafka_bootstrap, monkeypatch, tmp_path, caplog
+):
+    kafka_env(
+        monkeypatch, kafka_bootstrap, f"sign-{uuid.uuid4().hex[:8]}.", SPIKEGUARD_INSECURE="1"
+    )
     model, optimizer = tiny()
     with caplog.at_level(logging.WARNING):
-        guard = Guard(model, optimizer, run_id="insecure",
-                      config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="insecure",
+            config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False),
+        )
     guard.close()
     loud = [r for r in caplog.records if "INSECURE" in r.getMessage()]
     assert len(loud) == 1 and loud[0].levelno == logging.WARNING
 
 
-def test_forged_actions_on_the_topic_are_not_applied(kafka_bootstrap, monkeypatch, tmp_path, caplog):
+def test_forged_actions_on_the_topic_are_not_applied(
+    kafka_bootstrap, monkeypatch, tmp_path, caplog
+):
     from spikeguard.bus.kafka import KafkaBus
 
     prefix = f"sign-{uuid.uuid4().hex[:8]}."
     run_id = "victim-run"
     kafka_env(monkeypatch, kafka_bootstrap, prefix, SPIKEGUARD_SIGNING_KEY=KEY)
     model, optimizer = tiny()
-    guard = Guard(model, optimizer, run_id=run_id,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
+    guard = Guard(
+        model,
+        optimizer,
+        run_id=run_id,
+        config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False),
+    )
     forged = [
-        Action(action_id="forged-lr", run_id=run_id, kind=ActionKind.SCALE_LR, apply_at_step=0,
-               params={"factor": 0.001}),
+        Action(
+            action_id="forged-lr",
+            run_id=run_id,
+            kind=ActionKind.SCALE_LR,
+            apply_at_step=0,
+            params={"factor": 0.001},
+        ),
         Action(action_id="forged-stop", run_id=run_id, kind=ActionKind.STOP, apply_at_step=0),
-        sign_action(Action(action_id="forged-other-key", run_id=run_id, kind=ActionKind.STOP,
-                           apply_at_step=0), "not-the-run's-key"),
+        sign_action(
+            Action(
+                action_id="forged-other-key", run_id=run_id, kind=ActionKind.STOP, apply_at_step=0
+            ),
+            "not-the-run's-key",
+        ),
     ]
     attacker = KafkaBus(kafka_bootstrap)
     producer = attacker.producer()
@@ -100,7 +123,10 @@ def test_forged_actions_on_the_topic_are_not_applied(kafka_bootstrap, monkeypatc
         assert guard.counters["actions_applied"] == 0
     finally:
         guard.close()
-    acks = {a.action_id: a for a in (decode(r.value, Ack) for r in attacker.read_all(Topics(prefix).acks))}
+    acks = {
+        a.action_id: a
+        for a in (decode(r.value, Ack) for r in attacker.read_all(Topics(prefix).acks))
+    }
     assert {acks[i].status for i in ids} == {AckStatus.REJECTED}
     assert "unsigned" in acks["forged-lr"].result and "unsigned" in acks["forged-stop"].result
     assert "bad signature" in acks["forged-other-key"].result
@@ -111,15 +137,32 @@ def test_forged_actions_on_the_topic_are_not_applied(kafka_bootstrap, monkeypatc
 
 
 def run_actuator(bootstrap, prefix, *flags, key=None, insecure=None, seconds=60):
-    env = {k: v for k, v in os.environ.items() if k not in ("SPIKEGUARD_SIGNING_KEY", "SPIKEGUARD_INSECURE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SPIKEGUARD_SIGNING_KEY", "SPIKEGUARD_INSECURE")
+    }
     env["SPIKEGUARD_BOOTSTRAP_SERVERS"] = bootstrap
     if key is not None:
         env["SPIKEGUARD_SIGNING_KEY"] = key
     if insecure is not None:
         env["SPIKEGUARD_INSECURE"] = insecure
-    return subprocess.Popen([sys.executable, "-m", "spikeguard", "worker", "actuator",
-                             "--topic-prefix", prefix, *flags],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spikeguard",
+            "worker",
+            "actuator",
+            "--topic-prefix",
+            prefix,
+            *flags,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def started_then_stopped(worker) -> str:

@@ -68,25 +68,37 @@ def tiny():
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-@pytest.mark.parametrize("address", [f"127.0.0.1:{closed_port()}", "broker.invalid:9092"],
-                         ids=["closed-port", "unresolvable-name"])
+@pytest.mark.parametrize(
+    "address",
+    [f"127.0.0.1:{closed_port()}", "broker.invalid:9092"],
+    ids=["closed-port", "unresolvable-name"],
+)
 @pytest.mark.heavy
 def test_a_bad_broker_address_does_not_block_the_guard(address, monkeypatch, tmp_path, caplog):
     guard_env(monkeypatch, address)
     model, optimizer = tiny()
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        guard = Guard(model, optimizer, run_id="offline-run",
-                      config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False, lockstep=True))
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="offline-run",
+            config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False, lockstep=True),
+        )
     took = time.monotonic() - started
     print(f"\nGuard() with an unreachable broker ({address}) returned in {took:.1f} s")
     assert took < 20, f"Guard() blocked {took:.0f}s on an unreachable broker"  # was 37 s
-    said = [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith("spikeguard")]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("spikeguard")
+    ]
     assert len([m for m in said if address in m]) == 1, said
     assert "local protections" in " ".join(said)
     try:
-        train(guard, model, optimizer, 30, nan_at=12)  # lockstep: would wait on every step if connected
+        train(
+            guard, model, optimizer, 30, nan_at=12
+        )  # lockstep: would wait on every step if connected
         assert guard.step_count == 30 and guard.counters["skipped_updates"] == 1
         assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
     finally:
@@ -94,12 +106,18 @@ def test_a_bad_broker_address_does_not_block_the_guard(address, monkeypatch, tmp
 
 
 @pytest.mark.kafka
-def test_no_workers_is_said_at_once_and_training_goes_on(kafka_bootstrap, monkeypatch, tmp_path, caplog):
+def test_no_workers_is_said_at_once_and_training_goes_on(
+    kafka_bootstrap, monkeypatch, tmp_path, caplog
+):
     guard_env(monkeypatch, kafka_bootstrap, f"lonely-{uuid.uuid4().hex[:8]}.")
     model, optimizer = tiny()
     with caplog.at_level(logging.WARNING):
-        guard = Guard(model, optimizer, run_id="lonely-run",
-                      config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="lonely-run",
+            config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False),
+        )
     said = [r.getMessage() for r in caplog.records if "no pipeline workers" in r.getMessage()]
     assert len(said) == 1 and "statistical" in said[0] and "local protections" in said[0], said
     try:
@@ -111,12 +129,18 @@ def test_no_workers_is_said_at_once_and_training_goes_on(kafka_bootstrap, monkey
 
 @pytest.mark.kafka
 def test_a_lockstep_guard_without_workers_stops_waiting_after_one_timeout(
-        kafka_bootstrap, monkeypatch, tmp_path, caplog):
+    kafka_bootstrap, monkeypatch, tmp_path, caplog
+):
     guard_env(monkeypatch, kafka_bootstrap, f"lonely-{uuid.uuid4().hex[:8]}.")
     model, optimizer = tiny()
-    guard = Guard(model, optimizer, run_id="lonely-lockstep",
-                  config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False, lockstep=True,
-                                     lockstep_timeout=2.0))
+    guard = Guard(
+        model,
+        optimizer,
+        run_id="lonely-lockstep",
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path), resume=False, lockstep=True, lockstep_timeout=2.0
+        ),
+    )
     try:
         with caplog.at_level(logging.WARNING):
             train(guard, model, optimizer, 40)
@@ -145,14 +169,22 @@ def test_a_running_pipeline_is_not_reported_missing(kafka_bootstrap, monkeypatch
         guard_env(monkeypatch, kafka_bootstrap, prefix)
         model, optimizer = tiny()
         with caplog.at_level(logging.WARNING):
-            Guard(model, optimizer, run_id="busy-run",
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "a"), resume=False)).close()
+            Guard(
+                model,
+                optimizer,
+                run_id="busy-run",
+                config=GuardConfig(checkpoint_dir=str(tmp_path / "a"), resume=False),
+            ).close()
         assert not [r for r in caplog.records if "pipeline" in r.getMessage()], caplog.text
         members.pop("actuator").close()
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            Guard(model, optimizer, run_id="busy-run-2",
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "b"), resume=False)).close()
+            Guard(
+                model,
+                optimizer,
+                run_id="busy-run-2",
+                config=GuardConfig(checkpoint_dir=str(tmp_path / "b"), resume=False),
+            ).close()
         said = [r.getMessage() for r in caplog.records if "pipeline" in r.getMessage()]
         assert len(said) == 1 and "actuator" in said[0] and "statistical" not in said[0], said
     finally:
@@ -205,7 +237,9 @@ def test_cohosted_detectors_count_as_the_four_detectors(kafka_bootstrap, caplog)
     topics = Topics(prefix)
     bus = KafkaBus(kafka_bootstrap, session_timeout_ms=6000, heartbeat_interval_ms=1000)
     bus.create_topics(topics.all())
-    members = {name: bus.consumer(f"{prefix}{name}", [topics.steps]) for name in ("detectors", "fusion")}
+    members = {
+        name: bus.consumer(f"{prefix}{name}", [topics.steps]) for name in ("detectors", "fusion")
+    }
     watch = PipelineWatch(bus, topics, kafka_bootstrap, interval_s=0)
     try:
         for consumer in members.values():

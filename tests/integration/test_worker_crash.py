@@ -33,22 +33,42 @@ def free_port() -> int:
 
 
 def start_worker(bootstrap, prefix, log, port, client="kafka-python"):
-    env = {**os.environ, "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap, "SPIKEGUARD_KAFKA_CLIENT": client,
-           "SPIKEGUARD_SIGNING_KEY": KEY}
+    env = {
+        **os.environ,
+        "SPIKEGUARD_BOOTSTRAP_SERVERS": bootstrap,
+        "SPIKEGUARD_KAFKA_CLIENT": client,
+        "SPIKEGUARD_SIGNING_KEY": KEY,
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix,
-         # Often: what a restart redoes is what came after the last snapshot, and a worker on
-         # confluent-kafka gets through several thousand records in 0.3 s.
-         "--metrics-port", str(port), "--set", "snapshot_interval_s=0.05"],
-        env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "spikeguard",
+            "worker",
+            "statistical",
+            "--topic-prefix",
+            prefix,
+            # Often: what a restart redoes is what came after the last snapshot, and a worker on
+            # confluent-kafka gets through several thousand records in 0.3 s.
+            "--metrics-port",
+            str(port),
+            "--set",
+            "snapshot_interval_s=0.05",
+        ],
+        env=env,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
     )
 
 
 def consumed(port: int) -> float:
     """Records the worker has consumed, read from its own /metrics endpoint."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("spikeguard_records_consumed_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("spikeguard_records_consumed_total{")
+    )
 
 
 def wait_for_metrics(worker, port, log, deadline):
@@ -65,7 +85,8 @@ def verdicts_by_step(bus, topics):
     for record in bus.read_all(topics.verdicts, timeout=30):
         v = decode(record.value, Verdict)
         found.setdefault((v.run_id, v.step), set()).add(
-            json.dumps([v.is_anomaly, v.type.value, v.confidence, v.signals], sort_keys=True))
+            json.dumps([v.is_anomaly, v.type.value, v.confidence, v.signals], sort_keys=True)
+        )
     return found
 
 
@@ -74,14 +95,17 @@ def test_killed_worker_resumes_with_identical_verdicts(kafka_bootstrap, tmp_path
     from spikeguard.bus.confluent import ConfluentBus
     from spikeguard.bus.kafka import KafkaBus
 
-    runs = {run: generate("sudden_spike", STEPS, seed, run_id=run).events
-            for seed, run in enumerate(RUNS)}
+    runs = {
+        run: generate("sudden_spike", STEPS, seed, run_id=run).events
+        for seed, run in enumerate(RUNS)
+    }
     expected = {}
     for run, events in runs.items():
         detector = DETECTORS["statistical"]()
         for v in detector.update_many(events):
             expected[(run, v.step)] = json.dumps(
-                [v.is_anomaly, v.type.value, v.confidence, v.signals], sort_keys=True)
+                [v.is_anomaly, v.type.value, v.confidence, v.signals], sort_keys=True
+            )
 
     prefix = f"crash-{uuid.uuid4().hex[:8]}."
     topics = Topics(prefix)
@@ -140,7 +164,9 @@ def test_killed_worker_resumes_with_identical_verdicts(kafka_bootstrap, tmp_path
     bus.close()
 
 
-def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka_bootstrap, tmp_path):
+def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(
+    kafka_bootstrap, tmp_path
+):
     """The verdicts topic takes records of at most 200 bytes: the worker's first verdicts are
     refused (MessageSizeTooLargeError, as a snapshot over 1 MB was), so it cannot go on."""
     from kafka.admin import KafkaAdminClient, NewTopic
@@ -150,7 +176,9 @@ def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka
     prefix = f"refused-{uuid.uuid4().hex[:8]}."
     topics = Topics(prefix)
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(topics.verdicts, 1, 1, topic_configs={"max.message.bytes": "200"})])
+    admin.create_topics(
+        [NewTopic(topics.verdicts, 1, 1, topic_configs={"max.message.bytes": "200"})]
+    )
     admin.close()
     bus = KafkaBus(kafka_bootstrap)
     bus.create_topics(topics.all())
@@ -163,7 +191,9 @@ def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka
     done = subprocess.run(
         [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix", prefix],
         env={**env, "SPIKEGUARD_BOOTSTRAP_SERVERS": kafka_bootstrap, "SPIKEGUARD_SIGNING_KEY": KEY},
-        capture_output=True, text=True, timeout=180,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
@@ -172,11 +202,14 @@ def test_a_worker_the_broker_refuses_exits_non_zero_with_a_one_line_reason(kafka
     # Nothing committed past the verdicts the broker refused: a restart judges those steps again.
     from kafka import KafkaConsumer, TopicPartition
 
-    group = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=f"{prefix}statistical",
-                          enable_auto_commit=False)
+    group = KafkaConsumer(
+        bootstrap_servers=kafka_bootstrap, group_id=f"{prefix}statistical", enable_auto_commit=False
+    )
     try:
-        committed = [group.committed(TopicPartition(topics.steps, p))
-                     for p in group.partitions_for_topic(topics.steps)]
+        committed = [
+            group.committed(TopicPartition(topics.steps, p))
+            for p in group.partitions_for_topic(topics.steps)
+        ]
     finally:
         group.close()
     assert all(getattr(c, "offset", c) in (None, 0) for c in committed), committed

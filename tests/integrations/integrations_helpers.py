@@ -11,8 +11,9 @@ _ids = itertools.count()
 
 
 def action(kind: ActionKind, at: int, run_id: str, **params) -> Action:
-    return Action(action_id=f"a-integ-{next(_ids)}", run_id=run_id, kind=kind, apply_at_step=at,
-                  params=params)
+    return Action(
+        action_id=f"a-integ-{next(_ids)}", run_id=run_id, kind=kind, apply_at_step=at, params=params
+    )
 
 
 def send(bus, guard, *actions: Action) -> None:
@@ -24,7 +25,9 @@ def send(bus, guard, *actions: Action) -> None:
     deadline = time.monotonic() + 10
     while guard.inbox._handed < before + len(actions) and time.monotonic() < deadline:
         time.sleep(0.002)
-    assert guard.inbox._handed >= before + len(actions), "the guard's inbox did not receive the actions"
+    assert guard.inbox._handed >= before + len(actions), (
+        "the guard's inbox did not receive the actions"
+    )
 
 
 def acks(bus) -> list[Ack]:

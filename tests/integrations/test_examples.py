@@ -28,9 +28,15 @@ class Examples:
     def __call__(self, name: str, fault: str) -> dict:
         if (name, fault) not in self.results:
             python = os.environ.get("SPIKEGUARD_PYTHON", sys.executable)
-            runs = {f: subprocess.Popen([python, str(EXAMPLES / f"{name}.py"), "--fault", f, "--json"],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                    for f in FAULTS}
+            runs = {
+                f: subprocess.Popen(
+                    [python, str(EXAMPLES / f"{name}.py"), "--fault", f, "--json"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for f in FAULTS
+            }
             for f, run in runs.items():
                 try:
                     out, err = run.communicate(timeout=300)
@@ -53,8 +59,9 @@ def check_recovers(run_example: Examples, name: str) -> None:
     clean, spiked = run_example(name, "none"), run_example(name, "spike")
     assert clean["rollbacks"] == 0
     assert spiked["rollbacks"] >= 1
-    assert abs(spiked["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"], \
-        (clean, spiked)
+    assert (
+        abs(spiked["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
+    ), (clean, spiked)
 
 
 def test_plain_loop_rolls_back_a_spike_and_ends_as_the_clean_run(run_example):
@@ -64,7 +71,10 @@ def test_plain_loop_rolls_back_a_spike_and_ends_as_the_clean_run(run_example):
 def test_plain_loop_survives_nan_batches(run_example):
     clean, poisoned = run_example("plain_loop", "none"), run_example("plain_loop", "nan")
     assert poisoned["skipped_updates"] >= 1
-    assert abs(poisoned["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
+    assert (
+        abs(poisoned["final_eval_loss"] - clean["final_eval_loss"])
+        <= 0.02 * clean["final_eval_loss"]
+    )
 
 
 def test_hf_trainer_rolls_back_a_spike_and_ends_as_the_clean_run(run_example):
@@ -77,7 +87,10 @@ def test_hf_trainer_survives_nan_batches(run_example):
     pytest.importorskip("transformers")
     clean, poisoned = run_example("hf_trainer", "none"), run_example("hf_trainer", "nan")
     assert poisoned["rollbacks"] + poisoned["skipped_updates"] >= 1
-    assert abs(poisoned["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
+    assert (
+        abs(poisoned["final_eval_loss"] - clean["final_eval_loss"])
+        <= 0.02 * clean["final_eval_loss"]
+    )
 
 
 def test_lightning_trainer_rolls_back_a_spike_and_ends_as_the_clean_run(run_example):
@@ -88,6 +101,12 @@ def test_lightning_trainer_rolls_back_a_spike_and_ends_as_the_clean_run(run_exam
 
 def test_lightning_trainer_survives_nan_batches(run_example):
     pytest.importorskip("lightning")
-    clean, poisoned = run_example("lightning_trainer", "none"), run_example("lightning_trainer", "nan")
+    clean, poisoned = (
+        run_example("lightning_trainer", "none"),
+        run_example("lightning_trainer", "nan"),
+    )
     assert poisoned["rollbacks"] + poisoned["skipped_updates"] >= 1
-    assert abs(poisoned["final_eval_loss"] - clean["final_eval_loss"]) <= 0.02 * clean["final_eval_loss"]
+    assert (
+        abs(poisoned["final_eval_loss"] - clean["final_eval_loss"])
+        <= 0.02 * clean["final_eval_loss"]
+    )

@@ -20,8 +20,14 @@ def framework(tmp_path, bus, n_steps: int, before_step=None) -> FrameworkGuard:
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    guard = FrameworkGuard(model, opt, sched, run_id="ext", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
+    guard = FrameworkGuard(
+        model,
+        opt,
+        sched,
+        run_id="ext",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
     step = 0
     for xb, yb in loader:
         if step >= n_steps:
@@ -44,7 +50,11 @@ def framework(tmp_path, bus, n_steps: int, before_step=None) -> FrameworkGuard:
 def test_skip_window_ahead_voids_the_steps_that_read_it_and_does_not_publish_them(tmp_path, bus):
     def skip_at_6(guard, step):
         if step == 6:  # batches of steps 4..5, and 3 steps' worth after: 4..8
-            send(bus, guard, action(ActionKind.SKIP_BATCHES, 6, "ext", from_step=4, to_step=5, extra=3))
+            send(
+                bus,
+                guard,
+                action(ActionKind.SKIP_BATCHES, 6, "ext", from_step=4, to_step=5, extra=3),
+            )
 
     guard = framework(tmp_path, bus, 12, skip_at_6)
     published = [e.step for e in steps(bus)]
@@ -59,14 +69,18 @@ def test_lr_factor_is_on_top_of_the_scheduler_and_never_compounds(tmp_path, bus)
 
     def scale_at_2(guard, step):
         if step == 0:
-            guard.optimizer.register_step_pre_hook(lambda o, *a: used.append(o.param_groups[0]["lr"]))
+            guard.optimizer.register_step_pre_hook(
+                lambda o, *a: used.append(o.param_groups[0]["lr"])
+            )
         if step == 2:
             send(bus, guard, action(ActionKind.SCALE_LR, 2, "ext", factor=0.1))
 
     guard = framework(tmp_path, bus, 10, scale_at_2)
     scheduled = [1e-2 * 0.5 ** (s // 4) for s in range(10)]
     expected = [lr * (0.1 if s >= 2 else 1.0) for s, lr in enumerate(scheduled)]
-    assert used == [round(v, 12) for v in used] and all(abs(u - e) < 1e-12 for u, e in zip(used, expected))
+    assert used == [round(v, 12) for v in used] and all(
+        abs(u - e) < 1e-12 for u, e in zip(used, expected)
+    )
     assert abs(guard.optimizer.param_groups[0]["lr"] - 1e-2 * 0.5 ** (10 // 4)) < 1e-12
 
 
@@ -87,8 +101,9 @@ def test_a_decisions_action_needs_the_framework_guards_own_numbers_to_agree(tmp_
     from spikeguard.schemas import AnomalyType, Claim
 
     def claimed(kind: ActionKind, at: int, step: int, type_: AnomalyType, **params):
-        return action(kind, at, "ext", **params).model_copy(update={
-            "decision_id": f"d-{step}-{kind.value}", "claim": Claim(step=step, type=type_)})
+        return action(kind, at, "ext", **params).model_copy(
+            update={"decision_id": f"d-{step}-{kind.value}", "claim": Claim(step=step, type=type_)}
+        )
 
     sent = {}
 
@@ -98,7 +113,9 @@ def test_a_decisions_action_needs_the_framework_guards_own_numbers_to_agree(tmp_
                 for p in guard.model.parameters():
                     p.mul_(30.0)
         if step == 42:
-            sent["healthy"] = claimed(ActionKind.SCALE_LR, 42, 38, AnomalyType.EXTREME_LOSS, factor=0.5)
+            sent["healthy"] = claimed(
+                ActionKind.SCALE_LR, 42, 38, AnomalyType.EXTREME_LOSS, factor=0.5
+            )
             sent["spike"] = claimed(ActionKind.CLIP, 42, 40, AnomalyType.EXTREME_LOSS, max_norm=1.0)
             send(bus, guard, sent["healthy"], sent["spike"])
 

@@ -8,8 +8,13 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,  # noqa: E402
+    TrainingArguments,
+)
 
 from integrations_helpers import action, acks, send, steps  # noqa: E402
 from spikeguard.integrations.hf import SpikeguardCallback  # noqa: E402
@@ -44,7 +49,10 @@ class Recorder(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kw):
         self.state = state
         optimizer.optimizer.register_step_pre_hook(  # after the guard's hook: the LR really used
-            lambda opt, *a: self.used_lr.append((state.global_step, float(opt.param_groups[0]["lr"]))))
+            lambda opt, *a: self.used_lr.append(
+                (state.global_step, float(opt.param_groups[0]["lr"]))
+            )
+        )
 
     def on_step_begin(self, args, state, control, model=None, **kw):
         self.params_before[state.global_step] = [p.detach().clone() for p in model.parameters()]
@@ -61,14 +69,32 @@ class Recorder(TrainerCallback):
 
 def run(tmp_path, bus, steps_: int = 20, recorder: Recorder | None = None, **config) -> tuple:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, **{"checkpoint_every": 5, **config}))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"), resume=False, **{"checkpoint_every": 5, **config}
+        ),
+    )
     recorder = recorder or Recorder()
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps_, per_device_train_batch_size=8,
-                             learning_rate=1e-2, lr_scheduler_type="linear", weight_decay=0.1, max_grad_norm=0.0,
-                             seed=0, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-                             logging_steps=10_000)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps_,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=10_000,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, recorder])
     trainer.train()
     return trainer, guard, recorder
@@ -92,8 +118,11 @@ def test_a_skipped_update_changes_nothing_adamw_would_change(tmp_path, bus):
     counts = {}
 
     def poison(step):
-        counts[step] = int(trainer_opt[0].state[next(iter(trainer_opt[0].state))]["step"]) if step and \
-            trainer_opt else None
+        counts[step] = (
+            int(trainer_opt[0].state[next(iter(trainer_opt[0].state))]["step"])
+            if step and trainer_opt
+            else None
+        )
 
     trainer_opt: list = []
 
@@ -101,17 +130,37 @@ def test_a_skipped_update_changes_nothing_adamw_would_change(tmp_path, bus):
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
             trainer_opt.append(optimizer.optimizer)
             model.lm_head.register_forward_hook(
-                lambda m, a, out: out * float("nan") if m.training and state.global_step == 6 else None)
+                lambda m, a, out: (
+                    out * float("nan") if m.training and state.global_step == 6 else None
+                )
+            )
 
     rec = Recorder(on_begin=poison)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=9, per_device_train_batch_size=8,
-                             learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.0, seed=0, use_cpu=True,
-                             report_to="none", save_strategy="no", disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Poison(), guard, rec]).train()
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=9,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[Poison(), guard, rec]
+    ).train()
     assert same(rec.params_before[6], rec.params_after[6])  # skipped: not a weight moved
     assert not same(rec.params_before[5], rec.params_after[5])  # a normal step moves them
     assert counts[7] == counts[6] == 6  # AdamW's step count did not count the skipped step
@@ -129,12 +178,28 @@ def test_lr_action_scales_the_schedulers_value_and_leaves_the_schedule_alone(tmp
 
     rec = Recorder(on_begin=scale_at_8)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=16, per_device_train_batch_size=8,
-                             learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=4, max_grad_norm=0.0,
-                             seed=0, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=16,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=4,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     used, scheduled = dict(rec.used_lr), dict(rec.scheduled_lr)
@@ -143,7 +208,9 @@ def test_lr_action_scales_the_schedulers_value_and_leaves_the_schedule_alone(tmp
         assert used[step] == pytest.approx(scheduled[step] * factor, rel=1e-9), step
     # the schedule underneath went on as scheduled: linear decay to 0 after a 4-step warm-up
     assert scheduled[12] == pytest.approx(1e-2 * (16 - 12) / (16 - 4))
-    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        trainer.lr_scheduler.get_last_lr()[0]
+    )
     assert [a.status for a in acks(bus) if a.kind == ActionKind.SCALE_LR] == [AckStatus.APPLIED]
 
 
@@ -156,12 +223,25 @@ def test_stop_action_ends_training_cleanly(tmp_path, bus):
 
     rec = Recorder(on_begin=stop_at_7)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=30, per_device_train_batch_size=8,
-                             max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none", save_strategy="no",
-                             disable_tqdm=True)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=30,
+        per_device_train_batch_size=8,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     out = trainer.train()  # returns normally
     assert trainer.state.global_step == 8 and rec.global_steps[-1] == 7
@@ -181,26 +261,49 @@ def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, b
     def rollback_at_13(step):
         opt = box["trainer"].optimizer
         optim_states.setdefault(step, []).append(
-            {k: v.clone() for k, v in opt.state_dict()["state"][0].items()} if opt.state_dict()["state"] else None)
+            {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+            if opt.state_dict()["state"]
+            else None
+        )
         if step == 13 and box["guard"].guard.generation == 0:
-            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
+            send(
+                bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10)
+            )
 
     rec = Recorder(on_begin=rollback_at_13)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=8,
-                             learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=0.0, seed=0,
-                             use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=20,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     first_params: dict = {}
 
     class Keep(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kw):
-            first_params.setdefault(state.global_step, [p.detach().clone() for p in model.parameters()])
+            first_params.setdefault(
+                state.global_step, [p.detach().clone() for p in model.parameters()]
+            )
 
-    box["trainer"] = trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
-                                       callbacks=[guard, rec, Keep()])
+    box["trainer"] = trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec, Keep()]
+    )
     trainer.train()
     assert rec.global_steps == list(range(14)) + list(range(10, 20))
     assert trainer.state.global_step == 20 and guard.guard.counters["rollbacks"] == 1
@@ -210,7 +313,9 @@ def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, b
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert dict(rec.scheduled_lr)[10] == pytest.approx(1e-2 * (20 - 10) / 20)
     events = steps(bus)
-    assert [(e.epoch, e.step) for e in events] == [(0, s) for s in range(13)] + [(1, s) for s in range(10, 20)]
+    assert [(e.epoch, e.step) for e in events] == [(0, s) for s in range(13)] + [
+        (1, s) for s in range(10, 20)
+    ]
     # the data went on: epoch 1's step 10 read the batch after step 13's, not step 10's again
     batch = {(e.epoch, e.step): e.batch_index for e in events}
     assert batch[(1, 10)] == 14 and batch[(0, 10)] == 10
@@ -228,12 +333,27 @@ def test_published_loss_is_the_trainers_own_with_gradient_accumulation(tmp_path,
                 logged[state.global_step - 1] = logs["loss"]
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=4, max_grad_norm=0.0, seed=0, use_cpu=True,
-                             report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, Logs()]).train()
     events = steps(bus)
     assert [e.step for e in events] == list(range(6))
@@ -247,44 +367,83 @@ def test_rollback_at_the_last_step_still_trains_to_max_steps(tmp_path, bus):
 
     def rollback_at_13(step):
         if step == 13 and box["guard"].guard.generation == 0:
-            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
+            send(
+                bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10)
+            )
 
     rec = Recorder(on_begin=rollback_at_13)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=14, per_device_train_batch_size=8,
-                             max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none", save_strategy="no",
-                             disable_tqdm=True, logging_steps=5)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=14,
+        per_device_train_batch_size=8,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=5,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert rec.global_steps == list(range(14)) + list(range(10, 14))
     assert trainer.state.global_step == 14 and guard.guard.finished
 
 
-def test_observe_mode_in_the_trainer_applies_nothing_and_resume_defaults_as_the_guard(tmp_path, bus):
+def test_observe_mode_in_the_trainer_applies_nothing_and_resume_defaults_as_the_guard(
+    tmp_path, bus
+):
     box: dict = {}
 
     def stop_at_7(step):
         if step == 7:
-            send(bus, box["guard"].guard, action(ActionKind.STOP, 7, "hf-test", reason="test stop"),
-                 action(ActionKind.SCALE_LR, 7, "hf-test", factor=0.5))
+            send(
+                bus,
+                box["guard"].guard,
+                action(ActionKind.STOP, 7, "hf-test", reason="test stop"),
+                action(ActionKind.SCALE_LR, 7, "hf-test", factor=0.5),
+            )
 
     rec = Recorder(on_begin=stop_at_7)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, mode="observe", config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=8,
-                             learning_rate=1e-2, max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none",
-                             save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        mode="observe",
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert trainer.state.global_step == 12  # not stopped
     assert dict(rec.used_lr)[10] == pytest.approx(dict(rec.scheduled_lr)[10])  # LR not scaled
-    assert {a.kind: a.status for a in acks(bus)} == {ActionKind.STOP: AckStatus.REJECTED,
-                                                      ActionKind.SCALE_LR: AckStatus.REJECTED}
+    assert {a.kind: a.status for a in acks(bus)} == {
+        ActionKind.STOP: AckStatus.REJECTED,
+        ActionKind.SCALE_LR: AckStatus.REJECTED,
+    }
     assert guard.guard.summary().withheld == {"stop": 1, "scale_lr": 1}
     assert guard.guard.config.resume == GuardConfig().resume  # the same default as the plain Guard
 
@@ -296,16 +455,33 @@ def test_observe_mode_trains_through_a_due_rollback_as_guard_step_does(tmp_path,
 
     def rollback_at_13(step):
         if step == 13:
-            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10))
+            send(
+                bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "hf-test", target_step=10)
+            )
 
     rec = Recorder(on_begin=rollback_at_13)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    box["guard"] = guard = SpikeguardCallback(run_id="hf-test", bus=bus, mode="observe", config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=16, per_device_train_batch_size=8,
-                             learning_rate=1e-2, max_grad_norm=0.0, seed=0, use_cpu=True, report_to="none",
-                             save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
+    box["guard"] = guard = SpikeguardCallback(
+        run_id="hf-test",
+        bus=bus,
+        mode="observe",
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=16,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert rec.global_steps == list(range(16)) and trainer.state.global_step == 16

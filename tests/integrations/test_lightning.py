@@ -34,7 +34,9 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         w, t = self.warmup, self.total
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / w if s < w else max(0.0, (t - s) / (t - w)))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / w if s < w else max(0.0, (t - s) / (t - w))
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -61,11 +63,15 @@ class Recorder(L.Callback):
         # (after the guard's hook; Lightning runs this inside optimizer.step(closure), right
         # before the optimizer's math: the LR it is about to use)
         self.used_lr[trainer.global_step] = float(optimizer.param_groups[0]["lr"])
-        self.scheduled_lr[trainer.global_step] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+        self.scheduled_lr[trainer.global_step] = trainer.lr_scheduler_configs[
+            0
+        ].scheduler.get_last_lr()[0]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.global_steps:  # (a micro-batch of an accumulation before the first step: none)
-            self.params_after[self.global_steps[-1]] = [p.detach().clone() for p in pl_module.parameters()]
+            self.params_after[self.global_steps[-1]] = [
+                p.detach().clone() for p in pl_module.parameters()
+            ]
 
 
 def loader() -> DataLoader:
@@ -75,16 +81,37 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=g)
 
 
-def fit(tmp_path, bus, module, max_steps: int, recorder: Recorder, box: dict | None = None, mode: str = "protect",
-        **trainer_kw):
+def fit(
+    tmp_path,
+    bus,
+    module,
+    max_steps: int,
+    recorder: Recorder,
+    box: dict | None = None,
+    mode: str = "protect",
+    **trainer_kw,
+):
     L.seed_everything(0, verbose=False)
-    guard = SpikeguardCallback(run_id="pl-test", bus=bus, mode=mode, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5))
+    guard = SpikeguardCallback(
+        run_id="pl-test",
+        bus=bus,
+        mode=mode,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
+    )
     if box is not None:
         box["guard"] = guard
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path), callbacks=[guard, recorder], **trainer_kw)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[guard, recorder],
+        **trainer_kw,
+    )
     trainer.fit(module, loader())
     return trainer, guard
 
@@ -106,7 +133,14 @@ def test_step_numbers_with_gradient_accumulation(tmp_path, bus):
     trainer, guard = fit(tmp_path, bus, Regression(), 6, rec, accumulate_grad_batches=3)
     events = steps(bus)
     assert [e.step for e in events] == list(range(6))
-    assert [e.batch_index for e in events] == [2, 5, 8, 11, 14, 17]  # the last micro-batch of each step
+    assert [e.batch_index for e in events] == [
+        2,
+        5,
+        8,
+        11,
+        14,
+        17,
+    ]  # the last micro-batch of each step
 
 
 def test_a_skipped_update_changes_nothing_adamw_would_change(tmp_path, bus):
@@ -129,10 +163,14 @@ def test_lr_action_scales_the_schedulers_value_and_leaves_the_schedule_alone(tmp
     rec = Recorder(on_begin=scale_at_8)
     trainer, guard = fit(tmp_path, bus, Regression(), 16, rec, box)
     for step in range(16):
-        assert rec.used_lr[step] == pytest.approx(rec.scheduled_lr[step] * (0.5 if step >= 8 else 1.0)), step
+        assert rec.used_lr[step] == pytest.approx(
+            rec.scheduled_lr[step] * (0.5 if step >= 8 else 1.0)
+        ), step
     assert rec.scheduled_lr[12] == pytest.approx(1e-2 * (16 - 12) / (16 - 4))
     opt = trainer.optimizers[0]
-    assert opt.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    )
     assert [a.status for a in acks(bus) if a.kind == ActionKind.SCALE_LR] == [AckStatus.APPLIED]
 
 
@@ -159,22 +197,30 @@ def test_rollback_restores_model_optimizer_and_scheduler(tmp_path, bus):
 
     def rollback_at_13(trainer, step):
         opt = trainer.optimizers[0]
-        snapshot = ([p.detach().clone() for p in trainer.lightning_module.parameters()],
-                    [v["exp_avg"].clone() for v in opt.state.values()] if opt.state else [],
-                    trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+        snapshot = (
+            [p.detach().clone() for p in trainer.lightning_module.parameters()],
+            [v["exp_avg"].clone() for v in opt.state.values()] if opt.state else [],
+            trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+        )
         first.setdefault(step, snapshot)
         if step == 13 and box["guard"].guard.generation == 0:
-            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10))
+            send(
+                bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10)
+            )
         if step == 14:
             box["after"] = snapshot
 
     rec = Recorder(on_begin=rollback_at_13)
     trainer, guard = fit(tmp_path, bus, Regression(total=40), 20, rec, box)
     params, moments, sched_epoch = box["after"]
-    assert same(params, first[10][0]) and same(moments, first[10][1]) and sched_epoch == first[10][2]
+    assert (
+        same(params, first[10][0]) and same(moments, first[10][1]) and sched_epoch == first[10][2]
+    )
     assert guard.guard.counters["rollbacks"] == 1 and trainer.global_step == 20
     events = steps(bus)
-    assert [(e.epoch, e.step) for e in events] == [(0, s) for s in range(13)] + [(1, s) for s in range(14, 20)]
+    assert [(e.epoch, e.step) for e in events] == [(0, s) for s in range(13)] + [
+        (1, s) for s in range(14, 20)
+    ]
     assert [a.status for a in acks(bus) if a.kind == ActionKind.ROLLBACK] == [AckStatus.APPLIED]
 
 
@@ -188,11 +234,24 @@ def test_guard_state_travels_in_lightnings_checkpoint(tmp_path, bus):
     trainer, guard = fit(tmp_path, bus, Regression(), 6, Recorder(on_begin=scale_at_3), box)
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
-    again = SpikeguardCallback(run_id="pl-test", bus=bus, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt2"), resume=False, checkpoint_every=5))
-    resumed = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[again])
+    again = SpikeguardCallback(
+        run_id="pl-test",
+        bus=bus,
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt2"), resume=False, checkpoint_every=5
+        ),
+    )
+    resumed = L.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[again],
+    )
     resumed.fit(Regression(), loader(), ckpt_path=str(path))
     assert again.guard.lr.scale == 0.25  # the LR factor survived the restart
     assert again.guard.stream.position >= 6 and resumed.global_step == 8
@@ -205,7 +264,9 @@ def test_observe_mode_trains_through_a_due_rollback_as_guard_step_does(tmp_path,
 
     def rollback_at_13(trainer, step):
         if step == 13:
-            send(bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10))
+            send(
+                bus, box["guard"].guard, action(ActionKind.ROLLBACK, 13, "pl-test", target_step=10)
+            )
 
     rec = Recorder(on_begin=rollback_at_13)
     trainer, guard = fit(tmp_path, bus, Regression(total=40), 16, rec, box, mode="observe")

@@ -15,9 +15,16 @@ def _nan_demo(tmp_path, loggers):
     from spikeguard.settings import load_settings
 
     runtime = open_runtime(load_settings(DEMO_SETTINGS, env={}))
-    config = GuardConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=20, keep_checkpoints=4,
-                         resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                         loggers=loggers)
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=0,
+        healthy_stretch=10,
+        loggers=loggers,
+    )
     try:
         return run_demo("nan", seed=0, setup=DemoSetup(steps=120), runtime=runtime, config=config)
     finally:
@@ -26,7 +33,9 @@ def _nan_demo(tmp_path, loggers):
 
 def test_actions_go_to_tensorboard_at_the_step_they_were_taken(tmp_path, monkeypatch):
     if not _installed("tensorboard"):
-        pytest.skip("the tensorboard package is not installed in this venv (pip install tensorboard)")
+        pytest.skip(
+            "the tensorboard package is not installed in this venv (pip install tensorboard)"
+        )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.chdir(tmp_path)  # SummaryWriter's default runs/ directory
@@ -40,8 +49,10 @@ def test_actions_go_to_tensorboard_at_the_step_they_were_taken(tmp_path, monkeyp
     assert "spikeguard/applied/skip_batches" in events.Tags()["scalars"]
     texts = events.Tensors("spikeguard/actions/text_summary")
     said = [t.tensor_proto.string_val[0].decode() for t in texts]
-    assert any(s.startswith(f"spikeguard: rollback at step {rollback['step']}: rolled back to step")
-               for s in said)
+    assert any(
+        s.startswith(f"spikeguard: rollback at step {rollback['step']}: rolled back to step")
+        for s in said
+    )
 
 
 def test_a_missing_logger_is_said_and_training_goes_on(tmp_path, caplog):

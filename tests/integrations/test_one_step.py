@@ -42,15 +42,19 @@ def build(framework: bool, tmp_path, bus, amp: bool, mode: str) -> tuple:
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=8) if amp else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=8) if amp else None
     name = "framework" if framework else "plain"
-    config = GuardConfig(checkpoint_dir=str(tmp_path / name), resume=False, checkpoint_every=5, mode=mode)
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path / name), resume=False, checkpoint_every=5, mode=mode
+    )
     cls = FrameworkGuard if framework else Guard
     guard = cls(model, opt, sched, run_id=name, bus=bus, config=config, scaler=scaler)
     return guard, model, opt, sched, scaler
 
 
-def run(framework: bool, tmp_path, bus, amp: bool = False, mode: str = "protect", spikes: bool = True) -> Guard:
+def run(
+    framework: bool, tmp_path, bus, amp: bool = False, mode: str = "protect", spikes: bool = True
+) -> Guard:
     """``spikes``: inject the non-finite, overflow and outlier steps (the actions come either way)."""
     guard, model, opt, sched, scaler = build(framework, tmp_path, bus, amp, mode)
     data = iter(batches())
@@ -64,7 +68,11 @@ def run(framework: bool, tmp_path, bus, amp: bool = False, mode: str = "protect"
         if step == SCALE_LR_STEP and guard.generation == 0:
             send(bus, guard, action(ActionKind.SCALE_LR, step, guard.run_id, factor=0.5))
         if step == ROLLBACK_STEP and guard.generation == 0:
-            send(bus, guard, action(ActionKind.ROLLBACK, step, guard.run_id, target_step=ROLLBACK_TARGET))
+            send(
+                bus,
+                guard,
+                action(ActionKind.ROLLBACK, step, guard.run_id, target_step=ROLLBACK_TARGET),
+            )
         if framework:
             guard.batch_read()
         opt.zero_grad(set_to_none=True)
@@ -90,10 +98,23 @@ def run(framework: bool, tmp_path, bus, amp: bool = False, mode: str = "protect"
 
 
 def published(bus, run_id: str) -> list[tuple]:
-    return [(e.epoch, e.step, round(e.loss, 6) if math.isfinite(e.loss) else "nan",
-             None if e.grad_norm is None or not math.isfinite(e.grad_norm) else round(e.grad_norm, 5),
-             e.update_skipped, e.skip_reason, round(e.lr, 9), e.loss_scale, e.overflow_streak)
-            for e in steps(bus) if e.run_id == run_id]
+    return [
+        (
+            e.epoch,
+            e.step,
+            round(e.loss, 6) if math.isfinite(e.loss) else "nan",
+            None
+            if e.grad_norm is None or not math.isfinite(e.grad_norm)
+            else round(e.grad_norm, 5),
+            e.update_skipped,
+            e.skip_reason,
+            round(e.lr, 9),
+            e.loss_scale,
+            e.overflow_streak,
+        )
+        for e in steps(bus)
+        if e.run_id == run_id
+    ]
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "grad-scaler"])
@@ -107,17 +128,24 @@ def test_the_framework_halves_do_what_guard_step_does(tmp_path, bus, amp):
     assert reasons[(0, NAN_STEP)] == "non_finite" and reasons[(0, OUTLIER_STEP)] == "outlier_step"
     if amp:
         assert reasons[(0, OVERFLOW_STEP)] == "scaler_overflow"
-        assert {e[7] for e in mine} != {None}  # the scale is published, and the gradients are unscaled
+        assert {e[7] for e in mine} != {
+            None
+        }  # the scale is published, and the gradients are unscaled
     assert (1, ROLLBACK_TARGET) in reasons and (0, ROLLBACK_STEP) not in reasons
     for a, b in zip(plain.model.parameters(), framework.model.parameters()):
         assert torch.equal(a, b)
     assert plain.optimizer.param_groups[0]["lr"] == framework.optimizer.param_groups[0]["lr"]
     for name in ("updates", "skipped_updates", "rollbacks", "outlier_skips", "scaler_skips"):
         assert plain.counters[name] == framework.counters[name], name
-    by_run = {run_id: [(a.kind, a.status) for a in acks(bus) if a.run_id == run_id]
-              for run_id in ("plain", "framework")}
-    assert by_run["plain"] == by_run["framework"] == [(ActionKind.SCALE_LR, AckStatus.APPLIED),
-                                                      (ActionKind.ROLLBACK, AckStatus.APPLIED)]
+    by_run = {
+        run_id: [(a.kind, a.status) for a in acks(bus) if a.run_id == run_id]
+        for run_id in ("plain", "framework")
+    }
+    assert (
+        by_run["plain"]
+        == by_run["framework"]
+        == [(ActionKind.SCALE_LR, AckStatus.APPLIED), (ActionKind.ROLLBACK, AckStatus.APPLIED)]
+    )
 
 
 def test_observe_mode_keeps_the_update_a_due_rollback_would_have_voided(tmp_path, bus):

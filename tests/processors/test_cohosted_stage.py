@@ -17,7 +17,14 @@ from spikeguard.lab.simulate import generate
 from spikeguard.metrics import Metrics
 from spikeguard.processors.cohosted_stage import CoHostedDetectors
 from spikeguard.schemas import (
-    DeadLetter, StepEvent, StepVerdicts, Topics, Verdict, decode, encode, sign_step,
+    DeadLetter,
+    StepEvent,
+    StepVerdicts,
+    Topics,
+    Verdict,
+    decode,
+    encode,
+    sign_step,
 )
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
@@ -36,10 +43,14 @@ def steps() -> list[StepEvent]:
 def publish(bus: EmbeddedBus, events: list[StepEvent]) -> None:
     producer = bus.producer()
     for event in events:
-        producer.publish(TOPICS.steps, encode(event), key=event.run_id)  # bytes: decoded per consumer
+        producer.publish(
+            TOPICS.steps, encode(event), key=event.run_id
+        )  # bytes: decoded per consumer
 
 
-def cohosted_worker(bus: EmbeddedBus, registry: CollectorRegistry | None = None, **kwargs) -> Worker:
+def cohosted_worker(
+    bus: EmbeddedBus, registry: CollectorRegistry | None = None, **kwargs
+) -> Worker:
     stage = CoHostedDetectors([build_stage(name, SETTINGS, TOPICS) for name in DETECTOR_NAMES])
     return Worker(bus, stage, metrics=Metrics(registry or CollectorRegistry()), **kwargs)
 
@@ -57,7 +68,11 @@ def verdicts(bus: EmbeddedBus) -> dict[tuple[str, str, int, int], str]:
     """
     found: dict[tuple[str, str, int, int], str] = {}
     each = [decode(r.value, Verdict) for r in bus.read_all(TOPICS.verdicts)]
-    packed = [v for r in bus.read_all(TOPICS.step_verdicts) for v in decode(r.value, StepVerdicts).verdicts]
+    packed = [
+        v
+        for r in bus.read_all(TOPICS.step_verdicts)
+        for v in decode(r.value, StepVerdicts).verdicts
+    ]
     for v in each + packed:
         v = v.model_copy(update={"signature": None})  # signed one by one, or as a record
         text = json.dumps(v.model_dump(mode="json"), sort_keys=True)
@@ -70,7 +85,12 @@ def test_cohosted_detectors_publish_what_four_independent_workers_publish():
     events = steps()
     apart = EmbeddedBus(partitions=2)
     publish(apart, events)
-    drain([Worker(apart, build_stage(name, SETTINGS, TOPICS), snapshots=False) for name in DETECTOR_NAMES])
+    drain(
+        [
+            Worker(apart, build_stage(name, SETTINGS, TOPICS), snapshots=False)
+            for name in DETECTOR_NAMES
+        ]
+    )
     together = EmbeddedBus(partitions=2)
     publish(together, events)
     worker = cohosted_worker(together, snapshots=False)
@@ -135,7 +155,9 @@ def test_the_saved_state_holds_every_detector_per_run():
     assert all(set(per) == set(DETECTOR_NAMES) for per in state.values())
     fresh = CoHostedDetectors([build_stage(name, SETTINGS, TOPICS) for name in DETECTOR_NAMES])
     fresh.restore(json.loads(json.dumps(state)))  # as read back from the state topic
-    assert json.loads(json.dumps(fresh.snapshot(["run-1", "run-2"]))) == json.loads(json.dumps(state))
+    assert json.loads(json.dumps(fresh.snapshot(["run-1", "run-2"]))) == json.loads(
+        json.dumps(state)
+    )
 
 
 def test_a_checkpoint_saves_only_the_runs_changed_since_the_last_one():
@@ -153,4 +175,6 @@ def test_a_checkpoint_saves_only_the_runs_changed_since_the_last_one():
     drain([worker])
     after = [r.key for r in bus.read_all(store) if r.offset > saved]
     assert b"detectors/run/run-1" in after
-    assert all(not key.startswith(b"detectors/run/") or key == b"detectors/run/run-1" for key in after)
+    assert all(
+        not key.startswith(b"detectors/run/") or key == b"detectors/run/run-1" for key in after
+    )

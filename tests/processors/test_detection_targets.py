@@ -38,7 +38,9 @@ def decide(events):
     fusion = Fusion(FusionConfig(expected=[d.name for d in detectors]), run_id=events[0].run_id)
     verdicts = [d.update_many(events) for d in detectors]
     # Each step's verdicts in turn, as the workers hand them over; add_many decides as add does.
-    return fusion.add_many([v for per_step in zip(*verdicts) for v in per_step], 0.0) + fusion.flush()
+    return (
+        fusion.add_many([v for per_step in zip(*verdicts) for v in per_step], 0.0) + fusion.flush()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +52,19 @@ def scores():
         decisions = decide(run.events)
         assert [d.step for d in decisions] == steps  # one decision per step, in order
         marks = marks_from_decisions(decisions)
-        ours[item.scenario].append(score_run(steps, run.labels, [m for m in marks if m.type != OUTLIER]))
-        SKIPS[item.scenario].append(score_run(steps, run.labels, [m for m in marks if m.type == OUTLIER]))
+        ours[item.scenario].append(
+            score_run(steps, run.labels, [m for m in marks if m.type != OUTLIER])
+        )
+        SKIPS[item.scenario].append(
+            score_run(steps, run.labels, [m for m in marks if m.type == OUTLIER])
+        )
         if item.scenario in ANOMALY_KINDS:  # (baselines skip the clean runs: it only flatters them)
-            naive[item.scenario].append(score_run(steps, run.labels, flag_run(NaiveBaseline(), run.events)))
-            six[item.scenario].append(score_run(steps, run.labels, flag_run(SixSigmaBaseline(), run.events)))
+            naive[item.scenario].append(
+                score_run(steps, run.labels, flag_run(NaiveBaseline(), run.events))
+            )
+            six[item.scenario].append(
+                score_run(steps, run.labels, flag_run(SixSigmaBaseline(), run.events))
+            )
     return ours, naive, six
 
 
@@ -92,8 +102,9 @@ def test_clean_runs_stay_quiet(scores, scenario: str) -> None:
 def test_outlier_steps_on_clean_runs_are_rare(scores) -> None:
     # At most one skipped update per ~500 steps on the clean scenarios (nearly all
     # heavy_tailed's and eval_bumps' x1.3-x2 jumps).
-    clean = summarize(s for name in ("stable", "heavy_tailed", "data_shift", "eval_bumps")
-                      for s in SKIPS[name])
+    clean = summarize(
+        s for name in ("stable", "heavy_tailed", "data_shift", "eval_bumps") for s in SKIPS[name]
+    )
     assert clean.alarm_episodes > 0  # the heavy-tailed jumps are seen and said
     assert clean.false_alarms_per_10k <= 20.0, clean.as_dict()
     # measured 10.1 (11 of the simulator's benign one-step blips, 8-22 sigma, up to x2: outliers

@@ -20,14 +20,30 @@ from spikeguard.schemas.ids import decision_id, incident_id
 ALL = ("statistical", "rules", "ml", "predictor")
 
 
-def v(detector: str, step: int, kind: T | None = None, conf: float = 0.9, critical: bool = False,
-      epoch: int = 0, run_id: str = "r") -> Verdict:
+def v(
+    detector: str,
+    step: int,
+    kind: T | None = None,
+    conf: float = 0.9,
+    critical: bool = False,
+    epoch: int = 0,
+    run_id: str = "r",
+) -> Verdict:
     """A verdict: anomalous of ``kind`` when a kind is given, else healthy."""
     if kind is None:
         return Verdict(run_id=run_id, step=step, epoch=epoch, detector=detector, is_anomaly=False)
-    return Verdict(run_id=run_id, step=step, epoch=epoch, detector=detector, is_anomaly=True, type=kind,
-                   confidence=conf, critical=critical, rules=[f"{detector}_{kind.value}"],
-                   signals={"z": 1.0})
+    return Verdict(
+        run_id=run_id,
+        step=step,
+        epoch=epoch,
+        detector=detector,
+        is_anomaly=True,
+        type=kind,
+        confidence=conf,
+        critical=critical,
+        rules=[f"{detector}_{kind.value}"],
+        signals={"z": 1.0},
+    )
 
 
 def healthy_step(step: int, but: dict[str, Verdict] | None = None, epoch: int = 0) -> list[Verdict]:
@@ -53,7 +69,9 @@ def test_a_step_is_decided_when_every_detector_has_spoken() -> None:
 
 @pytest.mark.parametrize("how", ["steps", "time", "cap"])
 def test_deadlines_decide_with_what_there_is_and_list_the_missing(how: str) -> None:
-    cfg = FusionConfig(deadline_steps=5, deadline_seconds=2.0, max_pending=3 if how == "cap" else 100)
+    cfg = FusionConfig(
+        deadline_steps=5, deadline_seconds=2.0, max_pending=3 if how == "cap" else 100
+    )
     if how != "steps":
         cfg = cfg.model_copy(update={"deadline_steps": 10**6})
     f = Fusion(cfg, run_id="r")
@@ -70,8 +88,15 @@ def test_deadlines_decide_with_what_there_is_and_list_the_missing(how: str) -> N
 def test_a_critical_verdict_decides_alone_and_at_once() -> None:
     f = Fusion(run_id="r")
     feed(f, [v("statistical", 0), v("ml", 0)])  # step 0: still waiting for two detectors
-    out = feed(f, [v("statistical", 1), v("ml", 1), v("predictor", 1),
-                   v("rules", 1, T.NON_FINITE, conf=1.0, critical=True)])
+    out = feed(
+        f,
+        [
+            v("statistical", 1),
+            v("ml", 1),
+            v("predictor", 1),
+            v("rules", 1, T.NON_FINITE, conf=1.0, critical=True),
+        ],
+    )
     assert [d.step for d in out] == [0, 1]  # the earlier step goes first, with what it had
     assert out[0].missing == ["rules", "predictor"] and not out[0].is_anomaly
     d = out[1]
@@ -96,10 +121,18 @@ def test_the_naive_average_trap() -> None:
     "verdicts, kind, anomaly",
     [
         ({"statistical": (T.LOSS_SPIKE, 0.9)}, T.LOSS_SPIKE, True),  # one sure detector is enough
-        ({"rules": (T.LR_OUT_OF_BOUNDS, 0.8), "statistical": (T.LOSS_SPIKE, 0.9)}, T.LR_OUT_OF_BOUNDS, True),
+        (
+            {"rules": (T.LR_OUT_OF_BOUNDS, 0.8), "statistical": (T.LOSS_SPIKE, 0.9)},
+            T.LR_OUT_OF_BOUNDS,
+            True,
+        ),
         ({"ml": (T.ML_OUTLIER, 0.9), "statistical": (T.OSCILLATION, 0.7)}, T.OSCILLATION, True),
         ({"ml": (T.ML_OUTLIER, 0.9)}, T.NONE, False),  # ml alone is not enough (weight 0.5)
-        ({"ml": (T.ML_OUTLIER, 0.9), "statistical": (T.LOSS_SPIKE, 0.2)}, T.LOSS_SPIKE, True),  # together
+        (
+            {"ml": (T.ML_OUTLIER, 0.9), "statistical": (T.LOSS_SPIKE, 0.2)},
+            T.LOSS_SPIKE,
+            True,
+        ),  # together
     ],
 )
 def test_scoring_and_type_precedence(verdicts, kind, anomaly) -> None:
@@ -143,8 +176,16 @@ def test_predictor_warnings_are_preventive_and_never_roll_back(kind: T) -> None:
     assert d.incident_id is None and not d.critical
     assert ActionKind.ROLLBACK not in [a.kind for a in RecoveryPolicy(run_id="r").on_decision(d)]
     # with a real anomaly at the same step, the anomaly decides
-    [d] = feed(f, healthy_step(1, {"predictor": v("predictor", 1, kind, conf=0.99),
-                                   "statistical": v("statistical", 1, T.LOSS_SPIKE)}))
+    [d] = feed(
+        f,
+        healthy_step(
+            1,
+            {
+                "predictor": v("predictor", 1, kind, conf=0.99),
+                "statistical": v("statistical", 1, T.LOSS_SPIKE),
+            },
+        ),
+    )
     assert d.is_anomaly and not d.preventive and d.type == T.LOSS_SPIKE
     # a weak warning is not worth a decision
     [d] = feed(f, healthy_step(2, {"predictor": v("predictor", 2, kind, conf=0.2)}))
@@ -219,7 +260,9 @@ def test_state_round_trip_mid_stream_gives_identical_decisions() -> None:
     got = [d for i, x in enumerate(verdicts[:333]) for d in a.add(x, float(i))]
     b = Fusion(cfg, run_id="r")
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    got += [d for i, x in enumerate(verdicts[333:], start=333) for d in b.add(x, float(i))] + b.flush()
+    got += [
+        d for i, x in enumerate(verdicts[333:], start=333) for d in b.add(x, float(i))
+    ] + b.flush()
     assert got == expected and len(got) == 200
     assert [d.step for d in got] == list(range(200))
 
@@ -241,11 +284,17 @@ def test_the_decision_carries_its_evidence_and_who_said_what() -> None:
     """The step's loss and gradient norm, next to the medians of the run's recent healthy steps."""
     f = Fusion(FusionConfig(baseline_window_steps=8), run_id="r")
 
-    def step(n: int, loss: float, grad: float, but: dict[str, Verdict] | None = None) -> list[Verdict]:
-        return [x.model_copy(update={"loss": loss, "grad_norm": grad}) for x in healthy_step(n, but)]
+    def step(
+        n: int, loss: float, grad: float, but: dict[str, Verdict] | None = None
+    ) -> list[Verdict]:
+        return [
+            x.model_copy(update={"loss": loss, "grad_norm": grad}) for x in healthy_step(n, but)
+        ]
 
     out = feed(f, step(0, 2.0, 1.0))
-    assert out[0].evidence is not None and out[0].evidence.loss_baseline is None  # nothing learnt yet
+    assert (
+        out[0].evidence is not None and out[0].evidence.loss_baseline is None
+    )  # nothing learnt yet
     for n in range(1, 20):
         out += feed(f, step(n, 2.0 + 0.01 * n, 1.0 + 0.01 * n))
     spike = {"statistical": v("statistical", 20, T.LOSS_SPIKE), "ml": v("ml", 20, T.ML_OUTLIER)}
@@ -264,7 +313,9 @@ def test_the_decision_carries_its_evidence_and_who_said_what() -> None:
     g.load_state_dict(json.loads(json.dumps(f.state_dict())))
     nan = {"rules": v("rules", 22, T.NON_FINITE, conf=1.0, critical=True)}
     [d] = feed(g, step(22, float("nan"), 1.0, nan))
-    assert d.critical and d.evidence is not None and d.evidence.loss_baseline == pytest.approx(2.165)
+    assert (
+        d.critical and d.evidence is not None and d.evidence.loss_baseline == pytest.approx(2.165)
+    )
 
 
 def test_without_the_step_values_there_is_no_evidence() -> None:
@@ -286,7 +337,9 @@ def test_a_critical_step_waits_only_for_the_steps_before_it() -> None:
     assert feed(f, [v("rules", 1, T.NON_FINITE, conf=1.0, critical=True)]) == []
     out = feed(f, [v("ml", 0), v("predictor", 0)])
     assert [(d.step, d.is_anomaly, d.missing) for d in out] == [
-        (0, False, []), (1, True, ["statistical", "ml", "predictor"])]
+        (0, False, []),
+        (1, True, ["statistical", "ml", "predictor"]),
+    ]
 
 
 def test_a_fast_detector_racing_ahead_does_not_change_any_decision() -> None:
@@ -306,7 +359,9 @@ def test_a_fast_detector_racing_ahead_does_not_change_any_decision() -> None:
     live = [x for step in range(300) for x in script[step].values()]
     # After the outage: statistical catches up first, rules next, ml and predictor last,
     # a few seconds apart in all (under deadline_seconds), with some interleaving.
-    backlog = [script[s]["statistical"] for s in range(300)] + [script[s]["rules"] for s in range(300)]
+    backlog = [script[s]["statistical"] for s in range(300)] + [
+        script[s]["rules"] for s in range(300)
+    ]
     slow = [script[s][d] for s in range(300) for d in ("ml", "predictor")]
     caught_up = backlog[:450] + slow[:100] + backlog[450:] + slow[100:]
 
@@ -336,14 +391,20 @@ def test_a_stalled_detector_is_not_waited_for_after_the_deadline() -> None:
     assert f.tick(10.9) == [] and [d.step for d in f.tick(11.0)] == [4]
 
 
-def test_after_an_outage_a_detector_alive_when_it_began_is_waited_for_up_to_the_recovery_time() -> None:
+def test_after_an_outage_a_detector_alive_when_it_began_is_waited_for_up_to_the_recovery_time() -> (
+    None
+):
     cfg = FusionConfig(deadline_seconds=5.0, recovery_seconds=20.0)
     f = Fusion(cfg, run_id="r")
     assert [d.step for d in feed(f, healthy_step(0), now=0.0)] == [0]
     assert feed(f, [x for x in healthy_step(1) if x.detector != "ml"], now=4.9) == []
-    f.resume(5.5, quiet_s=30.0)  # the outage: ml had been silent for 5.5 s when it began, the others not
+    f.resume(
+        5.5, quiet_s=30.0
+    )  # the outage: ml had been silent for 5.5 s when it began, the others not
     assert [(d.step, d.missing) for d in f.tick(5.5)] == [(1, ["ml"])]  # already stalled: no grace
-    assert feed(f, [x for x in healthy_step(2) if x.detector != "rules"], now=6.0) == []  # rules lags
+    assert (
+        feed(f, [x for x in healthy_step(2) if x.detector != "rules"], now=6.0) == []
+    )  # rules lags
     assert f.tick(12.0) == []  # past its deadline, within its recovery time: waited for
     restored = Fusion(cfg, run_id="r")  # the recovery time survives a snapshot
     restored.load_state_dict(json.loads(json.dumps(f.state_dict())))
@@ -391,16 +452,21 @@ def test_the_pipeline_s_decisions_carry_the_trainer_s_own_values() -> None:
     rng = random.Random(5)
     events = []
     for step in range(300):
-        loss = 3.0 * 0.999 ** step + rng.gauss(0, 0.02)
+        loss = 3.0 * 0.999**step + rng.gauss(0, 0.02)
         grad = 1.0 + rng.gauss(0, 0.05)
         if step == 250:
             loss, grad = 40.0, 30.0
-        events.append(StepEvent(run_id="ev", step=step, loss=loss, grad_norm=grad, lr=1e-3, time=0.0))
+        events.append(
+            StepEvent(run_id="ev", step=step, loss=loss, grad_norm=grad, lr=1e-3, time=0.0)
+        )
     decisions = backtest_events(events, metrics=Metrics(CollectorRegistry()))
     assert [d.step for d in decisions] == list(range(300))
     for d, e in zip(decisions, events):
-        assert d.evidence is not None and (d.evidence.loss, d.evidence.grad_norm) == (e.loss, e.grad_norm)
+        assert d.evidence is not None and (d.evidence.loss, d.evidence.grad_norm) == (
+            e.loss,
+            e.grad_norm,
+        )
     spike = decisions[250]
     assert spike.is_anomaly and spike.critical and set(spike.flagged_by) >= {"rules", "statistical"}
-    assert spike.evidence.loss_baseline == pytest.approx(3.0 * 0.999 ** 235, rel=0.05)
+    assert spike.evidence.loss_baseline == pytest.approx(3.0 * 0.999**235, rel=0.05)
     assert spike.evidence.grad_norm_baseline == pytest.approx(1.0, rel=0.1)

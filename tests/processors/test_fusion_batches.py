@@ -25,9 +25,18 @@ def verdict(rng: random.Random, step: int, epoch: int, detector: str) -> Verdict
         kind, anomaly, critical = AnomalyType.GRADIENT_EXPLOSION, True, True
     elif roll < 0.09 and detector == "predictor":
         kind, anomaly = AnomalyType.INSTABILITY_WARNING, True
-    return Verdict(run_id="r", step=step, epoch=epoch, detector=detector, is_anomaly=anomaly,
-                   type=kind, critical=critical, confidence=rng.random() if anomaly else 0.1,
-                   loss=1.0 + rng.random(), grad_norm=rng.random())
+    return Verdict(
+        run_id="r",
+        step=step,
+        epoch=epoch,
+        detector=detector,
+        is_anomaly=anomaly,
+        type=kind,
+        critical=critical,
+        confidence=rng.random() if anomaly else 0.1,
+        loss=1.0 + rng.random(),
+        grad_norm=rng.random(),
+    )
 
 
 def stream(seed: int) -> list[tuple[float, list[Verdict]]]:
@@ -62,7 +71,7 @@ def stream(seed: int) -> list[tuple[float, list[Verdict]]]:
     while i < len(out):
         size = rng.choice([1, 3, 4, 7, 50, 400])
         now += rng.choice([0.0, 0.01, 0.5, 3.0, 6.0])  # 6 s: past the 5 s deadline
-        batches.append((now, out[i:i + size]))
+        batches.append((now, out[i : i + size]))
         i += size
     return batches
 
@@ -72,12 +81,15 @@ def dumped(decisions) -> list[str]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("config", [
-    FusionConfig(),
-    FusionConfig(deadline_steps=0),
-    FusionConfig(deadline_steps=3, max_pending=2),
-    FusionConfig(expected=["statistical", "rules"]),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        FusionConfig(),
+        FusionConfig(deadline_steps=0),
+        FusionConfig(deadline_steps=3, max_pending=2),
+        FusionConfig(expected=["statistical", "rules"]),
+    ],
+)
 def test_add_many_is_add_verdict_by_verdict(seed: int, config: FusionConfig) -> None:
     batched, one_by_one = Fusion(config, run_id="r"), Fusion(config, run_id="r")
     got, expected = [], []
@@ -92,7 +104,10 @@ def test_add_many_is_add_verdict_by_verdict(seed: int, config: FusionConfig) -> 
     assert dumped(got) == dumped(expected)
     assert json.dumps(batched.state_dict()) == json.dumps(one_by_one.state_dict())
     assert (batched.late_verdicts, batched.duplicate_verdicts, batched.stale_verdicts) == (
-        one_by_one.late_verdicts, one_by_one.duplicate_verdicts, one_by_one.stale_verdicts)
+        one_by_one.late_verdicts,
+        one_by_one.duplicate_verdicts,
+        one_by_one.stale_verdicts,
+    )
     assert any(d.is_anomaly for d in expected) and any(d.missing for d in expected)
 
 
@@ -102,8 +117,12 @@ def test_whole_groups_take_the_short_way() -> None:
     fusion = Fusion(FusionConfig(), run_id="r")
     verdicts = [verdict(rng, s, 0, d) for s in range(200) for d in DETECTORS]
     verdicts = [v for v in verdicts if not v.is_anomaly]
-    whole = [v for s in range(200) if len(group := [v for v in verdicts if v.step == s]) == 4
-             for v in group]
+    whole = [
+        v
+        for s in range(200)
+        if len(group := [v for v in verdicts if v.step == s]) == 4
+        for v in group
+    ]
     calls = 0
     add = fusion._add
 

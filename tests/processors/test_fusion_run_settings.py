@@ -10,7 +10,16 @@ import time
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import build_stage
-from spikeguard.schemas import AnomalyType, DeadLetter, Decision, RunEvent, Topics, Verdict, decode, encode
+from spikeguard.schemas import (
+    AnomalyType,
+    DeadLetter,
+    Decision,
+    RunEvent,
+    Topics,
+    Verdict,
+    decode,
+    encode,
+)
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
@@ -39,9 +48,21 @@ def step(run_id: str, s: int, confidence: float = 0.0, only: tuple[str, ...] = D
     out = []
     for name in only:
         flagged = name == "statistical" and confidence > 0
-        out.append((TOPICS.verdicts, Verdict(
-            run_id=run_id, step=s, detector=name, is_anomaly=flagged, confidence=confidence if flagged else 0.0,
-            type=AnomalyType.LOSS_SPIKE if flagged else AnomalyType.NONE, loss=1.0, grad_norm=1.0)))
+        out.append(
+            (
+                TOPICS.verdicts,
+                Verdict(
+                    run_id=run_id,
+                    step=s,
+                    detector=name,
+                    is_anomaly=flagged,
+                    confidence=confidence if flagged else 0.0,
+                    type=AnomalyType.LOSS_SPIKE if flagged else AnomalyType.NONE,
+                    loss=1.0,
+                    grad_norm=1.0,
+                ),
+            )
+        )
     return out
 
 
@@ -65,7 +86,9 @@ def test_a_start_after_the_first_verdicts_applies_from_then_on_keeping_what_was_
     bus = EmbeddedBus(partitions=1)
     worker = make_worker(bus)
     publish(bus, worker, *step("late", 0, 0.7))
-    assert decisions(bus, "late")[0].is_anomaly  # the stage's own threshold, the run's not known yet
+    assert decisions(bus, "late")[
+        0
+    ].is_anomaly  # the stage's own threshold, the run's not known yet
     publish(bus, worker, start("late", threshold=0.9))
     publish(bus, worker, *step("late", 0))  # redelivered: already decided, not decided again
     publish(bus, worker, *step("late", 1, 0.7))
@@ -104,8 +127,12 @@ def test_an_end_waits_for_the_last_steps_decision_then_drops_the_run():
 def test_an_end_whose_last_verdicts_never_come_flushes_after_the_grace():
     bus = EmbeddedBus(partitions=1)
     worker = make_worker(bus)
-    publish(bus, worker, *step("r", 0, only=("rules",)),
-            (TOPICS.runs, RunEvent(run_id="r", kind="end", step=1)))
+    publish(
+        bus,
+        worker,
+        *step("r", 0, only=("rules",)),
+        (TOPICS.runs, RunEvent(run_id="r", kind="end", step=1)),
+    )
     stage = worker.stage
     assert "r" in stage.runs and decisions(bus, "r") == {}
     out = stage.tick(stage.ending.pending["r"][2] + stage.ending.grace_seconds)
@@ -119,7 +146,9 @@ def test_the_guards_plan_carries_fusion_overrides_under_policy_fusion_and_refuse
     from spikeguard.producers.config import GuardConfig
     from spikeguard.producers.run_plan import make_plan
 
-    plan = make_plan(GuardConfig(), policy={"fusion": {"threshold": 0.9}, "spike_patience_steps": 4})
+    plan = make_plan(
+        GuardConfig(), policy={"fusion": {"threshold": 0.9}, "spike_patience_steps": 4}
+    )
     assert plan.fusion == {"threshold": 0.9} and plan.policy == {"spike_patience_steps": 4}
     with pytest.raises(ConfigError, match="FusionConfig"):
         make_plan(GuardConfig(), policy={"fusion": {"threshold": 7.0}})

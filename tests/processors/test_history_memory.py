@@ -34,12 +34,21 @@ def steps(n: int, seed: int = 0) -> list[StepEvent]:
     rng = random.Random(seed)
     out = []
     for t in range(n):
-        loss = 2.5 * (0.999 ** t) + rng.gauss(0, 0.02)
+        loss = 2.5 * (0.999**t) + rng.gauss(0, 0.02)
         if t and t % 97 == 0:
             loss *= 3
-        out.append(StepEvent(run_id="r", step=t, loss=loss, grad_norm=1.0 + rng.gauss(0, 0.05),
-                             lr=1e-3, update_norm=1e-3 * math.exp(rng.gauss(0.0, 0.05)),
-                             param_norm=50.0, time=0.0))
+        out.append(
+            StepEvent(
+                run_id="r",
+                step=t,
+                loss=loss,
+                grad_norm=1.0 + rng.gauss(0, 0.05),
+                lr=1e-3,
+                update_norm=1e-3 * math.exp(rng.gauss(0.0, 0.05)),
+                param_norm=50.0,
+                time=0.0,
+            )
+        )
     return out
 
 
@@ -56,7 +65,8 @@ def test_a_run_holds_little_memory_after_many_steps(name: str) -> None:
     assert len(det.history) >= 10  # the history is full: this measures what it costs
     held = deep_size(det)
     assert held <= BOUNDS[name], (
-        f"{name}: {held:,} bytes per run ({deep_size(det.history):,} in the history)")
+        f"{name}: {held:,} bytes per run ({deep_size(det.history):,} in the history)"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DETECTORS))
@@ -94,7 +104,7 @@ def test_a_rolled_back_state_learns_without_changing_the_snapshot(name: str) -> 
     assert snapshot is not None
     before = text(det, snapshot[1])
     det.state = snapshot[1]
-    for event in events[step:step + 120]:  # the same steps again, learnt into the restored state
+    for event in events[step : step + 120]:  # the same steps again, learnt into the restored state
         det.update(event.model_copy(update={"epoch": 0}))
     again = det.history.rewind(step, det.unpack)
     assert again is not None and text(det, again[1]) == before

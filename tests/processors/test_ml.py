@@ -18,7 +18,9 @@ from spikeguard.schemas import AnomalyType, StepEvent
 SMALL = MLConfig(forest=True, warmup_steps=64, buffer_size=128, refit_every=100, n_estimators=20)
 
 
-def stream(n: int, seed: int = 0, spikes: tuple[int, ...] = (), run_id: str = "r") -> list[StepEvent]:
+def stream(
+    n: int, seed: int = 0, spikes: tuple[int, ...] = (), run_id: str = "r"
+) -> list[StepEvent]:
     """A healthy-looking run (decaying loss, t-distributed noise, noisy grad norm) plus spikes."""
     rng = np.random.default_rng(seed)
     t = np.arange(n)
@@ -28,8 +30,14 @@ def stream(n: int, seed: int = 0, spikes: tuple[int, ...] = (), run_id: str = "r
         loss[s] *= 1.6  # ~60 noise s.d.: a real spike
         grad[s] *= 20
     return [
-        StepEvent(run_id=run_id, step=i, time=float(i), loss=float(loss[i]),
-                  grad_norm=float(grad[i]), lr=1e-3)
+        StepEvent(
+            run_id=run_id,
+            step=i,
+            time=float(i),
+            loss=float(loss[i]),
+            grad_norm=float(grad[i]),
+            lr=1e-3,
+        )
         for i in range(n)
     ]
 
@@ -43,7 +51,9 @@ def run_in_batches(det: MLDetector, events: list[StepEvent], size: int) -> list:
 
 def test_warmup_verdicts_say_so_and_never_alarm() -> None:
     verdicts = MLDetector(SMALL).update_many(stream(60))
-    assert all(not v.is_anomaly and v.confidence == 0.0 and v.signals == {"warmup": 1} for v in verdicts)
+    assert all(
+        not v.is_anomaly and v.confidence == 0.0 and v.signals == {"warmup": 1} for v in verdicts
+    )
     assert all(v.detector == "ml" and v.run_id == "r" for v in verdicts)
 
 
@@ -57,7 +67,11 @@ def test_flags_a_spike_and_stays_mostly_quiet_otherwise() -> None:
         assert v.signals["score"] > v.signals["threshold"]
     quiet = [v for v in verdicts[300:] if v.step not in (700, 701, 1200, 1201)]
     assert sum(v.is_anomaly for v in quiet) / len(quiet) < 0.02
-    assert all(not v.is_anomaly and v.confidence <= 0.5 for v in quiet if v.signals["score"] <= v.signals["threshold"])
+    assert all(
+        not v.is_anomaly and v.confidence <= 0.5
+        for v in quiet
+        if v.signals["score"] <= v.signals["threshold"]
+    )
 
 
 def test_non_finite_is_an_outlier_and_teaches_nothing() -> None:
@@ -69,7 +83,9 @@ def test_non_finite_is_an_outlier_and_teaches_nothing() -> None:
     a = MLDetector(SMALL).update_many(with_nan)
     b = MLDetector(SMALL).update_many(without)
     v = a[nan_step]
-    assert v.is_anomaly and v.type is AnomalyType.ML_OUTLIER and v.confidence >= 0.9 and not v.critical
+    assert (
+        v.is_anomaly and v.type is AnomalyType.ML_OUTLIER and v.confidence >= 0.9 and not v.critical
+    )
     assert v.signals == {"non_finite": 1}
     # Neither the rolling features nor the training buffer saw it: every other verdict is the same.
     assert a[:nan_step] + a[nan_step + 1 :] == b
@@ -111,7 +127,9 @@ def test_state_is_bounded_whatever_the_run_length() -> None:
 def test_compiled_forest_matches_sklearn_scores() -> None:
     rng = np.random.default_rng(6)
     train = rng.normal(size=(300, len(ML_FEATURES)))
-    probe = np.vstack([rng.normal(size=(50, len(ML_FEATURES))), 6 * rng.normal(size=(50, len(ML_FEATURES)))])
+    probe = np.vstack(
+        [rng.normal(size=(50, len(ML_FEATURES))), 6 * rng.normal(size=(50, len(ML_FEATURES)))]
+    )
     forest = IsolationForest(n_estimators=30, max_samples=128, random_state=3).fit(train)
     compiled = CompiledForest(forest)
     ours = np.array([compiled.score(s) for s in compiled.path_sums(probe)])
@@ -161,7 +179,8 @@ def test_fit_forest_grows_exactly_the_trees_isolation_forest_grows(n: int, seed:
     rng = np.random.default_rng(n)
     rows = np.round(rng.normal(size=(n, len(ML_FEATURES))), 4)
     reference = CompiledForest(
-        IsolationForest(n_estimators=30, max_samples=min(256, n), random_state=seed).fit(rows))
+        IsolationForest(n_estimators=30, max_samples=min(256, n), random_state=seed).fit(rows)
+    )
     ours = fit_forest(rows, 30, 256, seed)
     for name in ("left", "right", "feature", "threshold", "leaf_value"):
         assert np.array_equal(getattr(ours, name), getattr(reference, name)), name
@@ -187,4 +206,3 @@ def test_without_the_forest_a_warm_run_skips_its_rows_with_the_same_verdicts(siz
     # The features stopped once ready (a batch computed ahead ends the batch it is in).
     ready_at = fast.config.features.min_steps
     assert fast.state.features._loss.n <= ready_at + size < full.state.features._loss.n == 1499
-

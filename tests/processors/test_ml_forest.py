@@ -32,24 +32,41 @@ def heavy_rows(rng: np.random.Generator, n: int) -> np.ndarray:
     return rows
 
 
-@pytest.mark.parametrize(("n", "trees", "samples", "seed"), [(1024, 50, 256, 0), (300, 30, 128, 4),
-                                                             (40, 10, 256, 2)])
-def test_compact_walk_is_exactly_sklearns_trees(n: int, trees: int, samples: int, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "trees", "samples", "seed"), [(1024, 50, 256, 0), (300, 30, 128, 4), (40, 10, 256, 2)]
+)
+def test_compact_walk_is_exactly_sklearns_trees(
+    n: int, trees: int, samples: int, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     rows = heavy_rows(rng, n)
-    forest = IsolationForest(n_estimators=trees, max_samples=min(samples, n), random_state=seed).fit(rows)
+    forest = IsolationForest(
+        n_estimators=trees, max_samples=min(samples, n), random_state=seed
+    ).fit(rows)
     compiled = CompiledForest(forest)
     # Probes on every split: the thresholds themselves (float64, between two float32s) and
     # the float32s on either side of them, where a float32 threshold could go wrong.
-    cuts = np.concatenate([e.tree_.threshold[e.tree_.children_left >= 0] for e in forest.estimators_])
+    cuts = np.concatenate(
+        [e.tree_.threshold[e.tree_.children_left >= 0] for e in forest.estimators_]
+    )
     f32 = cuts.astype(np.float32)
-    edges = np.concatenate([f32, np.nextafter(f32, np.float32(np.inf)),
-                            np.nextafter(f32, np.float32(-np.inf))])
-    probe = np.vstack([rows, heavy_rows(rng, 500), np.resize(edges, (len(edges) // WIDTH, WIDTH)),
-                       rng.permuted(np.resize(edges, (len(edges) // WIDTH, WIDTH)), axis=0)])
+    edges = np.concatenate(
+        [f32, np.nextafter(f32, np.float32(np.inf)), np.nextafter(f32, np.float32(-np.inf))]
+    )
+    probe = np.vstack(
+        [
+            rows,
+            heavy_rows(rng, 500),
+            np.resize(edges, (len(edges) // WIDTH, WIDTH)),
+            rng.permuted(np.resize(edges, (len(edges) // WIDTH, WIDTH)), axis=0),
+        ]
+    )
     assert np.array_equal(compiled.path_sums(probe), reference_path_sums(forest, probe))
-    np.testing.assert_allclose([compiled.score(s) for s in compiled.path_sums(probe)],
-                               -forest.score_samples(probe), atol=1e-6)
+    np.testing.assert_allclose(
+        [compiled.score(s) for s in compiled.path_sums(probe)],
+        -forest.score_samples(probe),
+        atol=1e-6,
+    )
 
 
 def test_fit_forest_is_compact() -> None:
@@ -71,7 +88,9 @@ def test_wide_forests_switch_to_int32_indices() -> None:
     assert np.array_equal(compiled.path_sums(probe), reference_path_sums(forest, probe))
 
 
-def test_trees_from_sklearns_builder_are_those_fit_grows_and_fit_is_the_fallback(monkeypatch) -> None:
+def test_trees_from_sklearns_builder_are_those_fit_grows_and_fit_is_the_fallback(
+    monkeypatch,
+) -> None:
     from spikeguard.processors.detectors.ml import forest
 
     rows = heavy_rows(np.random.default_rng(5), 700)

@@ -55,12 +55,16 @@ def test_fusion_acts_on_the_layer_blowup_alone(blowup_run) -> None:
     assert alarms and all(m.type == "layer_blowup" for m in alarms)
     assert alarms[0].step in (INJECT, INJECT + 1)
     # without the ml detector the pipeline sees nothing at all
-    assert not any(m.is_anomaly for m in decide(blowup_run.events, ("statistical", "rules", "predictor")))
+    assert not any(
+        m.is_anomaly for m in decide(blowup_run.events, ("statistical", "rules", "predictor"))
+    )
 
 
 def test_a_layer_blowup_verdict_decides_at_full_weight_an_ml_outlier_does_not() -> None:
     def verdict(kind: AnomalyType, conf: float) -> Verdict:
-        return Verdict(run_id="r", step=0, detector="ml", is_anomaly=True, type=kind, confidence=conf)
+        return Verdict(
+            run_id="r", step=0, detector="ml", is_anomaly=True, type=kind, confidence=conf
+        )
 
     for kind, anomalous in ((T.LAYER_BLOWUP, True), (T.ML_OUTLIER, False)):
         fusion = Fusion(run_id="r")
@@ -77,7 +81,9 @@ def test_healthy_real_runs_raise_no_layer_alarm_and_no_incident(seed: int, optim
     run = layer_run(seed, 600, optimizer=optimizer)
     assert all(len(e.top_grad_norms) == 5 for e in run.events)
     assert not any(v.type is T.LAYER_BLOWUP for v in MLDetector().update_many(run.events))
-    marks = [m for m in decide(run.events, ("statistical", "rules", "ml", "predictor")) if m.is_anomaly]
+    marks = [
+        m for m in decide(run.events, ("statistical", "rules", "ml", "predictor")) if m.is_anomaly
+    ]
     # A small-batch run's heavy tail may show a single step far out (an outlier step: an alert, no
     # recovery; the Guard skips that update), at most 0.5 % of steps; never an incident.
     assert all(m.type == "outlier_step" for m in marks), marks
@@ -97,8 +103,17 @@ def composition_stream(n: int, seed: int, jump_at: int | None = None) -> list[St
         total = float(np.sqrt(sq.sum() / (1.0 + 0.05 * rng.random())))  # + unreported layers
         norms = np.sqrt(sq)
         top = {f"layer{j}": float(norms[j]) for j in np.argsort(-norms)[:5]}
-        events.append(StepEvent(run_id="c", step=i, time=float(i), loss=2.0 + 0.01 * rng.standard_normal(),
-                                grad_norm=total, lr=1e-3, top_grad_norms=top))
+        events.append(
+            StepEvent(
+                run_id="c",
+                step=i,
+                time=float(i),
+                loss=2.0 + 0.01 * rng.standard_normal(),
+                grad_norm=total,
+                lr=1e-3,
+                top_grad_norms=top,
+            )
+        )
     return events
 
 
@@ -146,7 +161,10 @@ def test_tracked_layers_are_bounded() -> None:
     for i in range(50):
         model.learn(10.0, {f"l{i}": 5.0, f"m{i}": 4.0, "big": 8.0})
     assert len(model.layers) == 4 and "big" in model.layers
-    assert len(json.dumps(MLDetector(MLConfig(layers=LayerConfig(max_layers=4))).state_dict())) < 10_000
+    assert (
+        len(json.dumps(MLDetector(MLConfig(layers=LayerConfig(max_layers=4))).state_dict()))
+        < 10_000
+    )
 
 
 class _EveryRow(MLDetector):

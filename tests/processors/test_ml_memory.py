@@ -27,8 +27,18 @@ def stream(n: int, seed: int = 0, epoch: int = 0, start: int = 0) -> list[StepEv
     loss = 2.5 + 2.0 * np.exp(-t / 300) + 0.02 * rng.standard_t(5, n)
     loss[t % 97 == 3] *= 1.5
     grad = np.exp(np.log(0.5) + 0.05 * rng.standard_normal(n))
-    return [StepEvent(run_id="r", step=int(s), epoch=epoch, time=0.0, loss=float(loss[i]),
-                      grad_norm=float(grad[i]), lr=1e-3) for i, s in enumerate(t)]
+    return [
+        StepEvent(
+            run_id="r",
+            step=int(s),
+            epoch=epoch,
+            time=0.0,
+            loss=float(loss[i]),
+            grad_norm=float(grad[i]),
+            lr=1e-3,
+        )
+        for i, s in enumerate(t)
+    ]
 
 
 def batched(det: MLDetector, events: list[StepEvent], size: int = 250) -> list:
@@ -52,7 +62,9 @@ def test_the_forest_is_fitted_on_the_newest_rows_though_older_ones_are_not_kept(
     det = Recording(SMALL)
     batched(det, stream(2500, seed=1))
     assert det.state.fits >= 7  # three while the buffer fills, then every 300 rows
-    assert np.array_equal(det.state.fitted, np.array(det.learnt[: len(det.learnt) - det.state.since])[-128:])
+    assert np.array_equal(
+        det.state.fitted, np.array(det.learnt[: len(det.learnt) - det.state.since])[-128:]
+    )
     # Of the rows since the fit, only those the next fit takes are held.
     assert len(det.state.pending) == max(0, det.state.since - (300 - 128))
     assert len(det.state_dict()["pending"]) <= SMALL.buffer_size
@@ -92,6 +104,7 @@ def test_a_batch_computes_each_steps_features_once(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("size", [1, 7, 250])
 def test_snapshots_taken_inside_batches_put_back_the_same_state(size: int) -> None:
     """Rollbacks to snapshots inside batches: every batch size judges the re-run alike."""
+
     def run(size: int) -> tuple[list, dict]:
         det = MLDetector(SMALL)
         out = batched(det, stream(1400, seed=4), size)
@@ -213,7 +226,9 @@ def test_rollbacks_while_the_buffer_fills_judge_as_a_fresh_run_would(target: int
     for i in range(0, len(first), 25):
         det.update_many(first[i : i + 25])
         blocks.append(det.state.fitted)
-    shared = [a for a, b in zip(blocks, blocks[1:]) if len(a) and a is not b and np.shares_memory(a, b)]
+    shared = [
+        a for a, b in zip(blocks, blocks[1:]) if len(a) and a is not b and np.shares_memory(a, b)
+    ]
     assert len(shared) >= 3  # successive fits' rows are windows of one block
     fresh = MLDetector(EARLY)
     batched(fresh, first[:target], 25)
@@ -237,15 +252,20 @@ def test_an_ml_worker_restarted_from_its_largest_state_records_judges_on_alike()
 
     topics = Topics("mlw.")
     settings = load_settings({"topic_prefix": topics.prefix, "ml": {"forest": True}}, env={})
-    runs = {run: [e.model_copy(update={"run_id": run}) for e in stream(4500, seed=8)] for run in "ab"}
+    runs = {
+        run: [e.model_copy(update={"run_id": run}) for e in stream(4500, seed=8)] for run in "ab"
+    }
     cut = 4220  # 6 fits, and 2957 of the 3000 rows before the 7th
 
     def publish(bus: EmbeddedBus, lo: int, hi: int) -> None:
-        bus.producer().publish_events((topics.steps, runs[run][i]) for i in range(lo, hi) for run in runs)
+        bus.producer().publish_events(
+            (topics.steps, runs[run][i]) for i in range(lo, hi) for run in runs
+        )
 
     def worker(bus: EmbeddedBus, **kwargs) -> Worker:  # type: ignore[no-untyped-def]
-        w = Worker(bus, build_stage("ml", settings, topics), metrics=Metrics(CollectorRegistry()),
-                   **kwargs)
+        w = Worker(
+            bus, build_stage("ml", settings, topics), metrics=Metrics(CollectorRegistry()), **kwargs
+        )
         return w
 
     def drain(w: Worker) -> None:

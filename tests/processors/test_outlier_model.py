@@ -23,7 +23,9 @@ def test_the_kept_threshold_is_always_the_one_its_values_give() -> None:
             assert twin.threshold() == tail.threshold()
 
 
-def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_restart_never() -> None:
+def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_restart_never() -> (
+    None
+):
     """A jump back to a rate the run trained at is a warm restart; one beyond it is said (with the
     loss held up after it) only while the LR is still there: once the schedule's jump is over, the
     LR no longer raises the loss, and scaling it back would cut a healthy rate."""
@@ -36,7 +38,9 @@ def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_res
         model, rng = OutlierModel(), np.random.default_rng(8)
         beyond, held = [], []
         for step, lr in enumerate(lrs):
-            loss = 2.0 * math.exp(0.02 * rng.normal()) * (1.3 if rise_from <= step < rise_to else 1.0)
+            loss = (
+                2.0 * math.exp(0.02 * rng.normal()) * (1.3 if rise_from <= step < rise_to else 1.0)
+            )
             y = log_of(loss)
             judged = model.judge(y, lr)
             beyond.append(judged.lr_beyond_peak)
@@ -47,7 +51,7 @@ def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_res
             assert twin.state_dict() == model.state_dict()
         return beyond, held
 
-    decay = [1e-3 * (0.3 + 0.7 * 0.99 ** i) for i in range(300)]
+    decay = [1e-3 * (0.3 + 0.7 * 0.99**i) for i in range(300)]
     blowup = [lr * 20 if 200 <= i < 230 else lr for i, lr in enumerate(decay)]
     beyond, held = run(blowup, 201, 260)  # the loss stays up 30 steps after the jump ended
     assert beyond[200:230] == [True] * 30 and not any(beyond[230:]) and not any(beyond[:200])

@@ -52,9 +52,16 @@ def run(
         loss += (t >= T0) * 0.01 * oscillation**after * (-1.0) ** t
     lr[T0:] *= lr_jump
     return [
-        StepEvent(run_id="p", step=i, time=float(i), loss=float(loss[i]), grad_norm=float(math.exp(log_grad[i])),
-                  lr=float(lr[i]), update_norm=float(math.exp(log_update[i]) * lr[i] / 1e-3),
-                  param_norm=1.0)
+        StepEvent(
+            run_id="p",
+            step=i,
+            time=float(i),
+            loss=float(loss[i]),
+            grad_norm=float(math.exp(log_grad[i])),
+            lr=float(lr[i]),
+            update_norm=float(math.exp(log_update[i]) * lr[i] / 1e-3),
+            param_norm=1.0,
+        )
         for i in range(n)
     ]
 
@@ -86,7 +93,10 @@ def test_warns_several_steps_before_a_grad_norm_runaway() -> None:
     warned = warnings(verdicts, AnomalyType.INSTABILITY_WARNING)
     assert warned and T0 < warned[0] <= T0 + 50  # at least 10 steps of lead
     v = verdicts[warned[0]]
-    assert v.instability_probability >= 0.7 and v.health in (HealthLevel.CONCERNING, HealthLevel.CRITICAL)
+    assert v.instability_probability >= 0.7 and v.health in (
+        HealthLevel.CONCERNING,
+        HealthLevel.CRITICAL,
+    )
     assert v.signals["grad_trend"] > 2.5
     assert verdicts[T0 - 1].health is HealthLevel.EXCELLENT
 
@@ -139,7 +149,9 @@ def test_lr_jump_is_lr_too_high_but_warmup_is_not() -> None:
 def test_restoring_a_cut_lr_is_not_a_jump() -> None:
     # The policy halved the LR at 1200 and restores it (x2 in one step) at T0: a rate already seen.
     events = [
-        e.model_copy(update={"lr": e.lr / 2, "update_norm": e.update_norm / 2}) if 1200 <= e.step < T0 else e
+        e.model_copy(update={"lr": e.lr / 2, "update_norm": e.update_norm / 2})
+        if 1200 <= e.step < T0
+        else e
         for e in run(T0 + 50)
     ]
     assert not any(v.is_anomaly for v in PredictorDetector(ON).update_many(events))
@@ -148,8 +160,12 @@ def test_restoring_a_cut_lr_is_not_a_jump() -> None:
 def test_lr_too_high_for_the_gradient_scale() -> None:
     # LR and grad norm both rise while the loss starts to alternate: effective step x10.
     events = run(T0 + 80, grad_climb=0.02, oscillation=1.05)
-    events = [e.model_copy(update={"lr": e.lr * math.exp(0.03 * max(0, e.step - T0))}) for e in events]
-    verdicts = PredictorDetector(PredictorConfig(enabled=True, lr_jump_factor=math.inf)).update_many(events)
+    events = [
+        e.model_copy(update={"lr": e.lr * math.exp(0.03 * max(0, e.step - T0))}) for e in events
+    ]
+    verdicts = PredictorDetector(
+        PredictorConfig(enabled=True, lr_jump_factor=math.inf)
+    ).update_many(events)
     flagged = warnings(verdicts, AnomalyType.LR_TOO_HIGH)
     assert flagged and flagged[0] > T0
     assert "lr_too_high" in verdicts[flagged[0]].rules
@@ -171,7 +187,8 @@ def test_restart_from_json_state_and_batches_give_identical_verdicts() -> None:
     straight = [one.update(e) for e in events]
     assert warnings(straight, AnomalyType.LR_TOO_HIGH) == [T0]
     held = [
-        s for s in warnings(straight, AnomalyType.INSTABILITY_WARNING)
+        s
+        for s in warnings(straight, AnomalyType.INSTABILITY_WARNING)
         if straight[s].instability_probability < 0.7
     ]
     assert held, "the run should hold a warning by hysteresis alone"
@@ -218,8 +235,8 @@ def test_features_of_two_detectors_learning_in_batches_equal_their_own():
     # With its forest: without it the ML detector stops its features once ready (never read).
     ml, predictor = MLDetector(MLConfig(forest=True)), PredictorDetector(ON)
     for i in range(0, len(events), 50):  # ML first, as in the pipeline, in batches
-        ml.update_many(events[i:i + 50])
-        predictor.update_many(events[i:i + 50])
+        ml.update_many(events[i : i + 50])
+        predictor.update_many(events[i : i + 50])
     # The ML detector computes a batch's rows on a copy and then learns in place (ml/detector.py); the
     # predictor shares peeked features by content key: either way each holds what learning every
     # step one by one gives.
@@ -262,10 +279,18 @@ def _mixed_events() -> list[StepEvent]:
     from spikeguard.lab.simulate import generate
 
     first = generate("oscillation", 900, seed=3, run_id="m").events
-    events = [e.model_copy(update={"loss": math.nan}) if e.step in (300, 301, 640) else
-              e.model_copy(update={"grad_norm": math.inf}) if e.step == 420 else e for e in first[:700]]
+    events = [
+        e.model_copy(update={"loss": math.nan})
+        if e.step in (300, 301, 640)
+        else e.model_copy(update={"grad_norm": math.inf})
+        if e.step == 420
+        else e
+        for e in first[:700]
+    ]
     rerun = generate("gradual_spike", 400, seed=5, run_id="m").events
-    return events + [e.model_copy(update={"epoch": 1, "step": 450 + i}) for i, e in enumerate(rerun)]
+    return events + [
+        e.model_copy(update={"epoch": 1, "step": 450 + i}) for i, e in enumerate(rerun)
+    ]
 
 
 def _dump(verdicts) -> list[str]:
@@ -282,7 +307,7 @@ def test_update_many_is_update_step_by_step() -> None:
     batched = PredictorDetector(ON)
     got = []
     for start in range(0, len(events), 128):
-        got += batched.update_many(events[start:start + 128])
+        got += batched.update_many(events[start : start + 128])
     assert _dump(got) == expected
     assert json.dumps(batched.state_dict()) == json.dumps(one_by_one.state_dict())
 

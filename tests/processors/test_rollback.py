@@ -29,12 +29,19 @@ def falling(start: int, stop: int, seed: int, epoch: int = 0) -> list[StepEvent]
     out = []
     for t in range(start, stop):
         level = 0.9 + 3.0 * math.exp(-t / 700.0)
-        out.append(StepEvent(
-            run_id="r", step=t, epoch=epoch, time=0.0,
-            loss=level * math.exp(rng.gauss(0.0, 0.01)),
-            grad_norm=(0.5 + 1.5 * math.exp(-t / 500.0)) * math.exp(rng.gauss(0.0, 0.05)),
-            lr=1e-3, update_norm=1e-3 * math.exp(rng.gauss(0.0, 0.05)), param_norm=50.0,
-        ))
+        out.append(
+            StepEvent(
+                run_id="r",
+                step=t,
+                epoch=epoch,
+                time=0.0,
+                loss=level * math.exp(rng.gauss(0.0, 0.01)),
+                grad_norm=(0.5 + 1.5 * math.exp(-t / 500.0)) * math.exp(rng.gauss(0.0, 0.05)),
+                lr=1e-3,
+                update_norm=1e-3 * math.exp(rng.gauss(0.0, 0.05)),
+                param_norm=50.0,
+            )
+        )
     return out
 
 

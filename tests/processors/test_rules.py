@@ -37,21 +37,54 @@ CASES = [
     ("inf loss", dict(loss=INF), "loss_non_finite", AnomalyType.NON_FINITE, True),
     ("-inf loss", dict(loss=-INF), "loss_non_finite", AnomalyType.NON_FINITE, True),
     ("nan grad norm", dict(grad_norm=NAN), "grad_norm_non_finite", AnomalyType.NON_FINITE, True),
-    ("non-finite grads", dict(nonfinite_grads=3), "non_finite_gradients", AnomalyType.NON_FINITE, True),
+    (
+        "non-finite grads",
+        dict(nonfinite_grads=3),
+        "non_finite_gradients",
+        AnomalyType.NON_FINITE,
+        True,
+    ),
     ("loss above max", dict(loss=2e4), "loss_above_max", AnomalyType.EXTREME_LOSS, True),
     ("loss x10", dict(loss=31.0), "loss_ratio", AnomalyType.EXTREME_LOSS, True),
-    ("grad above max", dict(grad_norm=2e4), "grad_norm_above_max", AnomalyType.GRADIENT_EXPLOSION, True),
+    (
+        "grad above max",
+        dict(grad_norm=2e4),
+        "grad_norm_above_max",
+        AnomalyType.GRADIENT_EXPLOSION,
+        True,
+    ),
     ("lr nan", dict(lr=NAN), "lr_non_finite", AnomalyType.LR_OUT_OF_BOUNDS, False),
     ("lr negative", dict(lr=-1e-3), "lr_out_of_bounds", AnomalyType.LR_OUT_OF_BOUNDS, False),
     ("lr huge", dict(lr=50.0), "lr_out_of_bounds", AnomalyType.LR_OUT_OF_BOUNDS, False),
     ("lr jump", dict(lr=2e-2), "lr_jump", AnomalyType.LR_OUT_OF_BOUNDS, False),
-    ("nan inputs", dict(batch=BatchStats(size=32, nan_inputs=1)), "batch_non_finite_inputs",
-     AnomalyType.BAD_BATCH, False),
-    ("inf inputs", dict(batch=BatchStats(size=32, inf_inputs=2)), "batch_non_finite_inputs",
-     AnomalyType.BAD_BATCH, False),
-    ("outliers", dict(batch=BatchStats(size=32, outliers=4)), "batch_outliers", AnomalyType.BAD_BATCH, False),
-    ("one label", dict(batch=BatchStats(size=32, max_label_fraction=1.0)), "batch_label_imbalance",
-     AnomalyType.BAD_BATCH, False),
+    (
+        "nan inputs",
+        dict(batch=BatchStats(size=32, nan_inputs=1)),
+        "batch_non_finite_inputs",
+        AnomalyType.BAD_BATCH,
+        False,
+    ),
+    (
+        "inf inputs",
+        dict(batch=BatchStats(size=32, inf_inputs=2)),
+        "batch_non_finite_inputs",
+        AnomalyType.BAD_BATCH,
+        False,
+    ),
+    (
+        "outliers",
+        dict(batch=BatchStats(size=32, outliers=4)),
+        "batch_outliers",
+        AnomalyType.BAD_BATCH,
+        False,
+    ),
+    (
+        "one label",
+        dict(batch=BatchStats(size=32, max_label_fraction=1.0)),
+        "batch_label_imbalance",
+        AnomalyType.BAD_BATCH,
+        False,
+    ),
 ]
 
 
@@ -131,8 +164,16 @@ def test_loss_scale_collapse() -> None:
 
 
 def test_state_round_trip_and_bounded() -> None:
-    evs = [step(i, loss=3.0 + 0.01 * (i % 7), grad_norm=1.0 + 0.1 * (i % 5), loss_scale=1024.0,
-                lr=1e-3 * (1 + i % 3)) for i in range(3000)]
+    evs = [
+        step(
+            i,
+            loss=3.0 + 0.01 * (i % 7),
+            grad_norm=1.0 + 0.1 * (i % 5),
+            loss_scale=1024.0,
+            lr=1e-3 * (1 + i % 3),
+        )
+        for i in range(3000)
+    ]
     evs[2500] = evs[2500].model_copy(update={"loss": 300.0})
     a = RulesDetector()
     expected = a.update_many(evs)

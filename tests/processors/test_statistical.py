@@ -16,7 +16,9 @@ from spikeguard.processors import robust_stats
 from spikeguard.processors import outlier_model
 from spikeguard.processors.detectors import statistical
 from spikeguard.processors.detectors.statistical import (
-    SeriesConfig, StatisticalConfig, StatisticalDetector,
+    SeriesConfig,
+    StatisticalConfig,
+    StatisticalDetector,
 )
 from spikeguard.processors.decision_table import BASE_URGENCY, urgency
 from spikeguard.processors.robust_stats import RollingMedian
@@ -107,7 +109,11 @@ def test_sudden_spike_is_caught(factors, expect_delay) -> None:
     assert hits, "missed"
     assert 1000 <= hits[0] <= 1000 + expect_delay
     v = judge(pairs)[hits[0]]
-    assert v.type == AnomalyType.LOSS_SPIKE and v.rules == ["loss_spike"] and 0.6 <= v.confidence <= 1.0
+    assert (
+        v.type == AnomalyType.LOSS_SPIKE
+        and v.rules == ["loss_spike"]
+        and 0.6 <= v.confidence <= 1.0
+    )
     assert max(hits) < 1000 + len(factors) + 3  # and it ends when the loss is back
 
 
@@ -149,7 +155,9 @@ def test_nan_is_reported_and_does_not_poison_the_statistics() -> None:
     before = json.dumps(det.state_dict())
     for value in (math.nan, math.inf, -math.inf):
         v = det.update(evs[1000].model_copy(update={"loss": value}))
-        assert v.is_anomaly and v.critical and v.type == AnomalyType.NON_FINITE and v.confidence == 1.0
+        assert (
+            v.is_anomaly and v.critical and v.type == AnomalyType.NON_FINITE and v.confidence == 1.0
+        )
     v = det.update(evs[1000].model_copy(update={"grad_norm": math.nan}))
     assert v.is_anomaly and v.rules == ["grad_norm_non_finite"]
     assert json.dumps(det.state_dict()) == before
@@ -162,8 +170,12 @@ def test_slow_divergence_is_caught() -> None:
     verdicts = judge(pairs)
     hits = flagged(verdicts)
     assert hits and 2000 < hits[0] < 2200 and min(hits) >= 2000
-    assert verdicts[hits[0]].type in (AnomalyType.DIVERGENCE, AnomalyType.LOSS_SPIKE,
-                                      AnomalyType.SLOW_RISE, AnomalyType.OUTLIER_STEP)
+    assert verdicts[hits[0]].type in (
+        AnomalyType.DIVERGENCE,
+        AnomalyType.LOSS_SPIKE,
+        AnomalyType.SLOW_RISE,
+        AnomalyType.OUTLIER_STEP,
+    )
 
 
 @pytest.mark.parametrize("period", [2, 7, 20])
@@ -173,8 +185,11 @@ def test_growing_oscillation_is_caught(period: int) -> None:
     for t, (loss, g) in enumerate(pairs):
         if t >= 2000:
             amp = min(0.6, 0.01 * math.exp((t - 2000) / 60))
-            loss *= math.exp(amp * (1 if period == 2 and t % 2 else -1 if period == 2 else 1)
-                             * (1 if period == 2 else math.sin(2 * math.pi * t / period)))
+            loss *= math.exp(
+                amp
+                * (1 if period == 2 and t % 2 else -1 if period == 2 else 1)
+                * (1 if period == 2 else math.sin(2 * math.pi * t / period))
+            )
         out.append((loss, g))
     hits = flagged(judge(out))
     assert hits and min(hits) > 2000 and hits[0] < 2400
@@ -195,8 +210,10 @@ def test_gradient_norm_spike_is_a_gradient_explosion() -> None:
     assert flagged(two)[0] == 1001 and two[1001].type == AnomalyType.GRADIENT_EXPLOSION
     healing = judge(scaled(healthy(1500, 11), 1000, [1.0] * 2, grad_factors=[74.0, 3.0]))
     assert flagged(healing) == []  # x74 then x3 (a real ResNet step): it healed, it did not last
-    lone = judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[80.0]),
-                 StatisticalConfig(grad_persist_steps=1))
+    lone = judge(
+        scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[80.0]),
+        StatisticalConfig(grad_persist_steps=1),
+    )
     assert lone[1000].type == AnomalyType.GRADIENT_EXPLOSION  # the old rule, still a setting
     # a single x7 grad blip (real runs have them) is not
     assert flagged(judge(scaled(healthy(1500, 11), 1000, [1.0], grad_factors=[7.0]))) == []
@@ -206,7 +223,9 @@ def test_a_grad_norm_jump_with_the_loss_reacting_is_flagged_at_once() -> None:
     pairs = scaled(healthy(1500, 11), 1000, [1.4], grad_factors=[50.0])
     verdicts = judge(pairs)
     assert flagged(verdicts) == [1000]  # the loss's own level test speaks for the step
-    assert verdicts[1000].type == AnomalyType.OUTLIER_STEP and verdicts[1000].rules == ["loss_outlier_step"]
+    assert verdicts[1000].type == AnomalyType.OUTLIER_STEP and verdicts[1000].rules == [
+        "loss_outlier_step"
+    ]
 
 
 def plateau(n: int, seed: int, sigma: float = 0.01) -> list[tuple[float, None]]:
@@ -218,15 +237,21 @@ def plateau(n: int, seed: int, sigma: float = 0.01) -> list[tuple[float, None]]:
 @pytest.mark.heavy
 def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_not() -> None:
     # +30 % over 1000 steps after 3000 flat ones: the rise test's block medians see it.
-    pairs = [(loss * math.exp(math.log(1.3) * min(1000, max(0, t - 3000)) / 1000), g)
-             for t, (loss, g) in enumerate(plateau(5000, 21))]
+    pairs = [
+        (loss * math.exp(math.log(1.3) * min(1000, max(0, t - 3000)) / 1000), g)
+        for t, (loss, g) in enumerate(plateau(5000, 21))
+    ]
     verdicts = judge(pairs)
     rises = [v.step for v in verdicts if v.type == AnomalyType.SLOW_RISE]
     assert rises and 3000 < rises[0] < 3600  # before the run has risen +18 %
     assert incidents(verdicts)[0] >= 3000
     v = verdicts[rises[0]]
-    assert v.rules == ["loss_slow_rise"] and BASE_URGENCY[v.type] == Urgency.MEDIUM and not v.critical
-    assert not any(v.is_anomaly for v in judge(pairs, StatisticalConfig(watch_level=False))[:rises[0] + 1])
+    assert (
+        v.rules == ["loss_slow_rise"] and BASE_URGENCY[v.type] == Urgency.MEDIUM and not v.critical
+    )
+    assert not any(
+        v.is_anomaly for v in judge(pairs, StatisticalConfig(watch_level=False))[: rises[0] + 1]
+    )
     # The old slow-rise test (a CUSUM above the best level ever reached) called these rises.
     rng = np.random.default_rng(22)
     t = np.arange(20000)
@@ -236,7 +261,8 @@ def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_no
         "stationary batch-4 MSE": rng.chisquare(4, t.size) / 4,
         "stationary batch-1 MSE": rng.chisquare(1, t.size),
         "falling": (1 + 3 * np.exp(-t / 3000)) * np.exp(0.05 * rng.normal(size=t.size)),
-        "benign permanent drop": np.exp(1 + 0.01 * rng.normal(size=t.size)) * np.where(t > 8000, 0.7, 1.0),
+        "benign permanent drop": np.exp(1 + 0.01 * rng.normal(size=t.size))
+        * np.where(t > 8000, 0.7, 1.0),
     }
     for name, losses in healthy_shapes.items():
         assert incidents(judge([(float(x), None) for x in losses])) == [], name
@@ -250,8 +276,10 @@ def test_a_warm_restart_is_explained_by_the_learning_rate_it_carries() -> None:
     lr = 0.1 * 0.5 * (1 + np.cos(np.pi * phase / 4000)) + 1e-4  # cosine with warm restarts
     loss = (1 + 2 * np.exp(-t / 5000)) * (1 + 0.4 * np.exp(-phase / 300) * (t >= 4000))
     loss *= np.exp(0.03 * rng.normal(size=t.size))
-    evs = [StepEvent(run_id="r", step=i, time=0.0, loss=float(x), lr=float(r))
-           for i, (x, r) in enumerate(zip(loss, lr))]
+    evs = [
+        StepEvent(run_id="r", step=i, time=0.0, loss=float(x), lr=float(r))
+        for i, (x, r) in enumerate(zip(loss, lr))
+    ]
     assert incidents(StatisticalDetector().update_many(evs)) == []
     blind = [e.model_copy(update={"lr": None}) for e in evs]
     assert incidents(StatisticalDetector().update_many(blind))  # without the LR it is a rise
@@ -263,9 +291,13 @@ def test_a_spike_early_in_the_run_is_caught_by_the_level_test() -> None:
     pairs = scaled(plateau(80, 23, sigma=0.02), 24, [1.6, 1.6, 1.5])
     verdicts = judge(pairs)
     assert [(v.step, v.type) for v in verdicts if v.is_anomaly][:2] == [
-        (24, AnomalyType.OUTLIER_STEP), (25, AnomalyType.LOSS_SPIKE)]
+        (24, AnomalyType.OUTLIER_STEP),
+        (25, AnomalyType.LOSS_SPIKE),
+    ]
     assert flagged(judge(pairs, StatisticalConfig(watch_level=False))) == []
     assert flagged(judge(scaled(plateau(80, 23, sigma=0.02), 24, [1.3, 1.3, 1.2]))) == []
+
+
 def test_runs_without_grad_norm_and_odd_losses() -> None:
     pairs = [(loss, None) for loss, _ in healthy(800, 12)]
     assert flagged(judge(pairs)) == []
@@ -386,15 +418,24 @@ def test_gradual_divergences_are_caught_within_15_steps_of_rising_3_sigma() -> N
     # for tens of steps while the level follows them, but most points are over the run's
     # own 90th percentile at once. Before the climb test: delays 6-141, median 56.
     delays = []
-    for seed, rise, power, sigma in [(40, 300, 1.0, 0.02), (41, 400, 2.0, 0.02),
-                                     (42, 600, 1.5, 0.02), (43, 200, 1.0, 0.05),
-                                     (44, 600, 2.5, 0.02), (45, 100, 1.0, 0.02),
-                                     (46, 300, 1.0, 0.05), (47, 400, 2.0, 0.05)]:
+    for seed, rise, power, sigma in [
+        (40, 300, 1.0, 0.02),
+        (41, 400, 2.0, 0.02),
+        (42, 600, 1.5, 0.02),
+        (43, 200, 1.0, 0.05),
+        (44, 600, 2.5, 0.02),
+        (45, 100, 1.0, 0.02),
+        (46, 300, 1.0, 0.05),
+        (47, 400, 2.0, 0.05),
+    ]:
         pairs, labelled = climb(3000, seed, 2000, math.log(2.0), rise, power, sigma)
         verdicts = judge(pairs)
         hits = incidents(verdicts)
-        assert hits and hits[0] > 2000 and verdicts[hits[0]].type in (
-            AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE), (seed, hits[:3])
+        assert (
+            hits
+            and hits[0] > 2000
+            and verdicts[hits[0]].type in (AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE)
+        ), (seed, hits[:3])
         delays.append(max(0, hits[0] - labelled))
     assert statistics.median(delays) <= 15 and max(delays) <= 100, delays
     # A divergence, said by the climb test.
@@ -422,8 +463,9 @@ def test_the_climb_test_counts_what_its_rate_allows() -> None:
         ClimbTest(window=3, quantile=0.9, rate=1e-7, reference=50)
 
 
-def flip_flop(seed: int, ramp: int, offset: float, amp: float = 0.4, start: int = 2000,
-              sigma: float = 0.02):
+def flip_flop(
+    seed: int, ramp: int, offset: float, amp: float = 0.4, start: int = 2000, sigma: float = 0.02
+):
     """A healthy run whose loss flip-flops from ``start`` with a swing growing to ``amp`` over
     ``ramp`` steps around a mean lifted by ``offset`` of it (the simulator's period-2
     oscillation), and the step at which the swing is three noise sigmas."""
@@ -442,8 +484,13 @@ def test_a_flip_flop_that_lifts_the_loss_is_an_oscillation_within_about_15_steps
     # swing test alone needs x4 its usual swing size (24-45 steps, median 38); an alternating
     # swing is an oscillation at x2.5.
     delays = []
-    for seed, ramp, offset in [(60, 100, 0.4), (61, 60, 0.5), (62, 80, 0.45), (63, 100, 0.5),
-                               (64, 60, 0.4)]:
+    for seed, ramp, offset in [
+        (60, 100, 0.4),
+        (61, 60, 0.5),
+        (62, 80, 0.45),
+        (63, 100, 0.5),
+        (64, 60, 0.4),
+    ]:
         pairs, labelled = flip_flop(seed, ramp, offset)
         verdicts = judge(pairs)
         hits = incidents(verdicts)
@@ -497,7 +544,9 @@ def test_a_healthy_run_cycling_through_two_batches_is_not_an_oscillation() -> No
     for step, loss in enumerate(two_batch_losses(1)):
         verdict = detector.update(StepEvent(run_id="r", step=step, time=0.0, loss=loss))
         swings = detector.state.judgement.loss_swings
-        alternating += swings[3] >= config.alt_level and detector.state.loss.alternation() >= config.alt_ratio
+        alternating += (
+            swings[3] >= config.alt_level and detector.state.loss.alternation() >= config.alt_ratio
+        )
         if verdict.type == AnomalyType.OSCILLATION:
             oscillations.append(step)
     assert alternating > 100 and oscillations == []
@@ -533,7 +582,8 @@ def test_independent_noise_does_not_alternate_whatever_its_distribution() -> Non
         assert max(ratios) < 0.8 * SeriesConfig().alt_ratio, (name, max(ratios))
     # A flip-flop in the same noise alternates within a few steps of starting.
     flip = rng.normal(0.0, 0.02, 400) + 0.1 * np.where(np.arange(400) % 2, 1.0, -1.0) * (
-        np.arange(400) >= 300)
+        np.arange(400) >= 300
+    )
     ratios = alternation(list(flip))
     assert max(ratios[:300]) < 2.0 and ratios[310] > SeriesConfig().alt_ratio
 
@@ -544,8 +594,10 @@ def test_noise_that_grows_fast_makes_no_oscillation_at_any_of_30_seeds() -> None
     # steps: a runs test on the signs (16 points all alternating about their median, 1.6e-4
     # each for independent points) made an oscillation at 2 of these seeds; the alternation
     # ratio reached 2.15 at most, under its bar of 3.
-    found = {seed: [v.step for v in judge(growing_noise(seed)) if v.type == AnomalyType.OSCILLATION]
-             for seed in range(30, 60)}
+    found = {
+        seed: [v.step for v in judge(growing_noise(seed)) if v.type == AnomalyType.OSCILLATION]
+        for seed in range(30, 60)
+    }
     assert {seed: steps for seed, steps in found.items() if steps} == {}
 
 

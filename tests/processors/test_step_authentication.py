@@ -12,7 +12,16 @@ import pytest
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.components import COMPONENTS, build_stage
-from spikeguard.schemas import ActionKind, Action, DeadLetter, StepEvent, Topics, decode, encode, sign_step
+from spikeguard.schemas import (
+    ActionKind,
+    Action,
+    DeadLetter,
+    StepEvent,
+    Topics,
+    decode,
+    encode,
+    sign_step,
+)
 from spikeguard.schemas.signing import verify_action
 from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
@@ -23,20 +32,32 @@ DETECTORS = ("statistical", "rules", "ml", "predictor")
 
 
 def healthy(run_id: str, steps: range, epoch: int = 0) -> list[StepEvent]:
-    return [StepEvent(run_id=run_id, step=s, epoch=epoch, time=1000.0 + s,
-                      loss=2.0 - 0.001 * s, grad_norm=1.0, lr=1e-3) for s in steps]
+    return [
+        StepEvent(
+            run_id=run_id,
+            step=s,
+            epoch=epoch,
+            time=1000.0 + s,
+            loss=2.0 - 0.001 * s,
+            grad_norm=1.0,
+            lr=1e-3,
+        )
+        for s in steps
+    ]
 
 
 def nan_step(run_id: str, step: int) -> StepEvent:
-    return StepEvent(run_id=run_id, step=step, time=2000.0 + step, loss=math.nan,
-                     grad_norm=math.nan, lr=1e-3)
+    return StepEvent(
+        run_id=run_id, step=step, time=2000.0 + step, loss=math.nan, grad_norm=math.nan, lr=1e-3
+    )
 
 
 def run_pipeline(events: list[StepEvent], key: str | None = KEY) -> EmbeddedBus:
     bus = EmbeddedBus(partitions=2)
     settings = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": key}, env={})
-    workers = [Worker(bus, build_stage(name, settings, TOPICS), snapshots=False)
-               for name in COMPONENTS]
+    workers = [
+        Worker(bus, build_stage(name, settings, TOPICS), snapshots=False) for name in COMPONENTS
+    ]
     producer = bus.producer()
     for event in events:
         producer.publish(TOPICS.steps, encode(event), key=event.run_id)
@@ -104,11 +125,14 @@ def test_without_a_key_unsigned_steps_are_judged():
 
 # -- steps from the past and the far future -----------------------------------------
 
+
 def decisions(bus: EmbeddedBus) -> list[tuple]:
     from spikeguard.schemas import Decision
 
-    return sorted((d.run_id, d.epoch, d.step, d.is_anomaly, d.type.value, d.critical)
-                  for d in (decode(r.value, Decision) for r in bus.read_all(TOPICS.decisions)))
+    return sorted(
+        (d.run_id, d.epoch, d.step, d.is_anomaly, d.type.value, d.critical)
+        for d in (decode(r.value, Decision) for r in bus.read_all(TOPICS.decisions))
+    )
 
 
 @pytest.mark.parametrize("key", [KEY, None])
@@ -118,11 +142,11 @@ def test_backwards_duplicate_and_far_future_steps_land_in_the_dlq_and_change_not
     # A rollback to step 30: epoch 1 re-runs 30..59 (admitted: a new epoch).
     run += healthy("r", range(30, 60), epoch=1)
     hostile = {
-        25: healthy("r", range(10, 11)),                 # backwards within epoch 0
-        26: healthy("r", range(26, 27)),                 # a duplicate of the step just judged
-        45: [healthy("r", range(5_000_000, 5_000_001))[0]],     # far future, within the schema
-        75: [nan_step("r", 20)],                         # epoch 0 again, after epoch 1 began
-        76: healthy("r", range(31, 32), epoch=5000),     # far-future epoch
+        25: healthy("r", range(10, 11)),  # backwards within epoch 0
+        26: healthy("r", range(26, 27)),  # a duplicate of the step just judged
+        45: [healthy("r", range(5_000_000, 5_000_001))[0]],  # far future, within the schema
+        75: [nan_step("r", 20)],  # epoch 0 again, after epoch 1 began
+        76: healthy("r", range(31, 32), epoch=5000),  # far-future epoch
     }
     mixed: list[StepEvent] = []
     for i, event in enumerate(run):
@@ -147,7 +171,10 @@ def test_a_step_beyond_2_to_the_53_is_refused_by_the_schema_into_the_dlq():
     from spikeguard.errors import MalformedMessage
     from spikeguard.schemas import MAX_COUNTER
 
-    assert decode(encode(StepEvent(run_id="r", step=MAX_COUNTER, loss=1.0)), StepEvent).step == MAX_COUNTER
+    assert (
+        decode(encode(StepEvent(run_id="r", step=MAX_COUNTER, loss=1.0)), StepEvent).step
+        == MAX_COUNTER
+    )
     huge = b'{"run_id": "r", "step": 100000000000000000000000000000, "loss": "NaN"}'
     with pytest.raises(MalformedMessage, match="step"):
         decode(huge, StepEvent)
@@ -158,7 +185,10 @@ def test_a_step_beyond_2_to_the_53_is_refused_by_the_schema_into_the_dlq():
     while worker.run_once(timeout=0):
         pass
     (letter,) = letters(bus)
-    assert letter.error == "MalformedMessage" and "less than or equal to 9007199254740991" in letter.reason
+    assert (
+        letter.error == "MalformedMessage"
+        and "less than or equal to 9007199254740991" in letter.reason
+    )
 
 
 def test_a_run_restored_from_a_snapshot_is_judged_again_from_its_offsets():

@@ -20,7 +20,16 @@ from spikeguard.lab.simulate import generate
 from spikeguard.metrics import Metrics
 from spikeguard.processors.cohosted_stage import CoHostedDetectors
 from spikeguard.schemas import (
-    DeadLetter, Decision, StepEvent, StepVerdicts, Topics, Verdict, decode, decode_any, encode, sign_step,
+    DeadLetter,
+    Decision,
+    StepEvent,
+    StepVerdicts,
+    Topics,
+    Verdict,
+    decode,
+    decode_any,
+    encode,
+    sign_step,
 )
 from spikeguard.schemas.signing import sign, signature_problem
 from spikeguard.settings import load_settings
@@ -36,15 +45,26 @@ SETTINGS = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": KEY}, en
 
 def steps() -> list[StepEvent]:
     """Two interleaved runs, one with a spike, one diverging, signed as their trainers sign them."""
-    runs = [generate(kind, 300, seed, run_id=f"run-{kind}").events
-            for seed, kind in ((1, "sudden_spike"), (2, "non_finite"))]
+    runs = [
+        generate(kind, 300, seed, run_id=f"run-{kind}").events
+        for seed, kind in ((1, "sudden_spike"), (2, "non_finite"))
+    ]
     return [sign_step(e, KEY) for pair in zip(*runs) for e in pair]
 
 
 def step_verdicts(step: int = 7, detectors=DETECTOR_NAMES, **change) -> StepVerdicts:
-    made = [Verdict(run_id="r1", step=step, detector=name, is_anomaly=name == "rules",
-                    confidence=0.5, loss=math.nan if name == "rules" else 2.0, signals={"z": math.inf})
-            for name in detectors]
+    made = [
+        Verdict(
+            run_id="r1",
+            step=step,
+            detector=name,
+            is_anomaly=name == "rules",
+            confidence=0.5,
+            loss=math.nan if name == "rules" else 2.0,
+            signals={"z": math.inf},
+        )
+        for name in detectors
+    ]
     return StepVerdicts(**{"run_id": "r1", "step": step, "verdicts": made, **change})
 
 
@@ -69,8 +89,10 @@ def pipeline(events: list[StepEvent], cohosted: bool) -> EmbeddedBus:
         producer.publish(TOPICS.steps, encode(event), key=event.run_id)
     detectors = [build_stage(name, SETTINGS, TOPICS) for name in DETECTOR_NAMES]
     stages = [CoHostedDetectors(detectors)] if cohosted else detectors
-    workers = [Worker(bus, stage, snapshots=False, metrics=Metrics(CollectorRegistry()))
-               for stage in [*stages, build_stage("fusion", SETTINGS, TOPICS)]]
+    workers = [
+        Worker(bus, stage, snapshots=False, metrics=Metrics(CollectorRegistry()))
+        for stage in [*stages, build_stage("fusion", SETTINGS, TOPICS)]
+    ]
     drain(workers)
     return bus
 
@@ -87,17 +109,24 @@ def test_a_step_verdicts_record_round_trips_exactly_with_its_signature():
 def test_a_step_verdicts_record_is_refused_unsigned_altered_or_under_another_key():
     assert "no signature" in signature_problem(step_verdicts(), KEY)
     signed = sign(step_verdicts(), KEY)
-    flipped = [v.model_copy(update={"is_anomaly": not v.is_anomaly}) if v.detector == "rules" else v
-               for v in signed.verdicts]
+    flipped = [
+        v.model_copy(update={"is_anomaly": not v.is_anomaly}) if v.detector == "rules" else v
+        for v in signed.verdicts
+    ]
     altered = decode(encode(signed.model_copy(update={"verdicts": flipped})), StepVerdicts)
     assert "bad signature" in signature_problem(altered, KEY)
-    assert "bad signature" in signature_problem(decode(encode(signed), StepVerdicts), "another-key-0123456789")
+    assert "bad signature" in signature_problem(
+        decode(encode(signed), StepVerdicts), "another-key-0123456789"
+    )
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"step": 8}, "not the record's run r1 step 8"),
-    ({"verdicts": []}, "at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"step": 8}, "not the record's run r1 step 8"),
+        ({"verdicts": []}, "at least 1 item"),
+    ],
+)
 def test_a_step_verdicts_record_of_another_step_or_empty_is_malformed(change, why):
     made = step_verdicts().model_dump(mode="json")
     made.update({k: v for k, v in change.items()})
@@ -120,11 +149,17 @@ def test_cohosted_detectors_send_one_signed_record_per_step_and_fusion_decides_a
     assert not together.read_all(TOPICS.verdicts)  # no verdict travelled alone
     assert len({(p.run_id, p.epoch, p.step) for p in packed}) == len(events)
     assert all([v.detector for v in p.verdicts] == list(DETECTOR_NAMES) for p in packed)
-    assert all(signature_problem(p, KEY) is None and p.verdicts[0].signature is None for p in packed)
+    assert all(
+        signature_problem(p, KEY) is None and p.verdicts[0].signature is None for p in packed
+    )
     assert not together.read_all(TOPICS.dlq)
 
-    offline = run_offline([(TOPICS.steps, e) for e in events], SETTINGS, [*DETECTOR_NAMES, "fusion"],
-                          {TOPICS.decisions: Decision})[TOPICS.decisions]
+    offline = run_offline(
+        [(TOPICS.steps, e) for e in events],
+        SETTINGS,
+        [*DETECTOR_NAMES, "fusion"],
+        {TOPICS.decisions: Decision},
+    )[TOPICS.decisions]
     expected, got = unsigned(offline), decisions(together)
     assert got == expected
     assert len(got) == len(events)
@@ -133,11 +168,19 @@ def test_cohosted_detectors_send_one_signed_record_per_step_and_fusion_decides_a
 
 def test_fusion_refuses_an_unsigned_step_verdicts_record_to_the_dlq_and_decides_nothing_from_it():
     bus = EmbeddedBus(partitions=1)
-    fusion = Worker(bus, build_stage("fusion", SETTINGS, TOPICS), snapshots=False,
-                    metrics=Metrics(CollectorRegistry()))
+    fusion = Worker(
+        bus,
+        build_stage("fusion", SETTINGS, TOPICS),
+        snapshots=False,
+        metrics=Metrics(CollectorRegistry()),
+    )
     producer = bus.producer()
     producer.publish(TOPICS.step_verdicts, encode(step_verdicts(step=0)), key="r1")  # unsigned
-    producer.publish(TOPICS.step_verdicts, encode(sign(step_verdicts(step=1), "not-the-key-0123456789")), key="r1")
+    producer.publish(
+        TOPICS.step_verdicts,
+        encode(sign(step_verdicts(step=1), "not-the-key-0123456789")),
+        key="r1",
+    )
     drain([fusion])
     letters = [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
     assert [letter.error for letter in letters] == ["RecordNotAuthenticated"] * 2
@@ -149,16 +192,24 @@ def test_per_detector_verdicts_still_decide_next_to_step_verdicts_records():
     # Three detectors co-hosted, the fourth as its own worker (one Verdict per record):
     # fusion reads both topics and decides every step with all four verdicts.
     bus = EmbeddedBus(partitions=1)
-    fusion = Worker(bus, build_stage("fusion", SETTINGS, TOPICS), snapshots=False,
-                    metrics=Metrics(CollectorRegistry()))
+    fusion = Worker(
+        bus,
+        build_stage("fusion", SETTINGS, TOPICS),
+        snapshots=False,
+        metrics=Metrics(CollectorRegistry()),
+    )
     producer = bus.producer()
     *hosted, alone = DETECTOR_NAMES
     for step in range(3):
-        producer.publish(TOPICS.step_verdicts, encode(sign(step_verdicts(step, hosted), KEY)), key="r1")
+        producer.publish(
+            TOPICS.step_verdicts, encode(sign(step_verdicts(step, hosted), KEY)), key="r1"
+        )
         (verdict,) = step_verdicts(step, [alone]).verdicts
         producer.publish(TOPICS.verdicts, encode(sign(verdict, KEY)), key="r1")
     drain([fusion])
-    decided = sorted((decode(r.value, Decision) for r in bus.read_all(TOPICS.decisions)), key=lambda d: d.step)
+    decided = sorted(
+        (decode(r.value, Decision) for r in bus.read_all(TOPICS.decisions)), key=lambda d: d.step
+    )
     assert [d.step for d in decided] == [0, 1, 2]
     assert all(set(d.detectors) == set(DETECTOR_NAMES) and not d.missing for d in decided)
     assert not bus.read_all(TOPICS.dlq)

@@ -29,7 +29,5 @@ def topics():
     return Topics()
 
 
-
-
 # The helpers module sits beside this file; make it importable however pytest was started.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -66,14 +66,17 @@ def _data(rank: int) -> DataLoader:
     x = torch.randn(256, 6, generator=g)
     y = x @ torch.randn(6, 1, generator=g)
     ds = TensorDataset(x, y)
-    return DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, num_replicas=2, rank=rank, seed=0))
+    return DataLoader(
+        ds, batch_size=8, sampler=DistributedSampler(ds, num_replicas=2, rank=rank, seed=0)
+    )
 
 
 def _ddp(group: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
-        process_group=group)
+        process_group=group,
+    )
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -91,13 +94,26 @@ def _fsdp(group: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _guard(model, opt, group, where: Path, bus=None, **config) -> Guard:
     config = {"checkpoint_every": 5, "resume": False, **config}
-    return Guard(model, opt, run_id=where.name, bus=bus, connect=False, process_group=group,
-                 config=GuardConfig(checkpoint_dir=str(where / "ckpt"), **config))
+    return Guard(
+        model,
+        opt,
+        run_id=where.name,
+        bus=bus,
+        connect=False,
+        process_group=group,
+        config=GuardConfig(checkpoint_dir=str(where / "ckpt"), **config),
+    )
 
 
-def _train(guard: Guard, model, opt, data, until: int,
-           corrupt: Callable[[int, torch.Tensor, torch.Tensor], tuple] | None = None,
-           losses: dict | None = None) -> None:
+def _train(
+    guard: Guard,
+    model,
+    opt,
+    data,
+    until: int,
+    corrupt: Callable[[int, torch.Tensor, torch.Tensor], tuple] | None = None,
+    losses: dict | None = None,
+) -> None:
     """Train until the guard's step counter reaches ``until``."""
     while guard.step_count < until:
         for xb, yb in data:
@@ -140,8 +156,14 @@ def _rollback(guard: Guard, target: int, cid: str | None = None) -> str:
 
 def _end(guard: Guard, model, opt, **extra) -> dict:
     guard.close(finished=False)
-    return {"hash": state_hash(model, opt), "step": guard.step_count, "epoch": guard.generation,
-            "checkpoints": guard.counters["checkpoints"], "rollbacks": guard.counters["rollbacks"], **extra}
+    return {
+        "hash": state_hash(model, opt),
+        "step": guard.step_count,
+        "epoch": guard.generation,
+        "checkpoints": guard.counters["checkpoints"],
+        "rollbacks": guard.counters["rollbacks"],
+        **extra,
+    }
 
 
 def _wait_for(*paths: Path) -> None:
@@ -165,6 +187,7 @@ def race(rank: int, group: Any, where: Path) -> dict:
             if step == 10:
                 _wait_for(inside)
             return save(payload, step=step, epoch=epoch, healthy=healthy)
+
         guard.store.save = slow_save
     else:
         wait = guard.saver.wait
@@ -173,6 +196,7 @@ def race(rank: int, group: Any, where: Path) -> dict:
             wait()
             if armed:
                 inside.touch()
+
         guard.saver.wait = signalling_wait
     data = guard.data(_data(rank), epochs=5)
     _train(guard, model, opt, data, 10)
@@ -189,10 +213,20 @@ def read_error(rank: int, group: Any, where: Path, sharded: bool = False) -> dic
     bus = None
     if rank == 0:
         bus = EmbeddedBus()
-        bus.producer().publish(Topics().actions, encode(Action(
-            action_id="r-1", run_id=where.name, kind=ActionKind.ROLLBACK, apply_at_step=12,
-            decision_id="d", params={"target_step": 10, "checkpoint_id": checkpoint_id(where.name, 10, 0)})),
-            key=where.name)
+        bus.producer().publish(
+            Topics().actions,
+            encode(
+                Action(
+                    action_id="r-1",
+                    run_id=where.name,
+                    kind=ActionKind.ROLLBACK,
+                    apply_at_step=12,
+                    decision_id="d",
+                    params={"target_step": 10, "checkpoint_id": checkpoint_id(where.name, 10, 0)},
+                )
+            ),
+            key=where.name,
+        )
     guard = _guard(model, opt, group, where, bus=bus)
     if rank == 0:
         deadline = time.monotonic() + SIGNAL_WAIT
@@ -207,6 +241,7 @@ def read_error(rank: int, group: Any, where: Path, sharded: bool = False) -> dic
                 failures.append(str(args[0]))
                 raise OSError(5, "Input/output error (injected)")
             return real_load(*args, **kwargs)
+
         torch.load = flaky_load
     try:
         data = guard.data(_data(rank), epochs=5)
@@ -215,9 +250,16 @@ def read_error(rank: int, group: Any, where: Path, sharded: bool = False) -> dic
         if rank == 1:
             torch.load = real_load
     acks = [decode(r.value, Ack) for r in bus.read_all(Topics().acks)] if bus is not None else []
-    return _end(guard, model, opt, injected=failures,
-                applied=[(a["step"], a["epoch"], a["kind"], a["status"], a["result"]) for a in guard.applied],
-                acks=[(a.status.value, a.result) for a in acks])
+    return _end(
+        guard,
+        model,
+        opt,
+        injected=failures,
+        applied=[
+            (a["step"], a["epoch"], a["kind"], a["status"], a["result"]) for a in guard.applied
+        ],
+        acks=[(a.status.value, a.result) for a in acks],
+    )
 
 
 def fsdp_read_error(rank: int, group: Any, where: Path) -> dict:
@@ -235,12 +277,15 @@ def spike(rank: int, group: Any, where: Path) -> dict:
 
     def corrupt(step, xb, yb):
         return (xb, yb * 1000.0) if rank == 1 and step in SPIKE else (xb, yb)
+
     losses: dict = {}
     _train(guard, model, opt, guard.data(_data(rank), epochs=5), 56, corrupt, losses)
     events = []
     if bus is not None:
         guard.publisher.flush(5.0)
-        events = [decode(r.value, StepEvent).model_dump(mode="json") for r in bus.read_all(Topics().steps)]
+        events = [
+            decode(r.value, StepEvent).model_dump(mode="json") for r in bus.read_all(Topics().steps)
+        ]
     return _end(guard, model, opt, losses=losses, events=events)
 
 
@@ -257,6 +302,7 @@ def late(rank: int, group: Any, where: Path) -> dict:
         def signalling(*args, **kwargs):
             waiting.touch()
             return real(*args, **kwargs)
+
         dist.broadcast_object_list = signalling
     else:
         deadline = time.monotonic() + SIGNAL_WAIT
@@ -302,14 +348,18 @@ def _flip_a_tensor_byte(path: Path) -> None:
     with zipfile.ZipFile(path) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     raw = bytearray(path.read_bytes())
-    name_len = int.from_bytes(raw[info.header_offset + 26: info.header_offset + 28], "little")
-    extra_len = int.from_bytes(raw[info.header_offset + 28: info.header_offset + 30], "little")
+    name_len = int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little")
+    extra_len = int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")
     at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
     raw[at] ^= 0x40
     path.write_bytes(bytes(raw))
 
 
 SCENARIOS: dict[str, Callable[[int, Any, Path], dict]] = {
-    "race": race, "read_error": read_error, "spike": spike, "late": late, "truncated": truncated,
+    "race": race,
+    "read_error": read_error,
+    "spike": spike,
+    "late": late,
+    "truncated": truncated,
     "fsdp_read_error": fsdp_read_error,
 }

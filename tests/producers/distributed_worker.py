@@ -46,29 +46,61 @@ def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None)
     sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world, rank=rank, shuffle=True)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, sampler=sampler)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+        torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     bus = None
     if outlier_at is not None:
         return _outlier_run(rank, model, opt, loader, out_dir, outlier_at)
     if rank == 0:  # only rank 0 talks to the bus; the other rank gets actions by broadcast
         bus = EmbeddedBus()
-        acts = [Action(action_id="a-1", run_id="dd", kind=ActionKind.SCALE_LR, apply_at_step=3,
-                       params={"factor": 0.5}),
-                Action(action_id="a-2", run_id="dd", kind=ActionKind.CLIP, apply_at_step=5,
-                       params={"max_norm": 0.5}),
-                Action(action_id="a-3", run_id="dd", kind=ActionKind.ROLLBACK, apply_at_step=14,
-                       decision_id="d", params={"target_step": 10,
-                                                "checkpoint_id": checkpoint_id("dd", 10, 0)}),
-                Action(action_id="a-4", run_id="dd", kind=ActionKind.SKIP_BATCHES, apply_at_step=14,
-                       decision_id="d", params={"from_step": 10, "to_step": 13, "extra": 1})]
+        acts = [
+            Action(
+                action_id="a-1",
+                run_id="dd",
+                kind=ActionKind.SCALE_LR,
+                apply_at_step=3,
+                params={"factor": 0.5},
+            ),
+            Action(
+                action_id="a-2",
+                run_id="dd",
+                kind=ActionKind.CLIP,
+                apply_at_step=5,
+                params={"max_norm": 0.5},
+            ),
+            Action(
+                action_id="a-3",
+                run_id="dd",
+                kind=ActionKind.ROLLBACK,
+                apply_at_step=14,
+                decision_id="d",
+                params={"target_step": 10, "checkpoint_id": checkpoint_id("dd", 10, 0)},
+            ),
+            Action(
+                action_id="a-4",
+                run_id="dd",
+                kind=ActionKind.SKIP_BATCHES,
+                apply_at_step=14,
+                decision_id="d",
+                params={"from_step": 10, "to_step": 13, "extra": 1},
+            ),
+        ]
         for a in acts:
             bus.producer().publish(Topics().actions, encode(a), key="dd")
-    guard = Guard(model, opt, run_id="dd", bus=bus, connect=False,
-                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5,
-                                     resume=False))
+    guard = Guard(
+        model,
+        opt,
+        run_id="dd",
+        bus=bus,
+        connect=False,
+        config=GuardConfig(
+            checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5, resume=False
+        ),
+    )
     if rank == 0:  # make the test deterministic: the actions are in the inbox before training
         import time
+
         deadline = time.monotonic() + 10
         while guard.inbox._handed < 4 and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -84,10 +116,14 @@ def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None)
             loss.backward()
             guard.step(loss)
     guard.close()
-    result = {"applied": [(a["step"], a["epoch"], a["kind"], a["status"]) for a in guard.applied],
-              "params": [p.detach().flatten().tolist() for p in model.parameters()],
-              "epoch": guard.generation, "skipped": guard.counters["skipped_updates"],
-              "last_index": data.last_index, "skip_ranges": data.skip_ranges}
+    result = {
+        "applied": [(a["step"], a["epoch"], a["kind"], a["status"]) for a in guard.applied],
+        "params": [p.detach().flatten().tolist() for p in model.parameters()],
+        "epoch": guard.generation,
+        "skipped": guard.counters["skipped_updates"],
+        "last_index": data.last_index,
+        "skip_ranges": data.skip_ranges,
+    }
     if bus is not None:
         result["acks"] = [decode(r.value, Ack).status.value for r in bus.read_all(Topics().acks)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -95,9 +131,15 @@ def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None)
 
 
 def _outlier_run(rank, model, opt, loader, out_dir, outlier_at) -> None:
-    guard = Guard(model, opt, run_id="dd", connect=False,
-                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=0,
-                                     resume=False))
+    guard = Guard(
+        model,
+        opt,
+        run_id="dd",
+        connect=False,
+        config=GuardConfig(
+            checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=0, resume=False
+        ),
+    )
     outcomes = []
     for xb, yb in guard.data(loader, epochs=2, max_steps=30):
         if rank == 1 and guard.step_count == outlier_at:
@@ -107,7 +149,13 @@ def _outlier_run(rank, model, opt, loader, out_dir, outlier_at) -> None:
         loss.backward()
         outcomes.append(guard.step(loss))
     guard.close()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-        "outcomes": outcomes, "outlier_skips": guard.counters["outlier_skips"],
-        "params": [p.detach().flatten().tolist() for p in model.parameters()]}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "outcomes": outcomes,
+                "outlier_skips": guard.counters["outlier_skips"],
+                "params": [p.detach().flatten().tolist() for p in model.parameters()],
+            }
+        )
+    )
     dist.destroy_process_group()

@@ -28,7 +28,9 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     x = torch.randn(256, 6)
     y = x @ torch.randn(6, 1)
     ds = TensorDataset(x, y)
-    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, num_replicas=world, rank=rank))
+    loader = DataLoader(
+        ds, batch_size=8, sampler=DistributedSampler(ds, num_replicas=world, rank=rank)
+    )
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     twin = copy.deepcopy(model)  # the same model, never sharded: the reference for the norm
     fully_shard(model[0])
@@ -37,15 +39,39 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     bus = EmbeddedBus()  # each rank publishes its steps to its own; only rank 0 reads actions
     if rank == 0:
-        for a in (Action(action_id="f-1", run_id="fs", kind=ActionKind.ROLLBACK, apply_at_step=14,
-                         decision_id="d", params={"target_step": 10,
-                                                  "checkpoint_id": checkpoint_id("fs", 10, 0)}),
-                  Action(action_id="f-2", run_id="fs", kind=ActionKind.SKIP_BATCHES, apply_at_step=14,
-                         decision_id="d", params={"from_step": 10, "to_step": 13, "extra": 1})):
+        for a in (
+            Action(
+                action_id="f-1",
+                run_id="fs",
+                kind=ActionKind.ROLLBACK,
+                apply_at_step=14,
+                decision_id="d",
+                params={"target_step": 10, "checkpoint_id": checkpoint_id("fs", 10, 0)},
+            ),
+            Action(
+                action_id="f-2",
+                run_id="fs",
+                kind=ActionKind.SKIP_BATCHES,
+                apply_at_step=14,
+                decision_id="d",
+                params={"from_step": 10, "to_step": 13, "extra": 1},
+            ),
+        ):
             bus.producer().publish(Topics().actions, encode(a), key="fs")
-    guard = Guard(model, opt, run_id="fs", bus=bus, connect=False,
-                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5,
-                                     resume=False, publish_all_ranks=True, update_norm=True))
+    guard = Guard(
+        model,
+        opt,
+        run_id="fs",
+        bus=bus,
+        connect=False,
+        config=GuardConfig(
+            checkpoint_dir=str(Path(out_dir) / "ckpt"),
+            checkpoint_every=5,
+            resume=False,
+            publish_all_ranks=True,
+            update_norm=True,
+        ),
+    )
     if rank == 0:  # deterministic: both actions are in the inbox before training starts
         deadline = time.monotonic() + 10
         while guard.inbox._handed < 2 and time.monotonic() < deadline:
@@ -69,8 +95,11 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
             outcomes.append([epoch, step, guard.step(loss)])
             reduces[f"{epoch}/{step}"] = len(sums)
             after = [p.full_tensor() for p in model.parameters()]
-            updates[f"{epoch}/{step}"] = float(torch.linalg.vector_norm(
-                torch.stack([(b - a).norm() for a, b in zip(after, before)])))
+            updates[f"{epoch}/{step}"] = float(
+                torch.linalg.vector_norm(
+                    torch.stack([(b - a).norm() for a, b in zip(after, before)])
+                )
+            )
     guard.close(finished=False)  # as if the job died here: the next one resumes
     final = _local_state(model, opt)
     resumed = _resume(out_dir)
@@ -78,15 +107,27 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     published = {f"{e.epoch}/{e.step}": e.grad_norm for e in events}
     published_updates = {f"{e.epoch}/{e.step}": e.update_norm for e in events}
     before, after = shards[(0, 10)], shards[(1, 10)]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-        "published": published, "reference": reference,
-        "published_updates": published_updates, "reference_updates": updates, "outcomes": outcomes, "reduces": reduces,
-        "restored": [torch.equal(a, b) for a, b in zip(before, after)], "n_shards": len(before),
-        "shard_rows": [t.shape[0] for t in before], "skip_ranges": data.skip_ranges,
-        "epoch": guard.generation, "rollbacks": guard.counters["rollbacks"],
-        "skipped": guard.counters["skipped_updates"],
-        "resumed_at": [resumed[0].resumed_from.epoch, resumed[0].resumed_from.step],
-        "resumed_equal": [torch.equal(a, b) for a, b in zip(final, resumed[1])]}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "published": published,
+                "reference": reference,
+                "published_updates": published_updates,
+                "reference_updates": updates,
+                "outcomes": outcomes,
+                "reduces": reduces,
+                "restored": [torch.equal(a, b) for a, b in zip(before, after)],
+                "n_shards": len(before),
+                "shard_rows": [t.shape[0] for t in before],
+                "skip_ranges": data.skip_ranges,
+                "epoch": guard.generation,
+                "rollbacks": guard.counters["rollbacks"],
+                "skipped": guard.counters["skipped_updates"],
+                "resumed_at": [resumed[0].resumed_from.epoch, resumed[0].resumed_from.step],
+                "resumed_equal": [torch.equal(a, b) for a, b in zip(final, resumed[1])],
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -97,8 +138,13 @@ def _resume(out_dir: str):
     for module in (model[0], model[2], model):
         fully_shard(module)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    guard = Guard(model, opt, run_id="fs", connect=False,
-                  config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5))
+    guard = Guard(
+        model,
+        opt,
+        run_id="fs",
+        connect=False,
+        config=GuardConfig(checkpoint_dir=str(Path(out_dir) / "ckpt"), checkpoint_every=5),
+    )
     state = _local_state(model, opt)
     guard.close(finished=False)
     return guard, state
@@ -110,6 +156,7 @@ def _count_sum_all_reduces() -> list:
 
     class Calls(list):
         pass
+
     calls = Calls()
     calls.real = real  # (to put the real one back)
 
@@ -117,6 +164,7 @@ def _count_sum_all_reduces() -> list:
         if op == dist.ReduceOp.SUM:
             calls.append(tuple(tensor.shape))
         return real(tensor, op=op, group=group, async_op=async_op)
+
     dist.all_reduce = counting
     return calls
 

@@ -18,13 +18,21 @@ _ids = itertools.count()
 class Tiny:
     """A small regression problem: model, optimizer, loader (64 batches of 8)."""
 
-    def __init__(self, seed: int = 0, n: int = 512, batch_size: int = 8, lr: float = 1e-2,
-                 noise: float = 0.05) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        n: int = 512,
+        batch_size: int = 8,
+        lr: float = 1e-2,
+        noise: float = 0.05,
+    ) -> None:
         torch.manual_seed(seed)
         self.x = torch.randn(n, 6)
         self.y = self.x @ torch.randn(6, 1) + noise * torch.randn(n, 1)
         self.loader = DataLoader(TensorDataset(self.x, self.y), batch_size=batch_size, shuffle=True)
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
 
     def loss(self, batch) -> torch.Tensor:
@@ -40,14 +48,31 @@ class Tiny:
 
 def make_guard(tiny: Tiny, bus, tmp_path, run_id: str = "r1", **config) -> Guard:
     defaults = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=False)
-    return Guard(tiny.model, tiny.optimizer, run_id=run_id, bus=bus,
-                 config=GuardConfig(**{**defaults, **config}))
+    return Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id=run_id,
+        bus=bus,
+        config=GuardConfig(**{**defaults, **config}),
+    )
 
 
-def action(kind: ActionKind, at: int, run_id: str = "r1", key: str | None = None,
-           decision_id: str | None = None, **params) -> Action:
-    a = Action(action_id=f"a-test-{next(_ids)}", run_id=run_id, kind=kind, apply_at_step=at,
-               params=params, decision_id=decision_id)
+def action(
+    kind: ActionKind,
+    at: int,
+    run_id: str = "r1",
+    key: str | None = None,
+    decision_id: str | None = None,
+    **params,
+) -> Action:
+    a = Action(
+        action_id=f"a-test-{next(_ids)}",
+        run_id=run_id,
+        kind=kind,
+        apply_at_step=at,
+        params=params,
+        decision_id=decision_id,
+    )
     return sign_action(a, key) if key else a
 
 

@@ -20,13 +20,30 @@ def main(ckpt_dir: str, bus_dir: str, steps: int) -> None:
     torch.set_num_threads(1)
     bus = EmbeddedBus(data_dir=bus_dir)
     tiny = Tiny(seed=3)
-    guard = Guard(tiny.model, tiny.optimizer, run_id="k", bus=bus,
-                  config=GuardConfig(checkpoint_dir=ckpt_dir, checkpoint_every=10, resume=True))
-    print(json.dumps({"resumed_from": guard.resumed_from.step if guard.resumed_from else None,
-                      "scale": guard.lr.scale}), flush=True)
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="k",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=ckpt_dir, checkpoint_every=10, resume=True),
+    )
+    print(
+        json.dumps(
+            {
+                "resumed_from": guard.resumed_from.step if guard.resumed_from else None,
+                "scale": guard.lr.scale,
+            }
+        ),
+        flush=True,
+    )
     # Published on every start: a re-delivery, as an actuator restarted after a crash would do.
-    action = Action(action_id="a-kill-1", run_id="k", kind=ActionKind.SCALE_LR, apply_at_step=14,
-                    params={"factor": 0.5})
+    action = Action(
+        action_id="a-kill-1",
+        run_id="k",
+        kind=ActionKind.SCALE_LR,
+        apply_at_step=14,
+        params={"factor": 0.5},
+    )
     bus.producer().publish(Topics().actions, encode(action), key="k")
     deadline = time.monotonic() + 10
     while guard.inbox._handed < 1 and time.monotonic() < deadline:
@@ -40,7 +57,10 @@ def main(ckpt_dir: str, bus_dir: str, steps: int) -> None:
                 time.sleep(0.05)  # give the test time to kill us between checkpoints
     guard.close()
     bus.close()
-    print(json.dumps({"done": True, "applied": list(guard.applied), "scale": guard.lr.scale}), flush=True)
+    print(
+        json.dumps({"done": True, "applied": list(guard.applied), "scale": guard.lr.scale}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

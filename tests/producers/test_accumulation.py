@@ -43,9 +43,14 @@ def _train(guard, tiny, steps, poison_step=None):
 def test_skip_window_in_steps_covers_every_micro_batch_and_reports_both_counts(bus, tmp_path):
     tiny = Tiny()
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=5)
-    send(bus, action(K.ROLLBACK, 10, decision_id="d", target_step=5,
-                     checkpoint_id=checkpoint_id("r1", 5, 0)),
-         action(K.SKIP_BATCHES, 10, decision_id="d", from_step=5, to_step=7, extra=2), guard=guard)
+    send(
+        bus,
+        action(
+            K.ROLLBACK, 10, decision_id="d", target_step=5, checkpoint_id=checkpoint_id("r1", 5, 0)
+        ),
+        action(K.SKIP_BATCHES, 10, decision_id="d", from_step=5, to_step=7, extra=2),
+        guard=guard,
+    )
     firsts = _train(guard, tiny, 14)
     guard.close()
     assert firsts[(0, 5)] == 20 and firsts[(0, 9)] == 36
@@ -62,7 +67,9 @@ def test_a_skipped_update_counts_one_optimizer_step_and_its_micro_batches(bus, t
     guard = make_guard(tiny, bus, tmp_path)
     _train(guard, tiny, 6, poison_step=(0, 3))
     guard.close()
-    assert guard.counters["skipped_updates"] == 1 and guard.counters["skipped_update_batches"] == ACCUM
+    assert (
+        guard.counters["skipped_updates"] == 1 and guard.counters["skipped_update_batches"] == ACCUM
+    )
     assert guard.counters["updates"] == 5
     events = [decode(r.value, StepEvent) for r in bus.read_all(topics.steps)]
     assert [e.batch_index for e in events] == [3, 7, 11, 15, 19, 23]  # each step's last micro-batch

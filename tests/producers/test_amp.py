@@ -57,9 +57,17 @@ def test_fp16_overflow_skips_are_normal_steps_under_the_full_pipeline(tmp_path):
     tiny = Tiny(seed=3, noise=NOISE)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     runtime = open_runtime(load_settings({}, env={}))
-    guard = Guard(tiny.model, tiny.optimizer, run_id="amp", bus=runtime.bus, topics=runtime.topics,
-                  scaler=scaler, config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False,
-                                                    lockstep=True, data_seed=3))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="amp",
+        bus=runtime.bus,
+        topics=runtime.topics,
+        scaler=scaler,
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"), resume=False, lockstep=True, data_seed=3
+        ),
+    )
     try:
         data = guard.data(tiny.loader, epochs=10, max_steps=STEPS)
         for x, y in data:
@@ -70,7 +78,9 @@ def test_fp16_overflow_skips_are_normal_steps_under_the_full_pipeline(tmp_path):
     finally:
         guard.close()
         events = [decode(r.value, StepEvent) for r in runtime.bus.read_all(runtime.topics.steps)]
-        decisions = [decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)]
+        decisions = [
+            decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)
+        ]
         runtime.close()
     guarded = _eval_loss(tiny)
     print(f"AMP final eval loss: guarded {guarded:.5f} unguarded {unguarded:.5f}")
@@ -98,8 +108,14 @@ def test_fp16_overflow_skips_are_normal_steps_under_the_full_pipeline(tmp_path):
 def test_a_run_of_overflow_skips_that_keeps_lowering_the_scale_is_reported(bus, topics, tmp_path):
     tiny = Tiny()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    guard = Guard(tiny.model, tiny.optimizer, run_id="r1", bus=bus, scaler=scaler,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="r1",
+        bus=bus,
+        scaler=scaler,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+    )
     before = None
     for x, y in guard.data(tiny.loader, max_steps=25):
         loss = _scaled_loss(tiny, scaler, x, y)
@@ -120,8 +136,14 @@ def test_a_run_of_overflow_skips_that_keeps_lowering_the_scale_is_reported(bus, 
 def test_the_users_own_unscale_for_clipping_is_respected(bus, tmp_path):
     tiny = Tiny()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    guard = Guard(tiny.model, tiny.optimizer, run_id="r1", bus=bus, scaler=scaler,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="r1",
+        bus=bus,
+        scaler=scaler,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+    )
     for x, y in guard.data(tiny.loader, max_steps=5):
         loss = _scaled_loss(tiny, scaler, x, y)
         scaler.unscale_(tiny.optimizer)
@@ -144,6 +166,8 @@ def test_bf16_autocast_without_a_scaler(bus, topics, tmp_path):
         assert guard.step(loss)
     guard.close()
     events = [decode(r.value, StepEvent) for r in bus.read_all(topics.steps)]
-    assert len(events) == 6 and all(math.isfinite(e.grad_norm) and e.loss_scale is None for e in events)
+    assert len(events) == 6 and all(
+        math.isfinite(e.grad_norm) and e.loss_scale is None for e in events
+    )
     assert not any(e.update_skipped for e in events)
     assert not all(torch.equal(a, b) for a, b in zip(before, tiny.model.parameters()))

@@ -86,8 +86,11 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_and_is_never_dropped(bus
     assert len(list(store.directory.glob("ckpt-*.pt"))) == 2
     guard.close()
     events = [decode(r.value, CheckpointEvent) for r in bus.read_all(guard.topics.checkpoints)]
-    assert [(e.step, e.reason) for e in events if not e.deleted] == [(0, "periodic"), (2, "periodic"),
-                                                                     (3, "on_demand")]
+    assert [(e.step, e.reason) for e in events if not e.deleted] == [
+        (0, "periodic"),
+        (2, "periodic"),
+        (3, "on_demand"),
+    ]
 
 
 def test_checkpoints_are_published_only_once_on_disk(bus, tmp_path):
@@ -102,6 +105,7 @@ def test_checkpoints_are_published_only_once_on_disk(bus, tmp_path):
 
     def published():
         return [decode(r.value, CheckpointEvent) for r in bus.read_all(guard.topics.checkpoints)]
+
     assert [e.step for e in published()] == [0]  # step 3's is still being written
     store.gate.set()
     guard.close()
@@ -128,11 +132,14 @@ def test_a_rollback_waits_for_the_write_it_needs(bus, tmp_path):
 
 def test_rotation_in_the_background_still_keeps_the_newest_healthy(bus, tmp_path):
     tiny = Tiny()
-    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=2, keep_checkpoints=2, incident_window=100)
+    guard = make_guard(
+        tiny, bus, tmp_path, checkpoint_every=2, keep_checkpoints=2, incident_window=100
+    )
 
     def poison(g, data, batch):
         if g.step_count == 5:
             batch[0][:] = float("nan")
+
     train(guard, tiny, 16, on_step=poison)
     guard.close()
     kept = guard.store.list()
@@ -154,7 +161,9 @@ def test_stage_copies_tensors_and_containers_but_keeps_module_metadata():
 def test_without_async_the_save_happens_in_the_step(tmp_path):
     store = CheckpointStore(tmp_path, "r1")
     saver = AsyncSaver(store, enabled=False)
-    saver.submit(lambda: {"x": torch.ones(2)}, SaveJob(step=1, epoch=0, healthy=True, reason="periodic"))
+    saver.submit(
+        lambda: {"x": torch.ones(2)}, SaveJob(step=1, epoch=0, healthy=True, reason="periodic")
+    )
     assert store.newest() is not None and store.newest().step == 1
     [done] = saver.completed()
     assert done.info.step == 1 and done.error is None

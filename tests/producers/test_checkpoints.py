@@ -53,6 +53,7 @@ def test_a_crash_mid_write_leaves_the_old_file_whole(tmp_path):
     def half(handle):
         handle.write(b"half-written")
         raise OSError("disk full")
+
     with pytest.raises(OSError):
         atomic_write(target, half)
     assert target.read_bytes() == b"old"
@@ -75,9 +76,18 @@ def test_everything_loads_with_weights_only_including_rng(tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
-    info = store.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                       "scheduler": sched.state_dict(), "rng": rng.capture(),
-                       "guard": {"x": float("nan"), "ids": ["a", "b"]}}, step=1, epoch=0, healthy=True)
+    info = store.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": rng.capture(),
+            "guard": {"x": float("nan"), "ids": ["a", "b"]},
+        },
+        step=1,
+        epoch=0,
+        healthy=True,
+    )
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     body = store.load(info)  # torch.load(weights_only=True) inside
     rng.restore(body["rng"])
@@ -121,15 +131,31 @@ def test_a_guard_checkpoint_holds_one_entry_per_state_part(tmp_path):
 
     tiny = Tiny()
     sched = torch.optim.lr_scheduler.StepLR(tiny.optimizer, step_size=3, gamma=0.5)
-    guard = Guard(tiny.model, tiny.optimizer, sched, run_id="r1", connect=False, config=GuardConfig(
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        sched,
+        run_id="r1",
+        connect=False,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False),
+    )
     train(guard, tiny, 4)
     guard.lr.scale_by(0.5)
     guard.clipper.set_fixed(0.3)
     event = guard.checkpoint()
     body = torch.load(event.path, weights_only=True)
-    assert guard.parts.names() == ["model", "optimizer", "scheduler", "rng", "lr", "clip", "health",
-                                   "ledger", "skip_rule", "data"]
+    assert guard.parts.names() == [
+        "model",
+        "optimizer",
+        "scheduler",
+        "rng",
+        "lr",
+        "clip",
+        "health",
+        "ledger",
+        "skip_rule",
+        "data",
+    ]
     assert set(guard.parts.names()) <= set(body)
     assert body["lr"]["scale"] == 0.5 and body["clip"]["max_norm"] == 0.3
     assert body["data"]["position"] == 4 and body["scheduler"]["last_epoch"] == 4
@@ -156,7 +182,8 @@ def test_a_finished_runs_archive_takes_the_sharded_checkpoints_directories_along
     (tmp_path / SIDECAR).write_text("{}")
     archived = lifecycle.archive_finished(tmp_path)
     assert sorted(p.name for p in archived.iterdir()) == sorted(
-        [info.path.name, store.sum_path(info.checkpoint_id).name, shards.name, SIDECAR])
+        [info.path.name, store.sum_path(info.checkpoint_id).name, shards.name, SIDECAR]
+    )
     assert (archived / shards.name / "__0_0.distcp").read_bytes() == b"rank 0's part"
     assert not any(p.name.startswith(("ckpt-", "dcp-")) for p in tmp_path.iterdir())
 
@@ -175,8 +202,13 @@ def test_a_checkpoint_whose_bytes_changed_is_refused_by_its_checksum(tmp_path):
         entry = next(i for i in z.infolist() if "/data/" in i.filename)
     raw = bytearray(info.path.read_bytes())
     header = entry.header_offset
-    at = header + 30 + int.from_bytes(raw[header + 26:header + 28], "little") \
-        + int.from_bytes(raw[header + 28:header + 30], "little") + 17
+    at = (
+        header
+        + 30
+        + int.from_bytes(raw[header + 26 : header + 28], "little")
+        + int.from_bytes(raw[header + 28 : header + 30], "little")
+        + 17
+    )
     raw[at] ^= 0x40
     info.path.write_bytes(bytes(raw))
     assert torch.load(info.path, weights_only=True)["w"].sum() != 2016.0  # torch reads it as it is
@@ -195,7 +227,10 @@ def test_rotation_takes_a_checkpoints_checksum_along_and_a_rank_needs_its_own_fi
     first = store.save({"w": torch.zeros(2)}, step=0, epoch=0, healthy=False)
     store.save({"w": torch.ones(2)}, step=5, epoch=0, healthy=False)
     assert not first.path.exists() and not store.sum_path(first.checkpoint_id).exists()
-    assert sorted(p.suffix for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [".pt", ".sha256"]
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+        ".pt",
+        ".sha256",
+    ]
     rank1 = CheckpointStore(tmp_path, "r", keep=1, rank=1)
     with pytest.raises(CheckpointUnreadable, match="no state of rank 1"):
         rank1.load(rank1.newest())  # rank 0's random streams are not rank 1's
@@ -209,10 +244,17 @@ def test_a_resume_passes_over_a_corrupt_newest_checkpoint_to_the_next_older(tmp_
 
     from spikeguard.producers import Guard, GuardConfig
 
-    config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4, async_checkpoint=False)
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4, async_checkpoint=False
+    )
     tiny = Tiny()
-    guard = Guard(tiny.model, tiny.optimizer, run_id="r", connect=False, config=config.model_copy(
-        update={"resume": ResumeMode.NEVER}))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="r",
+        connect=False,
+        config=config.model_copy(update={"resume": ResumeMode.NEVER}),
+    )
     train(guard, tiny, 10)
     guard.close(finished=False)
     newest, older = guard.store.list(0)[:2]
@@ -222,6 +264,8 @@ def test_a_resume_passes_over_a_corrupt_newest_checkpoint_to_the_next_older(tmp_
     again = Tiny(seed=1)
     resumed = Guard(again.model, again.optimizer, run_id="r", connect=False, config=config)
     assert resumed.resumed_from.step == 4 and resumed.step_count == 4
-    assert any("cannot be loaded" in r.getMessage() and "checksum mismatch" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "cannot be loaded" in r.getMessage() and "checksum mismatch" in r.getMessage()
+        for r in caplog.records
+    )
     resumed.close(finished=False)

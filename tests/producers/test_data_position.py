@@ -9,8 +9,9 @@ from spikeguard.producers import GuardedLoader
 
 
 def _loader(n=40, batch_size=4, shuffle=True, drop_last=False):
-    return DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=shuffle,
-                      drop_last=drop_last)
+    return DataLoader(
+        TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last
+    )
 
 
 def _take(wrapper, k):
@@ -27,7 +28,9 @@ def test_order_is_fixed_by_seed_and_epoch():
     b = GuardedLoader(_loader(), seed=7, epochs=3)
     first, second = _take(a, 30), _take(b, 30)
     assert first == second and [i for i, _ in first] == list(range(30))
-    epochs = [sorted(x for _, batch in first[e * 10:(e + 1) * 10] for x in batch) for e in range(3)]
+    epochs = [
+        sorted(x for _, batch in first[e * 10 : (e + 1) * 10] for x in batch) for e in range(3)
+    ]
     assert all(e == list(range(40)) for e in epochs)  # every sample once per epoch
     assert first[:10] != first[10:20]  # a new permutation per epoch
     assert _take(GuardedLoader(_loader(), seed=8, epochs=1), 10) != first[:10]
@@ -86,8 +89,18 @@ def test_plain_iterables_are_replayed():
     data = [[i] for i in range(6)]
     w = GuardedLoader(data, seed=0, epochs=2)
     w.skip(2, 3)
-    assert [(w.last_index, b) for b in w] == [(0, [0]), (1, [1]), (4, [4]), (5, [5]),
-                                              (6, [0]), (7, [1]), (8, [2]), (9, [3]), (10, [4]), (11, [5])]
+    assert [(w.last_index, b) for b in w] == [
+        (0, [0]),
+        (1, [1]),
+        (4, [4]),
+        (5, [5]),
+        (6, [0]),
+        (7, [1]),
+        (8, [2]),
+        (9, [3]),
+        (10, [4]),
+        (11, [5]),
+    ]
     w.seek(7)
     w.epochs = None
     assert [b for b in w] == [[1], [2], [3], [4], [5]]

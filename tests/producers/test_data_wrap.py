@@ -44,11 +44,19 @@ def test_all_600_batches_go_through_the_users_loader_subclass(tmp_path):
     tiny = Tiny(seed=4)
     sampler = torch.utils.data.RandomSampler(tiny.loader.dataset)
     loader = PlacingLoader(tiny.loader.dataset, batch_size=8, sampler=sampler)
-    guard = Guard(tiny.model, tiny.optimizer, run_id="wrap", connect=False,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=100,
-                                     resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="wrap",
+        connect=False,
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=100, resume=False
+        ),
+    )
     data = guard.data(loader, epochs=20, max_steps=600)
-    assert data.loader is loader and type(data.loader) is PlacingLoader and loader.sampler is sampler
+    assert (
+        data.loader is loader and type(data.loader) is PlacingLoader and loader.sampler is sampler
+    )
     seen = 0
     for batch in data:
         assert isinstance(batch, OnDevice) and batch.device == "marker:0"
@@ -82,7 +90,7 @@ def test_a_distributed_sampler_keeps_its_sharding_and_epoch_shuffling():
         assert got[rank] == _ddp_reference(ds, rank, 3)  # the sampler's own order, not the guard's
         assert sampler.epoch == 2 and len(w) == 6
     for e in range(3):
-        r0, r1 = (sum(got[r][e * 6:(e + 1) * 6], []) for r in (0, 1))
+        r0, r1 = (sum(got[r][e * 6 : (e + 1) * 6], []) for r in (0, 1))
         assert not set(r0) & set(r1) and sorted(r0 + r1) == list(range(48))  # per-rank shards
     assert got[0][:6] != got[0][6:12]  # a new permutation each epoch
 
@@ -139,8 +147,13 @@ def test_replaying_to_a_batch_leaves_the_random_streams_as_an_uninterrupted_run_
 def test_the_guard_keeps_the_users_sampler_object_and_loader_class(tmp_path):
     tiny = Tiny(seed=0)
     sampler = tiny.loader.sampler
-    guard = Guard(tiny.model, tiny.optimizer, run_id="keep", connect=False,
-                  config=GuardConfig(checkpoint_every=0, resume=False, checkpoint_dir=str(tmp_path)))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="keep",
+        connect=False,
+        config=GuardConfig(checkpoint_every=0, resume=False, checkpoint_dir=str(tmp_path)),
+    )
     try:
         data = guard.data(tiny.loader)
         assert data.loader is tiny.loader and tiny.loader.sampler is sampler
@@ -153,7 +166,9 @@ def test_an_accelerate_prepared_loader_is_iterated_as_accelerate_iterates_it():
     from accelerate import Accelerator  # the real library (test extra)
 
     accelerator = Accelerator(cpu=True)
-    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True))
+    loader = accelerator.prepare(
+        DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True)
+    )
     state = accelerator.gradient_state
     w = GuardedLoader(loader, seed=5, epochs=3)
     reference, ends = [], []

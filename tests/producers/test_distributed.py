@@ -24,13 +24,16 @@ def _free_port() -> int:
 def _spawn(tmp_path, *extra, worker=distributed_worker.run) -> None:
     for attempt in range(2):
         try:
-            mp.spawn(worker, args=(2, _free_port(), str(tmp_path), *extra), nprocs=2,
-                     join=True)
+            mp.spawn(worker, args=(2, _free_port(), str(tmp_path), *extra), nprocs=2, join=True)
             return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            ranks = "\n".join(f"--- rank{r}.err:\n{_text(tmp_path / f'rank{r}.err')}" for r in (0, 1))
+            ranks = "\n".join(
+                f"--- rank{r}.err:\n{_text(tmp_path / f'rank{r}.err')}" for r in (0, 1)
+            )
             # The free port can be taken by another process between the probe and the bind.
-            if attempt or not any(w in f"{exc}{ranks}" for w in ("Address already in use", "EADDRINUSE")):
+            if attempt or not any(
+                w in f"{exc}{ranks}" for w in ("Address already in use", "EADDRINUSE")
+            ):
                 raise AssertionError(f"a rank failed: {exc}\n{ranks}") from exc
 
 
@@ -43,8 +46,12 @@ def test_two_ranks_apply_the_same_actions_at_the_same_steps(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["applied"] == r1["applied"]
     kinds = [(step, kind, status) for step, _, kind, status in r0["applied"]]
-    assert kinds == [(3, "scale_lr", "applied"), (5, "clip", "applied"), (14, "rollback", "applied"),
-                     (10, "skip_batches", "applied")]
+    assert kinds == [
+        (3, "scale_lr", "applied"),
+        (5, "clip", "applied"),
+        (14, "rollback", "applied"),
+        (10, "skip_batches", "applied"),
+    ]
     assert r0["params"] == r1["params"]  # identical parameters on both ranks
     assert r0["epoch"] == r1["epoch"] == 1
     assert r0["skipped"] == r1["skipped"] == 1  # rank 1's NaN made both ranks skip step 7
@@ -82,6 +89,7 @@ def disagreement(tmp_path_factory):
             assert "error" not in r, r["error"]
         assert r0["hash"] == r1["hash"]  # the same parameters and optimizer state on both ranks
         return r0, r1
+
     return result
 
 
@@ -125,12 +133,16 @@ def test_a_spike_on_one_ranks_data_is_published_and_judged_as_the_runs(disagreem
         assert e.loss_ranks == 2
     healthy = sorted(e.loss for e in events if 20 <= e.step < 40)
     first = disagreement_worker.SPIKE[0]
-    assert events[first].loss > 1000 * healthy[len(healthy) // 2]  # rank 1's batch, in rank 0's event
+    assert (
+        events[first].loss > 1000 * healthy[len(healthy) // 2]
+    )  # rank 1's batch, in rank 0's event
     # The whole pipeline, on what rank 0 published, calls it a loss spike at its first step.
     decisions = {d.step: d for d in backtest_events(events) if d.is_anomaly}
     assert first in decisions, sorted(decisions)
-    assert decisions[first].type.value == "extreme_loss" and decisions[first].urgency.value == "critical", \
-        decisions[first]
+    assert (
+        decisions[first].type.value == "extreme_loss"
+        and decisions[first].urgency.value == "critical"
+    ), decisions[first]
 
 
 def test_a_late_rank_keeps_its_own_state_at_every_checkpoint(disagreement):

@@ -59,7 +59,9 @@ def test_the_reported_update_norm_is_the_unsharded_models_update(ranks):
     _, results = ranks
     for r in results:
         published, reference = r["published_updates"], r["reference_updates"]
-        assert published["0/0"] is None and published["1/10"] is None  # nothing, or a checkpoint, before
+        assert (
+            published["0/0"] is None and published["1/10"] is None
+        )  # nothing, or a checkpoint, before
         assert published["0/8"] == 0.0  # step 7's update was skipped (rank 1's NaN)
         compared = 0
         for key, norm in published.items():
@@ -82,7 +84,10 @@ def test_the_norm_is_reduced_across_shards_once_per_step(ranks):
 def test_both_ranks_make_the_same_skip_decisions(ranks):
     _, (r0, r1) = ranks
     assert r0["outcomes"] == r1["outcomes"]
-    assert [(e, s) for e, s, applied in r0["outcomes"] if not applied] == [(0, 7), (0, 14)]  # NaN, rollback
+    assert [(e, s) for e, s, applied in r0["outcomes"] if not applied] == [
+        (0, 7),
+        (0, 14),
+    ]  # NaN, rollback
     assert r0["skipped"] == r1["skipped"] == 1
     assert r0["skip_ranges"] == r1["skip_ranges"] == [[10, 14]]
 
@@ -91,12 +96,16 @@ def test_a_rollback_restores_every_ranks_shards_from_a_dcp_checkpoint(ranks):
     out, results = ranks
     for r in results:
         assert r["rollbacks"] == 1 and r["epoch"] == 1
-        assert r["n_shards"] == 4 + 8 and all(r["restored"])  # 4 parameters and their 2 Adam moments
+        assert r["n_shards"] == 4 + 8 and all(
+            r["restored"]
+        )  # 4 parameters and their 2 Adam moments
     # Each rank holds its rows only: (16, 6), (16,), (1, 16), (1,) split on dim 0.
     assert [r["shard_rows"][:4] for r in results] == [[8, 8, 1, 1], [8, 8, 0, 0]]
     ckpt = out / "ckpt"
     for r in results:  # a restarted job's fresh model gets every rank's shards and moments back
-        assert r["resumed_at"] == [1, 20] and len(r["resumed_equal"]) == 12 and all(r["resumed_equal"])
+        assert (
+            r["resumed_at"] == [1, 20] and len(r["resumed_equal"]) == 12 and all(r["resumed_equal"])
+        )
     files = sorted(p.name for p in ckpt.glob("ckpt-*.pt") if ".rank" not in p.name)
     assert files
     for name in files:
@@ -104,7 +113,10 @@ def test_a_rollback_restores_every_ranks_shards_from_a_dcp_checkpoint(ranks):
         assert "model" not in body and "optimizer" not in body  # no rank-0 torch.save of a shard
         shards = Path(body["sharded"]["dcp"])
         assert sorted(p.name for p in (ckpt / shards.name).iterdir()) == [
-            ".metadata", "__0_0.distcp", "__1_0.distcp"]  # every rank wrote its part
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]  # every rank wrote its part
 
 
 def test_an_fsdp1_model_is_refused_with_the_reason(tmp_path):
@@ -118,11 +130,18 @@ def test_an_fsdp1_model_is_refused_with_the_reason(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        with pytest.warns(UserWarning, match="NO_SHARD"):  # (one rank: FSDP1 says it will not shard)
+        with pytest.warns(
+            UserWarning, match="NO_SHARD"
+        ):  # (one rank: FSDP1 says it will not shard)
             model = FullyShardedDataParallel(torch.nn.Linear(4, 2), device_id=torch.device("cpu"))
         with pytest.raises(ConfigError, match="fully_shard"):
-            Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_id="f1", connect=False,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False))
+            Guard(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                run_id="f1",
+                connect=False,
+                config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+            )
     finally:
         dist.destroy_process_group()
 
@@ -150,8 +169,9 @@ def test_the_norms_reduction_has_one_entry_per_parameter_whatever_has_a_gradient
         finally:
             dist.all_reduce = reduced.real
         assert reduced == [(4,)]  # every parameter, not the two with a gradient
-        expected = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm()
-                                                         for p in model.used.parameters()]))
+        expected = torch.linalg.vector_norm(
+            torch.stack([p.grad.full_tensor().norm() for p in model.used.parameters()])
+        )
         assert result.grad_norm == pytest.approx(float(expected), rel=1e-6)
         assert len(grads) == 2 and set(result.top_grad_norms) <= {"used.weight", "used.bias"}
     finally:

@@ -56,6 +56,7 @@ def test_one_device_to_host_transfer_per_step(monkeypatch):
         def counted(self, *a, _name=name, _orig=original, **k):
             calls[_name] += 1
             return _orig(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     stats.compute(loss, batch=batch)
     assert calls == {"item": 0, "tolist": 1, "cpu": 0}
@@ -91,11 +92,18 @@ def test_checkpoints_periodic_and_unhealthy_after_nonfinite(bus, topics, tmp_pat
     def poison(g, data, batch):
         if g.step_count == 9:
             batch[0][:] = float("inf")
+
     train(guard, tiny, 21, on_step=poison)
     guard.close()
     events = [decode(r.value, CheckpointEvent) for r in bus.read_all(topics.checkpoints)]
     events = [e for e in events if not e.deleted]  # rotation announcements aside
-    assert [(e.step, e.healthy) for e in events] == [(0, True), (5, True), (10, False), (15, True), (20, True)]
+    assert [(e.step, e.healthy) for e in events] == [
+        (0, True),
+        (5, True),
+        (10, False),
+        (15, True),
+        (20, True),
+    ]
     assert all(e.reason == "periodic" and e.epoch == 0 for e in events)
     assert events[1].batch_index == 5
 

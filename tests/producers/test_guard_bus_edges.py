@@ -38,4 +38,6 @@ def test_rotated_checkpoints_are_announced_as_deleted(tmp_path):
     deleted = [e.step for e in events if e.deleted]
     on_disk = sorted(info.step for info in guard.store.list())
     assert saved == [0, 5, 10, 15, 20, 25, 30]
-    assert sorted(deleted + on_disk) == saved  # every checkpoint is either on disk or announced gone
+    assert (
+        sorted(deleted + on_disk) == saved
+    )  # every checkpoint is either on disk or announced gone

@@ -34,7 +34,9 @@ def test_the_guard_inherits_nothing_but_owns_its_keeper_and_applier(bus, tmp_pat
     assert FrameworkGuard.__mro__ == (FrameworkGuard, Guard, object)
     tiny = Tiny()
     guard = make_guard(tiny, bus, tmp_path)
-    assert isinstance(guard.checkpoints, CheckpointKeeper) and isinstance(guard.applier, ActionApplier)
+    assert isinstance(guard.checkpoints, CheckpointKeeper) and isinstance(
+        guard.applier, ActionApplier
+    )
     assert guard.checkpoints.run is guard and guard.applier.run is guard
     assert guard.applier.checkpoints is guard.checkpoints
     assert guard.checkpoints.store is guard.store and guard.applied is guard.applier.acks.applied
@@ -43,19 +45,30 @@ def test_the_guard_inherits_nothing_but_owns_its_keeper_and_applier(bus, tmp_pat
 
 def test_the_collaborators_touch_only_what_the_run_cursor_declares():
     for module in (checkpointing, applying):
-        used = {node.attr for node in ast.walk(_tree(module))
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "run" and isinstance(node.value.value, ast.Name)
-                and node.value.value.id == "self"}
-        assert used and used <= CURSOR, f"{module.__name__} uses {sorted(used - CURSOR)} of the Guard"
+        used = {
+            node.attr
+            for node in ast.walk(_tree(module))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "run"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        }
+        assert used and used <= CURSOR, (
+            f"{module.__name__} uses {sorted(used - CURSOR)} of the Guard"
+        )
 
 
 def test_no_module_of_the_guard_reaches_into_another_objects_private_attributes():
     for module in (checkpointing, applying, guard_module):
         reached = sorted(
-            f"{ast.unparse(node)} (line {node.lineno})" for node in ast.walk(_tree(module))
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+            f"{ast.unparse(node)} (line {node.lineno})"
+            for node in ast.walk(_tree(module))
+            if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        )
         assert reached == [], f"{module.__name__}: {reached}"
 
 

@@ -50,17 +50,25 @@ class FullDisk:
 
 
 def _io_errors(what: str) -> float:
-    return default_metrics().registry.get_sample_value("spikeguard_trainer_io_errors_total",
-                                                       {"what": what}) or 0.0
+    return (
+        default_metrics().registry.get_sample_value(
+            "spikeguard_trainer_io_errors_total", {"what": what}
+        )
+        or 0.0
+    )
 
 
-def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(bus, tmp_path, monkeypatch, caplog):
+def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(
+    bus, tmp_path, monkeypatch, caplog
+):
     disk = FullDisk(monkeypatch)
     tiny = Tiny(seed=3)
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=10, async_checkpoint=False)
     before = {kind: _io_errors(kind.value) for kind in IOKind}
     lr_halved = action(ActionKind.SCALE_LR, 30, factor=0.5)
-    rollback = action(ActionKind.ROLLBACK, 40, target_step=20).model_copy(update={"incident_id": "inc-full"})
+    rollback = action(ActionKind.ROLLBACK, 40, target_step=20).model_copy(
+        update={"incident_id": "inc-full"}
+    )
 
     def on_step(guard, data, batch):
         disk.full = FULL_FROM <= guard.step_count < FREED_AT
@@ -86,8 +94,9 @@ def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(bus, tmp
     assert guard.io_faults.counts[IOKind.CHECKPOINT.value] >= 3  # steps 30, 40 (x2 epochs), 50
     # ... and logged once per streak, not per failure; and once more when writes work again.
     failed_lines = [r for r in caplog.records if "write failed" in r.getMessage()]
-    assert sorted(r.getMessage().split(": ")[2].split()[0] for r in failed_lines) == \
-        sorted(kind.value for kind in IOKind), [r.getMessage() for r in failed_lines]
+    assert sorted(r.getMessage().split(": ")[2].split()[0] for r in failed_lines) == sorted(
+        kind.value for kind in IOKind
+    ), [r.getMessage() for r in failed_lines]
     assert any("disk full" in r.getMessage() for r in failed_lines)
     assert any("checkpoint writes work again" in r.getMessage() for r in caplog.records)
     # Writes work again: a checkpoint after the disk was freed, and the ledger on disk.
@@ -97,7 +106,10 @@ def test_a_full_disk_never_stops_training_and_is_reported_once_per_kind(bus, tmp
 
 def test_only_os_errors_are_absorbed(tmp_path):
     faults = IOFaults("r-x")
-    assert faults.attempt(IOKind.LEDGER, lambda: (_ for _ in ()).throw(OSError(errno.EROFS, "ro"))) is False
+    assert (
+        faults.attempt(IOKind.LEDGER, lambda: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
+        is False
+    )
     assert faults.failing(IOKind.LEDGER) and faults.counts["ledger"] == 1
     with pytest.raises(ZeroDivisionError):  # a bug is a bug, not a disk problem
         faults.attempt(IOKind.LEDGER, lambda: 1 / 0)
@@ -111,7 +123,12 @@ class ReadOnlyDirectory:
     def __init__(self, root, monkeypatch: pytest.MonkeyPatch) -> None:
         self.on, self.root = False, os.fspath(root)
         real_mkstemp, real_replace, real_link, real_mkdir, real_open = (
-            tempfile.mkstemp, os.replace, os.link, os.mkdir, io.open)
+            tempfile.mkstemp,
+            os.replace,
+            os.link,
+            os.mkdir,
+            io.open,
+        )
 
         def refuse(path) -> None:
             if self.on and os.fspath(path).startswith(self.root):
@@ -138,8 +155,14 @@ class ReadOnlyDirectory:
                 refuse(file)
             return real_open(file, mode, *args, **kwargs)
 
-        for owner, name, fake in ((tempfile, "mkstemp", mkstemp), (os, "replace", replace), (os, "link", link),
-                                  (os, "mkdir", mkdir), (io, "open", open_), (builtins, "open", open_)):
+        for owner, name, fake in (
+            (tempfile, "mkstemp", mkstemp),
+            (os, "replace", replace),
+            (os, "link", link),
+            (os, "mkdir", mkdir),
+            (io, "open", open_),
+            (builtins, "open", open_),
+        ):
             monkeypatch.setattr(owner, name, fake)
 
 
@@ -150,8 +173,12 @@ def test_a_read_only_checkpoint_directory_never_stops_training(bus, tmp_path, mo
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=10, async_checkpoint=False)
     # An incident: its first action demotes (renames) the checkpoints taken after its onset and
     # writes its forensic record, both of which fail on a read-only directory; then a rollback.
-    lr_lowered = action(ActionKind.SCALE_LR, 35, factor=0.5).model_copy(update={"incident_id": "inc-ro"})
-    rollback = action(ActionKind.ROLLBACK, 36, target_step=20).model_copy(update={"incident_id": "inc-ro"})
+    lr_lowered = action(ActionKind.SCALE_LR, 35, factor=0.5).model_copy(
+        update={"incident_id": "inc-ro"}
+    )
+    rollback = action(ActionKind.ROLLBACK, 36, target_step=20).model_copy(
+        update={"incident_id": "inc-ro"}
+    )
 
     def on_step(guard, data, batch):
         read_only.on = guard.step_count >= 22 or guard.generation > 0
@@ -164,12 +191,16 @@ def test_a_read_only_checkpoint_directory_never_stops_training(bus, tmp_path, mo
 
     assert guard.step_count == 60 and guard.counters["rollbacks"] == 1
     by_id = {a.action_id: a for a in acks(bus)}
-    assert by_id[lr_lowered.action_id].status is by_id[rollback.action_id].status is AckStatus.APPLIED
+    assert (
+        by_id[lr_lowered.action_id].status is by_id[rollback.action_id].status is AckStatus.APPLIED
+    )
     for kind in IOKind:
         assert guard.io_faults.counts[kind.value] >= 1, kind
 
 
-def test_a_full_disk_at_start_does_not_stop_the_embedded_runtime_recording_to_data_dir(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_at_start_does_not_stop_the_embedded_runtime_recording_to_data_dir(
+    tmp_path, monkeypatch, caplog
+):
     from spikeguard.runtime import open_runtime
     from spikeguard.settings import Settings
 
@@ -181,8 +212,10 @@ def test_a_full_disk_at_start_does_not_stop_the_embedded_runtime_recording_to_da
         assert runtime.bus is not None and disk.refused >= 1
     finally:
         runtime.close()
-    assert any("could not record the judging settings" in r.getMessage() and "disk full" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "could not record the judging settings" in r.getMessage() and "disk full" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_a_torn_ledger_sidecar_does_not_stop_a_resume(bus, tmp_path, caplog):
@@ -196,5 +229,7 @@ def test_a_torn_ledger_sidecar_does_not_stop_a_resume(bus, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="spikeguard")
     again = make_guard(Tiny(seed=6), bus, tmp_path, checkpoint_every=5, resume=True)
     assert again.step_count == 10  # resumed from its newest checkpoint all the same
-    assert any("ledger" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+    assert any(
+        "ledger" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records
+    )
     again.close(finished=False)

@@ -19,14 +19,30 @@ from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.policy import RecoveryPolicy
 from spikeguard.producers.evidence import AGREE_Z, PublishedSteps, StepView, disagreement
 from spikeguard.schemas import (
-    AckStatus, ActionKind, AnomalyType, CheckpointEvent, Claim, Decision, Evidence, StepEvent, Topics, decode,
+    AckStatus,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    Claim,
+    Decision,
+    Evidence,
+    StepEvent,
+    Topics,
+    decode,
 )
 from spikeguard.schemas.signing import sign_action
 
 KEY = "own-numbers-key"
 LR = 1e-2
-STATE_CHANGING = {ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionKind.SCALE_LR, ActionKind.SET_LR,
-                  ActionKind.CLIP, ActionKind.STOP, ActionKind.SET_EPS}
+STATE_CHANGING = {
+    ActionKind.ROLLBACK,
+    ActionKind.SKIP_BATCHES,
+    ActionKind.SCALE_LR,
+    ActionKind.SET_LR,
+    ActionKind.CLIP,
+    ActionKind.STOP,
+    ActionKind.SET_EPS,
+}
 
 
 def published(bus) -> dict[tuple[int, int], StepEvent]:
@@ -42,17 +58,29 @@ def signed_plan(bus, decision: Decision) -> list:
     """What the actuator would publish for ``decision``: the policy's actions, signed. (The policy
     answers at once: a non-finite step as for a loop that does not skip it, a bad batch as such; what
     is under test is the trainer's check, not the policy's patience.)"""
-    policy = RecoveryPolicy(PolicyConfig(rollback_min_steps_before_onset=5, non_finite_skipped_by_trainer=False),
-                            run_id=decision.run_id)
+    policy = RecoveryPolicy(
+        PolicyConfig(rollback_min_steps_before_onset=5, non_finite_skipped_by_trainer=False),
+        run_id=decision.run_id,
+    )
     for record in bus.read_all(Topics().checkpoints):
         policy.on_checkpoint(decode(record.value, CheckpointEvent))
     return [sign_action(a, KEY) for a in policy.on_decision(decision)]
 
 
 def critical(step: int, epoch: int, kind: AnomalyType, evidence: Evidence) -> Decision:
-    return Decision(decision_id=f"d-{kind.value}-{step}", run_id="r1", step=step, epoch=epoch, is_anomaly=True,
-                    type=kind, confidence=1.0, critical=True, incident_id=f"inc-{step}",
-                    incident_onset_step=step, evidence=evidence)
+    return Decision(
+        decision_id=f"d-{kind.value}-{step}",
+        run_id="r1",
+        step=step,
+        epoch=epoch,
+        is_anomaly=True,
+        type=kind,
+        confidence=1.0,
+        critical=True,
+        incident_id=f"inc-{step}",
+        incident_onset_step=step,
+        evidence=evidence,
+    )
 
 
 def run(guard, tiny, steps: int, poison=None) -> None:
@@ -66,7 +94,9 @@ def run(guard, tiny, steps: int, poison=None) -> None:
     guard.publisher.flush(5.0)
 
 
-def test_a_forged_critical_decision_for_the_next_step_with_the_newest_evidence_changes_nothing(bus, tmp_path):
+def test_a_forged_critical_decision_for_the_next_step_with_the_newest_evidence_changes_nothing(
+    bus, tmp_path
+):
     tiny = Tiny(seed=11, lr=LR)
     guard = make_guard(tiny, bus, tmp_path, signing_key=KEY)
     run(guard, tiny, 40)
@@ -76,8 +106,12 @@ def test_a_forged_critical_decision_for_the_next_step_with_the_newest_evidence_c
     next_step = signed_plan(bus, critical(40, 0, AnomalyType.NON_FINITE, evidence_of(newest)))
     same_step = signed_plan(bus, critical(39, 0, AnomalyType.BAD_BATCH, evidence_of(newest)))
     forged = next_step + same_step
-    assert {a.kind for a in next_step} >= {ActionKind.ROLLBACK, ActionKind.SKIP_BATCHES, ActionKind.SCALE_LR,
-                                           ActionKind.CLIP}
+    assert {a.kind for a in next_step} >= {
+        ActionKind.ROLLBACK,
+        ActionKind.SKIP_BATCHES,
+        ActionKind.SCALE_LR,
+        ActionKind.CLIP,
+    }
     send(bus, *forged, guard=guard)
     run(guard, tiny, 80)
     guard.close()
@@ -115,7 +149,11 @@ def test_a_real_anomaly_decision_is_applied_whole(bus, tmp_path, kind):
 
     run(guard, tiny, bad_step + 1, poison)
     bad = published(bus)[(0, bad_step)]
-    assert (not math.isfinite(bad.loss)) if kind is AnomalyType.NON_FINITE else bad.skip_reason == "outlier_step"
+    assert (
+        (not math.isfinite(bad.loss))
+        if kind is AnomalyType.NON_FINITE
+        else bad.skip_reason == "outlier_step"
+    )
     plan = signed_plan(bus, critical(bad_step, 0, kind, evidence_of(bad)))
     send(bus, *plan, guard=guard)
     run(guard, tiny, 70, poison)
@@ -143,7 +181,9 @@ def test_agreement_is_a_lower_bar_than_skipping_and_keyed_by_type():
     assert disagreement(spike, view()) is not None  # not scored, or not above its baseline
     nan = Claim(step=5, type=AnomalyType.NON_FINITE)
     assert disagreement(nan, view(non_finite=True)) is None
-    assert disagreement(nan, view(loss_z=50.0)) is not None  # far out, but finite: not what was claimed
+    assert (
+        disagreement(nan, view(loss_z=50.0)) is not None
+    )  # far out, but finite: not what was claimed
     assert disagreement(nan, view(overflow=True)) is not None  # a GradScaler's overflow is normal
     collapse = Claim(step=5, type=AnomalyType.LOSS_SCALE_COLLAPSE)
     assert disagreement(collapse, view(overflow=True)) is None
@@ -154,8 +194,12 @@ def test_a_claim_must_be_of_its_evidences_step_and_epoch():
     steps.remember(1, 4, 2.0, 0.5, view(loss_z=9.0))
     claim = Claim(step=4, epoch=1, type=AnomalyType.BAD_BATCH)
     assert steps.claim_problem(claim, Evidence(step=4, epoch=1, loss=2.0, grad_norm=0.5)) is None
-    assert "epoch 0" in steps.claim_problem(claim, Evidence(step=4, epoch=0, loss=2.0, grad_norm=0.5))
-    assert "did not publish" in steps.claim_problem(Claim(step=5, epoch=1, type=AnomalyType.BAD_BATCH), None)
+    assert "epoch 0" in steps.claim_problem(
+        claim, Evidence(step=4, epoch=0, loss=2.0, grad_norm=0.5)
+    )
+    assert "did not publish" in steps.claim_problem(
+        Claim(step=5, epoch=1, type=AnomalyType.BAD_BATCH), None
+    )
     # What was published is kept beside the judgement, for the evidence check.
     assert steps.view(1, 4).loss == 2.0 and steps.view(1, 4).loss_z == 9.0
 
@@ -210,7 +254,9 @@ def test_without_local_skips_the_outlier_model_still_scores_and_backs_a_real_spi
     assert guard.counters["rollbacks"] == 1
 
 
-def test_once_the_trainer_agreed_an_incident_was_real_its_later_actions_need_no_new_agreement(bus, tmp_path):
+def test_once_the_trainer_agreed_an_incident_was_real_its_later_actions_need_no_new_agreement(
+    bus, tmp_path
+):
     # A persistent incident (weights corrupted by bad data) keeps the pipeline's loss high while the
     # trainer's local model re-levels onto it: a later step of the same incident no longer looks
     # anomalous here. The policy's escalation (a stop after a failed recovery) is judged on such a
@@ -227,9 +273,16 @@ def test_once_the_trainer_agreed_an_incident_was_real_its_later_actions_need_no_
 
     def signed(kind, claimed: int, incident: str, **params):
         a = action(kind, 61, decision_id=f"d-{incident}-{claimed}-{kind.value}", **params)
-        return sign_action(a.model_copy(update={
-            "incident_id": incident, "evidence": evidence_of(steps[(0, claimed)]),
-            "claim": Claim(step=claimed, epoch=0, type=AnomalyType.LOSS_SPIKE)}), KEY)
+        return sign_action(
+            a.model_copy(
+                update={
+                    "incident_id": incident,
+                    "evidence": evidence_of(steps[(0, claimed)]),
+                    "claim": Claim(step=claimed, epoch=0, type=AnomalyType.LOSS_SPIKE),
+                }
+            ),
+            KEY,
+        )
 
     agreed = signed(ActionKind.SCALE_LR, bad_step, "inc-real", factor=0.5)
     stranger = signed(ActionKind.STOP, 59, "inc-other", reason="forged escalation")

@@ -34,16 +34,27 @@ def unprotected(run_id: str) -> float | None:
 def train(tmp_path, key, run_id: str, until, limit_s: float = 60.0) -> Guard:
     """Train a small real model on the embedded pipeline until ``until(guard)`` (or fail after ``limit_s``)."""
     # Pulses a few times per timeout, as the defaults have them (10 s against 30 s).
-    settings = load_settings({"topic_prefix": f"protect-{uuid.uuid4().hex[:8]}.",
-                              "worker": {"pulse_interval_s": TIMEOUT_S / 4}}, env={})
+    settings = load_settings(
+        {
+            "topic_prefix": f"protect-{uuid.uuid4().hex[:8]}.",
+            "worker": {"pulse_interval_s": TIMEOUT_S / 4},
+        },
+        env={},
+    )
     with open_runtime(settings, metrics=Metrics(CollectorRegistry())) as runtime:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                             unprotected_after_s=TIMEOUT_S,
-                             signing_key=key if key is not None else runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every=0,
+            resume=False,
+            unprotected_after_s=TIMEOUT_S,
+            signing_key=key if key is not None else runtime.settings.signing_key,
+        )
+        guard = Guard(
+            model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics
+        )
         x, y = torch.randn(64, 8), torch.randn(64, 1)
         deadline = time.monotonic() + limit_s
         try:
@@ -59,12 +70,18 @@ def train(tmp_path, key, run_id: str, until, limit_s: float = 60.0) -> Guard:
     return guard
 
 
-def test_a_trainer_whose_key_the_workers_refuse_says_once_that_it_is_not_protected(tmp_path, caplog):
+def test_a_trainer_whose_key_the_workers_refuse_says_once_that_it_is_not_protected(
+    tmp_path, caplog
+):
     run_id = f"wrong-key-{uuid.uuid4().hex[:6]}"
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
-        guard = train(tmp_path, "not-the-workers-key-0123456789abcdef", run_id,
-                      until=lambda g: g.inbox.protection.unprotected and g.step_count > 50)
+        guard = train(
+            tmp_path,
+            "not-the-workers-key-0123456789abcdef",
+            run_id,
+            until=lambda g: g.inbox.protection.unprotected and g.step_count > 50,
+        )
         # It keeps training, and does not repeat itself.
         steps = guard.step_count
     said = [r.getMessage() for r in caplog.records if "NOT protected" in r.getMessage()]
@@ -81,8 +98,14 @@ def test_a_trainer_its_pipeline_judges_gets_signed_pulses_and_stays_quiet(tmp_pa
     run_id = f"right-key-{uuid.uuid4().hex[:6]}"
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
-        guard = train(tmp_path, None, run_id,
-                      until=lambda g: time.monotonic() - start > 3 * TIMEOUT_S and g.inbox.protection.pulses > 0)
+        guard = train(
+            tmp_path,
+            None,
+            run_id,
+            until=lambda g: (
+                time.monotonic() - start > 3 * TIMEOUT_S and g.inbox.protection.pulses > 0
+            ),
+        )
     assert not [r for r in caplog.records if "NOT protected" in r.getMessage()]
     assert unprotected(run_id) == 0
     assert guard.inbox.protection.judged is not None and guard.inbox.protection.bad_pulses == 0

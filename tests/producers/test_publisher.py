@@ -41,8 +41,12 @@ def test_acks_are_not_dropped_by_a_flood_of_steps_and_go_first(gated_producer):
     pub = BackgroundPublisher(producer, "p", queue_size=5, interval=0.001)
     for i in range(50):
         pub.submit(t.steps, StepEvent, _step(i))
-    pub.submit(t.acks, Ack, dict(run_id="p", action_id="a-1", kind=ActionKind.CLIP,
-                                 status=AckStatus.APPLIED, step=3), droppable=False)
+    pub.submit(
+        t.acks,
+        Ack,
+        dict(run_id="p", action_id="a-1", kind=ActionKind.CLIP, status=AckStatus.APPLIED, step=3),
+        droppable=False,
+    )
     producer.gate.set()
     pub.close()
     assert [decode(r.value, Ack).action_id for r in bus.read_all(t.acks)] == ["a-1"]
@@ -56,6 +60,7 @@ def test_a_failing_bus_is_counted_not_raised():
 
         def flush(self, timeout=None):
             pass
+
     pub = BackgroundPublisher(Broken(), "p", threaded=False)
     pub.submit(Topics().steps, StepEvent, _step(0))
     assert pub.failed == 1 and pub.sent == 0

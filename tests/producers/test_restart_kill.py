@@ -16,8 +16,12 @@ WORKER = Path(__file__).with_name("restart_worker.py")
 
 
 def _start(tmp_path, steps):
-    return subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "ckpt"), str(tmp_path / "bus"),
-                             str(steps)], stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path / "ckpt"), str(tmp_path / "bus"), str(steps)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
 
 
 def test_killed_and_restarted_trainer_does_not_reapply_actions(tmp_path):

@@ -13,7 +13,13 @@ from spikeguard.producers import Guard, GuardConfig
 
 def _guard(tiny: Tiny, tmp_path, **config) -> Guard:
     cfg = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=True)
-    return Guard(tiny.model, tiny.optimizer, run_id="my-run", bus=None, config=GuardConfig(**{**cfg, **config}))
+    return Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="my-run",
+        bus=None,
+        config=GuardConfig(**{**cfg, **config}),
+    )
 
 
 def _readme_example(tmp_path, steps: int = 25) -> Guard:
@@ -34,10 +40,14 @@ def test_running_the_readme_example_twice_trains_both_times(tmp_path, caplog):
         second = _readme_example(tmp_path)
     assert second.resumed_from is None
     assert second.counters["updates"] == 25  # was 0: the finished run was silently resumed
-    said = [r for r in caplog.records if r.levelno == logging.WARNING and "finished" in r.getMessage()]
+    said = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "finished" in r.getMessage()
+    ]
     assert len(said) == 1 and "my-run" in said[0].getMessage()
     # The finished run's files were moved aside, not deleted, and the message says where.
-    archived = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir() and p.name.startswith("finished-")]
+    archived = [
+        p for p in (tmp_path / "ckpt").iterdir() if p.is_dir() and p.name.startswith("finished-")
+    ]
     assert len(archived) == 1 and str(archived[0]) in said[0].getMessage()
     assert any(p.name.endswith(".pt") for p in archived[0].iterdir())
 
@@ -54,7 +64,11 @@ def test_an_interrupted_run_resumes_and_says_so_in_one_warning_line(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="spikeguard.producers.guard"):
         resumed = _guard(again, tmp_path)
     assert resumed.resumed_from is not None and resumed.step_count == 20
-    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "resum" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "resum" in r.getMessage()
+    ]
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "resum" in lines[0] and "my-run" in lines[0] and "step 20" in lines[0]
     assert str(tmp_path / "ckpt") in lines[0] and "resume='never'" in lines[0]  # how to opt out

@@ -16,11 +16,20 @@ def test_rollback_restores_parameters_data_and_epoch(bus, topics, tmp_path):
     for _ in GuardedLoader(tiny.loader, seed=guard.data_seed, epochs=1):
         pass
     ref_loader = GuardedLoader(tiny.loader, seed=guard.data_seed, epochs=1)
-    for (x, y) in ref_loader:
+    for x, y in ref_loader:
         reference[ref_loader.last_index] = x.clone()
-    send(bus, action(K.ROLLBACK, 27, decision_id="d-x", target_step=20,
-                     checkpoint_id=checkpoint_id("r1", 20, 0)),
-         action(K.SKIP_BATCHES, 27, decision_id="d-x", from_step=20, to_step=26, extra=3), guard=guard)
+    send(
+        bus,
+        action(
+            K.ROLLBACK,
+            27,
+            decision_id="d-x",
+            target_step=20,
+            checkpoint_id=checkpoint_id("r1", 20, 0),
+        ),
+        action(K.SKIP_BATCHES, 27, decision_id="d-x", from_step=20, to_step=26, extra=3),
+        guard=guard,
+    )
     saved, after = {}, {}
 
     def watch(g, data, batch):
@@ -28,9 +37,14 @@ def test_rollback_restores_parameters_data_and_epoch(bus, topics, tmp_path):
             saved["params"] = tiny.params()
             saved["adam"] = {k: v["exp_avg"].clone() for k, v in tiny.optimizer.state.items()}
         if g.epoch == 1 and "params" not in after:
-            after.update(step=g.step_count, index=data.last_index, x=batch[0].clone(),
-                         params=tiny.params(),
-                         adam={k: v["exp_avg"].clone() for k, v in tiny.optimizer.state.items()})
+            after.update(
+                step=g.step_count,
+                index=data.last_index,
+                x=batch[0].clone(),
+                params=tiny.params(),
+                adam={k: v["exp_avg"].clone() for k, v in tiny.optimizer.state.items()},
+            )
+
     train(guard, tiny, 35, on_step=watch)
     guard.close()
     assert after["step"] == 20
@@ -59,12 +73,18 @@ def test_applied_ids_survive_the_rollback(bus, tmp_path):
 
     def redeliver(g, data, batch):
         if g.epoch == 1 and g.step_count == 10 and not g.actions.pending:
-            send(bus, scale, guard=g)  # re-delivered once the rollback took the run back before step 12
+            send(
+                bus, scale, guard=g
+            )  # re-delivered once the rollback took the run back before step 12
+
     train(guard, tiny, 20, on_step=redeliver)
     guard.close()
     statuses = [(a.action_id, a.status) for a in acks(bus)]
-    assert statuses == [(scale.action_id, AckStatus.APPLIED), (back.action_id, AckStatus.APPLIED),
-                        (scale.action_id, AckStatus.DUPLICATE)]
+    assert statuses == [
+        (scale.action_id, AckStatus.APPLIED),
+        (back.action_id, AckStatus.APPLIED),
+        (scale.action_id, AckStatus.DUPLICATE),
+    ]
     assert guard.lr.scale == 1.0  # the checkpoint's (pre-action) LR state, and not re-applied
 
 
@@ -72,7 +92,8 @@ K = ActionKind
 
 
 def test_a_late_rollback_whose_target_rotated_out_takes_the_oldest_healthy_checkpoint_before_the_onset(
-        bus, tmp_path):
+    bus, tmp_path
+):
     # The policy aims 100 steps before the onset; an action that arrives late (a loaded pipeline)
     # can find that checkpoint rotated out. The oldest one still on disk before the incident's
     # onset is the nearest to what was asked, and far better than failing the rollback (which
@@ -80,9 +101,13 @@ def test_a_late_rollback_whose_target_rotated_out_takes_the_oldest_healthy_check
     tiny = Tiny(seed=3)
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=10, keep_checkpoints=4)
     onset = 55
-    back = action(K.ROLLBACK, 75, decision_id="d-late", target_step=20,
-                  checkpoint_id=checkpoint_id("r1", 20, 0)).model_copy(
-        update={"incident_id": "i-late", "incident_onset_step": onset})
+    back = action(
+        K.ROLLBACK,
+        75,
+        decision_id="d-late",
+        target_step=20,
+        checkpoint_id=checkpoint_id("r1", 20, 0),
+    ).model_copy(update={"incident_id": "i-late", "incident_onset_step": onset})
     send(bus, back, guard=guard)
     train(guard, tiny, 80)
     guard.close()

@@ -26,8 +26,14 @@ def test_the_defaults_keep_a_rollback_target_far_enough_before_an_onset(tmp_path
         plan = make_plan(GuardConfig(), policy={"rollback_min_steps_before_onset": 100})
     assert not caplog.records
     tiny = Tiny(n=4096)
-    guard = Guard(tiny.model, tiny.optimizer, run_id="d", bus=None, connect=False,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="d",
+        bus=None,
+        connect=False,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), resume=False),
+    )
     train(guard, tiny, 301)
     guard.close()
     onset = 301 - guard.config.detection_delay_steps  # the rollback is decided now
@@ -46,9 +52,15 @@ def test_an_inconsistent_combination_is_refused_with_the_reason(tmp_path):
     assert "raise keep_checkpoints to 4" in text
     tiny = Tiny()
     with pytest.raises(ConfigError, match="rollback_min_steps_before_onset=300"):
-        Guard(tiny.model, tiny.optimizer, run_id="x", bus=None, connect=False,
-              policy={"rollback_min_steps_before_onset": 300},
-              config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
+        Guard(
+            tiny.model,
+            tiny.optimizer,
+            run_id="x",
+            bus=None,
+            connect=False,
+            policy={"rollback_min_steps_before_onset": 300},
+            config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False),
+        )
 
 
 def test_without_a_named_policy_the_check_warns_instead(caplog):
@@ -67,33 +79,56 @@ def test_bad_presets_and_overrides_are_refused():
 def test_a_preset_sets_the_checkpoint_interval_unless_the_user_did(monkeypatch):
     assert make_plan(GuardConfig(), preset="large").config.checkpoint_every == 50
     assert make_plan(GuardConfig(), preset="small").config.checkpoint_every == 200
-    assert make_plan(GuardConfig(checkpoint_every=100), preset="small").config.checkpoint_every == 100
+    assert (
+        make_plan(GuardConfig(checkpoint_every=100), preset="small").config.checkpoint_every == 100
+    )
     monkeypatch.setenv("SPIKEGUARD_PRESET", "small")
     assert make_plan(GuardConfig()).preset == "small"
-    assert make_plan(GuardConfig(preset="large")).preset == "large"  # the config over the environment
-    assert make_plan(GuardConfig(preset="large"), preset="medium").preset == "medium"  # the argument first
+    assert (
+        make_plan(GuardConfig(preset="large")).preset == "large"
+    )  # the config over the environment
+    assert (
+        make_plan(GuardConfig(preset="large"), preset="medium").preset == "medium"
+    )  # the argument first
 
 
 def test_the_guard_publishes_its_run_on_the_compacted_runs_topic(bus, topics, tmp_path):
     tiny = Tiny()
     overrides = {"spike_patience_steps": 4, "rollback_min_steps_before_onset": 60}
-    guard = Guard(tiny.model, tiny.optimizer, run_id="r1", bus=bus, preset="large", policy=overrides,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), resume=False))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="r1",
+        bus=bus,
+        preset="large",
+        policy=overrides,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), resume=False),
+    )
     train(guard, tiny, 12)
     started = _runs(bus, topics)
     assert [e.kind for e in started] == ["start"]
     start = started[0]
-    assert (start.preset, start.checkpoint_every, start.keep_checkpoints, start.planned_steps) == \
-        ("large", 50, 4, 12)
+    assert (start.preset, start.checkpoint_every, start.keep_checkpoints, start.planned_steps) == (
+        "large",
+        50,
+        4,
+        12,
+    )
     assert start.policy == overrides
     # What fusion and the actuator need: the run's policy, as PolicyConfig takes it.
     from spikeguard.actuators.presets import get_preset
+
     policy = get_preset(start.preset).policy_config(**start.policy)
     assert policy.spike_patience_steps == 4 and policy.rollback_min_steps_before_onset == 60
     guard.close()
     end = _runs(bus, topics)  # compacted: the end replaces the start, and carries the same settings
     assert [e.kind for e in end] == ["end"]
-    assert end[0].finished and end[0].step == 12 and end[0].policy == overrides and end[0].preset == "large"
+    assert (
+        end[0].finished
+        and end[0].step == 12
+        and end[0].policy == overrides
+        and end[0].preset == "large"
+    )
 
 
 def test_a_checkpoint_taken_after_an_incidents_onset_is_never_healthy(bus, topics, tmp_path):
@@ -103,7 +138,9 @@ def test_a_checkpoint_taken_after_an_incidents_onset_is_never_healthy(bus, topic
     from spikeguard.schemas import ActionKind, CheckpointEvent
 
     tiny = Tiny()
-    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=3, detection_delay_steps=8)
+    guard = make_guard(
+        tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=3, detection_delay_steps=8
+    )
     train(guard, tiny, 22)
     assert all(c.healthy for c in guard.store.list())  # nothing looked wrong to the trainer itself
     found = action(ActionKind.SCALE_LR, at=22, factor=0.5).model_copy(update={"incident_id": "i-1"})
@@ -116,7 +153,10 @@ def test_a_checkpoint_taken_after_an_incidents_onset_is_never_healthy(bus, topic
     assert kept == [(30, False), (25, False), (20, False), (10, True)]
     events = [decode(r.value, CheckpointEvent) for r in bus.read_all(topics.checkpoints)]
     demoted = [(e.step, e.healthy) for e in events if not e.deleted and e.step in (15, 20)]
-    assert demoted[:2] == [(15, True), (20, True)] and sorted(demoted[2:]) == [(15, False), (20, False)]
+    assert demoted[:2] == [(15, True), (20, True)] and sorted(demoted[2:]) == [
+        (15, False),
+        (20, False),
+    ]
 
 
 def test_an_outlier_the_trainer_skipped_itself_makes_the_next_checkpoint_unhealthy(bus, tmp_path):
@@ -126,6 +166,7 @@ def test_an_outlier_the_trainer_skipped_itself_makes_the_next_checkpoint_unhealt
     def spike(g, data, batch):
         if g.step_count == 44:
             batch[1][:] = 1e3  # a wildly wrong target: an isolated outlier loss
+
     train(guard, tiny, 51, on_step=spike)
     guard.close()
     assert guard.counters["outlier_skips"] == 1
@@ -136,14 +177,20 @@ def test_an_outlier_the_trainer_skipped_itself_makes_the_next_checkpoint_unhealt
 def make_guard_local(tiny, bus, tmp_path):
     from producers_helpers import make_guard
 
-    return make_guard(tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=4, incident_window=3)
+    return make_guard(
+        tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=4, incident_window=3
+    )
 
 
 def test_the_preset_through_settings_environment_and_set_flag():
     from spikeguard.settings import load_settings
 
     from_env = load_settings(env={"SPIKEGUARD_GUARD__PRESET": "large"}).guard
-    assert make_plan(from_env).preset == "large" and make_plan(from_env).config.checkpoint_every == 50
-    from_flag = load_settings({"guard.preset": "small", "guard.policy": {"min_lr_factor": 0.2}}, env={}).guard
+    assert (
+        make_plan(from_env).preset == "large" and make_plan(from_env).config.checkpoint_every == 50
+    )
+    from_flag = load_settings(
+        {"guard.preset": "small", "guard.policy": {"min_lr_factor": 0.2}}, env={}
+    ).guard
     plan = make_plan(from_flag)
     assert plan.preset == "small" and plan.policy == {"min_lr_factor": 0.2}

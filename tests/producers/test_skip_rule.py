@@ -27,8 +27,10 @@ def _noisy(n: int, seed: int = 0, level: float = 3.0, noise: float = 0.02) -> li
 
 
 def test_the_rule_imports_without_torch():
-    code = ("import sys; import spikeguard.producers.skip_rule as m; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(m.SkipRule().max_run)")
+    code = (
+        "import sys; import spikeguard.producers.skip_rule as m; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(m.SkipRule().max_run)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "2"
 
@@ -36,7 +38,9 @@ def test_the_rule_imports_without_torch():
 def test_an_isolated_outlier_is_skipped_and_kept_out_of_the_level():
     losses = _noisy(400, noise=0.01)
     spiked = list(losses)
-    spiked[350] *= 1.15  # +15 %: the size of the real one-step outliers missed on pretraining curves
+    spiked[350] *= (
+        1.15  # +15 %: the size of the real one-step outliers missed on pretraining curves
+    )
     rule = SkipRule()
     decisions = [rule.decide(loss, 1.0) for loss in spiked]
     assert [i for i, d in enumerate(decisions) if d.skip] == [350]
@@ -76,7 +80,8 @@ def _heavy_tailed_healthy_losses(seed: int, n: int = 6000) -> dict[str, np.ndarr
         "mse batch 1 (chi-square 1)": 0.5 * rng.chisquare(1, n) + 1e-6,
         "mse batch 4, falling": (1 + 2 * np.exp(-t / 1500)) * rng.chisquare(4, n) / 4,
         "cross-entropy batch 1, 5 % label noise": np.where(
-            mislabeled, np.exp(rng.normal(1.2, 0.3, n)), np.exp(rng.normal(-3.0, 1.0, n))),
+            mislabeled, np.exp(rng.normal(1.2, 0.3, n)), np.exp(rng.normal(-3.0, 1.0, n))
+        ),
         "log-normal, drifting +3 %": (1 + 0.03 * t / n) * np.exp(rng.normal(0, 0.5, n)),
     }
 
@@ -107,8 +112,10 @@ def test_a_rise_the_lr_explains_is_not_skipped_but_still_scored():
     (evidence.py) must see how far out it was, or it refuses the pipeline's rollback."""
     rule = SkipRule()
     losses = _noisy(400, seed=9)
-    decisions = [rule.decide(loss * (20.0 if i == 300 else 1.0), None, 1e-3 if i < 300 else 1e-1)
-                 for i, loss in enumerate(losses)]
+    decisions = [
+        rule.decide(loss * (20.0 if i == 300 else 1.0), None, 1e-3 if i < 300 else 1e-1)
+        for i, loss in enumerate(losses)
+    ]
     assert not decisions[300].skip and decisions[300].loss_z > 1.0
 
 
@@ -118,7 +125,9 @@ def test_a_spike_after_a_fast_warm_up_is_still_judged():
     rule = SkipRule()
     losses = _noisy(160, seed=7)
     losses[100] *= 50.0
-    decisions = [rule.decide(loss, None, 1e-3 * min(1.0, (i + 1) / 10)) for i, loss in enumerate(losses)]
+    decisions = [
+        rule.decide(loss, None, 1e-3 * min(1.0, (i + 1) / 10)) for i, loss in enumerate(losses)
+    ]
     assert [i for i, d in enumerate(decisions) if d.skip] == [100]
 
 
@@ -139,7 +148,9 @@ def test_state_round_trip_gives_the_same_decisions():
         first.decide(x, 1.0)
     second = SkipRule()
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
-    assert [first.decide(x, 1.0) for x in losses[400:]] == [second.decide(x, 1.0) for x in losses[400:]]
+    assert [first.decide(x, 1.0) for x in losses[400:]] == [
+        second.decide(x, 1.0) for x in losses[400:]
+    ]
 
 
 def test_a_checkpoint_of_the_old_rule_resumes_with_a_fresh_rule():
@@ -159,10 +170,19 @@ def _poisoned_run(tmp_path, runtime=None, bus=None, poison_at=(350,)):
     tiny = Tiny(seed=2, noise=0.5)
     if runtime is not None:
         bus = runtime.bus
-    guard = Guard(tiny.model, tiny.optimizer, run_id="poison", bus=bus,
-                  topics=runtime.topics if runtime is not None else None,
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, data_seed=2,
-                                     lockstep=runtime is not None))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="poison",
+        bus=bus,
+        topics=runtime.topics if runtime is not None else None,
+        config=GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            resume=False,
+            data_seed=2,
+            lockstep=runtime is not None,
+        ),
+    )
     seen = {}
     for x, y in guard.data(tiny.loader, epochs=8, max_steps=400):
         step = guard.step_count
@@ -170,7 +190,10 @@ def _poisoned_run(tmp_path, runtime=None, bus=None, poison_at=(350,)):
             x = x * 8.0  # a bad batch: the loss jumps far above the run's noise
         before = [p.detach().clone() for p in tiny.model.parameters()]
         applied = guard.step(tiny.loss((x, y)))
-        seen[step] = (applied, all(torch.equal(a, b) for a, b in zip(before, tiny.model.parameters())))
+        seen[step] = (
+            applied,
+            all(torch.equal(a, b) for a, b in zip(before, tiny.model.parameters())),
+        )
     guard.close()
     return guard, seen
 

@@ -15,7 +15,9 @@ from spikeguard.producers.skip_samples import SkipIdsError, leave_out  # noqa: E
 
 def _loader(shuffle: bool) -> DataLoader:
     data = TensorDataset(torch.arange(100))
-    return DataLoader(data, batch_size=8, shuffle=shuffle, generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        data, batch_size=8, shuffle=shuffle, generator=torch.Generator().manual_seed(0)
+    )
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -35,7 +37,10 @@ def test_a_bad_skip_list_or_a_loader_it_cannot_apply_to_is_named(tmp_path):
         leave_out(_loader(False), tmp_path / "other.json")
     with pytest.raises(SkipIdsError, match="nope.json: no such file"):
         leave_out(_loader(False), tmp_path / "nope.json")
-    weighted = DataLoader(TensorDataset(torch.arange(10)), batch_size=2, sampler=torch.utils.data.
-                          WeightedRandomSampler([1.0] * 10, 10))
+    weighted = DataLoader(
+        TensorDataset(torch.arange(10)),
+        batch_size=2,
+        sampler=torch.utils.data.WeightedRandomSampler([1.0] * 10, 10),
+    )
     with pytest.raises(SkipIdsError, match="WeightedRandomSampler"):
         leave_out(weighted, [1])

@@ -41,12 +41,15 @@ def _sgd_tiny() -> Tiny:
     return tiny
 
 
-@pytest.mark.parametrize("config", [
-    {},  # the defaults: statistics, skip rule, event
-    {"param_norm": True, "update_norm": True},  # the optional norms ride along in the same read
-    {"skip_outliers": False},
-    {"top_k_layers": 2},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},  # the defaults: statistics, skip rule, event
+        {"param_norm": True, "update_norm": True},  # the optional norms ride along in the same read
+        {"skip_outliers": False},
+        {"top_k_layers": 2},
+    ],
+)
 def test_guard_step_reads_the_device_once(bus, tmp_path, monkeypatch, config):
     tiny = _sgd_tiny()
     guard = make_guard(tiny, bus, tmp_path, checkpoint_every=0, **config)

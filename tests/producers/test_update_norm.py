@@ -40,7 +40,9 @@ def test_events_carry_the_update_and_parameter_norms_of_a_direct_computation(bus
     assert [e.step for e in events] == list(range(STEPS))
     assert events[0].update_norm is None  # no update before the first step
     for e in events:
-        assert e.param_norm is not None and math.isclose(e.param_norm, expected_param[e.step], rel_tol=1e-5)
+        assert e.param_norm is not None and math.isclose(
+            e.param_norm, expected_param[e.step], rel_tol=1e-5
+        )
         if e.step:
             assert e.update_norm is not None and e.update_norm > 0
             assert math.isclose(e.update_norm, expected_update[e.step - 1], rel_tol=1e-4), e.step

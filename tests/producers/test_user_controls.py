@@ -18,20 +18,28 @@ GUARD_LOG = "spikeguard.producers.guard"
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == GUARD_LOG]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name == GUARD_LOG
+    ]
 
 
 def action_with(kind, at, incident_id=None, reason="", **params):
     """An action as the actuator sends it: with the incident it answers and its reason."""
-    return action(kind, at, **params).model_copy(update={"incident_id": incident_id, "reason": reason})
+    return action(kind, at, **params).model_copy(
+        update={"incident_id": incident_id, "reason": reason}
+    )
 
 
 def _plan(at: int = 30) -> list:
     """One incident's plan: roll back, skip the data that led into it, halve the LR."""
     why = dict(decision_id="d1", incident_id="inc-7", reason="loss spike at step 28")
-    return [action_with(K.ROLLBACK, at, target_step=20, **why),
-            action_with(K.SKIP_BATCHES, at, from_step=21, to_step=28, extra=4, **why),
-            action_with(K.SCALE_LR, at, factor=0.5, **why)]
+    return [
+        action_with(K.ROLLBACK, at, target_step=20, **why),
+        action_with(K.SKIP_BATCHES, at, from_step=21, to_step=28, extra=4, **why),
+        action_with(K.SCALE_LR, at, factor=0.5, **why),
+    ]
 
 
 def test_each_action_is_one_warning_line_with_what_why_cost_and_incident(bus, tmp_path, caplog):
@@ -41,8 +49,13 @@ def test_each_action_is_one_warning_line_with_what_why_cost_and_incident(bus, tm
     send(bus, *_plan(), guard=guard)
     train(guard, tiny, 50)
     summary = guard.close()
-    lines = [m for m in _warnings(caplog) if m.startswith("spikeguard: rollback") or
-             m.startswith("spikeguard: skip_batches") or m.startswith("spikeguard: scale_lr")]
+    lines = [
+        m
+        for m in _warnings(caplog)
+        if m.startswith("spikeguard: rollback")
+        or m.startswith("spikeguard: skip_batches")
+        or m.startswith("spikeguard: scale_lr")
+    ]
     assert len(lines) == 3, lines
     rollback, skip, lr = lines
     assert "at step 30" in rollback and "rolled back to step 20" in rollback
@@ -67,6 +80,7 @@ def test_a_local_skip_is_said_at_warning(bus, tmp_path, caplog):
     def poison(g, data, batch):
         if g.step_count == 5:
             batch[0].mul_(float("nan"))
+
     train(guard, tiny, 8, on_step=poison)
     guard.close()
     assert any("skipped the update of step 5: non-finite" in m for m in _warnings(caplog))
@@ -83,6 +97,7 @@ def _run(tmp_path, bus, plan: bool, spike_at: int, **config):
     def spike(g, data, batch):
         if g.step_count == spike_at:
             batch[1].add_(1e3)  # a loss spike
+
     train(guard, tiny, 40, on_step=spike)
     guard.close()
     return tiny.params(), guard
@@ -101,8 +116,12 @@ def test_observe_mode_applies_nothing_and_says_what_it_would_do(tmp_path, caplog
     assert guard.counters["rollbacks"] == 0 and guard.counters["skipped_updates"] == 0
     assert statuses == [AckStatus.REJECTED] * 3  # the pipeline hears it was not applied
     said = _warnings(caplog)
-    assert any(m.startswith("spikeguard: would rollback at step 30") and "observe mode" in m
-               and "(incident inc-7)" in m for m in said)
+    assert any(
+        m.startswith("spikeguard: would rollback at step 30")
+        and "observe mode" in m
+        and "(incident inc-7)" in m
+        for m in said
+    )
     assert any(m.startswith("spikeguard: would skip the update of step 35") for m in said)
     summary = guard.summary()
     assert summary.mode == "observe" and summary.actions == {}
@@ -137,8 +156,12 @@ def test_a_recovery_past_the_budget_is_refused_whole_and_said(bus, tmp_path, cap
     refused = [a for a in acks(bus) if a.kind in (K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR)]
     assert [a.status for a in refused] == [AckStatus.REJECTED] * 3
     assert "over the recovery budget" in refused[0].result
-    assert any(m.startswith("spikeguard: would rollback") and "over the recovery budget" in m
-               and "skip the data of 12 steps" in m for m in _warnings(caplog))
+    assert any(
+        m.startswith("spikeguard: would rollback")
+        and "over the recovery budget" in m
+        and "skip the data of 12 steps" in m
+        for m in _warnings(caplog)
+    )
     assert guard.step_count == 100
 
 
@@ -151,6 +174,7 @@ def test_the_loop_follows_a_rollback(bus, tmp_path):
         heard.append((from_step, to_step))
         for step in [s for s in evals if s >= to_step]:  # those steps' results are undone
             del evals[step]
+
     guard.on_rollback(follow)
     guard.on_rollback(lambda *_: 1 / 0)  # a listener that raises is logged, never fatal
     send(bus, action(K.ROLLBACK, 25, target_step=20), guard=guard)
@@ -158,7 +182,9 @@ def test_the_loop_follows_a_rollback(bus, tmp_path):
     for batch in guard.data(tiny.loader, max_steps=40):
         if guard.step_count % 10 == 0:  # the Guard's counter: goes back with the rollback
             with torch.no_grad():
-                evals[guard.step_count] = float(torch.nn.functional.mse_loss(tiny.model(batch[0]), batch[1]))
+                evals[guard.step_count] = float(
+                    torch.nn.functional.mse_loss(tiny.model(batch[0]), batch[1])
+                )
             runs.append(guard.step_count)
         guard.step(tiny.loss(batch))
     guard.close()
@@ -206,7 +232,10 @@ def test_resume_never_must_auto(bus, tmp_path, caplog):
     fresh.close(finished=False)
     with pytest.raises(ConfigError, match="resume='must'"):
         make_guard(Tiny(), bus, tmp_path, run_id="same", resume="must")
-    assert GuardConfig(resume=True).resume.value == "auto" and GuardConfig(resume=False).resume.value == "never"
+    assert (
+        GuardConfig(resume=True).resume.value == "auto"
+        and GuardConfig(resume=False).resume.value == "never"
+    )
     assert GuardConfig().resume.value == "auto"
 
 
@@ -214,8 +243,11 @@ def test_the_guard_clips_after_measuring_the_true_norm(bus, tmp_path, topics):
     tiny = Tiny()
     guard = make_guard(tiny, bus, tmp_path, max_grad_norm=0.01)
     norms = []
-    tiny.optimizer.register_step_pre_hook(lambda opt, *a: norms.append(
-        float(torch.nn.utils.get_total_norm([p.grad for p in tiny.model.parameters()]))))
+    tiny.optimizer.register_step_pre_hook(
+        lambda opt, *a: norms.append(
+            float(torch.nn.utils.get_total_norm([p.grad for p in tiny.model.parameters()]))
+        )
+    )
     train(guard, tiny, 5)
     guard.close()
     published = [decode(r.value, StepEvent).grad_norm for r in bus.read_all(topics.steps)]
@@ -225,7 +257,14 @@ def test_the_guard_clips_after_measuring_the_true_norm(bus, tmp_path, topics):
 
 def test_guard_keyword_arguments_win_over_the_config(bus, tmp_path):
     tiny = Tiny()
-    guard = Guard(tiny.model, tiny.optimizer, run_id="kw", bus=bus, mode="observe", resume="never",
-                  config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=7))
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        run_id="kw",
+        bus=bus,
+        mode="observe",
+        resume="never",
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=7),
+    )
     assert guard.mode.value == "observe" and guard.config.checkpoint_every == 7
     guard.close()

@@ -37,15 +37,23 @@ def _records(model: type) -> st.SearchStrategy[list[tuple[bytes, str]]]:
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
-@settings(max_examples=25, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 @pytest.mark.heavy
 def test_a_worker_fed_anything_stays_up_and_dead_letters_every_bad_record(component, data):
     bus = EmbeddedBus(partitions=2)
     registry = CollectorRegistry()
-    worker = Worker(bus, build_stage(component, load_settings({"topic_prefix": TOPICS.prefix}, env={}),
-                                     TOPICS), metrics=Metrics(registry), snapshots=False)
+    worker = Worker(
+        bus,
+        build_stage(component, load_settings({"topic_prefix": TOPICS.prefix}, env={}), TOPICS),
+        metrics=Metrics(registry),
+        snapshots=False,
+    )
     inputs = worker.stage.inputs()
     producer = bus.producer()
     sent = []
@@ -60,9 +68,13 @@ def test_a_worker_fed_anything_stays_up_and_dead_letters_every_bad_record(compon
             pass
         worker.drain()
 
-    consumed = sum(registry.get_sample_value("spikeguard_records_consumed_total",
-                                             {"component": component, "topic": t}) or 0
-                   for t in inputs)
+    consumed = sum(
+        registry.get_sample_value(
+            "spikeguard_records_consumed_total", {"component": component, "topic": t}
+        )
+        or 0
+        for t in inputs
+    )
     assert consumed == len(sent)  # nothing lost, nothing skipped
     letters = [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
     dead = {(d.source_topic, d.partition, d.offset): d for d in letters}

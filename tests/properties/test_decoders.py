@@ -12,8 +12,9 @@ from spikeguard.schemas.events import EVENT_TYPES
 
 from .strategies import hostile, json_values, dumps
 
-FAST = settings(max_examples=100, derandomize=True, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=100, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _decodes_or_refuses(data: bytes, model: type) -> None:
@@ -44,8 +45,11 @@ def test_decode_of_any_text_returns_the_model_or_raises_a_schema_error(model, te
 
 
 @FAST
-@given(data=st.one_of(st.binary(max_size=300), json_values.map(dumps),
-                      *[hostile(m) for m in EVENT_TYPES]))
+@given(
+    data=st.one_of(
+        st.binary(max_size=300), json_values.map(dumps), *[hostile(m) for m in EVENT_TYPES]
+    )
+)
 def test_decode_any_returns_an_event_or_raises_a_schema_error(data):
     try:
         event = decode_any(data)

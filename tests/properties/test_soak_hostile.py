@@ -42,8 +42,23 @@ from spikeguard.metrics import Metrics
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    MAX_COUNTER, Ack, AckStatus, Action, ActionKind, AnomalyType, CheckpointEvent, DeadLetter, Decision,
-    StepEvent, StepVerdicts, Verdict, decode, encode, sign_action, sign_step, step_signature_problem,
+    MAX_COUNTER,
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    StepEvent,
+    StepVerdicts,
+    Verdict,
+    decode,
+    encode,
+    sign_action,
+    sign_step,
+    step_signature_problem,
 )
 from spikeguard.schemas.signing import sign, signature_problem, verify_action
 from spikeguard.settings import load_settings
@@ -100,9 +115,12 @@ class Attacker(threading.Thread):
                 except SchemaError:
                     continue
                 # Its own forgeries (signed with its guessed key) are not the run's.
-                if step.signature and step.run_id.startswith("demo-") and \
-                        step_signature_problem(step, "guessed-key") is not None and \
-                        step.signature not in self.signatures:  # nor its replays
+                if (
+                    step.signature
+                    and step.run_id.startswith("demo-")
+                    and step_signature_problem(step, "guessed-key") is not None
+                    and step.signature not in self.signatures
+                ):  # nor its replays
                     self.signatures.add(step.signature)
                     self.genuine.append(step)
             # 40 chunks of hostile records, one per three new genuine steps: all through the run
@@ -120,7 +138,9 @@ class Attacker(threading.Thread):
             genuine = self._victim()
             run_id, newest = genuine[-1].run_id, genuine[-1]
             for _ in range(HOSTILE // 40):
-                kind = 1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+                kind = (
+                    1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+                )
                 if kind >= 9:
                     self._pipeline_record(producer, kind, run_id, newest, sent)
                     sent += 1
@@ -129,28 +149,69 @@ class Attacker(threading.Thread):
                     value = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))
                     producer.publish(t.steps, value, key=run_id)
                 elif kind == 1:  # huge: over the 1 MB limit (20 of them)
-                    producer.publish(t.steps, b'{"run_id": "%s", "pad": "%s"}' % (
-                        run_id.encode(), b"x" * 1_100_000), key=run_id)
+                    producer.publish(
+                        t.steps,
+                        b'{"run_id": "%s", "pad": "%s"}' % (run_id.encode(), b"x" * 1_100_000),
+                        key=run_id,
+                    )
                 elif kind == 2:  # far future, beyond the schema's 2**53
-                    producer.publish(t.steps, b'{"run_id": "%s", "step": %d, "loss": "NaN"}' % (
-                        run_id.encode(), 10**29), key=run_id)
+                    producer.publish(
+                        t.steps,
+                        b'{"run_id": "%s", "step": %d, "loss": "NaN"}' % (run_id.encode(), 10**29),
+                        key=run_id,
+                    )
                 elif kind == 3:  # forged NaN steps for the run: unsigned
-                    producer.publish(t.steps, encode(StepEvent(
-                        run_id=run_id, step=newest.step + 1, epoch=newest.epoch, loss=math.nan,
-                        grad_norm=math.nan)), key=run_id)
+                    producer.publish(
+                        t.steps,
+                        encode(
+                            StepEvent(
+                                run_id=run_id,
+                                step=newest.step + 1,
+                                epoch=newest.epoch,
+                                loss=math.nan,
+                                grad_norm=math.nan,
+                            )
+                        ),
+                        key=run_id,
+                    )
                 elif kind == 4:  # forged with another key, far ahead
-                    producer.publish(t.steps, encode(sign_step(StepEvent(
-                        run_id=run_id, step=newest.step + 10**6, epoch=newest.epoch, loss=1e30),
-                        "guessed-key")), key=run_id)
+                    producer.publish(
+                        t.steps,
+                        encode(
+                            sign_step(
+                                StepEvent(
+                                    run_id=run_id,
+                                    step=newest.step + 10**6,
+                                    epoch=newest.epoch,
+                                    loss=1e30,
+                                ),
+                                "guessed-key",
+                            )
+                        ),
+                        key=run_id,
+                    )
                 elif kind == 5:  # a genuine signed step replayed: backwards
                     producer.publish(t.steps, encode(rng.choice(genuine[:-1])), key=run_id)
                 elif kind == 6:  # forged steps for other runs
-                    producer.publish(t.steps, encode(StepEvent(
-                        run_id=f"other-{rng.randrange(1000)}", step=rng.randrange(10**6),
-                        loss=math.nan)), key=f"other-{rng.randrange(1000)}")
+                    producer.publish(
+                        t.steps,
+                        encode(
+                            StepEvent(
+                                run_id=f"other-{rng.randrange(1000)}",
+                                step=rng.randrange(10**6),
+                                loss=math.nan,
+                            )
+                        ),
+                        key=f"other-{rng.randrange(1000)}",
+                    )
                 elif kind == 7:  # forged actions: unsigned stop, or a guessed key
-                    forged = Action(action_id=f"forged-{sent}", run_id=run_id, kind=ActionKind.STOP,
-                                    apply_at_step=newest.step + 1, params={"reason": "forged"})
+                    forged = Action(
+                        action_id=f"forged-{sent}",
+                        run_id=run_id,
+                        kind=ActionKind.STOP,
+                        apply_at_step=newest.step + 1,
+                        params={"reason": "forged"},
+                    )
                     if rng.random() < 0.5:
                         forged = sign_action(forged, "guessed-key")
                     producer.publish(t.actions, encode(forged), key=run_id)
@@ -167,38 +228,71 @@ class Attacker(threading.Thread):
                 if sent >= HOSTILE:
                     break
 
-
-    def _pipeline_record(self, producer, kind: int, run_id: str, newest: StepEvent, sent: int) -> None:
+    def _pipeline_record(
+        self, producer, kind: int, run_id: str, newest: StepEvent, sent: int
+    ) -> None:
         """A forged record on a topic behind the detectors; half unsigned, half with a guessed key."""
         rng, t = self.rng, self.topics
         guess = (lambda r: r) if rng.random() < 0.5 else (lambda r: sign(r, "guessed-key"))
         if kind == 9:  # a critical verdict for the run's next step, or one for a made-up run
             forged_run = run_id if rng.random() < 0.5 else f"other-{rng.randrange(10**6)}"
-            record = Verdict(run_id=forged_run, step=newest.step + 1, epoch=newest.epoch, detector="rules",
-                             is_anomaly=True, critical=True, type=AnomalyType.NON_FINITE, confidence=1.0)
+            record = Verdict(
+                run_id=forged_run,
+                step=newest.step + 1,
+                epoch=newest.epoch,
+                detector="rules",
+                is_anomaly=True,
+                critical=True,
+                type=AnomalyType.NON_FINITE,
+                confidence=1.0,
+            )
             if rng.random() < 0.5:  # alone, or as a co-hosted detector worker's record of the step
                 producer.publish(t.verdicts, encode(guess(record)), key=forged_run)
             else:
-                together = StepVerdicts(run_id=forged_run, step=record.step, epoch=record.epoch, verdicts=[record])
+                together = StepVerdicts(
+                    run_id=forged_run, step=record.step, epoch=record.epoch, verdicts=[record]
+                )
                 producer.publish(t.step_verdicts, encode(guess(together)), key=forged_run)
             self.to_fusion += 1
             return
-        if kind == 10:  # a healthy decision far ahead (it would make every real one late), or a critical one
+        if (
+            kind == 10
+        ):  # a healthy decision far ahead (it would make every real one late), or a critical one
             step = MAX_COUNTER if rng.random() < 0.5 else newest.step + 1
-            record = Decision(decision_id=f"forged-d{sent}", run_id=run_id, step=step, epoch=newest.epoch,
-                              is_anomaly=step != MAX_COUNTER, critical=step != MAX_COUNTER,
-                              type=AnomalyType.NON_FINITE if step != MAX_COUNTER else AnomalyType.NONE,
-                              confidence=1.0, incident_id=f"forged-i{sent}", incident_onset_step=step)
+            record = Decision(
+                decision_id=f"forged-d{sent}",
+                run_id=run_id,
+                step=step,
+                epoch=newest.epoch,
+                is_anomaly=step != MAX_COUNTER,
+                critical=step != MAX_COUNTER,
+                type=AnomalyType.NON_FINITE if step != MAX_COUNTER else AnomalyType.NONE,
+                confidence=1.0,
+                incident_id=f"forged-i{sent}",
+                incident_onset_step=step,
+            )
             producer.publish(t.decisions, encode(guess(record)), key=run_id)
             self.decisions_sent += 1
             return
-        if kind == 11:  # a healthy checkpoint the trainer never wrote: it would be the rollback target
-            record = CheckpointEvent(run_id=run_id, step=newest.step, epoch=newest.epoch,
-                                     checkpoint_id=f"forged-c{sent}", healthy=True)
+        if (
+            kind == 11
+        ):  # a healthy checkpoint the trainer never wrote: it would be the rollback target
+            record = CheckpointEvent(
+                run_id=run_id,
+                step=newest.step,
+                epoch=newest.epoch,
+                checkpoint_id=f"forged-c{sent}",
+                healthy=True,
+            )
             producer.publish(t.checkpoints, encode(guess(record)), key=run_id)
         else:  # an ack saying some action failed
-            record = Ack(run_id=run_id, action_id=f"fake-ack-{sent}", kind=ActionKind.ROLLBACK,
-                         status=AckStatus.FAILED, step=newest.step)
+            record = Ack(
+                run_id=run_id,
+                action_id=f"fake-ack-{sent}",
+                kind=ActionKind.ROLLBACK,
+                status=AckStatus.FAILED,
+                step=newest.step,
+            )
             producer.publish(t.acks, encode(guess(record)), key=run_id)
         self.to_actuator += 1
 
@@ -214,8 +308,12 @@ def expected_letters(attacker: Attacker, child: bool) -> dict[str, int]:
 
 def child_runs_in_memory(child) -> dict[str, float]:
     """Each of the child's workers: how many runs it holds (its spikeguard_runs_in_memory gauge)."""
-    return {sample.labels["component"]: sample.value for family in child.metrics(timeout_s=30)
-            for sample in family.samples if sample.name == "spikeguard_runs_in_memory"}
+    return {
+        sample.labels["component"]: sample.value
+        for family in child.metrics(timeout_s=30)
+        for sample in family.samples
+        if sample.name == "spikeguard_runs_in_memory"
+    }
 
 
 def guarded_run(attack: bool, workdir, child: bool = False) -> dict:
@@ -223,15 +321,30 @@ def guarded_run(attack: bool, workdir, child: bool = False) -> dict:
     # read() takes every action and ack back from the bus after the run, and the attacker
     # floods the actions topic: keep every consumed record in memory (no retention trim).
     # Threads: the workers' per-run tables are read back below, in this process.
-    settings = load_settings({**DEMO_SETTINGS, "signing_key": KEY, "embedded_keep_consumed": 1_000_000,
-                              "worker.embedded_process": child}, env={})
+    settings = load_settings(
+        {
+            **DEMO_SETTINGS,
+            "signing_key": KEY,
+            "embedded_keep_consumed": 1_000_000,
+            "worker.embedded_process": child,
+        },
+        env={},
+    )
     runtime = open_runtime(settings, metrics=Metrics(CollectorRegistry()))
     assert (runtime.child is not None) == child  # not the threads fallback
     pid = runtime.child.process.pid if child else "self"
     attacker = Attacker(runtime) if attack else None
-    config = GuardConfig(checkpoint_dir=str(workdir), checkpoint_every=20, keep_checkpoints=4,
-                         resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                         signing_key=KEY, lockstep_settle=1.0)
+    config = GuardConfig(
+        checkpoint_dir=str(workdir),
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=0,
+        healthy_stretch=10,
+        signing_key=KEY,
+        lockstep_settle=1.0,
+    )
     try:
         rss_before = rss_bytes(pid)
         if attacker:
@@ -249,13 +362,21 @@ def guarded_run(attack: bool, workdir, child: bool = False) -> dict:
                 done.wait(0.1)
         facts = dict(outcome=outcome, attacker=attacker, rss_growth=rss_bytes(pid) - rss_before)
         if child:
-            facts.update(alive=[runtime.child.problem is None and runtime.child.process.poll() is None],
-                         runs_in_memory=child_runs_in_memory(runtime.child))
+            facts.update(
+                alive=[runtime.child.problem is None and runtime.child.process.poll() is None],
+                runs_in_memory=child_runs_in_memory(runtime.child),
+            )
         else:
-            facts.update(alive=[t.is_alive() for t in runtime.threads],
-                         runs={w.stage.name: (set(getattr(w.stage, "runs", {})),
-                                              set(getattr(w.stage, "_newest", {})))
-                               for w in runtime.workers})
+            facts.update(
+                alive=[t.is_alive() for t in runtime.threads],
+                runs={
+                    w.stage.name: (
+                        set(getattr(w.stage, "runs", {})),
+                        set(getattr(w.stage, "_newest", {})),
+                    )
+                    for w in runtime.workers
+                },
+            )
         facts.update(read(runtime))
         return facts
     finally:
@@ -275,15 +396,21 @@ def read(runtime) -> dict:
         return out
 
     # Fusion's own decisions (the attacker writes the topic too) and the trainer's own acks.
-    return dict(decisions=[d for d in events(t.decisions, Decision) if signature_problem(d, KEY) is None],
-                acks=[a for a in events(t.acks, Ack) if signature_problem(a, KEY) is None],
-                actions=events(t.actions, Action), letters=events(t.dlq, DeadLetter),
-                prefix=t.prefix, actions_topic=t.actions)
+    return dict(
+        decisions=[d for d in events(t.decisions, Decision) if signature_problem(d, KEY) is None],
+        acks=[a for a in events(t.acks, Ack) if signature_problem(a, KEY) is None],
+        actions=events(t.actions, Action),
+        letters=events(t.dlq, DeadLetter),
+        prefix=t.prefix,
+        actions_topic=t.actions,
+    )
 
 
 def _decisions(facts) -> list[tuple]:
-    return sorted((d.epoch, d.step, d.is_anomaly, d.type.value, d.critical, d.urgency.value)
-                  for d in facts["decisions"])
+    return sorted(
+        (d.epoch, d.step, d.is_anomaly, d.type.value, d.critical, d.urgency.value)
+        for d in facts["decisions"]
+    )
 
 
 def _applied(facts) -> list[tuple]:
@@ -296,9 +423,14 @@ def _applied(facts) -> list[tuple]:
     by_id = {a.action_id: a for a in facts["actions"]}
     applied = [by_id[a.action_id] for a in facts["acks"] if a.status is AckStatus.APPLIED]
     # A checkpoint id is a hash of the run id, which differs between the two runs.
-    return sorted((a.kind.value, a.apply_at_step,
-                   repr(sorted(a.params.model_dump(mode="json", exclude={"checkpoint_id"}).items())))
-                  for a in applied)
+    return sorted(
+        (
+            a.kind.value,
+            a.apply_at_step,
+            repr(sorted(a.params.model_dump(mode="json", exclude={"checkpoint_id"}).items())),
+        )
+        for a in applied
+    )
 
 
 @pytest.fixture(scope="module")
@@ -309,14 +441,18 @@ def clean(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("pipeline", ["threads", "child process"])
-def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp_path, pipeline, clean):
+def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(
+    tmp_path, pipeline, clean
+):
     child = pipeline == "child process"
     hostile = guarded_run(True, tmp_path / "hostile", child)
     attacker = hostile["attacker"]
-    print(f"soak ({pipeline}): {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
-          f"actions) written from step {attacker.steps_seen[0]} to step {attacker.steps_seen[-1]} "
-          f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
-          f"(the clean run, threads: {clean['rss_growth'] / 2**20:.1f} MiB)")
+    print(
+        f"soak ({pipeline}): {HOSTILE} hostile records ({attacker.steps_sent} steps, {attacker.actions_sent} "
+        f"actions) written from step {attacker.steps_seen[0]} to step {attacker.steps_seen[-1]} "
+        f"of the run; RSS growth {hostile['rss_growth'] / 2**20:.1f} MiB "
+        f"(the clean run, threads: {clean['rss_growth'] / 2**20:.1f} MiB)"
+    )
 
     # mixed into the run, through the spike (the newest step goes back at the rollback: its max counts)
     assert attacker.steps_seen[0] < 20 and max(attacker.steps_seen) > 100
@@ -341,8 +477,12 @@ def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(tmp
     for detector in DETECTORS:
         mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{detector}"]
         assert len(mine) == expected[detector] == attacker.steps_sent, detector
-        assert {d.error for d in mine} == {"MalformedMessage", "MessageTooLarge",
-                                           "StepNotAuthenticated", "StepOutOfOrder"}
+        assert {d.error for d in mine} == {
+            "MalformedMessage",
+            "MessageTooLarge",
+            "StepNotAuthenticated",
+            "StepOutOfOrder",
+        }
     # ... every hostile verdict in fusion's, every hostile decision, checkpoint and ack in the actuator's
     # (in the child, only what crosses to it: none of the verdicts and decisions) ...
     assert attacker.to_fusion and attacker.decisions_sent and attacker.to_actuator

@@ -12,11 +12,24 @@ from pydantic import ValidationError
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.errors import MalformedMessage
 from spikeguard.schemas import (
-    Action, ActionKind, AnomalyType, CheckpointEvent, Decision, decision_id, decode, encode,
-    incident_id, json_schemas,
+    Action,
+    ActionKind,
+    AnomalyType,
+    CheckpointEvent,
+    Decision,
+    decision_id,
+    decode,
+    encode,
+    incident_id,
+    json_schemas,
 )
 from spikeguard.schemas.actions import (
-    PARAMS, AlertParams, ClipParams, RollbackParams, ScaleLrParams, SkipBatchesParams,
+    PARAMS,
+    AlertParams,
+    ClipParams,
+    RollbackParams,
+    ScaleLrParams,
+    SkipBatchesParams,
 )
 from spikeguard.schemas.signing import sign_action, verify_action
 
@@ -41,10 +54,18 @@ EXAMPLES: dict[ActionKind, dict] = {
 
 # And one that is wrong for the kind (some are another kind's parameters).
 WRONG: dict[ActionKind, dict] = {
-    K.ROLLBACK: EXAMPLES[K.SCALE_LR], K.SKIP_BATCHES: EXAMPLES[K.ROLLBACK], K.SET_LR: EXAMPLES[K.SCALE_LR],
-    K.SCALE_LR: EXAMPLES[K.SET_LR], K.RESTORE_LR: EXAMPLES[K.SET_EPS], K.CLIP: {"z": "high"},
-    K.CHECKPOINT: {"reason": "whenever"}, K.STOP: {"reason": 7}, K.REDUCE_BATCH_SIZE: EXAMPLES[K.SET_LR],
-    K.SET_EPS: EXAMPLES[K.SCALE_LR], K.ALERT: {"severity": 1}, K.PULSE: {"judged_step": "late"},
+    K.ROLLBACK: EXAMPLES[K.SCALE_LR],
+    K.SKIP_BATCHES: EXAMPLES[K.ROLLBACK],
+    K.SET_LR: EXAMPLES[K.SCALE_LR],
+    K.SCALE_LR: EXAMPLES[K.SET_LR],
+    K.RESTORE_LR: EXAMPLES[K.SET_EPS],
+    K.CLIP: {"z": "high"},
+    K.CHECKPOINT: {"reason": "whenever"},
+    K.STOP: {"reason": 7},
+    K.REDUCE_BATCH_SIZE: EXAMPLES[K.SET_LR],
+    K.SET_EPS: EXAMPLES[K.SCALE_LR],
+    K.ALERT: {"severity": 1},
+    K.PULSE: {"judged_step": "late"},
 }
 
 
@@ -57,7 +78,9 @@ def test_every_kind_has_a_model_and_an_example() -> None:
 
 
 @pytest.mark.parametrize("kind", list(ActionKind))
-def test_a_dict_becomes_the_kind_s_model_and_the_wire_does_not_repeat_the_tag(kind: ActionKind) -> None:
+def test_a_dict_becomes_the_kind_s_model_and_the_wire_does_not_repeat_the_tag(
+    kind: ActionKind,
+) -> None:
     action = make(kind, EXAMPLES[kind])
     assert type(action.params) is PARAMS[kind] and action.params.kind is kind
     assert dict(action.params) == EXAMPLES[kind]  # reads like the dict it was
@@ -81,29 +104,48 @@ def test_every_action_the_policy_makes_matches_the_schema() -> None:
     schema = json_schemas()["Action"]
     policy = RecoveryPolicy(PolicyConfig(eps_actions=True, batch_size_actions=True), run_id="r")
     for step in (100, 200, 300, 400):
-        policy.on_checkpoint(CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True))
+        policy.on_checkpoint(
+            CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True)
+        )
     actions = []
     for step in range(401, 520):
         kind = AnomalyType.NON_FINITE if step in (500, 510) else AnomalyType.NONE
         bad = kind is not AnomalyType.NONE
-        actions += policy.on_decision(Decision(
-            decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=bad, type=kind,
-            confidence=1.0 if bad else 0.0, critical=bad,
-            incident_id=incident_id("r", step) if bad else None, incident_onset_step=step if bad else None,
-        ))
-    assert {a.kind for a in actions} >= {K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP,
-                                         K.REDUCE_BATCH_SIZE, K.SET_EPS}
+        actions += policy.on_decision(
+            Decision(
+                decision_id=decision_id("r", step),
+                run_id="r",
+                step=step,
+                is_anomaly=bad,
+                type=kind,
+                confidence=1.0 if bad else 0.0,
+                critical=bad,
+                incident_id=incident_id("r", step) if bad else None,
+                incident_onset_step=step if bad else None,
+            )
+        )
+    assert {a.kind for a in actions} >= {
+        K.ROLLBACK,
+        K.SKIP_BATCHES,
+        K.SCALE_LR,
+        K.CLIP,
+        K.REDUCE_BATCH_SIZE,
+        K.SET_EPS,
+    }
     for action in actions:
         jsonschema.validate(json.loads(encode(sign_action(action, "k"))), schema)
 
 
-@pytest.mark.parametrize("raw, words", [
-    ({"kind": "scale_lr", "params": {}}, "params.scale_lr.factor: Field required"),
-    ({"kind": "rollback", "params": {"target_step": "soon"}}, "params.rollback.target_step"),
-    ({"kind": "clip", "params": {"mode": "sometimes", "z": 2}}, "params.clip.mode"),
-    ({"kind": "checkpoint", "params": {"reason": "whenever"}}, "params.checkpoint.reason"),
-    ({"kind": "teleport", "params": {}}, "kind"),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"kind": "scale_lr", "params": {}}, "params.scale_lr.factor: Field required"),
+        ({"kind": "rollback", "params": {"target_step": "soon"}}, "params.rollback.target_step"),
+        ({"kind": "clip", "params": {"mode": "sometimes", "z": 2}}, "params.clip.mode"),
+        ({"kind": "checkpoint", "params": {"reason": "whenever"}}, "params.checkpoint.reason"),
+        ({"kind": "teleport", "params": {}}, "kind"),
+    ],
+)
 def test_a_malformed_parameter_is_a_schema_error_that_names_it(raw: dict, words: str) -> None:
     record = {"action_id": "a-1", "run_id": "r", "apply_at_step": 3, **raw}
     with pytest.raises(MalformedMessage, match=words.replace(".", r"\.")):
@@ -115,14 +157,17 @@ def test_params_of_another_kind_are_refused() -> None:
         make(K.CLIP, ScaleLrParams(factor=0.5))
 
 
-@pytest.mark.parametrize("params, words", [
-    (ScaleLrParams(factor=-2.0), "'factor' must be a finite number > 0, got -2.0"),
-    (ScaleLrParams(factor=math.nan), "'factor' must be a finite number > 0"),
-    (RollbackParams(target_step=-1), "'target_step' must be >= 0"),
-    (SkipBatchesParams(from_step=5, to_step=4), "skip window runs backwards: 5..4"),
-    (ClipParams(mode="adaptive"), "missing parameter 'z'"),
-    (ClipParams(), "missing parameter 'max_norm'"),
-])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (ScaleLrParams(factor=-2.0), "'factor' must be a finite number > 0, got -2.0"),
+        (ScaleLrParams(factor=math.nan), "'factor' must be a finite number > 0"),
+        (RollbackParams(target_step=-1), "'target_step' must be >= 0"),
+        (SkipBatchesParams(from_step=5, to_step=4), "skip window runs backwards: 5..4"),
+        (ClipParams(mode="adaptive"), "missing parameter 'z'"),
+        (ClipParams(), "missing parameter 'max_norm'"),
+    ],
+)
 def test_values_are_checked_where_they_are_applied(params, words: str) -> None:
     make(params.kind, params)  # a well-formed action: it travels, and gets a FAILED ack
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
@@ -147,14 +192,30 @@ def test_params_read_like_a_dict() -> None:
 def test_actions_carry_the_decision_s_evidence_under_the_signature() -> None:
     from spikeguard.schemas import Evidence
 
-    policy = RecoveryPolicy(PolicyConfig(non_finite_skipped_by_trainer=False), run_id="r")  # recovers at once
+    policy = RecoveryPolicy(
+        PolicyConfig(non_finite_skipped_by_trainer=False), run_id="r"
+    )  # recovers at once
     for step in (100, 200, 300, 400):
-        policy.on_checkpoint(CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True))
-    evidence = Evidence(step=500, loss=float("nan"), grad_norm=3.5, loss_baseline=2.1, grad_norm_baseline=0.9)
-    actions = policy.on_decision(Decision(
-        decision_id=decision_id("r", 500), run_id="r", step=500, is_anomaly=True,
-        type=AnomalyType.NON_FINITE, confidence=1.0, critical=True, evidence=evidence,
-        incident_id=incident_id("r", 500), incident_onset_step=500))
+        policy.on_checkpoint(
+            CheckpointEvent(run_id="r", step=step, checkpoint_id=f"ck-{step}", healthy=True)
+        )
+    evidence = Evidence(
+        step=500, loss=float("nan"), grad_norm=3.5, loss_baseline=2.1, grad_norm_baseline=0.9
+    )
+    actions = policy.on_decision(
+        Decision(
+            decision_id=decision_id("r", 500),
+            run_id="r",
+            step=500,
+            is_anomaly=True,
+            type=AnomalyType.NON_FINITE,
+            confidence=1.0,
+            critical=True,
+            evidence=evidence,
+            incident_id=incident_id("r", 500),
+            incident_onset_step=500,
+        )
+    )
     assert [a.kind for a in actions][:2] == [K.ROLLBACK, K.SKIP_BATCHES]
     assert all(a.evidence == evidence for a in actions)
     signed = sign_action(actions[0], "k")

@@ -45,11 +45,24 @@ def test_non_finite_floats_travel_as_strings_and_come_back(value, text):
     "event",
     [
         STEP,
-        Verdict(run_id="r1", step=7, detector="rules", is_anomaly=True, confidence=1.0,
-                critical=True, rules=["non_finite_loss"], signals={"z": math.inf}),
+        Verdict(
+            run_id="r1",
+            step=7,
+            detector="rules",
+            is_anomaly=True,
+            confidence=1.0,
+            critical=True,
+            rules=["non_finite_loss"],
+            signals={"z": math.inf},
+        ),
         Decision(decision_id=decision_id("r1", 7), run_id="r1", step=7, is_anomaly=True),
-        Action(action_id=action_id("d", "rollback"), run_id="r1", kind=ActionKind.ROLLBACK,
-               apply_at_step=9, params={"target_step": 5, "checkpoint_id": "c5"}),
+        Action(
+            action_id=action_id("d", "rollback"),
+            run_id="r1",
+            kind=ActionKind.ROLLBACK,
+            apply_at_step=9,
+            params={"target_step": 5, "checkpoint_id": "c5"},
+        ),
         Ack(run_id="r1", action_id="a", kind=ActionKind.CLIP, status=AckStatus.APPLIED, step=9),
         CheckpointEvent(run_id="r1", step=5, checkpoint_id="c5", healthy=True),
         DeadLetter(source_topic="t", value="x", error="E", reason="why"),
@@ -109,7 +122,14 @@ def test_decode_any_refuses_an_object_of_no_known_type():
 def test_json_schemas_cover_every_event():
     schemas = json_schemas()
     assert set(schemas) == {
-        "StepEvent", "Verdict", "StepVerdicts", "Decision", "Action", "Ack", "CheckpointEvent",
-        "DeadLetter", "RunEvent",
+        "StepEvent",
+        "Verdict",
+        "StepVerdicts",
+        "Decision",
+        "Action",
+        "Ack",
+        "CheckpointEvent",
+        "DeadLetter",
+        "RunEvent",
     }
     assert "loss" in schemas["StepEvent"]["properties"]

@@ -15,9 +15,17 @@ KEY = "run-event-key-0123456789abcdef"
 
 
 def start() -> RunEvent:
-    return RunEvent(run_id="r", kind="start", preset="small", policy={"rollback_min_steps_before_onset": 40,
-                    "lr_decrease_factor_spike": 0.25}, fusion={"threshold": 0.6, "weights": {"ml": 0.25}},
-                    checkpoint_every=50, keep_checkpoints=4, planned_steps=1000, time=1234.5678)
+    return RunEvent(
+        run_id="r",
+        kind="start",
+        preset="small",
+        policy={"rollback_min_steps_before_onset": 40, "lr_decrease_factor_spike": 0.25},
+        fusion={"threshold": 0.6, "weights": {"ml": 0.25}},
+        checkpoint_every=50,
+        keep_checkpoints=4,
+        planned_steps=1000,
+        time=1234.5678,
+    )
 
 
 def test_a_signed_run_event_verifies_after_the_wire_and_signing_is_deterministic():
@@ -36,17 +44,22 @@ def test_a_record_from_before_signing_still_decodes_and_is_refused_only_for_its_
     assert run_event_signature_problem(event, KEY).startswith("no signature")
 
 
-@pytest.mark.parametrize("change", [
-    {"policy": {"rollback_min_steps_before_onset": 1_000_000}},
-    {"fusion": {"threshold": 1.0}},
-    {"kind": "end"},
-    {"run_id": "someone-else"},
-    {"step": 7},
-    {"preset": None},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"policy": {"rollback_min_steps_before_onset": 1_000_000}},
+        {"fusion": {"threshold": 1.0}},
+        {"kind": "end"},
+        {"run_id": "someone-else"},
+        {"step": 7},
+        {"preset": None},
+    ],
+)
 def test_any_altered_field_or_another_key_breaks_the_signature(change):
     signed = sign_run_event(start(), KEY)
-    assert run_event_signature_problem(signed.model_copy(update=change), KEY).startswith("bad signature")
+    assert run_event_signature_problem(signed.model_copy(update=change), KEY).startswith(
+        "bad signature"
+    )
     assert run_event_signature_problem(signed, "another-key").startswith("bad signature")
 
 
@@ -55,8 +68,12 @@ def test_the_trainers_publisher_signs_run_events_with_the_runs_key_and_not_witho
     for key in (KEY, None):
         bus = EmbeddedBus(partitions=1)
         publisher = BackgroundPublisher(bus.producer(), "r", threaded=False, signing_key=key)
-        publisher.submit(topics.runs, RunEvent, dict(run_id="r", kind="start", policy={"max_incidents": 3}),
-                         droppable=False)
+        publisher.submit(
+            topics.runs,
+            RunEvent,
+            dict(run_id="r", kind="start", policy={"max_incidents": 3}),
+            droppable=False,
+        )
         publisher.submit(topics.steps, StepEvent, dict(run_id="r", step=0, loss=1.0))
         (record,) = bus.read_all(topics.runs)
         event = decode(record.value, RunEvent)

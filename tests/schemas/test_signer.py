@@ -20,7 +20,9 @@ KEY = SecretStr("signer-test-key-0123456789")
 
 
 def _action() -> Action:
-    return Action(action_id="a-1", run_id="r", kind=ActionKind.STOP, apply_at_step=3, params={"reason": "x"})
+    return Action(
+        action_id="a-1", run_id="r", kind=ActionKind.STOP, apply_at_step=3, params={"reason": "x"}
+    )
 
 
 def test_without_a_key_it_signs_nothing_and_accepts_everything() -> None:
@@ -38,13 +40,19 @@ def test_with_a_key_it_signs_what_its_owner_produces_and_refuses_the_rest() -> N
     assert signer.sign(step) is step  # signed already: as it is
     assert signer.problem(step) is None
     assert "no signature" in signer.problem(StepEvent(run_id="r", step=2, loss=1.0))
-    assert "bad signature" in signer.problem(sign(StepEvent(run_id="r", step=3, loss=1.0), "another-key"))
+    assert "bad signature" in signer.problem(
+        sign(StepEvent(run_id="r", step=3, loss=1.0), "another-key")
+    )
     assert signer.verifies(sign_action(_action(), KEY))
-    assert not signer.verifies(_action()) and not signer.verifies(sign_action(_action(), "another-key"))
+    assert not signer.verifies(_action()) and not signer.verifies(
+        sign_action(_action(), "another-key")
+    )
 
 
 def test_a_keyring_signs_each_record_with_its_role_key() -> None:
-    ring = Keyring({Role.TRAINER: "trainer-key", Role.FUSION: "fusion-key", Role.ACTUATOR: "actuator-key"})
+    ring = Keyring(
+        {Role.TRAINER: "trainer-key", Role.FUSION: "fusion-key", Role.ACTUATOR: "actuator-key"}
+    )
     signer = Signer(ring)
     unsigned = Decision(decision_id="d", run_id="r", step=1, is_anomaly=False)
     assert signer.sign(unsigned).signature == sign(unsigned, "fusion-key").signature

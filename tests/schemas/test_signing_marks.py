@@ -121,7 +121,9 @@ def test_on_the_embedded_bus_four_stages_hash_each_step_once_and_still_refuse_fo
     """Objects handed over as is: genuine ones pass every stage on one HMAC, forged ones go to the DLQ."""
     bus = EmbeddedBus(partitions=1)
     settings = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": KEY}, env={})
-    workers = [Worker(bus, build_stage(name, settings, TOPICS), snapshots=False) for name in DETECTORS]
+    workers = [
+        Worker(bus, build_stage(name, settings, TOPICS), snapshots=False) for name in DETECTORS
+    ]
     genuine = [decode(encode(sign_step(step(s), KEY)), StepEvent) for s in range(10)]
     marked = sign_step(step(10), KEY)
     forged = [
@@ -132,7 +134,9 @@ def test_on_the_embedded_bus_four_stages_hash_each_step_once_and_still_refuse_fo
     ]
     digests[0] = 0
     producer = bus.producer()
-    for event in genuine + [marked] + forged:  # the objects themselves, as the Guard hands them over
+    for event in (
+        genuine + [marked] + forged
+    ):  # the objects themselves, as the Guard hands them over
         producer.publish(TOPICS.steps, encode(event), key=event.run_id, event=event)
     producer.flush()
     while sum(w.run_once(timeout=0) for w in workers):

@@ -21,8 +21,9 @@ from spikeguard.bus.kafka import KafkaBus
 
 def _conformance():
     """The conformance module's helpers (tests are not a package: loaded by path)."""
-    spec = importlib.util.spec_from_file_location("bus_conformance",
-                                                  Path(__file__).with_name("test_bus_conformance.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bus_conformance", Path(__file__).with_name("test_bus_conformance.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -31,30 +32,54 @@ def _conformance():
 _c = _conformance()
 FAST_GROUPS, PARTITIONS = _c.FAST_GROUPS, _c.PARTITIONS
 drain, keyed, new_topic, open_consumer, publish, unique, wait_assigned = (
-    _c.drain, _c.keyed, _c.new_topic, _c.open_consumer, _c.publish, _c.unique, _c.wait_assigned)
+    _c.drain,
+    _c.keyed,
+    _c.new_topic,
+    _c.open_consumer,
+    _c.publish,
+    _c.unique,
+    _c.wait_assigned,
+)
 stack, _delete_kafka_topics = _c.stack, _c._delete_kafka_topics  # fixtures, used by name
 
 
 def test_confluent_bus_keeps_secrets_out_of_its_repr_and_config() -> None:
-    bus = ConfluentBus("127.0.0.1:1", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
-                       sasl_username="svc", sasl_password=SecretStr("hunter2"), ssl_cafile="/ca.pem",
-                       ssl_certfile="/cert.pem", ssl_keyfile="/key.pem")  # no network in __init__
+    bus = ConfluentBus(
+        "127.0.0.1:1",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="svc",
+        sasl_password=SecretStr("hunter2"),
+        ssl_cafile="/ca.pem",
+        ssl_certfile="/cert.pem",
+        ssl_keyfile="/key.pem",
+    )  # no network in __init__
     config = bus._rdkafka_config()
-    assert "hunter2" not in repr(bus) and "hunter2" not in repr(config) and "hunter2" not in str(bus)
+    assert (
+        "hunter2" not in repr(bus) and "hunter2" not in repr(config) and "hunter2" not in str(bus)
+    )
     assert config["sasl.password"] == "hunter2" and config["sasl.username"] == "svc"
     assert (config["security.protocol"], config["sasl.mechanism"]) == ("SASL_SSL", "SCRAM-SHA-512")
-    assert (config["ssl.ca.location"], config["ssl.certificate.location"], config["ssl.key.location"]) == (
-        "/ca.pem", "/cert.pem", "/key.pem")
+    assert (
+        config["ssl.ca.location"],
+        config["ssl.certificate.location"],
+        config["ssl.key.location"],
+    ) == ("/ca.pem", "/cert.pem", "/key.pem")
     assert bus.engine == "kafka" and bus.client == "confluent"
 
 
 def test_confluent_options_take_kafka_python_or_librdkafka_names() -> None:
     from spikeguard.bus.confluent import librdkafka_options
 
-    assert librdkafka_options({**FAST_GROUPS, "fetch_max_wait_ms": 50, "fetch.min.bytes": 1,
-                               "max_poll_records": 10}) == {
-        "session.timeout.ms": 6000, "heartbeat.interval.ms": 200, "max.poll.interval.ms": 20000,
-        "fetch.wait.max.ms": 50, "fetch.min.bytes": 1}
+    assert librdkafka_options(
+        {**FAST_GROUPS, "fetch_max_wait_ms": 50, "fetch.min.bytes": 1, "max_poll_records": 10}
+    ) == {
+        "session.timeout.ms": 6000,
+        "heartbeat.interval.ms": 200,
+        "max.poll.interval.ms": 20000,
+        "fetch.wait.max.ms": 50,
+        "fetch.min.bytes": 1,
+    }
 
 
 def test_the_confluent_client_chosen_without_the_package_names_the_extra(monkeypatch) -> None:
@@ -63,10 +88,17 @@ def test_the_confluent_client_chosen_without_the_package_names_the_extra(monkeyp
     from spikeguard.runtime import make_bus
     from spikeguard.settings import load_settings
 
-    settings = load_settings(env={"SPIKEGUARD_BOOTSTRAP_SERVERS": "broker.invalid:9092",
-                                  "SPIKEGUARD_KAFKA_CLIENT": "confluent"})
+    settings = load_settings(
+        env={
+            "SPIKEGUARD_BOOTSTRAP_SERVERS": "broker.invalid:9092",
+            "SPIKEGUARD_KAFKA_CLIENT": "confluent",
+        }
+    )
     assert type(make_bus(settings)) is ConfluentBus
-    assert type(make_bus(load_settings({"bootstrap_servers": "broker.invalid:9092"}, env={}))) is KafkaBus
+    assert (
+        type(make_bus(load_settings({"bootstrap_servers": "broker.invalid:9092"}, env={})))
+        is KafkaBus
+    )
     monkeypatch.setattr(confluent, "ck", None)
     with pytest.raises(ConfigError, match=r"spikeguard\[confluent\]"):
         make_bus(settings)
@@ -76,8 +108,12 @@ def test_the_confluent_client_chosen_without_the_package_names_the_extra(monkeyp
 def test_confluent_members_join_with_their_static_names(kafka_bootstrap: str, stack) -> None:
     from kafka import KafkaAdminClient
 
-    bus = ConfluentBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS,
-                       instance_id=f"static-{uuid.uuid4().hex[:6]}")
+    bus = ConfluentBus(
+        kafka_bootstrap,
+        partitions=PARTITIONS,
+        consumer_options=FAST_GROUPS,
+        instance_id=f"static-{uuid.uuid4().hex[:6]}",
+    )
     topic, group = new_topic(bus), unique("group")
     members = [open_consumer(stack, bus, group, topic) for _ in range(2)]
     wait_assigned(members, topic)
@@ -89,7 +125,8 @@ def test_confluent_members_join_with_their_static_names(kafka_bootstrap: str, st
 
 @pytest.mark.kafka
 def test_confluent_on_revoke_hands_over_before_another_member_gets_the_partitions(
-        kafka_bootstrap: str, stack) -> None:
+    kafka_bootstrap: str, stack
+) -> None:
     bus = ConfluentBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
     topic, group = new_topic(bus), unique("group")
     revoked: list[set[tuple[str, int]]] = []
@@ -97,12 +134,16 @@ def test_confluent_on_revoke_hands_over_before_another_member_gets_the_partition
     wait_assigned([first], topic)
     second = open_consumer(stack, bus, group, topic)
     wait_assigned([first, second], topic)
-    assert revoked and revoked[0] == {(topic, p) for p in range(PARTITIONS)}  # eager: all, then the split
+    assert revoked and revoked[0] == {
+        (topic, p) for p in range(PARTITIONS)
+    }  # eager: all, then the split
     assert len(first.assignment()) + len(second.assignment()) == PARTITIONS
 
 
 @pytest.mark.kafka
-def test_confluent_a_failing_rebalance_callback_raises_its_own_error_from_poll(kafka_bootstrap: str, stack) -> None:
+def test_confluent_a_failing_rebalance_callback_raises_its_own_error_from_poll(
+    kafka_bootstrap: str, stack
+) -> None:
     bus = ConfluentBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
     topic = new_topic(bus)
     publish(bus, topic, keyed(keys=4, per_key=1))
@@ -117,7 +158,9 @@ def test_confluent_a_failing_rebalance_callback_raises_its_own_error_from_poll(k
 
 @pytest.mark.kafka
 @pytest.mark.parametrize("kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"])
-def test_closing_a_member_revokes_its_partitions_on_either_client(kafka_bootstrap: str, stack, kind) -> None:
+def test_closing_a_member_revokes_its_partitions_on_either_client(
+    kafka_bootstrap: str, stack, kind
+) -> None:
     """kafka-python (>= 3) calls on_revoke when a member closes, so a worker saves what it owns; so must librdkafka."""
     bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS)
     topic = new_topic(bus)

@@ -26,19 +26,32 @@ from spikeguard.errors import DeliveryError
 PARTITIONS = 4
 # Rebalances in seconds, not tens of seconds: members notice a join within a
 # heartbeat. 6 s is the smallest session a default broker accepts.
-FAST_GROUPS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 200, "max_poll_interval_ms": 20000}
+FAST_GROUPS = {
+    "session_timeout_ms": 6000,
+    "heartbeat_interval_ms": 200,
+    "max_poll_interval_ms": 20000,
+}
 
 
-@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka),
-                        pytest.param("confluent", marks=pytest.mark.kafka)])
+@pytest.fixture(
+    params=[
+        "embedded",
+        pytest.param("kafka", marks=pytest.mark.kafka),
+        pytest.param("confluent", marks=pytest.mark.kafka),
+    ]
+)
 def bus(request: pytest.FixtureRequest) -> Iterator[Bus]:
     if request.param == "embedded":
         engine: Bus = EmbeddedBus(partitions=PARTITIONS)
     else:
         bootstrap = request.getfixturevalue("kafka_bootstrap")
         kind = ConfluentBus if request.param == "confluent" else KafkaBus
-        engine = kind(bootstrap, client_id="spikeguard-tests", partitions=PARTITIONS,
-                      consumer_options=FAST_GROUPS)
+        engine = kind(
+            bootstrap,
+            client_id="spikeguard-tests",
+            partitions=PARTITIONS,
+            consumer_options=FAST_GROUPS,
+        )
     with engine:
         yield engine
 
@@ -80,13 +93,17 @@ def new_topic(bus: Bus, prefix: str = "topic") -> str:
     return name
 
 
-def open_consumer(stack: contextlib.ExitStack, bus: Bus, group: str, topic: str, **kwargs) -> Consumer:
+def open_consumer(
+    stack: contextlib.ExitStack, bus: Bus, group: str, topic: str, **kwargs
+) -> Consumer:
     consumer = bus.consumer(group, [topic], **kwargs)
     stack.callback(consumer.close)
     return consumer
 
 
-def publish(bus: Bus, topic: str, items: list[tuple[str | bytes | None, bytes]], headers=None) -> None:
+def publish(
+    bus: Bus, topic: str, items: list[tuple[str | bytes | None, bytes]], headers=None
+) -> None:
     producer = bus.producer()
     try:
         for key, value in items:
@@ -101,7 +118,9 @@ def keyed(keys: int, per_key: int) -> list[tuple[str, bytes]]:
     return [(f"run-{k}", f"run-{k}:{s}".encode()) for s in range(per_key) for k in range(keys)]
 
 
-def drain(consumer: Consumer, count: int, timeout: float = 30.0, max_records: int = 500) -> list[Record]:
+def drain(
+    consumer: Consumer, count: int, timeout: float = 30.0, max_records: int = 500
+) -> list[Record]:
     """Poll until ``count`` records arrived; fail after ``timeout`` seconds."""
     records: list[Record] = []
     deadline = time.monotonic() + timeout
@@ -121,7 +140,11 @@ def wait_assigned(consumers: list[Consumer], topic: str, timeout: float = 90.0) 
     deadline = time.monotonic() + timeout
     while True:
         owned = [c.assignment() for c in consumers]
-        if all(owned) and sum(len(o) for o in owned) == PARTITIONS and set().union(*owned) == everything:
+        if (
+            all(owned)
+            and sum(len(o) for o in owned) == PARTITIONS
+            and set().union(*owned) == everything
+        ):
             return
         assert time.monotonic() < deadline, f"assignments never settled: {owned}"
         for consumer in consumers:
@@ -170,7 +193,9 @@ def test_group_offsets_survive_a_consumer_restart(bus: Bus, stack: contextlib.Ex
     rest_values = Counter(r.value for r in rest)
     assert max(rest_values.values()) == 1, "a record came twice to the same member"
     assert set(rest_values) == {v for _, v in items} - {r.value for r in committed}
-    assert {r.value for r in uncommitted} <= set(rest_values), "uncommitted records must be redelivered"
+    assert {r.value for r in uncommitted} <= set(rest_values), (
+        "uncommitted records must be redelivered"
+    )
 
 
 def test_two_members_split_the_partitions(bus: Bus, stack: contextlib.ExitStack) -> None:
@@ -211,7 +236,9 @@ def test_empty_poll_waits_about_the_timeout(bus: Bus, stack: contextlib.ExitStac
         started = time.monotonic()
         assert consumer.poll(timeout=timeout) == []
         elapsed = time.monotonic() - started
-        assert 0.5 * timeout <= elapsed <= timeout + 3.0, f"poll(timeout={timeout}) took {elapsed:.2f}s"
+        assert 0.5 * timeout <= elapsed <= timeout + 3.0, (
+            f"poll(timeout={timeout}) took {elapsed:.2f}s"
+        )
 
 
 def test_a_large_batch_arrives_whole_and_in_order(bus: Bus, stack: contextlib.ExitStack) -> None:
@@ -219,7 +246,9 @@ def test_a_large_batch_arrives_whole_and_in_order(bus: Bus, stack: contextlib.Ex
     items = keyed(keys=100, per_key=200)  # 20,000 records
     publish(bus, topic, items)
 
-    records = drain(open_consumer(stack, bus, unique("group"), topic), len(items), timeout=45, max_records=5000)
+    records = drain(
+        open_consumer(stack, bus, unique("group"), topic), len(items), timeout=45, max_records=5000
+    )
 
     assert len(records) == len(items)
     assert Counter(r.value for r in records) == Counter(v for _, v in items)
@@ -250,7 +279,9 @@ def test_keys_and_headers_round_trip(bus: Bus, stack: contextlib.ExitStack) -> N
         assert r.topic == topic and 0 <= r.partition < PARTITIONS and r.offset >= 0
 
 
-def test_read_all_returns_every_record_outside_any_group(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_read_all_returns_every_record_outside_any_group(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     topic = new_topic(bus)
     items = keyed(keys=30, per_key=10)
     publish(bus, topic, items)
@@ -281,7 +312,9 @@ def test_seek_rereads_a_partition_from_an_offset(bus: Bus, stack: contextlib.Exi
         consumer.seek(topic, PARTITIONS + 1, 0)  # not a partition this member owns
 
 
-def test_seek_from_on_assign_resumes_where_a_snapshot_says(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_seek_from_on_assign_resumes_where_a_snapshot_says(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     topic = new_topic(bus)
     publish(bus, topic, [("one-run", f"one-run:{i}".encode()) for i in range(100)])
     partition = bus.read_all(topic)[0].partition
@@ -299,7 +332,9 @@ def test_seek_from_on_assign_resumes_where_a_snapshot_says(bus: Bus, stack: cont
     assert consumer.poll(timeout=0.3) == []
 
 
-def test_on_assign_gets_the_partitions_before_their_records(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_on_assign_gets_the_partitions_before_their_records(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     topic = new_topic(bus)
     publish(bus, topic, keyed(keys=20, per_key=2))
     assigned: list[set[tuple[str, int]]] = []
@@ -327,7 +362,9 @@ def test_a_new_group_can_start_at_the_end(bus: Bus, stack: contextlib.ExitStack)
     assert all(r.value.startswith(b"later-") for r in records) and len(records) == len(later)
 
 
-def test_deleted_records_are_gone_and_offsets_stay_absolute(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_deleted_records_are_gone_and_offsets_stay_absolute(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     """What retention does to a log: the front goes, offsets never move, readers resume at the earliest."""
     topic = new_topic(bus)
     publish(bus, topic, [("run-a", f"run-a:{i}".encode()) for i in range(50)])
@@ -348,7 +385,9 @@ def test_deleted_records_are_gone_and_offsets_stay_absolute(bus: Bus, stack: con
     assert [r.offset for r in drain(first, 1)] == [50]
 
 
-def test_a_state_snapshot_over_a_megabyte_round_trips(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_a_state_snapshot_over_a_megabyte_round_trips(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     """Fusion's snapshot of a partition with many runs passed Kafka's default 1 MB and crashed the worker."""
     name = unique("state")
     if isinstance(bus, KafkaBus):
@@ -364,14 +403,21 @@ def test_a_state_snapshot_over_a_megabyte_round_trips(bus: Bus, stack: contextli
 
 
 def test_kafka_bus_keeps_secrets_out_of_its_repr() -> None:
-    bus = KafkaBus("127.0.0.1:1", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
-                   sasl_username="svc", sasl_password=SecretStr("hunter2"))  # no network in __init__
+    bus = KafkaBus(
+        "127.0.0.1:1",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="PLAIN",
+        sasl_username="svc",
+        sasl_password=SecretStr("hunter2"),
+    )  # no network in __init__
     config = bus._config()
     assert "hunter2" not in repr(bus) and "hunter2" not in repr(config)
     assert config["sasl_plain_password"] == "hunter2" and config["sasl_plain_username"] == "svc"
 
 
-KAFKA_CLIENTS = pytest.mark.parametrize("kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"])
+KAFKA_CLIENTS = pytest.mark.parametrize(
+    "kind", [KafkaBus, ConfluentBus], ids=["kafka-python", "confluent"]
+)
 
 
 def _small_topic(kafka_bootstrap: str) -> str:
@@ -381,14 +427,18 @@ def _small_topic(kafka_bootstrap: str) -> str:
     topic = unique("small")
     _created_on_kafka.append((kafka_bootstrap, topic))
     with KafkaAdminClient(bootstrap_servers=kafka_bootstrap) as admin:
-        admin.create_topics({topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
-                            wait_for_metadata=True)
+        admin.create_topics(
+            {topic: {"num_partitions": 1, "configs": {"max.message.bytes": "2048"}}},
+            wait_for_metadata=True,
+        )
     return topic
 
 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
-def test_kafka_flush_names_the_topic_of_a_failed_send(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
+def test_kafka_flush_names_the_topic_of_a_failed_send(
+    kafka_bootstrap: str, kind: type[KafkaBus]
+) -> None:
     topic = _small_topic(kafka_bootstrap)
     producer = kind(kafka_bootstrap).producer()
     try:
@@ -410,7 +460,9 @@ def test_kafka_python_checksums_records_in_c():
 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
-def test_kafka_keyed_records_land_where_kafka_python_puts_them(kafka_bootstrap: str, stack, kind) -> None:
+def test_kafka_keyed_records_land_where_kafka_python_puts_them(
+    kafka_bootstrap: str, stack, kind
+) -> None:
     """The producer picks a key's partition itself (cached per flush): it must be kafka-python's
     (and the Java client's) murmur2 choice, so that one run never spreads over two partitions
     whichever client wrote it."""
@@ -447,10 +499,14 @@ def reader_and_producer(stack: contextlib.ExitStack, bus: Bus) -> tuple[str, Con
 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
-def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str, stack, kind) -> None:
+def test_kafka_records_wait_for_flush_and_then_go_out_whole(
+    kafka_bootstrap: str, stack, kind
+) -> None:
     """A worker sends (send_now) or flushes once per batch: until then its records stay in the
     producer (up to ``linger_ms``), so the batch leaves as one request per partition."""
-    bus = kind(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    bus = kind(
+        kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000
+    )
     topic, consumer, producer = reader_and_producer(stack, bus)
     items = keyed(8, 25)
     for key, value in items:
@@ -462,7 +518,9 @@ def test_kafka_records_wait_for_flush_and_then_go_out_whole(kafka_bootstrap: str
     assert_order_per_key(records)
 
 
-def test_send_now_delivers_without_a_flush_which_then_confirms(bus: Bus, stack: contextlib.ExitStack) -> None:
+def test_send_now_delivers_without_a_flush_which_then_confirms(
+    bus: Bus, stack: contextlib.ExitStack
+) -> None:
     """A worker sends each batch's outputs at once and waits for their acknowledgements only at
     its checkpoint: what send_now sent reaches a consumer with no flush, and flush then
     leaves nothing unacknowledged."""
@@ -483,32 +541,43 @@ def test_send_now_delivers_without_a_flush_which_then_confirms(bus: Bus, stack: 
 
 
 @pytest.mark.kafka
-def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(kafka_bootstrap: str, stack) -> None:
+def test_kafka_python_send_now_beats_the_linger_and_batches_stay_whole(
+    kafka_bootstrap: str, stack
+) -> None:
     """kafka-python's send_now makes the queued batches sendable (its linger is a minute here), and
     only those: a worker's next batch is held again until its own send_now, so it leaves whole."""
     from spikeguard.schemas import StepEvent, decode
 
-    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    bus = KafkaBus(
+        kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000
+    )
     topic, consumer, producer = reader_and_producer(stack, bus)
     for batch in range(3):
-        events = [StepEvent(run_id=f"run-{r}", step=batch * 10 + s, loss=1.0, time=0.0)
-                  for s in range(10) for r in range(8)]
+        events = [
+            StepEvent(run_id=f"run-{r}", step=batch * 10 + s, loss=1.0, time=0.0)
+            for s in range(10)
+            for r in range(8)
+        ]
         producer.publish_events([(topic, event) for event in events])
         assert consumer.poll(timeout=1.0) == []  # held: no send_now yet, and the linger is a minute
         producer.send_now()
         records = drain(consumer, len(events))
-        assert sorted((e.run_id, e.step) for e in (decode(r.value, StepEvent) for r in records)) == \
-            sorted((e.run_id, e.step) for e in events)
+        assert sorted(
+            (e.run_id, e.step) for e in (decode(r.value, StepEvent) for r in records)
+        ) == sorted((e.run_id, e.step) for e in events)
     producer.flush(timeout=30)
     assert producer.unacknowledged() == 0
 
 
 @pytest.mark.kafka
-def test_kafka_python_send_now_waits_as_flush_does_when_its_internals_are_gone(kafka_bootstrap: str,
-                                                                               stack) -> None:
+def test_kafka_python_send_now_waits_as_flush_does_when_its_internals_are_gone(
+    kafka_bootstrap: str, stack
+) -> None:
     """send_now reaches into kafka-python's accumulator (no public call does it): a kafka-python
     whose internals moved must cost latency, never records, and never the worker."""
-    bus = KafkaBus(kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000)
+    bus = KafkaBus(
+        kafka_bootstrap, partitions=PARTITIONS, consumer_options=FAST_GROUPS, linger_ms=60_000
+    )
     topic, consumer, producer = reader_and_producer(stack, bus)
     producer._accumulator = object()  # as if a new kafka-python had renamed what send_now uses
     for key, value in keyed(8, 10):
@@ -520,7 +589,9 @@ def test_kafka_python_send_now_waits_as_flush_does_when_its_internals_are_gone(k
 
 @pytest.mark.kafka
 @KAFKA_CLIENTS
-def test_kafka_send_now_raises_once_a_send_is_known_lost(kafka_bootstrap: str, kind: type[KafkaBus]) -> None:
+def test_kafka_send_now_raises_once_a_send_is_known_lost(
+    kafka_bootstrap: str, kind: type[KafkaBus]
+) -> None:
     """send_now does not wait, but a failure it has heard of stops the caller there (a worker
     then saves nothing past it)."""
     topic = _small_topic(kafka_bootstrap)

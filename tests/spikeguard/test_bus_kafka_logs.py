@@ -7,8 +7,10 @@ import logging
 from spikeguard.bus.kafka import SLOW_IO_STEPS
 
 # What kafka-python 3.x's NetworkSelector logs (kafka/net/selector.py), verbatim but for the task.
-SLOW = ("Task <Task x> ran for 0.150s (>0.100s threshold). It is blocking the event loop -- likely "
-        "a tight sync loop inside a coroutine. Other pollers will time out.")
+SLOW = (
+    "Task <Task x> ran for 0.150s (>0.100s threshold). It is blocking the event loop -- likely "
+    "a tight sync loop inside a coroutine. Other pollers will time out."
+)
 
 
 def test_slow_io_steps_are_explained_once_and_not_repeated_as_warnings(caplog, monkeypatch):

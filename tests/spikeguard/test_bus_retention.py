@@ -64,7 +64,9 @@ def test_the_slowest_group_holds_retention() -> None:
     assert held(bus, "steps") == 5000  # "slow" has committed nothing: nothing may go
     got = slow.poll(max_records=1200, timeout=0.01)
     slow.commit()
-    assert held(bus, "steps") <= 5000 - 1200 + 1200 // 2  # trimmed up to slow's commit (give or take a chunk)
+    assert (
+        held(bus, "steps") <= 5000 - 1200 + 1200 // 2
+    )  # trimmed up to slow's commit (give or take a chunk)
     rest = consume_all(slow, 3800)
     assert [int(r.value) for r in got + rest] == list(range(5000))  # slow lost nothing
 
@@ -139,14 +141,18 @@ def test_unconfigured_bus_keeps_everything() -> None:
 
 
 def test_a_trainers_runtime_bus_has_retention_from_settings() -> None:
-    bus = make_bus(load_settings({"embedded_keep_consumed": 50, "embedded_max_records": 5000}, env={}))
+    bus = make_bus(
+        load_settings({"embedded_keep_consumed": 50, "embedded_max_records": 5000}, env={})
+    )
     assert isinstance(bus, EmbeddedBus)
     assert (bus.keep_consumed, bus.max_records) == (50, 5000)
     defaults = make_bus(load_settings(env={}))
     assert defaults.keep_consumed is not None and defaults.max_records is not None
 
 
-@pytest.mark.parametrize("name, value", [("embedded_keep_consumed", -1), ("embedded_max_records", 0)])
+@pytest.mark.parametrize(
+    "name, value", [("embedded_keep_consumed", -1), ("embedded_max_records", 0)]
+)
 def test_retention_settings_are_validated(name: str, value: int) -> None:
     from spikeguard.errors import ConfigError
 

@@ -113,8 +113,17 @@ def command_names():
 
 def test_every_command_has_help(capsys):
     names = command_names()
-    assert {"backtest", "simulate", "evaluate", "demo", "worker", "replay", "report",
-            "presets", "schemas"} <= set(names)
+    assert {
+        "backtest",
+        "simulate",
+        "evaluate",
+        "demo",
+        "worker",
+        "replay",
+        "report",
+        "presets",
+        "schemas",
+    } <= set(names)
     for name in names:
         with pytest.raises(SystemExit) as done:
             build_parser().parse_args([name, "--help"])
@@ -123,8 +132,9 @@ def test_every_command_has_help(capsys):
 
 
 def test_the_console_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "spikeguard", "--help"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spikeguard", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "backtest" in done.stdout
 
 
@@ -165,8 +175,15 @@ def test_a_file_broken_half_way_leaves_no_output(tmp_path, capsys):
 def _backtest_stderr(tmp_path, terminal_stderr, on_a_terminal: bool) -> str:
     source = tmp_path / "run.csv"
     write_csv(source, steps=3000)
-    command = [sys.executable, "-m", "spikeguard", "backtest", str(source),
-               "--out", str(tmp_path / "o.jsonl")]
+    command = [
+        sys.executable,
+        "-m",
+        "spikeguard",
+        "backtest",
+        str(source),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+    ]
     return terminal_stderr(command, on_a_terminal)
 
 
@@ -194,7 +211,9 @@ def test_backtest_reports_the_local_skips_the_live_guard_would_take(tmp_path, ca
 def test_backtest_reports_the_skips_a_recorded_live_run_made(tmp_path, capsys):
     source = tmp_path / "run.jsonl"
     events = [StepEvent(run_id="j", step=s, loss=healthy_loss(s)) for s in range(300)]
-    events[120] = events[120].model_copy(update={"loss": 5 * events[120].loss, "skip_reason": "outlier_step"})
+    events[120] = events[120].model_copy(
+        update={"loss": 5 * events[120].loss, "skip_reason": "outlier_step"}
+    )
     events[200] = StepEvent(run_id="j", step=200, loss=math.inf, skip_reason="non_finite")
     source.write_bytes(b"\n".join(encode(e) for e in events) + b"\n")
     assert main(["backtest", str(source), "--out", str(tmp_path / "out.jsonl")]) == 0

@@ -15,7 +15,9 @@ from spikeguard.schemas import AnomalyType, Decision, decision_id
 
 def test_simulate_writes_a_labelled_csv(tmp_path, capsys):
     out = tmp_path / "spike.csv"
-    assert main(["simulate", "sudden_spike", "--steps", "900", "--seed", "1", "--out", str(out)]) == 0
+    assert (
+        main(["simulate", "sudden_spike", "--steps", "900", "--seed", "1", "--out", str(out)]) == 0
+    )
     events, labels = read_steps(out)
     assert len(events) == 900 and labels is not None
     assert any(lab.label and lab.kind == "sudden_spike" for lab in labels)
@@ -37,8 +39,19 @@ def test_simulate_lists_scenarios_and_refuses_nonsense(capsys):
 
 
 def test_evaluate_baselines_on_one_scenario_as_json(capsys):
-    code = main(["evaluate", "--systems", "naive", "six_sigma", "--scenario", "non_finite",
-                 "--seeds", "0", "--json"])
+    code = main(
+        [
+            "evaluate",
+            "--systems",
+            "naive",
+            "six_sigma",
+            "--scenario",
+            "non_finite",
+            "--seeds",
+            "0",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     for name in ("naive", "six_sigma"):
@@ -48,7 +61,9 @@ def test_evaluate_baselines_on_one_scenario_as_json(capsys):
         assert overall["episodes"] > 0 and 0 <= overall["recall"] <= 1
         assert overall["by_kind"]["non_finite"]["episodes"] > 0
     # the 6-sigma rule flags non-finite values at once; the naive one misses grad-only NaN/Inf
-    assert report["systems"]["six_sigma"]["rows"]["overall"]["by_kind"]["non_finite"]["recall"] == 1.0
+    assert (
+        report["systems"]["six_sigma"]["rows"]["overall"]["by_kind"]["non_finite"]["recall"] == 1.0
+    )
     assert "targets" not in report
 
 
@@ -63,7 +78,9 @@ def test_evaluate_files_and_the_text_table(tmp_path, capsys):
     header = next(line for line in lines if line.startswith("scenario"))
     assert "recall" in header and "precision" in header and "F1" in header and "FA/10k" in header
     assert "med delay" in header and "med lead" in header
-    assert any(line.startswith("a ") for line in lines) and any(line.startswith("b ") for line in lines)
+    assert any(line.startswith("a ") for line in lines) and any(
+        line.startswith("b ") for line in lines
+    )
     assert any(line.startswith("clean runs") for line in lines)
     assert any(line.startswith("overall") for line in lines)
 
@@ -76,15 +93,32 @@ def test_evaluate_scores_the_pipeline_through_backtest_and_checks_targets(monkey
     def fake_backtest(events, settings=None):  # stands in for the pipeline: the naive rule
         baseline = NaiveBaseline()
         return [
-            Decision(decision_id=decision_id(e.run_id, e.step), run_id=e.run_id, step=e.step,
-                     is_anomaly=(flag := baseline.update(e)),
-                     type=AnomalyType.LOSS_SPIKE if flag else AnomalyType.NONE)
+            Decision(
+                decision_id=decision_id(e.run_id, e.step),
+                run_id=e.run_id,
+                step=e.step,
+                is_anomaly=(flag := baseline.update(e)),
+                type=AnomalyType.LOSS_SPIKE if flag else AnomalyType.NONE,
+            )
             for e in events
         ]
 
     monkeypatch.setattr(backtest, "backtest_events", fake_backtest)
-    code = main(["evaluate", "--scenario", "sudden_spike", "stable", "--seeds", "1", "--json",
-                 "--check", "--systems", "pipeline", "naive"])
+    code = main(
+        [
+            "evaluate",
+            "--scenario",
+            "sudden_spike",
+            "stable",
+            "--seeds",
+            "1",
+            "--json",
+            "--check",
+            "--systems",
+            "pipeline",
+            "naive",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     pipeline, naive = (report["systems"][k]["rows"] for k in ("pipeline", "naive"))
     assert pipeline["overall"] == naive["overall"]  # same decisions, same scores
@@ -115,15 +149,29 @@ def test_loss_only_strips_the_other_signals_and_their_labels():
     events, labels = loss_only(run.events, run.labels)
     assert all(e.grad_norm is None and e.lr is None and e.update_norm is None for e in events)
     assert [e.loss for e in events][:50] == [e.loss for e in run.events][:50]
-    grad_only = [i for i, (e, lab) in enumerate(zip(run.events, run.labels))
-                 if lab.kind == "non_finite" and e.loss == e.loss and abs(e.loss) != float("inf")]
+    grad_only = [
+        i
+        for i, (e, lab) in enumerate(zip(run.events, run.labels))
+        if lab.kind == "non_finite" and e.loss == e.loss and abs(e.loss) != float("inf")
+    ]
     assert grad_only, "seed 4 has a non-finite gradient norm with a finite loss"
     assert all(not labels[i].label for i in grad_only)
     assert any(lab.label for lab in labels)
 
 
-EVALUATE_TWO_RUNS = ["-m", "spikeguard", "evaluate", "--seeds", "0", "--scenario", "stable",
-                     "sudden_spike", "--systems", "naive", "--json"]
+EVALUATE_TWO_RUNS = [
+    "-m",
+    "spikeguard",
+    "evaluate",
+    "--seeds",
+    "0",
+    "--scenario",
+    "stable",
+    "sudden_spike",
+    "--systems",
+    "naive",
+    "--json",
+]
 
 
 def test_evaluate_shows_progress_on_a_terminal_only(terminal_stderr):
@@ -134,4 +182,6 @@ def test_evaluate_shows_progress_on_a_terminal_only(terminal_stderr):
     assert "\revaluate:" in on_terminal and "run/s" in on_terminal  # tqdm's bar over the runs
     off_terminal = terminal_stderr(command, on_a_terminal=False)
     assert "\r" not in off_terminal and "run/s" not in off_terminal
-    assert off_terminal.count("\n") == 1 and off_terminal.startswith("evaluate: ")  # the summary alone
+    assert off_terminal.count("\n") == 1 and off_terminal.startswith(
+        "evaluate: "
+    )  # the summary alone

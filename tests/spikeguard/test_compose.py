@@ -40,9 +40,15 @@ _HEALTHCHECK = {
     "additionalProperties": False,
     "required": ["test"],
     "properties": {
-        "test": {"type": "array", "minItems": 2, "items": {"type": "string"},
-                 "prefixItems": [{"enum": ["CMD", "CMD-SHELL", "NONE"]}]},
-        "interval": _DURATION, "timeout": _DURATION, "start_period": _DURATION,
+        "test": {
+            "type": "array",
+            "minItems": 2,
+            "items": {"type": "string"},
+            "prefixItems": [{"enum": ["CMD", "CMD-SHELL", "NONE"]}],
+        },
+        "interval": _DURATION,
+        "timeout": _DURATION,
+        "start_period": _DURATION,
         "retries": {"type": "integer", "minimum": 1},
     },
 }
@@ -57,13 +63,31 @@ _SERVICE = {
         "restart": {"enum": ["no", "always", "on-failure", "unless-stopped"]},
         "ports": {"type": "array", "items": {"type": "string", "pattern": r"^\d+(:\d+)?$"}},
         "expose": {"type": "array", "items": {"type": "string", "pattern": r"^\d+$"}},
-        "environment": {"type": "object",
-                        "additionalProperties": {"type": ["string", "number", "boolean", "null"]}},
-        "volumes": {"type": "array", "items": {"type": "string", "pattern": r"^[^:]+:/[^:]*(:ro|:rw)?$"}},
-        "depends_on": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False, "required": ["condition"],
-            "properties": {"condition": {"enum": ["service_started", "service_healthy",
-                                                  "service_completed_successfully"]}}}},
+        "environment": {
+            "type": "object",
+            "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+        },
+        "volumes": {
+            "type": "array",
+            "items": {"type": "string", "pattern": r"^[^:]+:/[^:]*(:ro|:rw)?$"},
+        },
+        "depends_on": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["condition"],
+                "properties": {
+                    "condition": {
+                        "enum": [
+                            "service_started",
+                            "service_healthy",
+                            "service_completed_successfully",
+                        ]
+                    }
+                },
+            },
+        },
         "healthcheck": _HEALTHCHECK,
     },
 }
@@ -96,12 +120,30 @@ def test_the_schema_catches_the_usual_mistakes():
 
     good = compose()
     broken = [
-        {**good, "services": {**good["services"], "kafka": {**good["services"]["kafka"],
-                                                            "depend_on": ["x"]}}},
-        {**good, "services": {**good["services"], "rules": {**good["services"]["rules"],
-                              "depends_on": {"kafka": {"condition": "healthy"}}}}},
-        {**good, "services": {**good["services"], "kafka": {**good["services"]["kafka"],
-                              "healthcheck": {"test": ["RUN", "true"]}}}},
+        {
+            **good,
+            "services": {
+                **good["services"],
+                "kafka": {**good["services"]["kafka"], "depend_on": ["x"]},
+            },
+        },
+        {
+            **good,
+            "services": {
+                **good["services"],
+                "rules": {
+                    **good["services"]["rules"],
+                    "depends_on": {"kafka": {"condition": "healthy"}},
+                },
+            },
+        },
+        {
+            **good,
+            "services": {
+                **good["services"],
+                "kafka": {**good["services"]["kafka"], "healthcheck": {"test": ["RUN", "true"]}},
+            },
+        },
     ]
     for document in broken:
         with pytest.raises(jsonschema.ValidationError):
@@ -124,8 +166,10 @@ def test_dependencies_wait_for_health_and_volumes_exist():
                 assert (ROOT / source).exists(), f"{name}: {source} does not exist"
     assert any(v.endswith(":/var/lib/kafka/data") for v in services["kafka"]["volumes"])
     assert services["kafka"]["environment"]["KAFKA_LOG_DIRS"] == "/var/lib/kafka/data"
-    assert "${KAFKA_ADVERTISED_HOST:-localhost}" in (
-        services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"])
+    assert (
+        "${KAFKA_ADVERTISED_HOST:-localhost}"
+        in (services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"])
+    )
 
 
 def test_prometheus_discovers_every_service_that_serves_metrics():
@@ -134,8 +178,11 @@ def test_prometheus_discovers_every_service_that_serves_metrics():
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     (dns,) = job["dns_sd_configs"]
-    serving = {name for name, s in compose()["services"].items()
-               if "--metrics-port" in s.get("command", [])}
+    serving = {
+        name
+        for name, s in compose()["services"].items()
+        if "--metrics-port" in s.get("command", [])
+    }
     assert set(dns["names"]) == serving and dns["port"] == 9400
     for name in serving:
         assert "--metrics-port" in compose()["services"][name]["command"]
@@ -146,10 +193,16 @@ def test_every_worker_gets_the_signing_key_and_none_runs_without_it():
     from spikeguard.components import COMPONENTS
 
     services = compose()["services"]
-    workers = {name: s for name, s in services.items() if s.get("command", [])[:2] == ["spikeguard", "worker"]}
+    workers = {
+        name: s
+        for name, s in services.items()
+        if s.get("command", [])[:2] == ["spikeguard", "worker"]
+    }
     assert {s["command"][2] for s in workers.values()} == set(COMPONENTS)
     for name, service in workers.items():
         env = service.get("environment", {})
         # ${VAR:?message}: compose refuses to start rather than run a worker without the key.
-        assert re.fullmatch(r"\$\{SPIKEGUARD_SIGNING_KEY:\?[^}]+\}", env.get("SPIKEGUARD_SIGNING_KEY", "")), name
+        assert re.fullmatch(
+            r"\$\{SPIKEGUARD_SIGNING_KEY:\?[^}]+\}", env.get("SPIKEGUARD_SIGNING_KEY", "")
+        ), name
         assert "SPIKEGUARD_INSECURE" not in env and "--insecure" not in service["command"], name

@@ -40,7 +40,10 @@ def test_a_torn_last_line_keeps_everything_before_it(tmp_path):
     reopened.producer().publish("t", b"v3", key="k")
     reopened.close()
     assert [r.value for r in EmbeddedBus(partitions=1, data_dir=tmp_path).read_all("t")] == [
-        b"v0", b"v1", b"v2", b"v3"
+        b"v0",
+        b"v1",
+        b"v2",
+        b"v3",
     ]
 
 

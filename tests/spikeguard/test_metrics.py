@@ -42,14 +42,28 @@ def test_names_follow_prometheus_conventions():
 
 def test_last_step_and_per_run_decisions_and_actions():
     metrics, registry = _fresh()
-    observe_inputs(metrics, [("s", StepEvent(run_id="a", step=7, epoch=1, loss=2.0, grad_norm=3.0,
-                                             time=1000.0))])
-    decision = Decision(decision_id="d1", run_id="a", step=7, is_anomaly=True,
-                        urgency=Urgency.CRITICAL, incident_id="i1")
-    action = Action(action_id="x1", run_id="a", kind=ActionKind.ROLLBACK, apply_at_step=8,
-                    params={"target_step": 5})
-    verdict = Verdict(run_id="a", step=7, detector="predictor", is_anomaly=False,
-                      health=HealthLevel.CRITICAL)
+    observe_inputs(
+        metrics,
+        [("s", StepEvent(run_id="a", step=7, epoch=1, loss=2.0, grad_norm=3.0, time=1000.0))],
+    )
+    decision = Decision(
+        decision_id="d1",
+        run_id="a",
+        step=7,
+        is_anomaly=True,
+        urgency=Urgency.CRITICAL,
+        incident_id="i1",
+    )
+    action = Action(
+        action_id="x1",
+        run_id="a",
+        kind=ActionKind.ROLLBACK,
+        apply_at_step=8,
+        params={"target_step": 5},
+    )
+    verdict = Verdict(
+        run_id="a", step=7, detector="predictor", is_anomaly=False, health=HealthLevel.CRITICAL
+    )
     before = time.time()
     observe_outputs(metrics, [("d", decision), ("a", action), ("v", verdict)])
     get = registry.get_sample_value
@@ -57,8 +71,12 @@ def test_last_step_and_per_run_decisions_and_actions():
     assert get("spikeguard_run_last_step_timestamp_seconds", {"run_id": "a"}) == 1000.0
     assert get("spikeguard_run_epoch", {"run_id": "a"}) == 1
     assert get("spikeguard_run_decisions_total", {"run_id": "a", "urgency": "critical"}) == 1
-    assert get("spikeguard_run_last_decision_timestamp_seconds",
-               {"run_id": "a", "urgency": "critical"}) >= before
+    assert (
+        get(
+            "spikeguard_run_last_decision_timestamp_seconds", {"run_id": "a", "urgency": "critical"}
+        )
+        >= before
+    )
     assert get("spikeguard_run_actions_total", {"run_id": "a", "kind": "rollback"}) == 1
     assert get("spikeguard_run_health_level", {"run_id": "a"}) == 4
     assert get("spikeguard_runs_tracked") == 1
@@ -69,8 +87,21 @@ def test_a_runs_series_are_removed_when_it_ends_and_when_it_goes_silent():
     metrics.run_idle_s = 100.0
     for run in ("a", "b"):
         observe_inputs(metrics, [("s", StepEvent(run_id=run, step=1, loss=1.0, grad_norm=1.0))])
-        observe_outputs(metrics, [("d", Decision(decision_id=f"d-{run}", run_id=run, step=1,
-                                                 is_anomaly=True, urgency=Urgency.HIGH))])
+        observe_outputs(
+            metrics,
+            [
+                (
+                    "d",
+                    Decision(
+                        decision_id=f"d-{run}",
+                        run_id=run,
+                        step=1,
+                        is_anomaly=True,
+                        urgency=Urgency.HIGH,
+                    ),
+                )
+            ],
+        )
     metrics.forget_run("a")
     names = {s.labels.get("run_id") for f in registry.collect() for s in f.samples}
     assert "a" not in names and "b" in names
@@ -97,8 +128,13 @@ def test_consumer_lag_per_partition_on_the_embedded_bus():
     registry = CollectorRegistry()
     registry.register(LagCollector.for_bus(bus, "spikeguard."))
     for (group, topic, partition), value in lag.items():
-        assert registry.get_sample_value("spikeguard_consumer_lag_records", {
-            "group": group, "topic": topic, "partition": str(partition)}) == value
+        assert (
+            registry.get_sample_value(
+                "spikeguard_consumer_lag_records",
+                {"group": group, "topic": topic, "partition": str(partition)},
+            )
+            == value
+        )
 
 
 def test_a_lag_reader_that_fails_gives_no_samples_not_a_failed_scrape():
@@ -171,12 +207,18 @@ def test_the_embedded_guard_serves_metrics_when_asked(tmp_path, monkeypatch):
         runtime.close()
     run_lines = [line for line in text.splitlines() if 'run_id="demo-nan-0-' in line]
     assert any(line.startswith("spikeguard_run_last_step{") for line in run_lines)
-    assert any(line.startswith('spikeguard_run_last_decision_timestamp_seconds{')
-               and 'urgency="critical"' in line for line in run_lines)
+    assert any(
+        line.startswith("spikeguard_run_last_decision_timestamp_seconds{")
+        and 'urgency="critical"' in line
+        for line in run_lines
+    )
     assert "spikeguard_consumer_lag_records{" in text
     # The pipeline counts in its own process (the default): its series are read off the port.
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-               for line in text.splitlines() if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples["spikeguard_decision_latency_seconds_count"] > 0
     assert samples['spikeguard_action_round_trip_seconds_count{kind="rollback"}'] >= 1
     with pytest.raises(OSError):
@@ -185,9 +227,17 @@ def test_the_embedded_guard_serves_metrics_when_asked(tmp_path, monkeypatch):
 
 def test_steps_the_guard_re_ran_are_counted_by_outcome_and_go_with_the_run():
     metrics, registry = _fresh()
-    steps = [StepEvent(run_id="a", step=s, loss=1.0, grad_norm=1.0, rerun=rerun,
-                       skip_reason="transient" if rerun == "transient" else None)
-             for s, rerun in ((1, None), (2, "transient"), (3, "reproducible"), (4, "transient"))]
+    steps = [
+        StepEvent(
+            run_id="a",
+            step=s,
+            loss=1.0,
+            grad_norm=1.0,
+            rerun=rerun,
+            skip_reason="transient" if rerun == "transient" else None,
+        )
+        for s, rerun in ((1, None), (2, "transient"), (3, "reproducible"), (4, "transient"))
+    ]
     observe_inputs(metrics, [("s", e) for e in steps[:2]])
     observe_inputs(metrics, [("s", e) for e in steps[2:]])  # a second batch adds to the first
     get = registry.get_sample_value
@@ -204,13 +254,21 @@ def test_goodput_counts_each_step_once_and_itemises_the_badput():
     metrics, registry = _fresh()
     first = [StepEvent(run_id="g", step=s, loss=1.0, time=1000.0 + s) for s in range(1, 16)]
     first[6] = first[6].model_copy(update={"update_skipped": True, "skip_reason": "non_finite"})
-    rerun = [StepEvent(run_id="g", step=s, epoch=1, loss=1.0, time=1015.0 + (s - 10)) for s in range(11, 21)]
+    rerun = [
+        StepEvent(run_id="g", step=s, epoch=1, loss=1.0, time=1015.0 + (s - 10))
+        for s in range(11, 21)
+    ]
     for batch in (first, rerun):
         items = [("s", e) for e in batch]
         observe_inputs(metrics, items)
         observe_inputs(metrics, items)  # a second stage of the same process
-    skip = Action(action_id="k", run_id="g", kind=ActionKind.SKIP_BATCHES, apply_at_step=16,
-                  params={"from_step": 11, "to_step": 15, "extra": 3})
+    skip = Action(
+        action_id="k",
+        run_id="g",
+        kind=ActionKind.SKIP_BATCHES,
+        apply_at_step=16,
+        params={"from_step": 11, "to_step": 15, "extra": 3},
+    )
     observe_outputs(metrics, [("a", skip)])
     get = registry.get_sample_value
     assert get("spikeguard_run_steps_total", {"run_id": "g", "timeline": "first"}) == 20
@@ -229,30 +287,64 @@ def test_a_runs_lr_and_one_series_per_plan_of_actions_for_the_dashboard():
     is when it was issued, so the dashboard draws one mark there; a later plan adds its own."""
     metrics, registry = _fresh()
     get = registry.get_sample_value
-    observe_inputs(metrics, [("s", StepEvent(run_id="a", step=s, loss=1.0, lr=0.01 / s)) for s in (1, 2)])
+    observe_inputs(
+        metrics, [("s", StepEvent(run_id="a", step=s, loss=1.0, lr=0.01 / s)) for s in (1, 2)]
+    )
     assert get("spikeguard_run_lr", {"run_id": "a"}) == pytest.approx(0.005)
-    plan = [Action(action_id=f"p{i}", run_id="a", kind=kind, apply_at_step=9, params=params,
-                   decision_id="d9")
-            for i, (kind, params) in enumerate([
+    plan = [
+        Action(
+            action_id=f"p{i}",
+            run_id="a",
+            kind=kind,
+            apply_at_step=9,
+            params=params,
+            decision_id="d9",
+        )
+        for i, (kind, params) in enumerate(
+            [
                 (ActionKind.ROLLBACK, {"target_step": 5}),
                 (ActionKind.SKIP_BATCHES, {"from_step": 6, "to_step": 9, "extra": 2}),
-                (ActionKind.SCALE_LR, {"factor": 0.5})])]
+                (ActionKind.SCALE_LR, {"factor": 0.5}),
+            ]
+        )
+    ]
     before = time.time()
     observe_outputs(metrics, [("a", action) for action in plan])
-    issued = get("spikeguard_run_last_actions_timestamp_seconds",
-                 {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"})
+    issued = get(
+        "spikeguard_run_last_actions_timestamp_seconds",
+        {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"},
+    )
     assert before <= issued <= time.time()
-    series = [s for f in registry.collect() for s in f.samples
-              if s.name == "spikeguard_run_last_actions_timestamp_seconds"]
+    series = [
+        s
+        for f in registry.collect()
+        for s in f.samples
+        if s.name == "spikeguard_run_last_actions_timestamp_seconds"
+    ]
     assert len(series) == 1
-    restore = Action(action_id="r", run_id="a", kind=ActionKind.RESTORE_LR, apply_at_step=20,
-                     params={"factor": 2.0}, decision_id="d19")
+    restore = Action(
+        action_id="r",
+        run_id="a",
+        kind=ActionKind.RESTORE_LR,
+        apply_at_step=20,
+        params={"factor": 2.0},
+        decision_id="d19",
+    )
     observe_outputs(metrics, [("a", restore)])
-    assert get("spikeguard_run_last_actions_timestamp_seconds",
-               {"run_id": "a", "kinds": "restore_lr"}) >= issued
-    assert get("spikeguard_run_last_actions_timestamp_seconds",
-               {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"}) == issued
+    assert (
+        get("spikeguard_run_last_actions_timestamp_seconds", {"run_id": "a", "kinds": "restore_lr"})
+        >= issued
+    )
+    assert (
+        get(
+            "spikeguard_run_last_actions_timestamp_seconds",
+            {"run_id": "a", "kinds": "rollback+skip_batches+scale_lr"},
+        )
+        == issued
+    )
     metrics.forget_run("a")
     assert get("spikeguard_run_lr", {"run_id": "a"}) is None
-    assert get("spikeguard_run_last_actions_timestamp_seconds",
-               {"run_id": "a", "kinds": "restore_lr"}) is None
+    assert (
+        get("spikeguard_run_last_actions_timestamp_seconds", {"run_id": "a", "kinds": "restore_lr"})
+        is None
+    )

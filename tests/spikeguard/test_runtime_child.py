@@ -25,7 +25,16 @@ from spikeguard.producers import Guard
 from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import (
-    Ack, AckStatus, Action, ActionKind, DeadLetter, Decision, StepEvent, Topics, decode, encode,
+    Ack,
+    AckStatus,
+    Action,
+    ActionKind,
+    DeadLetter,
+    Decision,
+    StepEvent,
+    Topics,
+    decode,
+    encode,
 )
 from spikeguard.schemas.signing import verify_action
 from spikeguard.settings import load_settings
@@ -35,24 +44,41 @@ BAD_BATCHES = range(398, 406)
 
 
 def settings(**extra):
-    return load_settings({"topic_prefix": f"child-{uuid.uuid4().hex[:8]}.",
-                          "worker": {"embedded_process": True}, **extra}, env={})
+    return load_settings(
+        {
+            "topic_prefix": f"child-{uuid.uuid4().hex[:8]}.",
+            "worker": {"embedded_process": True},
+            **extra,
+        },
+        env={},
+    )
 
 
-def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(tmp_path, regression_loader, spiked_step):
+def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(
+    tmp_path, regression_loader, spiked_step
+):
     # (other tests' runtimes may have left daemon threads behind: only new ones count)
     before = {t.ident for t in threading.enumerate()}
     runtime = open_runtime(settings())
     try:
         assert runtime.workers == [] and runtime.threads == []  # no pipeline thread in this process
-        assert not [t for t in threading.enumerate() if t.name == "spikeguard-ml" and t.ident not in before]
+        assert not [
+            t for t in threading.enumerate() if t.name == "spikeguard-ml" and t.ident not in before
+        ]
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        config = GuardConfig(checkpoint_dir=str(tmp_path), lockstep=True, lockstep_timeout=30.0,
-                             data_seed=0, resume=False, signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="child", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path),
+            lockstep=True,
+            lockstep_timeout=30.0,
+            data_seed=0,
+            resume=False,
+            signing_key=runtime.settings.signing_key,
+        )
+        guard = Guard(
+            model, optimizer, run_id="child", config=config, bus=runtime.bus, topics=runtime.topics
+        )
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
@@ -77,8 +103,12 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
     try:
         bus, topics = runtime.bus, runtime.topics
         producer = bus.producer()
-        forged = [StepEvent(run_id="victim", step=s, time=1000.0 + s, loss=math.nan,
-                            grad_norm=math.nan, lr=1e-3) for s in range(3)]
+        forged = [
+            StepEvent(
+                run_id="victim", step=s, time=1000.0 + s, loss=math.nan, grad_norm=math.nan, lr=1e-3
+            )
+            for s in range(3)
+        ]
         for event in forged:  # the object itself too, as an in-process forger could hand it over
             producer.publish(topics.steps, encode(event), key=event.run_id, event=event)
         producer.flush()
@@ -88,9 +118,12 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
             if len(dead) >= 3 * 4:
                 break
             threading.Event().wait(0.1)
-        refused = sorted((d.consumer.rsplit(".", 1)[1], decode(d.value, StepEvent).step) for d in dead)
-        assert refused == sorted((name, s) for name in ("statistical", "rules", "ml", "predictor")
-                                 for s in range(3))
+        refused = sorted(
+            (d.consumer.rsplit(".", 1)[1], decode(d.value, StepEvent).step) for d in dead
+        )
+        assert refused == sorted(
+            (name, s) for name in ("statistical", "rules", "ml", "predictor") for s in range(3)
+        )
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert bus.read_all(topics.actions) == []
     finally:
@@ -109,20 +142,38 @@ def test_the_default_embedded_runtime_runs_the_pipeline_in_a_child_process():
 
 def _session(data_dir, prefix, tmp_path, steps):
     """One trainer session on ``data_dir``: open, train ``steps`` more steps of run "durable", close."""
-    runtime = open_runtime(load_settings({"topic_prefix": prefix, "data_dir": str(data_dir)}, env={}))
+    runtime = open_runtime(
+        load_settings({"topic_prefix": prefix, "data_dir": str(data_dir)}, env={})
+    )
     try:
         assert runtime.child is not None  # the default: the pipeline in a child process
         model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=True,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="durable", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_every=10,
+            resume=True,
+            signing_key=runtime.settings.signing_key,
+        )
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="durable",
+            config=config,
+            bus=runtime.bus,
+            topics=runtime.topics,
+        )
         first = guard.step_count
         _train(guard, model, optimizer, x, y, steps)
         bus, topics = runtime.bus, runtime.topics
-        assert _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
-                                                   for r in bus.read_all(topics.decisions))}
-                         >= set(range(first, first + steps)))
+        assert _wait_for(
+            lambda: (
+                {
+                    d.step
+                    for d in (decode(r.value, Decision) for r in bus.read_all(topics.decisions))
+                }
+                >= set(range(first, first + steps))
+            )
+        )
         guard.close()
     finally:
         runtime.close()
@@ -139,7 +190,9 @@ def test_data_dir_state_survives_a_restart_with_the_pipeline_in_a_child_process(
     assert _session(data_dir, prefix, tmp_path, 40) == 0
     saved = EmbeddedBus(data_dir=data_dir)
     # The child recorded the whole pipeline: the trainer's steps, the decisions, the workers' state.
-    assert sorted(decode(r.value, StepEvent).step for r in saved.read_all(topics.steps)) == list(range(40))
+    assert sorted(decode(r.value, StepEvent).step for r in saved.read_all(topics.steps)) == list(
+        range(40)
+    )
     assert saved.read_all(topics.state("statistical"))
     saved.close()
     assert _session(data_dir, prefix, tmp_path, 20) == 40  # the Guard resumed from its checkpoint
@@ -164,15 +217,26 @@ def _wait_for(check, rounds=600):
 def _tiny():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 8), torch.randn(32, 1)
+    return (
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        torch.randn(32, 8),
+        torch.randn(32, 1),
+    )
 
 
 def _guarded(runtime, tmp_path, run_id, key=None):
     """A tiny model's Guard on ``runtime`` (signing with the pipeline's key unless ``key``)."""
     model, optimizer, x, y = _tiny()
-    config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False,
-                         signing_key=key if key is not None else runtime.settings.signing_key)
-    guard = Guard(model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics)
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=0,
+        resume=False,
+        signing_key=key if key is not None else runtime.settings.signing_key,
+    )
+    guard = Guard(
+        model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics
+    )
     return guard, model, optimizer, x, y
 
 
@@ -194,20 +258,34 @@ def test_the_trainers_steps_go_down_as_fields_and_are_built_and_signed_in_the_ch
         _train(guard, model, optimizer, x, y, 60)
         guard.publisher.flush(10.0)
         bus, topics = runtime.bus, runtime.topics
-        decided = _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
-                                                      for r in bus.read_all(topics.decisions))
-                                     if d.run_id == "fields"} >= set(range(60)))
+        decided = _wait_for(
+            lambda: (
+                {
+                    d.step
+                    for d in (decode(r.value, Decision) for r in bus.read_all(topics.decisions))
+                    if d.run_id == "fields"
+                }
+                >= set(range(60))
+            )
+        )
         # The trainer's process neither built nor signed a step event: each went down as its
         # fields, and the child made, signed and judged it.
         assert decided
-        assert not [e for e, _ in VERIFIED_STEPS._marks.values() if e.run_id == "fields" and type(e) is StepEvent]
+        assert not [
+            e
+            for e, _ in VERIFIED_STEPS._marks.values()
+            if e.run_id == "fields" and type(e) is StepEvent
+        ]
         held = bus.read_all(topics.steps)
         assert len(held) == 60 and {type(r) for r in held} == {PendingStep}
         # Read here, a step is built and signed on demand, as the child made it.
         steps = [r.decoded(StepEvent) for r in held]
         assert sorted(s.step for s in steps) == list(range(60))
-        assert all(step_signature_problem(decode(encode(s), StepEvent), runtime.settings.signing_key)
-                   is None for s in steps)
+        assert all(
+            step_signature_problem(decode(encode(s), StepEvent), runtime.settings.signing_key)
+            is None
+            for s in steps
+        )
         assert guard.publisher.sent >= 60 and guard.publisher.failed == 0
         assert bus.read_all(topics.dlq) == []
         guard.close()
@@ -226,12 +304,18 @@ def test_a_guard_with_another_key_is_not_vouched_for_by_the_child(tmp_path):
         _train(guard, model, optimizer, x, y, 3)
         guard.publisher.flush(10.0)
         bus, topics = runtime.bus, runtime.topics
+
         # Its steps are published (signed with its own key) as before, and refused as before.
         def letters(topic):
-            return [d for d in (decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq))
-                    if d.source_topic == topic]
+            return [
+                d
+                for d in (decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq))
+                if d.source_topic == topic
+            ]
 
-        dead = _wait_for(lambda: letters(topics.steps) if len(letters(topics.steps)) >= 3 * 4 else None)
+        dead = _wait_for(
+            lambda: letters(topics.steps) if len(letters(topics.steps)) >= 3 * 4 else None
+        )
         assert len(bus.read_all(topics.steps)) == 3
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert sorted({decode(d.value, StepEvent).step for d in dead}) == [0, 1, 2]
@@ -252,10 +336,16 @@ def test_fields_that_make_no_step_go_to_the_dlq_and_the_child_goes_on():
         assert child.ship_fields(topics.steps, [dict(run_id="good", step=0, loss=1.0)], key)
         dead = _wait_for(lambda: [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)])
         assert [(d.error, d.key, d.consumer) for d in dead] == [
-            ("ValidationError", "bad", "spikeguard.bridge")]
+            ("ValidationError", "bad", "spikeguard.bridge")
+        ]
         assert "step" in dead[0].reason
-        assert _wait_for(lambda: [r for r in bus.read_all(topics.decisions)
-                                  if decode(r.value, Decision).run_id == "good"])
+        assert _wait_for(
+            lambda: [
+                r
+                for r in bus.read_all(topics.decisions)
+                if decode(r.value, Decision).run_id == "good"
+            ]
+        )
         # Not for another topic, nor with another key: those the child does not take.
         assert not child.ship_fields(topics.acks, [dict(run_id="good", step=1, loss=1.0)], key)
         assert not child.ship_fields(topics.steps, [dict(run_id="good", step=1, loss=1.0)], "other")
@@ -280,8 +370,13 @@ def test_a_child_that_dies_is_reported_and_training_goes_on(tmp_path, caplog):
     finally:
         runtime.close()
     assert "exited with code -9" in runtime.child.problem
-    assert [r for r in caplog.records if r.levelname == "ERROR"
-            and "exited with code -9" in r.getMessage() and "local protections" in r.getMessage()]
+    assert [
+        r
+        for r in caplog.records
+        if r.levelname == "ERROR"
+        and "exited with code -9" in r.getMessage()
+        and "local protections" in r.getMessage()
+    ]
 
 
 def test_a_burst_of_records_crosses_the_bridge_in_one_message():
@@ -293,14 +388,17 @@ def test_a_burst_of_records_crosses_the_bridge_in_one_message():
     bus, topics = EmbeddedBus(partitions=1), Topics()
     bus.create_topics([topics.decisions])
     read, write = Pipe(duplex=False)
-    forwarder = Forwarder(bus, [topics.decisions], "bridge", Link(write), linger_s=0.001,
-                          max_linger_s=0.5)
+    forwarder = Forwarder(
+        bus, [topics.decisions], "bridge", Link(write), linger_s=0.001, max_linger_s=0.5
+    )
     producer = bus.producer()
     for i in range(200):
         producer.publish(topics.decisions, b"d%d" % i, key="r")
     assert forwarder.forward_once(0) == 200
     kind, batch = read.recv()
-    assert kind == RECORDS and [value for _, _, value, _, _ in batch] == [b"d%d" % i for i in range(200)]
+    assert kind == RECORDS and [value for _, _, value, _, _ in batch] == [
+        b"d%d" % i for i in range(200)
+    ]
     assert not read.poll(0)  # one message for the whole burst
     assert forwarder.forward_once(0) == 0 and not read.poll(0)  # committed: nothing twice
 
@@ -361,11 +459,21 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
         guard, model, optimizer, x, y = _guarded(runtime, tmp_path, "served")
         _train(guard, model, optimizer, x, y, 30)
         guard.publisher.flush(10.0)
-        def served(text: str) -> bool:  # every step seen, and consumed by the ml worker (its own pace)
-            consumed = [line for line in text.splitlines() if line.startswith("spikeguard_records_consumed_total{")
-                        and f'component="ml",topic="{prefix}steps"' in line]
-            return ('spikeguard_run_last_step{run_id="served"} 29.0' in text and bool(consumed)
-                    and float(consumed[0].rsplit(" ", 1)[1]) >= 30)
+
+        def served(
+            text: str,
+        ) -> bool:  # every step seen, and consumed by the ml worker (its own pace)
+            consumed = [
+                line
+                for line in text.splitlines()
+                if line.startswith("spikeguard_records_consumed_total{")
+                and f'component="ml",topic="{prefix}steps"' in line
+            ]
+            return (
+                'spikeguard_run_last_step{run_id="served"} 29.0' in text
+                and bool(consumed)
+                and float(consumed[0].rsplit(" ", 1)[1]) >= 30
+            )
 
         text = _wait_for(lambda: (lambda t: t if served(t) else None)(_scrape(port)))
         guard.close()
@@ -375,11 +483,22 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
     lines = text.splitlines()
     assert 'spikeguard_trainer_unprotected{run_id="served"} 1.0' in lines  # the trainer's own
     # Consumer lag of both buses: the workers' groups (child) and the bridge's (trainer).
-    assert any(f'group="{prefix}ml"' in line for line in lines if line.startswith("spikeguard_consumer_lag"))
-    assert any(f'group="{prefix}bridge"' in line and f'topic="{prefix}steps"' in line for line in lines
-               if line.startswith("spikeguard_consumer_lag"))
-    consumed = [line for line in lines if line.startswith("spikeguard_records_consumed_total{")
-                and f'component="ml",topic="{prefix}steps"' in line]
+    assert any(
+        f'group="{prefix}ml"' in line
+        for line in lines
+        if line.startswith("spikeguard_consumer_lag")
+    )
+    assert any(
+        f'group="{prefix}bridge"' in line and f'topic="{prefix}steps"' in line
+        for line in lines
+        if line.startswith("spikeguard_consumer_lag")
+    )
+    consumed = [
+        line
+        for line in lines
+        if line.startswith("spikeguard_records_consumed_total{")
+        and f'component="ml",topic="{prefix}steps"' in line
+    ]
     assert consumed and float(consumed[0].rsplit(" ", 1)[1]) >= 30
     # One family per name, though both processes declare every family.
     types = [line for line in lines if line.startswith("# TYPE ")]
@@ -389,11 +508,16 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
         _scrape(port)  # closed with the runtime
     # After close, the child's final counts stay readable in the trainer's process.
     final = {m.name: m for m in runtime.child.metrics()}
-    assert any(s.value >= 30 for s in final["spikeguard_records_consumed"].samples
-               if s.labels.get("component") == "ml")
+    assert any(
+        s.value >= 30
+        for s in final["spikeguard_records_consumed"].samples
+        if s.labels.get("component") == "ml"
+    )
 
 
-def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(tmp_path, monkeypatch, caplog):
+def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(
+    tmp_path, monkeypatch, caplog
+):
     import logging
     import sys
 
@@ -403,22 +527,43 @@ def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(tmp_p
         runtime = open_runtime(settings(data_dir=str(data_dir)))
     try:
         assert runtime.child is None
-        assert {w.stage.name for w in runtime.workers} >= {"statistical", "ml", "fusion", "actuator"}
+        assert {w.stage.name for w in runtime.workers} >= {
+            "statistical",
+            "ml",
+            "fusion",
+            "actuator",
+        }
         said = [r for r in caplog.records if r.name == "spikeguard.runtime"]
         assert [r.levelname for r in said] == ["INFO"] and "threads" in said[0].getMessage()
         assert "no-such-python" in said[0].getMessage()
         # Threads record into data_dir themselves, and judge the trainer's steps.
         assert runtime.bus.data_dir == data_dir
         model, optimizer, x, y = _tiny()
-        config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0, resume=False,
-                             signing_key=runtime.settings.signing_key)
-        guard = Guard(model, optimizer, run_id="threads", config=config, bus=runtime.bus,
-                      topics=runtime.topics)
+        config = GuardConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_every=0,
+            resume=False,
+            signing_key=runtime.settings.signing_key,
+        )
+        guard = Guard(
+            model,
+            optimizer,
+            run_id="threads",
+            config=config,
+            bus=runtime.bus,
+            topics=runtime.topics,
+        )
         _train(guard, model, optimizer, x, y, 20)
         bus, topics = runtime.bus, runtime.topics
-        assert _wait_for(lambda: {d.step for d in (decode(r.value, Decision)
-                                                   for r in bus.read_all(topics.decisions))}
-                         >= set(range(20)))
+        assert _wait_for(
+            lambda: (
+                {
+                    d.step
+                    for d in (decode(r.value, Decision) for r in bus.read_all(topics.decisions))
+                }
+                >= set(range(20))
+            )
+        )
         guard.close()
     finally:
         runtime.close()

@@ -58,22 +58,35 @@ def test_embedded_makes_a_random_key_per_process():
 
 
 @pytest.mark.pipeline
-def test_embedded_guard_refuses_an_unsigned_stop_and_obeys_its_own_pipeline(tmp_path, monkeypatch, caplog):
+def test_embedded_guard_refuses_an_unsigned_stop_and_obeys_its_own_pipeline(
+    tmp_path, monkeypatch, caplog
+):
     """Guard(connect=True) on the embedded bus: the in-process actuator's key is the guard's."""
     for name in ("SPIKEGUARD_BOOTSTRAP_SERVERS", "SPIKEGUARD_SIGNING_KEY", "SPIKEGUARD_INSECURE"):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, run_id="trust-embedded",
-                  config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False))
+    guard = Guard(
+        model,
+        optimizer,
+        run_id="trust-embedded",
+        config=GuardConfig(checkpoint_dir=str(tmp_path), resume=False),
+    )
     try:
         assert guard.signer.key is not None and guard.actions.signer is guard.signer
         assert guard.signer.key == guard._runtime.settings.signing_key
-        forged = Action(action_id="forged-stop", run_id="trust-embedded", kind=ActionKind.STOP,
-                        apply_at_step=0, params={"reason": "someone else"})
+        forged = Action(
+            action_id="forged-stop",
+            run_id="trust-embedded",
+            kind=ActionKind.STOP,
+            apply_at_step=0,
+            params={"reason": "someone else"},
+        )
         producer = guard.bus.producer()
-        producer.publish(guard.topics.actions, forged.model_dump_json().encode(), key="trust-embedded")
+        producer.publish(
+            guard.topics.actions, forged.model_dump_json().encode(), key="trust-embedded"
+        )
         producer.flush()
         x, y = torch.randn(16, 4), torch.randn(16, 1)
         deadline = time.monotonic() + 30

@@ -39,8 +39,13 @@ class Batch:
     lengths are summed exactly, so sums do not depend on the batch.
     """
 
-    def __init__(self, features: RollingFeatures, events: Sequence[StepEvent], floor: float,
-                 history: StateHistory[Any]) -> None:
+    def __init__(
+        self,
+        features: RollingFeatures,
+        events: Sequence[StepEvent],
+        floor: float,
+        history: StateHistory[Any],
+    ) -> None:
         """``features``: the run's, before the batch (copied, never changed)."""
         self.events = events
         ahead = features.copy()

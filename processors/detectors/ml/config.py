@@ -30,8 +30,10 @@ class MLConfig(BaseModel):
     )
     buffer_size: int = Field(1024, ge=16, description="newest healthy rows the forest is fitted on")
     refit_every: int = Field(
-        3000, ge=16, description="healthy rows between refits once the buffer is full: a fit and "
-        "its calibration cost ~12 ms, ~4 us a step at 3000, and the features follow the run between"
+        3000,
+        ge=16,
+        description="healthy rows between refits once the buffer is full: a fit and "
+        "its calibration cost ~12 ms, ~4 us a step at 3000, and the features follow the run between",
     )
     n_estimators: int = Field(50, ge=1, le=1000, description="trees in the forest")
     max_samples: int = Field(256, ge=2, description="rows drawn per tree (depth limit log2 of it)")
@@ -52,6 +54,8 @@ class MLConfig(BaseModel):
         0.95, ge=0.0, le=1.0, description="confidence of the verdict on a NaN/Inf step"
     )
     release_idle_s: float = Field(
-        300.0, gt=0.0, description="in a worker, a run with no step for this long gives back its "
-        "forest (~35 kB); its next step refits it from the same rows and seed: same verdicts"
+        300.0,
+        gt=0.0,
+        description="in a worker, a run with no step for this long gives back its "
+        "forest (~35 kB); its next step refits it from the same rows and seed: same verdicts",
     )

@@ -85,14 +85,31 @@ _RESIDUALS = [ML_FEATURES.index(n) for n in ("loss_z", "loss_step", "grad_z", "u
 class MLState:
     """One run's features, the forest's training rows, the forest, and the layer-share model."""
 
-    __slots__ = ("features", "fitted", "arena", "pending", "since", "fits", "forest", "threshold",
-                 "median", "ceiling", "row", "healthy", "layers")
+    __slots__ = (
+        "features",
+        "fitted",
+        "arena",
+        "pending",
+        "since",
+        "fits",
+        "forest",
+        "threshold",
+        "median",
+        "ceiling",
+        "row",
+        "healthy",
+        "layers",
+    )
 
     def __init__(self, features: RollingFeatures, layers: LayerShares) -> None:
         self.features = features
         self.layers = layers
-        self.fitted = np.zeros((0, _WIDTH), dtype=np.float32)  # rows the current forest was fitted on
-        self.arena: Arena | None = None  # the block ``fitted`` is a window of, while the buffer fills
+        self.fitted = np.zeros(
+            (0, _WIDTH), dtype=np.float32
+        )  # rows the current forest was fitted on
+        self.arena: Arena | None = (
+            None  # the block ``fitted`` is a window of, while the buffer fills
+        )
         self.since = 0  # healthy rows since that fit
         self.pending = Rows(_WIDTH)  # ... the newest of which the next fit will use
         self.fits = 0
@@ -156,10 +173,15 @@ class MLDetector(Detector[MLState]):
         # The rows of a batch are known before any of it is judged (features depend on
         # earlier events only, never on verdicts), so the forest walks them in one pass.
         state = self.state
-        if (len(events) < 2 or any(event.epoch != self.epoch for event in events)
-                or self._rows_unread(state)):  # no rows to compute ahead
+        if (
+            len(events) < 2
+            or any(event.epoch != self.epoch for event in events)
+            or self._rows_unread(state)
+        ):  # no rows to compute ahead
             return super().update_many(events)
-        batch = self._batch = _Batch(state.features, events, -self.config.downside_clip, self.history)
+        batch = self._batch = _Batch(
+            state.features, events, -self.config.downside_clip, self.history
+        )
         out = []
         try:
             for i, event in enumerate(events):
@@ -229,7 +251,9 @@ class MLDetector(Detector[MLState]):
         c = self.config
         if not state.fits:
             return c.warmup_steps
-        if len(state.fitted) < c.buffer_size:  # refit often while the buffer fills: early runs drift fast
+        if (
+            len(state.fitted) < c.buffer_size
+        ):  # refit often while the buffer fills: early runs drift fast
             return min(c.warmup_steps, c.refit_every)
         return c.refit_every
 
@@ -251,7 +275,8 @@ class MLDetector(Detector[MLState]):
                 state.fitted, state.arena = state.pending.freeze()[-size:], None
             else:  # the buffer fills: the previous fit's rows and these, one block for all
                 state.arena, state.fitted = Arena.extend(
-                    state.arena, state.fitted, state.pending.matrix(), size, size + due)
+                    state.arena, state.fitted, state.pending.matrix(), size, size + due
+                )
                 state.pending.moved_to(state.fitted[len(state.fitted) - len(state.pending) :])
             state.pending = Rows(_WIDTH, size)
             state.since = 0
@@ -295,13 +320,19 @@ class MLDetector(Detector[MLState]):
     # -- verdicts ------------------------------------------------------------
     def _plain(self, event: StepEvent, why: str) -> Verdict:
         bad = why == "non_finite"
-        return validate_verdict({
-            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-            "detector": self.name, "is_anomaly": bad,
-            "type": AnomalyType.ML_OUTLIER if bad else AnomalyType.NONE,
-            "confidence": self.config.nonfinite_confidence if bad else 0.0,
-            "rules": ["non_finite"] if bad else [], "signals": {why: 1},
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": bad,
+                "type": AnomalyType.ML_OUTLIER if bad else AnomalyType.NONE,
+                "confidence": self.config.nonfinite_confidence if bad else 0.0,
+                "rules": ["non_finite"] if bad else [],
+                "signals": {why: 1},
+            }
+        )
 
     def _judged(self, event: StepEvent, state: MLState, score: float, loss_z: float) -> Verdict:
         threshold = state.threshold
@@ -312,34 +343,52 @@ class MLDetector(Detector[MLState]):
         else:
             span = max(threshold - state.median, 1e-9)
             confidence = min(max(0.5 * (score - state.median) / span, 0.0), 0.5)
-        return validate_verdict({
-            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-            "detector": self.name, "is_anomaly": outlier,
-            "type": AnomalyType.ML_OUTLIER if outlier else AnomalyType.NONE,
-            "confidence": confidence, "rules": ["isolation_forest"] if outlier else [],
-            "signals": {"score": score, "threshold": threshold, "loss_z": loss_z},
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": outlier,
+                "type": AnomalyType.ML_OUTLIER if outlier else AnomalyType.NONE,
+                "confidence": confidence,
+                "rules": ["isolation_forest"] if outlier else [],
+                "signals": {"score": score, "threshold": threshold, "loss_z": loss_z},
+            }
+        )
 
-    def _blowup(self, event: StepEvent, state: MLState, found: LayerFinding,
-                row: np.ndarray | str) -> Verdict:
+    def _blowup(
+        self, event: StepEvent, state: MLState, found: LayerFinding, row: np.ndarray | str
+    ) -> Verdict:
         """A layer-local blow-up: which layer, its share before and now, and what the rest did."""
         signals: dict[str, Any] = {
-            "layer": found.layer, "share": round(found.share, 4),
-            "share_before": round(found.share_before, 4), "share_z": round(found.z, 2),
+            "layer": found.layer,
+            "share": round(found.share, 4),
+            "share_before": round(found.share_before, 4),
+            "share_z": round(found.z, 2),
             "grad_ratio": round(found.grad_ratio, 3),
         }
         if not isinstance(row, str):  # the loss (and update size) beside it, in noise s.d.
             signals["loss_z"] = round(float(row[0]), 3)
             if event.update_norm is not None:
                 signals["update_z"] = round(float(row[ML_FEATURES.index("update_z")]), 3)
-        return validate_verdict({
-            "run_id": event.run_id, "step": event.step, "epoch": event.epoch,
-            "detector": self.name, "is_anomaly": True, "type": AnomalyType.LAYER_BLOWUP,
-            "confidence": state.layers.confidence(found), "rules": ["layer_share"],
-            "message": f"{found.layer} carries {found.share:.0%} of the squared gradient norm "
-                       f"(baseline {found.share_before:.1%}); total norm x{found.grad_ratio:.2f}",
-            "signals": signals, "loss": event.loss, "grad_norm": event.grad_norm,
-        })
+        return validate_verdict(
+            {
+                "run_id": event.run_id,
+                "step": event.step,
+                "epoch": event.epoch,
+                "detector": self.name,
+                "is_anomaly": True,
+                "type": AnomalyType.LAYER_BLOWUP,
+                "confidence": state.layers.confidence(found),
+                "rules": ["layer_share"],
+                "message": f"{found.layer} carries {found.share:.0%} of the squared gradient norm "
+                f"(baseline {found.share_before:.1%}); total norm x{found.grad_ratio:.2f}",
+                "signals": signals,
+                "loss": event.loss,
+                "grad_norm": event.grad_norm,
+            }
+        )
 
     # -- state ---------------------------------------------------------------
     # Snapshots: features and layers pickled (~0.5 kB); fitted rows and ``pending`` shared (a refit
@@ -390,12 +439,15 @@ class MLDetector(Detector[MLState]):
         state.features.load_state_dict(data["features"])
         state.layers.load_state_dict(data["layers"])
         state.fits = int(data["fits"])
-        state.fitted = np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH).astype(np.float32)
+        state.fitted = (
+            np.array(data["fitted"], dtype=np.float64).reshape(-1, _WIDTH).astype(np.float32)
+        )
         rows = data["pending"]
         state.since = int(data.get("since_fit", len(rows)))
         kept = max(0, state.since - self._skipped(state))  # a version 2 state kept them all
-        state.pending = Rows.from_rows(_WIDTH, rows[len(rows) - kept :] if kept else [],
-                                       self.config.buffer_size)
+        state.pending = Rows.from_rows(
+            _WIDTH, rows[len(rows) - kept :] if kept else [], self.config.buffer_size
+        )
         if state.fits:
             self._build(state)
         return state

@@ -49,7 +49,9 @@ def fit_forest(rows: np.ndarray, n_estimators: int, max_samples: int, seed: int)
     """The compiled forest ``IsolationForest(n_estimators, max_samples, random_state=seed)`` fits."""
     from sklearn.utils.random import sample_without_replacement
 
-    x = np.ascontiguousarray(rows, dtype=np.float32)  # what IsolationForest's validation makes of them
+    x = np.ascontiguousarray(
+        rows, dtype=np.float32
+    )  # what IsolationForest's validation makes of them
     n, width = x.shape
     y = np.random.RandomState(seed).uniform(size=n)  # iforest's dummy target, drawn the same way
     draws = min(max_samples, n)
@@ -74,8 +76,9 @@ class _Grown(NamedTuple):
     tree_: object  # sklearn's Tree, as a fitted estimator holds it
 
 
-def _grow_public(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
-                 rng: np.random.RandomState) -> object:
+def _grow_public(
+    x: np.ndarray, y: np.ndarray, depth: int, seed: int, rng: np.random.RandomState
+) -> object:
     """One tree through ``ExtraTreeRegressor.fit``, its checks skipped (the rows are finite)."""
     import sklearn
     from sklearn.tree import ExtraTreeRegressor
@@ -86,8 +89,9 @@ def _grow_public(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
     return tree
 
 
-def _grow_direct(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
-                 rng: np.random.RandomState) -> object:
+def _grow_direct(
+    x: np.ndarray, y: np.ndarray, depth: int, seed: int, rng: np.random.RandomState
+) -> object:
     """What ``ExtraTreeRegressor(max_features=1, splitter="random", max_depth=depth,
     random_state=seed).fit(x, y)`` builds, straight from sklearn's tree builder.
 
@@ -107,11 +111,14 @@ def _grow_direct(x: np.ndarray, y: np.ndarray, depth: int, seed: int,
     splitter = RandomSplitter(MSE(1, n), 1, 1, 0.0, rng, None)
     tree = Tree(width, np.ones(1, dtype=np.intp), 1)
     DepthFirstTreeBuilder(splitter, 2, 1, 0.0, depth, 0.0).build(
-        tree, x, np.ascontiguousarray(y.reshape(-1, 1), dtype=np.float64), None, None)
+        tree, x, np.ascontiguousarray(y.reshape(-1, 1), dtype=np.float64), None, None
+    )
     return _Grown(tree)
 
 
-def _grow(x: np.ndarray, y: np.ndarray, depth: int, seed: int, rng: np.random.RandomState) -> object:
+def _grow(
+    x: np.ndarray, y: np.ndarray, depth: int, seed: int, rng: np.random.RandomState
+) -> object:
     global _grow_with
     try:
         return _grow_with(x, y, depth, seed, rng)
@@ -193,8 +200,9 @@ class CompiledForest:
         features = np.concatenate([t.feature[: t.node_count] for t in trees])[split]
         self.feature = np.concatenate((features, np.zeros(len(sinks)))).astype(np.uint8)
         thresholds = np.concatenate([t.threshold[: t.node_count] for t in trees])[split]
-        self.threshold = np.concatenate((_round_down_f32(thresholds),
-                                         np.full(len(sinks), np.inf, dtype=np.float32)))
+        self.threshold = np.concatenate(
+            (_round_down_f32(thresholds), np.full(len(sinks), np.inf, dtype=np.float32))
+        )
         self.roots = entry[starts].astype(index)
         self.splits = splits
         self.depth = int(depth.max())
@@ -203,8 +211,17 @@ class CompiledForest:
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays: what a run's live forest costs."""
-        return sum(a.nbytes for a in (self.left, self.right, self.feature, self.threshold,
-                                      self.leaf_value, self.roots))
+        return sum(
+            a.nbytes
+            for a in (
+                self.left,
+                self.right,
+                self.feature,
+                self.threshold,
+                self.leaf_value,
+                self.roots,
+            )
+        )
 
     def path_sums(self, rows: np.ndarray) -> np.ndarray:
         """Sum over trees of each row's path length (exact; smaller = more isolated)."""

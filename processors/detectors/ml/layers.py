@@ -48,22 +48,37 @@ class LayerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     warmup_steps: int = Field(
-        100, ge=2, description="steps with layer norms before any verdict: the first steps of "
-        "training reshuffle the shares quickly"
+        100,
+        ge=2,
+        description="steps with layer norms before any verdict: the first steps of "
+        "training reshuffle the shares quickly",
     )
-    alpha: float = Field(0.02, gt=0.0, le=1.0, description="EW weight of the baselines (~50-step memory)")
+    alpha: float = Field(
+        0.02, gt=0.0, le=1.0, description="EW weight of the baselines (~50-step memory)"
+    )
     z_threshold: float = Field(
-        6.0, gt=0.0, description="a layer's log share this many of its noise s.d. above its baseline"
+        6.0,
+        gt=0.0,
+        description="a layer's log share this many of its noise s.d. above its baseline",
     )
     z_persist: float = Field(
-        3.0, gt=0.0, description="... or this many on this step and the step before (the same layer)"
+        3.0,
+        gt=0.0,
+        description="... or this many on this step and the step before (the same layer)",
     )
-    min_ratio: float = Field(3.0, ge=1.0, description="... and at least this many times its baseline share")
+    min_ratio: float = Field(
+        3.0, ge=1.0, description="... and at least this many times its baseline share"
+    )
     min_gain: float = Field(
-        0.15, ge=0.0, lt=1.0, description="... and at least this much more of the squared total norm"
+        0.15,
+        ge=0.0,
+        lt=1.0,
+        description="... and at least this much more of the squared total norm",
     )
     min_sd: float = Field(
-        0.1, gt=0.0, description="floor of a share's noise s.d. (log units): a 10 % move is never news"
+        0.1,
+        gt=0.0,
+        description="floor of a share's noise s.d. (log units): a 10 % move is never news",
     )
     clip_z: float = Field(4.0, gt=0.0, description="winsorize learning at this many s.d.")
     max_layers: int = Field(64, ge=1, le=4096, description="tracked layers at most (state bound)")
@@ -140,14 +155,18 @@ class LayerShares:
         out = {}
         for name, share in shares.items():
             mean, var = self.layers.get(name, self.floor)
-            out[name] = (math.log(share) - mean) / (math.sqrt(var) if var > floor_sd * floor_sd else floor_sd)
+            out[name] = (math.log(share) - mean) / (
+                math.sqrt(var) if var > floor_sd * floor_sd else floor_sd
+            )
         return out
 
     def confidence(self, finding: LayerFinding) -> float:
         """``base_confidence`` at either threshold, 1 at twice it."""
         c = self.config
-        over = max((finding.z - c.z_threshold) / c.z_threshold,
-                   (min(finding.z, self.prev.get(finding.layer, -math.inf)) - c.z_persist) / c.z_persist)
+        over = max(
+            (finding.z - c.z_threshold) / c.z_threshold,
+            (min(finding.z, self.prev.get(finding.layer, -math.inf)) - c.z_persist) / c.z_persist,
+        )
         return min(1.0, c.base_confidence + (1.0 - c.base_confidence) * max(over, 0.0))
 
     def learn(self, grad_norm: float, shares: dict[str, float]) -> None:
@@ -170,7 +189,9 @@ class LayerShares:
         _ew(self.floor, low, c.alpha, clip, c.min_sd)
         _ew(self.total, lg, c.alpha, clip, c.min_sd)
         self.n += 1
-        if len(self.layers) > c.max_layers:  # forget the least important: it is near the floor anyway
+        if (
+            len(self.layers) > c.max_layers
+        ):  # forget the least important: it is near the floor anyway
             extra = len(self.layers) - c.max_layers
             for name in sorted(self.layers, key=lambda k: self.layers[k][0])[:extra]:
                 del self.layers[name]
@@ -184,9 +205,13 @@ class LayerShares:
         return twin
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "floor": list(self.floor), "total": list(self.total),
-                "layers": {name: list(track) for name, track in self.layers.items()},
-                "prev": dict(self.prev)}
+        return {
+            "n": self.n,
+            "floor": list(self.floor),
+            "total": list(self.total),
+            "layers": {name: list(track) for name, track in self.layers.items()},
+            "prev": dict(self.prev),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.n = int(state["n"])

@@ -105,8 +105,9 @@ class Arena:
         self.last: np.ndarray | None = None  # the newest window handed out
 
     @classmethod
-    def extend(cls, arena: Arena | None, fitted: np.ndarray, rows: np.ndarray, size: int,
-               capacity: int) -> tuple[Arena, np.ndarray]:
+    def extend(
+        cls, arena: Arena | None, fitted: np.ndarray, rows: np.ndarray, size: int, capacity: int
+    ) -> tuple[Arena, np.ndarray]:
         """The newest ``size`` rows of ``fitted`` then ``rows``, as a window of ``arena`` if
         ``fitted`` is its newest window and there is room, else of a new block of ``capacity``
         rows (``buffer_size`` plus a refit's rows: the fit that fills the buffer fits too);

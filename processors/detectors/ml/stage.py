@@ -23,8 +23,13 @@ from spikeguard.streaming.stage import Output
 class MLStage(DetectorStage):
     """steps -> verdicts for the ``ml`` detector; quiet runs' forests are released."""
 
-    def __init__(self, topics: Topics, factory: Callable[[str], MLDetector], release_idle_s: float,
-                 signing_key: SecretStr | None = None) -> None:
+    def __init__(
+        self,
+        topics: Topics,
+        factory: Callable[[str], MLDetector],
+        release_idle_s: float,
+        signing_key: SecretStr | None = None,
+    ) -> None:
         super().__init__(topics, "ml", factory, signing_key=signing_key)
         self.release_idle_s = release_idle_s
         # A sweep over every run costs ~1 ms per 10,000: a few per idle period is plenty.

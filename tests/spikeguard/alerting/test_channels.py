@@ -10,10 +10,19 @@ from spikeguard.alerting import Alert, AlertDeliveryError, EmailChannel, LogChan
 
 
 def _alert(**changes) -> Alert:
-    fields = dict(run_id="r1", incident_id="inc-1", step=120, epoch=0, type="loss_spike",
-                  urgency="critical", confidence=0.93, critical=True,
-                  detectors={"statistical": 0.9, "rules": 1.0}, rules=["nonfinite_loss"],
-                  time=1_700_000_000.0)
+    fields = dict(
+        run_id="r1",
+        incident_id="inc-1",
+        step=120,
+        epoch=0,
+        type="loss_spike",
+        urgency="critical",
+        confidence=0.93,
+        critical=True,
+        detectors={"statistical": 0.9, "rules": 1.0},
+        rules=["nonfinite_loss"],
+        time=1_700_000_000.0,
+    )
     fields.update(changes)
     return Alert(**fields)
 
@@ -41,8 +50,9 @@ def test_webhook_down_slow_and_refusing_are_delivery_errors(webhook, down_port):
 
 def test_email_over_smtp(smtp):
     box, port = smtp()
-    EmailChannel("127.0.0.1", port, "guard@example.org", ["ops@example.org", "ml@example.org"]
-                 ).send(_alert())
+    EmailChannel(
+        "127.0.0.1", port, "guard@example.org", ["ops@example.org", "ml@example.org"]
+    ).send(_alert())
     (envelope,) = box.messages
     assert envelope.mail_from == "guard@example.org"
     assert envelope.rcpt_tos == ["ops@example.org", "ml@example.org"]

@@ -38,18 +38,38 @@ def recorded(tmp_path_factory, wait_until, consumed_by):
         producer = runtime.bus.producer()
         for step in range(400):
             loss = math.nan if step in (300, 301) else healthy_loss(step)
-            producer.publish(runtime.topics.steps,
-                             encode(sign_step(StepEvent(run_id="rec", step=step, loss=loss),
-                                              runtime.settings.signing_key)), key="rec")
+            producer.publish(
+                runtime.topics.steps,
+                encode(
+                    sign_step(
+                        StepEvent(run_id="rec", step=step, loss=loss), runtime.settings.signing_key
+                    )
+                ),
+                key="rec",
+            )
             if step % 50 == 0 and 0 < step < 300:
-                producer.publish(runtime.topics.checkpoints, encode(sign(CheckpointEvent(  # as the trainer signs
-                    run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True), runtime.settings.signing_key)),
-                    key="rec")
+                producer.publish(
+                    runtime.topics.checkpoints,
+                    encode(
+                        sign(
+                            CheckpointEvent(  # as the trainer signs
+                                run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True
+                            ),
+                            runtime.settings.signing_key,
+                        )
+                    ),
+                    key="rec",
+                )
         producer.flush()
-        wait_until(lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400, "a decision on every step")
+        wait_until(
+            lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400,
+            "a decision on every step",
+        )
         decided = len(runtime.bus.read_all(runtime.topics.decisions))
-        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
-                   "the actuator took in every decision")
+        wait_until(
+            lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+            "the actuator took in every decision",
+        )
     return directory
 
 
@@ -77,8 +97,18 @@ def test_today_s_defaults_would_change_the_skip(recorded, capsys):
 
 
 def test_a_set_flag_that_removes_the_rollback_is_named(recorded, capsys):
-    assert main(["replay", "--data-dir", str(recorded),
-                 "--set", "policy.rollback_min_steps_before_onset=400"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--data-dir",
+                str(recorded),
+                "--set",
+                "policy.rollback_min_steps_before_onset=400",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "changed: policy.rollback_min_steps_before_onset" in out
     assert "decisions: 0 added, 0 removed, 0 changed" in out
@@ -87,13 +117,36 @@ def test_a_set_flag_that_removes_the_rollback_is_named(recorded, capsys):
 
 
 def test_render_names_changed_decisions_and_appearing_rollbacks():
-    before = [Decision(decision_id="a", run_id="r", step=5, is_anomaly=True, type="loss_spike",
-                       urgency=Urgency.HIGH)]
-    after = [Decision(decision_id="b", run_id="r", step=5, is_anomaly=True, type="non_finite",
-                      urgency=Urgency.CRITICAL),
-             Decision(decision_id="c", run_id="r", step=9, is_anomaly=True, urgency=Urgency.LOW)]
-    actions = [Action(action_id="x", run_id="r", kind=ActionKind.ROLLBACK, apply_at_step=6,
-                      params={"target_step": 1})]
+    before = [
+        Decision(
+            decision_id="a",
+            run_id="r",
+            step=5,
+            is_anomaly=True,
+            type="loss_spike",
+            urgency=Urgency.HIGH,
+        )
+    ]
+    after = [
+        Decision(
+            decision_id="b",
+            run_id="r",
+            step=5,
+            is_anomaly=True,
+            type="non_finite",
+            urgency=Urgency.CRITICAL,
+        ),
+        Decision(decision_id="c", run_id="r", step=9, is_anomaly=True, urgency=Urgency.LOW),
+    ]
+    actions = [
+        Action(
+            action_id="x",
+            run_id="r",
+            kind=ActionKind.ROLLBACK,
+            apply_at_step=6,
+            params={"target_step": 1},
+        )
+    ]
     lines = render(diff_decisions(before, after), diff_actions([], actions))
     assert lines[0] == "decisions: 1 added, 0 removed, 1 changed"
     assert "  ~ run r step 5 (epoch 0): loss_spike, high -> non_finite, critical" in lines

@@ -33,23 +33,47 @@ def tampered(tmp_path_factory, wait_until, consumed_by):
         producer = runtime.bus.producer()
         for step in range(400):
             loss = math.nan if step in (300, 301) else healthy_loss(step)
-            producer.publish(runtime.topics.steps, encode(sign(StepEvent(run_id="rec", step=step, loss=loss), KEY)),
-                             key="rec")
+            producer.publish(
+                runtime.topics.steps,
+                encode(sign(StepEvent(run_id="rec", step=step, loss=loss), KEY)),
+                key="rec",
+            )
             if step % 50 == 0 and 0 < step < 300:
-                producer.publish(runtime.topics.checkpoints, encode(sign(CheckpointEvent(
-                    run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True), KEY)), key="rec")
+                producer.publish(
+                    runtime.topics.checkpoints,
+                    encode(
+                        sign(
+                            CheckpointEvent(
+                                run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True
+                            ),
+                            KEY,
+                        )
+                    ),
+                    key="rec",
+                )
         producer.flush()
-        wait_until(lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400, "a decision on every step")
+        wait_until(
+            lambda: len(runtime.bus.read_all(runtime.topics.decisions)) >= 400,
+            "a decision on every step",
+        )
         decided = len(runtime.bus.read_all(runtime.topics.decisions))
-        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
-                   "the actuator took in every decision")
+        wait_until(
+            lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+            "the actuator took in every decision",
+        )
         topics = runtime.topics
     bus = EmbeddedBus(data_dir=str(directory))
     producer = bus.producer()
-    producer.publish(topics.checkpoints, encode(CheckpointEvent(
-        run_id="rec", step=290, checkpoint_id="forged-c290", healthy=True)), key="rec")
-    producer.publish(topics.steps, encode(sign(StepEvent(run_id="rec", step=399, loss=1e9),
-                                               "another-key-0123456789abcdef")), key="rec")
+    producer.publish(
+        topics.checkpoints,
+        encode(CheckpointEvent(run_id="rec", step=290, checkpoint_id="forged-c290", healthy=True)),
+        key="rec",
+    )
+    producer.publish(
+        topics.steps,
+        encode(sign(StepEvent(run_id="rec", step=399, loss=1e9), "another-key-0123456789abcdef")),
+        key="rec",
+    )
     producer.flush()
     bus.close()
     return directory
@@ -59,8 +83,10 @@ def test_with_the_key_the_forged_records_are_left_out_and_counted(tampered, caps
     monkeypatch.setenv("SPIKEGUARD_SIGNING_KEY", KEY)
     assert main(["replay", "--data-dir", str(tampered)]) == 0
     out = capsys.readouterr().out
-    assert "signatures checked: 2 record(s) not signed by their producer's key left out " \
-           "(checkpoints 1, steps 1)" in out, out
+    assert (
+        "signatures checked: 2 record(s) not signed by their producer's key left out "
+        "(checkpoints 1, steps 1)" in out
+    ), out
     assert "actions: 0 added, 0 removed, 0 changed" in out, out  # the rollback still targets c200
 
 
@@ -68,4 +94,7 @@ def test_without_a_key_the_unsigned_record_is_flagged(tampered, capsys, monkeypa
     monkeypatch.delenv("SPIKEGUARD_SIGNING_KEY", raising=False)
     assert main(["replay", "--data-dir", str(tampered)]) == 0
     out = capsys.readouterr().out
-    assert "signatures NOT checked (no signing key): 1 record(s) carry no signature (checkpoints 1)" in out, out
+    assert (
+        "signatures NOT checked (no signing key): 1 record(s) carry no signature (checkpoints 1)"
+        in out
+    ), out

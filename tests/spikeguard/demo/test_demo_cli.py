@@ -17,7 +17,14 @@ def test_demo_json_and_plot(tmp_path, capsys):
     png = tmp_path / "curve.png"
     assert main(["demo", "--fault", "nan", "--steps", "150", "--json", "--plot", str(png)]) == 0
     outcome = json.loads(capsys.readouterr().out)
-    for key in ("final_eval_loss", "steps", "incidents", "rollbacks", "skipped_batches", "actions_applied"):
+    for key in (
+        "final_eval_loss",
+        "steps",
+        "incidents",
+        "rollbacks",
+        "skipped_batches",
+        "actions_applied",
+    ):
         assert key in outcome
     assert outcome["steps"] == 150 and outcome["nonfinite_updates"] == 0
     data = png.read_bytes()

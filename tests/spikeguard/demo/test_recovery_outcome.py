@@ -33,11 +33,15 @@ def clean():
 @pytest.mark.parametrize("fault", ["spike", "nan", "divergence"])
 def test_guarded_run_ends_as_good_as_a_clean_run(fault, clean, tmp_path, capsys):
     recording = tmp_path / "rec"
-    with open_runtime(load_settings({**DEMO_SETTINGS, "data_dir": str(recording)}, env={})) as runtime:
+    with open_runtime(
+        load_settings({**DEMO_SETTINGS, "data_dir": str(recording)}, env={})
+    ) as runtime:
         guarded = run_demo(fault, seed=SEED, guarded=True, runtime=runtime)
     unguarded = run_demo(fault, seed=SEED, guarded=False)
-    print(f"{fault}: clean {clean:.4f} guarded {guarded.final_eval_loss:.4f} "
-          f"unguarded {unguarded.final_eval_loss:.4f} actions {guarded.actions_applied}")
+    print(
+        f"{fault}: clean {clean:.4f} guarded {guarded.final_eval_loss:.4f} "
+        f"unguarded {unguarded.final_eval_loss:.4f} actions {guarded.actions_applied}"
+    )
     assert guarded.steps == unguarded.steps == 300
     assert abs(guarded.final_eval_loss - clean) <= 0.02 * clean
     bad = unguarded.final_eval_loss

@@ -16,7 +16,9 @@ def _demo(fault, tmp_path):
     from spikeguard.runtime import open_runtime
     from spikeguard.settings import load_settings
 
-    runtime = open_runtime(load_settings({**DEMO_SETTINGS, "data_dir": str(tmp_path / "bus")}, env={}))
+    runtime = open_runtime(
+        load_settings({**DEMO_SETTINGS, "data_dir": str(tmp_path / "bus")}, env={})
+    )
     try:
         return run_demo(fault, seed=0, runtime=runtime, keep_incidents=str(tmp_path / "incidents"))
     finally:
@@ -26,8 +28,18 @@ def _demo(fault, tmp_path):
 def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsys):
     outcome = _demo("poison", tmp_path)
     assert len(outcome.planted) == 3 and outcome.incident_files
-    assert main(["inspect", outcome.incident_files[0], "--setup", "spikeguard.demo.model:inspect_setup",
-                 "--json"]) == 0  # written beside the record, where the report looks
+    assert (
+        main(
+            [
+                "inspect",
+                outcome.incident_files[0],
+                "--setup",
+                "spikeguard.demo.model:inspect_setup",
+                "--json",
+            ]
+        )
+        == 0
+    )  # written beside the record, where the report looks
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(outcome.planted) <= {row["sample_id"] for row in report["top"][:5]}
     assert set(outcome.planted) <= set(report["skip_ids"])
@@ -41,24 +53,48 @@ def test_the_poison_demo_names_its_planted_samples_and_the_layer(tmp_path, capsy
     # The planted inputs are x10^4 one-hot rows: the first layer's gradient is the one that blows up.
     assert onset.layers and onset.layers[0]["layer"] == "net.0.weight"
 
-    assert main(["report", "--data-dir", str(tmp_path / "bus"), "--out", str(tmp_path / "report"),
-                 "--incidents", str(tmp_path / "incidents")]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--data-dir",
+                str(tmp_path / "bus"),
+                "--out",
+                str(tmp_path / "report"),
+                "--incidents",
+                str(tmp_path / "incidents"),
+            ]
+        )
+        == 0
+    )
     page = next((tmp_path / "report").glob("*.html")).read_text()
     assert "net.0.weight: share" in page
     # the rollback's skip window names the samples it took out of the run: the planted ones
-    (window,) = [row for row in build_timeline(next(iter(load_directory(tmp_path / "bus").values())),
-                                               str(tmp_path / "incidents")).actions
-                 if row.kind == "skip_batches"]
+    (window,) = [
+        row
+        for row in build_timeline(
+            next(iter(load_directory(tmp_path / "bus").values())), str(tmp_path / "incidents")
+        ).actions
+        if row.kind == "skip_batches"
+    ]
     assert set(outcome.planted) <= set(window.skipped_samples)
     assert "samples of the window's steps (incident record): " in page
-    assert "top offenders (spikeguard inspect): " + ", ".join(
-        f"{row['sample_id']} (score {row['score']})" for row in report["top"][:5]) in page
+    assert (
+        "top offenders (spikeguard inspect): "
+        + ", ".join(f"{row['sample_id']} (score {row['score']})" for row in report["top"][:5])
+        in page
+    )
 
 
-def test_the_flaky_demo_re_runs_its_faulty_steps_as_transient_and_the_report_says_so(tmp_path, capsys):
+def test_the_flaky_demo_re_runs_its_faulty_steps_as_transient_and_the_report_says_so(
+    tmp_path, capsys
+):
     outcome = _demo("flaky", tmp_path)
     assert outcome.transient_steps == 3 and outcome.rollbacks == 0
-    assert main(["report", "--data-dir", str(tmp_path / "bus"), "--out", str(tmp_path / "report")]) == 0
+    assert (
+        main(["report", "--data-dir", str(tmp_path / "bus"), "--out", str(tmp_path / "report")])
+        == 0
+    )
     page = next((tmp_path / "report").glob("*.html")).read_text()
     assert "Re-run steps" in page and "Transient</b> (the re-run differed" in page
     assert "100 (epoch 0), 101 (epoch 0), 102 (epoch 0)" in page

@@ -10,7 +10,11 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-PLANTED = [100 * 32 + 5, 100 * 32 + 17, 100 * 32 + 29]  # one bad stretch of data: the batch of step 100
+PLANTED = [
+    100 * 32 + 5,
+    100 * 32 + 17,
+    100 * 32 + 29,
+]  # one bad stretch of data: the batch of step 100
 
 
 def _problem(seed: int = 0):
@@ -41,13 +45,30 @@ def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None,
     runtime = open_runtime(load_settings(DEMO_SETTINGS, env={}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     loader = DataLoader(dataset, batch_size=32, shuffle=False)  # the user's loader, as is
-    cfg = GuardConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=20, keep_checkpoints=4,
-                      resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                      signing_key=runtime.settings.signing_key, **(config_extra or {}))
-    guard = Guard(model, optimizer, None, run_id="forensics", bus=runtime.bus, topics=runtime.topics,
-                  config=cfg, policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
+    cfg = GuardConfig(
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=0,
+        healthy_stretch=10,
+        signing_key=runtime.settings.signing_key,
+        **(config_extra or {}),
+    )
+    guard = Guard(
+        model,
+        optimizer,
+        None,
+        run_id="forensics",
+        bus=runtime.bus,
+        topics=runtime.topics,
+        config=cfg,
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+    )
     try:
         for xb, yb in guard.data(loader, max_steps=steps, skip_ids=skip_ids):
+
             def closure(xb=xb, yb=yb):
                 loss = torch.nn.functional.mse_loss(model(xb), yb)
                 loss.backward()
@@ -79,8 +100,9 @@ def test_the_three_planted_samples_come_out_in_the_top_five(tmp_path):
     assert set(PLANTED) <= recorded  # the window's ids are the dataset's indices
 
     fresh, _ = _problem(seed=1)  # weights come from the incident's checkpoint, not from here
-    report = inspect_incident(incident, InspectSetup(fresh, dataset, _collate, _per_sample_loss),
-                              tmp_path / "out")
+    report = inspect_incident(
+        incident, InspectSetup(fresh, dataset, _collate, _per_sample_loss), tmp_path / "out"
+    )
     top5 = [row["sample_id"] for row in report["top"][:5]]
     assert set(PLANTED) <= set(top5), top5
     assert set(PLANTED) <= set(report["skip_ids"])
@@ -98,9 +120,14 @@ def test_the_three_planted_samples_come_out_in_the_top_five(tmp_path):
             return super().__getitem__(index)
 
     model, dataset = _problem()
-    again = _guarded_run(tmp_path / "again", model, Watched(*dataset.tensors), steps=140,
-                         config_extra={"skip_outliers": False},
-                         skip_ids=next((tmp_path / "out").glob("inspect-*.json")))
+    again = _guarded_run(
+        tmp_path / "again",
+        model,
+        Watched(*dataset.tensors),
+        steps=140,
+        config_extra={"skip_outliers": False},
+        skip_ids=next((tmp_path / "out").glob("inspect-*.json")),
+    )
     assert Watched.read and not set(PLANTED) & Watched.read
     assert again.counters["rollbacks"] == 0
 
@@ -112,14 +139,18 @@ def _clean():
     return model, TensorDataset(x, dataset.tensors[1])
 
 
-def test_a_fault_on_the_first_run_only_is_transient_applies_the_rerun_and_costs_no_rollback(tmp_path):
+def test_a_fault_on_the_first_run_only_is_transient_applies_the_rerun_and_costs_no_rollback(
+    tmp_path,
+):
     model, dataset = _clean()
     flaky_step = 90
 
     def fault(guard, xb):  # the device flips bits once; the closure re-reads the batch clean
         return xb * float("nan") if guard.step_count == flaky_step and guard.generation == 0 else xb
 
-    guard = _guarded_run(tmp_path, model, dataset, steps=110, config_extra={"verify_reruns": 1}, fault=fault)
+    guard = _guarded_run(
+        tmp_path, model, dataset, steps=110, config_extra={"verify_reruns": 1}, fault=fault
+    )
     assert guard.rerun.counts == {"transient": 1, "reproducible": 0}
     # the clean re-run's update is the step's true one: applied, nothing skipped
     assert guard.counters["transient_steps"] == 1 and guard.counters["skipped_updates"] == 0

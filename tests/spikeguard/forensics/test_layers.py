@@ -35,7 +35,9 @@ def test_the_layer_that_blew_up_first_is_named_with_its_share_and_lead():
 
 def test_a_uniform_rise_of_every_layer_moves_no_share():
     steps = _history(blow_at=85, layer="a.weight", factor=1.0)
-    steps[85:] = [_step(e.step, {k: v * 50 for k, v in e.top_grad_norms.items()}) for e in steps[85:]]
+    steps[85:] = [
+        _step(e.step, {k: v * 50 for k, v in e.top_grad_norms.items()}) for e in steps[85:]
+    ]
     assert attribute(steps, onset_step=88) == []
 
 

@@ -17,7 +17,9 @@ def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
     from spikeguard.settings import load_settings
 
     torch.manual_seed(0)
-    runtime = open_runtime(load_settings({**DEMO_SETTINGS, "data_dir": str(tmp_path / "bus")}, env={}))
+    runtime = open_runtime(
+        load_settings({**DEMO_SETTINGS, "data_dir": str(tmp_path / "bus")}, env={})
+    )
     model = torch.nn.Sequential()
     model.add_module("embed", torch.nn.Linear(8, 32))
     model.add_module("act", torch.nn.Tanh())
@@ -27,12 +29,29 @@ def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(4096, 8)
     y = x @ torch.randn(8, 1) + 0.1 * torch.randn(4096, 1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
-    cfg = GuardConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=20, keep_checkpoints=4,
-                      resume=False, lockstep=True, data_seed=0, healthy_stretch=10,
-                      signing_key=runtime.settings.signing_key)
-    guard = Guard(model, optimizer, None, run_id="layers", bus=runtime.bus, topics=runtime.topics,
-                  config=cfg, policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True
+    )
+    cfg = GuardConfig(
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=20,
+        keep_checkpoints=4,
+        resume=False,
+        lockstep=True,
+        data_seed=0,
+        healthy_stretch=10,
+        signing_key=runtime.settings.signing_key,
+    )
+    guard = Guard(
+        model,
+        optimizer,
+        None,
+        run_id="layers",
+        bus=runtime.bus,
+        topics=runtime.topics,
+        config=cfg,
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+    )
     blow_at, hook = 120, None
     try:
         for xb, yb in guard.data(loader, max_steps=128):

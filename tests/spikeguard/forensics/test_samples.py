@@ -24,8 +24,13 @@ class _Tagged(TensorDataset):
 @pytest.mark.pipeline
 def test_the_tap_gives_each_batch_its_dataset_indices_without_rebuilding_the_loader(workers):
     data = _Tagged(torch.randn(100, 3), torch.randn(100, 1))
-    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=workers,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        data,
+        batch_size=8,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
     tap = SampleIdTap(loader)
     assert tap.source == "sampler"
     for _ in range(2):  # two passes: the second reshuffles, the tap follows
@@ -131,10 +136,11 @@ def test_a_model_vmap_cannot_run_is_ranked_one_sample_at_a_time():
 
 
 def test_an_incident_file_round_trips_and_a_bad_one_is_named(tmp_path):
-    incident = IncidentBatches("run", "inc-1", 120, 0, str(tmp_path / "ck.pt"), 100,
-                               [{"step": 119, "ids": [1, 2]}])
+    incident = IncidentBatches(
+        "run", "inc-1", 120, 0, str(tmp_path / "ck.pt"), 100, [{"step": 119, "ids": [1, 2]}]
+    )
     assert IncidentBatches.read(incident.write(tmp_path / "i.json")) == incident
-    (tmp_path / "bad.json").write_text("{\"run_id\": 1}")
+    (tmp_path / "bad.json").write_text('{"run_id": 1}')
     with pytest.raises(IncidentFileError, match="bad.json: not a spikeguard incident file"):
         IncidentBatches.read(tmp_path / "bad.json")
     with pytest.raises(IncidentFileError, match="no such incident file"):
@@ -168,7 +174,8 @@ def test_inspect_finds_the_setup_module_in_the_current_directory(tmp_path, monke
         "from spikeguard import InspectSetup\n"
         "def make():\n"
         "    return InspectSetup(torch.nn.Linear(2, 1), [torch.zeros(2)], torch.stack,\n"
-        "                        lambda m, b: m(b).squeeze(1))\n")
+        "                        lambda m, b: m(b).squeeze(1))\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert isinstance(load_setup("sg_user_setup_mod:make"), InspectSetup)

@@ -23,7 +23,9 @@ def test_each_detector_is_removed_once_and_the_statistical_one_carries_real_spik
     assert rows["all", "real-spikes (incidents)"]["precision"] == 1.0
     # without it only the non-finite steps and the extreme divergence are left
     assert rows["-statistical", "real-spikes"]["recall"] <= 0.25
-    assert rows["-ml", "real-spikes"]["recall"] == rows["all", "real-spikes"]["recall"]  # ml adds nothing
+    assert (
+        rows["-ml", "real-spikes"]["recall"] == rows["all", "real-spikes"]["recall"]
+    )  # ml adds nothing
 
 
 @pytest.mark.heavy
@@ -31,7 +33,9 @@ def test_the_ml_detector_alone_catches_the_layer_blowups_and_adds_no_false_alarm
     from spikeguard.lab.ablation import contributions
     from spikeguard.lab.layer_runs import layer_set
 
-    runs = [(group, r.events, r.labels if r.layer else None) for group, r in layer_set((1,), steps=600)]
+    runs = [
+        (group, r.events, r.labels if r.layer else None) for group, r in layer_set((1,), steps=600)
+    ]
     rows = {(r["config"], r["set"]): r for r in ablate(runs)}
     assert rows["all", "layer-blowup"]["detected"] == rows["all", "layer-blowup"]["episodes"] == 2
     # no false incident; a one-step outlier mark (a Guard skip, counted apart as above) may occur

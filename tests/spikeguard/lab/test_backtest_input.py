@@ -24,7 +24,9 @@ def _clean_rows(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     rows = ["step,loss,grad_norm,lr,run_id,label,time"]
     for i in range(ROWS):
-        loss = rng.choice(["nan", "inf", "-inf", "Infinity"]) if i % 997 == 5 else repr(rng.random())
+        loss = (
+            rng.choice(["nan", "inf", "-inf", "Infinity"]) if i % 997 == 5 else repr(rng.random())
+        )
         rows.append(f"{i},{loss},{rng.random() * 3},{1e-3},r1,{i % 2},{1000.0 + i}")
     return rows
 
@@ -49,7 +51,9 @@ def test_unusual_cells_read_as_read_steps(tmp_path):
         steps[run] += rng.randint(1, 3)
         grad = "" if i % 7 == 0 else f" {rng.random():.6f} "
         update = "" if i % 11 == 0 else repr(rng.random())
-        rows.append(f"{steps[run]},{rng.random()},{grad},{update},{run},{'TRUE' if i % 5 else 'no'}")
+        rows.append(
+            f"{steps[run]},{rng.random()},{grad},{update},{run},{'TRUE' if i % 5 else 'no'}"
+        )
         if i % 500 == 3:
             rows += ["", ",,,,,"]
     path = tmp_path / "mixed.csv"
@@ -130,8 +134,11 @@ def test_what_the_bulk_checks_refuse_is_named_as_read_steps_names_it(tmp_path, b
 def test_quoted_cells_and_a_record_over_two_lines_read_as_read_steps(tmp_path):
     rows = _clean_rows(4)
     rows[CHUNK_ROWS + 5] = rows[CHUNK_ROWS + 5].replace(",r1,", ',"r1",')
-    rows[CHUNK_ROWS + 9] = rows[CHUNK_ROWS + 9].replace(",r1,", ',"r1",').replace(
-        f",{1000.0 + CHUNK_ROWS + 8}", ',"\n' + f'{1000.0 + CHUNK_ROWS + 8}"')
+    rows[CHUNK_ROWS + 9] = (
+        rows[CHUNK_ROWS + 9]
+        .replace(",r1,", ',"r1",')
+        .replace(f",{1000.0 + CHUNK_ROWS + 8}", ',"\n' + f'{1000.0 + CHUNK_ROWS + 8}"')
+    )
     rows.insert(CHUNK_ROWS + 20, "")
     path = tmp_path / "quoted.csv"
     _write(path, rows)

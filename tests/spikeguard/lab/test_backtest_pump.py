@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from spikeguard.lab.backtest import (
-    BATCH, JUDGES, OfflinePipeline, backtest_stream, offline,
+    BATCH,
+    JUDGES,
+    OfflinePipeline,
+    backtest_stream,
+    offline,
 )
 from spikeguard.lab.backtest_pump import DirectPipeline
 from spikeguard.lab.simulate import generate
@@ -21,7 +25,7 @@ def on_the_bus(events: list[StepEvent], segment_steps: int = 2 * BATCH) -> list[
     pipeline = OfflinePipeline(settings, JUDGES, {topics.decisions: Decision})
     out: list = []
     for start in range(0, len(events), segment_steps):
-        segment = [(topics.steps, e) for e in events[start:start + segment_steps]]
+        segment = [(topics.steps, e) for e in events[start : start + segment_steps]]
         out += pipeline.feed(segment)[topics.decisions]
     out += pipeline.finish()[topics.decisions]
     return [d.model_dump_json() for d in out]
@@ -37,8 +41,8 @@ def interleaved(*runs: list[StepEvent]) -> list[StepEvent]:
     longest = max(map(len, runs))
     for i in range(0, longest, 7):
         for k, run in enumerate(runs):
-            out += run[i:i + 7 - 2 * k]  # uneven slices: batches cut runs at odd places
-            out += run[i + 7 - 2 * k:i + 7]
+            out += run[i : i + 7 - 2 * k]  # uneven slices: batches cut runs at odd places
+            out += run[i + 7 - 2 * k : i + 7]
     return out
 
 
@@ -102,7 +106,9 @@ def test_a_failing_step_is_dropped_and_the_batch_rewound_by_both(monkeypatch) ->
 def test_the_pump_can_be_fed_segment_by_segment_then_finished() -> None:
     events = generate("gradual_spike", 4100, seed=9, run_id="g").events
     pipeline = DirectPipeline(offline(load_settings(env={})))
-    got = pipeline.feed(events[:2 * BATCH]) + pipeline.feed(events[2 * BATCH:]) + pipeline.finish()
+    got = (
+        pipeline.feed(events[: 2 * BATCH]) + pipeline.feed(events[2 * BATCH :]) + pipeline.finish()
+    )
     assert [d.model_dump_json() for d in got] == on_the_bus(events)
 
 
@@ -120,5 +126,7 @@ def test_a_far_future_step_is_refused_by_both() -> None:
     jump = [e.model_copy(update={"step": e.step + 3_000_000}) for e in events[2300:]]
     events = events[:2300] + jump
     expected = on_the_bus(events)
-    assert len(expected) == 2300  # the jumped steps are all refused (each is far past the last admitted)
+    assert (
+        len(expected) == 2300
+    )  # the jumped steps are all refused (each is far past the last admitted)
     assert direct(events) == expected

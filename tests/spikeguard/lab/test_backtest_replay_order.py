@@ -18,8 +18,9 @@ def healthy_loss(step: int) -> float:
 
 
 def checkpoint(step: int, deleted: bool = False) -> CheckpointEvent:
-    return CheckpointEvent(run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True,
-                           deleted=deleted)
+    return CheckpointEvent(
+        run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True, deleted=deleted
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,16 @@ def recorded(tmp_path_factory, wait_until, consumed_by):
             kept.append(step)
             while len(kept) > 2:
                 gone = kept.pop(0)
-                producer.publish(topics.checkpoints, encode(sign(checkpoint(gone, deleted=True), key)),
-                                 key="rec")
+                producer.publish(
+                    topics.checkpoints, encode(sign(checkpoint(gone, deleted=True), key)), key="rec"
+                )
 
         def publish_step(step: int) -> None:
             loss = math.nan if step in (300, 301) else healthy_loss(step)
             # The embedded runtime has its own key: the trainer signs its steps.
-            event = sign_step(StepEvent(run_id="rec", step=step, loss=loss), runtime.settings.signing_key)
+            event = sign_step(
+                StepEvent(run_id="rec", step=step, loss=loss), runtime.settings.signing_key
+            )
             producer.publish(topics.steps, encode(event), key="rec")
             if (step + 1) % 50 == 0 and step + 1 != 300:
                 publish_checkpoint(step + 1)
@@ -59,17 +63,23 @@ def recorded(tmp_path_factory, wait_until, consumed_by):
         producer.flush()
 
         def rolled_back() -> bool:
-            return any(record.decoded(Action).kind.value == "rollback"
-                       for record in runtime.bus.read_all(topics.actions))
+            return any(
+                record.decoded(Action).kind.value == "rollback"
+                for record in runtime.bus.read_all(topics.actions)
+            )
 
         wait_until(rolled_back, "the NaNs rolled back")
         for step in range(302, 400):
             publish_step(step)
         producer.flush()
-        wait_until(lambda: len(runtime.bus.read_all(topics.decisions)) >= 400, "a decision on every step")
+        wait_until(
+            lambda: len(runtime.bus.read_all(topics.decisions)) >= 400, "a decision on every step"
+        )
         decided = len(runtime.bus.read_all(runtime.topics.decisions))
-        wait_until(lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
-                   "the actuator took in every decision")
+        wait_until(
+            lambda: consumed_by(runtime, "actuator", runtime.topics.decisions) >= decided,
+            "the actuator took in every decision",
+        )
     return directory
 
 
@@ -89,12 +99,17 @@ def test_a_checkpoint_goes_in_before_the_step_it_precedes_with_its_deletions():
     other = StepEvent(run_id="other", step=0, loss=1.0)
     checkpoints = [checkpoint(2), checkpoint(4), checkpoint(2, deleted=True), checkpoint(9)]
     segments = list(interleave([*steps[:3], other, *steps[3:]], checkpoints, topics))
-    shape = [(topic, [(type(e).__name__, e.run_id, e.step) for e in events])
-             for topic, events in segments]
+    shape = [
+        (topic, [(type(e).__name__, e.run_id, e.step) for e in events])
+        for topic, events in segments
+    ]
     assert shape == [
         (topics.steps, [("StepEvent", "rec", 0), ("StepEvent", "rec", 1)]),
         (topics.checkpoints, [("CheckpointEvent", "rec", 2)]),
-        (topics.steps, [("StepEvent", "rec", 2), ("StepEvent", "other", 0), ("StepEvent", "rec", 3)]),
+        (
+            topics.steps,
+            [("StepEvent", "rec", 2), ("StepEvent", "other", 0), ("StepEvent", "rec", 3)],
+        ),
         (topics.checkpoints, [("CheckpointEvent", "rec", 4), ("CheckpointEvent", "rec", 2)]),
         (topics.steps, [("StepEvent", "rec", 4), ("StepEvent", "rec", 5)]),
         (topics.checkpoints, [("CheckpointEvent", "rec", 9)]),

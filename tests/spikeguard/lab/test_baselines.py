@@ -121,4 +121,8 @@ class TestSixSigma:
 def test_flag_run_gives_one_mark_per_step():
     events = [ev(i, 1.0) for i in range(30)] + [ev(30, math.nan)]
     marks = flag_run(NaiveBaseline(), events)
-    assert len(marks) == 31 and marks[-1] == Mark(30, True) and not any(m.is_anomaly for m in marks[:-1])
+    assert (
+        len(marks) == 31
+        and marks[-1] == Mark(30, True)
+        and not any(m.is_anomaly for m in marks[:-1])
+    )

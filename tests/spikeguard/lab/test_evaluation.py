@@ -37,7 +37,9 @@ def alarms(*steps: int, preventive: bool = False, kind: str = "loss_spike") -> l
 def test_episodes_split_on_gaps_and_on_kind_changes():
     lab = labels((10, 12, "sudden_spike"), (13, 14, "non_finite"), (20, 20, "sudden_spike"))
     assert episodes_from_labels(STEPS, lab) == [
-        Episode(10, 12, "sudden_spike"), Episode(13, 14, "non_finite"), Episode(20, 20, "sudden_spike")
+        Episode(10, 12, "sudden_spike"),
+        Episode(13, 14, "non_finite"),
+        Episode(20, 20, "sudden_spike"),
     ]
     assert episodes_from_labels(STEPS, labels((990, 999, "divergence"))) == [
         Episode(990, 999, "divergence")
@@ -50,7 +52,9 @@ def test_merge_joins_alarms_within_the_gap():
 
 
 def test_detection_delay_and_tolerances():
-    lab = labels((100, 100, "sudden_spike"), (300, 310, "gradual_spike"), (500, 500, "sudden_spike"))
+    lab = labels(
+        (100, 100, "sudden_spike"), (300, 310, "gradual_spike"), (500, 500, "sudden_spike")
+    )
     score = score_run(STEPS, lab, alarms(101, 299, 507))  # late by 1; early by 1; too late
     results = {r.episode.start: r for r in score.episodes}
     assert results[100].detected and results[100].delay == 1
@@ -119,12 +123,14 @@ def test_decisions_become_marks():
     def decision(step, **kw):
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, **kw)
 
-    marks = marks_from_decisions([
-        decision(1, is_anomaly=False),
-        decision(2, is_anomaly=True, type=AnomalyType.LOSS_SPIKE),
-        decision(3, is_anomaly=True, type=AnomalyType.INSTABILITY_WARNING),
-        decision(4, is_anomaly=False, preventive=True, type=AnomalyType.LR_TOO_HIGH),
-    ])
+    marks = marks_from_decisions(
+        [
+            decision(1, is_anomaly=False),
+            decision(2, is_anomaly=True, type=AnomalyType.LOSS_SPIKE),
+            decision(3, is_anomaly=True, type=AnomalyType.INSTABILITY_WARNING),
+            decision(4, is_anomaly=False, preventive=True, type=AnomalyType.LR_TOO_HIGH),
+        ]
+    )
     assert marks[1] == Mark(2, True, False, "loss_spike")
     lab = [StepLabel(False, "")] * 5
     score = score_run(range(5), lab, marks)

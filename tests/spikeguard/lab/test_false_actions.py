@@ -18,9 +18,18 @@ def healthy(step: int) -> Decision:
 
 
 def critical(step: int, incident: str) -> Decision:
-    return Decision(decision_id=f"d{step}", run_id="r", step=step, is_anomaly=True,
-                    type=AnomalyType.EXTREME_LOSS, confidence=1.0, critical=True, incident_id=incident,
-                    incident_onset_step=step, time=0.0)
+    return Decision(
+        decision_id=f"d{step}",
+        run_id="r",
+        step=step,
+        is_anomaly=True,
+        type=AnomalyType.EXTREME_LOSS,
+        confidence=1.0,
+        critical=True,
+        incident_id=incident,
+        incident_onset_step=step,
+        time=0.0,
+    )
 
 
 def test_a_healthy_run_gets_no_action():
@@ -32,7 +41,9 @@ def test_a_critical_decision_is_answered_as_live_with_a_rollback_to_a_kept_check
     actions = policy_actions(decisions, "r")
     config = PolicyConfig()
     assert actions.rollbacks == 1 and actions.stops == 0 and actions.lr_cuts == 1
-    assert actions.skipped_batches >= config.skip_extra_batches  # the steps since the onset, and more
+    assert (
+        actions.skipped_batches >= config.skip_extra_batches
+    )  # the steps since the onset, and more
 
 
 def test_the_same_incident_again_after_its_recovery_stops_the_run():
@@ -60,8 +71,16 @@ def noisy_run(path, steps: int = 600) -> list[float]:
 
 def test_evaluate_reports_false_actions_per_kind_next_to_the_simple_rules(tmp_path, capsys):
     noisy_run(tmp_path / "chi2.csv")
-    args = ["evaluate", "--false-actions", str(tmp_path / "chi2.csv"),
-            "--systems", "pipeline", "metaseq", "lightning", "--json"]
+    args = [
+        "evaluate",
+        "--false-actions",
+        str(tmp_path / "chi2.csv"),
+        "--systems",
+        "pipeline",
+        "metaseq",
+        "lightning",
+        "--json",
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     row = report["kinds"]["chi2"]

@@ -31,7 +31,9 @@ def test_each_kind_trains_and_repeats_itself_with_its_seed(kind):
 
 def test_the_schedules_do_what_their_kinds_say():
     drop = record("lr_drop", steps=40)  # x0.1 half-way, for good
-    assert {r.lr for r in drop[:20]} == {1e-2} and [r.lr for r in drop[20:]] == pytest.approx([1e-3] * 20)
+    assert {r.lr for r in drop[:20]} == {1e-2} and [r.lr for r in drop[20:]] == pytest.approx(
+        [1e-3] * 20
+    )
     restarts = [r.lr for r in record("warm_restarts", steps=70)]  # T_0 = 70 // 7 = 10
     assert restarts[10] > restarts[9] and restarts[10] == pytest.approx(restarts[0])
     ramp = [r.lr for r in record("warmup", steps=50)]  # up over the first 10, then down
@@ -40,12 +42,16 @@ def test_the_schedules_do_what_their_kinds_say():
 
 
 def test_the_command_writes_csvs_the_tools_read(tmp_path):
-    assert main(["--out", str(tmp_path), "--steps", "25", "--kinds", "regression_b4", "falling"]) == 0
+    assert (
+        main(["--out", str(tmp_path), "--steps", "25", "--kinds", "regression_b4", "falling"]) == 0
+    )
     events, labels = read_steps(tmp_path / "falling.csv")
     assert len(events) == 25 and labels is None
     assert all(e.grad_norm is not None and e.lr == pytest.approx(1e-4) for e in events)
     sources = (tmp_path / "SOURCES.md").read_text()
-    assert "--steps 25" in sources and "regression_b4.csv" in sources and "char_lm.csv" not in sources
+    assert (
+        "--steps 25" in sources and "regression_b4.csv" in sources and "char_lm.csv" not in sources
+    )
 
 
 @pytest.mark.heavy

@@ -15,15 +15,24 @@ from spikeguard.lab.realdata import healthy_kinds
 
 HEALTHY = Path(__file__).resolve().parents[3] / "data" / "healthy"
 KINDS = sorted(p.stem for p in HEALTHY.glob("*.csv"))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.heavy
 def test_a_healthy_kind_gets_no_false_action(kind):
     (run,) = healthy_kinds([HEALTHY / f"{kind}.csv"])[kind]
     found = pipeline_false_actions([run.events])
     assert found.steps == 5000
-    assert (found.stops, found.rollbacks, found.lr_cuts, found.skipped_batches) == (0, 0, 0, 0), found
+    assert (found.stops, found.rollbacks, found.lr_cuts, found.skipped_batches) == (0, 0, 0, 0), (
+        found
+    )
     assert found.local_skips <= 0.005 * found.steps, found
 
 
 def test_the_suite_has_every_kind_of_healthy_run():
-    assert len(KINDS) == 11 and {"regression_b1", "classification_noisy_b1", "warm_restarts", "char_lm"} <= set(KINDS)
+    assert len(KINDS) == 11 and {
+        "regression_b1",
+        "classification_noisy_b1",
+        "warm_restarts",
+        "char_lm",
+    } <= set(KINDS)

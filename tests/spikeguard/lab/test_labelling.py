@@ -60,7 +60,10 @@ def test_points_inside_an_event_do_not_teach_the_baseline():
 
 def test_an_event_that_runs_into_nan_is_a_divergence_and_the_nan_its_own_event():
     losses = flat(60) + [5.0, 9.0, 50.0, math.nan, math.inf, math.nan]
-    assert kinds(label_events(range(66), losses)) == [(60, 62, "divergence"), (63, 65, "non_finite")]
+    assert kinds(label_events(range(66), losses)) == [
+        (60, 62, "divergence"),
+        (63, 65, "non_finite"),
+    ]
 
 
 def test_an_event_still_high_at_the_end_is_a_divergence_unless_the_curve_is_an_excerpt():
@@ -70,7 +73,9 @@ def test_an_event_still_high_at_the_end_is_a_divergence_unless_the_curve_is_an_e
 
 
 def test_a_sustained_rise_of_ten_percent_over_the_best_level_is_a_slow_rise():
-    losses = flat(100) + list(3.0 + np.linspace(0, 0.6, 100) + 0.02 * np.random.default_rng(1).standard_normal(100))
+    losses = flat(100) + list(
+        3.0 + np.linspace(0, 0.6, 100) + 0.02 * np.random.default_rng(1).standard_normal(100)
+    )
     events = label_events(range(200), losses)
     assert [e.kind for e in events] == ["slow_rise"]
     assert 100 < events[0].start_step < 190 and events[0].end_step == 199
@@ -80,14 +85,20 @@ def test_a_sustained_rise_of_ten_percent_over_the_best_level_is_a_slow_rise():
 def test_labels_become_per_step_labels_on_the_original_steps():
     steps = [0, 100, 200, 300]
     labels = point_labels(steps, [LabelledEvent(100, 200, "spike", 2, 2.0)])
-    assert [(lab.label, lab.kind) for lab in labels] == [(False, ""), (True, "spike"), (True, "spike"),
-                                                          (False, "")]
+    assert [(lab.label, lab.kind) for lab in labels] == [
+        (False, ""),
+        (True, "spike"),
+        (True, "spike"),
+        (False, ""),
+    ]
     with pytest.raises(LabelFileError, match="does not have"):
         point_labels(steps, [LabelledEvent(150, 200, "spike", 1, 2.0)])
 
 
 def test_labels_files_round_trip_and_bad_ones_are_named(tmp_path):
-    labels = {"a.csv": [LabelledEvent(5, 7, "spike", 3, 2.5), LabelledEvent(9, 9, "non_finite", 1, None)]}
+    labels = {
+        "a.csv": [LabelledEvent(5, 7, "spike", 3, 2.5), LabelledEvent(9, 9, "non_finite", 1, None)]
+    }
     path = tmp_path / "labels.csv"
     write_labels(path, labels)
     assert read_labels(path) == labels
@@ -114,7 +125,9 @@ def test_the_fixture_labels_cover_every_kind_but_slow_rise():
 
 
 def test_the_lab_labels_hold_the_fixture_rows():
-    lab = read_labels(Path(__file__).parents[3] / "spikeguard" / "lab" / "labels" / "algoperf_submissions.csv")
+    lab = read_labels(
+        Path(__file__).parents[3] / "spikeguard" / "lab" / "labels" / "algoperf_submissions.csv"
+    )
     for name, events in read_labels(FIXTURES / "labels.csv").items():
         assert lab[name] == events
 

@@ -22,7 +22,9 @@ def test_an_isolated_outlier_is_skipped_with_the_guards_settings():
 
 def test_each_run_has_its_own_rule():
     a, b = flat("a"), flat("b")
-    b = [e.model_copy(update={"loss": 10 * e.loss}) for e in b]  # another level: not an outlier of run a
+    b = [
+        e.model_copy(update={"loss": 10 * e.loss}) for e in b
+    ]  # another level: not an outlier of run a
     skips = LocalSkips()
     assert not any(skips.observe(e) for pair in zip(a, b) for e in pair)
     assert skips.skipped == []

@@ -32,15 +32,22 @@ def runs():
 
 
 def test_each_logged_point_is_one_step_and_the_original_steps_are_kept(runs):
-    assert [r.name for r in runs] == sorted(p.stem for p in FIXTURES.glob("*.csv") if p.name != "labels.csv")
+    assert [r.name for r in runs] == sorted(
+        p.stem for p in FIXTURES.glob("*.csv") if p.name != "labels.csv"
+    )
     wmt = next(r for r in runs if r.name == "wmt_jax__sfadamw_jax_v2__study0")
     assert [e.step for e in wmt.events[:3]] == [0, 1, 2] and wmt.steps[:3] == [0, 100, 200]
     labelled = [s for s, lab in zip(wmt.steps, wmt.labels) if lab.label]
-    assert labelled == [86900, 87000, 87100] and {lab.kind for lab in wmt.labels if lab.label} == {"spike"}
+    assert labelled == [86900, 87000, 87100] and {lab.kind for lab in wmt.labels if lab.label} == {
+        "spike"
+    }
     criteo = next(r for r in runs if r.name.startswith("v06_criteo"))
     assert sum(lab.kind == "non_finite" for lab in criteo.labels) == 36
-    assert all(not math.isfinite(e.loss) for e, lab in zip(criteo.events, criteo.labels)
-               if lab.kind == "non_finite")
+    assert all(
+        not math.isfinite(e.loss)
+        for e, lab in zip(criteo.events, criteo.labels)
+        if lab.kind == "non_finite"
+    )
 
 
 def test_missing_data_says_what_to_pass(tmp_path):
@@ -72,8 +79,10 @@ def test_evaluate_fails_clearly_without_the_data(tmp_path, capsys):
 
 
 def score(name: str, runs) -> dict:
-    scores = [score_run([e.step for e in r.events], r.labels, flag_run(BASELINES[name](), r.events))
-              for r in runs]
+    scores = [
+        score_run([e.step for e in r.events], r.labels, flag_run(BASELINES[name](), r.events))
+        for r in runs
+    ]
     return summarize(scores).as_dict()
 
 
@@ -99,14 +108,32 @@ def test_trainer_rules_on_real_spikes(runs, name):
 
 
 def test_evaluate_scores_real_spikes_and_healthy_runs_side_by_side(capsys):
-    code = main(["evaluate", "--real-spikes", str(FIXTURES), "--healthy", str(FIXTURES),
-                 "--systems", "six_sigma", "metaseq", "--json"])
+    code = main(
+        [
+            "evaluate",
+            "--real-spikes",
+            str(FIXTURES),
+            "--healthy",
+            str(FIXTURES),
+            "--systems",
+            "six_sigma",
+            "metaseq",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["systems"]["metaseq"]["rows"]
     assert rows["real-spikes"]["episodes"] == 8 and rows["healthy"]["episodes"] == 0
-    assert rows["healthy"]["false_alarms_per_10k"] > 0  # the same curves, unlabelled: every alarm is false
-    assert set(rows["real-spikes"]["by_kind"]) == {"outlier_step", "spike", "divergence", "non_finite"}
+    assert (
+        rows["healthy"]["false_alarms_per_10k"] > 0
+    )  # the same curves, unlabelled: every alarm is false
+    assert set(rows["real-spikes"]["by_kind"]) == {
+        "outlier_step",
+        "spike",
+        "divergence",
+        "non_finite",
+    }
     assert report["inputs"]["real_spikes"] == str(FIXTURES)
 
 
@@ -118,27 +145,43 @@ def test_the_pipeline_on_real_spikes_does_not_regress(runs):
     of +21 % to +28 % that the labels leave out (their events start at x1.5) are
     outlier steps, each far outside its run's noise: the Guard skips those updates.
     """
-    scores = [score_run([e.step for e in r.events], r.labels, system_marks("pipeline", r.events))
-              for r in runs]
+    scores = [
+        score_run([e.step for e in r.events], r.labels, system_marks("pipeline", r.events))
+        for r in runs
+    ]
     summary = summarize(scores)
     assert summary.detected >= 7 and summary.false_alarm_episodes <= 3
-    assert all(summary.by_kind[k]["recall"] == 1.0 for k in ("outlier_step", "divergence", "non_finite"))
+    assert all(
+        summary.by_kind[k]["recall"] == 1.0 for k in ("outlier_step", "divergence", "non_finite")
+    )
     assert summary.by_kind["non_finite"]["median_delay"] == 0
     assert summary.by_kind["spike"]["median_delay"] == 0  # the guard skips its first step at once
     # What it escalates: the outlier step is answered by the guard's skip, not as an incident.
-    incidents = [score_run([e.step for e in r.events], r.labels,
-                           [m for m in system_marks("pipeline", r.events) if m.type != "outlier_step"])
-                 for r in runs]
+    incidents = [
+        score_run(
+            [e.step for e in r.events],
+            r.labels,
+            [m for m in system_marks("pipeline", r.events) if m.type != "outlier_step"],
+        )
+        for r in runs
+    ]
     escalated = summarize(incidents)
     assert escalated.by_kind["outlier_step"]["detected"] == 0
     assert escalated.by_kind["spike"]["detected"] >= 3 and escalated.precision == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="metaseq's x2 over an EWM finds the DLRM spike at point 34 "
-                   "that the shared outlier model misses, with no outlier-step marks: a known gap")
+@pytest.mark.xfail(
+    strict=True,
+    reason="metaseq's x2 over an EWM finds the DLRM spike at point 34 "
+    "that the shared outlier model misses, with no outlier-step marks: a known gap",
+)
 def test_the_pipeline_beats_every_trainer_rule_on_the_fixture(runs):
-    ours = summarize([score_run([e.step for e in r.events], r.labels, system_marks("pipeline", r.events))
-                      for r in runs])
+    ours = summarize(
+        [
+            score_run([e.step for e in r.events], r.labels, system_marks("pipeline", r.events))
+            for r in runs
+        ]
+    )
     for name in EXPECTED:
         theirs = score(name, runs)
         assert ours.recall > theirs["recall"] and ours.f1 > (theirs["f1"] or 0.0), name
@@ -158,7 +201,10 @@ def test_incidents_only_drops_the_skip_only_marks(capsys):
     # early spike at 22 has one elevated point only (its second is under the young x1.5 bar)
     assert escalated["by_kind"]["spike"]["detected"] >= every["by_kind"]["spike"]["detected"] - 1
     # (a spike x2.5 above the level is escalated at its first point)
-    assert escalated["by_kind"]["spike"]["median_delay"] <= 1 and every["by_kind"]["spike"]["median_delay"] == 0
+    assert (
+        escalated["by_kind"]["spike"]["median_delay"] <= 1
+        and every["by_kind"]["spike"]["median_delay"] == 0
+    )
 
 
 def test_files_and_real_sets_are_not_mixed(capsys):
@@ -181,15 +227,23 @@ def test_from_a_clone_the_real_sets_default_to_the_repository_data():
 
 def test_every_data_source_carries_its_licence_and_sources():
     data = REPOSITORY / "data"
-    for folder in ("real-spikes/algoperf_submissions", "real-spikes/bigscience_chronicles",
-                   "modded-nanogpt", "mlperf-bert"):
-        assert (data / folder / "LICENSE").is_file() and (data / folder / "SOURCES.md").is_file(), folder
+    for folder in (
+        "real-spikes/algoperf_submissions",
+        "real-spikes/bigscience_chronicles",
+        "modded-nanogpt",
+        "mlperf-bert",
+    ):
+        assert (data / folder / "LICENSE").is_file() and (data / folder / "SOURCES.md").is_file(), (
+            folder
+        )
     assert (data / "healthy" / "SOURCES.md").is_file()  # made by the project: how, not a licence
 
 
 def test_outside_a_clone_the_missing_data_folder_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(realdata, "REPO_DATA", tmp_path / "data")  # an installed wheel has no data/
-    with pytest.raises(RealDataError, match="ship with the source repository.*pass the folder's path"):
+    with pytest.raises(
+        RealDataError, match="ship with the source repository.*pass the folder's path"
+    ):
         load_spike_set()
     with pytest.raises(RealDataError, match="ship with the source repository"):
         healthy_kinds()
@@ -206,11 +260,17 @@ def test_evaluate_reads_the_repository_data_when_given_no_folder(capsys):
 def project_files() -> list[Path]:
     """The repository's files: those git tracks, else every file outside hidden folders."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPOSITORY, capture_output=True, check=True)
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=REPOSITORY, capture_output=True, check=True
+        )
         return [REPOSITORY / name for name in listed.stdout.decode().split("\0") if name]
     except (OSError, subprocess.CalledProcessError):
-        return [p for p in REPOSITORY.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(REPOSITORY).parts)]
+        return [
+            p
+            for p in REPOSITORY.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(REPOSITORY).parts)
+        ]
 
 
 def test_nothing_in_the_project_points_outside_it():
@@ -224,6 +284,9 @@ def test_nothing_in_the_project_points_outside_it():
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        offenders += [f"{path.relative_to(REPOSITORY)}:{n}"
-                      for n, line in enumerate(text.splitlines(), 1) if sibling in line]
+        offenders += [
+            f"{path.relative_to(REPOSITORY)}:{n}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if sibling in line
+        ]
     assert not offenders

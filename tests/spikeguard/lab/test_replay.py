@@ -11,8 +11,9 @@ from spikeguard.settings import load_settings
 def recorded_run():
     run = generate("non_finite", 3000, seed=3, run_id="rec")
     checkpoints = [
-        CheckpointEvent(run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True,
-                        time=float(step))
+        CheckpointEvent(
+            run_id="rec", step=step, checkpoint_id=f"c{step}", healthy=True, time=float(step)
+        )
         for step in range(0, 3000, 50)
     ]
     return run, checkpoints

@@ -38,7 +38,11 @@ def test_csv_round_trip_keeps_every_value_and_label(tmp_path):
 
 def test_non_finite_values_are_spelled_plainly():
     assert [format_float(v) for v in (math.nan, math.inf, -math.inf, None, 0.1)] == [
-        "nan", "inf", "-inf", "", "0.1"
+        "nan",
+        "inf",
+        "-inf",
+        "",
+        "0.1",
     ]
 
 
@@ -65,8 +69,10 @@ def test_jsonl_with_and_without_labels(tmp_path):
     path.write_bytes(b"\n".join(encode(e) for e in plain) + b"\n")
     events, labels = read_steps(path)
     assert labels is None and all(_same(a, b) for a, b in zip(events, plain))
-    lines = ['{"run_id":"j","step":0,"loss":"NaN","label":true,"kind":"non_finite"}',
-             '{"run_id":"j","step":1,"loss":1.0,"label":false}']
+    lines = [
+        '{"run_id":"j","step":0,"loss":"NaN","label":true,"kind":"non_finite"}',
+        '{"run_id":"j","step":1,"loss":1.0,"label":false}',
+    ]
     events, labels = read_steps(io.StringIO("\n".join(lines)))  # sniffed: starts with "{"
     assert math.isnan(events[0].loss)
     assert labels == [StepLabel(True, "non_finite"), StepLabel(False, "")]

@@ -41,7 +41,9 @@ def test_every_scenario_is_deterministic_and_complete(name):
     assert len(a.events) == len(a.labels) == 1500
     steps = [e.step for e in a.events]
     assert steps == list(range(steps[0], steps[0] + 1500))
-    assert all(e.loss is not None and e.grad_norm is not None and e.lr is not None for e in a.events)
+    assert all(
+        e.loss is not None and e.grad_norm is not None and e.lr is not None for e in a.events
+    )
     assert all(e.lr > 0 for e in a.events)
     assert a.run_id == f"sim-{name}-s3-n1500"
     other = generate(name, 1500, seed=4)
@@ -56,8 +58,10 @@ def test_clean_scenarios_have_no_labelled_step(name):
         assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in run.events)
 
 
-@pytest.mark.parametrize("name", ["sudden_spike", "gradual_spike", "divergence", "oscillation",
-                                  "non_finite", "grad_explosion"])
+@pytest.mark.parametrize(
+    "name",
+    ["sudden_spike", "gradual_spike", "divergence", "oscillation", "non_finite", "grad_explosion"],
+)
 def test_anomaly_scenarios_label_their_kind(name):
     for seed in range(3):
         kinds = {e.kind for e in _episodes(generate(name, 3000, seed))}
@@ -98,8 +102,12 @@ def test_non_finite_labels_match_non_finite_values():
             bad = not (math.isfinite(event.loss) and math.isfinite(event.grad_norm))
             assert bad == (lab.kind == "non_finite"), (seed, event.step)
             assert lab.label or not bad
-    values = {str(e.loss) for s in range(6) for e in generate("non_finite", 3000, s).events
-              if not math.isfinite(e.loss)}
+    values = {
+        str(e.loss)
+        for s in range(6)
+        for e in generate("non_finite", 3000, s).events
+        if not math.isfinite(e.loss)
+    }
     assert {"nan", "inf"} <= values
 
 
@@ -159,8 +167,15 @@ def test_bad_arguments_are_refused():
 def test_spike_size_respects_the_noise_floor():
     rng = np.random.default_rng(0)
     n = 500
-    canvas = scenarios.Canvas(rng, np.full(n, math.log(3.0)), np.full(n, 0.05), np.zeros(n),
-                              np.zeros(n), np.full(n, 1e-3), earliest=100)
+    canvas = scenarios.Canvas(
+        rng,
+        np.full(n, math.log(3.0)),
+        np.full(n, 0.05),
+        np.zeros(n),
+        np.zeros(n),
+        np.full(n, 1e-3),
+        earliest=100,
+    )
     sizes = [canvas.spike_size(200) for _ in range(200)]
     assert min(sizes) >= scenarios.SPIKE_Z_MIN * 0.05  # noisy run: well above any blip
     assert max(sizes) <= math.log(scenarios.SPIKE_MAX) + 1e-9

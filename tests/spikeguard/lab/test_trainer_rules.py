@@ -31,7 +31,9 @@ def noisy(n: int, seed: int = 0, level: float = 2.0, sd: float = 0.01) -> list[f
 
 
 def test_every_rule_is_registered_as_a_baseline():
-    assert {"axolotl", "metaseq", "lightning", "llm_foundry", "six_sigma", "naive"} <= set(BASELINES)
+    assert {"axolotl", "metaseq", "lightning", "llm_foundry", "six_sigma", "naive"} <= set(
+        BASELINES
+    )
 
 
 class TestLightning:

@@ -43,8 +43,10 @@ def test_report_writes_png_and_html_for_a_recorded_directory(recorded, tmp_path,
     assert main(["report", "--data-dir", str(recorded), "--out", str(out), "--json"]) == 0
     said = json.loads(capsys.readouterr().out)
     (run_id,) = said["runs"]
-    assert any(i["type"] == "non_finite" and i["urgency"] == "critical"
-               for i in said["runs"][run_id]["incidents"])
+    assert any(
+        i["type"] == "non_finite" and i["urgency"] == "critical"
+        for i in said["runs"][run_id]["incidents"]
+    )
     png, page = out / f"{run_id}.png", out / f"{run_id}.html"
     assert said["files"] == [str(png), str(page)]
     assert _png_size(png) == (1200, 800)
@@ -64,7 +66,7 @@ def test_the_timeline_marks_reruns_anomalies_and_the_rollback(recorded):
     (record,) = load_directory(recorded).values()
     timeline = build_timeline(record)
     assert timeline.epochs == [0, 1]
-    (start, target, epoch), = timeline.rollbacks
+    ((start, target, epoch),) = timeline.rollbacks
     assert epoch == 1 and target < start
     reruns = [p for p in timeline.steps if p.rerun]
     assert reruns and all(p.epoch == 1 and target <= p.step <= start for p in reruns)
@@ -90,9 +92,15 @@ def test_the_figure_has_axes_labels_and_a_legend(recorded):
     (skipped,) = skip_axes.get_lines()
     assert skipped.get_ydata()[-1] == sum(n for _, _, n in timeline.data_skips) > 0
     legend = [t.get_text() for t in loss_axes.get_legend().get_texts()]
-    for entry in ("loss", "loss, re-run after rollback", "anomalous step", "incident",
-                  "action applied", "rollback (arrow: to its checkpoint)",
-                  "non-finite loss (drawn at the top)"):
+    for entry in (
+        "loss",
+        "loss, re-run after rollback",
+        "anomalous step",
+        "incident",
+        "action applied",
+        "rollback (arrow: to its checkpoint)",
+        "non-finite loss (drawn at the top)",
+    ):
         assert entry in legend
     texts = [t.get_text() for t in loss_axes.texts]
     assert any(t.startswith("rollback -> step") for t in texts)
@@ -124,26 +132,56 @@ def test_a_wrong_source_is_an_error_not_an_empty_report(tmp_path, capsys):
     assert main(["report", "--jsonl", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     ok = tmp_path / "ok.jsonl"
-    ok.write_text('{"topic": "steps", "event": ' + StepEvent(run_id="a", step=0, loss=1.0)
-                  .model_dump_json() + "}\n")
+    ok.write_text(
+        '{"topic": "steps", "event": '
+        + StepEvent(run_id="a", step=0, loss=1.0).model_dump_json()
+        + "}\n"
+    )
     assert list(load_jsonl(ok)) == ["a"]
     with pytest.raises(ReportError, match="no step events of run"):
         load_jsonl(ok, runs={"b"})  # a mistyped --run-id is an error too
 
 
 def test_actions_without_an_ack_and_a_rollback_from_events():
-    steps = [StepEvent(run_id="r", step=s, loss=1.0, grad_norm=0.5, time=100.0 + s) for s in range(30)]
+    steps = [
+        StepEvent(run_id="r", step=s, loss=1.0, grad_norm=0.5, time=100.0 + s) for s in range(30)
+    ]
     steps[20] = StepEvent(run_id="r", step=20, loss=math.inf, time=120.0)
-    steps += [StepEvent(run_id="r", step=s, epoch=1, loss=0.9, time=200.0 + s) for s in range(11, 30)]
-    decision = Decision(decision_id="d", run_id="r", step=20, is_anomaly=True, urgency=Urgency.CRITICAL,
-                        incident_id="i", incident_onset_step=20)
-    actions = [Action(action_id="a1", run_id="r", kind=ActionKind.ROLLBACK, apply_at_step=21,
-                      params={"target_step": 10}),
-               Action(action_id="a2", run_id="r", kind=ActionKind.STOP, apply_at_step=21)]
-    acks = [Ack(run_id="r", action_id="a1", kind=ActionKind.ROLLBACK, status=AckStatus.APPLIED,
-                step=21, time=150.0)]
-    timeline = build_timeline(RunRecord("r", steps=steps, decisions=[decision], actions=actions,
-                                        acks=acks))
+    steps += [
+        StepEvent(run_id="r", step=s, epoch=1, loss=0.9, time=200.0 + s) for s in range(11, 30)
+    ]
+    decision = Decision(
+        decision_id="d",
+        run_id="r",
+        step=20,
+        is_anomaly=True,
+        urgency=Urgency.CRITICAL,
+        incident_id="i",
+        incident_onset_step=20,
+    )
+    actions = [
+        Action(
+            action_id="a1",
+            run_id="r",
+            kind=ActionKind.ROLLBACK,
+            apply_at_step=21,
+            params={"target_step": 10},
+        ),
+        Action(action_id="a2", run_id="r", kind=ActionKind.STOP, apply_at_step=21),
+    ]
+    acks = [
+        Ack(
+            run_id="r",
+            action_id="a1",
+            kind=ActionKind.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=21,
+            time=150.0,
+        )
+    ]
+    timeline = build_timeline(
+        RunRecord("r", steps=steps, decisions=[decision], actions=actions, acks=acks)
+    )
     assert timeline.rollbacks == [(21, 10, 1)]
     assert [a.ack_status for a in timeline.actions] == ["applied", "no ack"]
     assert timeline.incidents[0].time == 120.0 and timeline.incidents[0].baseline == 1.0
@@ -151,15 +189,18 @@ def test_actions_without_an_ack_and_a_rollback_from_events():
 
 
 def test_a_loss_beyond_the_axis_is_marked_with_its_value():
-    steps = [StepEvent(run_id="r", step=s, loss=2.0 + 0.01 * (s % 5), grad_norm=1.0, time=float(s))
-             for s in range(100)]
+    steps = [
+        StepEvent(run_id="r", step=s, loss=2.0 + 0.01 * (s % 5), grad_norm=1.0, time=float(s))
+        for s in range(100)
+    ]
     steps[60] = StepEvent(run_id="r", step=60, loss=4000.0, grad_norm=900.0, time=60.0)
     fig = figure(build_timeline(RunRecord("r", steps=steps)))
     loss_axes = fig.axes[0]
     assert loss_axes.get_ylim()[1] < 10  # one spike does not flatten the curve
     assert "4e+03" in [t.get_text() for t in loss_axes.texts]
     assert "loss above the axis (value noted)" in [
-        t.get_text() for t in loss_axes.get_legend().get_texts()]
+        t.get_text() for t in loss_axes.get_legend().get_texts()
+    ]
 
 
 def test_action_labels_sit_where_the_actions_happened_and_do_not_overlap(recorded):
@@ -175,7 +216,7 @@ def test_action_labels_sit_where_the_actions_happened_and_do_not_overlap(recorde
     fig = figure(timeline)
     loss_axes = fig.axes[0]
     labels = [t for t in loss_axes.texts if t.get_color() == ACTION]
-    (start, _, _), = timeline.rollbacks
+    ((start, _, _),) = timeline.rollbacks
     (plan,) = [t for t in labels if "skip_batches" in t.get_text()]
     assert plan.xy[0] == start and "rollback" in plan.get_text()
     assert [step for step, _, _ in timeline.data_skips] == [start]  # the skip too, not at 80
@@ -205,8 +246,12 @@ def test_the_page_and_the_json_give_each_runs_goodput(recorded, tmp_path, capsys
     assert said["runs"][run_id]["goodput"] == g._asdict()
     page = (out / f"{run_id}.html").read_text()
     assert "<h2>Goodput</h2>" in page
-    for cell in (f"<td>{g.steps_kept}</td>", f"<td>{g.steps_rerun}</td>",
-                 f"<td>{g.batches_skipped}</td>", f"<td>{g.updates_skipped}</td>"):
+    for cell in (
+        f"<td>{g.steps_kept}</td>",
+        f"<td>{g.steps_rerun}</td>",
+        f"<td>{g.batches_skipped}</td>",
+        f"<td>{g.updates_skipped}</td>",
+    ):
         assert cell in page
     assert main(["report", "--data-dir", str(recorded)]) == 0
     assert f"goodput {g.ratio:.1%}: {g.steps_kept} steps kept" in capsys.readouterr().out

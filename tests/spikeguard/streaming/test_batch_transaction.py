@@ -31,23 +31,32 @@ def test_a_failing_record_is_reported_by_index_and_the_rest_is_as_if_it_never_ca
     stage, clean = stage_of(Faulty), stage_of(Fusion)
     failures: list[tuple[int, str]] = []
     for s in (stage, clean):
-        assert handle_batch(s, items(first_batch()), lambda i, exc: pytest.fail(f"record {i}: {exc}"))
+        assert handle_batch(
+            s, items(first_batch()), lambda i, exc: pytest.fail(f"record {i}: {exc}")
+        )
     poisoned = second_batch(with_poison=True)
     out = handle_batch(stage, items(poisoned), lambda i, exc: failures.append((i, str(exc))))
-    expected = handle_batch(clean, items(second_batch(with_poison=False)), lambda i, exc: pytest.fail(str(exc)))
+    expected = handle_batch(
+        clean, items(second_batch(with_poison=False)), lambda i, exc: pytest.fail(str(exc))
+    )
 
     poison_at = next(i for i, v in enumerate(poisoned) if v.signals.get("poison"))
     assert failures == [(poison_at, "fault at run b step 4")]
     assert [e.model_dump_json() for _, e in out] == [e.model_dump_json() for _, e in expected]
     assert len(out) == 2  # step 3 of runs a and b
     for run_id in "abc":
-        assert comparable(stage.runs[run_id].state_dict()) == comparable(clean.runs[run_id].state_dict())
+        assert comparable(stage.runs[run_id].state_dict()) == comparable(
+            clean.runs[run_id].state_dict()
+        )
 
 
 def test_a_run_the_failing_record_would_have_created_is_dropped() -> None:
     stage = stage_of(Faulty)
-    poisoned = [v.model_copy(update={"run_id": "new"}) for v in second_batch(with_poison=True)
-                if v.signals.get("poison")]
+    poisoned = [
+        v.model_copy(update={"run_id": "new"})
+        for v in second_batch(with_poison=True)
+        if v.signals.get("poison")
+    ]
     failures: list[int] = []
     assert handle_batch(stage, items(poisoned), lambda i, exc: failures.append(i)) == []
     assert failures == [0]

@@ -35,9 +35,16 @@ class Faulty(Fusion):
 
 def verdict(run_id: str, step: int, detector: str, *, poison: bool = False) -> Verdict:
     loss = 2.0 + 0.1 * ((step * 7 + len(run_id)) % 5)
-    return Verdict(run_id=run_id, step=step, detector=detector, is_anomaly=detector == "rules" and step == 4,
-                   confidence=0.9 if detector == "rules" and step == 4 else 0.0, loss=loss,
-                   grad_norm=1.0 + step / 10, signals={"poison": 1} if poison else {})
+    return Verdict(
+        run_id=run_id,
+        step=step,
+        detector=detector,
+        is_anomaly=detector == "rules" and step == 4,
+        confidence=0.9 if detector == "rules" and step == 4 else 0.0,
+        loss=loss,
+        grad_norm=1.0 + step / 10,
+        signals={"poison": 1} if poison else {},
+    )
 
 
 def first_batch() -> list[Verdict]:
@@ -76,8 +83,10 @@ def comparable(state: dict) -> str:
 
 
 def decisions(bus: EmbeddedBus) -> list[str]:
-    return [json.dumps(decode(r.value, Decision).model_dump(mode="json"), sort_keys=True)
-            for r in bus.read_all(TOPICS.decisions)]
+    return [
+        json.dumps(decode(r.value, Decision).model_dump(mode="json"), sort_keys=True)
+        for r in bus.read_all(TOPICS.decisions)
+    ]
 
 
 def test_a_failed_batch_is_undone_for_its_runs_only_and_only_the_failing_record_goes_to_the_dlq():
@@ -97,7 +106,9 @@ def test_a_failed_batch_is_undone_for_its_runs_only_and_only_the_failing_record_
     # The batch was rewound for its own runs (a and b), then each failing record for its run alone.
     assert restored == [{"a", "b"}, {"b"}]
     for run_id in "ab":
-        assert comparable(stage.runs[run_id].state_dict()) == comparable(clean.runs[run_id].state_dict())
+        assert comparable(stage.runs[run_id].state_dict()) == comparable(
+            clean.runs[run_id].state_dict()
+        )
     assert decisions(bus) == decisions(clean_bus)
     assert len(decisions(bus)) == 3 * 3 + 2  # steps 0-2 of a, b, c, then step 3 of a and b
     # The run the batch did not touch: the same object, the same state.
@@ -112,11 +123,15 @@ def test_fusion_undo_state_keeps_the_verdicts_and_puts_the_state_back_exactly():
     fusion = Fusion(run_id="a")
     for v in first_batch()[:12] + [verdict("a", 3, "rules"), verdict("a", 4, "ml")]:
         fusion.add(v, now=100.0)
-    fusion.add(Verdict(run_id="a", step=5, detector="ml", is_anomaly=False, loss=float("nan")), now=100.0)
+    fusion.add(
+        Verdict(run_id="a", step=5, detector="ml", is_anomaly=False, loss=float("nan")), now=100.0
+    )
     before = json.dumps(fusion.state_dict(), sort_keys=True)
     point = fusion.undo_state()
     kept = [v for item in point["pending"] for v in item["verdicts"]]
-    assert kept and all(type(v) is Verdict for v in kept)  # the events themselves: no dump per batch
+    assert kept and all(
+        type(v) is Verdict for v in kept
+    )  # the events themselves: no dump per batch
     for step in (3, 4, 5, 6):  # decide steps, learn baselines, open a new pending step
         for d in DETECTORS:
             fusion.add(verdict("a", step, d), now=101.0)
@@ -140,7 +155,9 @@ def test_the_policy_undo_state_copies_its_seen_window_and_puts_the_state_back_ex
         policy.on_decision(decision(step))
     before = json.dumps(policy.state_dict(), sort_keys=True)
     point = policy.undo_state()
-    assert type(point["seen"]) is not list  # a copy of the window's arrays, not 50 [key, step] lists
+    assert (
+        type(point["seen"]) is not list
+    )  # a copy of the window's arrays, not 50 [key, step] lists
     for step in range(50, 80):
         policy.on_decision(decision(step))
     policy.on_decision(decision(10))  # a duplicate, counted

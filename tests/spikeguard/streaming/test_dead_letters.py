@@ -8,8 +8,20 @@ from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import (
-    Ack, AckStatus, ActionKind, CheckpointEvent, DeadLetter, Decision, StepEvent, StepVerdicts, Topics, Verdict,
-    RunEvent, decision_id, decode, encode,
+    Ack,
+    AckStatus,
+    ActionKind,
+    CheckpointEvent,
+    DeadLetter,
+    Decision,
+    StepEvent,
+    StepVerdicts,
+    Topics,
+    Verdict,
+    RunEvent,
+    decision_id,
+    decode,
+    encode,
 )
 from spikeguard.settings import load_settings
 
@@ -28,16 +40,20 @@ def good_event(topic: str, step: int):
     if topic == TOPICS.verdicts:
         return Verdict(run_id="r", step=step, detector="rules", is_anomaly=False)
     if topic == TOPICS.step_verdicts:
-        return StepVerdicts(run_id="r", step=step, verdicts=[
-            Verdict(run_id="r", step=step, detector="statistical", is_anomaly=False)])
+        return StepVerdicts(
+            run_id="r",
+            step=step,
+            verdicts=[Verdict(run_id="r", step=step, detector="statistical", is_anomaly=False)],
+        )
     if topic == TOPICS.decisions:
         return Decision(decision_id=decision_id("r", step), run_id="r", step=step, is_anomaly=False)
     if topic == TOPICS.runs:
         return RunEvent(run_id="r", kind="start", step=step)
     if topic == TOPICS.checkpoints:
         return CheckpointEvent(run_id="r", step=step, checkpoint_id=f"c{step}", healthy=True)
-    return Ack(run_id="r", action_id=f"a{step}", kind=ActionKind.CLIP, status=AckStatus.APPLIED,
-               step=step)
+    return Ack(
+        run_id="r", action_id=f"a{step}", kind=ActionKind.CLIP, status=AckStatus.APPLIED, step=step
+    )
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -45,8 +61,9 @@ def test_malformed_records_on_every_input_topic_reach_the_dlq(component):
     bus = EmbeddedBus(partitions=2)
     settings = load_settings({"topic_prefix": TOPICS.prefix}, env={})
     registry = CollectorRegistry()
-    worker = Worker(bus, build_stage(component, settings, TOPICS), metrics=Metrics(registry),
-                    snapshots=False)
+    worker = Worker(
+        bus, build_stage(component, settings, TOPICS), metrics=Metrics(registry), snapshots=False
+    )
     producer = bus.producer()
     inputs = list(worker.stage.inputs())
     for topic in inputs:
@@ -69,8 +86,10 @@ def test_malformed_records_on_every_input_topic_reach_the_dlq(component):
         for letter, (_, _, words) in zip(mine, BAD):
             assert words in letter.reason and letter.consumer == f"{TOPICS.prefix}{component}"
     consumed = sum(
-        registry.get_sample_value("spikeguard_records_consumed_total",
-                                  {"component": component, "topic": topic}) or 0
+        registry.get_sample_value(
+            "spikeguard_records_consumed_total", {"component": component, "topic": topic}
+        )
+        or 0
         for topic in inputs
     )
     assert consumed == 13 * len(inputs)  # it went on past the bad records

@@ -22,7 +22,14 @@ def publish(bus: EmbeddedBus, runs: str, steps: range) -> None:
     for run_id in runs:
         for step in steps:
             for name in DETECTORS:  # whole steps: decided at once, nothing left for a deadline
-                v = Verdict(run_id=run_id, step=step, detector=name, is_anomaly=False, loss=2.0, grad_norm=1.0)
+                v = Verdict(
+                    run_id=run_id,
+                    step=step,
+                    detector=name,
+                    is_anomaly=False,
+                    loss=2.0,
+                    grad_norm=1.0,
+                )
                 producer.publish(TOPICS.verdicts, encode(v), key=run_id)
 
 
@@ -38,7 +45,11 @@ def test_fusion_saves_only_the_runs_a_batch_touched_since_the_last_checkpoint():
     publish(bus, "abc", range(5))
     drain(worker)
     store = TOPICS.state("fusion")
-    assert {r.key for r in bus.read_all(store)} >= {b"fusion/run/a", b"fusion/run/b", b"fusion/run/c"}
+    assert {r.key for r in bus.read_all(store)} >= {
+        b"fusion/run/a",
+        b"fusion/run/b",
+        b"fusion/run/c",
+    }
     saved = max(r.offset for r in bus.read_all(store))  # (compacted: read by offset, not by index)
     publish(bus, "b", range(5, 8))
     drain(worker)
@@ -59,7 +70,9 @@ def test_partitions_come_due_one_at_a_time_oldest_first_and_all_once_twice_overd
     partitions = set(runs.values())
     assert len(partitions) >= 2
     now, interval = time.monotonic(), 1000.0  # (the worker's loop counts on the monotonic clock)
-    assert saver.due(now, interval, runs) == []  # dirty since the first batch, less than an interval
+    assert (
+        saver.due(now, interval, runs) == []
+    )  # dirty since the first batch, less than an interval
     first = saver.due(now + interval, interval, runs)
     assert len(first) == 1
     saver.save(worker._producer, runs, first, now=now + interval)

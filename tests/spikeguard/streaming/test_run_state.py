@@ -36,8 +36,13 @@ class RunningSum(Detector[Sum]):
         return Sum()
 
     def score(self, event: StepEvent, state: Sum) -> Verdict:
-        return Verdict(run_id=event.run_id, step=event.step, detector=self.name, is_anomaly=False,
-                       signals={"total": state.total + event.loss, "seen": state.seen + 1})
+        return Verdict(
+            run_id=event.run_id,
+            step=event.step,
+            detector=self.name,
+            is_anomaly=False,
+            signals={"total": state.total + event.loss, "seen": state.seen + 1},
+        )
 
     def learn(self, event: StepEvent, state: Sum) -> None:
         state.total += event.loss
@@ -107,7 +112,10 @@ def test_state_is_saved_per_run_and_only_for_the_runs_that_changed():
     first = bus.end_offset(TOPICS.state("sum"), 0)
     assert set(state_records(bus)) == {"sum/run/a", "sum/run/b", "sum/run/c", "sum/partition/0"}
     assert state_records(bus)["sum/run/b"] == {
-        "partition": 0, "offsets": {TOPICS.steps: 15}, "state": {"total": 12.5, "seen": 5}}
+        "partition": 0,
+        "offsets": {TOPICS.steps: 15},
+        "state": {"total": 12.5, "seen": 5},
+    }
 
     publish_steps(bus, range(5, 8), runs=("b",))
     drain(worker)
@@ -116,9 +124,11 @@ def test_state_is_saved_per_run_and_only_for_the_runs_that_changed():
     assert written == ["sum/run/b", "sum/partition/0"]  # a and c did not change
     assert StateStore(bus, TOPICS.state("sum")).load(0) == {
         "offsets": {TOPICS.steps: 18},
-        "runs": {"a": {"total": 12.5, "seen": 5}, "b": {"total": 12.5 + 5.5 + 6.5 + 0.5,
-                                                          "seen": 8},
-                 "c": {"total": 12.5, "seen": 5}},
+        "runs": {
+            "a": {"total": 12.5, "seen": 5},
+            "b": {"total": 12.5 + 5.5 + 6.5 + 0.5, "seen": 8},
+            "c": {"total": 12.5, "seen": 5},
+        },
     }
 
 
@@ -170,8 +180,10 @@ def test_a_worker_killed_between_run_records_and_partition_record_learns_nothing
     for key, signals in got.items():
         assert signals == expected[key], key
     # Nothing learnt twice: the restored runs skipped the records already in their state.
-    assert second.stage.runs["a"].state_dict() == {"total": sum(s % 7 + 0.5 for s in range(40)),
-                                                    "seen": 40}
+    assert second.stage.runs["a"].state_dict() == {
+        "total": sum(s % 7 + 0.5 for s in range(40)),
+        "seen": 40,
+    }
 
 
 def test_a_run_that_ends_is_dropped_tombstoned_and_its_series_removed():
@@ -189,8 +201,12 @@ def test_a_run_that_ends_is_dropped_tombstoned_and_its_series_removed():
     assert "a" not in worker.stage.runs and "b" in worker.stage.runs
     assert registry.get_sample_value("spikeguard_run_last_step", {"run_id": "a"}) is None
     assert registry.get_sample_value("spikeguard_run_last_step", {"run_id": "b"}) == 9
-    assert registry.get_sample_value(
-        "spikeguard_runs_evicted_total", {"component": "sum", "reason": "ended"}) == 1
+    assert (
+        registry.get_sample_value(
+            "spikeguard_runs_evicted_total", {"component": "sum", "reason": "ended"}
+        )
+        == 1
+    )
     worker.checkpoint()
     saved = state_records(bus)
     assert saved["sum/run/a"] is None  # a tombstone: compaction forgets the run
@@ -247,8 +263,14 @@ def test_runs_idle_past_the_ttl_are_evicted_and_tombstoned():
     bus = EmbeddedBus(partitions=1)
     registry = CollectorRegistry()
     clock = [1000.0]
-    worker = make_worker(bus, registry, snapshot_interval_s=0, run_idle_ttl_s=600,
-                         clock=lambda: clock[0], metrics_linger_s=30)
+    worker = make_worker(
+        bus,
+        registry,
+        snapshot_interval_s=0,
+        run_idle_ttl_s=600,
+        clock=lambda: clock[0],
+        metrics_linger_s=30,
+    )
     publish_steps(bus, range(3), runs=("a", "b"))
     drain(worker)
     clock[0] = 1500.0
@@ -258,8 +280,12 @@ def test_runs_idle_past_the_ttl_are_evicted_and_tombstoned():
     clock[0] = 1700.0  # a silent for 700 s, b for 200 s
     worker.run_once(timeout=0)
     assert set(worker.stage.runs) == {"b"}
-    assert registry.get_sample_value(
-        "spikeguard_runs_evicted_total", {"component": "sum", "reason": "idle"}) == 1
+    assert (
+        registry.get_sample_value(
+            "spikeguard_runs_evicted_total", {"component": "sum", "reason": "idle"}
+        )
+        == 1
+    )
     assert registry.get_sample_value("spikeguard_runs_in_memory", {"component": "sum"}) == 1
     # Its series outlive it by the linger time, so the next scrape still sees its last values.
     assert registry.get_sample_value("spikeguard_run_last_step", {"run_id": "a"}) == 2
@@ -284,9 +310,12 @@ class Hoarder(RunningSum):
 def test_a_run_state_over_the_record_limit_is_refused_with_a_reason_not_a_crash(caplog):
     bus = EmbeddedBus(partitions=1)
     registry = CollectorRegistry()
-    stage = DetectorStage(TOPICS, "sum", lambda run_id: Hoarder() if run_id == "big" else RunningSum())
-    worker = Worker(bus, stage, metrics=Metrics(registry), snapshot_interval_s=3600,
-                    max_state_record_bytes=2048)
+    stage = DetectorStage(
+        TOPICS, "sum", lambda run_id: Hoarder() if run_id == "big" else RunningSum()
+    )
+    worker = Worker(
+        bus, stage, metrics=Metrics(registry), snapshot_interval_s=3600, max_state_record_bytes=2048
+    )
     publish_steps(bus, range(2), runs=("big", "small"))
     drain(worker)
     worker.checkpoint()
@@ -295,10 +324,14 @@ def test_a_run_state_over_the_record_limit_is_refused_with_a_reason_not_a_crash(
     drain(worker)
     with caplog.at_level("WARNING"):
         worker.checkpoint()
-    assert any("state of run big not saved" in r.getMessage() and "2048-byte" in r.getMessage()
-               for r in caplog.records)
-    assert registry.get_sample_value(
-        "spikeguard_state_records_refused_total", {"component": "sum"}) == 1
+    assert any(
+        "state of run big not saved" in r.getMessage() and "2048-byte" in r.getMessage()
+        for r in caplog.records
+    )
+    assert (
+        registry.get_sample_value("spikeguard_state_records_refused_total", {"component": "sum"})
+        == 1
+    )
     saved = state_records(bus)
     assert saved["sum/run/big"] is None  # its stale record is gone: a restart starts it afresh
     assert saved["sum/run/small"]["state"]["seen"] == 6
@@ -330,8 +363,10 @@ def test_the_older_one_record_per_partition_layout_is_still_restored():
     bus.producer().publish(TOPICS.state("sum"), json.dumps(legacy).encode(), key="0")
     worker = make_worker(bus, snapshot_interval_s=3600)
     drain(worker)
-    assert worker.stage.runs["a"].state_dict() == {"total": sum(s + 0.5 for s in range(6)),
-                                                    "seen": 6}
+    assert worker.stage.runs["a"].state_dict() == {
+        "total": sum(s + 0.5 for s in range(6)),
+        "seen": 6,
+    }
     worker.checkpoint()
     saved = state_records(bus)
     assert saved["0"] is None  # superseded: tombstoned
@@ -346,8 +381,18 @@ def test_a_state_with_non_finite_and_large_numbers_reads_back_as_json_dumps_wrot
     bus = EmbeddedBus(partitions=1)
     store = StateStore(bus, TOPICS.state("sum"))
     store.ensure_topic()
-    state = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "tiny": 5e-324, "third": 1 / 3,
-             "big": 2**80, "rows": [[0.1, -2.5e300], (1, 2)], "text": "é\n\"", "none": None, "flag": True}
+    state = {
+        "nan": math.nan,
+        "inf": math.inf,
+        "-inf": -math.inf,
+        "tiny": 5e-324,
+        "third": 1 / 3,
+        "big": 2**80,
+        "rows": [[0.1, -2.5e300], (1, 2)],
+        "text": 'é\n"',
+        "none": None,
+        "flag": True,
+    }
     store.save(bus.producer(), 0, {TOPICS.steps: 7}, {"a": state})
     loaded = StateStore(bus, TOPICS.state("sum")).load(0)
     expected = json.loads(json.dumps(state))

@@ -35,8 +35,13 @@ class RunningSum(Detector[Sum]):
     def score(self, event: StepEvent, state: Sum) -> Verdict:
         if event.step == self.fail_at:
             raise RuntimeError(f"cannot judge step {event.step}")
-        return Verdict(run_id=event.run_id, step=event.step, detector=self.name, is_anomaly=False,
-                       signals={"total": state.total + event.loss, "seen": state.seen + 1})
+        return Verdict(
+            run_id=event.run_id,
+            step=event.step,
+            detector=self.name,
+            is_anomaly=False,
+            signals={"total": state.total + event.loss, "seen": state.seen + 1},
+        )
 
     def learn(self, event: StepEvent, state: Sum) -> None:
         state.total += event.loss
@@ -96,21 +101,30 @@ def test_bad_records_go_to_the_dlq_with_a_reason_and_the_worker_goes_on():
     publish_steps(bus, range(3), runs=("a",))
     producer.publish(TOPICS.steps, b"{broken", key="a")
     producer.publish(TOPICS.steps, b'{"run_id": "a", "step": -4, "loss": 1}', key="a")
-    producer.publish(TOPICS.steps, b'{"schema_version": 7, "run_id": "a", "step": 9, "loss": 1}', key="a")
+    producer.publish(
+        TOPICS.steps, b'{"schema_version": 7, "run_id": "a", "step": 9, "loss": 1}', key="a"
+    )
     publish_steps(bus, range(3, 6), runs=("a",))
     drain(worker)
 
     letters = [decode(r.value, DeadLetter) for r in bus.read_all(TOPICS.dlq)]
     assert [letter.error for letter in letters] == [
-        "MalformedMessage", "MalformedMessage", "UnknownSchemaVersion"
+        "MalformedMessage",
+        "MalformedMessage",
+        "UnknownSchemaVersion",
     ]
     assert "not JSON" in letters[0].reason and letters[0].value == "{broken"
     assert "step" in letters[1].reason
-    assert all(letter.source_topic == TOPICS.steps and letter.offset is not None for letter in letters)
+    assert all(
+        letter.source_topic == TOPICS.steps and letter.offset is not None for letter in letters
+    )
     assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4, 5]
-    assert registry.get_sample_value(
-        "spikeguard_dead_letters_total", {"component": "sum", "error": "MalformedMessage"}
-    ) == 2
+    assert (
+        registry.get_sample_value(
+            "spikeguard_dead_letters_total", {"component": "sum", "error": "MalformedMessage"}
+        )
+        == 2
+    )
 
 
 def test_a_record_the_stage_cannot_process_goes_to_the_dlq_alone():
@@ -200,11 +214,15 @@ def test_an_unreadable_snapshot_is_logged_and_counted(caplog):
     with caplog.at_level("WARNING"):
         worker = make_worker(bus, registry)
         drain(worker)
-    assert any("unreadable" in r.getMessage() and "partition 0" in r.getMessage()
-               for r in caplog.records)
-    assert registry.get_sample_value(
-        "spikeguard_state_snapshots_unreadable_total", {"component": "sum"}
-    ) == 1
+    assert any(
+        "unreadable" in r.getMessage() and "partition 0" in r.getMessage() for r in caplog.records
+    )
+    assert (
+        registry.get_sample_value(
+            "spikeguard_state_snapshots_unreadable_total", {"component": "sum"}
+        )
+        == 1
+    )
     assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4]  # started afresh
 
 
@@ -223,11 +241,16 @@ def test_a_snapshot_of_another_state_version_is_not_adopted(caplog):
     fresh = build_stage("rules", load_settings(), TOPICS)
     with caplog.at_level("WARNING"):
         drain(Worker(bus, fresh, metrics=Metrics(registry)))
-    assert any("cannot restore partition 0" in r.getMessage() and "version 0" in r.getMessage()
-               for r in caplog.records)
-    assert registry.get_sample_value(
-        "spikeguard_state_snapshots_unreadable_total", {"component": "rules"}
-    ) == 1
+    assert any(
+        "cannot restore partition 0" in r.getMessage() and "version 0" in r.getMessage()
+        for r in caplog.records
+    )
+    assert (
+        registry.get_sample_value(
+            "spikeguard_state_snapshots_unreadable_total", {"component": "rules"}
+        )
+        == 1
+    )
     # Not sought to the snapshot's offsets: every step judged, from a fresh state.
     assert sorted(step for _, step in verdicts(bus)) == [0, 1, 2, 3, 4]
 
@@ -249,11 +272,13 @@ def test_a_real_detector_retried_after_a_failure_learns_each_good_step_once():
     publish_steps(bus, range(5), runs=("a",))
     drain(worker)
     clean = StatisticalDetector()
-    clean.update_many([
-        StepEvent(run_id="a", step=s, loss=float(s % 7) + 0.5, time=0.0) for s in (0, 1, 3, 4)
-    ])
+    clean.update_many(
+        [StepEvent(run_id="a", step=s, loss=float(s % 7) + 0.5, time=0.0) for s in (0, 1, 3, 4)]
+    )
     # Compared as JSON text: NaN fields are equal there, not only when they are the same float object.
-    assert json.dumps(stage.runs["a"].state_dict(), sort_keys=True) == json.dumps(clean.state_dict(), sort_keys=True)
+    assert json.dumps(stage.runs["a"].state_dict(), sort_keys=True) == json.dumps(
+        clean.state_dict(), sort_keys=True
+    )
     assert stage.runs["a"].state_dict()["loss"]["n"] == 4  # four good steps, each learnt once
 
 
@@ -267,5 +292,6 @@ def test_the_state_store_gives_each_partition_its_own_snapshot():
     reader = StateStore(bus, TOPICS.state("sum"))
     for partition in (0, 1, 2):
         assert reader.load(partition) == {
-            "offsets": {TOPICS.steps: 10 * partition}, "runs": {f"run-{partition}": {}}
+            "offsets": {TOPICS.steps: 10 * partition},
+            "runs": {f"run-{partition}": {}},
         }

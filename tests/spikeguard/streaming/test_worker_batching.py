@@ -36,14 +36,22 @@ class Recording(DetectorStage):
 
 
 def step(s: int) -> StepEvent:
-    return StepEvent(run_id="r", step=s, time=1000.0 + s, loss=1.0 + 0.01 * s, grad_norm=1.0, lr=1e-3)
+    return StepEvent(
+        run_id="r", step=s, time=1000.0 + s, loss=1.0 + 0.01 * s, grad_norm=1.0, lr=1e-3
+    )
 
 
 def setup(linger: float, max_records: int = 1000):
     bus = EmbeddedBus(partitions=1)
     stage = Recording()
-    worker = Worker(bus, stage, snapshots=False, batch_linger_s=linger, max_records=max_records,
-                    metrics=Metrics(CollectorRegistry()))
+    worker = Worker(
+        bus,
+        stage,
+        snapshots=False,
+        batch_linger_s=linger,
+        max_records=max_records,
+        metrics=Metrics(CollectorRegistry()),
+    )
     producer = bus.producer()
     pauses: list[float] = []
 
@@ -93,8 +101,13 @@ def test_the_linger_never_takes_more_than_max_records():
 
 def test_stop_cuts_the_linger_short():
     bus = EmbeddedBus(partitions=1)
-    worker = Worker(bus, Recording(), snapshots=False, batch_linger_s=1000.0,
-                    metrics=Metrics(CollectorRegistry()))
+    worker = Worker(
+        bus,
+        Recording(),
+        snapshots=False,
+        batch_linger_s=1000.0,
+        metrics=Metrics(CollectorRegistry()),
+    )
     bus.producer().publish(TOPICS.steps, encode(step(0)), key="r")
     thread = threading.Thread(target=worker.run)
     thread.start()
@@ -110,8 +123,9 @@ def test_embedded_runtime_workers_linger_by_the_setting():
 
     for linger in (0.0, 0.25):
         # Threads: the workers' objects are then this process's to look at.
-        settings = load_settings({"worker": {"embedded_batch_linger_s": linger, "embedded_process": False}},
-                                 env={})
+        settings = load_settings(
+            {"worker": {"embedded_batch_linger_s": linger, "embedded_process": False}}, env={}
+        )
         runtime = open_runtime(settings)
         try:
             assert runtime.workers and {w.batch_linger_s for w in runtime.workers} == {linger}

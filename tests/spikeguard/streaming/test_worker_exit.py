@@ -28,9 +28,21 @@ def test_a_worker_that_cannot_publish_exits_non_zero_with_a_one_line_reason(tmp_
     (tmp_path / TOPICS.verdicts).write_text("in the way")
 
     done = subprocess.run(
-        [sys.executable, "-m", "spikeguard", "worker", "statistical", "--topic-prefix",
-         TOPICS.prefix, "--set", f"data_dir={tmp_path}"],
-        env=clean_env(), capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "spikeguard",
+            "worker",
+            "statistical",
+            "--topic-prefix",
+            TOPICS.prefix,
+            "--set",
+            f"data_dir={tmp_path}",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]

@@ -14,11 +14,17 @@ from spikeguard.errors import DeliveryError
 from spikeguard.schemas import encode
 
 # The running-sum detector and helpers of test_run_state.py (tests are not a package here).
-_spec = importlib.util.spec_from_file_location("run_state_helpers", Path(__file__).with_name("test_run_state.py"))
+_spec = importlib.util.spec_from_file_location(
+    "run_state_helpers", Path(__file__).with_name("test_run_state.py")
+)
 _helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_helpers)
 TOPICS, drain, make_worker = _helpers.TOPICS, _helpers.drain, _helpers.make_worker
-publish_steps, state_records, verdicts = _helpers.publish_steps, _helpers.state_records, _helpers.verdicts
+publish_steps, state_records, verdicts = (
+    _helpers.publish_steps,
+    _helpers.state_records,
+    _helpers.verdicts,
+)
 
 
 class InFlight(EmbeddedProducer):
@@ -54,7 +60,9 @@ class InFlight(EmbeddedProducer):
         self.calls.append("flush")
         held, self.held = self.held, []
         if self.lose and held:
-            raise DeliveryError(f"the broker did not acknowledge topic {held[0][0]!r}: {len(held)} record(s)")
+            raise DeliveryError(
+                f"the broker did not acknowledge topic {held[0][0]!r}: {len(held)} record(s)"
+            )
         for record in held:
             super().publish(*record)
 
@@ -111,7 +119,9 @@ def test_a_lost_send_stops_the_worker_before_anything_past_it_is_saved():
     first.run()  # returns: it cannot go on
     assert isinstance(first.failure, DeliveryError)
     assert state_records(bus) == {}  # no state past the lost verdicts...
-    assert bus._groups.get(first.group) is None or not bus._groups[first.group].committed  # ...no offsets
+    assert (
+        bus._groups.get(first.group) is None or not bus._groups[first.group].committed
+    )  # ...no offsets
 
     second = make_worker(bus, max_records=9)  # the restart redoes them
     drain(second)
