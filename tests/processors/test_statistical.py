@@ -413,6 +413,7 @@ def climb(n: int, seed: int, start: int, peak: float, rise: int, power: float, s
     return out, labelled
 
 
+@pytest.mark.heavy  # 40 runs of the simulator: ~4 s, over the unit tier's 3 s budget
 def test_gradual_divergences_are_caught_within_15_steps_of_rising_3_sigma() -> None:
     # Slow climbs (the simulator's divergence shapes) stay under the one-point outlier bar
     # for tens of steps while the level follows them, but most points are over the run's
