@@ -67,11 +67,33 @@ class Recorder(TrainerCallback):
         self.params_after[self.global_steps[-1]] = [p.detach().clone() for p in model.parameters()]
 
 
-def run(tmp_path, bus, steps_: int = 20, recorder: Recorder | None = None, **config) -> tuple:
+def tiny_gpt2() -> GPT2LMHeadModel:
+    """A one-layer GPT-2 of 16 dimensions, the same weights every time (seed 0)."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(
+    return GPT2LMHeadModel(
         GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     )
+
+
+def trainer_args(tmp_path, steps: int, **extra) -> TrainingArguments:
+    """The tests' TrainingArguments: CPU, seed 0, batches of 8, no clipping of the Trainer's own
+    (the Guard sees the true gradient norm), nothing saved; ``extra`` on top."""
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        max_grad_norm=0.0,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**base, **extra})
+
+
+def run(tmp_path, bus, steps_: int = 20, recorder: Recorder | None = None, **config) -> tuple:
+    model = tiny_gpt2()
     guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
@@ -80,19 +102,12 @@ def run(tmp_path, bus, steps_: int = 20, recorder: Recorder | None = None, **con
         ),
     )
     recorder = recorder or Recorder()
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps_,
-        per_device_train_batch_size=8,
+    args = trainer_args(
+        tmp_path,
+        steps_,
         learning_rate=1e-2,
         lr_scheduler_type="linear",
         weight_decay=0.1,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
         logging_steps=10_000,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, recorder])
@@ -136,28 +151,13 @@ def test_a_skipped_update_changes_nothing_adamw_would_change(tmp_path, bus):
             )
 
     rec = Recorder(on_begin=poison)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=9,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = trainer_args(tmp_path, 9, learning_rate=1e-2, weight_decay=0.1)
     Trainer(
         model=model, args=args, train_dataset=Tokens(), callbacks=[Poison(), guard, rec]
     ).train()
@@ -177,28 +177,14 @@ def test_lr_action_scales_the_schedulers_value_and_leaves_the_schedule_alone(tmp
             send(bus, box["guard"].guard, action(ActionKind.SCALE_LR, 8, "hf-test", factor=0.5))
 
     rec = Recorder(on_begin=scale_at_8)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=16,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        lr_scheduler_type="linear",
-        warmup_steps=4,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
+    args = trainer_args(
+        tmp_path, 16, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=4
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
@@ -222,26 +208,13 @@ def test_stop_action_ends_training_cleanly(tmp_path, bus):
             send(bus, box["guard"].guard, action(ActionKind.STOP, 7, "hf-test", reason="test stop"))
 
     rec = Recorder(on_begin=stop_at_7)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=30,
-        per_device_train_batch_size=8,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = trainer_args(tmp_path, 30)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     out = trainer.train()  # returns normally
     assert trainer.state.global_step == 8 and rec.global_steps[-1] == 7
@@ -271,28 +244,13 @@ def test_rollback_restores_model_optimizer_scheduler_and_global_step(tmp_path, b
             )
 
     rec = Recorder(on_begin=rollback_at_13)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=20,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        lr_scheduler_type="linear",
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = trainer_args(tmp_path, 20, learning_rate=1e-2, lr_scheduler_type="linear")
     first_params: dict = {}
 
     class Keep(TrainerCallback):
@@ -332,27 +290,14 @@ def test_published_loss_is_the_trainers_own_with_gradient_accumulation(tmp_path,
             if logs and "loss" in logs:
                 logged[state.global_step - 1] = logs["loss"]
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=4,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
+    args = trainer_args(
+        tmp_path, 6, per_device_train_batch_size=4, gradient_accumulation_steps=4, logging_steps=1
     )
     Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, Logs()]).train()
     events = steps(bus)
@@ -372,27 +317,13 @@ def test_rollback_at_the_last_step_still_trains_to_max_steps(tmp_path, bus):
             )
 
     rec = Recorder(on_begin=rollback_at_13)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=14,
-        per_device_train_batch_size=8,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=5,
-    )
+    args = trainer_args(tmp_path, 14, logging_steps=5)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert rec.global_steps == list(range(14)) + list(range(10, 14))
@@ -414,28 +345,14 @@ def test_observe_mode_in_the_trainer_applies_nothing_and_resume_defaults_as_the_
             )
 
     rec = Recorder(on_begin=stop_at_7)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         mode="observe",
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = trainer_args(tmp_path, 12, learning_rate=1e-2)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert trainer.state.global_step == 12  # not stopped
@@ -460,28 +377,14 @@ def test_observe_mode_trains_through_a_due_rollback_as_guard_step_does(tmp_path,
             )
 
     rec = Recorder(on_begin=rollback_at_13)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    )
+    model = tiny_gpt2()
     box["guard"] = guard = SpikeguardCallback(
         run_id="hf-test",
         bus=bus,
         mode="observe",
         config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False, checkpoint_every=5),
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=16,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        max_grad_norm=0.0,
-        seed=0,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
+    args = trainer_args(tmp_path, 16, learning_rate=1e-2)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[guard, rec])
     trainer.train()
     assert rec.global_steps == list(range(16)) and trainer.state.global_step == 16
