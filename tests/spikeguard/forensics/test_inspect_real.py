@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from forensics_helpers import lockstep_guard  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 PLANTED = [
@@ -36,36 +37,14 @@ def _per_sample_loss(model, batch):
 
 
 def _guarded_run(tmp_path, model, dataset, steps, config_extra=None, fault=None, skip_ids=None):
-    from spikeguard import Guard
     from spikeguard.demo.run import DEMO_SETTINGS
-    from spikeguard.producers.config import GuardConfig
     from spikeguard.runtime import open_runtime
     from spikeguard.settings import load_settings
 
     runtime = open_runtime(load_settings(DEMO_SETTINGS, env={}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     loader = DataLoader(dataset, batch_size=32, shuffle=False)  # the user's loader, as is
-    cfg = GuardConfig(
-        checkpoint_dir=str(tmp_path / "ck"),
-        checkpoint_every=20,
-        keep_checkpoints=4,
-        resume=False,
-        lockstep=True,
-        data_seed=0,
-        healthy_stretch=10,
-        signing_key=runtime.settings.signing_key,
-        **(config_extra or {}),
-    )
-    guard = Guard(
-        model,
-        optimizer,
-        None,
-        run_id="forensics",
-        bus=runtime.bus,
-        topics=runtime.topics,
-        config=cfg,
-        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
-    )
+    guard = lockstep_guard(runtime, model, optimizer, tmp_path, "forensics", **(config_extra or {}))
     try:
         for xb, yb in guard.data(loader, max_steps=steps, skip_ids=skip_ids):
 

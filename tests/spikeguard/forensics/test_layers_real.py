@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from forensics_helpers import lockstep_guard  # noqa: E402
+
 
 def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
-    from spikeguard import Guard
     from spikeguard.demo.run import DEMO_SETTINGS
-    from spikeguard.producers.config import GuardConfig
     from spikeguard.reporting import build_timeline, load_directory
     from spikeguard.reporting.page import render
     from spikeguard.runtime import open_runtime
@@ -32,26 +32,7 @@ def test_the_report_names_the_layer_a_blow_up_went_through(tmp_path):
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True
     )
-    cfg = GuardConfig(
-        checkpoint_dir=str(tmp_path / "ck"),
-        checkpoint_every=20,
-        keep_checkpoints=4,
-        resume=False,
-        lockstep=True,
-        data_seed=0,
-        healthy_stretch=10,
-        signing_key=runtime.settings.signing_key,
-    )
-    guard = Guard(
-        model,
-        optimizer,
-        None,
-        run_id="layers",
-        bus=runtime.bus,
-        topics=runtime.topics,
-        config=cfg,
-        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
-    )
+    guard = lockstep_guard(runtime, model, optimizer, tmp_path, "layers")
     blow_at, hook = 120, None
     try:
         for xb, yb in guard.data(loader, max_steps=128):
