@@ -57,6 +57,7 @@ the judged point into the model. State round-trips through JSON types.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -357,9 +358,7 @@ class OutlierModel:
         jump_level, since = self.jump_level, self.since_jump
         if jump_level is None or len(since) + 1 < min(_MIN_HELD, since.window):
             return False
-        values = sorted(since.values()[1 - since.window :] + [y])  # the window's newest, y included
-        n = len(values)
-        median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+        median = statistics.median(since.values()[1 - since.window :] + [y])  # newest, y included
         spread = self.tail.quantile(0.9) - self.tail.quantile(0.5)
         return median - jump_level > max(spread, self.config.min_rise)
 
