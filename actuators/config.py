@@ -195,6 +195,14 @@ class PolicyConfig(BaseModel):
         200, ge=0, description="batches skipped beyond the rewound window (PaLM: 200-500 in all)"
     )
     max_checkpoints: int = Field(32, ge=1, le=10_000, description="healthy checkpoints remembered")
+    data_level_hold_steps: int = Field(
+        500,
+        ge=0,
+        le=1_000_000,
+        description="after a rise came back on other data once its window was skipped (the data's "
+        "level changed): watch non-critical rises for this many steps instead of rolling back "
+        "again; the slowest detector's relearning span (statistical.relearn_after)",
+    )
 
     # --- escalation --------------------------------------------------------------
     max_rollbacks_per_incident: int = Field(

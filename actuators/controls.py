@@ -48,6 +48,9 @@ class RollbackRecord:
     dropped: list[dict[str, Any]] = field(default_factory=list)
     alerted: bool = False
     tick: int | None = None  # observed step it was issued at (its entry in the rollback window)
+    # The data it skipped: from this step on, this many batches (None: it skipped none).
+    skipped_from: int | None = None
+    skipped: int = 0
 
 
 class Controls:
@@ -75,8 +78,9 @@ class Controls:
         )
         return True
 
-    def restore_lr(self, plan: ActionPlan, why: str) -> bool:
-        applied = self.lr.restore(plan.apply_at_step, self.config.lr_restore_factor)
+    def restore_lr(self, plan: ActionPlan, why: str, factor: float | None = None) -> bool:
+        """Raise the LR one restore step (or by ``factor``), never above the ceiling."""
+        applied = self.lr.restore(plan.apply_at_step, factor or self.config.lr_restore_factor)
         if applied is None:
             return False
         plan.add(
@@ -177,6 +181,7 @@ class Controls:
             f"{why}: roll back to healthy checkpoint {target.checkpoint_id} at step {t} "
             f"(>= {cfg.rollback_min_steps_before_onset} steps before onset {incident.onset_step})",
         )
+        first: int | None = None
         if skip_data:
             # From the onset: the batches between the checkpoint and the onset gave normal
             # losses, so they are re-run, not skipped (fewer batches lost than PaLM's recipe).
@@ -220,6 +225,8 @@ class Controls:
             lr_scale=scale,
             dropped=[asdict(c) for c in dropped],
             tick=tick,
+            skipped_from=first,
+            skipped=0 if first is None else s - first + 1 + cfg.skip_extra_batches,
         )
         self.rollbacks.append(record)
         del self.rollbacks[: max(0, len(self.rollbacks) - MAX_ROLLBACK_RECORDS)]

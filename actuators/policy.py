@@ -140,6 +140,10 @@ class RecoveryPolicy:
             False  # an LR jump needed a rollback: the next is scaled back at once
         )
         self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
+        # After a rollback that skipped data: the re-run's steps [from, to) that train on the
+        # batches after the skipped ones, and the checkpoint's step (PaLM's test, _data_level).
+        self.rerun_window: list[int] | None = None
+        self.data_level_until: int | None = None  # non-critical rises watched until this tick
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
         self.stopped = False
@@ -265,6 +269,15 @@ class RecoveryPolicy:
             self.tail = [record.issue_step, max(record.issue_step, ack.step)]
             self.pending_spike = None
             self.healthy_streak = 0
+            self.rerun_window = (
+                None
+                if record.skipped_from is None
+                else [
+                    record.skipped_from,
+                    record.skipped_from + record.skipped,
+                    record.target_step,
+                ]
+            )
         elif ack.status in _FAILED and record.status in _UNSETTLED:
             self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
             record.alerted = True
@@ -314,6 +327,8 @@ class RecoveryPolicy:
                     f"{what}: the GradScaler skips overflowing updates and regrows "
                     "its scale by itself; watching, nothing changed",
                 )
+        elif strategy in ("spike", "slow") and self._data_level(plan, inc, what):
+            pass
         elif is_loss and inc.explosion_handled and not grace:
             plan.response = Response.UNSTABLE
             self._recover(
@@ -359,6 +374,40 @@ class RecoveryPolicy:
                 f"{what}: no recovery strategy for this type",
             )
         inc.loss_seen = inc.loss_seen or is_loss
+
+    def _data_level(self, plan: ActionPlan, inc: Incident, what: str) -> bool:
+        """A non-critical rise that is the data's level, not a bad batch: watched. True if so.
+
+        PaLM's test: the rollback skipped the batches that led into the rise, and the re-run
+        meets the same rise on the batches after them. Rolling back again cannot help (the
+        data itself is harder now); the LR the rise lowered is given back, and non-critical
+        rises are watched while the detectors relearn the level. Critical ones still act.
+        """
+        cfg = self.config
+        if self.data_level_until is not None and self.observed_steps < self.data_level_until:
+            self._watch(plan, inc, f"{what}: the data's level changed (said before)")
+            return True
+        window = self.rerun_window
+        if window is None or not window[0] <= inc.onset_step < window[1]:
+            return False
+        self.rerun_window = None
+        self.data_level_until = self.observed_steps + cfg.data_level_hold_steps
+        inc.watched = True
+        plan.response = Response.DATA_LEVEL
+        why = (
+            f"{what}: the rise came back on other data (steps {window[0]}..{window[1] - 1} of "
+            "the re-run train on the batches after the skipped ones): the data's level changed, "
+            f"not a bad batch; no rollback, non-critical rises watched for "
+            f"{cfg.data_level_hold_steps} steps"
+        )
+        lr = self.recovery.lr
+        before = lr.at(window[2])  # the LR at the checkpoint, before the rise lowered it
+        if before > lr.current:
+            self.recovery.restore_lr(
+                plan, f"{why}; the LR the rise lowered given back", before / lr.current
+            )
+        plan.alert("warning", why)
+        return True
 
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
         self.pending_spike = {
@@ -713,6 +762,8 @@ class RecoveryPolicy:
             "lr_hold_until": self.lr_hold_until,
             "lr_jump_harmful": self.lr_jump_harmful,
             "explosions": self.explosions,
+            "rerun_window": self.rerun_window,
+            "data_level_until": self.data_level_until,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
             "counts": dict(self.counts),
@@ -743,6 +794,8 @@ class RecoveryPolicy:
         self.lr_hold_until = state.get("lr_hold_until")
         self.lr_jump_harmful = bool(state.get("lr_jump_harmful", False))
         self.explosions = int(state.get("explosions", 0))
+        self.rerun_window = state.get("rerun_window")
+        self.data_level_until = state.get("data_level_until")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.counts = dict(state["counts"])
         self.recovery.load_state_dict(state["recovery"])

@@ -40,6 +40,10 @@ class Response(str, Enum):
     CRITICAL = "critical"
     # A slow rise or divergence: LR steps, then a rollback if it goes on.
     SLOW_RISE = "slow_rise"
+    # A rise that came back on other data right after a rollback skipped the batches that
+    # led into it (PaLM's test): the data's level changed (harder data, not a bad batch).
+    # Undo the LR the rise lowered and watch non-critical rises while the detectors relearn.
+    DATA_LEVEL = "data_level"
     # One isolated outlier step: the Guard's local rule answers it.
     OUTLIER_STEP = "outlier_step"
     # Early warnings: checkpoint, gentle clipping, never more.

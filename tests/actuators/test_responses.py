@@ -160,6 +160,56 @@ def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouche
     assert all(a.reason.startswith("[data_spike]") for a in out)
 
 
+def applied(policy: RecoveryPolicy, rollback) -> None:
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
+
+
+def test_a_rise_that_comes_back_on_other_data_after_the_skip_is_the_datas_level() -> None:
+    """PaLM's test: the window that led into the spike was skipped, and the re-run meets the same
+    rise on the batches after it. The data's level changed (harder data, not a bad batch): said,
+    the LR the rise lowered is given back, and rolling back again could not help."""
+    policy = make(skip_extra_batches=40, lr_decrease_factor_spike=0.8)
+    feed(policy, healthy(401, 800))
+    first = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
+    assert kinds(first) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR]
+    applied(policy, first[0])
+    feed(policy, healthy(701, 806))  # the re-run, up to the batches after the skipped window
+    again = feed(
+        policy,
+        [dec(s, T.LOSS_SPIKE, onset=806) for s in range(806, 812)]
+        + [dec(s, T.SLOW_RISE, onset=806, confidence=0.7) for s in range(812, 900)],
+    )
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(again)), [a.reason for a in again]
+    assert [a.params.factor for a in again if a.kind is K.SCALE_LR] == []
+    said = [a for a in again if a.reason.startswith("[data_level]")]
+    assert said and "other data" in said[0].reason
+    assert K.RESTORE_LR in kinds(said) and policy.recovery.lr.current == pytest.approx(1.0)
+    # A critical decision is still answered.
+    out = feed(
+        policy, [dec(900, T.EXTREME_LOSS, onset=900, loss=200.0, grad=5e3)] + healthy(901, 904)
+    )
+    assert K.ROLLBACK in kinds(out)
+
+
+def test_a_rise_long_after_the_skipped_window_is_a_new_spike() -> None:
+    policy = make(skip_extra_batches=40)
+    feed(policy, healthy(401, 800))
+    first = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
+    applied(policy, first[0])
+    feed(policy, healthy(701, 950))
+    later = feed(policy, [dec(s, T.LOSS_SPIKE, onset=950) for s in range(950, 954)])
+    assert kinds(later)[:2] == [K.ROLLBACK, K.SKIP_BATCHES]
+    assert later[0].reason.startswith("[data_spike]")
+
+
 def test_low_confidence_incidents_never_stop_a_run() -> None:
     """A chain of non-critical incidents past every budget: said once each, never a stop."""
     policy = make(
