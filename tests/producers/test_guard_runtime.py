@@ -72,6 +72,28 @@ def test_a_guard_handed_a_runtime_signs_with_its_key_and_the_pipeline_judges_eve
         runtime.close()
 
 
+def test_a_handed_runtime_gives_the_guard_its_bus_topics_and_key_and_stays_open(tmp_path):
+    closed: list[str] = []
+    bus = EmbeddedBus()
+    runtime = Runtime(
+        bus,
+        Topics("handed."),
+        Settings(signing_key="runtime-key-7"),
+        closers=[lambda: closed.append("runtime")],
+    )
+    tiny = Tiny(seed=5)
+    guard = Guard(
+        tiny.model, tiny.optimizer, run_id="parts", config=_config(tmp_path), runtime=runtime
+    )
+    assert guard.bus is bus and guard.topics.prefix == "handed."
+    train(guard, tiny, 3)
+    guard.close()
+    assert closed == []  # the caller opened it, the caller closes it
+    steps = [decode(r.value, StepEvent) for r in bus.read_all("handed.steps")]
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert all(step_signature_problem(s, "runtime-key-7") is None for s in steps)
+
+
 def test_a_keyless_guard_handed_only_a_signed_runtimes_bus_warns_and_its_steps_are_refused(
     tmp_path, caplog, wait_until
 ):
