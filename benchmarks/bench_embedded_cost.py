@@ -100,9 +100,7 @@ def run(kind: str, steps: int, directory: str) -> dict:
             load_settings({"worker.embedded_process": False} if kind == "threads" else {})
         )
         child = runtime.child
-        guard = Guard(
-            model, opt, run_id=f"cost-{kind}", config=config, bus=runtime.bus, topics=runtime.topics
-        )
+        guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, runtime=runtime)
     warm = max(1, steps // 10)
     for i in range(steps):
         if i == warm:
@@ -157,8 +155,7 @@ def paired(steps: int, block: int, directory: str) -> dict:
                 opt,
                 run_id="paired-process",
                 config=config,
-                bus=runtime.bus,
-                topics=runtime.topics,
+                runtime=runtime,
             )
         )
         loops[kind] = (guard, model, opt, x, y)

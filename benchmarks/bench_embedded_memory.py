@@ -68,9 +68,7 @@ def main() -> None:
         # Checkpoints every 500 steps, keep 3: the default cadence would not change memory
         # either, but a long run with few files keeps the disk quiet.
         config = GuardConfig(checkpoint_dir=tmp, checkpoint_every=500, resume=False)
-        guard = Guard(
-            model, opt, run_id="memory", config=config, bus=runtime.bus, topics=runtime.topics
-        )
+        guard = Guard(model, opt, run_id="memory", config=config, runtime=runtime)
         start = time.perf_counter()
         for step in range(1, args.steps + 1):
             opt.zero_grad(set_to_none=True)

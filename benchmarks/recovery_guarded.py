@@ -58,8 +58,7 @@ def run_spikeguard(
         p.scheduler,
         run_id=run_id,
         config=config,
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,
         scaler=scaler,
     )
     try:

@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
             lockstep=True,
             healthy_stretch=10,
         ),
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,
         policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
     )
     trainer = L.Trainer(

@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler,
         run_id=f"plain-{args.fault}-{args.seed}-{time.time_ns() % 10**9}",
         config=config,
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,
         policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
     )
     started = time.monotonic()

@@ -46,7 +46,7 @@ import os
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -86,6 +86,9 @@ from spikeguard.producers.update_norm import UpdateNorm
 from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, CheckpointEvent, Topics
 from spikeguard.schemas.signing import Signer
 
+if TYPE_CHECKING:
+    from spikeguard.runtime import Runtime
+
 log = logging.getLogger(__name__)
 
 #: Why a step's update does not happen, besides the skip reasons a StepEvent publishes:
@@ -119,6 +122,18 @@ class StepResult(NamedTuple):
 
 
 class Guard:
+    """Guards one training run; see the module's docstring.
+
+    Where its steps go: by default the Guard opens a runtime of its own
+    (:func:`spikeguard.runtime.open_runtime`: the embedded pipeline, or Kafka
+    when ``SPIKEGUARD_BOOTSTRAP_SERVERS`` is set) and closes it in :meth:`close`.
+    ``runtime=`` hands it one that the caller opened (and closes): its bus, its
+    topics and its settings, the signing key among them. ``bus=`` and ``topics=``
+    are for a bus of the caller's own (Kafka or custom); the key then comes from
+    ``config.signing_key`` only. ``connect=False``: no bus at all, the local
+    protections only.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -127,6 +142,7 @@ class Guard:
         *,
         run_id: str | None = None,
         config: GuardConfig | None = None,
+        runtime: Runtime | None = None,
         bus: Any = None,
         topics: Topics | None = None,
         scaler: Any = None,
@@ -137,6 +153,14 @@ class Guard:
         mode: GuardMode | str | None = None,
         resume: ResumeMode | str | bool | None = None,
     ) -> None:
+        if runtime is not None and (bus is not None or topics is not None):
+            given = " and ".join(
+                name for name, v in (("bus", bus), ("topics", topics)) if v is not None
+            )
+            raise TypeError(
+                f"Guard got both runtime= and {given}=: a runtime brings its own bus, topics "
+                "and signing key; pass runtime= alone, or bus= and topics= for a bus of your own"
+            )
         self.sharded = model_is_sharded(model)  # FSDP2 / DTensor (sharded.py); FSDP1 refused, first
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
@@ -149,21 +173,19 @@ class Guard:
         )
         self.sync = RankSync(process_group)
         self.rank = self.sync.rank
-        self._runtime = None
-        settings = None
+        self._own_runtime: Runtime | None = None  # opened here, so closed here
         if (
-            bus is None
+            runtime is None
+            and bus is None
             and connect
             and (self.rank == 0 or (config is not None and config.publish_all_ranks))
         ):
-            from spikeguard.runtime import open_runtime  # embedded pipeline threads, or Kafka
+            from spikeguard.runtime import open_runtime  # embedded pipeline, or Kafka
 
-            self._runtime = open_runtime()
-            bus, topics, settings = (
-                self._runtime.bus,
-                topics or self._runtime.topics,
-                self._runtime.settings,
-            )
+            runtime = self._own_runtime = open_runtime()
+        settings = None
+        if runtime is not None:
+            bus, topics, settings = runtime.bus, topics or runtime.topics, runtime.settings
         cfg = config or getattr(settings, "guard", None) or GuardConfig()
         given = {k: v for k, v in (("mode", mode), ("resume", resume)) if v is not None}
         if given:  # the arguments win over the config (validated as the config's own fields)
@@ -179,13 +201,17 @@ class Guard:
         self.io_faults = IOFaults(self.run_id)  # its own writes fail without ending the run
         self.ledger = ActionLedger(directory / SIDECAR, cfg.max_applied_ids, self.io_faults)
         # The one signer of this Guard's records and checker of its actions: the Guard's own
-        # config's key, else its runtime's, else the one an embedded runtime left on the bus it
-        # was handed (that pipeline refuses unsigned steps).
-        self.signer = Signer(
-            cfg.signing_key
-            or (settings.keys() if settings is not None else None)
-            or getattr(bus, "signing_key", None)
-        )
+        # config's key, else its runtime's. A bus handed alone carries no key.
+        self.signer = Signer(cfg.signing_key or (settings.keys() if settings is not None else None))
+        if bus is not None and settings is None and self.signer.key is None:
+            log.warning(
+                "spikeguard: run %s was handed a bus without a signing key (GuardConfig."
+                "signing_key): its steps go out unsigned, so a pipeline that checks signatures "
+                "(every embedded runtime's, Kafka workers with a key) refuses them to the DLQ, and "
+                "it obeys unsigned actions. Hand an embedded runtime as Guard(..., runtime="
+                "runtime), or give the Guard the pipeline's key in GuardConfig(signing_key=...)",
+                self.run_id,
+            )
         self.actions = ActionQueue(self.ledger, self.signer)
         self.handlers: dict[ActionKind, Handler] = {}
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
@@ -617,8 +643,8 @@ class Guard:
                 part.close()
         if self.publisher is not None:
             self.publisher.close(self.config.flush_timeout)
-        if self._runtime is not None:
-            self._runtime.close()
+        if self._own_runtime is not None:
+            self._own_runtime.close()
         summary = self.summary()
         log.warning("%s", summary)
         return summary

@@ -90,9 +90,6 @@ class EmbeddedBus(Bus):
         keep_consumed: int | None = None,
         max_records: int | None = None,
     ) -> None:
-        # Set by open_runtime: the key of the in-process pipeline this bus carries, so a
-        # Guard handed the bus directly signs its steps as that pipeline requires.
-        self.signing_key = None
         # Set by a child-process pipeline (spikeguard/runtime/child.py): where the trainer's
         # step fields go instead of this bus.
         self.pipeline_link = None

@@ -177,15 +177,6 @@ def _recompute(problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return loss
 
 
-def _checking_signatures(cfg: GuardConfig, runtime: Any) -> GuardConfig:
-    """The demo trainer obeys only actions signed with its pipeline's key, as a real one does."""
-    settings = getattr(runtime, "settings", None)
-    key = settings.keys() if settings is not None else None
-    if cfg.signing_key is None and key is not None:
-        return cfg.model_copy(update={"signing_key": key})
-    return cfg
-
-
 def _guarded(
     problem: Problem,
     fault: str,
@@ -220,7 +211,6 @@ def _guarded(
         healthy_stretch=10,
         verify_reruns=1,
     )  # a suspicious step is re-run once: flaky or data?
-    cfg = _checking_signatures(cfg, runtime)
     # The run names the policy its pipeline applies, so the Guard checks its checkpoint
     # cadence against it (and publishes it on the runs topic) rather than the defaults.
     policy = runtime.settings.policy.model_dump(mode="json", exclude_defaults=True)
@@ -229,8 +219,7 @@ def _guarded(
         problem.optimizer,
         problem.scheduler,
         run_id=run_id,
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,  # its pipeline's key: the demo trainer obeys only actions signed with it
         config=cfg,
         policy=policy,
     )

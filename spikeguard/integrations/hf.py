@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 
 class SpikeguardCallback(TrainerCallback):
-    """Guards a ``transformers.Trainer`` run; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
+    """Guards a ``transformers.Trainer`` run; ``guard_kwargs`` go to the Guard (runtime, preset, policy, ...)."""
 
     def __init__(
         self,

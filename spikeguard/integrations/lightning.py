@@ -53,7 +53,7 @@ OWN_PARTS = ("lr", "clip", "health", "ledger", "skip_rule", "data")
 
 
 class SpikeguardCallback(Callback):
-    """Guards a Lightning fit; ``guard_kwargs`` go to the Guard (bus, topics, preset, policy)."""
+    """Guards a Lightning fit; ``guard_kwargs`` go to the Guard (runtime, preset, policy, ...)."""
 
     def __init__(
         self,

@@ -493,7 +493,6 @@ def child_main(down_fd: int, up_fd: int) -> int:
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())
-    bus.signing_key = settings.keys()  # type: ignore[attr-defined]
     runtime = Runtime(bus, topics, settings)
     worker = settings.worker
     forwarder = Forwarder(

@@ -49,7 +49,6 @@ def embedded_runtime(settings: Settings, bus_settings: Settings) -> Runtime:
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)  # before the workers create them plain
     bus.create_topics(topics.all())
-    # The in-process pipeline refuses steps not signed with this key; a Guard handed
-    # this bus directly (Guard(..., bus=runtime.bus)) finds the key here.
-    bus.signing_key = settings.keys()  # type: ignore[attr-defined]
+    # The pipeline refuses steps not signed with settings' key: a Guard takes it from the
+    # runtime it is handed (Guard(..., runtime=runtime)).
     return Runtime(bus, topics, settings)

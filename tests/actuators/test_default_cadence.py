@@ -41,15 +41,13 @@ def test_defaults_roll_back_to_a_checkpoint_far_enough_before_the_onset(
             lockstep_timeout=30.0,
             data_seed=0,
             resume=False,
-            signing_key=runtime.settings.signing_key,
         )
         guard = Guard(
             model,
             optimizer,
             run_id="defaults",
             config=config,
-            bus=runtime.bus,
-            topics=runtime.topics,
+            runtime=runtime,
         )
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)

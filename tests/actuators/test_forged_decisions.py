@@ -92,9 +92,8 @@ def test_forged_decisions_get_no_action_applied_and_the_real_loop_still_rolls_ba
             lockstep_timeout=30.0,
             data_seed=0,
             resume=False,
-            signing_key=runtime.settings.signing_key,
         )
-        guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
+        guard = Guard(model, optimizer, run_id=RUN, config=config, runtime=runtime)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
             if guard.generation == 0 and guard.step_count in FORGE_AT:

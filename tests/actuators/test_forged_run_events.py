@@ -83,7 +83,7 @@ def test_forged_run_starts_are_refused_by_every_stage_and_the_run_still_rolls_ba
             data_seed=0,
             resume=False,
         )
-        guard = Guard(model, optimizer, run_id=RUN, config=config, bus=bus, topics=topics)
+        guard = Guard(model, optimizer, run_id=RUN, config=config, runtime=runtime)
         forger = bus.producer()
         for x, y in guard.data(regression_loader(4096), epochs=10, max_steps=STEPS):
             if guard.generation == 0 and guard.step_count == FORGE_AT:

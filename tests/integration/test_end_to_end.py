@@ -46,7 +46,8 @@ def make_problem(seed: int = 0):
     return torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
 
 
-def train(bus, topics, tmp_path, run_id, signing_key=None):
+def train(tmp_path, run_id, *, runtime=None, bus=None, topics=None, signing_key=None):
+    """A guarded run with corrupted batches: on a runtime (its key), or on a bus with ``signing_key``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -59,7 +60,9 @@ def train(bus, topics, tmp_path, run_id, signing_key=None):
         data_seed=0,
         signing_key=signing_key,
     )
-    guard = Guard(model, optimizer, run_id=run_id, config=config, bus=bus, topics=topics)
+    guard = Guard(
+        model, optimizer, run_id=run_id, config=config, runtime=runtime, bus=bus, topics=topics
+    )
     corrupted = 0
     for x, y in guard.data(make_problem(), epochs=10, max_steps=STEPS):
         if guard.loader.last_index in BAD_BATCHES:
@@ -115,13 +118,7 @@ def test_embedded_loop(tmp_path):
     settings = load_settings({"topic_prefix": prefix}, env={})
     with open_runtime(settings) as runtime:
         # The runtime made this process's key; the trainer obeys only what it signs.
-        guard, corrupted = train(
-            runtime.bus,
-            runtime.topics,
-            tmp_path,
-            "embedded-run",
-            signing_key=runtime.settings.signing_key,
-        )
+        guard, corrupted = train(tmp_path, "embedded-run", runtime=runtime)
         check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "embedded-run")
 
 
@@ -169,7 +166,7 @@ def test_kafka_loop(tmp_path, kafka_bootstrap, layout, client, wait_until):
             kafka_bootstrap
         )  # the trainer too
         topics = Topics(prefix)
-        guard, corrupted = train(bus, topics, tmp_path, "kafka-run", signing_key=key)
+        guard, corrupted = train(tmp_path, "kafka-run", bus=bus, topics=topics, signing_key=key)
         wait_for_the_applied_acks(bus, topics, "kafka-run", wait_until)
         check_the_loop_closed(bus, topics, guard, corrupted, "kafka-run")
         if "detectors" in layout:  # the co-hosted detectors sent each step's verdicts as one record

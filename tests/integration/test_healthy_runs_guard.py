@@ -51,7 +51,6 @@ def test_the_default_guard_leaves_a_healthy_run_alone(tmp_path, kind):
             lockstep=True,
             data_seed=SEED,
             resume=False,
-            signing_key=runtime.settings.signing_key,
         )
         guard = Guard(
             task.model,
@@ -59,8 +58,7 @@ def test_the_default_guard_leaves_a_healthy_run_alone(tmp_path, kind):
             task.scheduler,
             run_id=f"healthy-{kind}",
             config=config,
-            bus=runtime.bus,
-            topics=runtime.topics,
+            runtime=runtime,
         )
         try:
             for batch in guard.data(task.loader, epochs=steps, max_steps=steps):

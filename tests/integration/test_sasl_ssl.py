@@ -137,13 +137,7 @@ def test_the_closed_loop_runs_over_sasl_ssl_and_the_password_never_shows(
         with caplog.at_level(logging.DEBUG):
             runtime = open_runtime(load_settings())
             assert runtime.bus is not None, runtime.problem
-            guard, corrupted = e2e.train(
-                runtime.bus,
-                runtime.topics,
-                tmp_path,
-                "sasl-run",
-                signing_key=runtime.settings.signing_key,
-            )
+            guard, corrupted = e2e.train(tmp_path, "sasl-run", runtime=runtime)
             e2e.wait_for_the_applied_acks(runtime.bus, runtime.topics, "sasl-run", wait_until)
             e2e.check_the_loop_closed(runtime.bus, runtime.topics, guard, corrupted, "sasl-run")
             shown = (

@@ -61,8 +61,7 @@ def test_fp16_overflow_skips_are_normal_steps_under_the_full_pipeline(tmp_path):
         tiny.model,
         tiny.optimizer,
         run_id="amp",
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,
         scaler=scaler,
         config=GuardConfig(
             checkpoint_dir=str(tmp_path / "ckpt"), resume=False, lockstep=True, data_seed=3

@@ -52,9 +52,7 @@ def train(tmp_path, key, run_id: str, until, limit_s: float = 60.0) -> Guard:
             unprotected_after_s=TIMEOUT_S,
             signing_key=key if key is not None else runtime.settings.signing_key,
         )
-        guard = Guard(
-            model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics
-        )
+        guard = Guard(model, optimizer, run_id=run_id, config=config, runtime=runtime)
         x, y = torch.randn(64, 8), torch.randn(64, 1)
         deadline = time.monotonic() + limit_s
         try:

@@ -89,25 +89,42 @@ def test_a_guard_with_a_key_signs_every_step_it_publishes(tmp_path):
             assert all(step_signature_problem(s, "another-key") is not None for s in steps)
 
 
-def test_a_guard_given_an_embedded_runtimes_bus_signs_with_that_runtimes_key(tmp_path):
-    # Passing bus=runtime.bus (no settings) used to leave the Guard keyless: its steps went
-    # out unsigned, the runtime's detectors refused every one, and the run was unprotected.
+def test_a_guard_handed_the_default_runtime_signs_with_that_runtimes_key(tmp_path, wait_until):
+    # The default embedded runtime runs its pipeline in a child process, which takes the
+    # trainer's step fields unsigned and signs them itself only when the Guard's key is its own.
+    from spikeguard.producers import Guard, GuardConfig
     from spikeguard.runtime import open_runtime
-    from spikeguard.schemas import step_signature_problem
+    from spikeguard.schemas import DeadLetter, Decision, step_signature_problem
     from spikeguard.settings import load_settings
-    from producers_helpers import Tiny, make_guard, train
+    from producers_helpers import Tiny, train
 
     with open_runtime(load_settings({}, env={})) as runtime:
+        assert runtime.child is not None
         tiny = Tiny(seed=3)
-        guard = make_guard(tiny, runtime.bus, tmp_path)
+        guard = Guard(
+            tiny.model,
+            tiny.optimizer,
+            run_id="r1",
+            config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+            runtime=runtime,
+        )
         train(guard, tiny, 12)
         guard.close()
         key = runtime.settings.signing_key
         steps = [decode(r.value, StepEvent) for r in runtime.bus.read_all(runtime.topics.steps)]
         assert [s.step for s in steps] == list(range(12))
         assert all(step_signature_problem(s, key) is None for s in steps)
-        refused = runtime.bus.read_all(runtime.topics.dlq)
-        assert refused == []  # the pipeline judged every step
+        # The pipeline judged the steps (the newest wait for the run's end, published at close).
+        wait_until(
+            lambda: runtime.bus.read_all(runtime.topics.decisions),
+            "a decision on the guarded run",
+        )
+        decisions = [
+            decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)
+        ]
+        assert {d.run_id for d in decisions} == {"r1"}
+        refused = [decode(r.value, DeadLetter) for r in runtime.bus.read_all(runtime.topics.dlq)]
+        assert refused == []
 
 
 def test_a_flood_of_ordinary_steps_never_pushes_an_urgent_step_out(gated_producer):

@@ -168,14 +168,12 @@ def test_settings_that_cannot_work_are_refused_with_the_reason():
 
 def _poisoned_run(tmp_path, runtime=None, bus=None, poison_at=(350,)):
     tiny = Tiny(seed=2, noise=0.5)
-    if runtime is not None:
-        bus = runtime.bus
     guard = Guard(
         tiny.model,
         tiny.optimizer,
         run_id="poison",
+        runtime=runtime,
         bus=bus,
-        topics=runtime.topics if runtime is not None else None,
         config=GuardConfig(
             checkpoint_dir=str(tmp_path / "ckpt"),
             resume=False,

@@ -74,11 +74,8 @@ def test_a_spike_is_rolled_back_by_the_pipeline_in_a_child_process(
             lockstep_timeout=30.0,
             data_seed=0,
             resume=False,
-            signing_key=runtime.settings.signing_key,
         )
-        guard = Guard(
-            model, optimizer, run_id="child", config=config, bus=runtime.bus, topics=runtime.topics
-        )
+        guard = Guard(model, optimizer, run_id="child", config=config, runtime=runtime)
         for x, y in guard.data(regression_loader(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, BAD_BATCHES)
         guard.close()
@@ -152,15 +149,13 @@ def _session(data_dir, prefix, tmp_path, steps):
             checkpoint_dir=str(tmp_path / "ckpt"),
             checkpoint_every=10,
             resume=True,
-            signing_key=runtime.settings.signing_key,
         )
         guard = Guard(
             model,
             optimizer,
             run_id="durable",
             config=config,
-            bus=runtime.bus,
-            topics=runtime.topics,
+            runtime=runtime,
         )
         first = guard.step_count
         _train(guard, model, optimizer, x, y, steps)
@@ -234,9 +229,7 @@ def _guarded(runtime, tmp_path, run_id, key=None):
         resume=False,
         signing_key=key if key is not None else runtime.settings.signing_key,
     )
-    guard = Guard(
-        model, optimizer, run_id=run_id, config=config, bus=runtime.bus, topics=runtime.topics
-    )
+    guard = Guard(model, optimizer, run_id=run_id, config=config, runtime=runtime)
     return guard, model, optimizer, x, y
 
 
@@ -543,15 +536,13 @@ def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(
             checkpoint_dir=str(tmp_path / "ckpt"),
             checkpoint_every=0,
             resume=False,
-            signing_key=runtime.settings.signing_key,
         )
         guard = Guard(
             model,
             optimizer,
             run_id="threads",
             config=config,
-            bus=runtime.bus,
-            topics=runtime.topics,
+            runtime=runtime,
         )
         _train(guard, model, optimizer, x, y, 20)
         bus, topics = runtime.bus, runtime.topics

@@ -19,7 +19,6 @@ def lockstep_guard(runtime: Any, model: Any, optimizer: Any, tmp_path, run_id: s
         lockstep=True,
         data_seed=0,
         healthy_stretch=10,
-        signing_key=runtime.settings.signing_key,
         **config,
     )
     return Guard(
@@ -27,8 +26,7 @@ def lockstep_guard(runtime: Any, model: Any, optimizer: Any, tmp_path, run_id: s
         optimizer,
         None,
         run_id=run_id,
-        bus=runtime.bus,
-        topics=runtime.topics,
+        runtime=runtime,
         config=cfg,
         policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
     )
