@@ -53,7 +53,7 @@ def _in_order(stage: Stage, items: list[tuple[str, Any]]) -> bool:
     """True when the items are steps of one run, rank and epoch, each after the one before,
     and the first to the last within the stage's ``max_step_gap`` (unsigned: offline)."""
     events = list(map(_EVENT, items))
-    if not events or getattr(stage, "signing_key", None) is not None:
+    if not events or stage.signing_key is not None:
         return False
     try:
         same = list(map(_SAME, events))

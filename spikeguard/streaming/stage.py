@@ -26,6 +26,9 @@ class Stage(ABC):
 
     #: Component name: the consumer group suffix and the metrics label.
     name: str
+    #: What the stage checks its inputs and signs its outputs with (settings.keys(): one key,
+    #: or a key per role); None: unsigned. The worker's Signer and the offline pump read it.
+    signing_key: Any = None
 
     def __init__(self, topics: Topics) -> None:
         self.topics = topics

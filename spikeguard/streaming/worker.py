@@ -124,7 +124,7 @@ class Worker:
         self.max_input_record_bytes = max_input_record_bytes
         # With a key, every record this worker publishes is signed by it (verdicts, decisions):
         # the next stage takes no others.
-        self.signer = Signer(getattr(stage, "signing_key", None))
+        self.signer = Signer(stage.signing_key)
         #: Why the loop stopped on its own (None: it was stopped, or still runs).
         self.failure: BaseException | None = None
         topics = stage.topics
