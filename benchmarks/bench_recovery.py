@@ -46,12 +46,13 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recovery_* helpers next to this file
 
 import torch  # noqa: E402
 
-from recovery_baselines import BASELINES, run_baseline  # noqa: E402
+from recovery_baselines import BASELINES, RESTART_ONLY, never_fires, run_baseline  # noqa: E402
 from recovery_faults import FAULTS, Fault  # noqa: E402
 from recovery_guarded import open_bench_runtime, run_spikeguard  # noqa: E402
 from recovery_setup import CUDA, FULL, QUICK, TINY, BenchConfig, build  # noqa: E402
@@ -352,7 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _replayed(task: tuple[str, str, int], none: dict, cfg: BenchConfig) -> dict | None:
+    """The run of a restart-only strategy whose rule never fires on the none run of the same
+    fault and seed: that run, renamed (None: the rule fires, so the run must be trained)."""
+    if not never_fires(task[1], cfg, none["trace"]):
+        return None
+    return {
+        **none,
+        "strategy": task[1],
+        "seconds": 0.0,
+        "events": [*none["events"], "never fired on the none run's trace: that run, exactly"],
+    }
+
+
 def _run_all(tasks: list[tuple[str, str, int]], cfg: BenchConfig, jobs: int) -> list[dict]:
+    """Every task's result. A restart-only strategy (RESTART_ONLY) waits for the none run of its
+    fault and seed, and is trained only if its rule fires on that run's trace."""
+
     def say(r: dict) -> None:
         print(
             f"seed {r['seed']} {r['fault']:12s} {r['strategy']:16s} eval {r['final_eval_loss']:.4f} "
@@ -361,31 +378,62 @@ def _run_all(tasks: list[tuple[str, str, int]], cfg: BenchConfig, jobs: int) -> 
             flush=True,
         )
 
+    has_none = {(f, s) for f, strategy, s in tasks if strategy == "none"}
+    waiting: dict[tuple[str, int], list[tuple[str, str, int]]] = {}
+    first: list[tuple[str, str, int]] = []
+    for t in tasks:
+        if t[1] in RESTART_ONLY and (t[0], t[2]) in has_none:
+            waiting.setdefault((t[0], t[2]), []).append(t)
+        else:
+            first.append(t)
+    out: list[dict] = []
+
+    def done(r: dict, later: Callable[[tuple[str, str, int]], None]) -> None:
+        out.append(r)
+        say(r)
+        if r["strategy"] != "none":
+            return
+        for t in waiting.pop((r["fault"], r["seed"]), []):
+            replayed = _replayed(t, r, cfg)
+            if replayed is None:
+                later(t)
+            else:
+                out.append(replayed)
+                say(replayed)
+
     if jobs <= 1:
-        out = []
+        queue = list(first)
         try:
-            for t in tasks:
-                out.append(run_one(t[0], t[1], cfg, t[2]))
-                say(out[-1])
+            while queue:
+                t = queue.pop(0)
+                done(run_one(t[0], t[1], cfg, t[2]), queue.append)
         finally:
             _close_runtime()
-        return out
-    import atexit
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    else:
+        import atexit
+        import multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    context = multiprocessing.get_context(
-        "spawn"
-    )  # a fresh interpreter: no forked torch or bus threads
-    with ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=atexit.register, initargs=(_close_runtime,)
-    ) as pool:
-        futures = [pool.submit(run_one, t[0], t[1], cfg, t[2]) for t in tasks]
-        out = []
-        for fut in futures:
-            out.append(fut.result())
-            say(out[-1])
-    return out
+        context = multiprocessing.get_context(
+            "spawn"
+        )  # a fresh interpreter: no forked torch or bus threads
+        with ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=atexit.register, initargs=(_close_runtime,)
+        ) as pool:
+            pending = {pool.submit(run_one, t[0], t[1], cfg, t[2]) for t in first}
+
+            def submit(t: tuple[str, str, int]) -> None:
+                pending.add(pool.submit(run_one, t[0], t[1], cfg, t[2]))
+
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    pending.discard(fut)
+                    done(fut.result(), submit)
+    for r in out:
+        r.pop("trace", None)
+    order = {t: i for i, t in enumerate(tasks)}
+    return sorted(out, key=lambda r: order[(r["fault"], r["strategy"], r["seed"])])
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ from recovery_setup import BenchConfig, Problem, evaluate, lm_loss
 from spikeguard.producers.data import GuardedLoader
 
 BASELINES = ("none", "olmo_skip_step", "zclip", "lightning_spike", "palm_manual")
+# Strategies that change nothing until their rule fires (a restart): until then their run is
+# the none run, update for update. A rule that never fires on the none run's own trace
+# leaves the run the none run's (see never_fires).
+RESTART_ONLY = ("lightning_spike", "palm_manual")
 UPDATE, SKIP = "update", "skip"
 
 
@@ -167,6 +171,19 @@ class PalmManual(NoStrategy):
         return UPDATE
 
 
+def never_fires(strategy: str, cfg: BenchConfig, trace: list[list[float]]) -> bool:
+    """Whether ``strategy``'s rule (one of RESTART_ONLY) stays silent on the none run's trace
+    of ``[step, batch index, loss, gradient norm]``: then its run is that run, exactly (it
+    judges the same numbers, and until a restart it neither skips nor touches a gradient)."""
+    if strategy not in RESTART_ONLY:
+        raise ValueError(f"{strategy} acts on every step; only {RESTART_ONLY} can be replayed")
+    rule = make(strategy, cfg)
+    return not any(
+        isinstance(rule.judge(int(step), int(index), loss, norm, []), Restart)
+        for step, index, loss, norm in trace
+    )
+
+
 def make(strategy: str, cfg: BenchConfig) -> NoStrategy:
     if strategy == "none":
         return NoStrategy()
@@ -218,6 +235,7 @@ def run_baseline(
     )  # the guard's order: every strategy sees the same batches
     checkpoints = {0: _capture(p, scaler, loader, 0)}
     limit = cfg.palm_max_restarts if strategy == "palm_manual" else cfg.max_restarts
+    trace: list[list[float]] = []  # the none run's [step, batch, loss, norm]: see never_fires
     step = 0
     while step < cfg.steps:
         for x, y in loader:
@@ -233,6 +251,8 @@ def run_baseline(
             grads = [q.grad for q in p.model.parameters() if q.grad is not None]
             values = torch.stack([loss.detach().float(), grad_norm(p.model)]).tolist()
             verdict = rule.judge(step, index, values[0], values[1], grads)
+            if strategy == "none":
+                trace.append([step, index, values[0], values[1]])
             if isinstance(verdict, Restart) and ledger.rollbacks < limit:
                 target = max(s for s in checkpoints if s <= max(0, verdict.before))
                 if scaler is not None:
@@ -267,7 +287,7 @@ def run_baseline(
                 checkpoints[step] = _capture(p, scaler, loader, step)
             if step >= cfg.steps:
                 break
-    return ledger.summary(
+    result = ledger.summary(
         fault.name,
         strategy,
         evaluate(p),
@@ -275,3 +295,6 @@ def run_baseline(
         loader.position,
         time.monotonic() - started,
     )
+    if strategy == "none":
+        result["trace"] = trace
+    return result

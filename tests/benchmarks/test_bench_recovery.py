@@ -21,6 +21,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 from recovery_baselines import (  # noqa: E402
+    RESTART_ONLY,
     LightningSpike,
     OlmoSkipStep,
     PalmManual,
@@ -28,9 +29,11 @@ from recovery_baselines import (  # noqa: E402
     ZClip,
     SKIP,
     UPDATE,
+    never_fires,
+    run_baseline,
 )
 from recovery_faults import Fault  # noqa: E402
-from recovery_setup import TINY  # noqa: E402
+from recovery_setup import TINY, build  # noqa: E402
 
 KEYS = {
     "fault",
@@ -220,3 +223,25 @@ def test_bad_shard_corrupts_only_its_window_and_the_same_way_twice() -> None:
     assert torch.equal(
         fault.batch(TINY.fault_step, x, y)[1], first
     )  # a re-run meets the same bad batch
+
+
+@pytest.mark.heavy
+def test_a_restart_only_rule_that_never_fires_on_the_none_run_is_that_run_exactly() -> None:
+    """Why the benchmark trains lightning_spike and palm_manual only where their rule fires:
+    trained anyway, a silent one gives the none run's numbers to the last digit."""
+
+    def run(fault: str, strategy: str) -> dict:
+        return run_baseline(build(0, TINY, fault), Fault(fault, TINY, 0), strategy, TINY, 0)
+
+    none = run("healthy", "none")
+    assert len(none["trace"]) == TINY.steps
+    for strategy in RESTART_ONLY:
+        assert never_fires(strategy, TINY, none["trace"])
+        trained = run("healthy", strategy)
+        keep = ("final_eval_loss", "wasted_steps", "rollbacks", "goodput", "steps_done")
+        assert {k: trained[k] for k in keep} == {k: none[k] for k in keep}
+    # A NaN batch fires both (a non-finite loss is a spike to each): they must be trained.
+    nan = run("nan_batch", "none")
+    assert not any(never_fires(strategy, TINY, nan["trace"]) for strategy in RESTART_ONLY)
+    with pytest.raises(ValueError, match="acts on every step"):
+        never_fires("zclip", TINY, none["trace"])
