@@ -331,7 +331,9 @@ class Guard:
                     bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch
                 )
                 if cfg.lockstep:
-                    self.waiter = DecisionWaiter(bus, t, self.run_id, cfg.lockstep_timeout)
+                    self.waiter = DecisionWaiter(
+                        bus, t, self.run_id, cfg.lockstep_timeout, self.signer
+                    )
         self.events = RunEvents(
             self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks
         )

@@ -4,6 +4,10 @@ Only for reproducible demos and tests — it blocks training, which a real run
 must never do. After publishing step s the guard waits for the Decision of
 (epoch, s); when that decision is anomalous it also waits (briefly) for the
 actions derived from it, so the action lands at the same step on every run.
+
+The decision awaited is fusion's own: with a key that checks decisions, an unsigned
+or wrongly signed one is passed over, so a record written by anyone else can neither
+answer the wait before the real decision nor hold the run for a settle time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from spikeguard.bus import Bus
 from spikeguard.errors import SchemaError
 from spikeguard.schemas import Decision, Topics
+from spikeguard.schemas.signing import Keyring, Role, Signer
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +29,27 @@ log = logging.getLogger(__name__)
 AFTER_ANOMALY_STEPS = 8
 
 
+def _checks_decisions(signer: Signer | None) -> bool:
+    """Whether ``signer`` holds a key that decisions are signed with (a shared key, or fusion's)."""
+    key = signer.key if signer is not None else None
+    if isinstance(key, Keyring):
+        return Role.FUSION in key.roles
+    return key is not None
+
+
 class DecisionWaiter:
-    def __init__(self, bus: Bus, topics: Topics, run_id: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        topics: Topics,
+        run_id: str,
+        timeout: float = 10.0,
+        signer: Signer | None = None,
+    ) -> None:
         self.run_id = run_id
         self.timeout = timeout
+        # Without fusion's key there is nothing to check a decision with: every one is taken.
+        self._signer = signer if _checks_decisions(signer) else None
         bus.create_topics([topics.decisions])
         self._consumer = bus.consumer(
             f"spikeguard-lockstep.{run_id}.{uuid.uuid4().hex[:8]}",
@@ -73,9 +95,12 @@ class DecisionWaiter:
                 decision = record.decoded(Decision)
             except SchemaError:
                 continue
-            if decision.run_id == self.run_id:
-                self._remember((decision.epoch, decision.step), decision)
-                self._silent = False
+            if decision.run_id != self.run_id:
+                continue
+            if self._signer is not None and self._signer.problem(decision) is not None:
+                continue  # not fusion's: someone else wrote the decisions topic
+            self._remember((decision.epoch, decision.step), decision)
+            self._silent = False
 
     def follow(self, inbox, epoch: int, step: int, settle: float) -> None:
         """Wait for (epoch, step)'s decision; if anomalous, or a few steps after one (the policy

@@ -42,7 +42,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["KafkaBus"]
 
-log = logging.getLogger(__name__)
+#: The longest wait between two attempts to reach a broker that went away (every client this
+#: bus opens). kafka-python doubles its wait up to 30 s by default, so after an outage of that
+#: length a worker could stay blind for another 30 s once the broker was back; 1 s is the
+#: Java client's default.
+RECONNECT_BACKOFF_MAX_MS = 1000
 
 
 class _SlowIOStepNote(logging.Filter):
@@ -328,6 +332,7 @@ class KafkaBus(Bus):
             "bootstrap_servers": self.bootstrap_servers,
             "client_id": self.client_id,
             "security_protocol": self.security_protocol,
+            "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
         }
         if self.sasl_mechanism is not None:
             config["sasl_mechanism"] = self.sasl_mechanism

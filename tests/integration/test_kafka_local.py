@@ -18,6 +18,8 @@ import pytest
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka_local.sh"
+#: A broker that lives for one test: the JIT's first tier only (it starts in about half the CPU).
+TEST_BROKER_JVM_FLAGS = "-XX:TieredStopAtLevel=1"
 
 
 def free_port_pair() -> int:
@@ -52,6 +54,7 @@ def script(port: int, *args: str) -> subprocess.CompletedProcess:
         "SPIKEGUARD_KAFKA_PORT": str(port),
         "SPIKEGUARD_KAFKA_CONTROLLER_PORT": str(port + 1),
         "SPIKEGUARD_PYTHON": os.environ.get("SPIKEGUARD_PYTHON", sys.executable),
+        "SPIKEGUARD_KAFKA_JVM_FLAGS": TEST_BROKER_JVM_FLAGS,
     }
     return subprocess.run(
         ["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=240

@@ -25,6 +25,8 @@ import pytest
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
+from .test_kafka_local import TEST_BROKER_JVM_FLAGS
+
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 USER = "spikeguard-trainer"
@@ -69,6 +71,7 @@ def sasl_broker(tmp_path_factory):
         "SPIKEGUARD_KAFKA_SASL_PORT": str(port + 2),
         "SPIKEGUARD_KAFKA_TLS_DIR": str(tls),
         "SPIKEGUARD_PYTHON": os.environ.get("SPIKEGUARD_PYTHON", sys.executable),
+        "SPIKEGUARD_KAFKA_JVM_FLAGS": TEST_BROKER_JVM_FLAGS,
     }
     script = ["bash", str(ROOT / "scripts" / "kafka_local.sh")]
     password = "pw-" + secrets.token_hex(12)

@@ -1,4 +1,4 @@
-"""One rank of the two-process gloo test (spawned by test_distributed.py)."""
+"""One rank of the two-process gloo tests (spawned by test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from spikeguard.bus import EmbeddedBus
 from spikeguard.producers import Guard, GuardConfig, checkpoint_id
 from spikeguard.schemas import Ack, Action, ActionKind, Topics, decode, encode
+
+OUTLIER_AT = 20  # the outlier run: rank 1 alone gets a bad batch at this step
 
 
 def run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None = None) -> None:
@@ -33,6 +36,36 @@ def run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None =
             raise
         finally:
             faulthandler.disable()
+
+
+def run_all(
+    rank: int, world: int, port: int, out_dir: str, more_ports: list[int], scenarios: list[str]
+) -> None:
+    """Every two-rank run of test_distributed.py in this one process per rank, each on a process
+    group of its own and writing into a folder of its own under ``out_dir``: the actions run
+    (``actions/``), the outlier run (``outlier/``), then the disagreement scenarios
+    (``disagree/``, disagreement_worker.py). A rank's start-up (torch's import above all) costs
+    more CPU than any of its runs."""
+    import disagreement_worker
+
+    parts: list[tuple[str, int, Callable[[str, int], None]]] = [
+        ("actions", port, lambda where, p: run(rank, world, p, where)),
+        ("outlier", more_ports[0], lambda where, p: run(rank, world, p, where, OUTLIER_AT)),
+        (
+            "disagree",
+            more_ports[1],
+            lambda where, p: disagreement_worker.run(rank, world, p, where, scenarios),
+        ),
+    ]
+    with Path(out_dir, f"rank{rank}.err").open("w") as fault_file:
+        try:
+            for name, part_port, part in parts:
+                where = Path(out_dir, name)
+                where.mkdir(exist_ok=True)
+                part(str(where), part_port)
+        except BaseException:
+            fault_file.write(traceback.format_exc())
+            raise
 
 
 def _run(rank: int, world: int, port: int, out_dir: str, outlier_at: int | None) -> None:

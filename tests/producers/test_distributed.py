@@ -21,10 +21,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(tmp_path, *extra, worker=distributed_worker.run) -> None:
+def _spawn(tmp_path, *extra) -> None:
     for attempt in range(2):
         try:
-            mp.spawn(worker, args=(2, _free_port(), str(tmp_path), *extra), nprocs=2, join=True)
+            mp.spawn(
+                distributed_worker.run_all,
+                args=(2, _free_port(), str(tmp_path), *extra),
+                nprocs=2,
+                join=True,
+            )
             return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             ranks = "\n".join(
@@ -41,9 +46,31 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else "(none)"
 
 
-def test_two_ranks_apply_the_same_actions_at_the_same_steps(tmp_path):
-    _spawn(tmp_path)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, str | None]:
+    """Every two-rank run of this module in one spawn of two processes (distributed_worker.run_all):
+    where each left its results, and why the spawn failed, if it did (a rank that died still left
+    the runs it finished)."""
+    out = tmp_path_factory.mktemp("ranks")
+    scenarios = list(disagreement_worker.SCENARIOS)
+    try:
+        _spawn(out, [_free_port(), _free_port()], scenarios)
+    except AssertionError as exc:
+        return out, str(exc)
+    return out, None
+
+
+def _both(ranks: tuple[Path, str | None], run: str) -> tuple[dict, dict]:
+    out, failure = ranks
+    found = [out / run / f"rank{r}.json" for r in (0, 1)]
+    if not all(p.exists() for p in found):
+        raise AssertionError(f"the {run} run left no result: {failure}")
+    r0, r1 = (json.loads(p.read_text()) for p in found)
+    return r0, r1
+
+
+def test_two_ranks_apply_the_same_actions_at_the_same_steps(ranks):
+    r0, r1 = _both(ranks, "actions")
     assert r0["applied"] == r1["applied"]
     kinds = [(step, kind, status) for step, _, kind, status in r0["applied"]]
     assert kinds == [
@@ -59,26 +86,21 @@ def test_two_ranks_apply_the_same_actions_at_the_same_steps(tmp_path):
     assert r0["acks"] == ["applied"] * 4
 
 
-def test_an_outlier_on_one_rank_is_skipped_on_every_rank_at_the_same_step(tmp_path):
-    _spawn(tmp_path, 20)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_an_outlier_on_one_rank_is_skipped_on_every_rank_at_the_same_step(ranks):
+    r0, r1 = _both(ranks, "outlier")
     assert r0["outcomes"] == r1["outcomes"]
-    assert [i for i, applied in enumerate(r0["outcomes"]) if not applied] == [20]
+    assert [i for i, applied in enumerate(r0["outcomes"]) if not applied] == [
+        distributed_worker.OUTLIER_AT
+    ]
     assert r0["outlier_skips"] == r1["outlier_skips"] == 1
     assert r0["params"] == r1["params"]
 
 
-# -- ranks in disagreement: each scenario once, in one spawn (disagreement_worker.py) -----------
+# -- ranks in disagreement: each scenario once, in the module's one spawn (disagreement_worker.py)
 @pytest.fixture(scope="module")
-def disagreement(tmp_path_factory):
-    out = tmp_path_factory.mktemp("disagree")
-    scenarios = list(disagreement_worker.SCENARIOS)
-    try:
-        _spawn(out, scenarios, worker=disagreement_worker.run)
-    except AssertionError as exc:  # a rank that died still left the scenarios it finished
-        failure = str(exc)
-    else:
-        failure = None
+def disagreement(ranks):
+    out, failure = ranks
+    out = out / "disagree"
 
     def result(name: str) -> tuple[dict, dict]:
         found = [out / f"rank{r}-{name}.json" for r in (0, 1)]
