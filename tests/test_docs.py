@@ -63,6 +63,28 @@ def test_the_readme_is_a_front_door():
     assert "--index-url https://download.pytorch.org/whl/cpu" in text
 
 
+def test_the_readme_shows_recovery_on_every_fault_of_the_benchmark():
+    """One row per fault of benchmarks/recovery_faults.py, each with an interval and a why."""
+    import ast
+
+    source = (ROOT / "benchmarks" / "recovery_faults.py").read_text()
+    faults = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FAULTS"
+    )
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Recovery") :]
+    section = section[: section.index("\n## ")]
+    rows = {
+        line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ")
+    }
+    assert set(faults) <= set(rows), sorted(set(faults) - set(rows))
+    for fault in faults:
+        cells = [c.strip() for c in rows[fault].split("|")[1:-1]]
+        assert re.search(r"\[\d\.\d+, \d\.\d+\]", cells[1]) and cells[4], fault
+
+
 def test_the_pages_exist():
     names = {page.name for page in PAGES}
     assert {
