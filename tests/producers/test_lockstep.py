@@ -74,4 +74,4 @@ class _NoActions:
     _ready: list = []
 
     def poll_now(self, timeout: float) -> None:
-        time.sleep(timeout)
+        time.sleep(timeout)  # not a wait: a poll that finds nothing takes its timeout
