@@ -807,9 +807,11 @@ class Guard:
 
     def _found_outlier(self, decision: SkipDecision) -> None:
         self.counters["outlier_skips"] += 1
+        # The rule's measure is the residual over its threshold (1.0 at the threshold): said as
+        # a multiple of the threshold, so that 1.1 does not read as an ordinary 1.1 sigma.
         self._outlier_note = (
-            f"{decision.signal} outlier (loss z={_z(decision.loss_z)}, "
-            f"grad z={_z(decision.grad_z)})"
+            f"{decision.signal} outlier (loss at {_over(decision.loss_z)} its outlier threshold, "
+            f"grad norm at {_over(decision.grad_z)})"
         )
 
     def _void_update(self, interrupted: bool) -> None:
@@ -969,5 +971,5 @@ class Guard:
         )
 
 
-def _z(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
+def _over(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"

@@ -4,6 +4,7 @@ the recovery budget, following a rollback, resume, and clipping the Guard measur
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -84,6 +85,24 @@ def test_a_local_skip_is_said_at_warning(bus, tmp_path, caplog):
     train(guard, tiny, 8, on_step=poison)
     guard.close()
     assert any("skipped the update of step 5: non-finite" in m for m in _warnings(caplog))
+
+
+def test_an_outlier_skip_says_how_far_over_its_threshold_not_a_sigma_count(bus, tmp_path, caplog):
+    """The skip rule's measure is the residual over its threshold (1.0 at the threshold), not a
+    z-score: a line saying "z=1.0" reads as one sigma, an ordinary step skipped for nothing."""
+    caplog.set_level(logging.WARNING)
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path)
+
+    def spike(g, data, batch):
+        if g.step_count == 35:
+            batch[1].add_(1e3)
+
+    train(guard, tiny, 40, on_step=spike)
+    guard.close()
+    line = next(m for m in _warnings(caplog) if "skipped the update of step 35" in m)
+    assert "z=" not in line
+    assert re.search(r"loss at [0-9.]+x its outlier threshold", line), line
     assert guard.summary().updates_skipped == 1
 
 
