@@ -60,6 +60,9 @@ def run_spikeguard(
         config=config,
         runtime=runtime,
         scaler=scaler,
+        # the policy its pipeline applies (DEMO_SETTINGS), so the Guard checks its checkpoint
+        # cadence against that one and not the defaults (which warn about keep_checkpoints=4)
+        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
     )
     try:
         data = guard.data(p.loader, max_steps=cfg.steps)
