@@ -11,9 +11,10 @@ each of N seeds; a seed fixes the weights, the batches and the fault, so the
 strategies of one seed are paired (they meet the same run). The faults are in
 recovery_faults.py, the strategies in recovery_baselines.py and
 recovery_guarded.py, the cost and goodput bookkeeping in recovery_ledger.py.
-``--quick`` (5 seeds, 2 processes) takes about 17 minutes on 2 cores (12 of
-CPU per core; docs/benchmarks.md); the default is the full configuration; ``--device cuda`` runs a ~50M
-parameter model (recovery_setup.CUDA) on a GPU.
+``--quick`` (5 seeds, 2 processes) takes about 10 minutes on 2 quiet cores
+(about 7 with ``--jobs 3``; docs/benchmarks.md); the default is the full
+configuration; ``--device cuda`` runs a ~50M parameter model
+(recovery_setup.CUDA) on a GPU.
 
 Reported per fault and strategy: the mean final eval loss over the seeds and
 its 95 % interval (Student t), the mean wasted steps and goodput. With
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
-        "--quick", action="store_true", help="the smaller configuration (~17 min on 2 cores)"
+        "--quick", action="store_true", help="the smaller configuration (~10 min on 2 quiet cores)"
     )
     size.add_argument(
         "--tiny", action="store_true", help="a seconds-long configuration (the test's)"
