@@ -31,6 +31,17 @@ def open_bench_runtime() -> Any:
     return open_runtime(load_settings(DEMO_SETTINGS))
 
 
+def _keep_checkpoints(every: int, runtime: Any) -> int:
+    """Four checkpoints, or as many as the pipeline's rollback distance needs at this cadence:
+    ``(keep - 1) * every`` must reach the policy's distance before the onset plus the detection
+    delay (run_plan.py refuses less)."""
+    reach = (
+        runtime.settings.policy.rollback_min_steps_before_onset
+        + GuardConfig().detection_delay_steps
+    )
+    return max(4, -(-reach // every) + 1)
+
+
 def run_spikeguard(
     problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, runtime: Any
 ) -> dict:
@@ -42,10 +53,11 @@ def run_spikeguard(
     run_id = f"bench-{fault.name}-{seed}-{time.monotonic_ns() % 10**9}"
     # verify_reruns=1: a suspicious step is re-run once (the demo's setting), so a transient
     # device fault is told from a bad batch.
+    policy = runtime.settings.policy.model_dump(mode="json", exclude_defaults=True)
     config = GuardConfig(
         checkpoint_dir=workdir,
         checkpoint_every=cfg.checkpoint_every,
-        keep_checkpoints=4,
+        keep_checkpoints=_keep_checkpoints(cfg.checkpoint_every, runtime),
         resume=False,
         lockstep=True,
         data_seed=seed,
@@ -60,9 +72,9 @@ def run_spikeguard(
         config=config,
         runtime=runtime,
         scaler=scaler,
-        # the policy its pipeline applies (DEMO_SETTINGS), so the Guard checks its checkpoint
-        # cadence against that one and not the defaults (which warn about keep_checkpoints=4)
-        policy=runtime.settings.policy.model_dump(mode="json", exclude_defaults=True),
+        # the policy its pipeline applies (DEMO_SETTINGS): the Guard checks its checkpoint
+        # cadence against that one, not the defaults
+        policy=policy,
     )
     try:
         data = guard.data(p.loader, max_steps=cfg.steps)
