@@ -10,11 +10,16 @@ batch's loss is not extreme) are learnt only from steps on which no rule fired
 the bar for the next one; the last learning rate and the loss-scale peak
 follow every step.
 
->>> from spikeguard.schemas import StepEvent
->>> rules = RulesDetector()
->>> v = rules.update(StepEvent(run_id="r", step=0, loss=float("nan"), time=0.0))
->>> v.critical, v.rules
-(True, ['loss_non_finite'])
+Leaving bad steps out truncates the references' tails, and on a heavy-tailed
+run (a loss near zero with a hard batch now and then, the squared errors of
+heavy-tailed targets) every ordinary hard batch would be "extreme": the bar
+never learns them. So the run's own recoveries count as evidence
+(:class:`JumpMemory`): a single value over the reference whose next value is
+back under it is a jump the run came straight back from, and for
+``healed_memory`` steps (up to twice that) a ratio rule's bar is the ratio
+times the larger of the reference and the largest such jump. A stretch of
+values over the reference is never remembered, so a held spike or a lasting
+explosion keeps the bar where it was.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ class RulesConfig(BaseModel):
         10.0,
         gt=1.0,
         description="a loss this many times its recent reference (reference_quantile) is extreme",
+    )
+    healed_memory: int = Field(
+        1000,
+        ge=0,
+        description="steps (up to twice this) a single jump over a ratio rule's reference that "
+        "the run came straight back from raises that rule's bar (a heavy-tailed run's hard "
+        "batches are not extreme); 0: never",
     )
     max_grad_norm: float = Field(
         1e4, gt=0.0, description="a gradient norm above this is an explosion"
@@ -129,14 +141,81 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
 _ORDER = {name: i for i, name in enumerate(RULES)}
 
 
+class JumpMemory:
+    """The largest recent jump over one reference that the run came straight back from.
+
+    A jump is a single value over the reference (the one before it was not); it
+    healed when the next value is back under it. The largest healed jump is kept
+    as a sliding maximum in two blocks of ``memory`` values, so it is forgotten
+    ``memory`` to ``2 * memory`` values later.
+
+    >>> m = JumpMemory()
+    >>> for value in (1.0, 30.0, 1.0):  # one value x30 over a reference of 1, then back
+    ...     m.track(value, reference=1.0, memory=1000)
+    >>> m.bar(reference=1.0, memory=1000)
+    30.0
+    """
+
+    __slots__ = ("jumped", "jump", "now", "before", "age")
+
+    def __init__(self) -> None:
+        self.jumped = False  # the last value was over its reference
+        self.jump = math.nan  # that value, if the one before it was not (an isolated jump)
+        self.now = 0.0  # the largest healed jump in the current block (0: none)
+        self.before = 0.0  # ... and in the block before it
+        self.age = 0  # values in the current block
+
+    def bar(self, reference: float, memory: int) -> float:
+        """What a ratio is taken of: the reference, or the largest remembered healed jump."""
+        return reference if memory <= 0 else max(reference, self.now, self.before)
+
+    def track(self, value: float | None, reference: float, memory: int) -> None:
+        """Take in one value (``reference`` is the one it was judged with)."""
+        jumped = (
+            value is not None and math.isfinite(value) and reference > 0.0 and value > reference
+        )
+        if self.jump == self.jump and not jumped:  # the isolated jump healed at once
+            self.now = max(self.now, self.jump)
+        self.jump = value if value is not None and jumped and not self.jumped else math.nan
+        self.jumped = jumped
+        self.age += 1
+        if self.age >= memory:
+            self.before, self.now, self.age = self.now, 0.0, 0
+
+    def copy(self) -> JumpMemory:
+        twin = JumpMemory()
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+    def state_dict(self) -> list[Any]:
+        """``[jumped, jump, now, before, age]``: a list, as it is in every history snapshot."""
+        return [self.jumped, self.jump, self.now, self.before, self.age]
+
+    def load_state_dict(self, data: list[Any]) -> None:
+        jumped, jump, now, before, age = data
+        self.jumped, self.jump, self.age = bool(jumped), float(jump), int(age)
+        self.now, self.before = float(now), float(before)
+
+
 class RulesState:
     """One run's references: recent quantiles of healthy steps, the loss-scale peak, the last LR."""
 
-    __slots__ = ("loss", "grad", "scales", "scale_seen", "lr", "grad_up")
+    __slots__ = (
+        "loss",
+        "grad",
+        "loss_jumps",
+        "grad_jumps",
+        "scales",
+        "scale_seen",
+        "lr",
+        "grad_up",
+    )
 
     def __init__(self, config: RulesConfig) -> None:
         self.loss = RollingMedian(config.reference_window)
         self.grad = RollingMedian(config.reference_window)
+        self.loss_jumps = JumpMemory()
+        self.grad_jumps = JumpMemory()
         self.scales = RollingMedian(config.loss_scale_window)  # recent log2 scales (for the peak)
         self.scale_seen = 0
         self.lr = math.nan
@@ -169,25 +248,22 @@ class RulesDetector(Detector[RulesState]):
             fired.append("non_finite_gradients")
             signals["nonfinite_grads"] = event.nonfinite_grads
         if loss_ok:
-            if loss > cfg.max_loss:
+            # (the absolute limit too yields to jumps the run came straight back from: squared
+            # errors of heavy-tailed targets reach it in a healthy run)
+            healed = state.loss_jumps.bar(0.0, cfg.healed_memory)
+            if loss > cfg.max_loss and loss >= cfg.extreme_loss_ratio * healed:
                 fired.append("loss_above_max")
-            ref = (
-                state.loss.quantile(cfg.reference_quantile)
-                if len(state.loss) >= cfg.min_history
-                else math.nan
-            )
-            if ref > 0.0 and loss >= cfg.extreme_loss_ratio * ref:
+            ref = self._reference(state.loss)
+            bar = state.loss_jumps.bar(ref, cfg.healed_memory)
+            if ref > 0.0 and loss >= cfg.extreme_loss_ratio * bar:
                 fired.append("loss_ratio")
                 signals["loss_ratio"] = round(loss / ref, 3)
         if grad is not None and grad_ok:
             if grad > cfg.max_grad_norm:
                 fired.append("grad_norm_above_max")
-            ref = (
-                state.grad.quantile(cfg.reference_quantile)
-                if len(state.grad) >= cfg.min_history
-                else math.nan
-            )
-            if ref > 0.0 and grad >= cfg.grad_norm_ratio * ref:
+            ref = self._reference(state.grad)
+            bar = state.grad_jumps.bar(ref, cfg.healed_memory)
+            if ref > 0.0 and grad >= cfg.grad_norm_ratio * bar:
                 # One step up with no loss rule firing is said, not flagged (real runs
                 # have such one-step jumps that leave the loss alone); it is an
                 # explosion once it lasts, or with a loss rule.
@@ -200,6 +276,9 @@ class RulesDetector(Detector[RulesState]):
             self._check_loss_scale(event.loss_scale, state, fired)
         if event.batch is not None:
             self._check_batch(event, fired)
+        if fired and event.update_skipped:
+            # the trainer skipped this update itself: its gradient never reached the weights
+            signals["update_skipped"] = 1
         if not fired:
             return validate_verdict(
                 {
@@ -234,7 +313,11 @@ class RulesDetector(Detector[RulesState]):
     def track(self, event: StepEvent, state: RulesState, verdict: Verdict) -> None:
         # The schedule and the scaler move on either way: a jump is reported once.
         lr, scale = event.lr, event.loss_scale
+        cfg = self.config
         state.grad_up = state.grad_up + 1 if "grad_norm_ratio" in verdict.signals else 0
+        # (the references are as score saw them: learn comes after)
+        state.loss_jumps.track(event.loss, self._reference(state.loss), cfg.healed_memory)
+        state.grad_jumps.track(event.grad_norm, self._reference(state.grad), cfg.healed_memory)
         if lr is not None and math.isfinite(lr):
             state.lr = lr
         if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
@@ -249,6 +332,12 @@ class RulesDetector(Detector[RulesState]):
         # (with a short history, the reference's high quantile would be that jump).
         if event.grad_norm is not None and not state.grad_up:
             state.grad.update(event.grad_norm)
+
+    def _reference(self, window: RollingMedian) -> float:
+        """A ratio rule's reference: the recent healthy values' high quantile (NaN: too few)."""
+        if len(window) < self.config.min_history:
+            return math.nan
+        return window.quantile(self.config.reference_quantile)
 
     def _check_lr(self, lr: float, state: RulesState, fired: list[str]) -> None:
         cfg = self.config
@@ -293,6 +382,7 @@ class RulesDetector(Detector[RulesState]):
             state.grad.copy(),
             state.scales.copy(),
         )
+        twin.loss_jumps, twin.grad_jumps = state.loss_jumps.copy(), state.grad_jumps.copy()
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         return twin
 
@@ -304,6 +394,8 @@ class RulesDetector(Detector[RulesState]):
             "scale_seen": state.scale_seen,
             "lr": state.lr,
             "grad_up": state.grad_up,
+            "loss_jumps": state.loss_jumps.state_dict(),
+            "grad_jumps": state.grad_jumps.state_dict(),
         }
 
     def load(self, data: dict[str, Any]) -> RulesState:
@@ -314,4 +406,7 @@ class RulesDetector(Detector[RulesState]):
         state.scale_seen = int(data["scale_seen"])
         state.lr = float(data["lr"])
         state.grad_up = int(data["grad_up"])
+        if "loss_jumps" in data:  # absent from a state saved before the memory: none remembered
+            state.loss_jumps.load_state_dict(data["loss_jumps"])
+            state.grad_jumps.load_state_dict(data["grad_jumps"])
         return state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import json
 import math
+import random
 import subprocess
 import sys
 
@@ -149,6 +150,75 @@ def test_ratio_rules_wait_for_history_and_do_not_learn_bad_steps() -> None:
     for i in range(50, 100):  # a long run of x20 losses: each one is extreme, none teaches
         assert det.update(step(i, loss=60.0)).rules == ["loss_ratio"]
     assert det.update(step(100, loss=31.0)).rules == ["loss_ratio"]
+
+
+def _hard_batches(n: int, seed: int) -> list[float]:
+    """A healthy classification loss near zero with a hard batch now and then (2 %): each hard
+    batch is x100-x4000 the usual loss, and the next batch is back."""
+    rng = random.Random(seed)
+    return [
+        rng.uniform(0.05, 0.9) if rng.random() < 0.02 else 2e-4 * math.exp(rng.gauss(0, 1.0))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_heavy_tailed_runs_hard_batches_are_not_extreme_once_it_came_straight_back_from_one(
+    seed,
+) -> None:
+    events = [step(i, loss=x, grad_norm=None) for i, x in enumerate(_hard_batches(3000, seed))]
+    hard = sum(e.loss > 0.04 for e in events)
+    remembering = sum(v.is_anomaly for v in RulesDetector().update_many(events))
+    forgetful = sum(
+        v.is_anomaly for v in RulesDetector(RulesConfig(healed_memory=0)).update_many(events)
+    )
+    # Without the memory every hard batch is "extreme" (the bar never learns them); with it,
+    # only a hard batch that comes before the run has shown it comes straight back from one.
+    assert hard >= 50 and forgetful >= 0.9 * hard
+    assert remembering <= 3, remembering
+
+
+def test_a_held_stretch_teaches_nothing_and_a_jump_far_beyond_the_healed_one_is_extreme() -> None:
+    det = warmed()  # loss 3.0
+    assert det.update(step(50, loss=60.0)).rules == ["loss_ratio"]  # x20, first seen: extreme
+    assert not det.update(step(51)).is_anomaly  # straight back
+    assert not det.update(step(52, loss=90.0)).is_anomaly  # x30, within x10 of the jump it healed
+    assert not det.update(step(53)).is_anomaly
+    assert det.update(step(54, loss=5000.0)).rules == ["loss_ratio"]  # far beyond anything healed
+    held = warmed()
+    for i in range(50, 54):  # a stretch of x20 steps: extreme, and not a jump the run healed from
+        assert held.update(step(i, loss=60.0)).rules == ["loss_ratio"]
+    assert not held.update(step(54)).is_anomaly
+    assert held.update(step(55, loss=60.0)).rules == ["loss_ratio"]
+    brief = warmed(config=RulesConfig(healed_memory=100))
+    brief.update(step(50, loss=60.0))
+    for i in range(51, 250):
+        assert not brief.update(step(i)).is_anomaly
+    assert brief.update(step(250, loss=60.0)).rules == ["loss_ratio"]  # forgotten within 200
+    again = RulesDetector()
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert not again.update(step(55, loss=90.0)).is_anomaly  # the memory survives a restore
+
+
+def test_the_absolute_loss_limit_yields_only_to_jumps_the_run_came_straight_back_from() -> None:
+    """Squared errors of heavy-tailed targets reach 1e4 in a healthy run: a run that came
+    straight back from a 3,000 is not in trouble at 12,000; one that never left 3.0 is."""
+    assert warmed().update(step(50, loss=1.2e4)).rules == ["loss_above_max", "loss_ratio"]
+    det = warmed()
+    det.update(step(50, loss=3000.0))
+    det.update(step(51))
+    assert not det.update(step(52, loss=1.2e4)).is_anomaly
+    assert det.update(step(53, loss=1e6)).rules == ["loss_above_max", "loss_ratio"]
+
+
+def test_an_extreme_step_the_trainer_skipped_says_so() -> None:
+    assert (
+        warmed()
+        .update(step(50, loss=60.0, update_skipped=True, skip_reason="outlier_step"))
+        .signals["update_skipped"]
+        == 1
+    )
+    assert "update_skipped" not in warmed().update(step(50, loss=60.0)).signals
 
 
 def test_loss_scale_collapse() -> None:
