@@ -10,7 +10,9 @@ Four parts, all on ``y = log(loss)`` and all one-sided (a drop is never an anoma
   a first one ``spike_ratio`` above the level (beyond any benign one-step
   jump: real healthy runs have them up to x2);
   ``divergence_points`` in a row, or one point ``divergence_ratio`` above the
-  level, a ``DIVERGENCE``.
+  level and ``divergence_score`` times its settled threshold (so a run whose
+  own noise reaches x10 needs more; a young run's one point is a spike, which
+  the policy's patience judges), a ``DIVERGENCE``.
 * **rises** (:class:`RiseTest`) — every ``block`` accepted points, the median
   of the block is compared with the median of the block ``h`` blocks earlier,
   for each horizon ``h`` of ``horizons``. Each horizon's differences keep a
@@ -317,6 +319,7 @@ class LevelMonitor:
         "spike_rise",
         "divergence_points",
         "divergence_rise",
+        "divergence_score",
         "recent_alpha",
         "raise_z",
         "_elevated",
@@ -331,6 +334,7 @@ class LevelMonitor:
         spike_ratio: float,
         divergence_points: int,
         divergence_ratio: float,
+        divergence_score: float,
         rise_block: int,
         rise_horizons: tuple[int, ...],
         rise_min: float,
@@ -359,6 +363,7 @@ class LevelMonitor:
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
+        self.divergence_score = divergence_score
         self.recent_alpha = recent_alpha
         self.raise_z = raise_z
         self._recent = math.nan  # EW mean of the residuals: where the loss is now, over its level
@@ -390,7 +395,15 @@ class LevelMonitor:
             return LevelJudged(code, 0.0, point.residual, point, block)
         if point.elevated:
             run = self._elevated + 1
-            if run >= self.divergence_points or point.residual >= self.divergence_rise:
+            # One point says "divergence" only against noise the run has shown: twice its own
+            # settled threshold (a young tail has not seen its hard batches yet; the patience
+            # judges a young spike).
+            far = (
+                point.residual >= self.divergence_rise
+                and point.score >= self.divergence_score
+                and len(self.model.tail) >= self.model.config.settle
+            )
+            if run >= self.divergence_points or far:
                 code = LevelCode.DIVERGENCE
             elif run == 1 and point.residual < self.spike_rise:
                 code = LevelCode.OUTLIER

@@ -190,7 +190,18 @@ class LevelConfig(BaseModel):
         20, ge=2, description="this many elevated points in a row are a divergence"
     )
     divergence_ratio: float = Field(
-        10.0, gt=1.0, description="one point this ratio above the level is a divergence"
+        10.0,
+        gt=1.0,
+        description="one point this ratio above the level is a divergence, if it is also "
+        "divergence_score times the run's own outlier threshold above it",
+    )
+    divergence_score: float = Field(
+        2.0,
+        ge=1.0,
+        description="... twice as far above the level as the run's own false-alarm-rate bar: "
+        "where the run's noise reaches x10 (a hard batch of a loss near zero, squared errors of "
+        "heavy-tailed targets) an elevated point x10 above the level is a hard batch, not a "
+        "divergence; before the run's tail has settled one point is never a divergence",
     )
     rise_block: int = Field(
         50, ge=5, le=4096, description="accepted points per block of the rise test"

@@ -132,6 +132,29 @@ def test_jump_that_heals_at_once_is_an_outlier_step_not_an_incident() -> None:
     assert flagged(small) == []
 
 
+def _hard_batches(n: int, seed: int) -> list[tuple[float, None]]:
+    """A healthy classification loss near zero with a hard batch now and then (2 %): each hard
+    batch is x100-x4000 the usual loss, and the next batch is back."""
+    rng = random.Random(seed)
+    return [
+        (
+            rng.uniform(0.05, 0.9) if rng.random() < 0.02 else 2e-4 * math.exp(rng.gauss(0, 1.0)),
+            None,
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_point_is_a_divergence_only_far_beyond_the_runs_own_noise(seed) -> None:
+    """x10 above the level is a divergence where the run's noise is light, not where its own
+    hard batches reach x1000: there one point must also be twice its threshold above the level."""
+    verdicts = judge(_hard_batches(3000, seed))
+    assert [v.step for v in verdicts if v.type == AnomalyType.DIVERGENCE] == []
+    light = judge(scaled(healthy(1500, seed), 1000, [12.0]))
+    assert light[1000].type == AnomalyType.DIVERGENCE
+
+
 def test_a_drop_is_not_an_anomaly() -> None:
     pairs = scaled(healthy(1500, 6), 1000, [0.3] * 3 + [0.5] * 497)
     assert flagged(judge(pairs)) == []
