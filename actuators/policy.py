@@ -100,6 +100,12 @@ _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
 _UNSETTLED = ("pending", "timed_out")
 
 
+def _harmless_so_far(p: dict[str, Any]) -> bool:
+    """A pending spike's steps so far all left the weights as they were (a pending spike kept
+    from before this field says grad_bounded)."""
+    return bool(p.get("harmless", p.get("grad_bounded")))
+
+
 def _grad_ratio(d: Decision) -> float | None:
     """The decided step's gradient norm over its baseline (None: not in the evidence)."""
     e = d.evidence
@@ -184,7 +190,7 @@ class RecoveryPolicy:
             return plan.actions()
         p = self.pending_spike
         if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
-            p["grad_bounded"] = bool(p.get("grad_bounded")) and self._grad_bounded(decision)
+            p["harmless"] = _harmless_so_far(p) and self._harmless(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:
@@ -416,22 +422,27 @@ class RecoveryPolicy:
             "start": d.step,
             "judge_at": d.step + self.config.spike_patience_steps,
             "critical": critical,
-            "grad_bounded": self._grad_bounded(d),
+            "harmless": self._harmless(d),
             # what a later rollback claims: the spike's own step, not the judging one
             "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
             "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
         }
 
-    def _grad_bounded(self, d: Decision) -> bool:
-        """The decided step's gradient norm is known and within absorbed_grad_ratio of its baseline."""
+    def _harmless(self, d: Decision) -> bool:
+        """The decided step's update left the weights about as they were: the trainer skipped it
+        (the rules say so from its step event), or its gradient norm is known and within
+        absorbed_grad_ratio of its baseline."""
+        if d.signals.get("update_skipped"):
+            return True
         ratio = _grad_ratio(d)
         return ratio is not None and ratio <= self.config.absorbed_grad_ratio
 
     def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
-        """Whether a pending extreme loss left the run as it was: its gradient stayed bounded and
-        the loss is back at the baseline. Without the evidence to tell, it was not."""
+        """Whether a pending extreme loss left the run as it was: its update was skipped or its
+        gradient stayed bounded, and the loss is back at the baseline. Without the evidence to
+        tell, it was not."""
         cfg, e = self.config, d.evidence
-        if not p.get("grad_bounded") or e is None:
+        if not _harmless_so_far(p) or e is None:
             return False
         if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
             return False
@@ -614,9 +625,9 @@ class RecoveryPolicy:
             )
             if unabsorbed:
                 still = (
-                    f"extreme loss at step {p['start']} not absorbed: its gradient norm was not "
-                    f"within x{self.config.absorbed_grad_ratio:g} of the baseline, or the loss "
-                    f"is not back at the baseline {steps} steps later"
+                    f"extreme loss at step {p['start']} not absorbed: its update was applied "
+                    f"with a gradient norm not within x{self.config.absorbed_grad_ratio:g} of "
+                    f"the baseline, or the loss is not back at the baseline {steps} steps later"
                 )
             if inc.lr_induced:
                 # The data is fine: back to before the jump, without skipping it, at the LR the
@@ -646,6 +657,11 @@ class RecoveryPolicy:
             f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
             f"absorbed within {steps} steps (back to normal: no rollback)"
         )
+        absorbed = self.incidents.incidents.get(p["incident"])
+        if absorbed is not None:
+            # The alert names the incident it closes: the Guard keeps its record (the batches'
+            # sample ids) for `spikeguard inspect`, though nothing was rolled back.
+            plan.incident_id, plan.incident_onset_step = absorbed.key, absorbed.onset_step
         plan.response = Response.ABSORBED
         plan.add(CheckpointParams(reason="on_demand"), f"{why}: checkpoint the recovered state")
         plan.alert("info", f"{why}; watching", f"{why}: watch only")

@@ -128,6 +128,29 @@ def test_a_spike_the_run_absorbed_is_not_rolled_back() -> None:
     assert any(a.reason.startswith("[absorbed]") for a in out)
 
 
+def test_an_extreme_loss_whose_update_the_guard_skipped_is_absorbed_whatever_its_gradient() -> None:
+    """The Guard skipped the update of the x100 step: the weights never saw its x5000 gradient,
+    so a loss back at the baseline a patience later is all there is to know."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    skipped = dec(800, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3).model_copy(
+        update={"signals": {"loss_ratio": 100.0, "update_skipped": 1}}
+    )
+    out = feed(policy, [skipped] + healthy(801, 1100))
+    assert not set(kinds(out)) & CHANGES, [a.reason for a in out]
+    assert any(a.reason.startswith("[absorbed]") for a in out)
+    # skipped, but the loss stayed up: rolled back as before
+    policy = make()
+    feed(policy, healthy(401, 800))
+    held = [
+        dec(s, T.EXTREME_LOSS, onset=800, loss=200.0, grad=5e3).model_copy(
+            update={"signals": {"loss_ratio": 100.0, "update_skipped": 1}}
+        )
+        for s in range(800, 804)
+    ]
+    assert K.ROLLBACK in kinds(feed(policy, held))
+
+
 def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> (
     None
 ):
