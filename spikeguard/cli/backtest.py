@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         nonlocal steps
         for event in iter_steps(args.file, on_progress=bar.update if bar else None):
             steps += 1
-            skips.observe(event)
-            yield event
+            yield skips.live(event)  # as the live Guard publishes it: its own skips said
 
     # Decisions are written as they come, to OUT.part, renamed to OUT once the
     # whole file is judged: a file broken half-way leaves no half output behind.

@@ -24,7 +24,7 @@ from typing import Iterable, NamedTuple, Sequence
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.policy import RecoveryPolicy
 from spikeguard.lab.baselines import BASELINES, flag_run
-from spikeguard.lab.local_skips import count_local_skips
+from spikeguard.lab.local_skips import LocalSkips
 from spikeguard.producers.actions import ANOMALY_KINDS
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.health import HealthTracker
@@ -147,12 +147,13 @@ def pipeline_false_actions(
     guard = guard or GuardConfig()
     total = [0] * len(FalseActions._fields)
     for events in runs:
-        decisions = backtest_events(events, settings)
+        skips = LocalSkips(guard)
+        decisions = backtest_events([skips.live(e) for e in events], settings)
         run_id = events[0].run_id if events else "healthy"
         counts = (
             len(events),
             *policy_actions(decisions, run_id, settings.policy, guard),
-            count_local_skips(events, guard),
+            len(skips.skipped),
         )
         total = [a + b for a, b in zip(total, counts)]
     return FalseActions(*total)

@@ -7,6 +7,10 @@ part of what the live run would have done. :class:`LocalSkips` runs the same
 rule, with the Guard's settings, over recorded steps (one rule per run, as
 each Guard has its own), and also counts what the file itself says was skipped
 (``StepEvent.skip_reason``, when the steps were recorded from a live run).
+:meth:`LocalSkips.live` gives each step as the live Guard would have published
+it, its skip said (``update_skipped``), so that the pipeline and the policy
+offline hear of the skip as they do live (an extreme loss whose update was
+skipped is absorbed once the loss is back).
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ class LocalSkips:
         if skip:
             self.skipped.append((event.run_id, event.step))
         return skip
+
+    def live(self, event: StepEvent) -> StepEvent:
+        """``event`` as the live Guard would have published it: a step its rule skips says so
+        (a step the file already records as skipped is left as it is)."""
+        if self.observe(event) and not event.update_skipped:
+            return event.model_copy(update={"update_skipped": True, "skip_reason": "outlier_step"})
+        return event
 
     def summary(self, shown: int = 10) -> str:
         """One line: how many skips, the first few steps, and what the file recorded."""

@@ -34,3 +34,23 @@ def test_the_rule_is_the_guards():
     rule = skip_rule_of(GuardConfig(skip_max_run=5))
     assert rule.max_run == 5 and skip_rule_of(GuardConfig()).max_run == GuardConfig().skip_max_run
     assert skip_rule_of(GuardConfig(skip_outliers=False)) is None
+
+
+def test_offline_the_policy_hears_of_the_guards_skip_as_the_live_pipeline_does():
+    """An isolated x1000 loss with a x1000 gradient: the live Guard skips its update and says so
+    in the step event, so the policy takes it as absorbed once the loss is back. Offline, the
+    same: the backtest's events carry the skip the Guard's rule would have made."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    events = [
+        StepEvent(run_id="r", step=s, loss=1.0 + 0.01 * math.sin(s), grad_norm=1.0, time=0.0)
+        for s in range(1500)
+    ]
+    events[1000] = events[1000].model_copy(update={"loss": 1000.0, "grad_norm": 1000.0})
+    found = pipeline_false_actions([events])
+    assert found.local_skips == 1
+    assert (found.rollbacks, found.skipped_batches, found.lr_cuts) == (0, 0, 0), found
+    skips = LocalSkips()
+    live = [skips.live(e) for e in events]
+    assert live[1000].update_skipped and live[1000].skip_reason == "outlier_step"
+    assert sum(e.update_skipped for e in live) == 1
