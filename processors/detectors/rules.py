@@ -20,6 +20,12 @@ back under it is a jump the run came straight back from, and for
 times the larger of the reference and the largest such jump. A stretch of
 values over the reference is never remembered, so a held spike or a lasting
 explosion keeps the bar where it was.
+
+>>> from spikeguard.schemas import StepEvent
+>>> rules = RulesDetector()
+>>> v = rules.update(StepEvent(run_id="r", step=0, loss=float("nan"), time=0.0))
+>>> v.critical, v.rules
+(True, ['loss_non_finite'])
 """
 
 from __future__ import annotations
