@@ -259,7 +259,7 @@ class RulesDetector(Detector[RulesState]):
             healed = state.loss_jumps.bar(0.0, cfg.healed_memory)
             if loss > cfg.max_loss and loss >= cfg.extreme_loss_ratio * healed:
                 fired.append("loss_above_max")
-            ref = self._reference(state.loss)
+            ref = self.scored(event, state, self._references)[0]
             bar = state.loss_jumps.bar(ref, cfg.healed_memory)
             if ref > 0.0 and loss >= cfg.extreme_loss_ratio * bar:
                 fired.append("loss_ratio")
@@ -267,7 +267,7 @@ class RulesDetector(Detector[RulesState]):
         if grad is not None and grad_ok:
             if grad > cfg.max_grad_norm:
                 fired.append("grad_norm_above_max")
-            ref = self._reference(state.grad)
+            ref = self.scored(event, state, self._references)[1]
             bar = state.grad_jumps.bar(ref, cfg.healed_memory)
             if ref > 0.0 and grad >= cfg.grad_norm_ratio * bar:
                 # One step up with no loss rule firing is said, not flagged (real runs
@@ -321,9 +321,9 @@ class RulesDetector(Detector[RulesState]):
         lr, scale = event.lr, event.loss_scale
         cfg = self.config
         state.grad_up = state.grad_up + 1 if "grad_norm_ratio" in verdict.signals else 0
-        # (the references are as score saw them: learn comes after)
-        state.loss_jumps.track(event.loss, self._reference(state.loss), cfg.healed_memory)
-        state.grad_jumps.track(event.grad_norm, self._reference(state.grad), cfg.healed_memory)
+        loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
+        state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
+        state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)
         if lr is not None and math.isfinite(lr):
             state.lr = lr
         if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
@@ -338,6 +338,11 @@ class RulesDetector(Detector[RulesState]):
         # (with a short history, the reference's high quantile would be that jump).
         if event.grad_norm is not None and not state.grad_up:
             state.grad.update(event.grad_norm)
+
+    def _references(self, event: StepEvent, state: RulesState) -> tuple[float, float]:
+        """The ratio rules' references, loss and gradient norm (through ``scored``: once per
+        step for score and track)."""
+        return self._reference(state.loss), self._reference(state.grad)
 
     def _reference(self, window: RollingMedian) -> float:
         """A ratio rule's reference: the recent healthy values' high quantile (NaN: too few)."""
