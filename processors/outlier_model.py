@@ -306,14 +306,18 @@ class OutlierModel:
         self.since_jump = RollingMedian(self.config.lr_jump_steps)  # the newest points since
         self.elevated_run = 0  # elevated points in a row so far
 
+    @property
+    def settled(self) -> bool:
+        """The tail holds ``settle`` residuals: its threshold is the run's own, no longer young."""
+        return len(self.tail) >= self.config.settle
+
     def threshold(self) -> float:
         """The current threshold in log units (NaN during warm-up)."""
         cfg = self.config
-        n = len(self.tail)
-        if n < cfg.min_history:
+        if len(self.tail) < cfg.min_history:
             return math.nan
         t = self.tail.threshold()
-        floor = cfg.min_rise if n >= cfg.settle else cfg.young_min_rise
+        floor = cfg.min_rise if self.settled else cfg.young_min_rise
         return t if t > floor else floor
 
     def current_level(self) -> float:

@@ -401,7 +401,7 @@ class LevelMonitor:
             far = (
                 point.residual >= self.divergence_rise
                 and point.score >= self.divergence_score
-                and len(self.model.tail) >= self.model.config.settle
+                and self.model.settled
             )
             if run >= self.divergence_points or far:
                 code = LevelCode.DIVERGENCE
@@ -424,10 +424,9 @@ class LevelMonitor:
 
     def _place(self, point: Point) -> Place | None:
         """Where the point's residual lies for the climb test (None: not judged for it)."""
-        tail = self.model.tail
-        if not point.judged or len(tail) < self.model.config.settle:
+        if not point.judged or not self.model.settled:
             return None
-        return Place.HIGH if point.elevated else self.climb.place(point.residual, tail)
+        return Place.HIGH if point.elevated else self.climb.place(point.residual, self.model.tail)
 
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
