@@ -68,7 +68,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
@@ -98,6 +98,15 @@ MAX_ACK_RECORDS = 256
 LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
 _UNSETTLED = ("pending", "timed_out")
+
+
+class RerunWindow(NamedTuple):
+    """After a rollback that skipped data: the re-run's steps [start, end) that train on the
+    batches after the skipped ones, and the checkpoint's step (PaLM's test, _data_level)."""
+
+    start: int
+    end: int
+    checkpoint_step: int
 
 
 def _harmless_so_far(p: dict[str, Any]) -> bool:
@@ -146,9 +155,7 @@ class RecoveryPolicy:
             False  # an LR jump needed a rollback: the next is scaled back at once
         )
         self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
-        # After a rollback that skipped data: the re-run's steps [from, to) that train on the
-        # batches after the skipped ones, and the checkpoint's step (PaLM's test, _data_level).
-        self.rerun_window: list[int] | None = None
+        self.rerun_window: RerunWindow | None = None
         self.data_level_until: int | None = None  # non-critical rises watched until this tick
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
@@ -278,11 +285,9 @@ class RecoveryPolicy:
             self.rerun_window = (
                 None
                 if record.skipped_from is None
-                else [
-                    record.skipped_from,
-                    record.skipped_from + record.skipped,
-                    record.target_step,
-                ]
+                else RerunWindow(
+                    record.skipped_from, record.skipped_from + record.skipped, record.target_step
+                )
             )
         elif ack.status in _FAILED and record.status in _UNSETTLED:
             self.recovery.failed(record, refused=ack.status is AckStatus.REJECTED)
@@ -394,20 +399,20 @@ class RecoveryPolicy:
             self._watch(plan, inc, f"{what}: the data's level changed (said before)")
             return True
         window = self.rerun_window
-        if window is None or not window[0] <= inc.onset_step < window[1]:
+        if window is None or not window.start <= inc.onset_step < window.end:
             return False
         self.rerun_window = None
         self.data_level_until = self.observed_steps + cfg.data_level_hold_steps
         inc.watched = True
         plan.response = Response.DATA_LEVEL
         why = (
-            f"{what}: the rise came back on other data (steps {window[0]}..{window[1] - 1} of "
+            f"{what}: the rise came back on other data (steps {window.start}..{window.end - 1} of "
             "the re-run train on the batches after the skipped ones): the data's level changed, "
             f"not a bad batch; no rollback, non-critical rises watched for "
             f"{cfg.data_level_hold_steps} steps"
         )
         lr = self.recovery.lr
-        before = lr.at(window[2])  # the LR at the checkpoint, before the rise lowered it
+        before = lr.at(window.checkpoint_step)  # the LR at the checkpoint, before the rise
         if before > lr.current:
             self.recovery.restore_lr(
                 plan, f"{why}; the LR the rise lowered given back", before / lr.current
@@ -778,7 +783,7 @@ class RecoveryPolicy:
             "lr_hold_until": self.lr_hold_until,
             "lr_jump_harmful": self.lr_jump_harmful,
             "explosions": self.explosions,
-            "rerun_window": self.rerun_window,
+            "rerun_window": None if self.rerun_window is None else list(self.rerun_window),
             "data_level_until": self.data_level_until,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
@@ -810,7 +815,8 @@ class RecoveryPolicy:
         self.lr_hold_until = state.get("lr_hold_until")
         self.lr_jump_harmful = bool(state.get("lr_jump_harmful", False))
         self.explosions = int(state.get("explosions", 0))
-        self.rerun_window = state.get("rerun_window")
+        window = state.get("rerun_window")
+        self.rerun_window = None if window is None else RerunWindow(*window)
         self.data_level_until = state.get("data_level_until")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.counts = dict(state["counts"])

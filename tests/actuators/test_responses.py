@@ -258,16 +258,7 @@ def test_a_critical_decision_recurring_after_a_recovery_stops_the_run() -> None:
     policy = make()
     feed(policy, healthy(401, 800))
     first = feed(policy, [dec(800, T.NON_FINITE, onset=800), dec(801, T.NON_FINITE, onset=800)])
-    rollback = next(a for a in first if a.kind is K.ROLLBACK)
-    policy.on_ack(
-        Ack(
-            run_id=R,
-            action_id=rollback.action_id,
-            kind=K.ROLLBACK,
-            status=AckStatus.APPLIED,
-            step=rollback.apply_at_step,
-        )
-    )
+    applied(policy, next(a for a in first if a.kind is K.ROLLBACK))
     feed(policy, healthy(701, 800))  # the re-run, then the same trouble again
     stop = feed(policy, [dec(s, T.NON_FINITE, onset=800) for s in range(800, 812)])
     assert kinds(stop)[-3:] == [K.CHECKPOINT, K.STOP, K.ALERT] and policy.stopped
