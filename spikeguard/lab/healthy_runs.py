@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -184,6 +185,56 @@ def warmup(seed: int, steps: int) -> HealthyTask:
     return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
+def heavy_tailed_regression(seed: int, steps: int) -> HealthyTask:
+    """Linear regression on targets with Student-t noise (2.5 degrees of freedom), batch 1, SGD:
+    a squared error's tail so heavy that one batch in thousands is x1000 its median."""
+    g = torch.Generator().manual_seed(seed)
+    n, dim = 8192, 8
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    noise = torch.from_numpy(np.random.default_rng(seed).standard_t(2.5, (n, 1))).float()
+    torch.manual_seed(seed)
+    model = nn.Linear(dim, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.005)
+    loader = _loader(TensorDataset(x, x @ w + noise), 1, seed)
+    return HealthyTask(model, optimizer, None, loader, _mse(model))
+
+
+def near_zero_cnn(seed: int, steps: int) -> HealthyTask:
+    """A small CNN on striped 16x16 images, batch 8, SGD with momentum, LR x0.1 at 30 %: the loss
+    falls towards 1e-4, and a hard batch now and then is x1000 that."""
+    g = torch.Generator().manual_seed(seed)
+    n = 6000
+    rows, cols = torch.meshgrid(torch.arange(16.0), torch.arange(16.0), indexing="ij")
+    patterns = torch.stack(
+        [
+            torch.sin(rows * math.pi / 2),
+            torch.sin(cols * math.pi / 2),
+            torch.sin((rows + cols) * math.pi / 4),
+        ]
+    )
+    y = torch.randint(0, 3, (n,), generator=g)
+    strength = 0.3 + 0.4 * torch.rand(n, 1, 1, generator=g)
+    x = (strength * patterns[y] + torch.randn(n, 16, 16, generator=g)).unsqueeze(1)
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 3),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(
+        optimizer, step_size=max(1, 3 * steps // 10), gamma=0.1
+    )
+    loader = _loader(TensorDataset(x, y), 8, seed)
+    return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
+
+
 _SUBJECTS = (
     "the cat",
     "a dog",
@@ -304,6 +355,17 @@ KINDS: dict[str, HealthyKind] = {
             "warmup",
             "teacher MLP, batch 16, Adam 3e-3, linear warm-up over steps/5 then cosine",
             warmup,
+        ),
+        HealthyKind(
+            "regression_heavy_b1",
+            "linear regression, Student-t (2.5 dof) target noise, batch 1, SGD 0.005",
+            heavy_tailed_regression,
+        ),
+        HealthyKind(
+            "near_zero_cnn",
+            "small CNN on striped images, batch 8, SGD 0.01 momentum 0.9, x0.1 at 30 %: "
+            "the loss falls towards 1e-4 with hard batches",
+            near_zero_cnn,
         ),
         HealthyKind(
             "char_lm",
