@@ -20,7 +20,7 @@ from collections import deque
 from spikeguard.bus import Bus
 from spikeguard.errors import SchemaError
 from spikeguard.schemas import Decision, Topics
-from spikeguard.schemas.signing import Keyring, Role, Signer
+from spikeguard.schemas.signing import Keyring, Signer
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,11 @@ AFTER_ANOMALY_STEPS = 8
 
 
 def _checks_decisions(signer: Signer | None) -> bool:
-    """Whether ``signer`` holds a key that decisions are signed with (a shared key, or fusion's)."""
+    """Whether ``signer`` holds a key that decisions are signed with (a shared key, or the
+    keyring's key for the role that produces decisions)."""
     key = signer.key if signer is not None else None
     if isinstance(key, Keyring):
-        return Role.FUSION in key.roles
+        return key.key_for(Decision) is not None
     return key is not None
 
 
