@@ -70,7 +70,7 @@ class PolicyConfig(BaseModel):
     absorbed_loss_margin: float = Field(
         0.1,
         ge=0.0,
-        description="... and the loss, a patience later, is back within baseline x (1 + this)",
+        description="... and the loss, a patience later, is back within baseline + this x |baseline|",
     )
     non_finite_skipped_by_trainer: bool = Field(
         True,

@@ -451,7 +451,8 @@ class RecoveryPolicy:
             return False
         if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
             return False
-        return e.loss <= e.loss_baseline * (1 + cfg.absorbed_loss_margin)
+        # (a margin of the baseline's size: a loss below zero has its baseline below zero too)
+        return e.loss <= e.loss_baseline + cfg.absorbed_loss_margin * abs(e.loss_baseline)
 
     def _non_finite(
         self, plan: ActionPlan, d: Decision, inc: Incident, what: str, grace: bool

@@ -1,11 +1,17 @@
-"""The outlier-and-level model of one positive training signal (loss or gradient norm).
+"""The outlier-and-level model of one training signal (loss or gradient norm).
 
 One model, used by the Guard's local skip (:mod:`spikeguard.producers.skip_rule`)
 and by the pipeline's level test (:mod:`spikeguard.processors.detectors.level`):
 same code, same thresholds, so a backtest says what the live run would do.
 Plain Python, no numpy or torch: it runs in the trainer on every step.
 
-Everything happens on ``y = log(x)``, so the thresholds are scale-free:
+Everything happens on ``y = log(x)``, so the thresholds are scale-free
+(:func:`position` gives ``y``). A loss that goes below zero (a Poisson or
+Gaussian NLL, an ELBO) has no natural zero, so no ratio means anything for it:
+its first negative value starts a **signed** model (:attr:`OutlierModel.signed`)
+on ``y = x`` itself, judged by its tail alone (no floor in log units), and only
+once the tail has settled: with no ratio to fall back on, a young tail's guess
+is not enough. The consumers start it over at that step (:func:`turns_signed`).
 
 * **level** — the median of the last ``level_window`` *accepted* points. A
   point judged elevated is not accepted: a spike cannot raise its own baseline.
@@ -82,10 +88,16 @@ class TailThreshold:
     (0.098, 0.116)
     """
 
-    __slots__ = ("rate", "low", "high", "lag", "_values", "_waiting", "_threshold")
+    __slots__ = ("rate", "low", "high", "lag", "power", "_values", "_waiting", "_threshold")
 
     def __init__(
-        self, window: int, rate: float, low: float = 0.90, high: float = 0.99, lag: int = 0
+        self,
+        window: int,
+        rate: float,
+        low: float = 0.90,
+        high: float = 0.99,
+        lag: int = 0,
+        power: bool = False,
     ) -> None:
         if not 0.0 < rate < 1.0 - high:
             raise ValueError(f"rate must be in (0, {1.0 - high:g}), got {rate}")
@@ -97,6 +109,9 @@ class TailThreshold:
         #: values wait this many updates before they join: a climb is judged against the
         #: tail from before it, not against its own first steps
         self.lag = lag
+        #: the tail may be a power law: the exponential goes through the quantiles' excess over
+        #: the median in log space (see threshold)
+        self.power = power
         self._values = RollingMedian(window)
         self._waiting: deque[float] = deque()
         # threshold() at ``rate`` for the values as they are (None: not computed since they
@@ -118,7 +133,21 @@ class TailThreshold:
             return self._threshold
         lo, hi = self._values.quantile(self.low), self._values.quantile(self.high)
         tail_hi = 1.0 - self.high
-        scale = (hi - lo) / math.log((1.0 - self.low) / tail_hi)
+        decades = math.log((1.0 - self.low) / tail_hi)
+        if self.power:
+            # Values that are not logs (a signed loss's residuals) can have a power-law tail,
+            # which an exponential through two quantiles underestimates by orders of magnitude
+            # (Student-t, 3 dof: x180 the rate). The excess over the median, in units of the
+            # low quantile's, has an exponential tail in log space; quantiles commute with that
+            # map, so the values stay as they are and only the extrapolation goes through it.
+            # Gaussian noise gets ~9 sigma instead of ~5.5: a safe side for a guard.
+            mid = self._values.quantile(0.5)
+            unit = lo - mid
+            if unit > 0.0:
+                low_log, high_log = math.log(2.0), math.log1p((hi - mid) / unit)
+                scale = (high_log - low_log) / decades
+                return mid + unit * math.expm1(high_log + scale * math.log(tail_hi / rate))
+        scale = (hi - lo) / decades
         return hi + scale * math.log(tail_hi / rate)
 
     def update(self, value: float) -> None:
@@ -234,8 +263,8 @@ class OutlierConfig(BaseModel):
         200, ge=1, le=65536, description="steps after an LR jump during which nothing is elevated"
     )
 
-    def model(self) -> OutlierModel:
-        return OutlierModel(self)
+    def model(self, signed: bool = False) -> OutlierModel:
+        return OutlierModel(self, signed)
 
 
 class Judged(NamedTuple):
@@ -275,6 +304,7 @@ class OutlierModel:
 
     __slots__ = (
         "config",
+        "signed",
         "level",
         "newest_quarter",
         "tail",
@@ -287,13 +317,15 @@ class OutlierModel:
         "elevated_run",
     )
 
-    def __init__(self, config: OutlierConfig | None = None) -> None:
+    def __init__(self, config: OutlierConfig | None = None, signed: bool = False) -> None:
         self.config = config or OutlierConfig()
+        #: judged on the value itself, not its log (a loss that went below zero; module docstring)
+        self.signed = signed
         self.level = RollingMedian(self.config.level_window)
         # The newest quarter of the level's points: below the whole window's, the loss is falling.
         self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
         self.tail = TailThreshold(
-            self.config.tail_window, self.config.rate, lag=self.config.tail_lag
+            self.config.tail_window, self.config.rate, lag=self.config.tail_lag, power=signed
         )
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,
@@ -311,12 +343,19 @@ class OutlierModel:
         """The tail holds ``settle`` residuals: its threshold is the run's own, no longer young."""
         return len(self.tail) >= self.config.settle
 
+    @property
+    def min_rise(self) -> float:
+        """The smallest rise that counts, in ``y`` units: ``min_rise`` (none for a signed value)."""
+        return 0.0 if self.signed else self.config.min_rise
+
     def threshold(self) -> float:
-        """The current threshold in log units (NaN during warm-up)."""
+        """The current threshold in ``y`` units (NaN during warm-up)."""
         cfg = self.config
-        if len(self.tail) < cfg.min_history:
+        if len(self.tail) < (cfg.settle if self.signed else cfg.min_history):
             return math.nan
         t = self.tail.threshold()
+        if self.signed:
+            return t
         floor = cfg.min_rise if self.settled else cfg.young_min_rise
         return t if t > floor else floor
 
@@ -364,10 +403,10 @@ class OutlierModel:
             return False
         median = statistics.median(since.values()[1 - since.window :] + [y])  # newest, y included
         spread = self.tail.quantile(0.9) - self.tail.quantile(0.5)
-        return median - jump_level > max(spread, self.config.min_rise)
+        return median - jump_level > max(spread, self.min_rise)
 
     def judge(self, y: float, lr: float | None = None) -> Judged:
-        """Judge ``y`` (a finite log value) against what came before; changes nothing."""
+        """Judge ``y`` (a finite :func:`position`) against what came before; changes nothing."""
         if len(self.level) < _MIN_LEVEL:
             return _NOT_JUDGED
         level = self.current_level()
@@ -427,6 +466,7 @@ class OutlierModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "signed": self.signed,
             "level": self.level.state_dict(),
             "tail": self.tail.state_dict(),
             "lr_recent": self.lr_recent.state_dict(),
@@ -439,6 +479,7 @@ class OutlierModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.signed = self.tail.power = bool(state.get("signed", False))
         self.level.load_state_dict(state["level"])
         self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])
@@ -459,6 +500,17 @@ class OutlierModel:
 def log_of(x: float, floor: float = 1e-12) -> float:
     """log(x) of a finite value, clipped below at ``floor`` (a loss of 0 has a log too)."""
     return math.log(x if x > floor else floor)
+
+
+def position(x: float, signed: bool, floor: float = 1e-12) -> float:
+    """Where a finite value is judged: its log (:func:`log_of`), or itself once ``signed``."""
+    return x if signed else log_of(x, floor)
+
+
+def turns_signed(x: float, signed: bool) -> bool:
+    """Whether ``x`` starts a signed model: the first value below zero of a signal that had none
+    (a zero is still a loss's floor: only a negative value shows the loss has no natural zero)."""
+    return x < 0.0 and not signed
 
 
 def loss_config() -> OutlierConfig:

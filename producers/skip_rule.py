@@ -27,6 +27,8 @@ from spikeguard.processors.outlier_model import (
     grad_norm_config,
     log_of,
     loss_config,
+    position,
+    turns_signed,
 )
 
 
@@ -47,11 +49,14 @@ class StepJudged(NamedTuple):
     """A step judged and not yet learned (``SkipRule.judge``, then ``SkipRule.learn``)."""
 
     decision: SkipDecision
+    #: the loss's position (its log, or itself once the loss has gone below zero)
     log_loss: float = 0.0
     loss_judged: Judged | None = None  # None: the loss was non-finite (nothing to learn)
     log_grad: float = 0.0
     grad_judged: Judged | None = None
     lr: float | None = None
+    #: the loss is the run's first below zero: its model starts over, signed
+    turns_signed: bool = False
 
 
 class SkipRule:
@@ -97,8 +102,10 @@ class SkipRule:
         values it keeps (a re-run's, when the first computation was a device's fault)."""
         if not math.isfinite(loss):
             return StepJudged(SkipDecision(False))
-        y = log_of(loss)
-        loss_judged = self._loss.judge(y, lr)
+        starts = turns_signed(loss, self._loss.signed)
+        y = position(loss, self._loss.signed or starts)
+        # A fresh signed model judges the first negative loss (it warms up); learn() keeps one.
+        loss_judged = (self.loss.model(signed=True) if starts else self._loss).judge(y, lr)
         grad_ok = grad_norm is not None and math.isfinite(grad_norm)
         g = log_of(grad_norm) if grad_ok else 0.0  # type: ignore[arg-type]
         grad_judged: Judged | None = self._grad.judge(g, lr) if grad_ok else None
@@ -112,13 +119,15 @@ class SkipRule:
             _score(grad_judged),
             loss_judged.lr_beyond_peak,
         )
-        return StepJudged(decision, y, loss_judged, g, grad_judged, lr)
+        return StepJudged(decision, y, loss_judged, g, grad_judged, lr, starts)
 
     def learn(self, judged: StepJudged) -> None:
         """Take a judged step in (nothing, for a non-finite loss)."""
         if judged.loss_judged is None:
             return
         self.run = self.run + 1 if judged.decision.signal else 0
+        if judged.turns_signed:
+            self._loss = self.loss.model(signed=True)
         self._loss.advance(judged.log_loss, judged.loss_judged, judged.lr)
         if judged.grad_judged is not None:
             self._grad.advance(judged.log_grad, judged.grad_judged, judged.lr)

@@ -1,6 +1,10 @@
 """The pipeline's level test of the loss: outlier steps, spikes, divergences and slow rises.
 
-Four parts, all on ``y = log(loss)`` and all one-sided (a drop is never an anomaly):
+Four parts, all on ``y = log(loss)`` and all one-sided (a drop is never an anomaly).
+A loss that went below zero is judged on ``y = loss`` (a *signed* monitor, see
+:mod:`~spikeguard.processors.outlier_model`): no ratio applies to it, so every
+gate below that is a ratio (``spike_ratio``, ``divergence_ratio``, ``rise_min``)
+gives way to the run's own noise.
 
 * **elevated points** — the same :class:`~spikeguard.processors.outlier_model.OutlierModel`
   as the Guard's local skip rule, with the same defaults: a point above the
@@ -154,19 +158,21 @@ class RiseTest:
         # reaches back to (or before) it compares across the LR rise, and is not judged.
         self._since_excused = 1 << 30
 
-    def judge(self, y: float, explained: bool) -> BlockJudged | None:
-        """The rise test, when ``y`` ends a block; else None."""
+    def judge(self, y: float, explained: bool, min_rise: float | None = None) -> BlockJudged | None:
+        """The rise test, when ``y`` ends a block; else None. ``min_rise`` replaces the test's
+        own smallest rise (a signed loss's, which no ratio gives)."""
         if len(self._current) + 1 < self.block:
             return None
         values = sorted(self._current + [y])
         n = len(values)
         median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
         best_score, best_rise, rising = 0.0, 0.0, False
+        floor = self.min_rise if min_rise is None else min_rise
         for h, tail in zip(self.horizons, self._tails):
             if len(self._medians) < h or len(tail) < self.min_blocks:
                 continue
             rise = median - self._medians[-h]
-            bar = max(tail.threshold(), self.min_rise)
+            bar = max(tail.threshold(), floor)
             if rise / bar > best_score:
                 best_score, best_rise = rise / bar, rise
             across_lr_rise = explained or self._excused or self._since_excused < h
@@ -331,6 +337,7 @@ class LevelMonitor:
         self,
         *,
         outliers: OutlierConfig,
+        signed: bool = False,
         spike_ratio: float,
         divergence_points: int,
         divergence_ratio: float,
@@ -348,7 +355,7 @@ class LevelMonitor:
         recent_alpha: float,
         raise_z: float,
     ) -> None:
-        self.model = OutlierModel(outliers)
+        self.model = OutlierModel(outliers, signed)
         self.rises = RiseTest(
             block=rise_block,
             horizons=tuple(rise_horizons),
@@ -389,28 +396,29 @@ class LevelMonitor:
 
     def _judge(self, y: float, lr: float | None) -> LevelJudged:
         point = self.model.judge(y, lr)
+        signed = self.model.signed
         if not point.judged:
             code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
-            block = self.rises.judge(y, True) if code == LevelCode.OK else None
+            block = self.rises.judge(y, True, self._rise_floor()) if code == LevelCode.OK else None
             return LevelJudged(code, 0.0, point.residual, point, block)
         if point.elevated:
             run = self._elevated + 1
             # One point says "divergence" only against noise the run has shown: twice its own
             # settled threshold (a young tail has not seen its hard batches yet; the patience
-            # judges a young spike).
+            # judges a young spike). A signed loss has no ratio: its noise alone says.
             far = (
-                point.residual >= self.divergence_rise
+                (signed or point.residual >= self.divergence_rise)
                 and point.score >= self.divergence_score
                 and self.model.settled
             )
             if run >= self.divergence_points or far:
                 code = LevelCode.DIVERGENCE
-            elif run == 1 and point.residual < self.spike_rise:
+            elif run == 1 and (signed or point.residual < self.spike_rise):
                 code = LevelCode.OUTLIER
             else:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
-        block = self.rises.judge(y, False)
+        block = self.rises.judge(y, False, self._rise_floor())
         place = self._place(point)
         if place is not None:
             count = self.climb.judge(place)
@@ -421,6 +429,19 @@ class LevelMonitor:
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
+
+    def _rise_floor(self) -> float | None:
+        """A signed loss's smallest rise: the spread of its points' own noise (the tail's median
+        to its 90th percentile; no rise before the tail has settled). A block median moves far
+        less than one point, so a rise of the loss's level by that much is no drift of noise,
+        and a loss that stops falling is no rise. None: the test's ratio (a positive loss)."""
+        model = self.model
+        if not model.signed:
+            return None
+        if not model.settled:
+            return math.inf
+        spread = model.tail.quantile(0.9) - model.tail.quantile(0.5)
+        return spread if spread > 0.0 else math.inf
 
     def _place(self, point: Point) -> Place | None:
         """Where the point's residual lies for the climb test (None: not judged for it)."""

@@ -215,6 +215,7 @@ class RulesState:
         "scale_seen",
         "lr",
         "grad_up",
+        "signed",
     )
 
     def __init__(self, config: RulesConfig) -> None:
@@ -226,6 +227,9 @@ class RulesState:
         self.scale_seen = 0
         self.lr = math.nan
         self.grad_up = 0  # steps in a row the gradient norm has been over grad_norm_ratio
+        # The loss has gone below zero: it has no natural zero, so no ratio of it means anything
+        # (the statistical detector judges it against its own noise).
+        self.signed = False
 
 
 class RulesDetector(Detector[RulesState]):
@@ -261,7 +265,7 @@ class RulesDetector(Detector[RulesState]):
                 fired.append("loss_above_max")
             ref = self.scored(event, state, self._references)[0]
             bar = state.loss_jumps.bar(ref, cfg.healed_memory)
-            if ref > 0.0 and loss >= cfg.extreme_loss_ratio * bar:
+            if ref > 0.0 and not state.signed and loss >= cfg.extreme_loss_ratio * bar:
                 fired.append("loss_ratio")
                 signals["loss_ratio"] = round(loss / ref, 3)
         if grad is not None and grad_ok:
@@ -321,6 +325,7 @@ class RulesDetector(Detector[RulesState]):
         lr, scale = event.lr, event.loss_scale
         cfg = self.config
         state.grad_up = state.grad_up + 1 if "grad_norm_ratio" in verdict.signals else 0
+        state.signed = state.signed or -math.inf < event.loss < 0.0
         loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
         state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
         state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)
@@ -395,6 +400,7 @@ class RulesDetector(Detector[RulesState]):
         )
         twin.loss_jumps, twin.grad_jumps = state.loss_jumps.copy(), state.grad_jumps.copy()
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
+        twin.signed = state.signed
         return twin
 
     def dump(self, state: RulesState) -> dict[str, Any]:
@@ -405,6 +411,7 @@ class RulesDetector(Detector[RulesState]):
             "scale_seen": state.scale_seen,
             "lr": state.lr,
             "grad_up": state.grad_up,
+            "signed": state.signed,
             "loss_jumps": state.loss_jumps.state_dict(),
             "grad_jumps": state.grad_jumps.state_dict(),
         }
@@ -417,6 +424,7 @@ class RulesDetector(Detector[RulesState]):
         state.scale_seen = int(data["scale_seen"])
         state.lr = float(data["lr"])
         state.grad_up = int(data["grad_up"])
+        state.signed = bool(data.get("signed", False))
         if "loss_jumps" in data:  # absent from a state saved before the memory: none remembered
             state.loss_jumps.load_state_dict(data["loss_jumps"])
             state.grad_jumps.load_state_dict(data["grad_jumps"])

@@ -47,6 +47,8 @@ from spikeguard.processors.outlier_model import (
     grad_norm_config,
     log_of,
     loss_config,
+    position,
+    turns_signed,
 )
 from spikeguard.processors.detectors.base import Detector, validate_verdict
 from spikeguard.processors.detectors.series import (
@@ -259,8 +261,10 @@ class LevelConfig(BaseModel):
         "noise (a warm-up's larger steps), not an oscillation",
     )
 
-    def monitor(self) -> lv.LevelMonitor:
-        return lv.LevelMonitor(**self.model_dump(exclude={"outliers"}), outliers=self.outliers)
+    def monitor(self, signed: bool = False) -> lv.LevelMonitor:
+        return lv.LevelMonitor(
+            **self.model_dump(exclude={"outliers"}), outliers=self.outliers, signed=signed
+        )
 
 
 class StatisticalConfig(BaseModel):
@@ -305,6 +309,11 @@ class StatisticalConfig(BaseModel):
     )
 
 
+def _rise(residual: float, signed: bool) -> str:
+    """A rise as the user reads it: a ratio (x1.23), or a signed loss's difference (+0.42)."""
+    return f"+{residual:.3g}" if signed else f"x{math.exp(residual):.2f}"
+
+
 def _confidence(score: float) -> float:
     """0.6 at the threshold (score 1), rising to 1.0 at twice the threshold."""
     c = 0.6 + 0.4 * (score - 1.0)
@@ -342,7 +351,8 @@ def _lr_induced_rise(level: lv.LevelJudged | None, grad: Point | None) -> tuple[
 class Judgement(NamedTuple):
     """One step's judgements, computed once for ``score`` and ``track``."""
 
-    #: log(loss), log(grad norm) (None when not watched or absent)
+    #: the loss's position (its log, or itself once signed), log(grad norm) (None when not
+    #: watched or absent)
     logs: tuple[float, float | None]
     #: the loss's swing test (oscillation)
     loss_swings: Judged
@@ -352,6 +362,8 @@ class Judgement(NamedTuple):
     level: lv.LevelJudged | None
     #: the gradient norm's outlier model (None without a gradient norm)
     grad_point: Point | None
+    #: this step's loss is the run's first below zero: the loss's monitors start over, signed
+    turns_signed: bool = False
 
 
 class StatisticalState:
@@ -393,14 +405,24 @@ class StatisticalDetector(Detector[StatisticalState]):
         grad = event.grad_norm if self._watch_grad else None
         if not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
             return None
-        y = log_of(loss, self._floor)
+        signed = state.level.model.signed
+        starts = turns_signed(loss, signed)
+        y = position(loss, signed or starts, self._floor)
         g = None if grad is None else log_of(grad, self._floor)
+        # The run's first negative loss is judged by fresh signed monitors (they warm up);
+        # track() keeps them. The signed flag lives in the level model, whose state is kept.
+        swings, level = (
+            (self.config.loss.monitor(), self.config.level.monitor(True))
+            if starts
+            else (state.loss, state.level)
+        )
         return Judgement(
             (y, g),
-            state.loss.judge(y),
+            swings.judge(y),
             None if g is None else state.grad.judge(g),
-            state.level.judge(y, event.lr) if self._watch_level else None,
+            level.judge(y, event.lr) if self._watch_level else None,
             None if g is None else state.grad_model.judge(g, event.lr),
+            starts,
         )
 
     def _verdict(
@@ -451,6 +473,7 @@ class StatisticalDetector(Detector[StatisticalState]):
         # The loss speaks first: its level test, then its swings; the gradient
         # norm when the loss has nothing to say.
         level = judgement.level
+        signed = judgement.turns_signed or state.level.model.signed
         induced = _lr_induced_rise(level, judgement.grad_point)
         if induced is not None:
             signal, risen = induced
@@ -464,7 +487,8 @@ class StatisticalDetector(Detector[StatisticalState]):
                 rule,
                 z,
                 risen.residual,
-                f"{rule}: the {signal} is up x{math.exp(risen.residual):.2f} "
+                f"{rule}: the {signal} is up "
+                f"{_rise(risen.residual, signal == 'loss' and signed)} "
                 "after the LR jumped beyond any rate the run had trained at",
             )
         if level is not None and level.code in _LEVEL_TYPES:
@@ -476,7 +500,7 @@ class StatisticalDetector(Detector[StatisticalState]):
                 rule,
                 level.score,
                 level.rise,
-                f"{rule}: {level.score:.2f} x its threshold, x{math.exp(level.rise):.2f}",
+                f"{rule}: {level.score:.2f} x its threshold, {_rise(level.rise, signed)}",
             )
         # Swings that leave the loss where it was are noise growing (a warm-up's larger steps,
         # a loss nearing its floor), not an oscillation that hurts the run; unless the loss
@@ -562,6 +586,8 @@ class StatisticalDetector(Detector[StatisticalState]):
         if judgement is None:
             return
         y, g = judgement.logs
+        if judgement.turns_signed:
+            state.loss, state.level = self.config.loss.monitor(), self.config.level.monitor(True)
         state.codes = (
             state.loss.advance(judgement.loss_swings),
             OK if judgement.grad_swings is None else state.grad.advance(judgement.grad_swings),

@@ -235,6 +235,56 @@ def near_zero_cnn(seed: int, steps: int) -> HealthyTask:
     return HealthyTask(model, optimizer, scheduler, loader, _cross_entropy(model))
 
 
+def poisson_regression(seed: int, steps: int) -> HealthyTask:
+    """Poisson regression of counts (rates 1 to 50) on the log-rate, batch 4, Adam: the loss
+    (``exp(eta) - y * eta``, PyTorch's default without the constant) falls through zero and
+    settles below it."""
+    g = torch.Generator().manual_seed(seed)
+    n, dim = 8192, 8
+    x = torch.randn(n, dim, generator=g)
+    w = 0.4 * torch.randn(dim, 1, generator=g)
+    rate = torch.exp(2.0 + x @ w).clamp(1.0, 50.0)
+    counts = torch.poisson(rate, generator=g)
+    torch.manual_seed(seed)
+    model = nn.Linear(dim, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss_fn = nn.PoissonNLLLoss(log_input=True)
+    loader = _loader(TensorDataset(x, counts), 4, seed)
+    return HealthyTask(model, optimizer, None, loader, lambda b: loss_fn(model(b[0]), b[1]))
+
+
+class MeanAndVariance(nn.Module):
+    """An MLP that predicts a mean and a variance (heteroscedastic regression)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.body = _mlp(dim, 32, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, log_var = self.body(x).unbind(dim=1)
+        return mean, log_var.exp()
+
+
+def gaussian_nll(seed: int, steps: int) -> HealthyTask:
+    """Heteroscedastic regression (noise 0.05 to 0.5, by input) with a Gaussian NLL, batch 8,
+    Adam: the loss falls from about 1 to well below zero, its hard batches a few units up."""
+    g = torch.Generator().manual_seed(seed)
+    n, dim = 8192, 4
+    x = torch.randn(n, dim, generator=g)
+    scale = 0.05 + 0.45 * torch.sigmoid(2 * x[:, 0])
+    y = torch.sin(x[:, 1]) + x[:, 2] + scale * torch.randn(n, generator=g)
+    torch.manual_seed(seed)
+    model = MeanAndVariance(dim)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    loss_fn = nn.GaussianNLLLoss()
+
+    def loss(b: list[torch.Tensor]) -> torch.Tensor:
+        mean, var = model(b[0])
+        return loss_fn(mean, b[1], var)
+
+    return HealthyTask(model, optimizer, None, _loader(TensorDataset(x, y), 8, seed), loss)
+
+
 _SUBJECTS = (
     "the cat",
     "a dog",
@@ -366,6 +416,18 @@ KINDS: dict[str, HealthyKind] = {
             "small CNN on striped images, batch 8, SGD 0.01 momentum 0.9, x0.1 at 30 %: "
             "the loss falls towards 1e-4 with hard batches",
             near_zero_cnn,
+        ),
+        HealthyKind(
+            "poisson_b4",
+            "Poisson regression of counts, log-rate input, batch 4, Adam 0.01: "
+            "the loss falls through zero and stays below it",
+            poisson_regression,
+        ),
+        HealthyKind(
+            "gaussian_nll",
+            "MLP predicting mean and variance, Gaussian NLL, batch 8, Adam 3e-3: "
+            "the loss falls from ~1 to well below zero",
+            gaussian_nll,
         ),
         HealthyKind(
             "char_lm",

@@ -120,7 +120,12 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
         for i in t.incidents:
             ratio = ""
             if i.loss is not None and i.baseline and math.isfinite(i.loss):
-                ratio = f" ({i.loss / i.baseline:.1f}x)"
+                # A ratio means something only for a positive loss; a signed one gets its rise.
+                ratio = (
+                    f" ({i.loss / i.baseline:.1f}x)"
+                    if i.baseline > 0.0 and i.loss >= 0.0
+                    else f" ({i.loss - i.baseline:+.3g})"
+                )
             said = (
                 "<br>".join(
                     f"{_e(name)}: {'<b>anomaly</b>' if v['anomaly'] else 'normal'} "

@@ -36,10 +36,11 @@ def dec(
     rules: tuple[str, ...] = (),
     loss: float = 2.0,
     grad: float = 1.0,
+    baseline: float = 2.0,
 ) -> Decision:
-    """A decision whose evidence has loss and gradient baselines 2.0 and 1.0."""
+    """A decision whose evidence has loss and gradient baselines ``baseline`` and 1.0."""
     evidence = Evidence(
-        step=step, loss=loss, grad_norm=grad, loss_baseline=2.0, grad_norm_baseline=1.0
+        step=step, loss=loss, grad_norm=grad, loss_baseline=baseline, grad_norm_baseline=1.0
     )
     if kind is None:
         return Decision(
@@ -149,6 +150,19 @@ def test_an_extreme_loss_whose_update_the_guard_skipped_is_absorbed_whatever_its
         for s in range(800, 804)
     ]
     assert K.ROLLBACK in kinds(feed(policy, held))
+
+
+def test_a_loss_below_zero_is_back_within_the_margin_of_its_baselines_size() -> None:
+    """A Gaussian NLL's baseline is below zero: "back within baseline x 1.1" would ask the loss
+    to be 10 % *better* than its baseline before a skipped spike counts as absorbed."""
+    policy = make()
+    feed(policy, [dec(s, loss=-1.0, baseline=-1.0) for s in range(401, 800)])
+    skipped = dec(800, T.EXTREME_LOSS, onset=800, loss=5.0, grad=5e3, baseline=-1.0)
+    skipped = skipped.model_copy(update={"signals": {"update_skipped": 1}})
+    back = [dec(s, loss=-0.95, baseline=-1.0) for s in range(801, 1100)]
+    out = feed(policy, [skipped] + back)
+    assert not set(kinds(out)) & CHANGES, [a.reason for a in out]
+    assert any(a.reason.startswith("[absorbed]") for a in out)
 
 
 def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_loss_settles() -> (
