@@ -6,7 +6,7 @@ same code, same thresholds, so a backtest says what the live run would do.
 Plain Python, no numpy or torch: it runs in the trainer on every step.
 
 Everything happens on ``y = log(x)``, so the thresholds are scale-free
-(:func:`position` gives ``y``). A loss that goes below zero (a Poisson or
+(:func:`position` gives ``y``; an exact zero has none and is passed over). A loss that goes below zero (a Poisson or
 Gaussian NLL, an ELBO) has no natural zero, so no ratio means anything for it:
 its first negative value starts a **signed** model (:attr:`OutlierModel.signed`)
 on ``y = x`` itself, judged by its tail alone (no floor in log units), and only
@@ -294,7 +294,8 @@ class Judged(NamedTuple):
         return self.residual / self.threshold if self.judged and self.threshold > 0.0 else 0.0
 
 
-_NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
+#: what a point that is not judged gets (also a zero, which has no log: see position)
+NOT_JUDGED = Judged(False, False, 0.0, math.nan, math.nan)
 _MIN_LEVEL = 10  # accepted points before a level exists (also after a restart)
 _MIN_HELD = 3  # points since an LR jump before their median says the loss is held up
 
@@ -408,7 +409,7 @@ class OutlierModel:
     def judge(self, y: float, lr: float | None = None) -> Judged:
         """Judge ``y`` (a finite :func:`position`) against what came before; changes nothing."""
         if len(self.level) < _MIN_LEVEL:
-            return _NOT_JUDGED
+            return NOT_JUDGED
         level = self.current_level()
         residual = y - level
         threshold = self.threshold()
@@ -429,8 +430,9 @@ class OutlierModel:
             )
         return Judged(True, residual > threshold, residual, threshold, level)
 
-    def advance(self, y: float, judged: Judged, lr: float | None = None) -> None:
-        """Take the judged point in: its residual into the tail, and into the level unless elevated."""
+    def advance(self, y: float | None, judged: Judged, lr: float | None = None) -> None:
+        """Take the judged point in: its residual into the tail, and into the level unless elevated.
+        ``y`` None (a zero, which has no log): only the step's learning rate is taken in."""
         if self._lr_jumped(lr):
             self.excused = self.config.lr_grace
             beyond = self._beyond(lr, self.lr_peak)  # type: ignore[arg-type]  # a jump has an lr
@@ -442,7 +444,7 @@ class OutlierModel:
             self.since_jump.clear()
         elif self.excused:
             self.excused -= 1
-            if self.jump_level is not None:
+            if self.jump_level is not None and y is not None:
                 self.since_jump.update(y)
             if not self.excused:
                 self.jump_peak = self.jump_level = None
@@ -451,6 +453,8 @@ class OutlierModel:
             self.lr_recent.update(lr)
             if self.lr_peak is not None and lr > self.lr_peak:
                 self.lr_peak = lr
+        if y is None:
+            return
         if judged.level == judged.level:
             self.tail.update(judged.residual)
         if judged.elevated:
@@ -502,9 +506,16 @@ def log_of(x: float, floor: float = 1e-12) -> float:
     return math.log(x if x > floor else floor)
 
 
-def position(x: float, signed: bool, floor: float = 1e-12) -> float:
-    """Where a finite value is judged: its log (:func:`log_of`), or itself once ``signed``."""
-    return x if signed else log_of(x, floor)
+def position(x: float, signed: bool, floor: float = 1e-12) -> float | None:
+    """Where a finite value is judged: its log (:func:`log_of`), or itself once ``signed``.
+
+    None for an exact zero of a positive signal: a hinge or triplet loss is zero on most
+    batches once learnt, and so is its gradient; log 0 has no place on the scale, and through
+    the floor each nonzero batch after it would read as a jump of ~25 log units. A zero says
+    only that the batch taught nothing: it is neither judged nor learnt."""
+    if signed:
+        return x
+    return None if x == 0.0 else log_of(x, floor)
 
 
 def turns_signed(x: float, signed: bool) -> bool:

@@ -22,10 +22,10 @@ import math
 from typing import Any, Iterable, NamedTuple
 
 from spikeguard.processors.outlier_model import (
+    NOT_JUDGED,
     Judged,
     OutlierConfig,
     grad_norm_config,
-    log_of,
     loss_config,
     position,
     turns_signed,
@@ -49,10 +49,11 @@ class StepJudged(NamedTuple):
     """A step judged and not yet learned (``SkipRule.judge``, then ``SkipRule.learn``)."""
 
     decision: SkipDecision
-    #: the loss's position (its log, or itself once the loss has gone below zero)
-    log_loss: float = 0.0
+    #: the loss's position (its log, or itself once the loss has gone below zero; None: a zero,
+    #: which has no log, so only its learning rate is learnt)
+    log_loss: float | None = 0.0
     loss_judged: Judged | None = None  # None: the loss was non-finite (nothing to learn)
-    log_grad: float = 0.0
+    log_grad: float | None = 0.0
     grad_judged: Judged | None = None
     lr: float | None = None
     #: the loss is the run's first below zero: its model starts over, signed
@@ -105,10 +106,13 @@ class SkipRule:
         starts = turns_signed(loss, self._loss.signed)
         y = position(loss, self._loss.signed or starts)
         # A fresh signed model judges the first negative loss (it warms up); learn() keeps one.
-        loss_judged = (self.loss.model(signed=True) if starts else self._loss).judge(y, lr)
-        grad_ok = grad_norm is not None and math.isfinite(grad_norm)
-        g = log_of(grad_norm) if grad_ok else 0.0  # type: ignore[arg-type]
-        grad_judged: Judged | None = self._grad.judge(g, lr) if grad_ok else None
+        model = self.loss.model(signed=True) if starts else self._loss
+        loss_judged = NOT_JUDGED if y is None else model.judge(y, lr)
+        g = None
+        grad_judged: Judged | None = None
+        if grad_norm is not None and math.isfinite(grad_norm):
+            g = position(grad_norm, False)
+            grad_judged = NOT_JUDGED if g is None else self._grad.judge(g, lr)
         loss_hit = loss_judged.elevated
         grad_hit = grad_judged is not None and grad_judged.elevated
         skip = (loss_hit or grad_hit) and self.run + 1 <= self.max_run

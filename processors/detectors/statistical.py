@@ -43,9 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from spikeguard.processors.detectors import level as lv
 from spikeguard.processors.outlier_model import Judged as Point
 from spikeguard.processors.outlier_model import (
+    NOT_JUDGED,
     OutlierConfig,
     grad_norm_config,
-    log_of,
     loss_config,
     position,
     turns_signed,
@@ -351,11 +351,11 @@ def _lr_induced_rise(level: lv.LevelJudged | None, grad: Point | None) -> tuple[
 class Judgement(NamedTuple):
     """One step's judgements, computed once for ``score`` and ``track``."""
 
-    #: the loss's position (its log, or itself once signed), log(grad norm) (None when not
-    #: watched or absent)
-    logs: tuple[float, float | None]
-    #: the loss's swing test (oscillation)
-    loss_swings: Judged
+    #: the loss's position (its log, or itself once signed), log(grad norm) (None: a zero, or
+    #: the gradient norm not watched or absent)
+    logs: tuple[float | None, float | None]
+    #: the loss's swing test (oscillation; None for a zero loss)
+    loss_swings: Judged | None
     #: the gradient norm's swing test (None without a gradient norm)
     grad_swings: Judged | None
     #: the loss's level test (None when not watched)
@@ -407,8 +407,9 @@ class StatisticalDetector(Detector[StatisticalState]):
             return None
         signed = state.level.model.signed
         starts = turns_signed(loss, signed)
+        # (None: a zero, which has no log; neither judged nor learnt, see position)
         y = position(loss, signed or starts, self._floor)
-        g = None if grad is None else log_of(grad, self._floor)
+        g = None if grad is None else position(grad, False, self._floor)
         # The run's first negative loss is judged by fresh signed monitors (they warm up);
         # track() keeps them. The signed flag lives in the level model, whose state is kept.
         swings, level = (
@@ -418,9 +419,9 @@ class StatisticalDetector(Detector[StatisticalState]):
         )
         return Judgement(
             (y, g),
-            swings.judge(y),
+            None if y is None else swings.judge(y),
             None if g is None else state.grad.judge(g),
-            level.judge(y, event.lr) if self._watch_level else None,
+            level.judge(y, event.lr) if self._watch_level and y is not None else None,
             None if g is None else state.grad_model.judge(g, event.lr),
             starts,
         )
@@ -505,7 +506,11 @@ class StatisticalDetector(Detector[StatisticalState]):
         # Swings that leave the loss where it was are noise growing (a warm-up's larger steps,
         # a loss nearing its floor), not an oscillation that hurts the run; unless the loss
         # alternates step to step, which growing noise does not.
-        loss_raised = level is None or level.raised
+        loss_raised = (
+            level.raised
+            if level is not None
+            else not self._watch_level and judgement.logs[0] is not None
+        )
         for signal, swings in (
             ("loss", judgement.loss_swings),
             ("grad_norm", judgement.grad_swings),
@@ -589,22 +594,26 @@ class StatisticalDetector(Detector[StatisticalState]):
         if judgement.turns_signed:
             state.loss, state.level = self.config.loss.monitor(), self.config.level.monitor(True)
         state.codes = (
-            state.loss.advance(judgement.loss_swings),
+            OK if judgement.loss_swings is None else state.loss.advance(judgement.loss_swings),
             OK if judgement.grad_swings is None else state.grad.advance(judgement.grad_swings),
         )
-        if judgement.level is not None:
+        if y is None:  # a zero loss: only the learning rate moves on
+            state.level.model.advance(None, NOT_JUDGED, event.lr)
+        elif judgement.level is not None:
             state.level.advance(y, judgement.level, event.lr)
         point = judgement.grad_point
         if point is not None and g is not None:
             state.grad_model.advance(g, point, event.lr)
             state.grad_up = state.grad_up + 1 if point.elevated else 0
+        elif self._watch_grad and event.grad_norm == 0.0:
+            state.grad_model.advance(None, NOT_JUDGED, event.lr)
 
     def learn(self, event: StepEvent, state: StatisticalState) -> None:
         judgement = state.judgement  # this step's, from track
         if judgement is None:
             return
         y, g = judgement.logs
-        if state.codes[0] in _LEARNABLE:
+        if y is not None and state.codes[0] in _LEARNABLE:
             state.loss.learn(y)
         if g is not None and state.codes[1] in _LEARNABLE:
             state.grad.learn(g)

@@ -285,6 +285,22 @@ def gaussian_nll(seed: int, steps: int) -> HealthyTask:
     return HealthyTask(model, optimizer, None, _loader(TensorDataset(x, y), 8, seed), loss)
 
 
+def multi_margin(seed: int, steps: int) -> HealthyTask:
+    """An MLP on well-separated classes with a multi-class hinge loss, batch 8, SGD: once learnt,
+    the loss (and the gradient) is exactly zero on ~95 % of the batches."""
+    g = torch.Generator().manual_seed(seed)
+    n = 8192
+    centres = 3.0 * torch.randn(4, 16, generator=g)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = centres[y] + torch.randn(n, 16, generator=g)
+    torch.manual_seed(seed)
+    model = _mlp(16, 32, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.MultiMarginLoss()
+    loader = _loader(TensorDataset(x, y), 8, seed)
+    return HealthyTask(model, optimizer, None, loader, lambda b: loss_fn(model(b[0]), b[1]))
+
+
 _SUBJECTS = (
     "the cat",
     "a dog",
@@ -428,6 +444,11 @@ KINDS: dict[str, HealthyKind] = {
             "MLP predicting mean and variance, Gaussian NLL, batch 8, Adam 3e-3: "
             "the loss falls from ~1 to well below zero",
             gaussian_nll,
+        ),
+        HealthyKind(
+            "hinge_b8",
+            "MLP, multi-class hinge loss, batch 8, SGD 0.01: the loss is zero on most batches",
+            multi_margin,
         ),
         HealthyKind(
             "char_lm",

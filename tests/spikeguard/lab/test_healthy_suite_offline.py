@@ -30,12 +30,13 @@ def test_a_healthy_kind_gets_no_false_action(kind):
 
 
 def test_the_suite_has_every_kind_of_healthy_run():
-    assert len(KINDS) == 15 and {
+    assert len(KINDS) == 16 and {
         "regression_b1",
         "regression_heavy_b1",  # Student-t targets: one batch in thousands x1000 its median
         "near_zero_cnn",  # the loss falls towards 1e-4, with hard batches x1000 that
         "poisson_b4",  # the loss falls through zero to about -20
         "gaussian_nll",  # the loss falls from ~1 to about -0.9
+        "hinge_b8",  # the loss (and the gradient) is exactly zero on ~95 % of the batches
         "classification_noisy_b1",
         "warm_restarts",
         "char_lm",
