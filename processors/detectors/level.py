@@ -377,8 +377,9 @@ class LevelMonitor:
         self._spread = math.nan  # EW mean of their absolute deviations from it
         self._elevated = 0  # elevated points in a row
 
-    def judge(self, y: float, lr: float | None = None) -> LevelJudged:
-        judged = self._judge(y, lr)
+    def judge(self, y: float, lr: float | None = None, skipped: bool = False) -> LevelJudged:
+        """Judge ``y``; ``skipped``: the trainer skipped this step's update itself."""
+        judged = self._judge(y, lr, skipped)
         residual = judged.point.residual
         if judged.point.level != judged.point.level:
             return judged
@@ -394,7 +395,7 @@ class LevelMonitor:
             recent=recent, spread=spread, raised=recent > self.raise_z * standard_error
         )
 
-    def _judge(self, y: float, lr: float | None) -> LevelJudged:
+    def _judge(self, y: float, lr: float | None, skipped: bool) -> LevelJudged:
         point = self.model.judge(y, lr)
         signed = self.model.signed
         if not point.judged:
@@ -405,9 +406,13 @@ class LevelMonitor:
             run = self._elevated + 1
             # One point says "divergence" only against noise the run has shown: twice its own
             # settled threshold (a young tail has not seen its hard batches yet; the patience
-            # judges a young spike). A signed loss has no ratio: its noise alone says.
+            # judges a young spike). A signed loss has no ratio: its noise alone says. Nor
+            # does one point whose update the trainer skipped: the weights never took it, and
+            # the next points say whether the loss stays up (a heavy-tailed run's hard batch
+            # does not; the policy's patience judges it as a spike).
             far = (
-                (signed or point.residual >= self.divergence_rise)
+                not skipped
+                and (signed or point.residual >= self.divergence_rise)
                 and point.score >= self.divergence_score
                 and self.model.settled
             )

@@ -421,7 +421,9 @@ class StatisticalDetector(Detector[StatisticalState]):
             (y, g),
             None if y is None else swings.judge(y),
             None if g is None else state.grad.judge(g),
-            level.judge(y, event.lr) if self._watch_level and y is not None else None,
+            level.judge(y, event.lr, event.update_skipped)
+            if self._watch_level and y is not None
+            else None,
             None if g is None else state.grad_model.judge(g, event.lr),
             starts,
         )

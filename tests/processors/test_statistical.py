@@ -155,6 +155,22 @@ def test_one_point_is_a_divergence_only_far_beyond_the_runs_own_noise(seed) -> N
     assert light[1000].type == AnomalyType.DIVERGENCE
 
 
+def test_one_point_whose_update_the_trainer_skipped_is_a_spike_not_yet_a_divergence() -> None:
+    """The weights never took that update: whether the loss stays up is for the next points (a
+    mixture density network's hard batch, x12 once while its loss was still positive, had its
+    LR cut). Held up, it is still an incident; not skipped, one point is a divergence."""
+    evs = events(scaled(healthy(1500, 3), 1000, [12.0]))
+    evs[1000] = evs[1000].model_copy(update={"update_skipped": True, "skip_reason": "outlier_step"})
+    verdicts = StatisticalDetector().update_many(evs)
+    assert verdicts[1000].type == AnomalyType.LOSS_SPIKE
+    assert not any(v.is_anomaly for v in verdicts[1001:])
+    held = events(scaled(healthy(1500, 3), 1000, [12.0] * 3))
+    held[1000] = held[1000].model_copy(
+        update={"update_skipped": True, "skip_reason": "outlier_step"}
+    )
+    assert [v.is_anomaly for v in StatisticalDetector().update_many(held)[1000:1003]] == [True] * 3
+
+
 def test_a_drop_is_not_an_anomaly() -> None:
     pairs = scaled(healthy(1500, 6), 1000, [0.3] * 3 + [0.5] * 497)
     assert flagged(judge(pairs)) == []
