@@ -38,6 +38,16 @@ def _num(x: float | None) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
+def _versus(loss: float | None, baseline: float | None) -> str:
+    """How far the loss is from its baseline: a ratio for a positive loss, a difference for one
+    that has gone below zero (no ratio of it means anything)."""
+    if loss is None or not baseline or not math.isfinite(loss):
+        return ""
+    if baseline > 0.0 and loss >= 0.0:
+        return f" ({loss / baseline:.1f}x)"
+    return f" ({loss - baseline:+.3g})"
+
+
 def _e(text: object) -> str:
     return html.escape(str(text))
 
@@ -118,14 +128,7 @@ def render(timeline: "Timeline", png_path: str | None = None) -> str:
             "<th>rules</th><th>critical</th><th>layers that moved first</th><th>samples</th></tr>"
         )
         for i in t.incidents:
-            ratio = ""
-            if i.loss is not None and i.baseline and math.isfinite(i.loss):
-                # A ratio means something only for a positive loss; a signed one gets its rise.
-                ratio = (
-                    f" ({i.loss / i.baseline:.1f}x)"
-                    if i.baseline > 0.0 and i.loss >= 0.0
-                    else f" ({i.loss - i.baseline:+.3g})"
-                )
+            ratio = _versus(i.loss, i.baseline)
             said = (
                 "<br>".join(
                     f"{_e(name)}: {'<b>anomaly</b>' if v['anomaly'] else 'normal'} "

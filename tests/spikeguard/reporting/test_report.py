@@ -255,3 +255,11 @@ def test_the_page_and_the_json_give_each_runs_goodput(recorded, tmp_path, capsys
         assert cell in page
     assert main(["report", "--data-dir", str(recorded)]) == 0
     assert f"goodput {g.ratio:.1%}: {g.steps_kept} steps kept" in capsys.readouterr().out
+
+
+def test_the_page_gives_a_ratio_only_for_a_positive_loss():
+    from spikeguard.reporting.page import _versus
+
+    assert _versus(6.0, 2.0) == " (3.0x)"
+    assert _versus(0.4, -0.9) == " (+1.3)"  # a Gaussian NLL: "-0.4x" would say nothing
+    assert _versus(None, 2.0) == _versus(float("nan"), 2.0) == _versus(1.0, None) == ""
