@@ -141,3 +141,27 @@ def test_a_loss_that_is_zero_on_most_batches_is_left_alone_and_its_spike_found(s
             found.append(step)
     assert [s for s in skipped if s < 4000] == [] and 4000 in skipped
     assert [s for s in found if s < 4000] == [] and 4000 in found
+
+
+def test_a_signed_run_resumes_from_its_saved_state_as_if_never_stopped() -> None:
+    """The signed flag and the power-law tail live in the saved state: a worker or a Guard that
+    restarts mid-run judges the rest of it exactly as the one that never stopped."""
+    losses = signed_run(4, -0.9, 0.25, 4.0)
+    losses[3000:3003] += 25.0
+    events = [
+        StepEvent(run_id="r", step=s, loss=float(x), grad_norm=1.0, time=0.0)
+        for s, x in enumerate(losses)
+    ]
+    whole, rule = StatisticalDetector(), SkipRule()
+    straight = [whole.update(e) for e in events]
+    skips = [rule.decide(float(x), 1.0) for x in losses]
+    first, head_rule = StatisticalDetector(), SkipRule()
+    for e in events[:2000]:
+        first.update(e)
+        head_rule.decide(e.loss, 1.0)
+    resumed, tail_rule = StatisticalDetector(), SkipRule()
+    resumed.load_state_dict(first.state_dict())
+    tail_rule.load_state_dict(head_rule.state_dict())
+    assert [resumed.update(e) for e in events[2000:]] == straight[2000:]
+    assert [tail_rule.decide(float(x), 1.0) for x in losses[2000:]] == skips[2000:]
+    assert any(v.is_anomaly for v in straight[3000:3003])
