@@ -6,12 +6,14 @@ same code, same thresholds, so a backtest says what the live run would do.
 Plain Python, no numpy or torch: it runs in the trainer on every step.
 
 Everything happens on ``y = log(x)``, so the thresholds are scale-free
-(:func:`position` gives ``y``; an exact zero has none and is passed over). A loss that goes below zero (a Poisson or
-Gaussian NLL, an ELBO) has no natural zero, so no ratio means anything for it:
-its first negative value starts a **signed** model (:attr:`OutlierModel.signed`)
-on ``y = x`` itself, judged by its tail alone (no floor in log units), and only
-once the tail has settled: with no ratio to fall back on, a young tail's guess
-is not enough. The consumers start it over at that step (:func:`turns_signed`).
+(:func:`position` gives ``y``; an exact zero has none and is passed over). A
+loss that goes below zero (a Poisson or Gaussian NLL, an ELBO) has no natural
+zero, so no ratio means anything for it: its first negative value starts a
+**signed** model (:attr:`OutlierModel.signed`) on ``y = x`` itself, judged by
+its tail alone (no floor in log units; a power-law tail allowed for, see
+:class:`TailThreshold`), and only once the tail has settled: with no ratio to
+fall back on, a young tail's guess is not enough. The consumers start it over
+at that step (:func:`turns_signed`).
 
 * **level** — the median of the last ``level_window`` *accepted* points. A
   point judged elevated is not accepted: a spike cannot raise its own baseline.
