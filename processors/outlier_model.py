@@ -521,9 +521,10 @@ def position(x: float, signed: bool, floor: float = 1e-12) -> float | None:
 
 
 def turns_signed(x: float, signed: bool) -> bool:
-    """Whether ``x`` starts a signed model: the first value below zero of a signal that had none
-    (a zero is still a loss's floor: only a negative value shows the loss has no natural zero)."""
-    return x < 0.0 and not signed
+    """Whether ``x`` starts a signed model: the first finite value below zero of a signal that had
+    none (a zero is still a loss's floor, and -inf a non-finite step: only a negative value shows
+    the loss has no natural zero)."""
+    return not signed and -math.inf < x < 0.0
 
 
 def loss_config() -> OutlierConfig:

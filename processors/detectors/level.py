@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
 from spikeguard.processors.robust_stats import RollingMedian
@@ -158,16 +158,19 @@ class RiseTest:
         # reaches back to (or before) it compares across the LR rise, and is not judged.
         self._since_excused = 1 << 30
 
-    def judge(self, y: float, explained: bool, min_rise: float | None = None) -> BlockJudged | None:
-        """The rise test, when ``y`` ends a block; else None. ``min_rise`` replaces the test's
-        own smallest rise (a signed loss's, which no ratio gives)."""
+    def judge(
+        self, y: float, explained: bool, min_rise: Callable[[], float | None] | None = None
+    ) -> BlockJudged | None:
+        """The rise test, when ``y`` ends a block; else None. ``min_rise``, asked at a block's
+        end, may replace the test's own smallest rise (a signed loss's, which no ratio gives)."""
         if len(self._current) + 1 < self.block:
             return None
         values = sorted(self._current + [y])
         n = len(values)
         median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
         best_score, best_rise, rising = 0.0, 0.0, False
-        floor = self.min_rise if min_rise is None else min_rise
+        given = None if min_rise is None else min_rise()
+        floor = self.min_rise if given is None else given
         for h, tail in zip(self.horizons, self._tails):
             if len(self._medians) < h or len(tail) < self.min_blocks:
                 continue
@@ -400,7 +403,7 @@ class LevelMonitor:
         signed = self.model.signed
         if not point.judged:
             code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
-            block = self.rises.judge(y, True, self._rise_floor()) if code == LevelCode.OK else None
+            block = self.rises.judge(y, True, self._rise_floor) if code == LevelCode.OK else None
             return LevelJudged(code, 0.0, point.residual, point, block)
         if point.elevated:
             run = self._elevated + 1
@@ -423,7 +426,7 @@ class LevelMonitor:
             else:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
-        block = self.rises.judge(y, False, self._rise_floor())
+        block = self.rises.judge(y, False, self._rise_floor)
         place = self._place(point)
         if place is not None:
             count = self.climb.judge(place)

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.detectors.base import Detector, validate_verdict
+from spikeguard.processors.outlier_model import turns_signed
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -325,7 +326,7 @@ class RulesDetector(Detector[RulesState]):
         lr, scale = event.lr, event.loss_scale
         cfg = self.config
         state.grad_up = state.grad_up + 1 if "grad_norm_ratio" in verdict.signals else 0
-        state.signed = state.signed or -math.inf < event.loss < 0.0
+        state.signed = state.signed or turns_signed(event.loss, state.signed)
         loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
         state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
         state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)

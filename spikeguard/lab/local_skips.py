@@ -16,7 +16,6 @@ skipped is absorbed once the loss is back).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
 
 from spikeguard.producers.config import GuardConfig
 from spikeguard.producers.skip_rule import SkipRule
@@ -73,9 +72,3 @@ class LocalSkips:
                 f"{n} {reason}" for reason, n in sorted(self.recorded.items())
             )
         return text
-
-
-def count_local_skips(events: Iterable[StepEvent], guard: GuardConfig | None = None) -> int:
-    """How many updates of ``events`` the Guard's rule would skip."""
-    skips = LocalSkips(guard)
-    return sum(skips.observe(e) for e in events)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from spikeguard.lab.local_skips import LocalSkips, count_local_skips, skip_rule_of
+from spikeguard.lab.local_skips import LocalSkips, skip_rule_of
 from spikeguard.producers.config import GuardConfig
 from spikeguard.schemas import StepEvent
 
@@ -16,8 +16,9 @@ def flat(run_id: str = "r", steps: int = 300) -> list[StepEvent]:
 def test_an_isolated_outlier_is_skipped_with_the_guards_settings():
     events = flat()
     events[200] = events[200].model_copy(update={"loss": 3.0})
-    assert count_local_skips(events) == 1
-    assert count_local_skips(events, GuardConfig(skip_outliers=False)) == 0
+    skips, off = LocalSkips(), LocalSkips(GuardConfig(skip_outliers=False))
+    assert [e.step for e in events if skips.observe(e)] == [200]
+    assert not any(off.observe(e) for e in events) and off.skipped == []
 
 
 def test_each_run_has_its_own_rule():
