@@ -41,3 +41,28 @@ def test_the_suite_has_every_kind_of_healthy_run():
         "warm_restarts",
         "char_lm",
     } <= set(KINDS)
+
+
+#: Seeds the rules for losses below zero or at zero were not developed on (the CSVs are seed 0;
+#: the hinge was also looked at with seed 1): the check the README names, trained afresh.
+HELD_OUT_SEEDS = [("poisson_b4", 1), ("gaussian_nll", 1), ("hinge_b8", 2)]
+
+
+@pytest.mark.parametrize("kind, seed", HELD_OUT_SEEDS)
+@pytest.mark.heavy
+def test_a_held_out_seed_of_a_signed_or_zero_kind_gets_no_false_action(kind, seed):
+    import torch
+
+    from spikeguard.lab.healthy_runs import record
+    from spikeguard.schemas import StepEvent
+
+    torch.set_num_threads(1)
+    events = [
+        StepEvent(run_id=kind, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr, time=0.0)
+        for r in record(kind, 5000, seed)
+    ]
+    found = pipeline_false_actions([events])
+    assert (found.stops, found.rollbacks, found.lr_cuts, found.skipped_batches) == (0, 0, 0, 0), (
+        found
+    )
+    assert found.local_skips <= 0.005 * found.steps, found
