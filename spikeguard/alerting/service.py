@@ -53,24 +53,24 @@ def start_monitoring(
     settings = runtime.settings
     if not (settings.metrics_port is not None or alerting_configured(settings)):
         return
-    serving = serve_http and settings.metrics_port is not None
+    bus = runtime.connected_bus()
     metrics = metrics or default_metrics()
-    if serving:
+    if serve_http and settings.metrics_port is not None:
         from spikeguard.metrics_http import serve
 
         server = serve(
             settings.metrics_port,
             metrics.registry,
-            bus=runtime.bus,  # type: ignore[arg-type]
+            bus=bus,
             group_prefix=runtime.topics.prefix,
         )
         runtime.closers.append(server.close)
     worker, notifier = build_monitor(
-        runtime.bus,
+        bus,
         settings,
         runtime.topics,
         metrics,
-        snapshots=runtime.bus.engine != "embedded" or settings.data_dir is not None,
+        snapshots=bus.engine != "embedded" or settings.data_dir is not None,
         snapshot_interval_s=settings.snapshot_interval_s,
         poll_timeout_s=0.05,
     )

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Ty
 from spikeguard.errors import DeliveryError
 from spikeguard.schemas.codec import decode, encode
 
-M = TypeVar("M")
-
 if TYPE_CHECKING:
     from pydantic import BaseModel
+
+M = TypeVar("M", bound="BaseModel")
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -98,6 +98,7 @@ class Record:
         """
         found = self.cached(model)
         if found is None:
+            # A null value (a tombstone) is refused by decode with a SchemaError that says so.
             found = self.cache[model] = decode(self.value, model)  # type: ignore[arg-type]
         return found
 

@@ -23,7 +23,7 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from pydantic import BaseModel
 
@@ -65,6 +65,12 @@ class _Group:
         self.generation = 0
 
 
+class PipelineLink(Protocol):
+    """Where a trainer's step fields go instead of its bus (spikeguard/runtime/child.py)."""
+
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool: ...
+
+
 class EmbeddedBus(Bus):
     """In-process topics.
 
@@ -92,7 +98,7 @@ class EmbeddedBus(Bus):
     ) -> None:
         # Set by a child-process pipeline (spikeguard/runtime/child.py): where the trainer's
         # step fields go instead of this bus.
-        self.pipeline_link = None
+        self.pipeline_link: PipelineLink | None = None
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if keep_consumed is not None and keep_consumed < 0:
@@ -243,7 +249,7 @@ class EmbeddedBus(Bus):
             log.trim(floor - keep)
 
     # -- clients --------------------------------------------------------------
-    def producer(self) -> Producer:
+    def producer(self) -> EmbeddedProducer:
         return EmbeddedProducer(self) if self.pipeline_link is None else _LinkedProducer(self)
 
     def consumer(
@@ -407,10 +413,11 @@ class EmbeddedProducer(Producer):
 class _LinkedProducer(EmbeddedProducer):
     """A producer on the trainer's bus when the pipeline runs in a child process."""
 
-    def ship_fields(self, topic: str, batch: list[dict], signing_key: object) -> bool:
+    def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool:
         """Hand the fields of step events to the pipeline as they are; False if it cannot take them.
 
         The background publisher asks this first: the trainer's process then
         neither builds, signs nor encodes its steps (spikeguard/runtime/child.py).
         """
-        return self._bus.pipeline_link.ship_fields(topic, batch, signing_key)  # type: ignore[union-attr]
+        link = self._bus.pipeline_link
+        return link is not None and link.ship_fields(topic, batch, signing_key)

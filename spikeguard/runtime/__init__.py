@@ -51,7 +51,7 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
 
             start_monitoring(runtime, metrics)
         if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default
-            _record_settings(settings)
+            _record_settings(settings, settings.data_dir)
         return runtime
     bus = make_bus(settings)
     topics = Topics(settings.topic_prefix)
@@ -101,7 +101,7 @@ def _open_with_child(settings: Settings, metrics: Metrics | None) -> Runtime | N
     try:
         runtime.child = ChildPipeline(runtime)
     except BusError as exc:
-        runtime.bus.close()  # type: ignore[union-attr]
+        runtime.connected_bus().close()
         log.info("spikeguard: the embedded pipeline runs as threads of this process: %s", exc)
         return None
     runtime.closers.append(runtime.child.close)
@@ -112,23 +112,23 @@ def _open_with_child(settings: Settings, metrics: Metrics | None) -> Runtime | N
 
         local = [
             (metrics or default_metrics()).registry,
-            LagCollector.for_bus(runtime.bus, runtime.topics.prefix),
+            LagCollector.for_bus(runtime.connected_bus(), runtime.topics.prefix),
         ]
         server = serve(settings.metrics_port, combined_registry(local, runtime.child.metrics))
         runtime.closers.insert(0, server.close)  # before the child goes: a scrape still finds it
     return runtime
 
 
-def _record_settings(settings: Settings) -> None:
+def _record_settings(settings: Settings, data_dir: str) -> None:
     from spikeguard.producers.io_faults import describe
     from spikeguard.reporting.recorded_settings import save
 
     try:
-        save(settings, settings.data_dir)
+        save(settings, data_dir)
     except OSError as exc:  # a convenience for later replays, never a reason not to train
         log.warning(
             "spikeguard: could not record the judging settings in %s: %s; training goes "
             "on (a replay of this recording needs the settings given again)",
-            settings.data_dir,
+            data_dir,
             describe(exc),
         )

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from spikeguard.bus import Bus, EmbeddedBus
+from spikeguard.errors import BusError
 from spikeguard.pipeline_watch import PipelineWatch
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings
@@ -43,6 +44,11 @@ def make_bus(settings: Settings) -> Bus:
             session_timeout_ms=int(settings.session_timeout_s * 1000),
             heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )
+    return embedded_bus(settings)
+
+
+def embedded_bus(settings: Settings) -> EmbeddedBus:
+    """The in-process bus ``settings`` ask for (``bootstrap_servers`` aside)."""
     return EmbeddedBus(
         partitions=settings.partitions,
         data_dir=settings.data_dir,
@@ -66,6 +72,12 @@ class Runtime:
     watch: PipelineWatch | None = None
     #: The pipeline's child process (``worker.embedded_process``): its ``problem`` says if it died.
     child: object | None = None
+
+    def connected_bus(self) -> Bus:
+        """The bus; a :class:`~spikeguard.errors.BusError` saying why if there is none."""
+        if self.bus is None:
+            raise BusError(f"no bus: {self.problem or 'the runtime has none'}")
+        return self.bus
 
     def close(self) -> None:
         """Stop the component threads (they save their state) and close the bus."""

@@ -49,9 +49,10 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from spikeguard.bus.base import Bus, Record
+from spikeguard.bus.base import Record
+from spikeguard.bus.embedded import EmbeddedBus
 from spikeguard.errors import BusError
-from spikeguard.runtime.base import Runtime, make_bus
+from spikeguard.runtime.base import Runtime, embedded_bus
 from spikeguard.runtime.threads import start_workers
 from spikeguard.schemas import StepEvent, Topics, encode, sign_step
 
@@ -162,7 +163,7 @@ class Forwarder:
 
     def __init__(
         self,
-        bus: Bus,
+        bus: EmbeddedBus,
         topics: list[str],
         group: str,
         link: Link,
@@ -227,7 +228,7 @@ class Forwarder:
 
 
 def receive(
-    bus: Bus,
+    bus: EmbeddedBus,
     conn: Connection,
     signing_key: Any = None,
     dlq: str = "",
@@ -251,7 +252,7 @@ def receive(
                     on_metrics(message[1])
                 continue
             producer.publish_records(
-                [  # type: ignore[attr-defined]
+                [
                     (topic, key, value, headers, None)
                     if fields is None
                     else _built(topic, key, fields, signing_key, dlq)
@@ -302,6 +303,8 @@ class ChildPipeline:
 
     def __init__(self, runtime: Runtime) -> None:
         bus, topics, settings = runtime.bus, runtime.topics, runtime.settings
+        if not isinstance(bus, EmbeddedBus):
+            raise TypeError(f"a child pipeline bridges an embedded bus, not {type(bus).__name__}")
         self.topics = topics
         self.signing_key = settings.keys()
         self._own_key_seen: Any = None  # a key object found equal to signing_key
@@ -362,7 +365,7 @@ class ChildPipeline:
         )
         self.receiver.start()
         self._bus = bus
-        bus.pipeline_link = self  # type: ignore[attr-defined]  # the publisher's way down
+        bus.pipeline_link = self  # the publisher's way down
 
     def ship_fields(self, topic: str, batch: list[dict], signing_key: Any) -> bool:
         """Take these step fields as they are (:class:`PendingStep`); False if this pipeline cannot.
@@ -396,7 +399,7 @@ class ChildPipeline:
             return True
         return False
 
-    def _receive(self, bus: Bus) -> None:
+    def _receive(self, bus: EmbeddedBus) -> None:
         receive(bus, self._up, on_metrics=self._metrics_arrived)
         if not self._closing:
             self._lost("its pipe closed")
@@ -489,7 +492,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
         os, "nice"
     ):  # the trainer first on busy cores
         os.nice(settings.worker.embedded_process_nice)
-    bus = make_bus(settings)
+    bus = embedded_bus(settings)
     topics = Topics(settings.topic_prefix)
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())

@@ -21,13 +21,14 @@ def start_workers(
     runtime: Runtime, names: tuple[str, ...] = COMPONENTS, metrics: Metrics | None = None
 ) -> None:
     """Run these components as daemon threads on the runtime's bus."""
+    bus = runtime.connected_bus()
     for name in names:
         worker = Worker(
-            runtime.bus,
+            bus,
             build_stage(name, runtime.settings, runtime.topics),
             metrics=metrics,
             # In memory, a snapshot has nowhere to survive a crash: skip it.
-            snapshots=runtime.bus.engine != "embedded" or runtime.settings.data_dir is not None,
+            snapshots=bus.engine != "embedded" or runtime.settings.data_dir is not None,
             snapshot_interval_s=runtime.settings.snapshot_interval_s,
             poll_timeout_s=0.05,
             run_idle_ttl_s=runtime.settings.worker.run_idle_ttl_s,
