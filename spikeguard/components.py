@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING
 from spikeguard.schemas import Topics
 
 if TYPE_CHECKING:
-    from spikeguard.streaming.stage import Stage
+    from pydantic import SecretStr
+
+    from spikeguard.processors.detector_stage import DetectorStage
     from spikeguard.settings import Settings
+    from spikeguard.streaming.stage import Stage
 
 DETECTOR_NAMES = ("statistical", "rules", "ml", "predictor")
 COMPONENTS = (*DETECTOR_NAMES, "fusion", "actuator")
@@ -33,9 +36,7 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
         "max_epoch_gap": settings.worker.max_epoch_gap,
     }
     if name in DETECTOR_NAMES:
-        stage = _detector_stage(name, settings, topics)
-        stage.max_step_gap, stage.max_epoch_gap = gaps["max_step_gap"], gaps["max_epoch_gap"]
-        return stage
+        return detector_stage(name, settings, topics)
     if name == "fusion":
         # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
         # The key authenticates the verdicts it decides on and the run events whose settings it
@@ -44,14 +45,14 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
             topics,
             lambda run_id, config=None: Fusion(config or settings.fusion, run_id=run_id),
             defaults=settings.fusion,
-            signing_key=settings.keys(),
+            signing_key=_stage_key(settings),
             clock=RunClock(**gaps),
         )
     if name == "actuator":
         return ActuatorStage(
             topics,
             lambda run_id, config=None: RecoveryPolicy(config or settings.policy, run_id=run_id),
-            signing_key=settings.keys(),
+            signing_key=_stage_key(settings),
             defaults=settings.policy,
             clock=RunClock(**gaps),
             # A live pipeline (a key, or an explicit --insecure) tells each trainer it is judged;
@@ -63,21 +64,49 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
 
 
-def _detector_stage(name: str, settings: "Settings", topics: Topics) -> "Stage":
-    from spikeguard.processors.detectors import DETECTORS
+def detector_stage(name: str, settings: "Settings", topics: Topics) -> "DetectorStage":
+    """The stage of detector ``name`` (one of :data:`DETECTOR_NAMES`), its config from settings."""
+    stage = _bare_detector_stage(name, settings, topics)
+    stage.max_step_gap = settings.worker.max_step_gap
+    stage.max_epoch_gap = settings.worker.max_epoch_gap
+    return stage
+
+
+def _bare_detector_stage(name: str, settings: "Settings", topics: Topics) -> "DetectorStage":
     from spikeguard.processors.detector_stage import DetectorStage
+    from spikeguard.processors.detectors.base import Detector
+    from spikeguard.processors.detectors.ml import MLDetector
+    from spikeguard.processors.detectors.predictor import PredictorDetector
+    from spikeguard.processors.detectors.rules import RulesDetector
+    from spikeguard.processors.detectors.statistical import StatisticalDetector
 
     if name == "ml":  # the detector stage, plus releasing quiet runs' forests
         from spikeguard.processors.detectors.ml.stage import MLStage
 
         return MLStage(
             topics,
-            lambda run_id: DETECTORS["ml"](settings.ml),
+            lambda run_id: MLDetector(settings.ml),
             settings.ml.release_idle_s,
-            signing_key=settings.keys(),
+            signing_key=_stage_key(settings),
         )
-    detector_cls = DETECTORS[name]
-    config = getattr(settings, name)
-    return DetectorStage(
-        topics, name, lambda run_id: detector_cls(config), signing_key=settings.keys()
-    )
+
+    def detector(run_id: str) -> Detector:
+        if name == "statistical":
+            return StatisticalDetector(settings.statistical)
+        if name == "rules":
+            return RulesDetector(settings.rules)
+        return PredictorDetector(settings.predictor)
+
+    if name not in DETECTOR_NAMES:
+        raise ValueError(f"unknown detector {name!r}; known: {', '.join(DETECTOR_NAMES)}")
+    return DetectorStage(topics, name, detector, signing_key=_stage_key(settings))
+
+
+def _stage_key(settings: "Settings") -> "SecretStr | None":
+    """The key the stages authenticate and sign with: the shared key or a keyring of role keys.
+
+    The stages annotate it ``SecretStr``, but hand it only to ``authenticate``, ``sign`` and
+    ``Signer``, which take a :class:`~spikeguard.schemas.signing.Keyring` too (``SigningKey``):
+    their annotation (processors/, actuators/) is the one to widen, not the key.
+    """
+    return settings.keys()  # type: ignore[return-value]

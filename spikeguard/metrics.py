@@ -16,13 +16,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from spikeguard.schemas import Ack, Action, Decision, HealthLevel, StepEvent, StepVerdicts, Verdict
+from spikeguard.schemas.actions import SkipBatchesParams
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # A decision waits for every detector's watermark, an ack for the trainer's next
@@ -315,13 +319,13 @@ class Metrics:
             self.run_lr,
         )
         self._goodput: dict[str, GoodputTally] = {}
-        self._run_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
+        self._run_series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
         self._run_seen: dict[str, float] = {}
         self._next_sweep = 0.0
         self._lock = threading.Lock()
 
     # -- per-run series -------------------------------------------------------
-    def run_labels(self, metric, run_id: str, *labels: str):
+    def run_labels(self, metric: M, run_id: str, *labels: str) -> M:
         """``metric.labels(run_id, *labels)``, remembered so the run's end removes it."""
         with self._lock:
             self._run_series.setdefault(run_id, set()).add((metric, labels))
@@ -351,11 +355,11 @@ class Metrics:
             series = self._run_series.pop(run_id, set())
             self._run_seen.pop(run_id, None)
             self._goodput.pop(run_id, None)
-        for metric in self._per_run:
-            series.add((metric, ()))
+        for gauge in self._per_run:
+            series.add((gauge, ()))
         for metric, labels in series:
             try:
-                metric.remove(run_id, *labels)  # type: ignore[attr-defined]
+                metric.remove(run_id, *labels)
             except KeyError:
                 pass  # never set in this process
         self.runs_tracked.set(len(self._run_seen))
@@ -402,9 +406,9 @@ class GoodputTally:
 def skipped_batches(action: Action) -> int:
     """Batches a SKIP_BATCHES action skips (0 for any other kind)."""
     p = action.params
-    if action.kind.value != "skip_batches":
+    if not isinstance(p, SkipBatchesParams):  # an Action's params always match its kind
         return 0
-    return max(0, int(p.to_step) - int(p.from_step) + 1) + int(p.extra)  # type: ignore[attr-defined]
+    return max(0, p.to_step - p.from_step + 1) + p.extra
 
 
 _default: Metrics | None = None

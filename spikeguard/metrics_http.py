@@ -19,6 +19,7 @@ from spikeguard.metrics import default_metrics
 
 if TYPE_CHECKING:
     from spikeguard.bus import Bus
+    from kafka import KafkaAdminClient, KafkaConsumer
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class KafkaLag:
     def __init__(self, bus: "Bus", group_prefix: str = "") -> None:
         self.config = bus._config()  # type: ignore[attr-defined]  # connection and credentials
         self.group_prefix = group_prefix
-        self._admin = self._reader = None
+        self._admin: KafkaAdminClient | None = None
+        self._reader: KafkaConsumer | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> dict[tuple[str, str, int], int]:
@@ -63,20 +65,22 @@ class KafkaLag:
 
         with self._lock:  # two concurrent scrapes share the clients one at a time
             try:
-                if self._admin is None:
+                if self._admin is None or self._reader is None:
                     self._admin = KafkaAdminClient(**self.config)
                     self._reader = KafkaConsumer(
                         **self.config, group_id=None, enable_auto_commit=False
                     )
-                return self._read()
+                return self._read(self._admin, self._reader)
             except Exception:
                 self.close()
                 raise
 
-    def _read(self) -> dict[tuple[str, str, int], int]:
-        committed = _committed_offsets(self._admin, self.group_prefix)
+    def _read(
+        self, admin: "KafkaAdminClient", reader: "KafkaConsumer"
+    ) -> dict[tuple[str, str, int], int]:
+        committed = _committed_offsets(admin, self.group_prefix)
         partitions = list({tp for offsets in committed.values() for tp in offsets})
-        ends = self._reader.end_offsets(partitions) if partitions else {}  # type: ignore[union-attr]
+        ends = reader.end_offsets(partitions) if partitions else {}
         found: dict[tuple[str, str, int], int] = {}
         for group_id, offsets in committed.items():
             for tp, meta in offsets.items():

@@ -32,7 +32,10 @@ from spikeguard.actuators.policy import PolicyConfig
 from spikeguard.alerting.config import AlertingConfig
 from spikeguard.errors import ConfigError
 from spikeguard.schemas.signing import Keyring, Role
-from spikeguard.processors.detectors import CONFIGS
+from spikeguard.processors.detectors.ml import MLConfig
+from spikeguard.processors.detectors.predictor import PredictorConfig
+from spikeguard.processors.detectors.rules import RulesConfig
+from spikeguard.processors.detectors.statistical import StatisticalConfig
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.producers.config import GuardConfig
 from spikeguard.streaming.config import WorkerConfig
@@ -54,12 +57,6 @@ __all__ = [
     "origin_of",
     "parse_assignments",
 ]
-StatisticalConfig, RulesConfig, MLConfig, PredictorConfig = (
-    CONFIGS["statistical"],
-    CONFIGS["rules"],
-    CONFIGS["ml"],
-    CONFIGS["predictor"],
-)
 
 
 class Settings(BaseModel):
@@ -170,10 +167,10 @@ class Settings(BaseModel):
         2.0, gt=0, description="how often a worker snapshots its state and commits offsets"
     )
 
-    statistical: StatisticalConfig = Field(default_factory=StatisticalConfig)  # type: ignore[valid-type]
-    rules: RulesConfig = Field(default_factory=RulesConfig)  # type: ignore[valid-type]
-    ml: MLConfig = Field(default_factory=MLConfig)  # type: ignore[valid-type]
-    predictor: PredictorConfig = Field(default_factory=PredictorConfig)  # type: ignore[valid-type]
+    statistical: StatisticalConfig = Field(default_factory=StatisticalConfig)
+    rules: RulesConfig = Field(default_factory=RulesConfig)
+    ml: MLConfig = Field(default_factory=MLConfig)
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     fusion: FusionConfig = Field(default_factory=FusionConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)

@@ -15,6 +15,7 @@ refused nor mistaken for settings; a new one must be added there.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -151,7 +152,7 @@ def settings_from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[st
     return found
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The mapping in a TOML (or, with pyyaml installed, YAML) settings file."""
     path = Path(path)
     where = f"config file {path}"

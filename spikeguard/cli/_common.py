@@ -46,7 +46,7 @@ def settings_and_origins_from(
     # Imported here: building the parser must not import every detector (and torch).
     from spikeguard.settings import load_settings_with_origins, parse_assignments
 
-    overrides: dict[str, object] = parse_assignments(getattr(args, "set", None))
+    overrides: dict[str, object] = {**parse_assignments(getattr(args, "set", None))}
     if getattr(args, "bootstrap_servers", None):
         overrides["bootstrap_servers"] = args.bootstrap_servers
     if getattr(args, "topic_prefix", None):

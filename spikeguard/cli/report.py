@@ -18,10 +18,14 @@ import json
 from collections import Counter, defaultdict
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.errors import SpikeguardError
 from spikeguard.schemas import DeadLetter, Topics, Urgency
+
+if TYPE_CHECKING:
+    from spikeguard.bus import Bus
 
 _URGENCY = {u: i for i, u in enumerate(Urgency)}
 
@@ -94,6 +98,7 @@ def _load(args: argparse.Namespace, topics: Topics, runs: set[str] | None):
 
     if args.jsonl:
         return load_jsonl(args.jsonl, runs), []
+    bus: Bus
     if args.data_dir:
         from spikeguard.bus import EmbeddedBus
 

@@ -51,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
         StepEvent,
         Topics,
         action_id,
-        decode,
         encode,
     )
     from spikeguard.schemas.signing import sign_action
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             ):  # another run: skip the parse
                 continue
             try:
-                event = decode(record.value, StepEvent)
+                event = record.decoded(StepEvent)
             except Exception:  # noqa: BLE001 - not a step of this run: the DLQ is the workers' business
                 continue
             newer = newest is None or (event.epoch, event.step) > (newest.epoch, newest.step)
@@ -95,10 +94,9 @@ def run(args: argparse.Namespace) -> int:
             evidence=operator_evidence(newest),
             reason=args.reason,
         )
-        if (
-            settings.keys() is not None
-        ):  # an operator's stop is an action: the actuator's key signs it
-            stop = sign_action(stop, settings.keys())
+        key = settings.keys()
+        if key is not None:  # an operator's stop is an action: the actuator's key signs it
+            stop = sign_action(stop, key)
         producer = bus.producer()
         producer.publish(topics.actions, encode(stop), key=args.run_id)
         producer.flush()
@@ -111,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         while time.monotonic() < deadline:
             for record in bus.read_all(topics.acks):
                 try:
-                    ack = decode(record.value, Ack)
+                    ack = record.decoded(Ack)
                 except Exception:  # noqa: BLE001
                     continue
                 if ack.action_id == stop.action_id:

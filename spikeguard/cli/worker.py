@@ -21,9 +21,13 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.components import COMPONENTS, DETECTOR_NAMES
+
+if TYPE_CHECKING:
+    from spikeguard.streaming.stage import Stage
 
 COHOSTED = "detectors"  # the name of the four detectors co-hosted in one worker
 
@@ -65,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spikeguard.components import build_stage
+    from spikeguard.components import build_stage, detector_stage
     from spikeguard.metrics import default_metrics
     from spikeguard.streaming.worker import Worker
     from spikeguard.runtime import make_bus
@@ -93,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
     bus.create_topics(topics.compacted(), compacted=True)  # before the workers create their inputs
     bus.create_topics(topics.all())
 
-    def stage(name: str):  # type: ignore[no-untyped-def]
+    def stage(name: str) -> "Stage":
         if name == COHOSTED:
             from spikeguard.processors.cohosted_stage import CoHostedDetectors
 
-            return CoHostedDetectors([build_stage(n, settings, topics) for n in DETECTOR_NAMES])
+            return CoHostedDetectors([detector_stage(n, settings, topics) for n in DETECTOR_NAMES])
         return build_stage(name, settings, topics)
 
     workers = [
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             ) in workers:  # one component down: the process goes, its supervisor restarts it
                 worker.stop()
     bus.close()
-    failed = [w.failure_reason for w in workers if w.failure is not None]
+    failed = [reason for w in workers if (reason := w.failure_reason) is not None]
     if failed:
         # Non-zero, so that a restart-on-failure supervisor brings the worker back.
         print(f"spikeguard worker: cannot go on: {'; '.join(failed)}", file=sys.stderr, flush=True)

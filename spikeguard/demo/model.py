@@ -106,6 +106,14 @@ class Problem:
     eval_x: torch.Tensor
     eval_y: torch.Tensor
 
+    @property
+    def train(self) -> CharWindows:
+        """The training windows the loader reads (where the ``poison`` fault plants)."""
+        dataset = self.loader.dataset
+        if not isinstance(dataset, CharWindows):
+            raise TypeError(f"the demo's loader reads CharWindows, not {type(dataset).__name__}")
+        return dataset
+
 
 def build(seed: int, setup: DemoSetup) -> Problem:
     torch.manual_seed(seed)
@@ -170,7 +178,7 @@ def plant_poison(problem: Problem, data_seed: int, setup: DemoSetup) -> list[int
     Guard's data wrapper: producers/data.py), so the run meets them at that step."""
     from spikeguard.producers.data import epoch_seed
 
-    dataset = problem.loader.dataset
+    dataset = problem.train
     order = torch.randperm(
         len(dataset), generator=torch.Generator().manual_seed(epoch_seed(data_seed, 0))
     )
@@ -188,7 +196,7 @@ def inspect_setup():
     setup = DemoSetup()
     problem = build(0, setup)
     plant_poison(problem, 0, setup)
-    dataset = problem.loader.dataset
+    dataset = problem.train
 
     def per_sample_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

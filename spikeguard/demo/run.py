@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -158,7 +159,9 @@ def _unguarded(
     return outcome
 
 
-def _flaky(x: torch.Tensor, fault: str, step: int, setup: DemoSetup, struck: set) -> torch.Tensor:
+def _flaky(
+    x: torch.Tensor, fault: str, step: int, setup: DemoSetup, struck: set[int]
+) -> torch.Tensor:
     """The ``flaky`` fault: the device corrupts the first computation of each fault step, once."""
     if (
         fault != "flaky"
@@ -223,7 +226,8 @@ def _guarded(
         config=cfg,
         policy=policy,
     )
-    blown, struck = False, set()
+    blown = False
+    struck: set[int] = set()  # flaky fault steps already corrupted once
     try:
         data = guard.data(problem.loader, max_steps=setup.steps)
         while guard.step_count < setup.steps and not guard.should_stop:
@@ -234,7 +238,7 @@ def _guarded(
                 step, generation = guard.step_count, guard.generation
                 x = inject(fault, data.last_index, x, setup)
                 loss = _train_step(problem, _flaky(x, fault, step, setup, struck), y)
-                guard.step(loss, closure=lambda x=x, y=y: _recompute(problem, x, y))
+                guard.step(loss, closure=partial(_recompute, problem, x, y))
                 outcome.losses.append((step, generation, float(loss.detach())))
                 if progress:
                     progress(guard.step_count, setup.steps, float(loss.detach()))

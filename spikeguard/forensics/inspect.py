@@ -96,7 +96,19 @@ def inspect_incident(
             f"incident {incident.incident_id}: no sample ids were recorded for its window"
         )
     ranked = rank_samples(setup.model, items, setup.collate, setup.loss_fn)
-    report = {
+    top_rows = [
+        {
+            "sample_id": s.sample_id,
+            "step": s.step,
+            "loss": s.loss,
+            "grad_norm": s.grad_norm,
+            "loss_z": round(s.loss_z, 2),
+            "grad_z": round(s.grad_z, 2),
+            "score": round(s.score, 2),
+        }
+        for s in ranked[:top]
+    ]
+    report: dict[str, object] = {
         "run_id": incident.run_id,
         "incident_id": incident.incident_id,
         "onset_step": incident.onset_step,
@@ -104,20 +116,9 @@ def inspect_incident(
         "checkpoint_step": incident.checkpoint_step,
         "samples": len(items),
         "steps": [b["step"] for b in incident.batches],
-        "top": [
-            {
-                "sample_id": s.sample_id,
-                "step": s.step,
-                "loss": s.loss,
-                "grad_norm": s.grad_norm,
-                "loss_z": round(s.loss_z, 2),
-                "grad_z": round(s.grad_z, 2),
-                "score": round(s.score, 2),
-            }
-            for s in ranked[:top]
-        ],
+        "top": top_rows,
+        "skip_ids": [s.sample_id for s in ranked[:top] if round(s.score, 2) >= 6],
     }
-    report["skip_ids"] = [row["sample_id"] for row in report["top"] if row["score"] >= 6]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"inspect-{incident.run_id}-{incident.incident_id}"

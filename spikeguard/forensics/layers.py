@@ -99,8 +99,11 @@ def attribute(
             for e in base
             if e.top_grad_norms.get(layer, 0) > 0 and math.isfinite(e.top_grad_norms[layer])
         ]
-        center = statistics.median(logs) if logs else None
-        spread = max(MAD_FLOOR, robust_sigma(logs, center)) if logs else None
+        # The layer's usual log norm and its robust spread; None without a finite base norm.
+        fit: tuple[float, float] | None = None
+        if logs:
+            center = statistics.median(logs)
+            fit = center, max(MAD_FLOOR, robust_sigma(logs, center))
         first: StepEvent | None = None
         peak, peak_z, peak_norm = baseline, None, None
         for event in window:
@@ -108,7 +111,7 @@ def attribute(
             if share is None or share - baseline < min_rise:
                 continue
             norm = event.top_grad_norms[layer]
-            z = (math.log(norm) - center) / spread if center is not None and norm > 0 else None
+            z = (math.log(norm) - fit[0]) / fit[1] if fit is not None and norm > 0 else None
             if z is not None and z < min_z:
                 continue
             first = first or event
@@ -116,9 +119,7 @@ def attribute(
                 peak, peak_z, peak_norm = share, z, norm
         if first is None:
             continue
-        ratio = (
-            peak_norm / math.exp(center) if peak_norm is not None and center is not None else None
-        )
+        ratio = peak_norm / math.exp(fit[0]) if peak_norm is not None and fit is not None else None
         moves.append(
             LayerMove(layer, first.step, onset_step - first.step, baseline, peak, ratio, peak_z)
         )
