@@ -30,7 +30,7 @@ from spikeguard.bus.base import (
     as_key,
     undelivered,
 )
-from spikeguard.bus.kafka import KafkaBus, _Masked
+from spikeguard.bus.kafka import KafkaBus
 from spikeguard.errors import BusError, CommitRefused, ConfigError, DeliveryError
 
 try:
@@ -63,11 +63,16 @@ _GROUP_MOVED_ON = (
 
 log = logging.getLogger(__name__)
 
-# kafka-python consumer option names whose librdkafka name is not the dotted form.
-_RENAMED = {
+# kafka-python option names whose librdkafka name is not the dotted form (None: no counterpart).
+_RENAMED: dict[str, str | None] = {
     "fetch_max_wait_ms": "fetch.wait.max.ms",
     "max_poll_records": None,
     "request_timeout_ms": "socket.timeout.ms",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+    "ssl_cafile": "ssl.ca.location",
+    "ssl_certfile": "ssl.certificate.location",
+    "ssl_keyfile": "ssl.key.location",
 }
 
 
@@ -79,11 +84,9 @@ def librdkafka_options(options: dict[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for name, value in options.items():
-        if "." not in name:
-            name = _RENAMED.get(name, name.replace("_", "."))  # type: ignore[assignment]
-            if name is None:
-                continue  # no counterpart: poll(max_records) bounds each batch already
-        out[name] = value
+        theirs = name if "." in name else _RENAMED.get(name, name.replace("_", "."))
+        if theirs is not None:  # None: no counterpart (poll(max_records) bounds each batch)
+            out[theirs] = value
     return out
 
 
@@ -114,25 +117,10 @@ class ConfluentBus(KafkaBus):
 
     def _rdkafka_config(self) -> dict[str, Any]:
         """:meth:`KafkaBus._config` in librdkafka's names; the password stays masked in reprs."""
+        config = librdkafka_options(self._config())
         servers = self.bootstrap_servers
-        config: dict[str, Any] = {
-            "bootstrap.servers": servers if isinstance(servers, str) else ",".join(servers),
-            "client.id": self.client_id,
-            "security.protocol": self.security_protocol,
-            "logger": log,  # librdkafka's own log lines into logging, not raw stderr
-        }
-        if self.sasl_mechanism is not None:
-            config["sasl.mechanism"] = self.sasl_mechanism
-            config["sasl.username"] = self.sasl_username
-            if self.sasl_password is not None:
-                config["sasl.password"] = _Masked(self.sasl_password.get_secret_value())
-        for ours, theirs in (
-            ("ssl_cafile", "ssl.ca.location"),
-            ("ssl_certfile", "ssl.certificate.location"),
-            ("ssl_keyfile", "ssl.key.location"),
-        ):
-            if getattr(self, ours) is not None:
-                config[theirs] = getattr(self, ours)
+        config["bootstrap.servers"] = servers if isinstance(servers, str) else ",".join(servers)
+        config["logger"] = log  # librdkafka's own log lines into logging, not raw stderr
         return config
 
     def _build(self, what: str, factory: Any, *args: Any) -> Any:
@@ -168,16 +156,9 @@ class ConfluentBus(KafkaBus):
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
     ) -> Consumer:
-        membership: dict[str, Any] = {}
-        if self.session_timeout_ms is not None:
-            membership["session.timeout.ms"] = self.session_timeout_ms
-        if self.heartbeat_interval_ms is not None:
-            membership["heartbeat.interval.ms"] = self.heartbeat_interval_ms
-        if self.instance_id is not None:
-            membership["group.instance.id"] = self._static_member(group)
         config = {
             **self._rdkafka_config(),
-            **membership,
+            **librdkafka_options(self._membership(group)),
             # A snapshot record can be max_message_bytes; the fetch must hold it.
             "receive.message.max.bytes": max(100_000_000, self.max_message_bytes + 1_000_000),
             **librdkafka_options(self.consumer_options),

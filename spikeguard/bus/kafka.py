@@ -327,7 +327,11 @@ class KafkaBus(Bus):
         )
 
     def _config(self) -> dict[str, Any]:
-        """Connection and security settings shared by every client."""
+        """Connection and security settings shared by every client.
+
+        In kafka-python's names; the confluent client takes the same mapping in
+        librdkafka's (:func:`spikeguard.bus.confluent.librdkafka_options`).
+        """
         config: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers,
             "client_id": self.client_id,
@@ -343,6 +347,17 @@ class KafkaBus(Bus):
             if getattr(self, name) is not None:
                 config[name] = getattr(self, name)
         return config
+
+    def _membership(self, group: str) -> dict[str, Any]:
+        """How a consumer of ``group`` takes part in it (kafka-python's names, as :meth:`_config`)."""
+        membership: dict[str, Any] = {}
+        if self.session_timeout_ms is not None:
+            membership["session_timeout_ms"] = self.session_timeout_ms
+        if self.heartbeat_interval_ms is not None:
+            membership["heartbeat_interval_ms"] = self.heartbeat_interval_ms
+        if self.instance_id is not None:
+            membership["group_instance_id"] = self._static_member(group)
+        return membership
 
     def _connect(self, what: str, factory: Any, *args: Any) -> Any:
         try:
@@ -370,16 +385,9 @@ class KafkaBus(Bus):
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
     ) -> Consumer:
-        membership: dict[str, Any] = {}
-        if self.session_timeout_ms is not None:
-            membership["session_timeout_ms"] = self.session_timeout_ms
-        if self.heartbeat_interval_ms is not None:
-            membership["heartbeat_interval_ms"] = self.heartbeat_interval_ms
-        if self.instance_id is not None:
-            membership["group_instance_id"] = self._static_member(group)
         config = {
             **self._config(),
-            **membership,
+            **self._membership(group),
             **self.consumer_options,
             "group_id": group,
             "enable_auto_commit": False,
@@ -437,9 +445,11 @@ class KafkaBus(Bus):
         Numbered in the order the process opens them, which a restarted
         process repeats, so each member gets its old place back.
         """
+        if self.instance_id is None:
+            raise ValueError("static group membership needs the bus's instance_id")
         with self._members_lock:
             n = self._members[group] = self._members.get(group, 0) + 1
-        return self.instance_id if n == 1 else f"{self.instance_id}-{n}"  # type: ignore[return-value]
+        return self.instance_id if n == 1 else f"{self.instance_id}-{n}"
 
     def create_topics(self, topics: Iterable[str], *, compacted: bool = False) -> None:
         names = list(dict.fromkeys(topics))

@@ -68,6 +68,23 @@ def test_confluent_bus_keeps_secrets_out_of_its_repr_and_config() -> None:
     assert bus.engine == "kafka" and bus.client == "confluent"
 
 
+def test_confluent_clients_try_a_broker_that_went_away_again_within_a_second(monkeypatch) -> None:
+    # The same cap as kafka-python's clients (test_bus_conformance.py): librdkafka's own is 10 s.
+    import spikeguard.bus.confluent as confluent
+    from spikeguard.bus.kafka import RECONNECT_BACKOFF_MAX_MS
+
+    configs: list[dict] = []
+    monkeypatch.setattr(confluent, "ConfluentProducer", lambda config: configs.append(config))
+    monkeypatch.setattr(
+        confluent, "ConfluentConsumer", lambda config, *rest: configs.append(config)
+    )
+    bus = ConfluentBus("127.0.0.1:1", instance_id="w1", session_timeout_ms=6000)
+    bus.producer(), bus.consumer("g", ["t"])  # no network: the clients are not made
+    assert [c.get("reconnect.backoff.max.ms") for c in configs] == [RECONNECT_BACKOFF_MAX_MS] * 2
+    assert RECONNECT_BACKOFF_MAX_MS <= 1000
+    assert (configs[1]["group.instance.id"], configs[1]["session.timeout.ms"]) == ("w1", 6000)
+
+
 def test_confluent_options_take_kafka_python_or_librdkafka_names() -> None:
     from spikeguard.bus.confluent import librdkafka_options
 
