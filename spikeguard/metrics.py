@@ -439,14 +439,12 @@ def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None
     run_actions: dict[tuple[str, str], int] = {}
     plans: dict[tuple[str, str], list[str]] = {}  # (run_id, decision) -> kinds, as issued
     runs: set[str] = set()
-    if any(
-        type(event) is StepVerdicts for _, event in outputs
-    ):  # counted as the verdicts they carry
+    if any(type(event) is StepVerdicts for _, event in outputs):  # counted as their verdicts
         outputs = [
             (topic, verdict)
             for topic, event in outputs
-            for verdict in (event.verdicts if type(event) is StepVerdicts else (event,))
-        ]  # type: ignore[attr-defined]
+            for verdict in (event.verdicts if isinstance(event, StepVerdicts) else (event,))
+        ]
     for _, event in outputs:
         if isinstance(event, Verdict):
             key = (event.detector, event.is_anomaly)

@@ -18,7 +18,8 @@ from prometheus_client.core import GaugeMetricFamily
 from spikeguard.metrics import default_metrics
 
 if TYPE_CHECKING:
-    from spikeguard.bus import Bus
+    from spikeguard.bus import Bus, EmbeddedBus
+    from spikeguard.bus.kafka import KafkaBus
     from kafka import KafkaAdminClient, KafkaConsumer
 
 log = logging.getLogger(__name__)
@@ -26,24 +27,9 @@ log = logging.getLogger(__name__)
 LagReader = Callable[[], dict[tuple[str, str, int], int]]
 
 
-def embedded_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
+def embedded_lag(bus: "EmbeddedBus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
     """``(group, topic, partition) -> records not yet committed`` on the embedded bus."""
-    found: dict[tuple[str, str, int], int] = {}
-    with bus._cond:  # type: ignore[attr-defined]  # the bus's own lock: a consistent view
-        for group_name, group in bus._groups.items():  # type: ignore[attr-defined]
-            if not group_name.startswith(group_prefix):
-                continue
-            topics = {t for member in group.members.values() for t in member.topics}
-            topics |= {t for t, _ in group.committed}
-            for topic_name in topics:
-                topic = bus._topics.get(topic_name)  # type: ignore[attr-defined]
-                if topic is None:
-                    continue
-                for partition, records in enumerate(topic.logs):
-                    # Offsets are absolute (retention trims the front): lag is end - committed.
-                    done = group.committed.get((topic_name, partition), records.beginning)
-                    found[(group_name, topic_name, partition)] = max(0, records.end - done)
-    return found
+    return bus.consumer_lag(group_prefix)
 
 
 class KafkaLag:
@@ -53,8 +39,8 @@ class KafkaLag:
     not open connections each time) and reopened after an error.
     """
 
-    def __init__(self, bus: "Bus", group_prefix: str = "") -> None:
-        self.config = bus._config()  # type: ignore[attr-defined]  # connection and credentials
+    def __init__(self, bus: "KafkaBus", group_prefix: str = "") -> None:
+        self.config = bus._config()  # connection and credentials
         self.group_prefix = group_prefix
         self._admin: KafkaAdminClient | None = None
         self._reader: KafkaConsumer | None = None
@@ -99,7 +85,7 @@ class KafkaLag:
         self._admin = self._reader = None
 
 
-def kafka_lag(bus: "Bus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
+def kafka_lag(bus: "KafkaBus", group_prefix: str = "") -> dict[tuple[str, str, int], int]:
     """One-off :class:`KafkaLag` reading."""
     reader = KafkaLag(bus, group_prefix)
     try:
@@ -132,9 +118,15 @@ class LagCollector:
 
     @classmethod
     def for_bus(cls, bus: "Bus", group_prefix: str = "") -> "LagCollector":
-        if bus.engine == "kafka":
-            return cls(KafkaLag(bus, group_prefix))
-        return cls(lambda: embedded_lag(bus, group_prefix))
+        from spikeguard.bus import EmbeddedBus
+
+        if isinstance(bus, EmbeddedBus):
+            return cls(lambda: embedded_lag(bus, group_prefix))
+        from spikeguard.bus.kafka import KafkaBus
+
+        if not isinstance(bus, KafkaBus):
+            raise TypeError(f"no consumer lag for a {type(bus).__name__}")
+        return cls(KafkaLag(bus, group_prefix))
 
     def describe(self) -> list:
         return []  # no describe-time call to the bus when registered

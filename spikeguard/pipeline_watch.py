@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from spikeguard.bus import Bus
 from spikeguard.components import COMPONENTS, DETECTOR_NAMES
 from spikeguard.errors import BusError
 from spikeguard.schemas import Topics
+
+if TYPE_CHECKING:
+    from spikeguard.bus.kafka import KafkaBus  # kafka-python is imported with it
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ class PipelineWatch:
 
     def __init__(
         self,
-        bus: Bus,
+        bus: "KafkaBus",
         topics: Topics,
         where: str,
         *,
@@ -47,7 +50,7 @@ class PipelineWatch:
     def check(self) -> list[str] | None:
         """The components with no live worker (None if the broker did not say); logs changes."""
         try:
-            live = self.bus.active_groups([*self.groups, self.cohosted], self.timeout_s)  # type: ignore[attr-defined]
+            live = self.bus.active_groups([*self.groups, self.cohosted], self.timeout_s)
         except BusError as exc:
             if not self._failed:  # once per outage, not once per check
                 log.warning(

@@ -80,12 +80,10 @@ def closest_setting(model: type[BaseModel], dotted: str) -> str | None:
     """
     parts = dotted.split(".")
     head = ".".join(parts[:-1])
-    if (
-        len(parts) > 1
-        and unknown_part(model, head) is None
-        and _component_at(model, head) is not None
-    ):
-        fields = list(_component_at(model, head).model_fields)  # type: ignore[union-attr]
+    known = len(parts) > 1 and unknown_part(model, head) is None
+    component = _component_at(model, head) if known else None
+    if component is not None:
+        fields = list(component.model_fields)
         close = difflib.get_close_matches(parts[-1], fields, n=1, cutoff=0.7)
         return f"{head}.{close[0]}" if close else None
     close = difflib.get_close_matches(dotted, list(setting_names(model)), n=1, cutoff=0.8)

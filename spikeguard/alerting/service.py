@@ -25,16 +25,31 @@ if TYPE_CHECKING:
 
 
 def build_monitor(
-    bus: "Bus", settings: "Settings", topics: "Topics", metrics: Metrics, **worker_options: object
+    bus: "Bus",
+    settings: "Settings",
+    topics: "Topics",
+    metrics: Metrics,
+    *,
+    snapshots: bool = True,
+    snapshot_interval_s: float = 2.0,
+    poll_timeout_s: float = 0.2,
 ) -> tuple[Worker, Notifier]:
-    """The monitor's worker and its notifier (close both when done)."""
+    """The monitor's worker and its notifier (close both when done); the options are the
+    worker loop's (:class:`~spikeguard.streaming.worker.Worker`)."""
     notifier = Notifier.from_config(settings.alerting, metrics)
     stage = MonitorStage(topics, metrics, notifier)
     # The worker loop counts the records it reads (acks among them) in the
     # metrics it is given; the monitor re-reads what the pipeline already
     # counted, so those loop counters go to a registry nobody scrapes.
     loop_metrics = Metrics(CollectorRegistry())
-    worker = Worker(bus, stage, metrics=loop_metrics, **worker_options)  # type: ignore[arg-type]
+    worker = Worker(
+        bus,
+        stage,
+        metrics=loop_metrics,
+        snapshots=snapshots,
+        snapshot_interval_s=snapshot_interval_s,
+        poll_timeout_s=poll_timeout_s,
+    )
     return worker, notifier
 
 

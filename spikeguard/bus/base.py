@@ -176,6 +176,7 @@ class Producer(ABC):
         itself to its consumers, so they need not decode it again.
         """
         for topic, event in events:
+            # Every event this carries is a run's (BaseModel itself declares no run_id).
             self.publish(topic, encode(event), key=event.run_id)  # type: ignore[attr-defined]
 
     @abstractmethod

@@ -302,6 +302,25 @@ class EmbeddedBus(Bus):
     def lock(self) -> threading.RLock:
         return self._lock
 
+    def consumer_lag(self, group_prefix: str = "") -> dict[tuple[str, str, int], int]:
+        """``(group, topic, partition) -> records not yet committed``, for groups named so."""
+        found: dict[tuple[str, str, int], int] = {}
+        with self._cond:  # one consistent view
+            for group_name, group in self._groups.items():
+                if not group_name.startswith(group_prefix):
+                    continue
+                topics = {t for member in group.members.values() for t in member.topics}
+                topics |= {t for t, _ in group.committed}
+                for topic_name in topics:
+                    topic = self._topics.get(topic_name)
+                    if topic is None:
+                        continue
+                    for partition, records in enumerate(topic.logs):
+                        # Offsets are absolute (retention trims the front): end - committed.
+                        done = group.committed.get((topic_name, partition), records.beginning)
+                        found[(group_name, topic_name, partition)] = max(0, records.end - done)
+        return found
+
     def generation(self, group: str) -> int:
         return self._groups[group].generation
 
@@ -388,6 +407,7 @@ class EmbeddedProducer(Producer):
         # The event object travels as is (it is frozen); its bytes are made
         # only if somebody reads them (persistence, a DLQ letter, a test).
         self._bus._append(
+            # Every event this carries is a run's (BaseModel itself declares no run_id).
             (topic, _run_key(event.run_id), None, (), event)  # type: ignore[attr-defined]
             for topic, event in events
         )

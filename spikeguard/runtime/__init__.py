@@ -18,7 +18,7 @@ import sys
 from spikeguard.errors import BusError
 from spikeguard.metrics import Metrics
 from spikeguard.pipeline_watch import PipelineWatch
-from spikeguard.runtime.base import Runtime, make_bus
+from spikeguard.runtime.base import Runtime, kafka_bus, make_bus
 from spikeguard.runtime.threads import embedded_runtime, start_workers
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings, load_settings
@@ -53,12 +53,12 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default
             _record_settings(settings, settings.data_dir)
         return runtime
-    bus = make_bus(settings)
+    bus = kafka_bus(settings)
     topics = Topics(settings.topic_prefix)
     # Training must not wait on the network: a broker that does not answer
     # within connect_timeout_s leaves the trainer with its local protections.
     try:
-        bus.probe(settings.connect_timeout_s)  # type: ignore[attr-defined]
+        bus.probe(settings.connect_timeout_s)
         bus.create_topics(topics.compacted(), compacted=True)
         bus.create_topics(topics.all())
     except BusError as exc:

@@ -9,42 +9,50 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from spikeguard.bus import Bus, EmbeddedBus
-from spikeguard.errors import BusError
+from spikeguard.errors import BusError, ConfigError
 from spikeguard.pipeline_watch import PipelineWatch
 from spikeguard.schemas import Topics
 from spikeguard.settings import Settings
 from spikeguard.streaming.worker import Worker
 
+if TYPE_CHECKING:
+    from spikeguard.bus.kafka import KafkaBus
+
 
 def make_bus(settings: Settings) -> Bus:
-    if settings.bootstrap_servers:
-        from spikeguard.bus.kafka import KafkaBus  # kafka-python is only needed here
+    """The Kafka bus when ``bootstrap_servers`` is set, else the in-process one."""
+    return kafka_bus(settings) if settings.bootstrap_servers else embedded_bus(settings)
 
-        kind = KafkaBus
-        if settings.kafka_client == "confluent":
-            from spikeguard.bus.confluent import (
-                ConfluentBus,
-            )  # ConfigError naming the extra if missing
 
-            kind = ConfluentBus
-        return kind(
-            settings.bootstrap_servers,
-            client_id=settings.client_id,
-            security_protocol=settings.security_protocol,
-            sasl_mechanism=settings.sasl_mechanism,
-            sasl_username=settings.sasl_username,
-            sasl_password=settings.sasl_password,
-            ssl_cafile=settings.ssl_cafile,
-            ssl_certfile=settings.ssl_certfile,
-            ssl_keyfile=settings.ssl_keyfile,
-            partitions=settings.partitions,
-            instance_id=settings.instance_id,
-            session_timeout_ms=int(settings.session_timeout_s * 1000),
-            heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
-        )
-    return embedded_bus(settings)
+def kafka_bus(settings: Settings) -> "KafkaBus":
+    """The Kafka bus ``settings`` ask for, on the client they name (``kafka_client``)."""
+    from spikeguard.bus.kafka import KafkaBus  # kafka-python is only needed here
+
+    if not settings.bootstrap_servers:
+        raise ConfigError("a Kafka bus needs bootstrap_servers")
+    kind = KafkaBus
+    if settings.kafka_client == "confluent":
+        from spikeguard.bus.confluent import ConfluentBus  # ConfigError naming the extra if missing
+
+        kind = ConfluentBus
+    return kind(
+        settings.bootstrap_servers,
+        client_id=settings.client_id,
+        security_protocol=settings.security_protocol,
+        sasl_mechanism=settings.sasl_mechanism,
+        sasl_username=settings.sasl_username,
+        sasl_password=settings.sasl_password,
+        ssl_cafile=settings.ssl_cafile,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        partitions=settings.partitions,
+        instance_id=settings.instance_id,
+        session_timeout_ms=int(settings.session_timeout_s * 1000),
+        heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
+    )
 
 
 def embedded_bus(settings: Settings) -> EmbeddedBus:

@@ -107,19 +107,20 @@ class PendingStep(Record):
         *,
         signing_key: Any = None,
     ) -> None:
+        # Its cache is made here, so never None below (Record's may be, until first use).
         super().__init__(topic, partition, offset, key, None, headers, timestamp_ms, cache={})
         self.fields = event
         self.signing_key = signing_key
 
     def _step(self) -> StepEvent | None:
-        found = self._cache.get(StepEvent)  # type: ignore[union-attr]
+        found = self._cache.get(StepEvent)  # type: ignore[union-attr]  # made in __init__
         if found is None and self._value is None:
             try:
                 found = sign_step(StepEvent(**self.fields), self.signing_key)
             except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
                 self._value = json.dumps(self.fields, default=str).encode()
                 return None
-            self._cache[StepEvent] = found  # type: ignore[index]
+            self._cache[StepEvent] = found  # type: ignore[index]  # made in __init__
             self._value = encode(found)
         return found
 
@@ -131,7 +132,7 @@ class PendingStep(Record):
     @property
     def cache(self) -> dict:
         self._step()
-        return self._cache  # type: ignore[return-value]
+        return self._cache  # type: ignore[return-value]  # made in __init__
 
     @cache.setter
     def cache(self, cache: dict) -> None:
