@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import IO, Iterable, NamedTuple, Sequence
 
 from spikeguard.errors import SpikeguardError
+from spikeguard.lab.runfile import open_text
 
 KINDS = ("outlier_step", "spike", "slow_rise", "divergence", "non_finite")
 LABEL_COLUMNS = ("file", "start_step", "end_step", "kind", "points", "peak_ratio")
@@ -233,11 +234,11 @@ def read_labels(path: str | os.PathLike) -> dict[str, list[LabelledEvent]]:
 
 
 def read_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
-    """Steps and losses of a ``step,loss[,...]`` CSV (extra columns ignored)."""
+    """Steps and losses of a ``step,loss[,...]`` CSV, maybe gzipped (extra columns ignored)."""
     steps: list[int] = []
     losses: list[float] = []
     path = Path(path)
-    with path.open(encoding="utf-8", newline="") as handle:
+    with open_text(path) as handle:
         for row in csv.DictReader(handle):
             try:
                 steps.append(int(row["step"]))
@@ -248,13 +249,15 @@ def read_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
 
 
 def curve_files(folder: str | os.PathLike) -> list[Path]:
-    """The loss curves of ``folder``: its CSVs with a ``step`` and a ``loss`` column.
+    """The loss curves of ``folder``: its CSVs (``.csv`` or ``.csv.gz``) with a ``step`` and a
+    ``loss`` column.
 
     (Other CSVs there, such as a labels file or ``events_detected.csv``, are not curves.)
     """
     found = []
-    for path in sorted(Path(folder).glob("*.csv")):
-        with path.open(encoding="utf-8", newline="") as handle:
+    folder = Path(folder)
+    for path in sorted([*folder.glob("*.csv"), *folder.glob("*.csv.gz")]):
+        with open_text(path) as handle:
             header = [c.strip().lower() for c in next(csv.reader(handle), [])]
         if "step" in header and "loss" in header and "file" not in header:
             found.append(path)

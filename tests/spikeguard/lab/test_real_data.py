@@ -232,6 +232,8 @@ def test_every_data_source_carries_its_licence_and_sources():
         "real-spikes/bigscience_chronicles",
         "modded-nanogpt",
         "mlperf-bert",
+        "held-out/modded-nanogpt",
+        "held-out/mlperf-bert",
     ):
         assert (data / folder / "LICENSE").is_file() and (data / folder / "SOURCES.md").is_file(), (
             folder
@@ -249,6 +251,16 @@ def test_outside_a_clone_the_missing_data_folder_is_a_clear_error(tmp_path, monk
         healthy_kinds()
     assert main(["evaluate", "--healthy", "--systems", "naive"]) == 2
     assert "ship with the source repository" in capsys.readouterr().err
+
+
+def test_the_held_out_runs_are_read_gzipped_and_are_not_the_development_runs():
+    """data/held-out holds the rest of each public set, gzipped: no run in both halves."""
+    for name in ("mlperf-bert", "modded-nanogpt"):
+        held_out = load_healthy_set(REPOSITORY / "data" / "held-out" / name)
+        developed = load_healthy_set(REPOSITORY / "data" / name)
+        assert held_out and all(len(r.events) > 500 and r.labels is None for r in held_out)
+        assert not {r.name for r in held_out} & {r.name for r in developed}, name
+    assert len(load_healthy_set(REPOSITORY / "data" / "held-out" / "mlperf-bert")) == 15
 
 
 def test_evaluate_reads_the_repository_data_when_given_no_folder(capsys):
