@@ -35,7 +35,7 @@ and at most one **fault** family (:data:`FAULTS`), labelled where it is put:
 
 - ``spikes``: 1-4 single-point spikes of 1.3-50x, each after the one before
   healed (at least 300 steps apart, later ones as likely smaller), the
-  class of fault issue 36 found missed after a first one;
+  class of fault a detector that learns from healed spikes misses;
 - ``multi_step``: a spike that lasts 3-30 steps (a plateau or a decay);
 - ``slow_divergence``: the loss leaves its curve over 200-2,000 steps and
   never comes back (2-5x at the end);

@@ -34,7 +34,7 @@ and chosen as round numbers a person would accept, not fitted to a detector:
    largest sustained rise is +6.8%, a late drift of ResNet-50.)
 
 **The point rule** (:func:`point_rule_events`, ``--rule point``) is the
-simpler rule issue 36 asks for, written before any detector was run on its
+simplest rule that a reader can redo by hand, written before any detector ran on its
 labels and used by ``spikeguard evaluate --held-out``: a point is labelled
 when its loss is at or above ``ratio`` (1.3) x the median of the previous
 ``window`` (20) clean points, clean meaning finite and not itself labelled;
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rule",
         choices=("events", "point"),
         default="events",
-        help="events: the event rules (default); point: the 1.3x point rule of issue 36",
+        help="events: the event rules (default); point: the 1.3x point rule",
     )
     parser.add_argument(
         "--plot", help="PNG of every curve with its labelled events (needs matplotlib)"
