@@ -34,8 +34,9 @@ A run is the product of five healthy axes, each drawn from the seed:
 and at most one **fault** family (:data:`FAULTS`), labelled where it is put:
 
 - ``spikes``: 1-4 single-point spikes of 1.3-50x, each after the one before
-  healed (at least 300 steps apart, later ones as likely smaller), the
-  class of fault a detector that learns from healed spikes misses;
+  healed (at least 300 steps apart); in half of the runs the first is the
+  largest, the class of fault a detector that learns from healed spikes
+  misses;
 - ``multi_step``: a spike that lasts 3-30 steps (a plateau or a decay);
 - ``slow_divergence``: the loss leaves its curve over 200-2,000 steps and
   never comes back (2-5x at the end);
@@ -310,11 +311,13 @@ def _log_size(rng: np.random.Generator, floor: float, top: float = SPIKE_MAX) ->
 
 def _spikes(rng, n, floor, earliest, excess, label, log_grad) -> None:
     count = int(rng.integers(1, 5))
+    sizes = [_log_size(rng, floor) for _ in range(count)]
+    if rng.random() < 0.5:  # the first is the largest: a healed big one must not hide the next
+        sizes.sort(reverse=True)
     at = earliest + int(rng.integers(0, 200))
-    for _ in range(count):
+    for size in sizes:
         if at >= n - 50:
             break
-        size = _log_size(rng, floor)
         excess[at] += size
         label[at] = True
         log_grad[at] += size * rng.uniform(0.3, 1.5)

@@ -21,7 +21,8 @@ on the set's healthy runs (no labelled step) the **false actions** per 10k
 steps and the share of steps flagged: spikeguard's stops, rollbacks, LR
 cuts, skipped batches and local skips, each rule's flagged steps (each one a
 skipped update in its trainer). For the run families, also per wander kind,
-as wander is what fooled the detectors before.
+as wander is what fooled the detectors before. The JSON report lists every
+run too (episodes found, false alarms, actions), to find the runs behind a figure.
 """
 
 from __future__ import annotations
@@ -81,9 +82,19 @@ class _Tally:
         self.actions = dict.fromkeys(ACTIONS if name == SPIKEGUARD else ("flagged",), 0)
         self.flagged_steps = self.healthy_steps = 0
         self.wander: dict[str, list[int]] = {}  # wander -> [steps, actions]
+        self.runs: list[dict] = []  # per run, to find the runs behind a figure
 
     def add(self, run: ScoredRun, score: RunScore, marks: list[Mark], counts: dict) -> None:
         self.scores.append(score)
+        self.runs.append(
+            {
+                "run": run.events[0].run_id if run.events else "",
+                "episodes": len(score.episodes),
+                "found": sum(r.detected for r in score.episodes),
+                "false_alarms": score.false_alarm_episodes,
+                "actions": {k: v for k, v in counts.items() if v},
+            }
+        )
         if score.episodes:
             return
         steps = len(run.events)
@@ -109,6 +120,7 @@ class _Tally:
                 w: acted * 10_000 / max(steps, 1)
                 for w, (steps, acted) in sorted(self.wander.items())
             },
+            "runs": self.runs,
         }
 
 

@@ -48,6 +48,11 @@ def test_every_system_is_scored_on_the_same_runs_and_labels():
         "skipped_batches",
         "local_skips",
     }
+    listed = figures[SIX_SIGMA]["runs"]  # every run, to find the ones behind a figure
+    assert [(r["run"], r["episodes"], r["found"]) for r in listed] == [
+        ("spiked", 1, 1),
+        ("calm", 0, 0),
+    ]
     text = render(report, "made-up runs")
     for name in (SPIKEGUARD, SIX_SIGMA, ROBUST_Z):
         assert text.count(f" {name} ") == 2, name
