@@ -191,6 +191,7 @@ def generate(case: Case) -> FamilyRun:
     loss = _of_kind(rng, positive, log_level, f.kind)
     loss[nan_at] = math.nan
     grad = np.exp(log_grad)
+    case = case._replace(fault=fault)
     run_id = case.name
     events = [
         StepEvent(
@@ -205,7 +206,7 @@ def generate(case: Case) -> FamilyRun:
     ]
     kinds = "non_finite" if fault == "nan" else fault
     labels = [StepLabel(True, kinds) if b else StepLabel(False, "") for b in label]
-    return FamilyRun(case._replace(fault=fault), events, labels)
+    return FamilyRun(case, events, labels)
 
 
 def _schedule(rng: np.random.Generator, schedule: str, n: int) -> np.ndarray:
