@@ -129,7 +129,7 @@ def test_too_short_a_run_is_refused():
 
 
 def test_evaluate_families_prints_spikeguard_beside_six_sigma_and_robust_z(capsys):
-    assert main(["evaluate", "--families", "test", "--runs", "2", "--steps", "600"]) == 0
+    assert main(["evaluate", "--families", "test", "--runs", "1", "--steps", "500"]) == 0
     out = capsys.readouterr().out
     assert "test half" in out
     for name in ("spikeguard", "six_sigma", "robust_z"):
