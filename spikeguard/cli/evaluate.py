@@ -275,6 +275,9 @@ def side_by_side_report(args: argparse.Namespace) -> int:
     """--families or --held-out: spikeguard, six-sigma and robust z on the same runs and labels."""
     from spikeguard.lab import side_by_side
 
+    if args.families and (args.runs < 1 or args.steps < 500):
+        print("evaluate: --families needs --runs >= 1 and --steps >= 500", file=sys.stderr)
+        return 2
     settings = settings_from(args)
     runs: _Sized | list[ScoredRun]
     try:

@@ -123,9 +123,11 @@ def test_a_signed_loss_crosses_zero_and_a_noise_hiding_any_spike_gets_a_nan_inst
     assert run.case.fault == "nan"  # batch-1 MSE noise: no spike within 50x stands out
 
 
-def test_too_short_a_run_is_refused():
+def test_too_short_a_run_is_refused(capsys):
     with pytest.raises(ValueError, match="at least 500"):
         generate(Case(1, GAUSSIAN, "none", 100))
+    assert main(["evaluate", "--families", "test", "--steps", "100"]) == 2
+    assert "--steps >= 500" in capsys.readouterr().err
 
 
 def test_evaluate_families_prints_spikeguard_beside_six_sigma_and_robust_z(capsys):
