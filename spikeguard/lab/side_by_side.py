@@ -19,8 +19,9 @@ or a real data set): recall per labelled episode, precision per alarm episode
 and false alarms per 10k clean steps (:mod:`spikeguard.lab.evaluation`); and
 on the set's healthy runs (no labelled step) the **false actions** per 10k
 steps and the share of steps flagged: spikeguard's stops, rollbacks, LR
-cuts, skipped batches and local skips, each rule's flagged steps (each one a
-skipped update in its trainer). For the run families, also per wander kind,
+cuts, skipped batches and local skips, and its alarm episodes of high or
+critical urgency (a count); each rule's flagged steps (each one a skipped
+update in its trainer). For the run families, also per wander kind,
 as wander is what fooled the detectors before. The JSON report lists every
 run too (episodes found, false alarms, actions), to find the runs behind a figure.
 """
@@ -35,13 +36,14 @@ from spikeguard.lab.evaluation import (
     Mark,
     RunScore,
     marks_from_decisions,
+    merge,
     score_run,
     summarize,
 )
 from spikeguard.lab.false_actions import guarded_run
 from spikeguard.lab.runfile import StepLabel
 from spikeguard.lab.trainer_rules import AxolotlRobustZ
-from spikeguard.schemas import StepEvent
+from spikeguard.schemas import StepEvent, Urgency
 
 SPIKEGUARD, SIX_SIGMA, ROBUST_Z = "spikeguard", "six_sigma", "robust_z"
 SYSTEMS = {
@@ -50,7 +52,11 @@ SYSTEMS = {
     ROBUST_Z: "axolotl-style: robust z > 6 (median, 1.4826 MAD of the last 100 accepted)",
 }
 _RULES = {SIX_SIGMA: SixSigmaBaseline, ROBUST_Z: AxolotlRobustZ}
+_HIGH = (Urgency.HIGH, Urgency.CRITICAL)
 ACTIONS = ("stops", "rollbacks", "lr_cuts", "skipped_batches", "local_skips")
+#: Alarm episodes (anomalous decisions at most ``merge_gap`` steps apart) of high or critical
+#: urgency: on a healthy run, each is an incident the pipeline escalated for nothing.
+HIGH_EPISODES = "high_urgency_episodes"
 OUTLIER = "outlier_step"
 
 
@@ -69,7 +75,10 @@ def system_run(name: str, events, settings=None) -> tuple[list[Mark], dict[str, 
         run = guarded_run(events, settings)
         marks = marks_from_decisions(run.decisions)
         marks += [Mark(step, True, type=OUTLIER) for step in run.local_skips]
-        return marks, {**run.actions._asdict(), "local_skips": len(run.local_skips)}
+        high = [d.step for d in run.decisions if d.is_anomaly and d.urgency in _HIGH]
+        gap = EvaluationConfig().merge_gap
+        counts = {**run.actions._asdict(), "local_skips": len(run.local_skips)}
+        return marks, {**counts, HIGH_EPISODES: len(merge(high, gap))}
     marks = flag_run(_RULES[name](), events)
     return marks, {"flagged": sum(m.is_anomaly for m in marks)}
 
@@ -79,7 +88,8 @@ class _Tally:
 
     def __init__(self, name: str) -> None:
         self.scores: list[RunScore] = []
-        self.actions = dict.fromkeys(ACTIONS if name == SPIKEGUARD else ("flagged",), 0)
+        kept = (*ACTIONS, HIGH_EPISODES) if name == SPIKEGUARD else ("flagged",)
+        self.actions = dict.fromkeys(kept, 0)
         self.flagged_steps = self.healthy_steps = 0
         self.wander: dict[str, list[int]] = {}  # wander -> [steps, actions]
         self.runs: list[dict] = []  # per run, to find the runs behind a figure
@@ -105,7 +115,7 @@ class _Tally:
         if run.wander:
             row = self.wander.setdefault(run.wander, [0, 0])
             row[0] += steps
-            row[1] += sum(counts.values())
+            row[1] += sum(v for k, v in counts.items() if k != HIGH_EPISODES)
 
     def figures(self, name: str) -> dict:
         rate = 10_000 / max(self.healthy_steps, 1)
@@ -199,7 +209,7 @@ def render(report: dict, title: str) -> str:
     lines.append("")
     lines.append(
         "== on the healthy runs (no labelled step): false actions per 10k steps "
-        "(a rule's flag skips an update)"
+        "(a rule's flag skips an update), and spikeguard's high/critical alarm episodes (a count)"
     )
     table = [
         [
@@ -207,6 +217,7 @@ def render(report: dict, title: str) -> str:
             "system",
             "steps",
             "% flagged",
+            "high/crit episodes",
             "stops",
             "rollbacks",
             "LR cuts",
@@ -224,10 +235,11 @@ def render(report: dict, title: str) -> str:
             wander = "; ".join(f"{w} {_fmt(v, 1)}" for w, v in f["by_wander_per_10k"].items())
             table.append(
                 [group, name, f"{f['healthy_steps']:,}", _fmt(f["flagged_percent"], 3)]
+                + [_fmt(f["false_actions"].get(HIGH_EPISODES))]
                 + [_fmt(fa[k], 1) if k in fa else "-" for k in (*ACTIONS, "flagged")]
                 + [wander]
             )
-    lines += _aligned(table, left=(0, 1, 10))
+    lines += _aligned(table, left=(0, 1, 11))
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ def test_every_system_is_scored_on_the_same_runs_and_labels():
         "lr_cuts",
         "skipped_batches",
         "local_skips",
+        "high_urgency_episodes",
     }
     listed = figures[SIX_SIGMA]["runs"]  # every run, to find the ones behind a figure
     assert [(r["run"], r["episodes"], r["found"]) for r in listed] == [
