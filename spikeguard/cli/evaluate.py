@@ -12,6 +12,15 @@ overall: recall, precision (per alarm episode), F1, false alarms per 10k clean
 steps, median detection delay and the predictor's median lead time; then
 whether the pipeline meets the targets. Definitions: ``spikeguard.lab.evaluation``.
 
+``--families {development,test}`` and ``--held-out`` print spikeguard (the
+pipeline, the policy and the Guard's skip rule) beside the six-sigma rule
+(OLMo-core) and a robust-z rule (axolotl style) on the same runs and labels
+(``spikeguard.lab.side_by_side``): recall, precision, false alarms, and the
+false actions per 10k steps of the healthy runs. ``--families test`` scores
+the test half of the run families (odd seeds, ``spikeguard.lab.families``),
+``--held-out`` the real spikes labelled by the 1.3x point rule and the
+healthy runs of ``data/held-out``. See docs/evaluation.md.
+
 ``--false-actions [PATH ...]`` reports, instead of scores, what each system
 would *do* to healthy runs, per kind and per 10k steps: the pipeline's stops,
 rollbacks, LR cuts and skipped batches (its decisions handed to the recovery
@@ -34,6 +43,8 @@ from typing import Iterator
 from spikeguard.cli._common import add_settings_flags, settings_from, terminal_bar
 from spikeguard.errors import SpikeguardError
 from spikeguard.lab.baselines import BASELINES, flag_run
+from spikeguard.lab.families import DEFAULT_STEPS, HALVES, case_of, seeds_of
+from spikeguard.lab.families import generate as generate_family
 from spikeguard.lab.evaluation import (
     EvaluationConfig,
     Mark,
@@ -43,6 +54,7 @@ from spikeguard.lab.evaluation import (
     summarize,
 )
 from spikeguard.lab.runfile import StepLabel, read_steps
+from spikeguard.lab.side_by_side import ScoredRun
 from spikeguard.lab.simulate import SCENARIOS, default_suite
 
 SYSTEMS = {
@@ -121,6 +133,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "report each system's false actions per 10k steps instead of scores",
     )
     parser.add_argument(
+        "--families",
+        choices=HALVES,
+        help="score spikeguard (pipeline + policy + the Guard's skips), the six-sigma and the "
+        "robust-z rule on a half of the run families (spikeguard.lab.families: even seeds are "
+        "the development half, odd seeds the test half); the figures that count are the test half's",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=40,
+        help="--families: how many runs of the half (its first seeds; default %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help="--families: steps per run (default %(default)s)",
+    )
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help="score spikeguard, the six-sigma and the robust-z rule on the held-out real data: "
+        "the real spikes labelled by the 1.3x point rule, and data/held-out's healthy runs",
+    )
+    parser.add_argument(
         "--systems",
         nargs="+",
         choices=list(SYSTEMS),
@@ -159,12 +196,16 @@ def _shown(path: str | None, in_repo: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     real = args.real_spikes is not None or args.healthy is not None
-    if sum((bool(args.files), real, args.false_actions is not None)) > 1:
+    modes = (bool(args.files), real, args.false_actions is not None, bool(args.families))
+    if sum((*modes, args.held_out)) > 1:
         print(
-            "evaluate: --files, --real-spikes/--healthy and --false-actions cannot be combined",
+            "evaluate: --files, --real-spikes/--healthy, --false-actions, --families and "
+            "--held-out cannot be combined",
             file=sys.stderr,
         )
         return 2
+    if args.families or args.held_out:
+        return side_by_side_report(args)
     if args.false_actions is not None:
         return false_actions_report(args)
     settings = settings_from(args) if any(n.startswith("pipeline") for n in args.systems) else None
@@ -228,6 +269,77 @@ PIPELINE_COLUMNS = (
     ("skipped_batches", "skipped batches"),
     ("local_skips", "local skips"),
 )
+
+
+def side_by_side_report(args: argparse.Namespace) -> int:
+    """--families or --held-out: spikeguard, six-sigma and robust z on the same runs and labels."""
+    from spikeguard.lab import side_by_side
+
+    if args.families and (args.runs < 1 or args.steps < 500):
+        print("evaluate: --families needs --runs >= 1 and --steps >= 500", file=sys.stderr)
+        return 2
+    settings = settings_from(args)
+    runs: _Sized | list[ScoredRun]
+    try:
+        if args.families:
+            runs, title = _family_runs(args), f"run families, {args.families} half"
+        else:
+            runs, title = _held_out_runs(), "held-out real data"
+        bar = terminal_bar(runs, unit="run", desc="evaluate")
+        report = side_by_side.compare(bar if bar is not None else runs, settings)
+    except SpikeguardError as exc:
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 2
+    if args.families:
+        report["half"] = args.families
+        report["seeds"] = seeds_of(args.families, args.runs)
+    print(json.dumps(report, indent=2) if args.json else side_by_side.render(report, title))
+    return 0
+
+
+class _Sized:
+    """A lazy sequence of known length (for the progress bar)."""
+
+    def __init__(self, items, length: int) -> None:
+        self.items, self.length = items, length
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _family_runs(args: argparse.Namespace) -> _Sized:
+    """The first ``--runs`` runs of the chosen half, generated as they are scored."""
+
+    def runs():
+        for seed in seeds_of(args.families, args.runs):
+            run = generate_family(case_of(seed, args.steps))
+            yield ScoredRun(f"{args.families} half", run.events, run.labels, run.case.family.wander)
+
+    return _Sized(runs(), args.runs)
+
+
+#: The labels of the real spikes by the point rule (spikeguard.lab.labelling.point_rule_events).
+POINT_RULE_LABELS = "algoperf_submissions.point-rule.csv"
+HELD_OUT_HEALTHY = ("mlperf-bert", "modded-nanogpt")
+
+
+def _held_out_runs() -> list[ScoredRun]:
+    """The real spikes (labels by the point rule) and the held-out healthy runs."""
+    from spikeguard.lab.realdata import LABELS_DIR, data_dir, load_healthy_set, load_spike_set
+
+    runs = [
+        ScoredRun("real spikes (1.3x rule)", run.events, run.labels)
+        for run in load_spike_set(None, LABELS_DIR / POINT_RULE_LABELS)
+    ]
+    for name in HELD_OUT_HEALTHY:
+        folder = data_dir("held-out") / name
+        runs += [
+            ScoredRun(f"held-out/{name}", run.events, None) for run in load_healthy_set(folder)
+        ]
+    return runs
 
 
 def false_actions_report(args: argparse.Namespace) -> int:

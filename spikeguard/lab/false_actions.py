@@ -140,23 +140,39 @@ def pipeline_false_actions(
     runs: Iterable[Sequence[StepEvent]], settings=None, guard: GuardConfig | None = None
 ) -> FalseActions:
     """The pipeline + policy + the Guard's skip rule over healthy runs, summed."""
+    from spikeguard.settings import load_settings
+
+    settings = settings or load_settings(env={})
+    total = [0] * len(FalseActions._fields)
+    for events in runs:
+        run = guarded_run(events, settings, guard)
+        counts = (len(events), *run.actions, len(run.local_skips))
+        total = [a + b for a, b in zip(total, counts)]
+    return FalseActions(*total)
+
+
+class GuardedRun(NamedTuple):
+    """One run as the live Guard and its pipeline would have handled it."""
+
+    decisions: list[Decision]  # the pipeline's, having heard of the Guard's skips
+    local_skips: list[int]  # steps whose update the Guard's skip rule skipped
+    actions: PolicyActions  # what the recovery policy did with the decisions
+
+
+def guarded_run(
+    events: Sequence[StepEvent], settings=None, guard: GuardConfig | None = None
+) -> GuardedRun:
+    """The pipeline, the policy and the Guard's skip rule over one run's events."""
     from spikeguard.lab.backtest import backtest_events
     from spikeguard.settings import load_settings
 
     settings = settings or load_settings(env={})
     guard = guard or GuardConfig()
-    total = [0] * len(FalseActions._fields)
-    for events in runs:
-        skips = LocalSkips(guard)
-        decisions = backtest_events([skips.live(e) for e in events], settings)
-        run_id = events[0].run_id if events else "healthy"
-        counts = (
-            len(events),
-            *policy_actions(decisions, run_id, settings.policy, guard),
-            len(skips.skipped),
-        )
-        total = [a + b for a, b in zip(total, counts)]
-    return FalseActions(*total)
+    skips = LocalSkips(guard)
+    decisions = backtest_events([skips.live(e) for e in events], settings)
+    run_id = events[0].run_id if events else "run"
+    actions = policy_actions(decisions, run_id, settings.policy, guard)
+    return GuardedRun(decisions, [step for _, step in skips.skipped], actions)
 
 
 class RuleFlags(NamedTuple):

@@ -33,6 +33,18 @@ and chosen as round numbers a person would accept, not fitted to a detector:
    event spans those points. (None of the AlgoPerf curves has one: their
    largest sustained rise is +6.8%, a late drift of ResNet-50.)
 
+**The point rule** (:func:`point_rule_events`, ``--rule point``) is the
+simplest rule that a reader can redo by hand, written before any detector ran on its
+labels and used by ``spikeguard evaluate --held-out``: a point is labelled
+when its loss is at or above ``ratio`` (1.3) x the median of the previous
+``window`` (20) clean points, clean meaning finite and not itself labelled;
+every NaN/inf point is labelled too. A point with fewer than 20 clean points
+before it is never labelled (the first fall of the loss). Each maximal run of
+consecutive labelled points is one event: ``non_finite`` for NaN/inf points,
+``spike`` otherwise. It knows nothing of recovery, divergence or kinds beyond
+that, so no detector's notion of them leaks into the labels; its file is
+``spikeguard/lab/labels/<folder>.point-rule.csv``.
+
 ``events_detected.csv`` in the data folder was only an aid: every point it
 lists lies inside one of these events, and the rules add one it lacks (the
 DLRM run's x2.6 at step 34, under its robust-z bar). On the AlgoPerf set:
@@ -52,6 +64,7 @@ from pathlib import Path
 from typing import IO, Iterable, NamedTuple, Sequence
 
 from spikeguard.errors import SpikeguardError
+from spikeguard.lab.runfile import open_text
 
 KINDS = ("outlier_step", "spike", "slow_rise", "divergence", "non_finite")
 LABEL_COLUMNS = ("file", "start_step", "end_step", "kind", "points", "peak_ratio")
@@ -124,6 +137,50 @@ def label_events(
         i = j + 1
     events += _slow_rises(steps, losses, kind_at, r)
     return sorted(events, key=lambda e: e.start_step)
+
+
+@dataclass(frozen=True)
+class PointRule:
+    """The numbers of the point rule (see the module docstring)."""
+
+    ratio: float = 1.3
+    window: int = 20
+
+
+def point_rule_events(
+    steps: Sequence[int], losses: Sequence[float], rule: PointRule | None = None
+) -> list[LabelledEvent]:
+    """The events of one run by the point rule, in step order."""
+    r = rule or PointRule()
+    clean: deque[float] = deque(maxlen=r.window)
+    flagged: list[str] = []  # per point: "", "spike" or "non_finite"
+    ratios: list[float | None] = []
+    for loss in losses:
+        base = statistics.median(clean) if len(clean) == r.window else None
+        if not math.isfinite(loss):
+            flagged.append("non_finite")
+            ratios.append(None)
+        elif base is not None and base > 0 and loss >= r.ratio * base:
+            flagged.append("spike")
+            ratios.append(loss / base)
+        else:
+            flagged.append("")
+            ratios.append(None)
+            clean.append(loss)
+    events = []
+    i = 0
+    while i < len(flagged):
+        if not flagged[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(flagged) and flagged[j + 1] == flagged[i]:
+            j += 1
+        peaks = [x for x in ratios[i : j + 1] if x is not None]
+        peak = round(max(peaks), 3) if peaks else None
+        events.append(LabelledEvent(steps[i], steps[j], flagged[i], j - i + 1, peak))
+        i = j + 1
+    return events
 
 
 def _slow_rises(steps, losses, kind_at, r: LabelRules) -> list[LabelledEvent]:
@@ -233,11 +290,11 @@ def read_labels(path: str | os.PathLike) -> dict[str, list[LabelledEvent]]:
 
 
 def read_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
-    """Steps and losses of a ``step,loss[,...]`` CSV (extra columns ignored)."""
+    """Steps and losses of a ``step,loss[,...]`` CSV, maybe gzipped (extra columns ignored)."""
     steps: list[int] = []
     losses: list[float] = []
     path = Path(path)
-    with path.open(encoding="utf-8", newline="") as handle:
+    with open_text(path) as handle:
         for row in csv.DictReader(handle):
             try:
                 steps.append(int(row["step"]))
@@ -248,26 +305,33 @@ def read_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
 
 
 def curve_files(folder: str | os.PathLike) -> list[Path]:
-    """The loss curves of ``folder``: its CSVs with a ``step`` and a ``loss`` column.
+    """The loss curves of ``folder``: its CSVs (``.csv`` or ``.csv.gz``) with a ``step`` and a
+    ``loss`` column.
 
     (Other CSVs there, such as a labels file or ``events_detected.csv``, are not curves.)
     """
     found = []
-    for path in sorted(Path(folder).glob("*.csv")):
-        with path.open(encoding="utf-8", newline="") as handle:
+    folder = Path(folder)
+    for path in sorted([*folder.glob("*.csv"), *folder.glob("*.csv.gz")]):
+        with open_text(path) as handle:
             header = [c.strip().lower() for c in next(csv.reader(handle), [])]
         if "step" in header and "loss" in header and "file" not in header:
             found.append(path)
     return found
 
 
-def label_folder(folder: str | os.PathLike, rules: LabelRules | None = None):
-    """``{csv name: events}`` for every curve in ``folder``."""
+def label_folder(folder: str | os.PathLike, rules: LabelRules | PointRule | None = None):
+    """``{csv name: events}`` for every curve in ``folder`` (by the point rule when
+    ``rules`` is a :class:`PointRule`)."""
+    if isinstance(rules, PointRule):
+        return {
+            path.name: point_rule_events(*read_curve(path), rules) for path in curve_files(folder)
+        }
     return {path.name: label_events(*read_curve(path), rules) for path in curve_files(folder)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m spikeguard.lab.labelling FOLDER [--out FILE] [--plot PNG]``."""
+    """``python -m spikeguard.lab.labelling FOLDER [--rule point] [--out FILE] [--plot PNG]``."""
     import argparse
     import sys
 
@@ -289,15 +353,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the curves are windows cut out of runs (their end is not the run's end)",
     )
     parser.add_argument(
+        "--rule",
+        choices=("events", "point"),
+        default="events",
+        help="events: the event rules (default); point: the 1.3x point rule",
+    )
+    parser.add_argument(
         "--plot", help="PNG of every curve with its labelled events (needs matplotlib)"
     )
     args = parser.parse_args(argv)
     if not Path(args.folder).is_dir():
         print(f"{args.folder}: not a folder", file=sys.stderr)
         return 2
-    labels = label_folder(
-        args.folder, LabelRules(min_history=args.min_history, excerpt=args.excerpt)
+    rules: LabelRules | PointRule = (
+        PointRule()
+        if args.rule == "point"
+        else LabelRules(min_history=args.min_history, excerpt=args.excerpt)
     )
+    labels = label_folder(args.folder, rules)
     write_labels(args.out or sys.stdout, labels)
     if args.plot:
         _plot(args.folder, labels, args.plot)

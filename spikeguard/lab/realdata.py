@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spikeguard.errors import SpikeguardError
 from spikeguard.lab.labelling import LabelledEvent, curve_files, point_labels, read_labels
-from spikeguard.lab.runfile import RunFileError, StepLabel, read_steps
+from spikeguard.lab.runfile import RunFileError, StepLabel, plain_path, read_steps
 from spikeguard.schemas import StepEvent
 
 LABELS_DIR = Path(__file__).with_name("labels")
@@ -108,7 +108,7 @@ def load_spike_set(
     for path in files:
         events, steps = _read(path)
         mine = truth.get(path.name, [])
-        runs.append(RealRun(path.stem, events, point_labels(steps, mine), steps, mine))
+        runs.append(RealRun(plain_path(path).stem, events, point_labels(steps, mine), steps, mine))
     return runs
 
 
@@ -128,7 +128,7 @@ def load_healthy_set(path: str | os.PathLike | None = None) -> list[RealRun]:
     runs = []
     for path in files:
         events, steps = _read(path)
-        runs.append(RealRun(path.stem, events, None, steps, []))
+        runs.append(RealRun(plain_path(path).stem, events, None, steps, []))
     return runs
 
 
@@ -153,7 +153,8 @@ def healthy_kinds(paths: list[str | os.PathLike] | None = None) -> dict[str, lis
     for path in map(Path, paths):
         if path.is_file():
             events, steps = _read(path)
-            kinds[path.stem] = [RealRun(path.stem, events, None, steps, [])]
+            name = plain_path(path).stem
+            kinds[name] = [RealRun(name, events, None, steps, [])]
         else:
             kinds[path.name] = load_healthy_set(path)
     return kinds

@@ -1,6 +1,6 @@
 """Run files: a run's steps (and optional labels) as CSV or JSONL.
 
-CSV: a header naming at least ``step,loss``; optional columns ``grad_norm``,
+CSV (``.csv``, or gzip-compressed ``.csv.gz``): a header naming at least ``step,loss``; optional columns ``grad_norm``,
 ``lr``, ``update_norm``, ``run_id``, ``time``, ``label``, ``kind`` (any other
 column is ignored). Non-finite values are written ``nan``, ``inf``, ``-inf``
 (``NaN``/``Infinity`` are read too); an empty cell is "not recorded". Without
@@ -21,6 +21,7 @@ Bad input raises :class:`RunFileError` naming the file, line and column.
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import math
@@ -62,13 +63,27 @@ def read_steps(
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        plain = plain_path(path)
         try:
-            with path.open(encoding="utf-8", newline="") as handle:
-                return _read(handle, str(path), run_id or _default_run_id(path), path.suffix)
+            with open_text(path) as handle:
+                return _read(handle, str(path), run_id or _default_run_id(plain), plain.suffix)
         except OSError as exc:
             raise RunFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
     name = getattr(source, "name", "<stream>")
     return _read(source, str(name), run_id or "run", Path(str(name)).suffix)
+
+
+def plain_path(path: Path) -> Path:
+    """``path`` without a ``.gz`` suffix: ``run.csv.gz`` is read as ``run.csv``."""
+    return path.with_suffix("") if path.suffix.lower() == ".gz" else path
+
+
+def open_text(path: str | os.PathLike) -> IO[str]:
+    """A run file opened for reading as text; a ``.gz`` one is decompressed on the fly."""
+    path = Path(path)
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return path.open(encoding="utf-8", newline="")
 
 
 def write_csv(

@@ -12,10 +12,12 @@ from spikeguard.lab.labelling import (
     LabelFileError,
     LabelledEvent,
     LabelRules,
+    PointRule,
     label_events,
     label_folder,
     main,
     point_labels,
+    point_rule_events,
     read_labels,
     write_labels,
 )
@@ -144,3 +146,33 @@ def test_the_plot_shows_every_curve(tmp_path, capsys):
 def test_a_folder_that_is_not_there(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_the_point_rule_on_a_handcrafted_series():
+    """1.3x the median of the previous 20 clean points, NaN/inf; labelled points stay out of it."""
+    losses = [1.9, 2.1] * 10  # median 2.0 once 20 clean points are in
+    losses += [2.6]  # 1.3 x 2.0 exactly: labelled (at or above)
+    losses += [2.59]  # just under: clean
+    losses += [9.0, 9.0, 9.0]  # a plateau: labelled throughout, never its own baseline
+    losses += [math.nan, math.inf]  # non-finite: one event of its own kind
+    losses += [2.1, 5.0]  # back, then a point over a baseline the plateau did not raise
+    steps = [10 * i for i in range(len(losses))]
+    events = point_rule_events(steps, losses)
+    assert kinds(events) == [
+        (200, 200, "spike"),
+        (220, 240, "spike"),
+        (250, 260, "non_finite"),
+        (280, 280, "spike"),
+    ]
+    assert events[0].peak_ratio == pytest.approx(1.3) and events[1].points == 3
+    assert point_rule_events(range(19), [1.0] * 18 + [100.0]) == []  # 18 clean points: too few
+    assert kinds(point_rule_events(range(3), [1.0, math.nan, 1.0])) == [(1, 1, "non_finite")]
+
+
+def test_the_point_rule_labels_file_is_what_the_rule_gives():
+    """The shipped labels of the real spikes by the point rule are reproducible from the data."""
+    folder = Path(__file__).parents[3] / "data" / "real-spikes" / "algoperf_submissions"
+    shipped = Path(__file__).parents[3] / "spikeguard" / "lab" / "labels"
+    assert read_labels(shipped / "algoperf_submissions.point-rule.csv") == {
+        name: events for name, events in label_folder(folder, PointRule()).items() if events
+    }

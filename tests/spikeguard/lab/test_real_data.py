@@ -232,6 +232,8 @@ def test_every_data_source_carries_its_licence_and_sources():
         "real-spikes/bigscience_chronicles",
         "modded-nanogpt",
         "mlperf-bert",
+        "held-out/modded-nanogpt",
+        "held-out/mlperf-bert",
     ):
         assert (data / folder / "LICENSE").is_file() and (data / folder / "SOURCES.md").is_file(), (
             folder
@@ -249,6 +251,21 @@ def test_outside_a_clone_the_missing_data_folder_is_a_clear_error(tmp_path, monk
         healthy_kinds()
     assert main(["evaluate", "--healthy", "--systems", "naive"]) == 2
     assert "ship with the source repository" in capsys.readouterr().err
+
+
+def test_the_held_out_runs_are_read_gzipped_and_are_not_the_development_runs():
+    """data/held-out holds the rest of each public set, gzipped: no run in both halves."""
+    from spikeguard.lab.labelling import curve_files
+    from spikeguard.lab.runfile import plain_path, read_steps
+
+    held_out: dict[str, list[Path]] = {}
+    for name in ("mlperf-bert", "modded-nanogpt"):
+        held_out[name] = curve_files(REPOSITORY / "data" / "held-out" / name)
+        developed = {p.stem for p in curve_files(REPOSITORY / "data" / name)}
+        assert held_out[name] and not {plain_path(p).stem for p in held_out[name]} & developed
+    assert (len(held_out["mlperf-bert"]), len(held_out["modded-nanogpt"])) == (15, 52)
+    events, labels = read_steps(held_out["mlperf-bert"][0])
+    assert len(events) > 500 and labels is None and events[0].run_id == "dgx2h_n32_result_5"
 
 
 def test_evaluate_reads_the_repository_data_when_given_no_folder(capsys):

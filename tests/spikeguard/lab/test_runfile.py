@@ -98,6 +98,19 @@ def test_bad_input_is_named_by_line(text, message):
         read_steps(io.StringIO(text))
 
 
+def test_a_gzipped_csv_reads_as_the_csv_it_holds(tmp_path):
+    import gzip
+
+    text = "step,loss\n0,2.5\n1,nan\n"
+    (tmp_path / "run.csv").write_text(text)
+    with gzip.open(tmp_path / "run.csv.gz", "wt") as handle:
+        handle.write(text)
+    plain, _ = read_steps(tmp_path / "run.csv")
+    packed, _ = read_steps(tmp_path / "run.csv.gz")
+    assert packed[0].run_id == "run" and [e.step for e in packed] == [0, 1]
+    assert [str(e.loss) for e in packed] == [str(e.loss) for e in plain]
+
+
 def test_a_missing_file_is_a_run_file_error(tmp_path):
     with pytest.raises(RunFileError, match="cannot read"):
         read_steps(tmp_path / "absent.csv")
