@@ -259,7 +259,7 @@ class Guard:
             ],
             per_rank=("rng", "sharded"),
         )
-        self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
+        self.data_seed = cfg.data_seed  # None: the loader's own draws, as unguarded (data.py)
         #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
         self.step_count = 0
         #: The rollback generation: rollbacks applied so far (``epoch`` on the wire).
