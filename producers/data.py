@@ -143,6 +143,10 @@ class GuardedLoader:
         span, self._span = self._span, (-1, -1, 0)
         return span
 
+    def batches_read(self) -> int:
+        """The batches read since the last take_span(): this step's, so far."""
+        return self._span[2]
+
     def skipped(self, index: int) -> bool:
         return any(a <= index <= b for a, b in self.skip_ranges)
 
