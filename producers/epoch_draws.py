@@ -85,7 +85,12 @@ class EpochDraws:
     def _draw(self) -> dict[str, Any]:
         """What the loader would draw, in its order: the base seed at iter(), then the samplers'."""
         base = None
-        if self._own_base:
+        # Persistent workers keep their iterator: the loader draws their base seed at its first
+        # iter() only.
+        persisted = self._workers and getattr(self.loader, "persistent_workers", False)
+        if self._own_base and not (
+            persisted and getattr(self.loader, "_iterator", None) is not None
+        ):
             # The workers' base seed (the unguarded draw, kept as a generator state when workers
             # use it); without workers it seeds nothing, and only the global stream's advance counts.
             base = torch.get_rng_state() if self._workers else None

@@ -26,14 +26,16 @@ class Jittered(Dataset):
         return self.x[i] + 0.01 * torch.rand(6), self.y[i]
 
 
-def _problem(loader_generator: bool = False):
+def _problem(loader_generator: bool = False, **loader_options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(3) if loader_generator else None
-    loader = DataLoader(Jittered(), batch_size=8, shuffle=True, generator=generator)
+    loader = DataLoader(
+        Jittered(), batch_size=8, shuffle=True, generator=generator, **loader_options
+    )
     return model, optimizer, loader
 
 
@@ -46,8 +48,8 @@ def _loss(model, optimizer, batch) -> torch.Tensor:
     return loss
 
 
-def _unguarded(loader_generator: bool = False) -> list[torch.Tensor]:
-    model, optimizer, loader = _problem(loader_generator)
+def _unguarded(loader_generator: bool = False, **loader_options) -> list[torch.Tensor]:
+    model, optimizer, loader = _problem(loader_generator, **loader_options)
     for _ in range(EPOCHS):
         for batch in loader:
             _loss(model, optimizer, batch)
@@ -55,8 +57,10 @@ def _unguarded(loader_generator: bool = False) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _guarded(tmp_path, loader_generator: bool = False, **options) -> tuple[list, Guard]:
-    model, optimizer, loader = _problem(loader_generator)
+def _guarded(
+    tmp_path, loader_generator: bool = False, loader_options=None, **options
+) -> tuple[list, Guard]:
+    model, optimizer, loader = _problem(loader_generator, **(loader_options or {}))
     config = GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume="never")
     guard = Guard(model, optimizer, run_id="same", config=config, **options)
     for batch in guard.data(loader, epochs=EPOCHS):
@@ -80,6 +84,16 @@ def test_a_guarded_run_without_actions_is_the_unguarded_run(tmp_path, mode):
 def test_the_same_with_a_generator_of_the_users_own(tmp_path):
     weights, _ = _guarded(tmp_path, loader_generator=True, connect=False)
     _assert_same(weights, _unguarded(loader_generator=True))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_same_with_worker_processes(tmp_path, persistent):
+    """Workers draw their augmentation from seeds made of the base seed; persistent workers
+    draw that base seed once, at the loader's first iter()."""
+    options = dict(num_workers=1, persistent_workers=persistent)
+    weights, _ = _guarded(tmp_path, loader_options=options, connect=False)
+    _assert_same(weights, _unguarded(**options))
 
 
 @pytest.mark.heavy
