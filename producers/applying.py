@@ -9,7 +9,7 @@ recovery budget, guard.py). Every ack goes through :class:`Acknowledgements`.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, NamedTuple
 
 from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Outcome
@@ -32,6 +32,7 @@ class Acknowledgements:
         self.run = run
         self.events = events
         self.applied: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.notices: Counter[str] = Counter()  # alerts and checkpoints applied, by kind
 
     def send(self, outcome: Outcome) -> None:
         a, counters = outcome.action, self.run.counters
@@ -45,8 +46,12 @@ class Acknowledgements:
                 "action_id": a.action_id,
             }
         )
-        if outcome.status is AckStatus.APPLIED:
-            counters["actions_applied"] += 1
+        if outcome.status is AckStatus.APPLIED:  # counted as the summary counts them
+            if a.kind in STEERING:
+                counters["actions_applied"] += 1
+            else:
+                counters["notices_applied"] += 1
+                self.notices[a.kind.value] += 1
         counters["acks"] += 1
         self.events.ack(outcome)
 

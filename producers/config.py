@@ -201,7 +201,10 @@ class GuardConfig(BaseModel):
         0.05, ge=0.0, description="lockstep: how long an anomalous decision's actions are awaited"
     )
     data_seed: int | None = Field(
-        None, description="seed of the data order; None takes torch.initial_seed()"
+        None,
+        description="seed of the data order, independent of the global RNG; None (the default): "
+        "the order the loader draws itself, as it would unguarded (kept per data epoch, so "
+        "rollbacks and resumes read it again)",
     )
     history_steps: int = Field(
         4096, ge=16, description="recent steps whose batch index is remembered (for skips)"

@@ -6,12 +6,18 @@ prepared loaders, DDP's DistributedSampler) are what the training loop sees.
 
 Global batch index ``g`` lives in data epoch ``g // len(loader)``. Entering a
 data epoch tells the loader which one it is (``set_epoch`` on the loader if it
-has one, as accelerate's does, else on its sampler, as DDP's needs), and the
-randomness the loader would draw from the global RNG is seeded by
-``(seed, epoch)`` alone (a RandomSampler's generator, the DataLoader's
-base-seed generator), so the order never depends on how often the run rolled
-back or restarted: resuming at ``g`` yields exactly the batch an
-uninterrupted run sees at ``g``.
+has one, as accelerate's does, else on its sampler, as DDP's needs). The
+randomness a DataLoader draws as an epoch starts (a RandomSampler's seed, the
+workers' base seed) comes, by default (``seed=None``), from the same global
+RNG draws the unguarded loader would make, in the same order, so that a run
+the Guard never acts on is the user's run to the bit; what was drawn is
+recorded per data epoch (``state_dict``: it travels in checkpoints) and an
+epoch entered again (a rollback, a resume) reads that record, never draws
+anew. With ``seed=N`` (``GuardConfig.data_seed``) those draws are seeded by
+``(N, epoch)`` alone: an order known in advance, independent of the global
+RNG. Either way the order never depends on how often the run rolled back or
+restarted: resuming at ``g`` yields exactly the batch an uninterrupted run
+sees at ``g``.
 
 Resume, rollback and skip ranges all *read and drop*: the epoch is iterated
 from its start and the batches before the index (or inside a skip range)
@@ -46,6 +52,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from spikeguard.producers import rng
+from spikeguard.producers.epoch_draws import EpochDraws
+from spikeguard.producers.epoch_draws import samplers as _samplers
 
 log = logging.getLogger("spikeguard.producers.guard")
 
@@ -76,7 +84,7 @@ class GuardedLoader:
         self,
         loader: Any,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         rank: int = 0,
         world_size: int = 1,
         epochs: int | None = None,
@@ -86,10 +94,11 @@ class GuardedLoader:
         on_open: Callable[[], None] | None = None,
     ) -> None:
         self.loader = loader
-        # The order's seed is the guard's (its data_seed), even where the user passed a generator:
-        # that generator is re-seeded per epoch from it, so a second wrapper of the same loader
-        # (a reference run) reads the same order.
+        # None: each epoch's draws are the unguarded loader's own, recorded (EpochDraws). An int:
+        # they are seeded by (seed, epoch), even where the user passed a generator, so a second
+        # wrapper of the same loader (a reference run) reads the same order.
         self.seed = seed
+        self.draws = EpochDraws(loader)
         self.epochs = epochs
         self.until_stopped = False  # read data epoch after data epoch until stop_when (max_steps)
         self.stop_when = stop_when
@@ -134,6 +143,10 @@ class GuardedLoader:
         span, self._span = self._span, (-1, -1, 0)
         return span
 
+    def batches_read(self) -> int:
+        """The batches read since the last take_span(): this step's, so far."""
+        return self._span[2]
+
     def skipped(self, index: int) -> bool:
         return any(a <= index <= b for a, b in self.skip_ranges)
 
@@ -143,10 +156,13 @@ class GuardedLoader:
             "skip_ranges": [list(r) for r in self.skip_ranges],
             "seed": self.seed,
             "batches_per_epoch": self.batches_per_epoch,
+            "epoch_draws": self.draws.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed = int(state.get("seed", self.seed))
+        seed = state.get("seed", self.seed)
+        self.seed = None if seed is None else int(seed)
+        self.draws.load_state_dict(state.get("epoch_draws", {}))
         self.skip_ranges = merge_ranges(
             self.skip_ranges + [list(r) for r in state.get("skip_ranges", ())]
         )
@@ -207,6 +223,8 @@ class GuardedLoader:
 
     def _open(self, position: int) -> None:
         bpe = self.batches_per_epoch
+        if self._iter is not None and bpe and self._next_index >= self._epoch_end:
+            self._finish_epoch()  # read to its end: its end-of-epoch code runs, as unguarded
         epoch = position // bpe if bpe else 0
         first = epoch * bpe if bpe else 0
         self._epoch_end = first + bpe if bpe else 0
@@ -215,7 +233,10 @@ class GuardedLoader:
             if self.until_stopped and self.epochs is None:
                 self._say_new_pass(epoch, first)
         self._iter = None  # (a worker pool of the old iterator shuts down with it)
-        self._set_epoch(epoch)
+        # Arriving at an epoch's start, the run's random streams stand where the unguarded
+        # loader's would as it starts the epoch; entering mid-epoch (a rollback, a resume), the
+        # restored streams already hold the epoch's draws.
+        self._set_epoch(epoch, arriving=position == first)
         if self.on_open is not None:
             self.on_open()  # before iter(): workers draw indices as the iterator starts
         self._iter = iter(self.loader)
@@ -283,8 +304,8 @@ class GuardedLoader:
         finally:
             rng.restore(saved)
 
-    def _set_epoch(self, epoch: int) -> None:
-        """Tell the loader which data epoch starts, and seed what it would draw from the global RNG."""
+    def _set_epoch(self, epoch: int, arriving: bool = True) -> None:
+        """Tell the loader which data epoch starts, and fix what it would draw from the global RNG."""
         loader = self.loader
         samplers = _samplers(loader)
         if callable(
@@ -295,6 +316,9 @@ class GuardedLoader:
             for s in samplers:
                 if callable(getattr(s, "set_epoch", None)):  # DistributedSampler: seed + epoch
                     s.set_epoch(epoch)
+        if self.seed is None:
+            self.draws.enter(epoch, arriving)
+            return
         for s in samplers:
             # A RandomSampler without a generator would draw a new seed from the global RNG at
             # every iter(): after a rollback that is another order. Seeded per epoch, in place
@@ -310,17 +334,3 @@ class GuardedLoader:
                 loader.generator = torch.Generator()
             if not any(loader.generator is g for g in sampler_gens):
                 loader.generator.manual_seed(epoch_seed(self.seed, -1 - epoch))
-
-
-def _samplers(loader: Any) -> list[Any]:
-    """The loader's sampler objects (sampler, batch sampler, the batch sampler's sampler), once each."""
-    found: list[Any] = []
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for s in (
-        getattr(loader, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-    ):
-        if s is not None and not any(s is f for f in found):
-            found.append(s)
-    return found

@@ -69,6 +69,7 @@ from spikeguard.producers.protection import ProtectionWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
+from spikeguard.producers.misuse import StepWatch, check_loss, guard_options_error
 from spikeguard.integrations.loggers import loggers_from
 from spikeguard.producers.narration import STEERING, Cost, Narrator, RunSummary, would_do
 from spikeguard.producers.parts import DataPosition, ModelPart, RNGPart, StateParts
@@ -152,7 +153,10 @@ class Guard:
         policy: dict[str, Any] | None = None,
         mode: GuardMode | str | None = None,
         resume: ResumeMode | str | bool | None = None,
+        **options: Any,
     ) -> None:
+        if options:  # a setting given where GuardConfig takes it
+            raise guard_options_error(options, set(GuardConfig.model_fields))
         if runtime is not None and (bus is not None or topics is not None):
             given = " and ".join(
                 name for name, v in (("bus", bus), ("topics", topics)) if v is not None
@@ -225,6 +229,8 @@ class Guard:
             self.clipper.set_fixed(cfg.max_grad_norm)
         self.lr = LRControl(optimizer)
         self.torch_optimizer = torch_optimizer(optimizer, required=False)  # the one a scaler steps
+        self.usage = StepWatch(self.torch_optimizer)  # two updates for one batch (misuse.py)
+        self._said_no_data = False
         self.amp = ScalerControl(scaler)
         self.health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
         self.position = DataPosition(cfg.history_steps)
@@ -259,7 +265,7 @@ class Guard:
             ],
             per_rank=("rng", "sharded"),
         )
-        self.data_seed = cfg.data_seed if cfg.data_seed is not None else torch.initial_seed()
+        self.data_seed = cfg.data_seed  # None: the loader's own draws, as unguarded (data.py)
         #: The step the next ``step()`` call is: goes back on a rollback (see ``on_rollback``).
         self.step_count = 0
         #: The rollback generation: rollbacks applied so far (``epoch`` on the wire).
@@ -283,7 +289,9 @@ class Guard:
         #: actions_applied, acks, skipped_steps and skipped_batches (data skipped by skip
         #: windows, in steps and in micro-batches), scaler_skips (a GradScaler's own
         #: overflows), outlier_skips (outlier steps found), transient_steps (steps a re-run
-        #: found different), actions_withheld (not applied: mode or recovery budget).
+        #: found different), actions_applied (actions that change the run, as the summary's
+        #: "actions applied"), notices_applied (alerts and requested checkpoints: they change
+        #: nothing), actions_withheld (not applied: mode or recovery budget).
         self.counters = dict(
             steps=0,
             updates=0,
@@ -299,6 +307,7 @@ class Guard:
             outlier_skips=0,
             transient_steps=0,
             actions_withheld=0,
+            notices_applied=0,
         )
         self.resumed_from: CheckpointInfo | None = None
         self._half: FirstHalf | None = None  # between before_update and after_update
@@ -441,11 +450,24 @@ class Guard:
         It is the two halves a framework's callback calls around the framework's own
         optimizer and scheduler step: ``before_update``, the update, ``after_update``.
         """
+        check_loss(loss)
+        self.usage.before_step(loss, self.loader)
+        if self.loader is None and not self._said_no_data:
+            self._said_no_data = True
+            log.warning(
+                "spikeguard: run %s: guard.data(loader) was not called, so the Guard does not "
+                "know which batches each step reads and cannot skip bad data; a rollback "
+                "restores the weights and the loop reads on. Iterate `for batch in "
+                "guard.data(loader)` to let it skip",
+                self.run_id,
+            )
         if self.before_update(loss, batch, closure):
             self.amp.step(self.lr.step, self.optimizer)  # the Guard's LR factor, the scaler's step
         if self.scheduler is not None and not self.interrupted:
             self.scheduler.step()
-        return self.after_update().updated
+        result = self.after_update().updated
+        self.usage.after_step()
+        return result
 
     def before_update(
         self,
@@ -463,6 +485,7 @@ class Guard:
         and the coming ``optimizer.step()`` changes nothing (update.py). ``step`` is a
         framework's own step number (default: the Guard's count).
         """
+        check_loss(loss)
         self._start()
         if step is not None:
             self.step_count = step
@@ -622,6 +645,7 @@ class Guard:
         if self._closed:
             return self.summary()
         self._closed = True
+        self.usage.close()
         self.saver.close()
         self.checkpoints.drain()
         if finished is None:
@@ -647,6 +671,7 @@ class Guard:
             self.publisher.close(self.config.flush_timeout)
         if self._own_runtime is not None:
             self._own_runtime.close()
+        self.narrator.repeats.end()  # the counts of lines said once and then counted
         summary = self.summary()
         log.warning("%s", summary)
         return summary
@@ -838,7 +863,7 @@ class Guard:
         }[reason]
         if self.mode is GuardMode.OBSERVE:
             self.counters["actions_withheld"] += 1
-            self.narrator.would_skip_update(step, why)
+            self.narrator.would_skip_update(step, why, reason)
             return None
         log.warning(
             "spikeguard: skipped the update of step %d: %s; cost: 1 update, no rollback", step, why
@@ -873,6 +898,11 @@ class Guard:
             # Past the budget the Guard alerts and asks: ending the run is a person's call then
             # (an operator's `spikeguard stop` has no decision and still applies).
             return "the recovery budget is spent: stopping the run is left to a person (spikeguard stop)"
+        if action.kind is ActionKind.SKIP_BATCHES and self.loader is None:
+            return (
+                "there is no guard.data(loader), so the Guard cannot skip batches; the loop reads "
+                "on, and the batches of those steps are not read again"
+            )
         if action.decision_id is not None:
             return self._refused_decisions.get(action.decision_id)  # weighed whole: _weigh_plans
         return self._over_budget([action])
@@ -968,6 +998,7 @@ class Guard:
             dict(n.applied),
             dict(n.withheld),
             self.lr.scale,
+            dict(self.acks.notices),
         )
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Hashable, NamedTuple
 
 from spikeguard.integrations.loggers import ActionLogger, send
 from spikeguard.schemas import Action, ActionKind
@@ -56,6 +57,7 @@ class RunSummary(NamedTuple):
     actions: dict[str, int]  # applied, by kind
     withheld: dict[str, int]  # not applied (mode or budget), by kind
     lr_scale: float  # the Guard's factor on the schedule now
+    notices: dict[str, int] = {}  # alerts and requested checkpoints applied: they steer nothing
 
     def __str__(self) -> str:
         def kinds(counts: dict[str, int]) -> str:
@@ -66,11 +68,55 @@ class RunSummary(NamedTuple):
             f"{self.steps_run} run; {self.steps_rerun} re-run after rollbacks, "
             f"{self.batches_skipped} batches ({self.steps_skipped} steps' data) skipped, "
             f"{self.updates_skipped} update(s) skipped. {self.incidents} incident(s); "
-            f"actions applied: {kinds(self.actions)}; withheld: {kinds(self.withheld)}."
+            f"actions applied: {kinds(self.actions)}; withheld: {kinds(self.withheld)}"
         )
+        text += f"; also applied: {kinds(self.notices)}." if self.notices else "."
         if self.lr_scale != 1.0:
             text += f" The LR ends at {self.lr_scale:.3g}x its schedule."
         return text
+
+
+@dataclass
+class Streak:
+    """One line said, and how often it came again since."""
+
+    what: str
+    first: int  # the step it was said at
+    last: int  # the step it came last
+    again: int = 0
+
+
+class Repeats:
+    """A line that comes step after step says nothing new after the first time: it is said once,
+    the rest are counted, and the count said when the streak ends (``gap`` steps without it, a
+    rollback to before it, or ``end()`` at the run's close)."""
+
+    def __init__(self, gap: int = 100) -> None:
+        self.gap = gap
+        self.streaks: dict[Hashable, Streak] = {}
+
+    def first(self, key: Hashable, step: int, what: str) -> bool:
+        """Whether to say this line now (else it was counted)."""
+        streak = self.streaks.get(key)
+        if streak is not None and 0 <= step - streak.last <= self.gap:
+            streak.last, streak.again = step, streak.again + 1
+            return False
+        self.end(key)
+        self.streaks[key] = Streak(what, step, step)
+        return True
+
+    def end(self, key: Hashable | None = None) -> None:
+        """Say the count of the streak ``key`` (None: of every streak), and forget it."""
+        for k in list(self.streaks) if key is None else [key]:
+            streak = self.streaks.pop(k, None)
+            if streak is not None and streak.again:
+                log.warning(
+                    "spikeguard: %s: said at step %d, and the same %d more time(s) up to step %d",
+                    streak.what,
+                    streak.first,
+                    streak.again,
+                    streak.last,
+                )
 
 
 class Narrator:
@@ -78,6 +124,7 @@ class Narrator:
 
     def __init__(self, run_id: str, loggers: list[ActionLogger] | None = None) -> None:
         self.run_id = run_id
+        self.repeats = Repeats()
         self.loggers = loggers if loggers is not None else []  # TensorBoard, W&B: opt-in
         self.applied: Counter[str] = Counter()
         self.withheld: Counter[str] = Counter()
@@ -111,21 +158,26 @@ class Narrator:
         """An action not taken: what it would have done, and why it was not."""
         self.withheld[action.kind.value] += 1
         self._incident(action)
+        what = f"would {action.kind.value.replace('_', ' ')}, not done: {because}"
         text = (
             f"spikeguard: would {action.kind.value.replace('_', ' ')} at step {step} ({would}), "
             f"not done: {because}; why it was asked: {_why(action)}{_of(action)}"
         )
-        log.warning("%s", text)
+        if self.repeats.first((action.kind, because), step, what):
+            log.warning("%s", text)
         if self.loggers:
             send(self.loggers, step, action, False, text)
 
-    def would_skip_update(self, step: int, reason: str) -> None:
+    def would_skip_update(self, step: int, reason: str, kind: str = "") -> None:
+        """``kind``: the skip's reason code; a streak of one kind is said once, then counted."""
         self.withheld["skip_update"] += 1
-        log.warning(
-            "spikeguard: would skip the update of step %d (%s), not done: observe mode",
-            step,
-            reason.replace("_", " "),
-        )
+        what = f"would skip the update ({kind.replace('_', ' ') or reason}), not done: observe mode"
+        if self.repeats.first(("skip_update", kind or reason), step, what):
+            log.warning(
+                "spikeguard: would skip the update of step %d (%s), not done: observe mode",
+                step,
+                reason.replace("_", " "),
+            )
 
     def _incident(self, action: Action) -> None:
         if action.incident_id:
