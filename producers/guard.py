@@ -308,6 +308,7 @@ class Guard:
         self.finished = False  # see lifecycle.py: a finished run is never resumed
         self.bus, self.topics = bus, topics or Topics()
         self.publisher = self.inbox = self.waiter = None
+        watch: ProtectionWatch | None = None  # (how far the pipeline has judged: rank 0's inbox)
         if bus is not None:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
@@ -355,6 +356,8 @@ class Guard:
             config=cfg,
             sharded=self.sharded,
             ack=self.acks.send,
+            judged=None if watch is None else (lambda: watch.judged),
+            min_rollback_steps=self.plan.min_rollback_steps,
         )
         self.applier = ActionApplier(
             self,
