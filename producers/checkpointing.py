@@ -40,7 +40,7 @@ from spikeguard.producers.checkpoints import (
 )
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig, ResumeMode
-from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.distributed import RankSync, RanksFailed
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.io_faults import IOFaults, IOKind
@@ -228,6 +228,18 @@ class CheckpointKeeper:
         older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]
         return [Candidate.of(c) for c in [info, *older]], note
 
+    def agreed_rollback_candidates(
+        self, target_step: int, checkpoint_id: str | None, onset_step: int | None = None
+    ) -> tuple[list[Candidate], str]:
+        """``rollback_candidates`` as rank 0 chose them, on every rank; when choosing failed there
+        (a directory it cannot list), every rank fails the rollback with the same message."""
+        try:
+            return self.sync.decide(
+                lambda: self.rollback_candidates(target_step, checkpoint_id, onset_step)
+            )
+        except RanksFailed as exc:
+            raise ActionFailed(f"choosing the checkpoint to roll back to failed: {exc}") from None
+
     def load_agreed(self, candidates: list["Candidate"]) -> "Loaded":
         """Load the first of ``candidates`` (the same list on every rank) that every rank can read.
 
@@ -248,6 +260,8 @@ class CheckpointKeeper:
                 body = self.store.load(info)
             except CheckpointUnreadable as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. listing the directory: this rank's outcome
+                error = f"{type(exc).__name__}: {exc}"[:1000]
             error = self.sync.agree(error)
             if error is None and self.sharded:
                 try:
@@ -409,13 +423,16 @@ class CheckpointKeeper:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
             # Fusion's onset, the one the report shows; without it, the earliest it could be.
             onset = action.incident_onset_step
-            self.incidents.incident(
-                action.incident_id,
-                self.onset_of(action) if onset is None else onset,
-                self.run.generation,
-                self.run.step_count,
-                self.store.newest_healthy,
-            )
+            try:
+                self.incidents.incident(
+                    action.incident_id,
+                    self.onset_of(action) if onset is None else onset,
+                    self.run.generation,
+                    self.run.step_count,
+                    self.store.newest_healthy,
+                )
+            except Exception:  # noqa: BLE001 - forensics, on rank 0 alone: never the action's outcome
+                log.exception("spikeguard: keeping incident %s failed", action.incident_id)
 
     def incident_found(self, action: Action) -> None:
         """An anomaly action that names an incident: the incident began up to
