@@ -6,8 +6,8 @@ then STOP. Here the pipeline's pulses (signed ``pulse`` actions, how the trainer
 its steps are judged) stop at step 50 while the run trains on to step 150, with
 ``keep_checkpoints=4``: the checkpoint a late decision needs (at least the policy's distance
 before the oldest step not judged) is still on disk, no deletion of it is published, and a
-rollback to it, as the late action asks, lands there. The bus is the embedded one: what is
-tested is the trainer's rotation and the pulses it reads, the same on either bus.
+rollback to it, as the late action asks, lands there. Here on the embedded bus; the same
+scenario on the real broker is tests/integration/test_late_decisions_kafka.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ EVERY, KEEP, DISTANCE = 10, 4, 10  # the policy's rollback_min_steps_before_onse
 JUDGED = 50  # the newest step a pulse names; none after it (the outage)
 
 
+RUN = "late-run"
+
+
 def _pulse(run_id: str, step: int) -> bytes:
     action = Action(
         action_id=f"pulse-{step}",
@@ -38,7 +41,7 @@ def _pulse(run_id: str, step: int) -> bytes:
     return encode(sign_action(action, KEY))
 
 
-def _guard(tmp_path, bus: EmbeddedBus) -> tuple[Guard, torch.nn.Module, torch.optim.Optimizer]:
+def _guard(tmp_path, bus, topics: Topics) -> tuple[Guard, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -52,7 +55,7 @@ def _guard(tmp_path, bus: EmbeddedBus) -> tuple[Guard, torch.nn.Module, torch.op
         signing_key=KEY,
         policy={"rollback_min_steps_before_onset": DISTANCE},
     )
-    return Guard(model, opt, run_id="late-run", bus=bus, config=config), model, opt
+    return Guard(model, opt, run_id=RUN, bus=bus, topics=topics, config=config), model, opt
 
 
 def _train(guard: Guard, model, opt, until: int) -> None:
@@ -65,12 +68,14 @@ def _train(guard: Guard, model, opt, until: int) -> None:
         guard.step(loss.detach())
 
 
-def test_a_decision_that_comes_late_still_finds_its_checkpoint(tmp_path):
-    bus = EmbeddedBus()
-    guard, model, opt = _guard(tmp_path, bus)
+def late_decision(tmp_path, bus, topics: Topics) -> None:
+    """The scenario on ``bus``: pulses up to step 50, then none; a rollback to before 41 at 150."""
+    guard, model, opt = _guard(tmp_path, bus, topics)
     _train(guard, model, opt, JUDGED + 1)
-    bus.producer().publish(Topics().actions, _pulse("late-run", JUDGED), key="late-run")
-    deadline = time.monotonic() + 10.0
+    producer = bus.producer()
+    producer.publish(topics.actions, _pulse(RUN, JUDGED), key=RUN)
+    producer.flush()
+    deadline = time.monotonic() + 30.0
     while guard.inbox.protection.judged != (0, JUDGED):  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "the pulse never reached the trainer"
         time.sleep(0.005)
@@ -83,13 +88,17 @@ def test_a_decision_that_comes_late_still_finds_its_checkpoint(tmp_path):
     assert len(kept) <= KEEP + 2, kept  # the newest KEEP, the newest healthy, the awaited one
     deleted = {
         e.step
-        for e in (decode(r.value, CheckpointEvent) for r in bus.read_all(Topics().checkpoints))
-        if e.deleted
+        for e in (decode(r.value, CheckpointEvent) for r in bus.read_all(topics.checkpoints))
+        if e.deleted and e.run_id == RUN
     }
     assert 40 not in deleted and {10, 20, 30} <= deleted, sorted(deleted)
     text = guard.rollback(needed, None, onset_step=JUDGED + 20)  # what the late action asks
     assert text.startswith("rolled back to step 40"), text
     guard.close(finished=False)
+
+
+def test_a_decision_that_comes_late_still_finds_its_checkpoint(tmp_path):
+    late_decision(tmp_path, EmbeddedBus(), Topics())
 
 
 def test_rotation_keeps_the_newest_healthy_checkpoint_far_enough_before_what_is_not_judged(
