@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from spikeguard.bus import EmbeddedBus
@@ -97,6 +98,7 @@ def late_decision(tmp_path, bus, topics: Topics) -> None:
     guard.close(finished=False)
 
 
+@pytest.mark.heavy  # (150 guarded steps with 15 checkpoints: ~5 s on a loaded box)
 def test_a_decision_that_comes_late_still_finds_its_checkpoint(tmp_path):
     late_decision(tmp_path, EmbeddedBus(), Topics())
 
