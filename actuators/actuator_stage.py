@@ -10,6 +10,12 @@ also authenticates the run events: one not signed by the run's Guard goes to
 the DLQ and changes nothing (``RunSettingsStage.admit``); so does a decision,
 checkpoint event or ack not signed by its producer, or far beyond the run's clock.
 
+Nothing orders the decisions topic against the acks topic: after a restart the actuator
+reads a backlog, and a rollback's re-run (its new epoch) can be decided before its ack
+arrives. A trainer's epoch moves only by applying a rollback, so a decision of a newer epoch
+than the policy's settles its unsettled rollback as applied (``_applied_by_epoch``): no
+"not acknowledged" alert for it, and the re-run is judged as it is when the ack comes first.
+
 Every ``pulse_interval_s`` at most (None: never), a run whose decisions arrive gets a signed
 ``pulse`` action naming the newest step decided: its trainer learns that its
 steps are judged, and says so when they are not (producers/protection.py).
@@ -30,6 +36,7 @@ from spikeguard.actuators.run_settings import cadence_problem, given_policy, run
 from spikeguard.streaming.run_settings_stage import RunSettingsStage, handled_through
 from spikeguard.schemas import (
     Ack,
+    AckStatus,
     Action,
     ActionKind,
     CheckpointEvent,
@@ -103,7 +110,8 @@ class ActuatorStage(RunSettingsStage):
                 policy = self.run(event.run_id)  # type: ignore[attr-defined]
                 if isinstance(event, Decision):
                     counts = dict(policy.counts)
-                    actions = policy.on_decision(event)
+                    actions = self._applied_by_epoch(policy, event)
+                    actions += policy.on_decision(event)
                     self._say_incident(event.run_id, actions)
                     actions += self._pulse(event, now)
                     if policy.counts != counts:  # duplicate, late, or from an abandoned timeline
@@ -141,6 +149,29 @@ class ActuatorStage(RunSettingsStage):
             f"{problem}",
         )
         return plan.actions()
+
+    @staticmethod
+    def _applied_by_epoch(policy: Any, decision: Decision) -> list[Action]:
+        """The APPLIED ack of the policy's unsettled rollback, when ``decision`` is of a newer
+        epoch than the policy's (the trainer applied it; its own ack may come later)."""
+        if decision.epoch <= policy.epoch:
+            return []
+        unsettled = [r for r in policy.recovery.rollbacks if r.status in ("pending", "timed_out")]
+        if not unsettled:
+            return []
+        rollback = unsettled[-1]
+        return list(
+            policy.on_ack(
+                Ack(
+                    run_id=decision.run_id,
+                    action_id=rollback.action_id,
+                    kind=ActionKind.ROLLBACK,
+                    status=AckStatus.APPLIED,
+                    step=rollback.apply_at_step,
+                    result=f"applied: the run's steps of epoch {decision.epoch} say so",
+                )
+            )
+        )
 
     def _pulse(self, decision: Decision, now: float) -> list[Action]:
         """A pulse for the decision's run, if its last one is ``pulse_interval_s`` old."""

@@ -90,6 +90,7 @@ from spikeguard.schemas import (
     Decision,
     Evidence,
     WITHHELD,
+    action_id,
 )
 
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
@@ -161,6 +162,10 @@ class RecoveryPolicy:
         self.last_preventive_tick: int | None = None
         self.stopped = False
         self.acks: OrderedDict[str, str] = OrderedDict()  # action id -> last status seen
+        # A recovery is judged only on steps after it took effect: its actions' incident until an
+        # ack says it was applied, then where ([epoch, step]; step -1: all of a rollback's epoch).
+        self.recovery_actions: OrderedDict[str, str] = OrderedDict()  # action id -> incident
+        self.recovered_at: OrderedDict[str, list[int] | None] = OrderedDict()  # incident -> where
         self.counts = {"duplicate": 0, "late": 0, "abandoned": 0}
 
     # --- inputs -------------------------------------------------------------------------
@@ -240,6 +245,13 @@ class RecoveryPolicy:
                 f"{ack.kind.value} action {ack.action_id} {ack.status.value} "
                 f"at step {ack.step}: {ack.result or 'no detail'}",
             )
+        if ack.status is AckStatus.APPLIED or ack.status in _FAILED:
+            incident = self.recovery_actions.pop(ack.action_id, None)
+            if incident is not None and self.recovered_at.get(incident, []) is None:
+                # its first action answered: the steps after it judge the recovery (all of the
+                # epoch a rollback opened)
+                rolled = record is not None and record.status == "applied"
+                self.recovered_at[incident] = [self.epoch, -1 if rolled else ack.step]
         return plan.actions()
 
     # --- ordering, duplicates, epochs ------------------------------------------------------
@@ -726,6 +738,9 @@ class RecoveryPolicy:
         self.healthy_streak = 0
         confirmed = d.critical if confirmed is None else confirmed
         too_many = self.recovery.ledger.escalation_reason(inc, self.observed_steps)
+        at = self.recovered_at.get(inc.key, [])
+        if too_many is not None and (at is None or (at and [self.epoch, d.step] < at)):
+            return  # the trainer ran this step before the last recovery took effect: not its failure
         if too_many is not None and confirmed:
             plan.response = Response.STOP
             add_escalation(plan, too_many)
@@ -738,6 +753,7 @@ class RecoveryPolicy:
                 f"{why}; not recovering again: {too_many}, and the evidence is not critical",
             )
             return
+        issued = len(plan.items)
         if not self.recovery.recover(
             plan,
             d,
@@ -755,6 +771,13 @@ class RecoveryPolicy:
                 f"{why}; {self.recovery.missing_target(inc, d)}, and the "
                 "incident is not confirmed (not critical): no fallback",
             )
+            return
+        for ordinal, (params, _) in enumerate(plan.items[issued:], issued):
+            self.recovery_actions[action_id(plan.source, params.kind.value, ordinal)] = inc.key
+        self.recovered_at[inc.key] = None
+        for book in (self.recovery_actions, self.recovered_at):
+            while len(book) > MAX_ACK_RECORDS:
+                book.popitem(last=False)
 
     def _watch(self, plan: ActionPlan, inc: Incident, why: str) -> None:
         if inc.watched:
@@ -788,6 +811,8 @@ class RecoveryPolicy:
             "data_level_until": self.data_level_until,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
+            "recovery_actions": [[k, v] for k, v in self.recovery_actions.items()],
+            "recovered_at": [[k, v] for k, v in self.recovered_at.items()],
             "counts": dict(self.counts),
             "recovery": self.recovery.state_dict(),
             "incidents": self.incidents.state_dict(),
@@ -820,6 +845,8 @@ class RecoveryPolicy:
         self.rerun_window = None if window is None else RerunWindow(*window)
         self.data_level_until = state.get("data_level_until")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
+        self.recovery_actions = OrderedDict((k, v) for k, v in state.get("recovery_actions", []))
+        self.recovered_at = OrderedDict((k, v) for k, v in state.get("recovered_at", []))
         self.counts = dict(state["counts"])
         self.recovery.load_state_dict(state["recovery"])
         self.incidents.load_state_dict(state["incidents"])

@@ -10,6 +10,12 @@ disk, from the training thread (``CheckpointKeeper.drain``, every step).
 A checkpoint is marked healthy only if the trainer saw nothing wrong at that
 step (health.py).
 
+Rotation keeps what a decision still to come may need (checkpoints.Awaiting):
+the pipeline's pulses say how far it has judged (``judged``, rank 0's
+:class:`~spikeguard.producers.protection.ProtectionWatch`), and with every save
+rank 0 names the limit, far enough (``min_rollback_steps``, the policy's distance
+before an onset) before the oldest step not judged; every rank rotates alike.
+
 With several ranks, which checkpoint a rollback or a resume loads is decided
 once, by rank 0, and shared; every rank reads it (checksums checked) and the
 ranks agree before anything is applied: all load it, or all pass over it to
@@ -26,10 +32,15 @@ from spikeguard.errors import ConfigError
 from spikeguard.producers import lifecycle
 from spikeguard.producers.actions import ActionFailed, Outcome
 from spikeguard.producers.async_checkpoint import AsyncSaver, SaveJob, SaveResult
-from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointStore, CheckpointUnreadable
+from spikeguard.producers.checkpoints import (
+    Awaiting,
+    CheckpointInfo,
+    CheckpointStore,
+    CheckpointUnreadable,
+)
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig, ResumeMode
-from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.distributed import RankSync, RanksFailed
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.io_faults import IOFaults, IOKind
@@ -90,6 +101,8 @@ class CheckpointKeeper:
         config: GuardConfig,
         sharded: bool,
         ack: Callable[[Outcome], None],
+        judged: Callable[[], tuple[int, int] | None] | None = None,
+        min_rollback_steps: int = 0,
     ) -> None:
         self.run = run
         self.saver = saver
@@ -107,6 +120,8 @@ class CheckpointKeeper:
         self.config = config
         self.sharded = sharded  # a sharded model's shards are read collectively (parts.read)
         self.ack = ack
+        self.judged = judged  # the newest (epoch, step) the pipeline judged (None: nobody judges)
+        self.min_rollback_steps = min_rollback_steps
         self.requests: list[
             tuple[Action, str]
         ] = []  # checkpoints actions asked for, taken at step end
@@ -213,6 +228,18 @@ class CheckpointKeeper:
         older = [c for c in self.store.list(0) if c.healthy and c.order < info.order]
         return [Candidate.of(c) for c in [info, *older]], note
 
+    def agreed_rollback_candidates(
+        self, target_step: int, checkpoint_id: str | None, onset_step: int | None = None
+    ) -> tuple[list[Candidate], str]:
+        """``rollback_candidates`` as rank 0 chose them, on every rank; when choosing failed there
+        (a directory it cannot list), every rank fails the rollback with the same message."""
+        try:
+            return self.sync.decide(
+                lambda: self.rollback_candidates(target_step, checkpoint_id, onset_step)
+            )
+        except RanksFailed as exc:
+            raise ActionFailed(f"choosing the checkpoint to roll back to failed: {exc}") from None
+
     def load_agreed(self, candidates: list["Candidate"]) -> "Loaded":
         """Load the first of ``candidates`` (the same list on every rank) that every rank can read.
 
@@ -233,6 +260,8 @@ class CheckpointKeeper:
                 body = self.store.load(info)
             except CheckpointUnreadable as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. listing the directory: this rank's outcome
+                error = f"{type(exc).__name__}: {exc}"[:1000]
             error = self.sync.agree(error)
             if error is None and self.sharded:
                 try:
@@ -328,10 +357,23 @@ class CheckpointKeeper:
             self.position.state_dict()["position"],
             list(requests or ()),
         )
+        self.store.awaiting = self.awaiting()  # (read when this save rotates)
         self.saver.submit(lambda: self.parts.state_dict(self.rank), job)
         run.counters["checkpoints"] += 1
         run.finished = run.finished or reason == "final"
         return job
+
+    def awaiting(self) -> Awaiting | None:
+        """The rollback target decisions not made yet may need: rank 0's, on every rank."""
+        mine = None
+        if self.judged is not None:
+            judged = self.judged()
+            mine = (
+                Awaiting(self.run.generation, -1)  # nothing judged yet: the oldest healthy one
+                if judged is None
+                else Awaiting(judged[0], judged[1] + 1 - self.min_rollback_steps)
+            )
+        return self.sync.share(mine) if self.sync.enabled else mine
 
     def drain(self) -> list[Saved]:
         """Publish (and ack) the saves that reached the disk since the last call."""
@@ -381,13 +423,16 @@ class CheckpointKeeper:
             self.saver.wait()  # a checkpoint still being written is not on disk to link yet
             # Fusion's onset, the one the report shows; without it, the earliest it could be.
             onset = action.incident_onset_step
-            self.incidents.incident(
-                action.incident_id,
-                self.onset_of(action) if onset is None else onset,
-                self.run.generation,
-                self.run.step_count,
-                self.store.newest_healthy,
-            )
+            try:
+                self.incidents.incident(
+                    action.incident_id,
+                    self.onset_of(action) if onset is None else onset,
+                    self.run.generation,
+                    self.run.step_count,
+                    self.store.newest_healthy,
+                )
+            except Exception:  # noqa: BLE001 - forensics, on rank 0 alone: never the action's outcome
+                log.exception("spikeguard: keeping incident %s failed", action.incident_id)
 
     def incident_found(self, action: Action) -> None:
         """An anomaly action that names an incident: the incident began up to

@@ -7,6 +7,13 @@ newest healthy one: a burst of checkpoints taken during an incident can never
 push the last good state out. "Newest" is (epoch, step): every checkpoint of
 epoch e+1 (after a rollback) is newer than every one of epoch e.
 
+Lateness never costs recoverability: while the pipeline has not judged every
+step yet, rotation also keeps the rollback target a decision still to come may
+need (:class:`Awaiting`, set by the trainer from the pipeline's pulses,
+checkpointing.py): the newest healthy checkpoint far enough before the oldest
+step not yet judged, whatever ``keep`` says. A decision that comes late (an
+outage, a flood, a restarted worker) still finds a checkpoint before its onset.
+
 With several ranks, rank 0 writes the full checkpoint and every other rank a
 small companion file with its own RNG state (``...-<id>.rank<r>.pt``).
 
@@ -37,7 +44,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -91,6 +98,15 @@ def _rank_of(name: str) -> int:
     return int(m.group(5)) if m and m.group(5) is not None else 0
 
 
+class Awaiting(NamedTuple):
+    """Decisions not made yet may need a rollback target at or before step ``max_step`` of
+    ``epoch``: the oldest step not yet judged, less the policy's distance before an onset
+    (``max_step`` below 0: nothing judged yet, the oldest healthy checkpoint is kept)."""
+
+    epoch: int
+    max_step: int
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     checkpoint_id: str
@@ -116,6 +132,9 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.run_id = run_id
         self.keep = keep
+        #: What the decisions still to come may need (None: nobody judges this run); read by
+        #: rotation, on the saver's thread.
+        self.awaiting: Awaiting | None = None
         self.rank = rank
         self.directory.mkdir(parents=True, exist_ok=True)
         # Only this rank's leftovers: the directory is shared, and another rank may be
@@ -210,12 +229,13 @@ class CheckpointStore:
         return demoted
 
     def rotate(self) -> list[CheckpointInfo]:
-        """Delete all but the newest ``keep`` and the newest healthy; returns what went."""
+        """Delete all but the newest ``keep``, the newest healthy and the one a decision still to
+        come may need (:meth:`awaited`); returns what went."""
         found = self.list()
         keep = set(c.path for c in found[: self.keep])
-        healthy = next((c for c in found if c.healthy), None)
-        if healthy is not None:
-            keep.add(healthy.path)
+        for held in (next((c for c in found if c.healthy), None), self.awaited(found)):
+            if held is not None:
+                keep.add(held.path)
         removed = [c for c in found if c.path not in keep]
         for c in removed:
             c.path.unlink(missing_ok=True)
@@ -223,6 +243,19 @@ class CheckpointStore:
             if self.rank == 0:
                 shutil.rmtree(self.shard_dir(c.checkpoint_id), ignore_errors=True)
         return removed
+
+    def awaited(self, found: Sequence[CheckpointInfo]) -> CheckpointInfo | None:
+        """Of ``found`` (newest first), the rollback target a decision not made yet may need: the
+        newest healthy one at or before ``awaiting``; when none is that far back, the oldest
+        healthy one (the nearest there is to what such a decision asks for)."""
+        awaiting = self.awaiting
+        if awaiting is None:
+            return None
+        healthy = [c for c in found if c.healthy and c.epoch <= awaiting.epoch]
+        far_enough = [c for c in healthy if c.step <= awaiting.max_step]
+        if far_enough:
+            return far_enough[0]
+        return healthy[-1] if healthy else None
 
     def sum_path(self, cid: str, rank: int | None = None) -> Path:
         """Where the SHA-256 of ``rank``'s file of checkpoint ``cid`` is (this rank's by default)."""

@@ -22,7 +22,11 @@ checkpoint directory must be one every rank can read. Which checkpoint a
 rollback or a resume loads is decided once, by rank 0, after its own saves
 are on disk, and shared; every rank then reports whether it could read it
 (``agree``), and all load it, or all fall back to the next older one, or all
-fail with the same message (checkpointing.py). A sharded model (FSDP2, DTensor) is written with
+fail with the same message (checkpointing.py). Whatever one rank decides for
+all (which checkpoint, whether a plan is within the recovery budget) is decided
+by ``decide``: an exception there is every rank's outcome, never one rank's
+alone, so no rank is left waiting in a collective the others never enter.
+A sharded model (FSDP2, DTensor) is written with
 torch.distributed.checkpoint, every rank its own shards (sharded.py).
 
 With a sharded model each rank holds a slice of every gradient, so a norm of
@@ -35,15 +39,29 @@ the mesh once.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from spikeguard.errors import SpikeguardError
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - a torch built without distributed
     DTensor = None
+
+
+class RanksFailed(SpikeguardError):
+    """What rank 0 decides for every rank failed there: raised on every rank, with its message."""
+
+
+def outcome_of(work: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``work()``'s value, or None and the exception it raised, as text: this rank's outcome."""
+    try:
+        return work(), None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+        return None, f"{type(exc).__name__}: {exc}"[:1000]
 
 
 class RankSync:
@@ -130,6 +148,23 @@ class RankSync:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def decide(self, work: Callable[[], Any]) -> Any:
+        """Rank 0's ``work()``, on every rank; RanksFailed on every rank when it raised there."""
+        value, error = outcome_of(work) if self.rank == 0 else (None, None)
+        if self.enabled:
+            value, error = self.share((value, error))
+        if error is not None:
+            raise RanksFailed(error)
+        return value
+
+    def least(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (an input every rank must weigh alike)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def outcomes(self, error: str | None) -> list[str | None]:
         """Every rank's outcome of the same step (None: it succeeded), in rank order, on every rank."""
         if not self.enabled:
@@ -143,15 +178,15 @@ class RankSync:
         why: the same text on every rank."""
         return failures(self.outcomes(error))
 
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)
+
 
 def failures(errors: list[str | None]) -> str | None:
     """One message for the ranks that failed (None: none did)."""
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     return "; ".join(failed) or None
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier(group=self.group)
 
 
 def is_sharded(tensors: Sequence[torch.Tensor]) -> bool:

@@ -60,7 +60,7 @@ from spikeguard.producers.checkpoints import CheckpointInfo, CheckpointStore
 from spikeguard.producers.clipping import GradClipper
 from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
 from spikeguard.producers.data import GuardedLoader
-from spikeguard.producers.distributed import RankSync
+from spikeguard.producers.distributed import RankSync, RanksFailed
 from spikeguard.producers.evidence import own_view
 from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
@@ -317,6 +317,7 @@ class Guard:
         self.finished = False  # see lifecycle.py: a finished run is never resumed
         self.bus, self.topics = bus, topics or Topics()
         self.publisher = self.inbox = self.waiter = None
+        watch: ProtectionWatch | None = None  # (how far the pipeline has judged: rank 0's inbox)
         if bus is not None:
             t = self.topics
             bus.create_topics([t.steps, t.acks, t.checkpoints, t.actions, t.decisions])
@@ -364,6 +365,8 @@ class Guard:
             config=cfg,
             sharded=self.sharded,
             ack=self.acks.send,
+            judged=None if watch is None else (lambda: watch.judged),
+            min_rollback_steps=self.plan.min_rollback_steps,
         )
         self.applier = ActionApplier(
             self,
@@ -701,10 +704,8 @@ class Guard:
         self.saver.wait()  # the checkpoint it needs may still be being written
         self.checkpoints.drain()
         # Rank 0 chooses once its own saves are on disk (waited for above); the rest follow.
-        candidates, note = self.sync.share(
-            self.checkpoints.rollback_candidates(target_step, checkpoint_id, onset_step)
-            if self.rank == 0
-            else None
+        candidates, note = self.checkpoints.agreed_rollback_candidates(
+            target_step, checkpoint_id, onset_step
         )
         loaded = self.checkpoints.load_agreed(candidates)
         info = loaded.info
@@ -903,26 +904,47 @@ class Guard:
                 "there is no guard.data(loader), so the Guard cannot skip batches; the loop reads "
                 "on, and the batches of those steps are not read again"
             )
-        if action.decision_id is not None:
-            return self._refused_decisions.get(action.decision_id)  # weighed whole: _weigh_plans
-        return self._over_budget([action])
+        # weighed whole, by decision (an action of no decision alone): _weigh_plans
+        return self._refused_decisions.get(action.decision_id or action.action_id)
 
     def _weigh_plans(self, due: list[Action]) -> None:
         """Weigh each decision's plan whole against the recovery budget before any of it is applied:
-        a rollback must not go ahead when the skip window that comes with it is refused."""
+        a rollback must not go ahead when the skip window that comes with it is refused.
+
+        With several ranks, rank 0 weighs (it alone holds the plans' actions not due yet) with
+        the run's length all ranks agree on, and every rank withholds what it refused; when
+        weighing fails there, every rank withholds the plans due."""
         if self.mode is not GuardMode.PROTECT:
             return
-        for decision in dict.fromkeys(a.decision_id for a in due if a.decision_id is not None):
-            if decision in self._refused_decisions:
-                continue
-            plan = [a for a in (*due, *self.actions.pending) if a.decision_id == decision]
-            because = self._over_budget(plan)
-            if because is not None:
-                self._refused_decisions[decision] = f"its plan is {because}"
-                while len(self._refused_decisions) > 1000:
-                    self._refused_decisions.popitem(last=False)
+        plans = dict.fromkeys(
+            a.decision_id or a.action_id
+            for a in due
+            if a.decision_id is not None or a.kind in STEERING
+        )
+        planned = self.sync.least(self.planned_steps())
+        try:
+            refused = self.sync.decide(lambda: self._refusals(list(plans), due, planned))
+        except RanksFailed as exc:
+            refused = {p: f"the recovery budget could not be weighed: {exc}" for p in plans}
+        self._refused_decisions.update(refused)
+        while len(self._refused_decisions) > 1000:
+            self._refused_decisions.popitem(last=False)
 
-    def _over_budget(self, plan: list[Action]) -> str | None:
+    def _refusals(self, plans: list[str], due: list[Action], planned: int) -> dict[str, str]:
+        """Why each of ``plans`` (a decision id, or an action id) is refused; those that fit: absent."""
+        refused = {}
+        for key in plans:
+            if key in self._refused_decisions:
+                continue
+            plan = [
+                a for a in (*due, *self.actions.pending) if (a.decision_id or a.action_id) == key
+            ]
+            because = self._over_budget(plan, planned)
+            if because is not None:
+                refused[key] = f"its plan is {because}"
+        return refused
+
+    def _over_budget(self, plan: list[Action], planned: int | None = None) -> str | None:
         asked = [
             self._asked(a) for a in plan if a.kind in STEERING and a.action_id not in self.ledger
         ]
@@ -930,7 +952,7 @@ class Guard:
         return self.budget.refusal(
             total,
             Spend(self.narrator.rerun_steps, self.counters["skipped_steps"]),
-            self.planned_steps(),
+            self.planned_steps() if planned is None else planned,
         )
 
     def _asked(self, action: Action) -> Spend:

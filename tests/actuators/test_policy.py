@@ -338,6 +338,7 @@ def test_fallback_counts_as_the_incident_recovery() -> None:
     policy = make(ckpts=())
     first = policy.on_decision(dec(500, T.NON_FINITE))
     assert K.SKIP_BATCHES in kinds(first)
+    policy.on_ack(ack(first[0]))  # applied at step 501: the steps after it judge it
     # Within the grace window the same incident triggers nothing; still failing after it stops the run.
     quiet = [policy.on_decision(dec(s, T.NON_FINITE, onset=500)) for s in range(501, 505)]
     assert quiet == [[]] * 4

@@ -355,6 +355,135 @@ def _flip_a_tensor_byte(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+# -- issue 37, rows 9-11: an exception on one rank, or a budget weighed per rank ------------------
+def _rollback_action(run_id: str, decision_id: str | None = "d") -> EmbeddedBus:
+    """Rank 0's bus, holding a ROLLBACK to step 10 due at step 12 (and, with a decision, its skip
+    window due at step 30: a part of the plan only rank 0 holds until then)."""
+    bus = EmbeddedBus()
+    actions = [
+        Action(
+            action_id="r-1",
+            run_id=run_id,
+            kind=ActionKind.ROLLBACK,
+            apply_at_step=12,
+            decision_id=decision_id,
+            params={"target_step": 10, "checkpoint_id": checkpoint_id(run_id, 10, 0)},
+        )
+    ]
+    if decision_id is not None:
+        actions.append(
+            Action(
+                action_id="s-1",
+                run_id=run_id,
+                kind=ActionKind.SKIP_BATCHES,
+                apply_at_step=30,
+                decision_id=decision_id,
+                params={"from_step": 11, "to_step": 12, "extra": 20},
+            )
+        )
+    for action in actions:
+        bus.producer().publish(Topics().actions, encode(action), key=run_id)
+    return bus
+
+
+def _faulty_rollback(
+    rank: int,
+    group: Any,
+    where: Path,
+    fault: Callable[[int, Guard], list],
+    sharded: bool = False,
+    epochs: tuple[int, int] = (5, 5),
+    **config: Any,
+) -> dict:
+    """The ROLLBACK of ``_rollback_action`` with ``fault(rank, guard)`` installed; every rank's
+    outcome, acks and state."""
+    model, opt = (_fsdp if sharded else _ddp)(group)
+    bus = _rollback_action(where.name) if rank == 0 else None
+    guard = _guard(model, opt, group, where, bus=bus, async_checkpoint=False, **config)
+    if rank == 0:
+        deadline = time.monotonic() + SIGNAL_WAIT
+        while guard.inbox._handed < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+    injected = fault(rank, guard)
+    _train(guard, model, opt, guard.data(_data(rank), epochs=epochs[rank]), 14)
+    acks = [decode(r.value, Ack) for r in bus.read_all(Topics().acks)] if bus is not None else []
+    return _end(
+        guard,
+        model,
+        opt,
+        injected=injected,
+        applied=[
+            (a["step"], a["epoch"], a["kind"], a["status"], a["result"]) for a in guard.applied
+        ],
+        acks=[(a.status.value, a.result) for a in acks],
+    )
+
+
+def _once_at_step_12(guard: Guard, name: str, on: Any = None) -> list:
+    """The first call of ``on.name`` (the guard's store by default) at step 12 raises an OSError."""
+    on = guard.store if on is None else on
+    real, injected = getattr(on, name), []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if guard.step_count == 12 and not injected:
+            injected.append(name)
+            raise OSError(5, f"Input/output error (injected in {name})")
+        return real(*args, **kwargs)
+
+    setattr(on, name, failing)
+    return injected
+
+
+def list_error_rank0(rank: int, group: Any, where: Path) -> dict:
+    """Row 9: listing the checkpoint directory fails once on rank 0 in the rollback's step."""
+    return _faulty_rollback(
+        rank, group, where, lambda r, g: _once_at_step_12(g, "list") if r == 0 else []
+    )
+
+
+def list_error_rank1(rank: int, group: Any, where: Path) -> dict:
+    """Row 9: listing the checkpoint directory fails once on rank 1 in the rollback's step."""
+    return _faulty_rollback(
+        rank, group, where, lambda r, g: _once_at_step_12(g, "list") if r == 1 else []
+    )
+
+
+def load_error(rank: int, group: Any, where: Path, sharded: bool = False) -> dict:
+    """Row 10: a store read error on rank 1 outside torch.load (``store.load`` raises OSError)."""
+    return _faulty_rollback(
+        rank,
+        group,
+        where,
+        lambda r, g: _once_at_step_12(g, "load") if r == 1 else [],
+        sharded=sharded,
+    )
+
+
+def fsdp_load_error(rank: int, group: Any, where: Path) -> dict:
+    return load_error(rank, group, where, sharded=True)
+
+
+BUDGET = {"recovery_min_steps": 0, "max_rerun_share": 0.1, "max_skip_share": 1.0}
+
+
+def budget_lengths(rank: int, group: Any, where: Path) -> dict:
+    """Row 11: the ranks' loaders differ in length (5 passes on rank 0, 1 on rank 1): the
+    2-step re-run fits rank 0's budget (8 steps of 80), not rank 1's (1 of 16)."""
+    return _faulty_rollback(rank, group, where, lambda r, g: [], epochs=(5, 1), **BUDGET)
+
+
+def budget_pending(rank: int, group: Any, where: Path) -> dict:
+    """Row 11: the rollback's skip window, due later, is only in rank 0's pending actions: the
+    plan whole is over the skip budget (22 of 8 allowed), the rollback alone is not."""
+    return _faulty_rollback(
+        rank,
+        group,
+        where,
+        lambda r, g: [],
+        **{**BUDGET, "max_rerun_share": 1.0, "max_skip_share": 0.1},
+    )
+
+
 SCENARIOS: dict[str, Callable[[int, Any, Path], dict]] = {
     "race": race,
     "read_error": read_error,
@@ -362,4 +491,10 @@ SCENARIOS: dict[str, Callable[[int, Any, Path], dict]] = {
     "late": late,
     "truncated": truncated,
     "fsdp_read_error": fsdp_read_error,
+    "list_error_rank0": list_error_rank0,
+    "list_error_rank1": list_error_rank1,
+    "load_error": load_error,
+    "fsdp_load_error": fsdp_load_error,
+    "budget_lengths": budget_lengths,
+    "budget_pending": budget_pending,
 }

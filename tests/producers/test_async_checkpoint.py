@@ -135,6 +135,7 @@ def test_rotation_in_the_background_still_keeps_the_newest_healthy(bus, tmp_path
     guard = make_guard(
         tiny, bus, tmp_path, checkpoint_every=2, keep_checkpoints=2, incident_window=100
     )
+    guard.checkpoints.judged = None  # (rotation alone: no pulse tracking, test_late_decisions.py)
 
     def poison(g, data, batch):
         if g.step_count == 5:

@@ -181,3 +181,60 @@ def test_a_rollback_falls_back_past_corrupt_checkpoints_on_every_rank(disagreeme
     assert r0["landed"] == r1["landed"] == 5
     assert r0["rollback"] == r1["rollback"]
     assert "10" in r0["rollback"] and "15" in r0["rollback"]  # says which ones it passed over
+
+
+# -- issue 37, rows 9-11: ranks agree on every outcome ----------------------------------------------
+def _same_outcome(r0: dict, r1: dict) -> tuple:
+    """Both ranks ended alike (the fixture checked the state hashes): the rollback's outcome."""
+    assert r0["applied"] == r1["applied"]
+    assert (r0["epoch"], r0["rollbacks"], r0["step"]) == (r1["epoch"], r1["rollbacks"], r1["step"])
+    rollback = [a for a in r0["applied"] if a[2] == "rollback"]
+    assert len(rollback) == 1, r0["applied"]
+    return tuple(rollback[0])
+
+
+def test_a_listing_error_on_rank_0_in_a_rollback_gives_every_rank_one_outcome(disagreement):
+    r0, r1 = disagreement("list_error_rank0")
+    assert r0["injected"] == ["list"] and not r1["injected"]
+    step, epoch, kind, status, result = _same_outcome(r0, r1)
+    # rank 0 could not weigh the plan: every rank withholds it, saying why
+    assert status == "rejected" and "could not be weighed" in result and "OSError" in result
+
+
+def test_a_listing_error_on_rank_1_in_a_rollback_falls_back_on_every_rank(disagreement):
+    r0, r1 = disagreement("list_error_rank1")
+    assert r1["injected"] == ["list"] and not r0["injected"]
+    step, epoch, kind, status, result = _same_outcome(r0, r1)
+    assert status == "applied" and result.startswith("rolled back to step 5"), result
+    assert "rank 1: OSError" in result
+
+
+def test_a_store_read_error_outside_torch_load_falls_back_on_every_rank_ddp(disagreement):
+    _fell_back_after_load_error(*disagreement("load_error"))
+
+
+def test_a_store_read_error_outside_torch_load_falls_back_on_every_rank_fsdp2(disagreement):
+    _fell_back_after_load_error(*disagreement("fsdp_load_error"))
+
+
+def _fell_back_after_load_error(r0: dict, r1: dict) -> None:
+    assert r1["injected"] == ["load"] and not r0["injected"]
+    step, epoch, kind, status, result = _same_outcome(r0, r1)
+    assert status == "applied" and result.startswith("rolled back to step 5"), result
+    assert "rank 1: OSError" in result and r0["epoch"] == 1
+
+
+def test_the_budget_weighs_the_length_every_rank_agrees_on(disagreement):
+    r0, r1 = disagreement("budget_lengths")
+    step, epoch, kind, status, result = _same_outcome(r0, r1)
+    # rank 1's loader is the shorter: 16 planned steps, 1 re-run allowed; the rollback asks 2
+    assert status == "rejected" and "re-run 2 steps" in result and "of 16 planned" in result
+    assert r0["epoch"] == r1["epoch"] == 0
+
+
+def test_the_budget_weighs_the_plan_only_rank_0_holds_whole_on_every_rank(disagreement):
+    r0, r1 = disagreement("budget_pending")
+    step, epoch, kind, status, result = _same_outcome(r0, r1)
+    # its skip window, due later, is over the skip budget: the rollback is withheld with it
+    assert status == "rejected" and "skip the data of 22 steps" in result, result
+    assert r0["epoch"] == r1["epoch"] == 0

@@ -141,6 +141,7 @@ def test_a_checkpoint_taken_after_an_incidents_onset_is_never_healthy(bus, topic
     guard = make_guard(
         tiny, bus, tmp_path, checkpoint_every=5, keep_checkpoints=3, detection_delay_steps=8
     )
+    guard.checkpoints.judged = None  # (rotation alone: no pulse tracking, test_late_decisions.py)
     train(guard, tiny, 22)
     assert all(c.healthy for c in guard.store.list())  # nothing looked wrong to the trainer itself
     found = action(ActionKind.SCALE_LR, at=22, factor=0.5).model_copy(update={"incident_id": "i-1"})
