@@ -832,7 +832,9 @@ class Guard:
         if reason not in ("non_finite", "outlier_step", "transient"):
             return reason
         why = {
-            "non_finite": f"non-finite loss or gradient (loss {stats.loss:.4g})",
+            "non_finite": f"non-finite loss (loss {stats.loss:.4g})"
+            if not math.isfinite(stats.loss)
+            else f"non-finite gradient (grad norm {stats.grad_norm:.4g}, loss {stats.loss:.4g})",
             "transient": "a re-run of the step came out different (a transient device fault)",
             "outlier_step": self._outlier_note,
         }[reason]
