@@ -970,7 +970,18 @@ class Guard:
             dict(n.applied),
             dict(n.withheld),
             self.lr.scale,
+            _recovery_clip(self.clipper, self.config.max_grad_norm),
         )
+
+
+def _recovery_clip(clipper: GradClipper, own: float | None) -> str:
+    """The clipping CLIP actions set beyond the user's own max_grad_norm ("": none)."""
+    bounds = []
+    if clipper.max_norm is not None and clipper.max_norm != own:
+        bounds.append(f"max_norm {clipper.max_norm:g}")
+    if clipper.z is not None:
+        bounds.append(f"{clipper.z:g} deviations above the mean norm (adaptive)")
+    return " and ".join(bounds)
 
 
 def _over(value: float | None) -> str:
