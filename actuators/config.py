@@ -192,7 +192,12 @@ class PolicyConfig(BaseModel):
         100, ge=0, description="the target checkpoint is at least this many steps before onset"
     )
     skip_extra_batches: int = Field(
-        200, ge=0, description="batches skipped beyond the rewound window (PaLM: 200-500 in all)"
+        4,
+        ge=0,
+        description="batches skipped beyond the anomalous window (onset to the judged step): a "
+        "margin for a bad stretch that goes on past the judged step. Small, so that the skip is "
+        "in proportion to the evidence (PaLM's 200-500 batches cost a run of a few thousand "
+        "steps 10 % of its data for a few bad batches); the Guard's max_skip_share bounds it",
     )
     max_checkpoints: int = Field(32, ge=1, le=10_000, description="healthy checkpoints remembered")
     data_level_hold_steps: int = Field(

@@ -96,6 +96,8 @@ from spikeguard.schemas import (
 __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
 
 MAX_ACK_RECORDS = 256
+MAX_LR_SENT = 64  # LR changes sent whose acks may still refuse them
+_LR_KINDS = (ActionKind.SCALE_LR, ActionKind.RESTORE_LR)
 LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
 _UNSETTLED = ("pending", "timed_out")
@@ -167,9 +169,23 @@ class RecoveryPolicy:
         self.recovery_actions: OrderedDict[str, str] = OrderedDict()  # action id -> incident
         self.recovered_at: OrderedDict[str, list[int] | None] = OrderedDict()  # incident -> where
         self.counts = {"duplicate": 0, "late": 0, "abandoned": 0}
+        # LR changes sent outside a rollback's plan, by action id: their factor. The trainer may
+        # refuse one (its own statistics found the step normal, its mode or budget): then the
+        # factor is taken back out, so that the policy's LR stays the trainer's.
+        self.lr_sent: OrderedDict[str, float] = OrderedDict()
 
     # --- inputs -------------------------------------------------------------------------
     def on_decision(self, decision: Decision) -> list[Action]:
+        actions = self._on_decision(decision)
+        if not any(a.kind is ActionKind.ROLLBACK for a in actions):  # a rollback's: its record's
+            for a in actions:
+                if a.kind in _LR_KINDS:
+                    self.lr_sent[a.action_id] = float(a.params["factor"])
+            while len(self.lr_sent) > MAX_LR_SENT:
+                self.lr_sent.popitem(last=False)
+        return actions
+
+    def _on_decision(self, decision: Decision) -> list[Action]:
         self._check_run(decision.run_id)
         if self.stopped:
             return []
@@ -233,6 +249,10 @@ class RecoveryPolicy:
             self.run_id, ack.action_id, self.epoch, ack.step + self.config.apply_lag_steps
         )
         record = self.recovery.record_of(ack.action_id)
+        refused_lr = self.lr_sent.pop(ack.action_id, None) if ack.status in _FAILED else None
+        if refused_lr is not None:
+            lr = self.recovery.lr
+            lr.set(max(ack.step, lr.log[-1][0] if lr.log else 0), lr.current / refused_lr)
         if record is not None:
             self._rollback_ack(plan, record, ack)
         elif (
@@ -814,6 +834,7 @@ class RecoveryPolicy:
             "recovery_actions": [[k, v] for k, v in self.recovery_actions.items()],
             "recovered_at": [[k, v] for k, v in self.recovered_at.items()],
             "counts": dict(self.counts),
+            "lr_sent": [[k, v] for k, v in self.lr_sent.items()],
             "recovery": self.recovery.state_dict(),
             "incidents": self.incidents.state_dict(),
         }
@@ -848,5 +869,6 @@ class RecoveryPolicy:
         self.recovery_actions = OrderedDict((k, v) for k, v in state.get("recovery_actions", []))
         self.recovered_at = OrderedDict((k, v) for k, v in state.get("recovered_at", []))
         self.counts = dict(state["counts"])
+        self.lr_sent = OrderedDict((k, float(v)) for k, v in state.get("lr_sent", []))
         self.recovery.load_state_dict(state["recovery"])
         self.incidents.load_state_dict(state["incidents"])

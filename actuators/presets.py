@@ -8,7 +8,8 @@ factors relative to them). Sources, loosely: GPT-2/GPT-3 and LLaMA runs per
 size, and PaLM's recovery (restart ~100 steps before a spike, skip 200-500
 batches). Larger models checkpoint more often in steps because a
 lost step costs more, wait longer before trusting a recovered LR, and skip
-more data.
+a wider margin past the anomalous batches (PaLM skipped 200-500 batches; a
+skip here follows the evidence instead: the anomalous window plus this margin).
 
 >>> get_preset("small").policy_config().rollback_min_steps_before_onset
 30
@@ -56,7 +57,7 @@ PRESETS: dict[str, Preset] = {
             lr_restore_healthy_steps=100,
             min_lr_factor=0.1,
             rollback_min_steps_before_onset=30,
-            skip_extra_batches=100,
+            skip_extra_batches=2,
             rollback_window_steps=1000,
             max_rollbacks_in_window=3,
             divergence_step_interval_steps=20,
@@ -81,7 +82,7 @@ PRESETS: dict[str, Preset] = {
             lr_restore_healthy_steps=500,
             min_lr_factor=0.02,
             rollback_min_steps_before_onset=100,
-            skip_extra_batches=400,
+            skip_extra_batches=8,
             rollback_window_steps=5000,
             max_rollbacks_in_window=3,
             divergence_step_interval_steps=50,

@@ -116,7 +116,7 @@ class GuardConfig(BaseModel):
         ge=0,
         description="recovery budget floor: re-running or skipping up to this many steps "
         "(each) is always within budget, however short the run; one recovery of the default policy "
-        "(a rollback at least 100 steps before the onset, the window from the onset plus 200 "
+        "(a rollback at least 100 steps before the onset, the window from the onset plus 4 "
         "batches skipped) fits it, so the budget bounds repeated recoveries, not the first one",
     )
     max_grad_norm: float | None = Field(

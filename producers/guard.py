@@ -858,7 +858,9 @@ class Guard:
         if reason not in ("non_finite", "outlier_step", "transient"):
             return reason
         why = {
-            "non_finite": f"non-finite loss or gradient (loss {stats.loss:.4g})",
+            "non_finite": f"non-finite loss (loss {stats.loss:.4g})"
+            if not math.isfinite(stats.loss)
+            else f"non-finite gradient (grad norm {stats.grad_norm:.4g}, loss {stats.loss:.4g})",
             "transient": "a re-run of the step came out different (a transient device fault)",
             "outlier_step": self._outlier_note,
         }[reason]
@@ -1021,7 +1023,18 @@ class Guard:
             dict(n.withheld),
             self.lr.scale,
             dict(self.acks.notices),
+            _recovery_clip(self.clipper, self.config.max_grad_norm),
         )
+
+
+def _recovery_clip(clipper: GradClipper, own: float | None) -> str:
+    """The clipping CLIP actions set beyond the user's own max_grad_norm ("": none)."""
+    bounds = []
+    if clipper.max_norm is not None and clipper.max_norm != own:
+        bounds.append(f"max_norm {clipper.max_norm:g}")
+    if clipper.z is not None:
+        bounds.append(f"{clipper.z:g} deviations above the mean norm (adaptive)")
+    return " and ".join(bounds)
 
 
 def _over(value: float | None) -> str:

@@ -58,6 +58,7 @@ class RunSummary(NamedTuple):
     withheld: dict[str, int]  # not applied (mode or budget), by kind
     lr_scale: float  # the Guard's factor on the schedule now
     notices: dict[str, int] = {}  # alerts and requested checkpoints applied: they steer nothing
+    recovery_clip: str = ""  # clipping a recovery set that is still in force ("": none)
 
     def __str__(self) -> str:
         def kinds(counts: dict[str, int]) -> str:
@@ -73,6 +74,8 @@ class RunSummary(NamedTuple):
         text += f"; also applied: {kinds(self.notices)}." if self.notices else "."
         if self.lr_scale != 1.0:
             text += f" The LR ends at {self.lr_scale:.3g}x its schedule."
+        if self.recovery_clip:
+            text += f" Gradients stay clipped at {self.recovery_clip} (set by a recovery)."
         return text
 
 

@@ -94,7 +94,9 @@ def signatures_line(flagged: Counter, checked: bool, topics: Topics) -> str:
             + (f" ({per_topic})" if total else "")
         )
     return "signatures NOT checked (no signing key): " + (
-        f"{total} record(s) carry no signature ({per_topic})" if total else "every record is signed"
+        f"{total} record(s) carry no signature ({per_topic})"
+        if total
+        else "every record carries a signature, unverified"
     )
 
 
@@ -159,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
             "judged with today's settings"
             + ("" if args.current_settings else " (no recorded settings found)")
         )
-    for line in render(
-        diff_decisions(recorded, decisions), diff_actions(recorded_actions, actions)
-    ):
+    lines = render(diff_decisions(recorded, decisions), diff_actions(recorded_actions, actions))
+    if lines[-1] == "no differences" and args.set:
+        # The change was applied (the line above names it); it moved no decision on this run.
+        lines[-1] = f"no differences: with {', '.join(args.set)} every step is judged as recorded"
+    for line in lines:
         print(line)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:

@@ -214,7 +214,7 @@ def iter_jsonl(lines: Iterable[str], name: str):
     Labels are all or nothing: once the first line has one, every line needs one.
     """
     labelled: bool | None = None
-    last: dict[str, int] = {}
+    last: dict[str, tuple[int, int]] = {}
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -223,7 +223,7 @@ def iter_jsonl(lines: Iterable[str], name: str):
             event = decode(line, StepEvent)
         except SchemaError as exc:
             raise RunFileError(f"{where}: {exc}") from None
-        _check_order(event.run_id, event.step, where, last)
+        _check_epoch_order(event, where, last)
         if labelled is None:
             labelled = '"label"' in line
         label = None
@@ -252,6 +252,20 @@ def _check_order(run: str, step: int, where: str, last: dict[str, int]) -> None:
             "(steps must increase within a run)"
         )
     last[run] = step
+
+
+def _check_epoch_order(event: StepEvent, where: str, last: dict[str, tuple[int, int]]) -> None:
+    """Steps increase within an epoch; a rollback opens the next epoch, whose steps go back to
+    the checkpoint's (a recorded run with rollbacks is a run, not a disorder in the file)."""
+    run, previous = event.run_id, last.get(event.run_id)
+    if previous is not None and event.epoch < previous[0]:
+        raise RunFileError(
+            f"{where}: epoch {event.epoch} of run {run!r} comes after epoch {previous[0]} "
+            "(a run's epochs never go back: each rollback opens the next)"
+        )
+    if previous is not None and event.epoch == previous[0]:
+        _check_order(run, event.step, where, {run: previous[1]})
+    last[run] = (event.epoch, event.step)
 
 
 def _parse_float(text: str, where: str, column: str, required: bool = False) -> float | None:

@@ -47,10 +47,13 @@ def _pyplot():
 
 
 def _segments(points):
-    """Runs of consecutive steps of one epoch: one line each (a rollback breaks the line)."""
+    """Runs of consecutive steps of one epoch, re-run or not: one line each (a rollback breaks
+    the line, and so does the end of the re-run: the steps after it are trained for the first time)."""
     segments, current, last = [], [], None
     for p in points:
-        if last is not None and (p.epoch != last.epoch or p.step != last.step + 1):
+        if last is not None and (
+            p.epoch != last.epoch or p.step != last.step + 1 or p.rerun != last.rerun
+        ):
             segments.append(current)
             current = []
         current.append(p)

@@ -252,7 +252,9 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         sorted(incidents.values(), key=lambda i: (i.epoch, i.onset_step)),
         rows,
         rollbacks,
-        checkpoints=sum(1 for c in run.checkpoints if not c.deleted),
+        # One per save, as the Guard counts them: a checkpoint is announced again when it is
+        # demoted (healthy=False) and when it is rotated out (deleted).
+        checkpoints=len({c.checkpoint_id for c in run.checkpoints if not c.deleted}),
         reruns=sorted({(e.step, e.epoch, e.rerun) for e in run.steps if e.rerun is not None}),
         data_skips=data_skips,
         goodput=goodput(run),

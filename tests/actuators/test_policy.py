@@ -28,6 +28,7 @@ from spikeguard.schemas import (
 R = "run-1"
 K = ActionKind
 CKPTS = (100, 200, 300, 400)
+EXTRA = PolicyConfig().skip_extra_batches  # the margin skipped past an anomalous window
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -135,7 +136,9 @@ def _rows() -> list:
     def roll(t, s, cid=None):
         return K.ROLLBACK, {"target_step": t, "checkpoint_id": cid or f"ck-{t}"}
 
-    skip = lambda a, b, extra=200: (K.SKIP_BATCHES, {"from_step": a, "to_step": b, "extra": extra})  # noqa: E731
+    def skip(a: int, b: int, extra: int = EXTRA) -> tuple[ActionKind, dict]:
+        return K.SKIP_BATCHES, {"from_step": a, "to_step": b, "extra": extra}
+
     scale = lambda f: (K.SCALE_LR, {"factor": f})  # noqa: E731
     clip = lambda n: (K.CLIP, {"max_norm": n})  # noqa: E731
     div = [(s, T.DIVERGENCE, 500) for s in range(500, 576)]
@@ -328,7 +331,11 @@ def test_no_eligible_checkpoint_falls_back(ckpts: tuple, unhealthy: tuple) -> No
     actions = policy.on_decision(dec(500, T.NON_FINITE))
     assert kinds(actions) == [K.SCALE_LR, K.SKIP_BATCHES, K.CLIP, K.ALERT]
     assert dict(actions[0].params) == {"factor": 0.5}
-    assert dict(actions[1].params) == {"from_step": 500, "to_step": 500, "extra": 200}
+    assert dict(actions[1].params) == {
+        "from_step": 500,
+        "to_step": 500,
+        "extra": PolicyConfig().skip_extra_batches,
+    }
     assert "ahead" in actions[1].reason and "no healthy checkpoint" in actions[1].reason
     assert "no healthy checkpoint" in actions[3].params["message"]
     assert not any(a.kind is K.ROLLBACK for a in actions)
@@ -835,3 +842,29 @@ def test_a_rollback_the_trainer_withheld_is_not_followed_by_a_promise_to_stop() 
     rollback = refused.on_decision(dec(500, T.NON_FINITE))[0]
     (alert,) = refused.on_ack(ack(rollback, AckStatus.REJECTED, result="bad signature"))
     assert "a further need stops the run" in alert.params["message"]
+
+
+@pytest.mark.parametrize("status", [AckStatus.REJECTED, AckStatus.FAILED])
+def test_lr_changes_the_trainer_refused_are_not_counted_as_applied(status: AckStatus) -> None:
+    # Issue 38: a healthy agent whose trainer refused three cuts (its own check found the steps
+    # normal) was told "LR restored towards base ... (now 0.64 of base)" at its base LR.
+    policy = make()
+    for step in (500, 600, 700):
+        for action in policy.on_decision(dec(step, T.GRADIENT_EXPLOSION)):
+            if action.kind is K.SCALE_LR:
+                policy.on_ack(ack(action, status, result="its statistics found the step normal"))
+        healthy(policy, step + 1, step + 10)
+    assert policy.recovery.lr.current == pytest.approx(1.0)
+    assert [a for a in healthy(policy, 710, 1200) if a.kind is K.RESTORE_LR] == []
+
+
+def test_a_refused_restore_leaves_the_lr_where_the_trainer_has_it() -> None:
+    policy = make()
+    policy.on_decision(dec(500, T.GRADIENT_EXPLOSION))  # LR x0.4
+    (restore,) = [a for a in healthy(policy, 501, 701) if a.kind is K.RESTORE_LR]
+    assert policy.recovery.lr.current == pytest.approx(0.5)
+    policy.on_ack(ack(restore, AckStatus.REJECTED))
+    assert policy.recovery.lr.current == pytest.approx(0.4)
+    (again,) = [a for a in healthy(policy, 701, 901) if a.kind is K.RESTORE_LR]
+    assert again.params["factor"] == pytest.approx(1.25)
+    assert policy.recovery.lr.current == pytest.approx(0.5)

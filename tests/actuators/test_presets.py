@@ -53,7 +53,7 @@ def test_larger_models_are_more_cautious() -> None:
 
 def test_overrides_and_unknown_names() -> None:
     cfg = get_preset("large").policy_config(spike_patience_steps=9)
-    assert cfg.spike_patience_steps == 9 and cfg.skip_extra_batches == 400
+    assert cfg.spike_patience_steps == 9 and cfg.skip_extra_batches == 8
     with pytest.raises(ConfigError, match="huge"):
         get_preset("huge")
 

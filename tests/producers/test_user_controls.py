@@ -287,3 +287,45 @@ def test_guard_keyword_arguments_win_over_the_config(bus, tmp_path):
     )
     assert guard.mode.value == "observe" and guard.config.checkpoint_every == 7
     guard.close()
+
+
+def test_a_skip_for_a_non_finite_gradient_does_not_call_a_finite_loss_non_finite(
+    bus, tmp_path, caplog
+):
+    # Issue 38: "non-finite loss or gradient (loss 1.427e+28)" read as a finite loss called
+    # non-finite; the line says which of the two was not finite.
+    caplog.set_level(logging.WARNING)
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path)
+    data = guard.data(tiny.loader, max_steps=8)
+    weight = next(tiny.model.parameters())
+    for batch in data:
+        if guard.step_count != 5:
+            guard.step(tiny.loss(batch))
+            continue
+        # A finite loss whose gradient overflowed (Tiny.loss runs the backward).
+        hook = weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        loss = tiny.loss(batch)
+        hook.remove()
+        guard.step(loss.detach() * 0 + 1.427e28)
+    guard.close()
+    line = next(m for m in _warnings(caplog) if "skipped the update of step 5" in m)
+    assert "non-finite gradient" in line and "non-finite loss" not in line, line
+    assert "1.427e+28" in line, line
+
+
+def test_the_summary_says_a_recovery_s_clipping_is_still_in_force(bus, tmp_path):
+    # Issue 38: "clip 1.0 applied during a recovery stays for the rest of the run, never said".
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path)
+    send(bus, action_with(K.CLIP, 5, max_norm=1.0, reason="loss spike at step 3"), guard=guard)
+    train(guard, tiny, 12)
+    summary = str(guard.close())
+    assert "Gradients stay clipped at max_norm 1 (set by a recovery)" in summary, summary
+
+
+def test_the_summary_does_not_call_the_user_s_own_clipping_a_recovery_s(bus, tmp_path):
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path, max_grad_norm=1.0)
+    train(guard, tiny, 12)
+    assert "clipped" not in str(guard.close())

@@ -152,3 +152,34 @@ def test_render_names_changed_decisions_and_appearing_rollbacks():
     assert "  ~ run r step 5 (epoch 0): loss_spike, high -> non_finite, critical" in lines
     assert "  + run r step 9 (epoch 0): none, low" in lines
     assert "a rollback appears: run r at step 6" in lines
+
+
+def test_a_set_flag_is_applied_and_a_change_that_changes_nothing_says_so(
+    recorded, capsys, monkeypatch
+):
+    # Issue 38: `--set fusion.threshold=0.5` printed "no differences" and left the user asking
+    # whether the setting was applied at all.
+    import spikeguard.lab.backtest as backtest
+
+    judged_with = []
+    real = backtest.replay_events
+
+    def spy(steps, checkpoints, settings, acks=()):
+        judged_with.append(settings)
+        return real(steps, checkpoints, settings, acks)
+
+    monkeypatch.setattr(backtest, "replay_events", spy)
+    argv = ["replay", "--data-dir", str(recorded), "--set", "fusion.threshold=0.5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert [s.fusion.threshold for s in judged_with] == [0.5]
+    assert judged_with[0].policy.skip_extra_batches == 25  # the rest as recorded
+    assert "no differences: with fusion.threshold=0.5 every step is judged as recorded" in out
+
+
+def test_the_signature_line_does_not_contradict_itself_without_a_key(recorded, capsys):
+    assert main(["replay", "--data-dir", str(recorded)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("signatures NOT checked (no signing key)")
+    assert "every record is signed" not in first
+    assert "every record carries a signature, unverified" in first, first

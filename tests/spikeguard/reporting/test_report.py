@@ -263,3 +263,43 @@ def test_the_page_gives_a_ratio_only_for_a_positive_loss():
     assert _versus(6.0, 2.0) == " (3.0x)"
     assert _versus(0.4, -0.9) == " (+1.3)"  # a Gaussian NLL: "-0.4x" would say nothing
     assert _versus(None, 2.0) == _versus(float("nan"), 2.0) == _versus(1.0, None) == ""
+
+
+def _rolled_back_run() -> RunRecord:
+    """Steps 0..104 in epoch 0, a rollback to 90, steps 91..199 in epoch 1; every checkpoint
+    announced when saved, some again when demoted (healthy=False) and when rotated out."""
+    from spikeguard.schemas import CheckpointEvent
+
+    steps = [StepEvent(run_id="r", step=s, loss=2.0, grad_norm=1.0) for s in range(105)]
+    steps += [
+        StepEvent(run_id="r", step=s, epoch=1, loss=2.0, grad_norm=1.0) for s in range(91, 200)
+    ]
+    saved = [(s, 0) for s in range(10, 105, 10)] + [(s, 1) for s in range(100, 200, 10)]
+    checkpoints = [
+        CheckpointEvent(run_id="r", step=s, epoch=e, checkpoint_id=f"c{s}-{e}", healthy=True)
+        for s, e in saved
+    ]
+    checkpoints += [c.model_copy(update={"healthy": False}) for c in checkpoints[9:10]]
+    checkpoints += [c.model_copy(update={"deleted": True}) for c in checkpoints[:12]]
+    return RunRecord("r", steps=steps, checkpoints=checkpoints)
+
+
+def test_the_checkpoint_count_is_the_guard_s(tmp_path):
+    # Issue 38: the report said 82 checkpoints where the Guard's counters said 43 (each one is
+    # announced again when demoted and when rotated out).
+    assert build_timeline(_rolled_back_run()).checkpoints == 20
+
+
+def test_only_the_steps_trained_before_are_drawn_as_re_run():
+    # Issue 38: steps 900-2,000 drawn as "re-run after rollback" where 108 were re-run: the
+    # epoch's line took the colour of its first step.
+    from spikeguard.reporting.figure import RERUN
+
+    timeline = build_timeline(_rolled_back_run())
+    assert sum(p.rerun for p in timeline.steps) == 14  # steps 91..104 of epoch 1
+    fig = figure(timeline)
+    rerun_steps = set()
+    for line in fig.axes[0].get_lines():
+        if line.get_color() == RERUN:
+            rerun_steps.update(int(x) for x in line.get_xdata())
+    assert rerun_steps and rerun_steps <= set(range(90, 106)), sorted(rerun_steps)

@@ -1,0 +1,314 @@
+"""Three small loops a new user might guard, each clean, faulty unguarded and faulty guarded.
+
+    python benchmarks/bench_user_loops.py [--loops char_lm,seq2seq,cnn] [--faults data,lr_blowup]
+                                          [--steps 2000] [--seeds 3] [--json]
+
+The loops are kinds the recovery benchmark (a small transformer) does not
+have: a character-level GRU language model, a GRU encoder-decoder that
+reverses digit strings, and a small CNN on 8x8 digit images (scikit-learn's
+digits, bundled with it). Each is guarded with the README's five lines and
+the defaults (lockstep, so one seed gives one result). The faults, keyed by
+global batch index or step so every mode meets the same ones:
+
+=============  =================================================================
+``data``       ``bad_batches`` consecutive batches from ``fault_step`` whose
+               targets are shuffled across the batch (the inputs no longer
+               predict them)
+``lr_blowup``  the LR x``lr_factor`` for ``lr_steps`` steps from ``fault_step``,
+               inside the schedule (a rollback replays it, as a mis-set
+               schedule would)
+=============  =================================================================
+
+Reported per loop and fault: the final eval loss of the clean run, the
+unguarded and the guarded one (mean over seeds), the guarded run's gap to
+clean, and the batches it skipped and steps it re-ran. The aims (issue 38): a
+data fault costs at most ``max_skip_share`` of the run and ends within 3 % of
+clean; no guarded run ends worse than unguarded. A benchmark, not a test; the
+tests in tests/benchmarks/test_bench_user_loops.py hold the aims on one seed.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before torch loads its thread pools
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+LOOPS = ("char_lm", "seq2seq", "cnn")
+FAULTS = ("data", "lr_blowup")
+MODES = ("clean", "unguarded", "guarded")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int = 2000
+    batch_size: int = 32
+    fault_step: int = 1000
+    bad_batches: int = 5
+    lr_factor: float = 50.0
+    lr_steps: int = 100
+
+
+@dataclass
+class Loop:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loader: DataLoader
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    eval_x: torch.Tensor
+    eval_y: torch.Tensor
+
+    def evaluate(self) -> float:
+        self.model.eval()
+        with torch.no_grad():
+            value = float(self.loss(self.model, self.eval_x, self.eval_y))
+        self.model.train()
+        return value
+
+
+def _schedule(cfg: LoopConfig, fault: str) -> Callable[[int], float]:
+    """Constant after a short warm-up, x``lr_factor`` over the blow-up's window."""
+
+    def factor(step: int) -> float:
+        base = min(1.0, (step + 1) / 50)
+        if fault == "lr_blowup" and cfg.fault_step <= step < cfg.fault_step + cfg.lr_steps:
+            return base * cfg.lr_factor
+        return base
+
+    return factor
+
+
+def _text_ids() -> torch.Tensor:
+    import argparse as a
+    import collections as c
+    import dataclasses as d
+
+    text = "\n".join(open(m.__file__, encoding="utf-8").read() for m in (a, c, d))  # type: ignore[arg-type]
+    return torch.tensor([min(ord(ch), 127) for ch in text], dtype=torch.long)
+
+
+class CharGRU(nn.Module):
+    def __init__(self, vocab: int = 128, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 32)
+        self.gru = nn.GRU(32, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(x))[0])
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder-decoder; the decoder is fed the target shifted right (teacher forcing)."""
+
+    def __init__(self, vocab: int = 11, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab + 1, 16)  # + the start token
+        self.encoder = nn.GRU(16, width, batch_first=True)
+        self.decoder = nn.GRU(16, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+        self.start = vocab
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, h = self.encoder(self.embed(x))
+        shifted = torch.cat([torch.full_like(y[:, :1], self.start), y[:, :-1]], dim=1)
+        return self.head(self.decoder(self.embed(shifted), h)[0])
+
+
+def _token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x, y) if isinstance(model, Seq2Seq) else model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _class_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def build(name: str, seed: int, cfg: LoopConfig, fault: str) -> Loop:
+    """The loop ``name`` with its model, data and schedule, all fixed by ``seed``."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if name == "char_lm":
+        ids = _text_ids()
+        block = 32
+        starts = torch.arange(0, len(ids) - block - 1, block // 2)
+        windows = ids[starts[:, None] + torch.arange(block + 1)]
+        held = int(len(windows) * 0.9)
+        train = TensorDataset(windows[:held, :-1], windows[:held, 1:])
+        eval_x, eval_y = windows[held:, :-1][:256], windows[held:, 1:][:256]
+        model: nn.Module = CharGRU()
+        lr, loss = 3e-3, _token_loss
+    elif name == "seq2seq":
+        digits = torch.randint(0, 10, (6000, 8), generator=gen)
+        pairs_x, pairs_y = digits, digits.flip(1)
+        train = TensorDataset(pairs_x[:5000], pairs_y[:5000])
+        eval_x, eval_y = pairs_x[5000:5500], pairs_y[5000:5500]
+        model, lr, loss = Seq2Seq(), 3e-3, _token_loss
+    elif name == "cnn":
+        from sklearn.datasets import load_digits
+
+        digits_data = load_digits()
+        images = torch.tensor(digits_data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(digits_data.target, dtype=torch.long)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+        images, labels = images[order], labels[order]
+        train = TensorDataset(images[:1500], labels[:1500])
+        eval_x, eval_y = images[1500:], labels[1500:]
+        model = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 16, 10),
+        )
+        lr, loss = 1e-3, _class_loss
+    else:
+        raise ValueError(f"unknown loop {name!r}; choose from {', '.join(LOOPS)}")
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, fault))
+    loader = DataLoader(
+        train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=gen
+    )
+    return Loop(model, optimizer, scheduler, loader, loss, eval_x, eval_y)
+
+
+def corrupt(
+    cfg: LoopConfig, fault: str, index: int | None, seed: int, y: torch.Tensor
+) -> torch.Tensor:
+    """The batch's targets as the faulty run sees them (shuffled across the batch if struck)."""
+    if fault != "data" or index is None:
+        return y
+    if not cfg.fault_step <= index < cfg.fault_step + cfg.bad_batches:
+        return y
+    gen = torch.Generator().manual_seed(seed * 100_003 + index)
+    flat = y.reshape(-1)
+    return flat[torch.randperm(flat.numel(), generator=gen)].reshape(y.shape)
+
+
+def run(name: str, fault: str, mode: str, seed: int, cfg: LoopConfig) -> dict[str, Any]:
+    """One run; ``mode`` clean (no fault, no guard), unguarded or guarded (the fault either way)."""
+    started = time.monotonic()
+    struck = "clean" if mode == "clean" else fault
+    loop = build(name, seed, cfg, struck)
+    out: dict[str, Any] = {"loop": name, "fault": fault, "mode": mode, "seed": seed}
+    if mode != "guarded":
+        step = 0
+        while step < cfg.steps:
+            for x, y in loop.loader:
+                y = corrupt(cfg, struck, step, seed, y)
+                loop.optimizer.zero_grad(set_to_none=True)
+                loop.loss(loop.model, x, y).backward()
+                loop.optimizer.step()
+                loop.scheduler.step()
+                step += 1
+                if step >= cfg.steps:
+                    break
+        out.update(eval=loop.evaluate(), skipped_batches=0, rerun_steps=0)
+    else:
+        out.update(_guarded(loop, struck, seed, cfg))
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, Any]:
+    from spikeguard import Guard, GuardConfig
+
+    workdir = tempfile.mkdtemp(prefix="spikeguard-user-loop-")
+    guard = Guard(
+        loop.model,
+        loop.optimizer,
+        loop.scheduler,
+        run_id=f"user-loop-{fault}-{seed}-{time.monotonic_ns() % 10**9}",
+        config=GuardConfig(checkpoint_dir=workdir, lockstep=True, data_seed=seed, resume=False),
+    )
+    try:
+        data = guard.data(loop.loader, max_steps=cfg.steps)
+        for x, y in data:
+            y = corrupt(cfg, fault, data.last_index, seed, y)
+            loop.optimizer.zero_grad(set_to_none=True)
+            loss = loop.loss(loop.model, x, y)
+            loss.backward()
+            guard.step(loss)
+        summary = guard.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    counters = guard.counters
+    return {
+        "eval": loop.evaluate(),
+        "skipped_batches": int(counters["skipped_batches"]),
+        "rerun_steps": int(counters["steps"]) - cfg.steps,
+        "actions": sorted(a["kind"] for a in guard.applied if a["status"] == "applied"),
+        "lr_factor_at_end": loop.optimizer.param_groups[0]["lr"]
+        / (loop.scheduler.base_lrs[0] * loop.scheduler.lr_lambdas[0](cfg.steps - 1)),  # type: ignore[attr-defined]
+        "summary": str(summary),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--loops", default=",".join(LOOPS))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--steps", type=int, default=LoopConfig.steps)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument(
+        "--json", action="store_true", help="print every run as one JSON line, last"
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the Guard's WARNING lines")
+    args = parser.parse_args(argv)
+    if not args.verbose:
+        logging.getLogger("spikeguard").setLevel(logging.ERROR)
+    cfg = LoopConfig(steps=args.steps, fault_step=args.steps // 2)
+    runs = []
+    for name in args.loops.split(","):
+        for fault in args.faults.split(","):
+            for seed in range(args.seed, args.seed + args.seeds):
+                for mode in MODES:
+                    r = run(name, fault, mode, seed, cfg)
+                    runs.append(r)
+                    print(
+                        f"{name:8s} {fault:10s} seed {seed} {mode:10s} eval {r['eval']:.4f} "
+                        f"skipped {r['skipped_batches']:4d} re-run {r['rerun_steps']:4d} "
+                        f"({r['seconds']} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    print(
+        f"{'loop':8s} {'fault':10s} {'clean':>8s} {'unguarded':>9s} {'guarded':>8s} {'vs clean':>8s}"
+        f" {'skipped':>7s} {'re-run':>6s}"
+    )
+    for name in args.loops.split(","):
+        for fault in args.faults.split(","):
+            mine = [r for r in runs if r["loop"] == name and r["fault"] == fault]
+            means = {m: sum(r["eval"] for r in mine if r["mode"] == m) / args.seeds for m in MODES}
+            guarded = [r for r in mine if r["mode"] == "guarded"]
+            print(
+                f"{name:8s} {fault:10s} {means['clean']:8.4f} {means['unguarded']:9.4f} "
+                f"{means['guarded']:8.4f} {means['guarded'] / means['clean'] - 1:+8.1%} "
+                f"{max(r['skipped_batches'] for r in guarded):7d} "
+                f"{max(r['rerun_steps'] for r in guarded):6d}"
+            )
+    if args.json:
+        print(json.dumps(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""A data fault of a few batches costs a guarded run in proportion (issue 38), on a real loop.
+
+The loop is the user-loops benchmark's GRU encoder-decoder with the README's
+five lines and the default policy: five consecutive batches with shuffled
+labels in a 600-step run. The skip must stay within ``max_skip_share`` (5 %,
+30 batches) and the run within 3 % of the clean one and no worse than the
+unguarded one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from bench_user_loops import LoopConfig, run  # noqa: E402
+
+pytestmark = pytest.mark.heavy
+
+CFG = LoopConfig(steps=600, fault_step=300)
+
+
+def test_a_few_bad_batches_skip_in_proportion_and_end_near_clean() -> None:
+    clean = run("seq2seq", "data", "clean", 0, CFG)
+    unguarded = run("seq2seq", "data", "unguarded", 0, CFG)
+    guarded = run("seq2seq", "data", "guarded", 0, CFG)
+    assert "skip_batches" in guarded["actions"], guarded["summary"]  # the fault was answered
+    assert guarded["skipped_batches"] <= 0.05 * CFG.steps, guarded["summary"]
+    assert guarded["eval"] <= clean["eval"] * 1.03, (clean, guarded)
+    assert guarded["eval"] <= unguarded["eval"], (unguarded, guarded)
