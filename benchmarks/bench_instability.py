@@ -36,7 +36,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recovery_* helpers next to this file
@@ -82,6 +82,8 @@ def lab_responses(kind: str, model) -> list:
 def summary(run: LabRun) -> dict:
     return {
         "loss": run.losses,
+        "grad_norm": [r.grad_norm for r in run.steps],
+        "lr": [r.lr for r in run.steps],
         "final": run.final_eval_loss,
         "seconds": run.seconds,
         "responses": run.responses,
@@ -100,8 +102,9 @@ def lab_task(task: tuple[str, str, int], out: str | None) -> dict:
     run = train(recipe, seed, responses=lambda model: lab_responses(variant, model))
     result = summary(run)
     result.update(name=name, variant=variant, seed=seed)
-    if out is not None:
-        result["_run"] = run  # written by the parent once the twin is known
+    if out is not None and variant in ("unstable", "twin"):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        labels.write_signals(Path(out) / f"{name}-{variant}-s{seed}", run)
     return result
 
 
@@ -157,7 +160,13 @@ def recovery_task(variant: str, seed: int) -> dict:
             if step >= cfg.steps:
                 break
     probe.close()
-    return {"variant": variant, "seed": seed, "final": evaluate(p), "responses": said}
+    return {
+        "name": "recovery",
+        "variant": variant,
+        "seed": seed,
+        "final": evaluate(p),
+        "responses": said,
+    }
 
 
 def overhead(steps: int = 100, repeats: int = 2) -> dict:
@@ -173,6 +182,8 @@ def overhead(steps: int = 100, repeats: int = 2) -> dict:
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
     n = len(values)
+    if n == 0:
+        return math.nan, math.nan
     mean = sum(values) / n
     if n < 2 or not all(math.isfinite(v) for v in values):
         return mean, math.nan
@@ -188,26 +199,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the lab runs as run files here")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-recovery", action="store_true", help="skip the recovery fault")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        help="JSONL of finished runs: appended as runs finish, runs found there are not run again",
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="report on the --cache file's complete seeds"
+    )
     args = parser.parse_args(argv)
     seeds = list(range(args.seed, args.seed + args.seeds))
-    tasks = [("healthy", v, s) for s in seeds for v in ("healthy", HEALTHY_RESPONSES)]
-    for m in MECHANISMS:
-        tasks += [(m.name, v, s) for s in seeds for v in ("unstable", "twin", *PREVENTIONS[m.name])]
+    tasks: list[tuple[str, str, int]] = []
+    for s in seeds:  # seed by seed, so an interrupted run leaves whole seeds behind
+        tasks += [("healthy", v, s) for v in ("healthy", HEALTHY_RESPONSES)]
+        for m in MECHANISMS:
+            tasks += [(m.name, v, s) for v in ("unstable", "twin", *PREVENTIONS[m.name])]
+        if not args.no_recovery:
+            tasks += [("recovery", v, s) for v in RECOVERY_VARIANTS]
+    done = _read_cache(args.cache)
     out = str(args.out) if args.out else None
     started = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        lab = list(pool.map(lab_task, tasks, [out] * len(tasks)))
-        recovery = []
-        if not args.no_recovery:
-            jobs = [(v, s) for s in seeds for v in RECOVERY_VARIANTS]
-            recovery = list(pool.map(recovery_task, *zip(*jobs)))
-    cost = overhead()
-    report = analyse(lab, recovery, seeds, cost, args.out)
+    if not args.report_only:
+        todo = [t for t in tasks if t not in done]
+        with ProcessPoolExecutor(args.jobs) as pool:
+            futures = [
+                pool.submit(recovery_task, v, s)
+                if name == "recovery"
+                else pool.submit(lab_task, (name, v, s), out)
+                for name, v, s in todo
+            ]
+            for future in as_completed(futures):
+                result = future.result()
+                done[(result["name"], result["variant"], result["seed"])] = result
+                if args.cache is not None:
+                    with args.cache.open("a", encoding="utf-8") as cache:
+                        cache.write(json.dumps(result) + "\n")
+        done[("overhead", "", 0)] = {"name": "overhead", **overhead()}
+    lab = [r for k, r in done.items() if k[0] not in ("recovery", "overhead")]
+    recovery = [r for k, r in done.items() if k[0] == "recovery"]
+    cost = done.get(("overhead", "", 0), {"ratio": math.nan})
+    complete = [s for s in seeds if all(t in done for t in tasks if t[2] == s)]
+    report = analyse(lab, recovery, complete, cost, args.out)
     report["seconds"] = round(time.time() - started, 1)
     print(render(report))
     if args.json:
         print(json.dumps(report, default=_json_default))
     return 0
+
+
+def _read_cache(path: Path | None) -> dict:
+    done: dict = {}
+    if path is not None and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            done[(r["name"], r.get("variant", ""), r.get("seed", 0))] = r
+    return done
 
 
 def _json_default(value):
@@ -243,7 +289,14 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
                     ("twin", twin, [False] * len(flags)),
                 ):
                     run_id = f"{m.name}-{variant}-s{s}"
-                    labels.write_run(out / run_id, run_id, r["_run"], labels.step_labels(f, m.name))
+                    labels.write_steps(
+                        out / run_id,
+                        run_id,
+                        r["loss"],
+                        r["grad_norm"],
+                        r["lr"],
+                        labels.step_labels(f, m.name),
+                    )
         row["false_warnings"] = {
             sig.name: sum(1 for r in twins + healthy_runs if r["warnings"][sig.name] is not None)
             for sig in warning.SIGNALS

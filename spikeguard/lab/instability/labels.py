@@ -57,23 +57,28 @@ def step_labels(unstable: Sequence[bool], kind: str) -> list[StepLabel]:
     return [StepLabel(True, kind) if u else StepLabel(False) for u in unstable]
 
 
-def write_run(path: Path, run_id: str, run: LabRun, labels: Sequence[StepLabel]) -> None:
+def write_steps(
+    path: Path,
+    run_id: str,
+    losses: Sequence[float],
+    grad_norms: Sequence[float],
+    lrs: Sequence[float],
+    labels: Sequence[StepLabel],
+) -> None:
     """``path``.csv: the run file (step, loss, grad_norm, lr, label, kind; a synthetic
-    one-second clock); ``path``.signals.jsonl: each step's mechanism signals."""
+    one-second clock), which every detector and the backtest read."""
     events = [
-        StepEvent(
-            run_id=run_id, step=r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr, time=r.step
-        )
-        for r in run.steps
+        StepEvent(run_id=run_id, step=i, loss=loss, grad_norm=g, lr=lr, time=float(i))
+        for i, (loss, g, lr) in enumerate(zip(losses, grad_norms, lrs))
     ]
     write_csv(path.with_suffix(".csv"), events, labels)
+
+
+def write_signals(path: Path, run: LabRun) -> None:
+    """``path``.signals.jsonl: each step's mechanism signals, one JSON object a line."""
     with path.with_suffix(".signals.jsonl").open("w", encoding="utf-8") as out:
         for r in run.steps:
             s = r.signals
-            row = {
-                "step": r.step,
-                "attention_max": s.attention_max,
-                "z": s.z,
-                "update_ratio": s.update_ratio,
-            }
-            out.write(json.dumps(row, allow_nan=False) + "\n")
+            row = {"step": r.step, "attention_max": s.attention_max, "z": s.z}
+            row["update_ratio"] = s.update_ratio
+            out.write(json.dumps(row) + "\n")
