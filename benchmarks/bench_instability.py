@@ -64,7 +64,8 @@ PREVENTIONS = {
 }
 HEALTHY_RESPONSES = "qk_clip+lr_cut+z_loss_on"  # every response at once, on the healthy recipe
 QK_CLIP_THRESHOLD = 30.0  # under the warning threshold (50), over the healthy recipe's peak (~25)
-RECOVERY_VARIANTS = ("clean", "none", "qk_clip", "lr_cut", "qk_clip+lr_cut")
+# seed 0 also ran qk_clip alone (2.558) and lr_cut alone (2.536): the pair did better than either (2.471)
+RECOVERY_VARIANTS = ("clean", "none", "qk_clip+lr_cut")
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -308,7 +309,7 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
             finals[p] = [by[(m.name, p, s)]["final"] for s in seeds]
         row["final"] = {k: {"mean_ci": mean_ci(v), "per_seed": v} for k, v in finals.items()}
         row["actions"] = {
-            p: sum(len(by[(m.name, p, s)]["responses"]) for s in seeds) / len(seeds)
+            p: sum(len(by[(m.name, p, s)]["responses"]) for s in seeds) / max(1, len(seeds))
             for p in PREVENTIONS[m.name]
         }
         report["mechanisms"].append(row)

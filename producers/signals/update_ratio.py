@@ -16,7 +16,7 @@ step); :meth:`UpdateRatio.after` takes the per-layer norms on the device, and
 >>> ratio.before()
 >>> with torch.no_grad(): _ = layer.weight.add_(torch.tensor([[0.5, 0.0], [0.0, 0.0]]))
 >>> ratio.after()
->>> ratio.collect()["layer"]
+>>> round(ratio.collect()["layer"], 6)   # 0.5 / 5
 0.1
 """
 
