@@ -298,11 +298,25 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
                         r["lr"],
                         labels.step_labels(f, m.name),
                     )
-        row["false_warnings"] = {
-            sig.name: sum(1 for r in twins + healthy_runs if r["warnings"][sig.name] is not None)
+        row["warns_on_twin"] = {
+            sig.name: sum(1 for r in twins if r["warnings"][sig.name] is not None)
             for sig in warning.SIGNALS
         }
-        row["healthy_runs"] = len(twins) + len(healthy_runs)
+        row["warns_on_healthy"] = {
+            sig.name: sum(1 for r in healthy_runs if r["warnings"][sig.name] is not None)
+            for sig in warning.SIGNALS
+        }
+        if out is not None:  # the responses' own thresholds, read off the twins' recorded signals
+            row["twin_would_act"] = {
+                "qk_clip": sum(
+                    _peak(out / f"{m.name}-twin-s{s}", "attention_max") > QK_CLIP_THRESHOLD
+                    for s in seeds
+                ),
+                "lr_cut": sum(
+                    _peak(out / f"{m.name}-twin-s{s}", "update_ratio") > LRCut().threshold
+                    for s in seeds
+                ),
+            }
         finals = {"unstable": [by[(m.name, "unstable", s)]["final"] for s in seeds]}
         finals["twin"] = [by[(m.name, "twin", s)]["final"] for s in seeds]
         for p in PREVENTIONS[m.name]:
@@ -332,6 +346,19 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
     return report
 
 
+def _peak(path: Path, signal: str) -> float:
+    """The largest value of ``signal`` over a run's recorded signals (NaN if not recorded)."""
+    file = path.with_suffix(".signals.jsonl")
+    if not file.exists():
+        return math.nan
+    peak = -math.inf
+    for line in file.read_text(encoding="utf-8").splitlines():
+        value = json.loads(line)[signal]
+        values = [v for vs in value.values() for v in (vs if isinstance(vs, list) else [vs])]
+        peak = max([peak, *values])
+    return peak
+
+
 def _fmt_lead(values: list[int | None]) -> str:
     got = [v for v in values if v is not None]
     if not got:
@@ -351,11 +378,17 @@ def render(report: dict) -> str:
     for row in report["mechanisms"]:
         lines.append(f"\n{row['name']}  ({row['source']}); twin: {row['twin']}")
         lines.append(f"  loss alarm steps: {row['alarms']}")
+        n = len(row["alarms"])
         for name, leads in row["leads"].items():
-            fw = row["false_warnings"][name]
             lines.append(
                 f"  {name:14s} lead median [min, max] (n): {_fmt_lead(leads):28s}"
-                f" false warnings {fw}/{row['healthy_runs']} healthy runs"
+                f" warns on twin {row['warns_on_twin'][name]}/{n},"
+                f" on healthy recipe {row['warns_on_healthy'][name]}/{n}"
+            )
+        if "twin_would_act" in row:
+            acts = row["twin_would_act"]
+            lines.append(
+                f"  on the twins QK-clip would act in {acts['qk_clip']}/{n}, LR cut in {acts['lr_cut']}/{n}"
             )
         for k, v in row["final"].items():
             m, c = v["mean_ci"]
