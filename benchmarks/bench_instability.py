@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     with args.cache.open("a", encoding="utf-8") as cache:
                         cache.write(json.dumps(result) + "\n")
         done[("overhead", "", 0)] = {"name": "overhead", **overhead()}
+        if args.cache is not None:
+            with args.cache.open("a", encoding="utf-8") as cache:
+                cache.write(json.dumps(done[("overhead", "", 0)]) + "\n")
     lab = [r for k, r in done.items() if k[0] not in ("recovery", "overhead")]
     recovery = [r for k, r in done.items() if k[0] == "recovery"]
     cost = done.get(("overhead", "", 0), {"ratio": math.nan})
