@@ -10,7 +10,15 @@ from spikeguard.lab.instability.train import Recipe, train
 from spikeguard.lab.instability.warning import SIGNALS, first_warning
 
 TINY = Recipe(
-    steps=60, d_model=32, layers=1, heads=2, block=16, batch_size=8, lr=0.05, warmup=10, eval_batches=1
+    steps=60,
+    d_model=32,
+    layers=1,
+    heads=2,
+    block=16,
+    batch_size=8,
+    lr=0.05,
+    warmup=10,
+    eval_batches=1,
 )
 ATTENTION = next(s for s in SIGNALS if s.name == "attention_max")
 
