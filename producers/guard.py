@@ -83,7 +83,15 @@ from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.producers.update_norm import UpdateNorm
-from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, CheckpointEvent, Topics
+from spikeguard.schemas import (
+    WITHHELD,
+    AckStatus,
+    Action,
+    ActionKind,
+    CheckpointEvent,
+    Topics,
+    new_session,
+)
 from spikeguard.schemas.signing import Signer
 
 if TYPE_CHECKING:
@@ -173,6 +181,8 @@ class Guard:
         )
         self.sync = RankSync(process_group)
         self.rank = self.sync.rank
+        # This run's session: in every record it publishes, and every action it takes must name it.
+        self.session: str = self.sync.share(new_session())
         self._own_runtime: Runtime | None = None  # opened here, so closed here
         if (
             runtime is None
@@ -321,21 +331,35 @@ class Guard:
             )
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
+                publisher = self.publisher
                 watch = ProtectionWatch(
                     self.run_id,
                     self.signer,
+                    session=self.session,
+                    send_failures=lambda: publisher.failed,
                     timeout_s=cfg.unprotected_after_s,
                     published=lambda: (self.generation, self.step_count - 1),
                 )
                 self.inbox = ActionInbox(
-                    bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch
+                    bus,
+                    t,
+                    self.run_id,
+                    0,
+                    threaded=not cfg.lockstep,
+                    protection=watch,
+                    session=self.session,
                 )
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(
                         bus, t, self.run_id, cfg.lockstep_timeout, self.signer
                     )
         self.events = RunEvents(
-            self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks
+            self.publisher,
+            self.topics,
+            self.run_id,
+            self.rank,
+            cfg.publish_all_ranks,
+            self.session,
         )
         self.acks = Acknowledgements(self, self.events)
         self.applied = self.acks.applied  # every ack: what was done, newest last

@@ -10,6 +10,12 @@ re-delivers rather than loses — and the ledger makes re-delivery harmless.
 The actuator's pulses (``pulse`` actions: "the pipeline judged this run up to
 step s") go to the run's :class:`~spikeguard.producers.protection.ProtectionWatch`
 instead, which the inbox asks after every poll whether the run is still judged.
+
+An action names the trainer session whose steps it answers. One of another
+session (an earlier run of this run id, whose actions a deterministic re-run
+would find with the very same ids and signatures, replayed) is not this
+trainer's: it never reaches the training thread and gets no ack (an ack would
+speak for this session's plan); the first is logged, all are counted.
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ class ActionInbox:
         threaded: bool = True,
         poll_timeout: float | None = None,
         protection: ProtectionWatch | None = None,
+        session: str | None = None,
     ) -> None:
         self.run_id = run_id
+        self.session = session  # this trainer's (None: take actions of any session)
+        self.other_session = 0  # actions of another session left alone
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.dlq_topic = topics.dlq
@@ -135,6 +144,8 @@ class ActionInbox:
                     continue
                 if action.run_id != self.run_id:
                     continue
+                if self._other_session(action):
+                    continue
                 if (
                     action.kind is ActionKind.PULSE
                 ):  # about the pipeline, not for the training thread
@@ -148,6 +159,28 @@ class ActionInbox:
             self._maybe_commit()
         if self.protection is not None:
             self.protection.check()
+
+    def _other_session(self, action: Action) -> bool:
+        """True when ``action`` answers another trainer session of this run id (left alone)."""
+        if action.session is None or self.session is None or action.session == self.session:
+            return False
+        if action.kind is ActionKind.PULSE:  # another trainer is being judged under this run id
+            if self.protection is not None:
+                self.protection.other_session(action)
+            return True
+        self.other_session += 1
+        if self.other_session == 1:
+            log.warning(
+                "spikeguard: run %s: ignoring %s action %s of trainer session %s, not this one (%s): "
+                "an earlier run of this run id, replayed, or another trainer with the same run id; "
+                "further ones are counted, not logged",
+                self.run_id,
+                action.kind.value,
+                action.action_id,
+                action.session,
+                self.session,
+            )
+        return True
 
     def _dead_letter(self, record, exc: Exception) -> None:
         try:

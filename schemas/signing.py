@@ -166,6 +166,11 @@ def canonical_payload(event: BaseModel) -> bytes:
     for name in getattr(type(event), "signed_when_set", ()):
         if body.get(name) is None:
             body.pop(name, None)
+    if type(event) is StepVerdicts:  # the verdicts inside, likewise
+        for verdict in body["verdicts"]:
+            for name in Verdict.signed_when_set:
+                if verdict.get(name) is None:
+                    verdict.pop(name, None)
     return _CANONICAL_JSON.encode(body).encode()
 
 
