@@ -66,6 +66,7 @@ from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.io_faults import IOFaults
 from spikeguard.producers.protection import ProtectionWatch
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
@@ -332,11 +333,13 @@ class Guard:
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
                 publisher = self.publisher
+                refusals = RefusalWatch(bus, t, self.run_id, self.session)
                 watch = ProtectionWatch(
                     self.run_id,
                     self.signer,
                     session=self.session,
                     send_failures=lambda: publisher.failed,
+                    refusals=refusals,
                     timeout_s=cfg.unprotected_after_s,
                     published=lambda: (self.generation, self.step_count - 1),
                 )
@@ -348,6 +351,7 @@ class Guard:
                     threaded=not cfg.lockstep,
                     protection=watch,
                     session=self.session,
+                    refusals=refusals,
                 )
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(

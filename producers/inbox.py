@@ -28,6 +28,7 @@ from spikeguard.bus import Bus
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
 from spikeguard.producers.protection import ProtectionWatch
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.schemas import Action, ActionKind, Topics, encode
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,12 @@ class ActionInbox:
         poll_timeout: float | None = None,
         protection: ProtectionWatch | None = None,
         session: str | None = None,
+        refusals: RefusalWatch | None = None,
     ) -> None:
         self.run_id = run_id
         self.session = session  # this trainer's (None: take actions of any session)
         self.other_session = 0  # actions of another session left alone
+        self.refusals = refusals  # this run's dead letters, read after every poll
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.dlq_topic = topics.dlq
@@ -112,6 +115,8 @@ class ActionInbox:
         with self._lock:
             self._maybe_commit()
             self._consumer.close()
+            if self.refusals is not None:
+                self.refusals.close()
         self._producer.close()
 
     # -- inbox thread ---------------------------------------------------------
@@ -157,6 +162,8 @@ class ActionInbox:
             if records:
                 self._uncommitted = True
             self._maybe_commit()
+        if self.refusals is not None:
+            self.refusals.poll()
         if self.protection is not None:
             self.protection.check()
 

@@ -29,6 +29,7 @@ from collections import deque
 from typing import Callable
 
 from spikeguard.metrics import Metrics, default_metrics
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.schemas import Action
 from spikeguard.schemas.signing import Signer
 
@@ -57,6 +58,7 @@ class ProtectionWatch:
         session: str | None = None,
         first_timeout_s: float = 5.0,
         send_failures: Callable[[], int] = lambda: 0,
+        refusals: RefusalWatch | None = None,
     ) -> None:
         self.run_id = run_id
         self.signer = signer
@@ -65,6 +67,7 @@ class ProtectionWatch:
         self.first_timeout_s = min(first_timeout_s, timeout_s)
         self.session = session
         self.send_failures = send_failures  # sends the broker refused so far
+        self.refusals = refusals  # what the workers refused of this run (the DLQ), if read
         self.newer_session: str | None = None  # a newer session of this run id, judged instead
         self.clock = clock
         self._gauge = (metrics or default_metrics()).trainer_unprotected.labels(run_id)
@@ -143,7 +146,20 @@ class ProtectionWatch:
         self._gauge.set(1)
         oldest = waiting[0][0]
         failed = self.send_failures()
-        if self.bad_pulses:
+        refused = self.refusals.counts if self.refusals is not None else {}
+        own_refused = self.refusals.own_bad_signatures if self.refusals is not None else 0
+        if own_refused:
+            cause = (
+                f"the workers refused {own_refused} of this trainer's steps with a bad signature "
+                "(the DLQ says so): the trainer's signing key differs from the workers' "
+                "(SPIKEGUARD_SIGNING_KEY)"
+            )
+        elif refused.get("RecordOfOtherSession"):
+            cause = (
+                "the workers refuse records of this run id as of another trainer session (the DLQ "
+                "says so): run_id already in use by another trainer?"
+            )
+        elif self.bad_pulses:
             cause = (
                 f"{self.bad_pulses} pulses from the pipeline failed their signature check: the trainer's "
                 "signing key differs from the actuator's (SPIKEGUARD_SIGNING_KEY)"
