@@ -3,8 +3,9 @@
 A record that claims to be this run's but that the workers refused (a
 genuine record of an earlier session replayed, a step jumping the run far
 ahead, a step with a bad signature) goes to the DLQ with the reason, keyed by
-the run id. The trainer reads those letters (from the DLQ's end when it
-starts; a consumer group of its own session, never committed) and says the
+the run id. The trainer reads those letters (from the DLQ's start when it
+starts: a consumer group of its own session, never committed, that skips
+the letters written before the session began) and says the
 first of each kind in one WARNING, counting the rest: an attack on its run,
 or its own steps refused, is seen where the run is watched.
 
@@ -16,6 +17,7 @@ signature mean its key differs from the workers'.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from spikeguard.bus import Bus
@@ -41,16 +43,20 @@ class RefusalWatch:
 
     def __init__(self, bus: Bus, topics: Topics, run_id: str, session: str) -> None:
         self.run_id, self.session = run_id, session
+        # Letters from this session's start on (a little clock skew allowed): read from the DLQ's
+        # start, since a group that starts at the end would miss those written while it joins.
+        self.since_ms = int((time.time() - 5.0) * 1000)
         bus.create_topics([topics.dlq])
         self._consumer = bus.consumer(
-            f"spikeguard-guard.{run_id}.{session}.dlq", [topics.dlq], from_beginning=False
+            f"spikeguard-guard.{run_id}.{session}.dlq", [topics.dlq], from_beginning=True
         )
         self.counts: Counter[str] = Counter()
         self.own_bad_signatures = 0  # this session's own steps refused with a bad signature
 
     def poll(self) -> None:
-        for record in self._consumer.poll(max_records=500, timeout=0):
-            if record.key_text != self.run_id:
+        # (a short wait, not 0: a consumer that polls with none may take long to join its group)
+        for record in self._consumer.poll(max_records=500, timeout=0.05):
+            if record.key_text != self.run_id or 0 < record.timestamp_ms < self.since_ms:
                 continue
             try:
                 letter = record.decoded(DeadLetter)
