@@ -306,3 +306,53 @@ def test_two_trainers_with_one_run_id_the_first_is_told_of_the_clash(pipeline, t
     assert len(clash) == 1 and run_id in clash[0] and second.session in clash[0], clash
     assert guard.inbox.protection.newer_session == second.session
     assert not second.inbox.protection.unprotected  # the later one is judged
+
+
+def test_a_flood_of_unsigned_steps_in_the_runs_partition_delays_its_decision_a_bounded_time(
+    pipeline,
+):
+    # Issue 37 row 3: 100k unsigned steps made 100k WARNING lines (24 MB) and 44 s of backlog,
+    # and the spike's decision came ~600 steps late. Here 20,000 go in the run's partition
+    # ahead of its non-finite step: dropping them is all they cost.
+    bootstrap, topics, log = pipeline
+    run_id = f"flooded-{uuid.uuid4().hex[:6]}"
+    session, t0 = new_session(), time.time()
+    bus = KafkaBus(bootstrap)
+    producer = bus.producer()
+    try:
+        for n in range(30):
+            producer.publish(topics.steps, encode(step(run_id, session, n, t0)), key=run_id)
+        flood = 20_000
+        for n in range(flood):
+            unsigned = StepEvent(run_id=run_id, step=30 + n, loss=math.nan, grad_norm=math.nan)
+            producer.publish(topics.steps, encode(unsigned), key=run_id)
+        producer.publish(
+            topics.steps, encode(step(run_id, session, 30, t0, loss=math.nan)), key=run_id
+        )
+        producer.flush()
+        sent = time.monotonic()
+
+        def decided():
+            return [
+                d
+                for d in (decode(r.value, Decision) for r in bus.read_all(topics.decisions, 2.0))
+                if d.run_id == run_id and d.step == 30 and d.is_anomaly
+            ]
+
+        until(decided, "the non-finite step's decision", within_s=180.0)
+        took = time.monotonic() - sent
+        lines = [line for line in log.read_text().splitlines() if run_id in line]
+        print(
+            f"flood of {flood}: decision {took:.1f} s after the flood was sent; {len(lines)} log lines"
+        )
+        # A line per record would be 4 x 20,000; the letters are bounded per 10 s per worker.
+        assert len(lines) < 200, len(lines)
+        letters = [
+            d
+            for d in (decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq, 2.0))
+            if d.key == run_id and d.error == "StepNotAuthenticated"
+        ]
+        assert len(letters) < 4 * flood / 2, len(letters)
+        assert took < 120.0
+    finally:
+        bus.close()
