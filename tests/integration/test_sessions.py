@@ -217,7 +217,7 @@ def test_actions_of_an_earlier_session_replayed_to_a_trainer_are_not_taken(pipel
         bus.close()
 
 
-def train(bootstrap, topics, run_id, key, until_done, limit_s=90.0, tmp_path=None):
+def train(bootstrap, topics, run_id, key, until_done, limit_s=90.0, tmp_path=None, started=None):
     settings = load_settings(
         {"bootstrap_servers": bootstrap, "topic_prefix": topics.prefix, "signing_key": key},
         env={},
@@ -228,6 +228,8 @@ def train(bootstrap, topics, run_id, key, until_done, limit_s=90.0, tmp_path=Non
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         config = GuardConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0, resume=False)
         guard = Guard(model, optimizer, run_id=run_id, config=config, runtime=runtime)
+        if started is not None:
+            started(guard)
         x, y = torch.randn(64, 8), torch.randn(64, 1)
         deadline = time.monotonic() + limit_s
         try:
@@ -281,13 +283,18 @@ def test_two_trainers_with_one_run_id_the_first_is_told_of_the_clash(pipeline, t
             lambda g: g.inbox.protection.newer_session is not None or first.get("stop"),
             limit_s=120.0,
             tmp_path=tmp_path / "first",
+            started=lambda g: first.setdefault("started", g),
         )
 
     with caplog.at_level(logging.ERROR, logger="spikeguard.producers"):
         thread = threading.Thread(target=first_trainer)
         thread.start()
         try:
-            time.sleep(4.0)  # the 4 s apart
+            # The second starts once the first is judged (the issue's: 4 s apart).
+            until(
+                lambda: "started" in first and first["started"].inbox.protection.judged,
+                "the first trainer judged",
+            )
             second = train(
                 bootstrap,
                 topics,
