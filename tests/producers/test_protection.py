@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 
+import pytest
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -111,6 +112,7 @@ def test_a_trainer_its_pipeline_judges_gets_signed_pulses_and_stays_quiet(tmp_pa
     assert guard.inbox.protection.judged is not None and guard.inbox.protection.bad_pulses == 0
 
 
+@pytest.mark.heavy  # ~8 s: it trains until the warning
 def test_with_the_default_timeout_a_wrong_key_is_said_within_seconds_with_the_dlq_as_evidence(
     tmp_path, caplog
 ):
