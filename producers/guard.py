@@ -801,6 +801,21 @@ class Guard:
                 False,
                 "resumed" if self.resumed_from is not None else "new",
             )
+            if self.resumed_from is not None and self.rank == 0:
+                # A new session starts the run afresh in the pipeline: it learns the rollback
+                # targets this run resumes with from this session, not from the one before.
+                for info in reversed(self.store.list()):
+                    self.events.checkpoint(
+                        CheckpointEvent(
+                            run_id=self.run_id,
+                            step=info.step,
+                            epoch=info.epoch,
+                            checkpoint_id=info.checkpoint_id,
+                            path=str(info.path),
+                            healthy=info.healthy,
+                        ),
+                        [],
+                    )
             # A rollback target before anything can go wrong, on every rank or on none: rank 0
             # decides (a rank that starts late would find rank 0's checkpoint and skip its own).
             if self.sync.share(self.store.newest() is None and self.saver.in_flight is None):
