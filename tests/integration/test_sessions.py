@@ -329,7 +329,17 @@ def test_a_flood_of_unsigned_steps_in_the_runs_partition_delays_its_decision_a_b
     try:
         for n in range(30):
             producer.publish(topics.steps, encode(step(run_id, session, n, t0)), key=run_id)
-        flood = int(os.environ.get("SPIKEGUARD_FLOOD_RECORDS", "20000"))
+        producer.flush()
+
+        def judged():
+            return [
+                d
+                for d in (decode(r.value, Decision) for r in bus.read_all(topics.decisions, 2.0))
+                if d.run_id == run_id and d.step == 29
+            ]
+
+        until(judged, "the run judged before the flood")  # a run the pipeline protects
+        flood = int(os.environ.get("SPIKEGUARD_TEST_FLOOD_RECORDS", "20000"))
         for n in range(flood):
             unsigned = StepEvent(run_id=run_id, step=30 + n, loss=math.nan, grad_norm=math.nan)
             producer.publish(topics.steps, encode(unsigned), key=run_id)
