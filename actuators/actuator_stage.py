@@ -104,6 +104,10 @@ class ActuatorStage(RunSettingsStage):
         out: list[Output] = []
         now = time.time()
         for _, event in items:
+            # A newer session of the run starts its policy afresh; what answers a record is
+            # for the trainer session that published it (a trainer refuses another session's).
+            session = event.session  # type: ignore[attr-defined]
+            self.enter_session(event.run_id, session)  # type: ignore[attr-defined]
             if isinstance(event, RunEvent):
                 actions = self._run_event(event, now)
             else:
@@ -122,6 +126,9 @@ class ActuatorStage(RunSettingsStage):
                     actions = policy.on_checkpoint(event)
                 else:
                     actions = policy.on_ack(event)
+            session = session or self.sessions.state(event.run_id)  # type: ignore[attr-defined]
+            if session is not None and actions:
+                actions = [a.model_copy(update={"session": session}) for a in actions]
             out += self._signed(actions)
         self._end_due(now)
         return out

@@ -313,6 +313,7 @@ class Fusion:
                     "run_id": self.run_id,
                     "step": step,
                     "epoch": self._epoch,
+                    "session": _session_of(verdicts),
                     "detectors": {name: v.confidence for name, v in verdicts.items()},
                     "missing": [name for name in self.config.expected if name not in verdicts],
                     "is_anomaly": False,
@@ -374,6 +375,7 @@ class Fusion:
             run_id=self.run_id,
             step=step,
             epoch=self._epoch,
+            session=_session_of(verdicts),
             detectors={name: v.confidence for name, v in verdicts.items()},
             flagged_by={name: v.type for name, v in verdicts.items() if v.is_anomaly},
             missing=[name for name in cfg.expected if name not in verdicts],
@@ -473,3 +475,10 @@ class Fusion:
                 p.critical = p.critical or (v.is_anomaly and is_critical(v))
             self._heap.append(int(item["step"]))
         heapify(self._heap)
+
+
+def _session_of(verdicts: dict[str, Verdict]) -> str | None:
+    """The trainer session of the decided step (its verdicts carry it): its actions answer that one."""
+    for verdict in verdicts.values():
+        return verdict.session
+    return None

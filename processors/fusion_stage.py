@@ -180,7 +180,12 @@ class FusionStage(RunSettingsStage):
         return list(zip(repeat(topic), decisions)) + self._end_due(wall)
 
     def _verdicts(self, verdicts: list, now: float) -> list:
-        if one_run(verdicts):  # the usual batch: one call for all of it
+        first, last = verdicts[0], verdicts[-1]
+        if (  # the usual batch: one run, in the session it is in: one call for all of it
+            one_run(verdicts)
+            and first.session == last.session
+            and (last.session is None or self.sessions.handled.get(last.run_id) == last.session)
+        ):
             fusion = self.run(verdicts[0].run_id)
             before = _IGNORED(fusion)
             decisions = fusion.add_many(verdicts, now)
@@ -189,6 +194,14 @@ class FusionStage(RunSettingsStage):
         decisions = []  # in arrival order across runs, as decisions must leave
         touched: dict[str, tuple] = {}
         for verdict in verdicts:
+            if verdict.session is not None and verdict.session != self.sessions.handled.get(
+                verdict.run_id
+            ):
+                # A newer session starts the run's fusion afresh: count the old one's drops first.
+                if verdict.run_id in touched:
+                    old, before = touched.pop(verdict.run_id)
+                    self._tally(before, _IGNORED(old))
+                self.enter_session(verdict.run_id, verdict.session)
             fusion = self.run(verdict.run_id)
             if verdict.run_id not in touched:
                 touched[verdict.run_id] = (fusion, _IGNORED(fusion))

@@ -66,6 +66,7 @@ from spikeguard.producers.health import HealthTracker
 from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.io_faults import IOFaults
 from spikeguard.producers.protection import ProtectionWatch
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.producers.ledger import SIDECAR, ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.lr import LRControl
@@ -84,7 +85,15 @@ from spikeguard.producers.skip_samples import SkipIds, leave_out
 from spikeguard.producers.stats import GradStats, StepStats, across_ranks
 from spikeguard.producers.update import torch_optimizer, void_update
 from spikeguard.producers.update_norm import UpdateNorm
-from spikeguard.schemas import WITHHELD, AckStatus, Action, ActionKind, CheckpointEvent, Topics
+from spikeguard.schemas import (
+    WITHHELD,
+    AckStatus,
+    Action,
+    ActionKind,
+    CheckpointEvent,
+    Topics,
+    new_session,
+)
 from spikeguard.schemas.signing import Signer
 
 if TYPE_CHECKING:
@@ -177,6 +186,8 @@ class Guard:
         )
         self.sync = RankSync(process_group)
         self.rank = self.sync.rank
+        # This run's session: in every record it publishes, and every action it takes must name it.
+        self.session: str = self.sync.share(new_session())
         self._own_runtime: Runtime | None = None  # opened here, so closed here
         if (
             runtime is None
@@ -331,21 +342,38 @@ class Guard:
             )
             if self.rank == 0:
                 # Does the pipeline judge this run? Said once if not (producers/protection.py).
+                publisher = self.publisher
+                refusals = RefusalWatch(bus, t, self.run_id, self.session)
                 watch = ProtectionWatch(
                     self.run_id,
                     self.signer,
+                    session=self.session,
+                    send_failures=lambda: publisher.failed,
+                    refusals=refusals,
                     timeout_s=cfg.unprotected_after_s,
                     published=lambda: (self.generation, self.step_count - 1),
                 )
                 self.inbox = ActionInbox(
-                    bus, t, self.run_id, 0, threaded=not cfg.lockstep, protection=watch
+                    bus,
+                    t,
+                    self.run_id,
+                    0,
+                    threaded=not cfg.lockstep,
+                    protection=watch,
+                    session=self.session,
+                    refusals=refusals,
                 )
                 if cfg.lockstep:
                     self.waiter = DecisionWaiter(
                         bus, t, self.run_id, cfg.lockstep_timeout, self.signer
                     )
         self.events = RunEvents(
-            self.publisher, self.topics, self.run_id, self.rank, cfg.publish_all_ranks
+            self.publisher,
+            self.topics,
+            self.run_id,
+            self.rank,
+            cfg.publish_all_ranks,
+            self.session,
         )
         self.acks = Acknowledgements(self, self.events)
         self.applied = self.acks.applied  # every ack: what was done, newest last
@@ -799,6 +827,21 @@ class Guard:
                 False,
                 "resumed" if self.resumed_from is not None else "new",
             )
+            if self.resumed_from is not None and self.rank == 0:
+                # A new session starts the run afresh in the pipeline: it learns the rollback
+                # targets this run resumes with from this session, not from the one before.
+                for info in reversed(self.store.list()):
+                    self.events.checkpoint(
+                        CheckpointEvent(
+                            run_id=self.run_id,
+                            step=info.step,
+                            epoch=info.epoch,
+                            checkpoint_id=info.checkpoint_id,
+                            path=str(info.path),
+                            healthy=info.healthy,
+                        ),
+                        [],
+                    )
             # A rollback target before anything can go wrong, on every rank or on none: rank 0
             # decides (a rank that starts late would find rank 0's checkpoint and skip its own).
             if self.sync.share(self.store.newest() is None and self.saver.in_flight is None):

@@ -10,6 +10,12 @@ re-delivers rather than loses — and the ledger makes re-delivery harmless.
 The actuator's pulses (``pulse`` actions: "the pipeline judged this run up to
 step s") go to the run's :class:`~spikeguard.producers.protection.ProtectionWatch`
 instead, which the inbox asks after every poll whether the run is still judged.
+
+An action names the trainer session whose steps it answers. One of another
+session (an earlier run of this run id, whose actions a deterministic re-run
+would find with the very same ids and signatures, replayed) is not this
+trainer's: it never reaches the training thread and gets no ack (an ack would
+speak for this session's plan); the first is logged, all are counted.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from spikeguard.bus import Bus
 from spikeguard.deadletters import dead_letter
 from spikeguard.errors import SchemaError
 from spikeguard.producers.protection import ProtectionWatch
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.schemas import Action, ActionKind, Topics, encode
 
 log = logging.getLogger(__name__)
@@ -41,8 +48,13 @@ class ActionInbox:
         threaded: bool = True,
         poll_timeout: float | None = None,
         protection: ProtectionWatch | None = None,
+        session: str | None = None,
+        refusals: RefusalWatch | None = None,
     ) -> None:
         self.run_id = run_id
+        self.session = session  # this trainer's (None: take actions of any session)
+        self.other_session = 0  # actions of another session left alone
+        self.refusals = refusals  # this run's dead letters, read after every poll
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.dlq_topic = topics.dlq
@@ -103,6 +115,8 @@ class ActionInbox:
         with self._lock:
             self._maybe_commit()
             self._consumer.close()
+            if self.refusals is not None:
+                self.refusals.close()
         self._producer.close()
 
     # -- inbox thread ---------------------------------------------------------
@@ -135,6 +149,8 @@ class ActionInbox:
                     continue
                 if action.run_id != self.run_id:
                     continue
+                if self._other_session(action):
+                    continue
                 if (
                     action.kind is ActionKind.PULSE
                 ):  # about the pipeline, not for the training thread
@@ -146,8 +162,32 @@ class ActionInbox:
             if records:
                 self._uncommitted = True
             self._maybe_commit()
+        if self.refusals is not None:
+            self.refusals.poll()
         if self.protection is not None:
             self.protection.check()
+
+    def _other_session(self, action: Action) -> bool:
+        """True when ``action`` answers another trainer session of this run id (left alone)."""
+        if action.session is None or self.session is None or action.session == self.session:
+            return False
+        if action.kind is ActionKind.PULSE:  # another trainer is being judged under this run id
+            if self.protection is not None:
+                self.protection.other_session(action)
+            return True
+        self.other_session += 1
+        if self.other_session == 1:
+            log.warning(
+                "spikeguard: run %s: ignoring %s action %s of trainer session %s, not this one (%s): "
+                "an earlier run of this run id, replayed, or another trainer with the same run id; "
+                "further ones are counted, not logged",
+                self.run_id,
+                action.kind.value,
+                action.action_id,
+                action.session,
+                self.session,
+            )
+        return True
 
     def _dead_letter(self, record, exc: Exception) -> None:
         try:

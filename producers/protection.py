@@ -9,11 +9,16 @@ naming the newest (epoch, step) judged; the trainer's inbox hands pulses here,
 never to the training thread.
 
 A step this trainer published that no valid pulse has covered for
-``timeout_s`` makes the run *unprotected*: one WARNING line naming the likely
-causes, the ``spikeguard_trainer_unprotected`` gauge at 1; training goes on.
-A valid pulse later says so in one line and sets the gauge back to 0. A pulse
-with a bad signature is counted, and named in the warning (the likeliest
-cause: the trainer's key differs from the actuator's).
+``timeout_s`` makes the run *unprotected* (the first step: ``first_timeout_s``,
+a few seconds, so that a short run hears it before its first checkpoint): one
+WARNING line naming the likely cause the trainer can see, the
+``spikeguard_trainer_unprotected`` gauge at 1; training goes on. A valid pulse
+later says so in one line and sets the gauge back to 0. What it can see: pulses
+with a bad signature (the trainer's key differs from the actuator's), sends the
+broker refused (unreachable), and valid pulses of a newer trainer session of
+the same run id: another trainer started with this run id, and the pipeline
+now judges that one and refuses this one's records. That last one is said at
+once, as an ERROR naming the clash.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import deque
 from typing import Callable
 
 from spikeguard.metrics import Metrics, default_metrics
+from spikeguard.producers.refusals import RefusalWatch
 from spikeguard.schemas import Action
 from spikeguard.schemas.signing import Signer
 
@@ -49,11 +55,20 @@ class ProtectionWatch:
         timeout_s: float = 30.0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        session: str | None = None,
+        first_timeout_s: float = 5.0,
+        send_failures: Callable[[], int] = lambda: 0,
+        refusals: RefusalWatch | None = None,
     ) -> None:
         self.run_id = run_id
         self.signer = signer
         self.published = published
         self.timeout_s = timeout_s
+        self.first_timeout_s = min(first_timeout_s, timeout_s)
+        self.session = session
+        self.send_failures = send_failures  # sends the broker refused so far
+        self.refusals = refusals  # what the workers refused of this run (the DLQ), if read
+        self.newer_session: str | None = None  # a newer session of this run id, judged instead
         self.clock = clock
         self._gauge = (metrics or default_metrics()).trainer_unprotected.labels(run_id)
         self._gauge.set(0)
@@ -86,6 +101,30 @@ class ProtectionWatch:
                 judged[0],
             )
 
+    def other_session(self, action: Action) -> None:
+        """A pulse of another trainer session of this run id: a newer one is judged instead of
+        this one (an ERROR, once); an older one's (an earlier run's, read back) says nothing."""
+        if self.session is None or action.session is None or action.session <= self.session:
+            return
+        if self.signer.problem(action) is not None:
+            self.bad_pulses += 1
+            return
+        if self.newer_session is not None:
+            return
+        self.newer_session = action.session
+        self.unprotected = True
+        self._gauge.set(1)
+        log.error(
+            "spikeguard: run id %s is in use by another trainer: a newer session (%s) of the same "
+            "run id started after this one (%s), and the pipeline now judges that one and refuses "
+            "this trainer's steps. This run is NOT protected by the pipeline; give each trainer "
+            "its own run_id (GuardConfig run_id / SPIKEGUARD_RUN_ID). Training goes on with the "
+            "local protections only",
+            self.run_id,
+            action.session,
+            self.session,
+        )
+
     def check(self) -> bool:
         """Note the trainer's newest step; True (and one WARNING the first time) when the run is unprotected."""
         now = self.clock()
@@ -100,15 +139,35 @@ class ProtectionWatch:
             and len(waiting) < _MAX_MARKS
         ):
             waiting.append((newest, now))
-        if not waiting or now - waiting[0][1] < self.timeout_s or self.unprotected:
+        timeout = self.timeout_s if self.judged is not None else self.first_timeout_s
+        if not waiting or now - waiting[0][1] < timeout or self.unprotected:
             return self.unprotected
         self.unprotected = True
         self._gauge.set(1)
         oldest = waiting[0][0]
-        if self.bad_pulses:
+        failed = self.send_failures()
+        refused = self.refusals.counts if self.refusals is not None else {}
+        own_refused = self.refusals.own_bad_signatures if self.refusals is not None else 0
+        if own_refused:
+            cause = (
+                f"the workers refused {own_refused} of this trainer's steps with a bad signature "
+                "(the DLQ says so): the trainer's signing key differs from the workers' "
+                "(SPIKEGUARD_SIGNING_KEY)"
+            )
+        elif refused.get("RecordOfOtherSession"):
+            cause = (
+                "the workers refuse records of this run id as of another trainer session (the DLQ "
+                "says so): run_id already in use by another trainer?"
+            )
+        elif self.bad_pulses:
             cause = (
                 f"{self.bad_pulses} pulses from the pipeline failed their signature check: the trainer's "
                 "signing key differs from the actuator's (SPIKEGUARD_SIGNING_KEY)"
+            )
+        elif failed:
+            cause = (
+                f"the broker is unreachable: {failed} of the trainer's sends failed "
+                "(SPIKEGUARD_BOOTSTRAP_SERVERS, the broker's health)"
             )
         else:
             cause = (

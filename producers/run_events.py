@@ -12,16 +12,26 @@ import math
 import time
 from typing import Any, Iterable
 
-from spikeguard.schemas import Ack, CheckpointEvent, RunEvent, StepEvent, Topics
+from spikeguard.schemas import Ack, CheckpointEvent, RunEvent, StepEvent, Topics, new_session
 
 
 class RunEvents:
+    """``session``: the nonce this Guard drew at its start, in every record it publishes (and so in
+    its signature): the pipeline refuses another session's records, replayed, as not this run's."""
+
     def __init__(
-        self, publisher: Any, topics: Topics, run_id: str, rank: int, all_ranks: bool
+        self,
+        publisher: Any,
+        topics: Topics,
+        run_id: str,
+        rank: int,
+        all_ranks: bool,
+        session: str | None = None,
     ) -> None:
         self.publisher = publisher
         self.topics = topics
         self.run_id = run_id
+        self.session = session or new_session()
         self.rank = rank
         self.steps_on = publisher is not None and (rank == 0 or all_ranks)
         self.rank0_on = publisher is not None and rank == 0
@@ -57,6 +67,7 @@ class RunEvents:
             StepEvent,
             dict(
                 run_id=self.run_id,
+                session=self.session,
                 step=step,
                 epoch=epoch,
                 rank=self.rank,
@@ -84,6 +95,8 @@ class RunEvents:
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:
             return
+        if event.session is None:
+            event = event.model_copy(update={"session": self.session})
         self.publisher.submit(self.topics.checkpoints, None, event, droppable=False)
         for gone in removed:  # no longer a rollback target: say so
             self.publisher.submit(
@@ -91,6 +104,7 @@ class RunEvents:
                 None,
                 CheckpointEvent(
                     run_id=self.run_id,
+                    session=self.session,
                     step=gone.step,
                     epoch=gone.epoch,
                     checkpoint_id=gone.checkpoint_id,
@@ -110,6 +124,7 @@ class RunEvents:
             Ack,
             dict(
                 run_id=self.run_id,
+                session=self.session,
                 action_id=a.action_id,
                 kind=a.kind,
                 status=outcome.status,
@@ -144,6 +159,7 @@ class RunEvents:
             RunEvent,
             dict(
                 run_id=self.run_id,
+                session=self.session,
                 kind=kind,
                 preset=plan.preset,
                 policy=plan.policy,

@@ -35,7 +35,7 @@ from spikeguard.schemas.events import (
     Verdict,
     WITHHELD,
 )
-from spikeguard.schemas.ids import action_id, decision_id, incident_id
+from spikeguard.schemas.ids import action_id, decision_id, incident_id, new_session
 from spikeguard.schemas.signing import sign_action, sign_step, step_signature_problem, verify_action
 from spikeguard.schemas.topics import TOPICS, Topics
 
@@ -73,5 +73,6 @@ __all__ = [
     "decode_any",
     "encode",
     "incident_id",
+    "new_session",
     "json_schemas",
 ]

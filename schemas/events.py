@@ -38,6 +38,18 @@ Step = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 Epoch = Annotated[
     int, Field(ge=0, le=MAX_COUNTER, description="rollbacks applied before this record")
 ]
+# A trainer session: the nonce a Guard draws when it starts (schemas.ids.new_session), fixed-width
+# hex whose order is the order the sessions started in.
+Session = Annotated[
+    str | None,
+    Field(
+        min_length=8,
+        max_length=64,
+        pattern=r"^[0-9a-f]+$",
+        description="the trainer session the record belongs to (schemas.ids.new_session): "
+        "signed with it, so a genuine record of another session, replayed, moves nothing",
+    ),
+]
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -139,9 +151,10 @@ class StepEvent(_Event):
 
     #: Fields added since steps were first signed: in the signed payload only when set
     #: (schemas.signing), so a one-rank run's signed steps verify with readers that predate them.
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"loss_mean", "loss_ranks"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"loss_mean", "loss_ranks", "session"})
 
     run_id: RunId
+    session: Session = None
     step: Step
     epoch: Epoch = 0
     rank: int = Field(0, ge=0, le=MAX_COUNTER)
@@ -208,7 +221,11 @@ class StepEvent(_Event):
 class Verdict(_Event):
     """One detector's judgement of one step."""
 
+    #: Added since verdicts were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+
     run_id: RunId
+    session: Session = None  # the judged step's
     step: Step
     epoch: Epoch = 0
     detector: str = Field(min_length=1, max_length=64)
@@ -331,8 +348,12 @@ class Decision(_Event):
     what to do about it is the recovery policy's business alone.
     """
 
+    #: Added since decisions were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+
     decision_id: str
     run_id: RunId
+    session: Session = None  # the decided step's: the actions derived from it carry it
     step: Step
     epoch: Epoch = 0
     is_anomaly: bool
@@ -373,10 +394,11 @@ class Action(_Event):
     """
 
     #: Added since actions were first signed: in the signed payload only when set.
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"incident_onset_step"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"incident_onset_step", "session"})
 
     action_id: str
     run_id: RunId
+    session: Session = None
     kind: ActionKind
     apply_at_step: Step = Field(description="every rank applies it at this step")
     params: AnyParams
@@ -422,7 +444,11 @@ class Action(_Event):
 class Ack(_Event):
     """A trainer's answer to an action."""
 
+    #: Added since these were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+
     run_id: RunId
+    session: Session = None
     action_id: str
     kind: ActionKind
     status: AckStatus
@@ -442,7 +468,11 @@ class Ack(_Event):
 class CheckpointEvent(_Event):
     """A checkpoint the trainer wrote."""
 
+    #: Added since these were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+
     run_id: RunId
+    session: Session = None
     step: Step
     epoch: Epoch = 0
     checkpoint_id: str
@@ -490,7 +520,11 @@ class RunEvent(_Event):
     start, and a consumer that (re)starts late still learns the run's policy.
     """
 
+    #: Added since these were first signed: in the signed payload only when set.
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+
     run_id: RunId
+    session: Session = None
     kind: Literal["start", "end"]
     preset: str | None = Field(None, description="model profile (actuators/presets.py), if any")
     policy: dict[str, Any] = Field(

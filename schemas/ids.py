@@ -8,6 +8,8 @@ generator, which took half of the ~1.3 us an id cost.
 
 from __future__ import annotations
 
+import secrets
+import time
 from hashlib import sha256
 
 
@@ -29,3 +31,13 @@ def incident_id(run_id: str, onset_step: int, epoch: int = 0) -> str:
 def action_id(decision_or_incident: str, kind: str, ordinal: int = 0) -> str:
     """An action derives from what caused it, its kind, and its place among siblings."""
     return "a-" + _digest("action", decision_or_incident, kind, ordinal)
+
+
+def new_session(now: float | None = None) -> str:
+    """A trainer session's nonce: 12 hex digits of its start in milliseconds, then 16 random ones.
+
+    Fixed width, so a later session compares greater as text: a stage that holds a run's
+    session takes a newer one as the run starting again, and refuses an older one's records.
+    """
+    millis = int((time.time() if now is None else now) * 1000)
+    return f"{millis:012x}{secrets.token_hex(8)}"

@@ -166,6 +166,11 @@ def canonical_payload(event: BaseModel) -> bytes:
     for name in getattr(type(event), "signed_when_set", ()):
         if body.get(name) is None:
             body.pop(name, None)
+    if type(event) is StepVerdicts:  # the verdicts inside, likewise
+        for verdict in body["verdicts"]:
+            for name in Verdict.signed_when_set:
+                if verdict.get(name) is None:
+                    verdict.pop(name, None)
     return _CANONICAL_JSON.encode(body).encode()
 
 
@@ -276,15 +281,21 @@ def sign(record: BaseModel, key: SigningKey) -> BaseModel:
     return signed
 
 
+def describe_type(record_type: type) -> str:
+    """What a record of ``record_type`` is called in a refusal: "step event", "verdict", ..."""
+    found = _WHAT.get(record_type)  # type: ignore[call-overload]
+    return found or next(
+        (w for t, w in _WHAT.items() if issubclass(record_type, t)), record_type.__name__
+    )
+
+
 def signature_problem(record: BaseModel, key: SigningKey) -> str | None:
     """Why ``record`` is not authentic under ``key`` (None when it is); constant-time comparison.
 
     The very object already found authentic under ``key`` in this process is not
     hashed again (:data:`VERIFIED`); anything else is.
     """
-    what = _WHAT.get(type(record)) or next(
-        (w for t, w in _WHAT.items() if isinstance(record, t)), type(record).__name__
-    )
+    what = describe_type(type(record))
     signature = getattr(record, "signature", None)
     if not signature:
         signer = next((s for t, s in SIGNERS.items() if isinstance(record, t)), "its producer")

@@ -54,6 +54,10 @@ class RecordNotAuthenticated(RecordRejected):
     """A record without a valid signature of its producer's key (forged, or from a process without the key)."""
 
 
+class RecordOfOtherSession(RecordRejected):
+    """A genuine record of another trainer session of the run (an older one, replayed): it moves nothing."""
+
+
 class RecordBeyondRunClock(RecordRejected):
     """A step, epoch, decision or checkpoint far beyond what its run has published: never a high-water mark."""
 

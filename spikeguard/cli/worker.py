@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_linger_s=settings.worker.ended_run_metrics_linger_s,
             max_runs=settings.worker.max_runs,
             max_input_record_bytes=settings.worker.max_input_record_bytes,
+            unsigned_letters_per_interval=settings.worker.unsigned_letters_per_10s,
         )
         for name in names
     ]

@@ -37,6 +37,7 @@ def start_workers(
             batch_linger_s=runtime.settings.worker.embedded_batch_linger_s,
             max_runs=runtime.settings.worker.max_runs,
             max_input_record_bytes=runtime.settings.worker.max_input_record_bytes,
+            unsigned_letters_per_interval=runtime.settings.worker.unsigned_letters_per_10s,
         )
         thread = threading.Thread(target=worker.run, name=f"spikeguard-{name}", daemon=True)
         runtime.workers.append(worker)

@@ -43,6 +43,14 @@ class WorkerConfig(BaseModel):
         description="largest input record a worker decodes; a bigger one goes to the DLQ unparsed "
         "(MessageTooLarge)",
     )
+    unsigned_letters_per_10s: int = Field(
+        1000,
+        ge=0,
+        description="with a key, dead letters written for unsigned steps, verdicts or decisions "
+        "per 10 s at most (each refused unparsed); beyond, they are counted "
+        "(spikeguard_dead_letters_total) and summed in one log line: a flood costs what "
+        "dropping it costs",
+    )
     max_step_gap: int = Field(
         DEFAULT_MAX_STEP_GAP,
         ge=1,

@@ -25,8 +25,19 @@ from spikeguard.errors import RecordBeyondRunClock
 #: A trainer's queue drops the oldest steps while the bus is away; this is far
 #: beyond any gap that leaves, and far below a forged 2**53-1.
 DEFAULT_MAX_STEP_GAP = 1_000_000
-#: One epoch per rollback; a run rolls back a handful of times.
-DEFAULT_MAX_EPOCH_GAP = 1_000
+#: One epoch per rollback, and a trainer publishes steps between two rollbacks: a few epochs at
+#: once (a queue that dropped a short epoch's steps) is the most a genuine record jumps.
+DEFAULT_MAX_EPOCH_GAP = 16
+
+#: How far a trainer's step may run ahead of its previous one, as a step (which carries its
+#: trainer's time) is judged: this many steps, plus DEFAULT_MAX_STEPS_PER_S for every second
+#: between the two steps' times. A trainer's queue drops at most its size (10,000 by default)
+#: while the broker is away, and then the time between the steps pays for the rest; a forged
+#: step at +500,000 would need 50 s of the run's time after its newest step.
+DEFAULT_MAX_STEP_JUMP = 20_000
+DEFAULT_MAX_STEPS_PER_S = 10_000
+#: A step's time is taken as at most this far ahead of the worker's clock (clock skew).
+MAX_CLOCK_AHEAD_S = 5.0
 
 
 class RunTime(NamedTuple):

@@ -23,6 +23,13 @@ than it reads:
   signed (:func:`~spikeguard.schemas.signing.authenticate`): anything else goes to the DLQ as
   :class:`~spikeguard.errors.RunEventNotAuthenticated` and changes nothing.
   Without a key (``--insecure``, backtests, replays) every run event is taken.
+- **Sessions.** Every record a trainer publishes names its session (a nonce
+  its Guard drew at start): a record of an older session than the run's, a
+  genuine one replayed, is refused as
+  :class:`~spikeguard.errors.RecordOfOtherSession`; the first record of a
+  newer one (the run started again) starts the run's object afresh
+  (:meth:`RunSettingsStage.enter_session`), whatever the old session left
+  (:mod:`spikeguard.streaming.run_sessions`).
 - **Ends.** A run's end may also overtake its last verdicts or decisions. The
   stage therefore ends a run (``Stage.end_runs``: its state is dropped) only
   once it has handled the run's last step, or after ``grace_seconds`` of wall
@@ -45,12 +52,14 @@ from spikeguard.errors import RunSettingsRejected
 from spikeguard.schemas import RunEvent
 from spikeguard.schemas.signing import authenticate, describe
 from spikeguard.streaming.run_clock import RunClock
+from spikeguard.streaming.run_sessions import SessionTable, session_of
 from spikeguard.streaming.stage import PerRunStage
 
 # Keys of the run's entry in a stage snapshot, next to the object's own state.
 SETTINGS_KEY = "run_settings"
 END_KEY = "run_end"
 CLOCK_KEY = "run_clock"
+SESSION_KEY = "run_session"
 
 
 def validated(model: type[BaseModel], values: dict[str, Any], what: str, run_id: str) -> Any:
@@ -148,6 +157,7 @@ class RunSettingsStage(PerRunStage):
         self.clock = clock or RunClock()  # how far each run has got: nothing far beyond is adopted
         self._given: dict[str, dict[str, Any]] = {}  # run_id -> the RunEvent fields this stage uses
         self.ending = EndingRuns(end_grace_seconds)
+        self.sessions = SessionTable()  # the trainer session each run is in
 
     @abstractmethod
     def given(self, event: RunEvent) -> dict[str, Any]:
@@ -166,6 +176,8 @@ class RunSettingsStage(PerRunStage):
         the run's clock, and a start whose settings do not validate."""
         authenticate(event, self.signing_key)
         run_id, step = event.run_id, event.step  # type: ignore[attr-defined]
+        if self.sessions.admit(run_id, session_of(event), describe(event)):
+            self.clock.forget([run_id])  # the run started again: its clock starts from here
         # An ack has no epoch: its step alone is checked against the run's furthest.
         epoch = getattr(event, "epoch", None)
         self.clock.check(run_id, epoch, step, describe(event))
@@ -180,8 +192,16 @@ class RunSettingsStage(PerRunStage):
             if given:
                 self.settings_of(event.run_id, given)
 
+    def enter_session(self, run_id: str, session: str | None) -> None:
+        """A record of ``session`` is handled now: a newer session than the run's object was
+        built in starts it afresh (a pending end of the old session is called off)."""
+        if self.sessions.enter(run_id, session):
+            self.runs.pop(run_id, None)
+            self.ending.cancel(run_id)
+
     def run_event(self, event: RunEvent, now: float) -> None:
         """A start applies the run's settings; an end waits for the run's last step (see :meth:`due_ends`)."""
+        self.enter_session(event.run_id, event.session)
         if event.kind == "end":
             self.ending.end(event, now)
             return
@@ -230,6 +250,8 @@ class RunSettingsStage(PerRunStage):
                 state[END_KEY] = mark
             if (clock := self.clock.state(run_id)) is not None:
                 state[CLOCK_KEY] = clock
+            if (session := self.sessions.state(run_id)) is not None:
+                state[SESSION_KEY] = session
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -239,6 +261,7 @@ class RunSettingsStage(PerRunStage):
             given = run_state.pop(SETTINGS_KEY, None)
             mark = run_state.pop(END_KEY, None)
             self.clock.restore(run_id, run_state.pop(CLOCK_KEY, None))
+            self.sessions.restore(run_id, run_state.pop(SESSION_KEY, None))
             self.runs.pop(run_id, None)
             self.configure(run_id, dict(given or {}))
             self.run(run_id).load_state_dict(run_state)
@@ -251,6 +274,7 @@ class RunSettingsStage(PerRunStage):
         run_ids = list(run_ids)
         super().forget(run_ids)
         self.clock.forget(run_ids)
+        self.sessions.forget(run_ids)
         for run_id in run_ids:
             self._given.pop(run_id, None)
             self.ending.cancel(run_id)

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
 
@@ -53,8 +53,10 @@ from spikeguard.deadletters import dead_letter
 from spikeguard.errors import (
     CommitRefused,
     DeliveryError,
+    RecordNotAuthenticated,
     RecordRejected,
     SchemaError,
+    StepNotAuthenticated,
     TooManyRuns,
 )
 from spikeguard.metrics import (
@@ -70,8 +72,9 @@ from spikeguard.streaming.config import DEFAULT_MAX_INPUT_RECORD_BYTES, DEFAULT_
 from spikeguard.streaming.run_sweep import RunSweep
 from spikeguard.streaming.stage import Output, Stage
 from spikeguard.streaming.state_store import DEFAULT_MAX_RECORD_BYTES, StateStore
-from spikeguard.schemas import Ack, StepEvent, decode, encode
-from spikeguard.schemas.signing import Signer
+from spikeguard.schemas import Ack, Decision, StepEvent, StepVerdicts, Verdict, decode, encode
+from spikeguard.schemas.signing import SIGNERS, Signer, describe_type
+from spikeguard.streaming.refusal_log import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,39 @@ _RUN_ID = attrgetter("run_id")
 _EVENT = itemgetter(1)
 _TOPIC_OF_OUTPUT = itemgetter(0)
 _IS_NOT_NONE = partial(is_not, None)
+# How a signed record's JSON carries its signature (an unsigned one has "signature":null or none).
+_SIGNED = b'"signature":"'
+_PER_STEP = (StepEvent, Verdict, StepVerdicts, Decision)
+
+
+def unsigned_refusal(
+    models: Mapping[str, type[BaseModel]],
+) -> dict[str, Callable[[str | None], RecordRejected]]:
+    """Per input topic of a record type that comes once a step (steps, verdicts, decisions): the
+    refusal of a record that carries no signature, made unparsed.
+
+    The same error class and reason as :func:`~spikeguard.schemas.signing.authenticate` gives
+    after parsing, at a fraction of the cost: a flood of unsigned records is dropped, not parsed.
+    The rarer records (run events, checkpoints, acks) are parsed first, so that their refusal
+    says which record it was.
+    """
+
+    def refusal(model: type[BaseModel]) -> Callable[[str | None], RecordRejected]:
+        error = StepNotAuthenticated if issubclass(model, StepEvent) else RecordNotAuthenticated
+        what = describe_type(model)
+        signer = SIGNERS.get(model, "its producer")
+
+        def make(run_id: str | None) -> RecordRejected:
+            return error(
+                f"run {run_id or '?'}: no signature (an unsigned {what}; {signer} signs it: "
+                "forged, or from a process without the key); refused unparsed"
+            )
+
+        return make
+
+    return {
+        topic: refusal(model) for topic, model in models.items() if issubclass(model, _PER_STEP)
+    }
 
 
 class Worker:
@@ -105,8 +141,11 @@ class Worker:
         max_unacked_records: int = 10_000,
         max_runs: int = DEFAULT_MAX_RUNS,
         max_input_record_bytes: int = DEFAULT_MAX_INPUT_RECORD_BYTES,
+        unsigned_letters_per_interval: int = 1000,
     ) -> None:
         self.bus = bus
+        # Dead letters written for unsigned records per 10 s at most (RefusalLog); the rest counted.
+        self.unsigned_letters_per_interval = unsigned_letters_per_interval
         self.stage = stage
         self.metrics = metrics or default_metrics()
         self.max_records = max_records
@@ -160,6 +199,10 @@ class Worker:
         self._sweep = RunSweep(stage, self.metrics, run_idle_ttl_s, metrics_linger_s, self.group)
         self._stop = threading.Event()
         self._revoke_failure: DeliveryError | None = None
+        self._refusals = RefusalLog(log, self.group)  # a flood is a few log lines, not one each
+        # With a key, a record that carries no signature is refused before it is parsed.
+        self._unsigned = unsigned_refusal(self._models) if self.signer.enabled else None
+        self._unsigned_counters: dict[str, Any] = {}
         # Compacted inputs (the runs topic) may hold tombstones: no event, nothing to judge.
         self._compacted = {topics.runs} & set(self._models)
         bus.create_topics(list(self._compacted), compacted=True)
@@ -214,6 +257,7 @@ class Worker:
             outputs += ticked
         outputs += self._sweep.evict_idle(now)
         self._drop_ended(now)
+        self._refusals.summary()
         self._publish(outputs)
         if records or outputs:
             self._send()
@@ -371,6 +415,7 @@ class Worker:
         items: list[tuple[str, BaseModel]] = []
         sources: list[Record] = []
         limit = self.max_input_record_bytes
+        unsigned = self._unsigned
         for record in records:
             try:
                 raw = (
@@ -380,6 +425,14 @@ class Worker:
                     raw is not None and len(raw) > limit
                 ):  # refused unparsed (worker.max_input_record_bytes)
                     decode(raw, self._models[record.topic], max_bytes=limit)
+                if (
+                    unsigned is not None
+                    and raw is not None
+                    and record.topic in unsigned
+                    and _SIGNED not in raw
+                ):
+                    self._refuse_unsigned(record, unsigned[record.topic](record.key_text))
+                    continue
                 event = record.decoded(self._models[record.topic])
             except SchemaError as exc:
                 self._to_dlq(record, exc)
@@ -431,16 +484,31 @@ class Worker:
             self.metrics.records_out.labels(self.stage.name, topic).inc(count)
         observe_outputs(self.metrics, outputs)
 
+    def _refuse_unsigned(self, record: Record, exc: RecordRejected) -> None:
+        """An unsigned record, refused unparsed: to the DLQ up to a number per interval, then counted."""
+        if self._refusals.write_unsigned(self.unsigned_letters_per_interval):
+            self._to_dlq(record, exc)
+            return
+        error = type(exc).__name__
+        self._refusals.said(error)  # counted in the interval's summary line
+        counter = self._unsigned_counters.get(error)
+        if counter is None:  # a label look-up costs more than the rest of the refusal
+            counter = self._unsigned_counters[error] = self.metrics.dead_letters.labels(
+                self.stage.name, error
+            )
+        counter.inc()
+
     def _to_dlq(self, record: Record, exc: BaseException) -> None:
         letter = dead_letter(record, exc, self.group)
-        log.warning(
-            "%s: %s[%d]@%d to the DLQ: %s",
-            self.group,
-            record.topic,
-            record.partition,
-            record.offset,
-            letter.reason,
-        )
+        if self._refusals.said(letter.error):
+            log.warning(
+                "%s: %s[%d]@%d to the DLQ: %s",
+                self.group,
+                record.topic,
+                record.partition,
+                record.offset,
+                letter.reason,
+            )
         self._producer.publish(self.dlq_topic, encode(letter), key=record.key)
         self.metrics.dead_letters.labels(self.stage.name, letter.error).inc()
 

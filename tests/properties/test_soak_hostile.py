@@ -5,7 +5,9 @@ embedded bus with the whole pipeline (four detectors, fusion, the actuator)
 and a signing key; the pipeline runs as threads of the trainer's process, or
 in its child process (the default: ``worker.embedded_process``). An attacker thread that knows only what it
 can read on the bus writes 10,000 hostile records while the run trains:
-malformed, huge, far-future, forged and replayed steps, forged actions, and
+malformed, huge, far-future, forged and replayed steps, genuine steps of an
+earlier session of the run id, steps signed with the trainer key that jump
++500,000 steps or 999 epochs ahead (a detectors host holds that key), forged actions, and
 forged verdicts (alone and as a step's record), decisions, checkpoint events
 and acks (unsigned, signed with a guessed key, far in the future, for made-up
 runs): every topic a consumer reads.
@@ -56,6 +58,7 @@ from spikeguard.schemas import (
     Verdict,
     decode,
     encode,
+    new_session,
     sign_action,
     sign_step,
     step_signature_problem,
@@ -66,6 +69,8 @@ from spikeguard.settings import load_settings
 pytestmark = pytest.mark.slow
 
 KEY = "soak-run-key-5f1e0c"
+# The session of an earlier run of the same run id: its genuine steps, replayed, must move nothing.
+EARLIER_SESSION = new_session(now=1_000_000.0)
 HOSTILE = int(os.environ.get("SPIKEGUARD_SOAK_RECORDS", "10000"))
 DETECTORS = ("statistical", "rules", "ml", "predictor")
 
@@ -95,6 +100,8 @@ class Attacker(threading.Thread):
         self.genuine: list[StepEvent] = []
         self.genuine_at_last_chunk = 0
         self.signatures: set[str] = set()
+        self.forged: set[str] = set()  # signatures of its steps signed with the trainer key
+        self.jumped_sent = 0  # of those, +500,000 steps or 999 epochs ahead
         self.steps_seen: list[int] = []  # the run's newest step at each chunk
 
     def run(self) -> None:
@@ -120,6 +127,7 @@ class Attacker(threading.Thread):
                     and step.run_id.startswith("demo-")
                     and step_signature_problem(step, "guessed-key") is not None
                     and step.signature not in self.signatures
+                    and step.signature not in self.forged  # nor its own, signed with the key
                 ):  # nor its replays
                     self.signatures.add(step.signature)
                     self.genuine.append(step)
@@ -139,9 +147,11 @@ class Attacker(threading.Thread):
             run_id, newest = genuine[-1].run_id, genuine[-1]
             for _ in range(HOSTILE // 40):
                 kind = (
-                    1 if sent % 500 == 250 else rng.choice([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+                    1
+                    if sent % 500 == 250
+                    else rng.choice([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
                 )
-                if kind >= 9:
+                if 9 <= kind <= 12:
                     self._pipeline_record(producer, kind, run_id, newest, sent)
                     sent += 1
                     continue
@@ -192,6 +202,30 @@ class Attacker(threading.Thread):
                     )
                 elif kind == 5:  # a genuine signed step replayed: backwards
                     producer.publish(t.steps, encode(rng.choice(genuine[:-1])), key=run_id)
+                elif kind == 13:  # a genuine step of an earlier session of the run id, replayed
+                    earlier = newest.model_copy(
+                        update={
+                            "session": EARLIER_SESSION,
+                            "step": newest.step + 1,
+                            "signature": None,
+                        }
+                    )
+                    earlier = sign_step(earlier, KEY)
+                    self.forged.add(earlier.signature or "")
+                    producer.publish(t.steps, encode(earlier), key=run_id)
+                elif kind in (14, 15):  # signed with the trainer key (a detectors host holds it):
+                    jump = (  # +500,000 steps, or epoch 999
+                        {"step": newest.step + 500_000}
+                        if kind == 14
+                        else {"epoch": newest.epoch + 999, "step": newest.step + 1}
+                    )
+                    jumped = newest.model_copy(
+                        update={**jump, "time": newest.time + 1.0, "signature": None}
+                    )
+                    jumped = sign_step(jumped, KEY)
+                    self.forged.add(jumped.signature or "")
+                    self.jumped_sent += 1
+                    producer.publish(t.steps, encode(jumped), key=run_id)
                 elif kind == 6:  # forged steps for other runs
                     producer.publish(
                         t.steps,
@@ -327,6 +361,9 @@ def guarded_run(attack: bool, workdir, child: bool = False) -> dict:
             "signing_key": KEY,
             "embedded_keep_consumed": 1_000_000,
             "worker.embedded_process": child,
+            # Every hostile record in the DLQ, unsigned ones too (by default a flood of them is
+            # written up to 1000 per 10 s, then counted).
+            "worker.unsigned_letters_per_10s": 1_000_000,
         },
         env={},
     )
@@ -477,12 +514,18 @@ def test_ten_thousand_hostile_records_change_nothing_and_all_land_in_the_dlq(
     for detector in DETECTORS:
         mine = [d for d in letters if d.consumer == f"{hostile['prefix']}{detector}"]
         assert len(mine) == expected[detector] == attacker.steps_sent, detector
-        assert {d.error for d in mine} == {
+        errors = {d.error for d in mine}
+        # (random bytes and a schema-breaking step carry no signature: refused unparsed as such)
+        assert errors <= {
             "MalformedMessage",
             "MessageTooLarge",
             "StepNotAuthenticated",
             "StepOutOfOrder",
-        }
+            "RecordOfOtherSession",
+        }, errors
+        assert {"StepNotAuthenticated", "StepOutOfOrder", "RecordOfOtherSession"} <= errors
+        jumped = [d for d in mine if "than a trainer" in d.reason]
+        assert len(jumped) == attacker.jumped_sent, detector
     # ... every hostile verdict in fusion's, every hostile decision, checkpoint and ack in the actuator's
     # (in the child, only what crosses to it: none of the verdicts and decisions) ...
     assert attacker.to_fusion and attacker.decisions_sent and attacker.to_actuator
