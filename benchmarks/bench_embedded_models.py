@@ -158,8 +158,10 @@ def _never_decided(guard: Guard, steps: int, wait_s: float) -> int:
         time.sleep(0.2)
 
 
-def measure(model_name: str, rounds: int, seconds: float, runtime: Any) -> dict[str, Any]:
-    """One model's three loops in alternating blocks of about ``seconds`` each."""
+def measure(
+    model_name: str, rounds: int, seconds: float, runtime: Any, min_steps: int = 50
+) -> dict[str, Any]:
+    """One model's three loops in alternating blocks of about ``seconds`` (at least ``min_steps``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     drain = ctx.Process(target=_drain, args=(queue,), daemon=True)
@@ -174,7 +176,7 @@ def measure(model_name: str, rounds: int, seconds: float, runtime: Any) -> dict[
         for loop in loops.values():
             loop.block(20)
         per_step = loops["unguarded"].block(50) / 50
-        steps = max(20, int(seconds / per_step))
+        steps = max(min_steps, int(seconds / per_step))
         walls: dict[str, list[float]] = {k: [] for k in loops}
         for r in range(rounds):
             order = list(loops) if r % 2 == 0 else list(reversed(loops))
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=7, help="rounds of one block per loop")
     parser.add_argument("--seconds", type=float, default=1.0, help="about how long a block runs")
+    parser.add_argument(
+        "--min-steps", type=int, default=50, help="steps per block at least (a loaded machine)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from spikeguard.runtime import open_runtime
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = "threads" if runtime.child is None else "child"
     try:
         report: dict[str, Any] = {
-            name: measure(name, args.rounds, args.seconds, runtime) for name in args.models
+            name: measure(name, args.rounds, args.seconds, runtime, args.min_steps)
+            for name in args.models
         }
     finally:
         runtime.close()
