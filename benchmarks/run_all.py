@@ -11,15 +11,17 @@ start --fresh``, on ``SPIKEGUARD_KAFKA_PORT``, default 9092) is started
 first and stopped at the end. A benchmark that fails is reported and the
 others still run; the exit status is 1 if any failed.
 
-At the end the four headline rows (the embedded default, Kafka throughput,
-Kafka latency, the offline backtest) are printed with their aims beside them,
+At the end the headline rows (the user's own loop unguarded against guarded for
+three model sizes beside the bare hand-off, trainer RSS, the embedded default,
+Kafka throughput, Kafka latency, the offline backtest) are printed with their
+aims beside them (``--json PATH`` writes them, and each report, as JSON),
 read from the benchmarks' JSON; under a missed aim of the last three, a line
 points at its profile in docs/benchmarks.md (CPU microseconds per step by
 stage, and what would close it). On a shared machine the wall-clock rates
 move with the load; the CPU figures printed beside them (CPU µs per step of
 the Kafka workers, steps per CPU-second of the backtest) are the steadier
-ones. ``--quick`` runs those four only, smaller
-(a 20k-step backtest, one pair; 5,000 Kafka steps of 20 runs; 5 s of latency
+ones. ``--quick`` runs the headline rows only (not the 40k-step RSS one), smaller
+(the 0.5 ms MLP alone, three short rounds; a 20k-step backtest, one pair; 5,000 Kafka steps of 20 runs; 5 s of latency
 input; confluent-kafka co-hosted): a ~3-minute pass on a quiet 2-core
 machine, for a before/after of one change, not for the published figures.
 A benchmark reports, it does not judge: the summary's "met" and "missed" are
