@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -27,7 +29,8 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
     # backtest throughput (the 20k-step headline row) and memory, growth, hook overhead, gradient
-    # statistics, embedded cost, scale in runs, Kafka throughput and latency: nine rows, nine commands.
+    # statistics, embedded cost, issue 41's three models and trainer memory, scale in runs, Kafka
+    # throughput and latency: eleven rows, eleven commands.
     assert set(rows) == {
         "backtest",
         "backtest_memory",
@@ -35,6 +38,8 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
         "guard_overhead",
         "grad_stats",
         "embedded_cost",
+        "embedded_models",
+        "embedded_memory",
         "scale_runs",
         "kafka_throughput",
         "kafka_latency",
@@ -48,7 +53,7 @@ def test_every_row_has_a_command_whose_script_exists(tmp_path):
     assert "127.0.0.1:1" in rows["kafka_throughput"] and "127.0.0.1:1" in rows["kafka_latency"]
 
 
-def test_quick_runs_the_four_headline_rows_smaller(tmp_path):
+def test_quick_runs_the_headline_rows_smaller(tmp_path):
     listed = subprocess.run(
         [
             sys.executable,
@@ -65,7 +70,14 @@ def test_quick_runs_the_four_headline_rows_smaller(tmp_path):
         check=True,
     ).stdout.splitlines()
     rows = dict(line.split(": ", 1) for line in listed)
-    assert set(rows) == {"backtest", "embedded_cost", "kafka_throughput", "kafka_latency"}
+    assert set(rows) == {
+        "backtest",
+        "embedded_cost",
+        "embedded_models",
+        "kafka_throughput",
+        "kafka_latency",
+    }
+    assert "--models mlp" in rows["embedded_models"]
     assert "--steps 20000" in rows["backtest"] and "--memory" not in rows["backtest"]
 
 
@@ -193,3 +205,34 @@ def test_each_profile_pointer_names_a_section_of_the_benchmarks_page():
         path, anchor = pointer.split("#")
         assert path == "docs/benchmarks.md"
         assert anchor in anchors, f"{name}: no heading for #{anchor} in {page}"
+
+
+@pytest.mark.heavy
+def test_quick_smallest_piece_measures_the_mlp_row_against_its_own_baseline(tmp_path):
+    """``--quick``'s smallest piece runs for real: the 0.5 ms MLP guarded and unguarded in one
+    run, its figures in the table and in ``--json``."""
+    summary = tmp_path / "summary.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "run_all.py"),
+            "--quick",
+            "--only",
+            "embedded_models",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "embedded default, mlp" in done.stdout
+    report = json.loads(summary.read_text())
+    row = report["reports"]["embedded_models"]["mlp"]
+    assert row["rounds"] == 3 and row["guarded_steps"] > 0
+    assert 0 < row["ratio_guarded"] < 5 and 0 < row["ratio_handoff"] < 5
+    (figure,) = report["figures"]["embedded_models"]
+    assert figure["aim"].startswith(">= 0.90x")
