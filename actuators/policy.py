@@ -18,7 +18,9 @@ LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
                     any rate the run had trained at, then the loss rise) SCALE_LR
                     (x``lr_jump_factor``) once; no restore while the rise is
-                    said and ``lr_jump_hold_steps`` after; never a rollback
+                    said and ``lr_jump_hold_steps`` after; damaged (below) a
+                    ``damage_window_steps`` window later -> ROLLBACK to before
+                    the jump, no skip, the checkpoint's LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
@@ -40,8 +42,14 @@ preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
 healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
-                    (x1.25), up to the ceiling
+                    (x1.25), up to the ceiling; not while damaged
 ==================  ==========================================================
+
+Damaged: after the LR was lowered outside a rollback, the median loss of the
+last ``damage_window_steps`` decisions above its level before the incident
+(fusion's baseline then) times ``damage_loss_ratio``. A model collapsed to
+chance plateaus there, and the detectors relearn the plateau as normal: the
+policy does not, so such steps are not healthy and the LR stays down.
 
 A rollback needs a healthy checkpoint at least ``rollback_min_steps_before_onset``
 before the incident's onset; without one, a confirmed (critical) incident
