@@ -376,7 +376,7 @@ class RecoveryPolicy:
         elif AnomalyType.LR_INDUCED_RISE.value in d.rules:
             self._lr_induced_rise(plan, d, inc, what)
         elif LR_JUMP_RULE in d.rules:
-            self._lr_jump(plan, d, what)
+            self._lr_jump(plan, d, inc, what)
         elif self._lr_induced(plan, d, inc, what, strategy) or inc.lr_induced:
             self._after_lr_jump(plan, d, inc, what, strategy, grace)
         elif d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
@@ -535,12 +535,15 @@ class RecoveryPolicy:
         if not self.stopped:
             self.recovery.raise_eps(plan, why)
 
-    def _lr_jump(self, plan: ActionPlan, d: Decision, what: str) -> None:
+    def _lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """An LR jump alone changes nothing (a warm restart looks the same); a rise after it does,
-        and so does a jump again after one that needed a rollback (the schedule repeats it)."""
+        and so does a jump again after one that needed a rollback (the schedule repeats it): then
+        a rise in its incident is the LR's too, rolled back without skipping the data."""
         cfg = self.config
         if self.lr_jump_harmful:
             plan.response = Response.LR_INDUCED
+            inc.lr_induced = True
+            self._watch_lr_damage(d, inc)
             self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
             self.recovery.lower_lr(
                 plan,

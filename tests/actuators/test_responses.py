@@ -523,3 +523,39 @@ def test_a_collapsed_model_is_never_called_healthy() -> None:
     assert policy.recovery.lr.current == pytest.approx(0.1)
     back = feed(policy, [dec(s) for s in range(1753, 1900)])
     assert K.RESTORE_LR in kinds(back)
+
+
+def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -> None:
+    """The re-run meets the schedule's jump again and scales it back at once; if the loss still
+    rises, the LR did it again: rolled back without skipping the (good) data (on the GRU seq2seq
+    loop the second rollback skipped 10 batches and cut the LR x0.1 more)."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
+    rollback = out[-1]
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
+    feed(policy, healthy(601, 750))
+    again = feed(
+        policy,
+        [
+            dec(
+                750,
+                T.LR_OUT_OF_BOUNDS,
+                critical=False,
+                confidence=0.7,
+                rules=("lr_jump",),
+                onset=750,
+            )
+        ]
+        + [dec(s, T.LOSS_SPIKE, onset=750) for s in range(752, 756)],
+    )
+    assert K.ROLLBACK in kinds(again) and K.SKIP_BATCHES not in kinds(again), kinds(again)
