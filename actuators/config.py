@@ -134,6 +134,21 @@ class PolicyConfig(BaseModel):
         description="after scaling back an LR jump, no LR restore for this many steps (the "
         "decisions do not say when a jump in the schedule ends)",
     )
+    damage_loss_ratio: float = Field(
+        1.5,
+        gt=1.0,
+        le=1000.0,
+        description="the loss's median over damage_window_steps this many times its level before "
+        "an incident that lowered the LR (level + (ratio - 1) x |level|) is damage, not health: "
+        "no LR restore, and an LR-induced incident is rolled back to before it",
+    )
+    damage_window_steps: int = Field(
+        20,
+        ge=1,
+        le=10_000,
+        description="the recent steps whose median loss is compared with the level before the "
+        "incident (an LR-induced incident is judged once this many steps followed its scale-back)",
+    )
     lr_ceiling_decrease_factor: float = Field(
         0.7,
         gt=0.0,

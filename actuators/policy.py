@@ -18,7 +18,9 @@ LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
                     any rate the run had trained at, then the loss rise) SCALE_LR
                     (x``lr_jump_factor``) once; no restore while the rise is
-                    said and ``lr_jump_hold_steps`` after; never a rollback
+                    said and ``lr_jump_hold_steps`` after; damaged (below) a
+                    ``damage_window_steps`` window later -> ROLLBACK to before
+                    the jump, no skip, the checkpoint's LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
@@ -40,8 +42,14 @@ preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
 healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
-                    (x1.25), up to the ceiling
+                    (x1.25), up to the ceiling; not while damaged
 ==================  ==========================================================
+
+Damaged: after the LR was lowered outside a rollback, the median loss of the
+last ``damage_window_steps`` decisions above its level before the incident
+(fusion's baseline then) times ``damage_loss_ratio``. A model collapsed to
+chance plateaus there, and the detectors relearn the plateau as normal: the
+policy does not, so such steps are not healthy and the LR stays down.
 
 A rollback needs a healthy checkpoint at least ``rollback_min_steps_before_onset``
 before the incident's onset; without one, a confirmed (critical) incident
@@ -158,6 +166,12 @@ class RecoveryPolicy:
             False  # an LR jump needed a rollback: the next is scaled back at once
         )
         self.explosions = 0  # gradient-explosion incidents answered: the second lowers the ceiling
+        # Damage: the loss level before the LR was lowered outside a rollback (the first such
+        # incident's baseline), and the recent losses compared with it. An LR-induced incident is
+        # judged on them once a window followed its scale-back (lr_damage: its claim).
+        self.level_before: float | None = None
+        self.recent_losses: list[float] = []
+        self.lr_damage: dict[str, Any] | None = None  # incident, since, claim, evidence
         self.rerun_window: RerunWindow | None = None
         self.data_level_until: int | None = None  # non-critical rises watched until this tick
         self.healthy_streak = 0
@@ -215,6 +229,9 @@ class RecoveryPolicy:
                 "update is skipped: see the step's skip_reason)",
                 "outlier_step: an isolated step needs no recovery",
             )
+            return plan.actions()
+        self._remember_loss(decision)
+        if self._judge_lr_damage(plan, decision):
             return plan.actions()
         p = self.pending_spike
         if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
@@ -314,6 +331,7 @@ class RecoveryPolicy:
             self.tail = [record.issue_step, max(record.issue_step, ack.step)]
             self.pending_spike = None
             self.healthy_streak = 0
+            self.recent_losses = []  # the abandoned timeline's
             self.rerun_window = (
                 None
                 if record.skipped_from is None
@@ -356,10 +374,10 @@ class RecoveryPolicy:
         if d.type is AnomalyType.NON_FINITE:
             self._non_finite(plan, d, inc, what, grace)
         elif AnomalyType.LR_INDUCED_RISE.value in d.rules:
-            self._lr_induced_rise(plan, inc, what)
+            self._lr_induced_rise(plan, d, inc, what)
         elif LR_JUMP_RULE in d.rules:
-            self._lr_jump(plan, d, what)
-        elif self._lr_induced(plan, inc, what, strategy) or inc.lr_induced:
+            self._lr_jump(plan, d, inc, what)
+        elif self._lr_induced(plan, d, inc, what, strategy) or inc.lr_induced:
             self._after_lr_jump(plan, d, inc, what, strategy, grace)
         elif d.type is AnomalyType.LOSS_SCALE_COLLAPSE:
             if not inc.noticed:
@@ -402,7 +420,7 @@ class RecoveryPolicy:
                     f"{what} with the loss already following",
                 )
             elif not inc.explosion_handled:
-                self._explosion(plan, inc, what)
+                self._explosion(plan, d, inc, what)
         elif strategy == "spike" and not grace and self.pending_spike is None:
             self._pend(d, inc, critical=False)
         elif strategy == "slow" and not grace:
@@ -517,12 +535,15 @@ class RecoveryPolicy:
         if not self.stopped:
             self.recovery.raise_eps(plan, why)
 
-    def _lr_jump(self, plan: ActionPlan, d: Decision, what: str) -> None:
+    def _lr_jump(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """An LR jump alone changes nothing (a warm restart looks the same); a rise after it does,
-        and so does a jump again after one that needed a rollback (the schedule repeats it)."""
+        and so does a jump again after one that needed a rollback (the schedule repeats it): then
+        a rise in its incident is the LR's too, rolled back without skipping the data."""
         cfg = self.config
         if self.lr_jump_harmful:
             plan.response = Response.LR_INDUCED
+            inc.lr_induced = True
+            self._watch_lr_damage(d, inc)
             self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
             self.recovery.lower_lr(
                 plan,
@@ -540,7 +561,9 @@ class RecoveryPolicy:
             f"if the loss or the gradient rises within {self.config.lr_jump_window_steps} steps",
         )
 
-    def _lr_induced(self, plan: ActionPlan, inc: Incident, what: str, strategy: str) -> bool:
+    def _lr_induced(
+        self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str
+    ) -> bool:
         """A loss or gradient rise shortly after an LR jump: scale the LR back. True if it did."""
         cfg, jump = self.config, self.lr_jump_tick
         if jump is None or self.observed_steps - jump > cfg.lr_jump_window_steps:
@@ -549,6 +572,7 @@ class RecoveryPolicy:
             return False
         self.lr_jump_tick = None  # answered: one scale-back per jump
         inc.lr_induced = True
+        self._watch_lr_damage(d, inc)
         plan.response = Response.LR_INDUCED
         self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
         why = (
@@ -558,7 +582,7 @@ class RecoveryPolicy:
         self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
 
-    def _lr_induced_rise(self, plan: ActionPlan, inc: Incident, what: str) -> None:
+    def _lr_induced_rise(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """The detector saw the LR jump beyond any rate the run had trained at (no warm restart)
         and the loss rise after it: scale the LR back once. The data is fine, so nothing is
         rolled back; no restore while the rise is said, nor ``lr_jump_hold_steps`` after."""
@@ -572,6 +596,7 @@ class RecoveryPolicy:
             return
         inc.lr_induced = True
         plan.response = Response.LR_INDUCED
+        self._watch_lr_damage(d, inc)
         self.recovery.lower_lr(
             plan,
             cfg.lr_jump_factor,
@@ -593,7 +618,7 @@ class RecoveryPolicy:
         elif strategy in ("critical", "spike", "slow") and not grace and self.pending_spike is None:
             self._pend(d, inc, critical=d.critical)
 
-    def _explosion(self, plan: ActionPlan, inc: Incident, what: str) -> None:
+    def _explosion(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         cfg, rec = self.config, self.recovery
         inc.explosion_handled = True
         self.explosions += 1
@@ -603,6 +628,7 @@ class RecoveryPolicy:
             plan.response = Response.RECURRING_EXPLOSION
             ceiling = rec.lr.lower_ceiling(cfg.lr_ceiling_decrease_factor)
             what = f"{what}, explosion #{self.explosions}: LR restores now stop at {ceiling:.3g} of base"
+        self._remember_level(d)
         rec.lower_lr(plan, cfg.lr_decrease_factor_explosion, what)
         rec.tighten_clip(plan, what, resend=True)
 
@@ -610,6 +636,7 @@ class RecoveryPolicy:
         cfg, rec = self.config, self.recovery
         if inc.divergence_lr_steps == 0:
             plan.add(CheckpointParams(reason="emergency"), f"{what}: emergency checkpoint")
+            self._remember_level(d)
             rec.lower_lr(plan, cfg.lr_step_factor_divergence, f"{what}: LR step 1")
         elif (
             self.observed_steps - (inc.last_divergence_tick or 0)
@@ -630,6 +657,77 @@ class RecoveryPolicy:
             return
         inc.divergence_lr_steps += 1
         inc.last_divergence_tick = self.observed_steps
+
+    # --- damage: a loss far above its level before the incident ------------------------------
+    def _remember_loss(self, d: Decision) -> None:
+        loss = None if d.evidence is None else d.evidence.loss
+        if loss is None or not math.isfinite(loss):
+            return
+        self.recent_losses.append(loss)
+        del self.recent_losses[: max(0, len(self.recent_losses) - self.config.damage_window_steps)]
+
+    def _remember_level(self, d: Decision) -> None:
+        """The loss level before the LR is lowered (kept from the first incident until restored):
+        fusion's baseline, learnt from healthy steps only, so still the level before the rise."""
+        e = d.evidence
+        if self.level_before is None and e is not None and e.loss_baseline is not None:
+            self.level_before = e.loss_baseline
+
+    def _damaged(self) -> bool:
+        """The recent losses' median far above the level before the LR was lowered (a full window
+        of them: a few steps prove nothing)."""
+        level, recent = self.level_before, self.recent_losses
+        if level is None or len(recent) < self.config.damage_window_steps:
+            return False
+        median = sorted(recent)[len(recent) // 2]
+        return median > level + (self.config.damage_loss_ratio - 1) * abs(level)
+
+    def _watch_lr_damage(self, d: Decision, inc: Incident) -> None:
+        self._remember_level(d)
+        self.lr_damage = {
+            "incident": inc.key,
+            "since": self.observed_steps,
+            "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
+            "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+        }
+
+    def _judge_lr_damage(self, plan: ActionPlan, d: Decision) -> bool:
+        """An LR-induced incident's scale-back a window old: a loss still far above its level
+        before the jump is damage the lower LR cannot undo (a model collapsed to chance learns
+        nothing back at x0.1): roll back to before the jump, at the checkpoint's LR, without
+        skipping the (good) data; the re-run's jump is scaled back at once. True if it did."""
+        w, cfg = self.lr_damage, self.config
+        if w is None or self.observed_steps - w["since"] < cfg.damage_window_steps:
+            return False
+        if not self._damaged():
+            held = self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until
+            if not held:
+                self.lr_damage = None  # the rise is over and the loss back: absorbed
+            return False
+        self.lr_damage = None
+        inc = self.incidents.incidents.get(w["incident"]) or self.incidents.get(
+            d, self.observed_steps
+        )
+        plan.incident_id, plan.incident_onset_step = inc.key, inc.onset_step
+        plan.claim = Claim.model_validate(w["claim"])  # the claim the trainer backed
+        plan.evidence = Evidence.model_validate(w["evidence"]) if w["evidence"] else None
+        plan.response = Response.LR_INDUCED
+        self.lr_jump_harmful = True
+        self.lr_hold_until = None
+        median = sorted(self.recent_losses)[len(self.recent_losses) // 2]
+        self._recover(
+            plan,
+            d,
+            inc,
+            None,
+            False,
+            f"loss median {median:.4g} over the last {cfg.damage_window_steps} steps, "
+            f"{median / self.level_before if self.level_before else math.inf:.3g}x its level "
+            f"{self.level_before:.4g} before the learning rate jumped: the model was damaged",
+            confirmed=False,
+            skip_data=False,
+        )
+        return True
 
     def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
         """Judge a pending spike once its patience ran out; True if nothing more is to be done."""
@@ -726,6 +824,12 @@ class RecoveryPolicy:
             self.recovery.tighten_clip(plan, what, floor=floor)
 
     def _healthy(self, plan: ActionPlan, d: Decision) -> None:
+        lr = self.recovery.lr
+        if lr.current >= lr.ceiling * (1 - 1e-9):
+            self.level_before = None  # nothing lowered (or all restored): nothing to protect
+        if self._damaged():
+            self.healthy_streak = 0  # a plateau far above the level before is damage, not health
+            return
         self.healthy_streak += 1
         if self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until:
             return  # an LR jump was scaled back: it may still be in the schedule
@@ -792,6 +896,7 @@ class RecoveryPolicy:
                 "incident is not confirmed (not critical): no fallback",
             )
             return
+        self.lr_damage = None  # the recovery answers the damage too
         for ordinal, (params, _) in enumerate(plan.items[issued:], issued):
             self.recovery_actions[action_id(plan.source, params.kind.value, ordinal)] = inc.key
         self.recovered_at[inc.key] = None
@@ -827,6 +932,9 @@ class RecoveryPolicy:
             "lr_hold_until": self.lr_hold_until,
             "lr_jump_harmful": self.lr_jump_harmful,
             "explosions": self.explosions,
+            "level_before": self.level_before,
+            "recent_losses": list(self.recent_losses),
+            "lr_damage": self.lr_damage,
             "rerun_window": None if self.rerun_window is None else list(self.rerun_window),
             "data_level_until": self.data_level_until,
             "stopped": self.stopped,
@@ -862,6 +970,10 @@ class RecoveryPolicy:
         self.lr_hold_until = state.get("lr_hold_until")
         self.lr_jump_harmful = bool(state.get("lr_jump_harmful", False))
         self.explosions = int(state.get("explosions", 0))
+        # Snapshots written before damage was judged lack these: no level known yet.
+        self.level_before = state.get("level_before")
+        self.recent_losses = [float(x) for x in state.get("recent_losses", [])]
+        self.lr_damage = state.get("lr_damage")
         window = state.get("rerun_window")
         self.rerun_window = None if window is None else RerunWindow(*window)
         self.data_level_until = state.get("data_level_until")

@@ -14,8 +14,8 @@ judged locally (:class:`StepView`), and checks every action against it:
   the trainer's own view of the step must agree it was anomalous for that
   type (:func:`disagreement`): a non-finite claim needs a non-finite loss or
   gradient seen here (a GradScaler's overflow is normal); a loss-scale
-  collapse needs an overflow or a non-finite value; an LR-induced rise needs the
-  trainer's own LR to have jumped beyond any rate it had trained at (within the
+  collapse needs an overflow or a non-finite value; an LR-induced rise or an LR out of
+  bounds needs the trainer's own LR to have jumped beyond any rate it had trained at (within the
   outlier model's ``lr_grace``), or what the other types need; any other anomaly
   type needs a non-finite value, or the local outlier model (skip_rule.py) scoring the
   loss or gradient norm at least :data:`AGREE_Z` of the way to its skip
@@ -49,6 +49,8 @@ AGREE_Z = 0.5
 # Claims that only a non-finite value (or, under a GradScaler, the scaler's overflow) can back.
 _NON_FINITE_TYPES = frozenset({AnomalyType.NON_FINITE})
 _OVERFLOW_TYPES = frozenset({AnomalyType.LOSS_SCALE_COLLAPSE})
+# Claims the trainer's own LR jumping beyond any rate it had trained at backs.
+_LR_TYPES = frozenset({AnomalyType.LR_INDUCED_RISE, AnomalyType.LR_OUT_OF_BOUNDS})
 
 
 class StepView(NamedTuple):
@@ -109,7 +111,7 @@ def disagreement(claim: Claim, view: StepView) -> str | None:
         agrees = (
             view.non_finite
             or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z
-            or (claim.type is AnomalyType.LR_INDUCED_RISE and view.lr_beyond_peak)
+            or (claim.type in _LR_TYPES and view.lr_beyond_peak)
         )
     if agrees:
         return None

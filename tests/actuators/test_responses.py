@@ -470,3 +470,92 @@ def test_an_lr_induced_rise_is_answered_with_the_lr_and_a_warm_restart_with_noth
         assert changes[0].claim.type is T.LR_INDUCED_RISE
     else:
         assert changes == []
+
+
+def _lr_blowup(policy: RecoveryPolicy, after: float, steps: int) -> list:
+    """An LR jump at 750 and the loss risen after it (level 2.0 before); then ``steps`` healthy
+    decisions whose loss sits at ``after``, the detectors having relearned it as the baseline."""
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    rise = dec(752, T.LR_INDUCED_RISE, critical=False, rules=("lr_induced_rise",), loss=5.0)
+    settled = [dec(s, loss=after, baseline=after) for s in range(753, 753 + steps)]
+    return feed(policy, healthy(401, 750) + [jump, rise] + settled)
+
+
+def test_an_lr_blowup_that_damaged_the_model_is_rolled_back_to_before_it() -> None:
+    """Issue 38: the digits CNN had collapsed to chance under x50 its LR, and x0.1 alone left it
+    there. The loss a window after the scale-back far above its level before: back to before the
+    jump at the checkpoint's LR, the (good) data not skipped."""
+    out = _lr_blowup(make(), after=4.6, steps=300)
+    rollbacks = [a for a in out if a.kind is K.ROLLBACK]
+    assert len(rollbacks) == 1 and rollbacks[0].params.target_step == 600, out
+    assert rollbacks[0].reason.startswith("[lr_induced]")
+    assert rollbacks[0].claim.type is T.LR_INDUCED_RISE  # the claim the trainer backed
+    assert K.SKIP_BATCHES not in kinds(out) and K.RESTORE_LR not in kinds(out)
+    assert policy_lr_after_ack(rollbacks[0]) == 1.0
+
+
+def policy_lr_after_ack(rollback) -> float:
+    policy = make()
+    _lr_blowup(policy, after=4.6, steps=300)
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
+    return policy.recovery.lr.current
+
+
+def test_an_lr_blowup_the_model_absorbed_is_not_rolled_back() -> None:
+    out = _lr_blowup(make(lr_restore_healthy_steps=50), after=2.0, steps=300)
+    assert K.ROLLBACK not in kinds(out) and K.RESTORE_LR in kinds(out)
+
+
+def test_a_collapsed_model_is_never_called_healthy() -> None:
+    """No checkpoint to roll back to: the LR stays down while the loss plateaus far above its level
+    before the incident, however many steps pass; it is restored once the loss is back."""
+    policy = make(ckpts=(), lr_restore_healthy_steps=50)
+    out = _lr_blowup(policy, after=4.6, steps=1000)
+    assert K.ROLLBACK not in kinds(out) and K.RESTORE_LR not in kinds(out)
+    assert policy.recovery.lr.current == pytest.approx(0.1)
+    back = feed(policy, [dec(s) for s in range(1753, 1900)])
+    assert K.RESTORE_LR in kinds(back)
+
+
+def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -> None:
+    """The re-run meets the schedule's jump again and scales it back at once; if the loss still
+    rises, the LR did it again: rolled back without skipping the (good) data (on the GRU seq2seq
+    loop the second rollback skipped 10 batches and cut the LR x0.1 more)."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
+    rollback = out[-1]
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=rollback.action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.APPLIED,
+            step=rollback.apply_at_step,
+        )
+    )
+    feed(policy, healthy(601, 750))
+    again = feed(
+        policy,
+        [
+            dec(
+                750,
+                T.LR_OUT_OF_BOUNDS,
+                critical=False,
+                confidence=0.7,
+                rules=("lr_jump",),
+                onset=750,
+            )
+        ]
+        + [dec(s, T.LOSS_SPIKE, onset=750) for s in range(752, 756)],
+    )
+    assert K.ROLLBACK in kinds(again) and K.SKIP_BATCHES not in kinds(again), kinds(again)

@@ -189,6 +189,18 @@ def test_agreement_is_a_lower_bar_than_skipping_and_keyed_by_type():
     assert disagreement(collapse, view(overflow=True)) is None
 
 
+@pytest.mark.parametrize("kind", [AnomalyType.LR_OUT_OF_BOUNDS, AnomalyType.LR_INDUCED_RISE])
+def test_an_lr_jump_the_trainer_saw_beyond_its_peak_backs_an_lr_claim(kind):
+    """Issue 38: the re-run after an LR blow-up's rollback meets the schedule's jump again; the
+    policy scales it back at once, before the loss can rise, claiming the jump itself. The trainer
+    saw its own LR jump beyond any rate it had trained at: that backs the claim (a loss spike's
+    claim it does not)."""
+    jumped = StepView(1.0, 1.0, lr_beyond_peak=True)
+    assert disagreement(Claim(step=5, type=kind), jumped) is None
+    assert disagreement(Claim(step=5, type=kind), view()) is not None
+    assert disagreement(Claim(step=5, type=AnomalyType.LOSS_SPIKE), jumped) is not None
+
+
 def test_a_claim_must_be_of_its_evidences_step_and_epoch():
     steps = PublishedSteps(size=8)
     steps.remember(1, 4, 2.0, 0.5, view(loss_z=9.0))
