@@ -54,7 +54,7 @@ class ActionInbox:
         self.run_id = run_id
         self.session = session  # this trainer's (None: take actions of any session)
         self.other_session = 0  # actions of another session left alone
-        self.refusals = refusals  # this run's dead letters, read after every poll
+        self.refusals = refusals  # this run's dead letters, read by their own thread
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.dlq_topic = topics.dlq
@@ -162,8 +162,6 @@ class ActionInbox:
             if records:
                 self._uncommitted = True
             self._maybe_commit()
-        if self.refusals is not None:
-            self.refusals.poll()
         if self.protection is not None:
             self.protection.check()
 

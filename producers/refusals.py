@@ -17,6 +17,7 @@ signature mean its key differs from the workers'.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 
@@ -52,10 +53,24 @@ class RefusalWatch:
         )
         self.counts: Counter[str] = Counter()
         self.own_bad_signatures = 0  # this session's own steps refused with a bad signature
+        # Its own thread: a new consumer group's first polls can block while it joins (kafka-python
+        # waits for the coordinator beyond the poll's timeout), and the action inbox must never
+        # wait on that. Only this thread touches the consumer until it has stopped.
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spikeguard-refusals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - reading the DLQ must never hurt the run
+                log.debug("spikeguard: reading the DLQ failed: %r", exc)
+                self._stop.wait(1.0)
 
     def poll(self) -> None:
         # (a short wait, not 0: a consumer that polls with none may take long to join its group)
-        for record in self._consumer.poll(max_records=500, timeout=0.05):
+        for record in self._consumer.poll(max_records=500, timeout=0.2):
             if record.key_text != self.run_id or 0 < record.timestamp_ms < self.since_ms:
                 continue
             try:
@@ -82,4 +97,7 @@ class RefusalWatch:
             )
 
     def close(self) -> None:
-        self._consumer.close()
+        self._stop.set()
+        self._thread.join(2.0)
+        if not self._thread.is_alive():  # a consumer is closed by the thread that polls it, or not
+            self._consumer.close()
