@@ -145,13 +145,19 @@ class RiseTest:
         self.rate = rate
         self._current: list[float] = []  # accepted points of the block being filled
         self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
-        # A few hundred differences at most: the tail goes through their median and 90th
-        # percentile, which a capped climb cannot lift (their 99th percentile, it would).
+        # A few hundred differences (twice what a horizon needs to judge, at least): the tail
+        # goes through their median and 90th percentile.
         # They join max(horizons) blocks late: a climb is judged against the differences
         # from before it, not against its own.
         self._tails = [
-            TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9, lag=max(horizons))
-            for _ in horizons
+            TailThreshold(
+                max(history, 2 * min_blocks * h),
+                min(rate * block, 0.05),
+                low=0.5,
+                high=0.9,
+                lag=max(horizons),
+            )
+            for h in horizons
         ]
         self._excused = False  # an LR rise explained a point of the current block
         # Blocks completed since the last one with an explained point: a horizon that
@@ -172,7 +178,7 @@ class RiseTest:
         given = None if min_rise is None else min_rise()
         floor = self.min_rise if given is None else given
         for h, tail in zip(self.horizons, self._tails):
-            if len(self._medians) < h or len(tail) < self.min_blocks:
+            if len(self._medians) < h or not self._judges(h, tail):
                 continue
             rise = median - self._medians[-h]
             bar = max(tail.threshold(), floor)
@@ -183,8 +189,16 @@ class RiseTest:
                 rising = True
         return BlockJudged(best_score, best_rise, rising, median)
 
+    def _judges(self, h: int, tail: TailThreshold) -> bool:
+        """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise.
+
+        Differences ``h`` blocks apart overlap: ``n`` of them hold about ``n / h``
+        independent ones, so a horizon waits for ``min_blocks`` of those."""
+        return len(tail) >= self.min_blocks * h
+
     def advance(self, y: float, judged: BlockJudged | None, explained: bool) -> None:
-        """Take an accepted point in; at a block's end, its rises join their tails."""
+        """Take an accepted point in; at a block's end, its rises that are not over their bar
+        join their tails."""
         if judged is None:
             self._current.append(y)
             self._excused = self._excused or explained
@@ -192,7 +206,10 @@ class RiseTest:
         median = judged.median
         for h, tail in zip(self.horizons, self._tails):
             if len(self._medians) >= h:
-                tail.update(median - self._medians[-h])
+                rise = median - self._medians[-h]
+                # A rise over its bar is not the run's wander: it never widens the bar.
+                if not (self._judges(h, tail) and rise > tail.threshold()):
+                    tail.update(rise)
         self._medians.append(median)
         del self._medians[: -max(self.horizons)]
         self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
