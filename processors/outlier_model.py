@@ -28,6 +28,9 @@ at that step (:func:`turns_signed`).
   that fraction of a quantile: no feedback loop, unlike a MAD over accepted
   points with a bar at a few sigma. Noise that grows still teaches the tail, since
   most of its points stay under the bar, each raising the percentiles a little.
+  Until the tail has *settled* (``settle`` values) it does not know the run's
+  noise yet, and a small batch's first hard batches are over a bar fitted on a
+  few dozen values: then every point joins, capped at the bar.
 * **lag** — a residual joins the tail ``tail_lag`` steps late: a climb is
   judged against the noise from before it, not against its own first steps.
 * **threshold** — ``q99 + s * ln(0.01 / rate)`` with ``s = (q99 - q90) / ln 10``:
@@ -247,6 +250,14 @@ class OutlierConfig(BaseModel):
         ge=0.0,
         description="before the tail has settled the threshold is at least this (x1.5)",
     )
+    power_tail: bool = Field(
+        False,
+        description="extrapolate the tail as a power law in the residual's excess over its median "
+        "(TailThreshold), as a signed loss's is: Student-t step noise has one in log space too, "
+        "where the exponential's bar is over ~50x the target rate (Guard skips of ~1 per 1,000 "
+        "steps on 1-5 % t(3) noise). Off by default: on a young run its bar is so high that a "
+        "poisoned batch at step 350 of a tiny real training is no longer skipped",
+    )
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
     )
@@ -326,7 +337,10 @@ class OutlierModel:
         # The newest quarter of the level's points: below the whole window's, the loss is falling.
         self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
         self.tail = TailThreshold(
-            self.config.tail_window, self.config.rate, lag=self.config.tail_lag, power=signed
+            self.config.tail_window,
+            self.config.rate,
+            lag=self.config.tail_lag,
+            power=signed or self.config.power_tail,
         )
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,
@@ -455,10 +469,16 @@ class OutlierModel:
                 self.lr_peak = lr
         if y is None:
             return
-        # Only a healthy point's residual teaches the tail: not an elevated one, nor one an LR
-        # jump excused that would have been (module docstring).
-        if judged.level == judged.level and not judged.residual > judged.threshold:
-            self.tail.update(judged.residual)
+        # Only a healthy point's residual teaches a settled tail: not an elevated one, nor one
+        # an LR jump excused that would have been. A young tail, which does not know the run's
+        # noise yet, takes every point, capped at the bar (module docstring).
+        residual, bar = judged.residual, judged.threshold
+        if judged.level == judged.level:
+            if not residual > bar:
+                self.tail.update(residual)
+            elif not self.settled:
+                cap = self.tail.threshold()  # the tail's own bar, below the young floor
+                self.tail.update(cap if cap < residual else residual)
         if judged.elevated:
             self.elevated_run += 1
             if self.elevated_run >= self.config.relearn_after:
@@ -485,7 +505,8 @@ class OutlierModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.signed = self.tail.power = bool(state.get("signed", False))
+        self.signed = bool(state.get("signed", False))
+        self.tail.power = self.signed or self.config.power_tail
         self.level.load_state_dict(state["level"])
         self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])
