@@ -18,12 +18,19 @@ at that step (:func:`turns_signed`).
 * **level** — the median of the last ``level_window`` *accepted* points. A
   point judged elevated is not accepted: a spike cannot raise its own baseline.
 * **residual** ``r = y - level``, taken before ``y`` joins anything.
-* **tail** — the last ``tail_window`` residuals of *every* judged point, each
-  capped at the current threshold. Outliers stay in the tail (so keeping them
-  out of the level never shrinks the spread, the feedback loop of a MAD over
-  accepted points only), but capped (so one spike counts as one point at the
-  threshold and cannot inflate it). The cap is the threshold, not a quantile:
-  a cap at the 99th percentile would let that percentile only ever fall.
+* **tail** — the residuals of the last ``tail_window`` *healthy* points: a
+  point over the threshold (elevated, or one a learning-rate jump excused) never
+  joins it, so a spike the run healed from is not taken for heavy-tailed noise
+  and cannot raise the bar for the next one (nor, through a spike of many
+  points, ratchet the threshold up: a tail of values capped at the threshold
+  would). Leaving them out truncates the tail only beyond the threshold, at
+  the target rate (1e-5), which moves its 90th and 99th percentiles by about
+  that fraction of a quantile: no feedback loop, unlike a MAD over accepted
+  points with a bar at a few sigma. Noise that grows still teaches the tail, since
+  most of its points stay under the bar, each raising the percentiles a little.
+  Until the tail has *settled* (``settle`` values) it does not know the run's
+  noise yet, and a small batch's first hard batches are over a bar fitted on a
+  few dozen values: then every point joins, capped at the bar.
 * **lag** — a residual joins the tail ``tail_lag`` steps late: a climb is
   judged against the noise from before it, not against its own first steps.
 * **threshold** — ``q99 + s * ln(0.01 / rate)`` with ``s = (q99 - q90) / ln 10``:
@@ -77,11 +84,11 @@ _LN10 = math.log(10.0)
 
 
 class TailThreshold:
-    """The false-alarm-rate threshold of a window of capped values (see the module docstring).
+    """The false-alarm-rate threshold of a window of healthy values (see the module docstring).
 
     The exponential tail goes through two empirical quantiles, ``low`` and ``high``
     (0.90 and 0.99 by default). A short window wants lower ones: its 99th
-    percentile is its largest value or two, which each capped value would lift.
+    percentile is its largest value or two. The caller gives it healthy values only.
 
     >>> tail = TailThreshold(window=1000, rate=1e-4)
     >>> for i in range(1000):
@@ -153,19 +160,13 @@ class TailThreshold:
         return hi + scale * math.log(tail_hi / rate)
 
     def update(self, value: float) -> None:
-        """Add ``value`` (after ``lag`` more updates, once a hundred are in), capped at the
-        then current threshold once ten values are in."""
+        """Add ``value`` (after ``lag`` more updates, once a hundred are in)."""
         waiting = self._waiting
         waiting.append(value)
         # No lag before the tail holds a hundred values: a young tail needs them now.
         if len(waiting) <= min(self.lag, max(0, len(self._values) - 100)):
             return
-        value = waiting.popleft()
-        if len(self._values) >= 10:
-            cap = self.threshold()
-            if value > cap:
-                value = cap
-        self._values.update(value)
+        self._values.update(waiting.popleft())
         self._threshold = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,7 +221,7 @@ class OutlierConfig(BaseModel):
         100, ge=3, le=4096, description="accepted points in the rolling median"
     )
     tail_window: int = Field(
-        500, ge=100, le=65536, description="residuals (all points, capped) the tail is fitted on"
+        500, ge=100, le=65536, description="residuals of healthy points the tail is fitted on"
     )
     min_history: int = Field(
         10, ge=5, description="residuals in the tail before any point is judged"
@@ -248,6 +249,14 @@ class OutlierConfig(BaseModel):
         math.log(1.5),
         ge=0.0,
         description="before the tail has settled the threshold is at least this (x1.5)",
+    )
+    power_tail: bool = Field(
+        False,
+        description="extrapolate the tail as a power law in the residual's excess over its median "
+        "(TailThreshold), as a signed loss's is: Student-t step noise has one in log space too, "
+        "where the exponential's bar is over ~50x the target rate (Guard skips of ~1 per 1,000 "
+        "steps on 1-5 % t(3) noise). Off by default: on a young run its bar is so high that a "
+        "poisoned batch at step 350 of a tiny real training is no longer skipped",
     )
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
@@ -328,7 +337,10 @@ class OutlierModel:
         # The newest quarter of the level's points: below the whole window's, the loss is falling.
         self.newest_quarter = RollingMedian(max(1, self.config.level_window // 4))
         self.tail = TailThreshold(
-            self.config.tail_window, self.config.rate, lag=self.config.tail_lag, power=signed
+            self.config.tail_window,
+            self.config.rate,
+            lag=self.config.tail_lag,
+            power=signed or self.config.power_tail,
         )
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,
@@ -457,8 +469,16 @@ class OutlierModel:
                 self.lr_peak = lr
         if y is None:
             return
+        # Only a healthy point's residual teaches a settled tail: not an elevated one, nor one
+        # an LR jump excused that would have been. A young tail, which does not know the run's
+        # noise yet, takes every point, capped at the bar (module docstring).
+        residual, bar = judged.residual, judged.threshold
         if judged.level == judged.level:
-            self.tail.update(judged.residual)
+            if not residual > bar:
+                self.tail.update(residual)
+            elif not self.settled:
+                cap = self.tail.threshold()  # the tail's own bar, below the young floor
+                self.tail.update(cap if cap < residual else residual)
         if judged.elevated:
             self.elevated_run += 1
             if self.elevated_run >= self.config.relearn_after:
@@ -485,7 +505,8 @@ class OutlierModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.signed = self.tail.power = bool(state.get("signed", False))
+        self.signed = bool(state.get("signed", False))
+        self.tail.power = self.signed or self.config.power_tail
         self.level.load_state_dict(state["level"])
         self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])

@@ -29,13 +29,11 @@ gives way to the run's own noise.
   ``min_rise``. A rise while the learning rate has recently gone up (a warm
   restart) is explained and not judged. A rise is a ``SLOW_RISE``.
 
-* **climbs** (:class:`ClimbTest`) — a sign test on ranks over the last
-  ``climb_window`` points: most of them over the run's own 90th percentile of
-  residuals and none at or below its median is a ``CLIMB`` (said as a
-  divergence). It finds a gradual divergence within a few steps of its rising
-  three noise sigmas, long before a single point is elevated or a 50-point block
-  has filled; noise that grows, or a run of hard batches, leaves low points among
-  the high ones and is not a climb.
+* **climbs** (:class:`ClimbTest`) — the median of the last ``climb_window``
+  residuals against that same statistic's own past values (its empirical
+  null, at ``climb_rate`` per step): a gradual divergence, found before a
+  single point is elevated, and never the run's own slow wander, whose
+  excursions are in the null. Said as a divergence.
 
 * **where the loss is now** — an EW mean of the residuals (``recent_alpha``)
   and of their absolute deviations from it. ``raised`` says that mean is
@@ -56,11 +54,11 @@ takes the judged point in. State round-trips through JSON types.
 from __future__ import annotations
 
 import math
+from collections import deque
 from enum import IntEnum
 from typing import Any, Callable, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
-from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.processors.outlier_model import Judged as Point
 
 
@@ -145,13 +143,19 @@ class RiseTest:
         self.rate = rate
         self._current: list[float] = []  # accepted points of the block being filled
         self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
-        # A few hundred differences at most: the tail goes through their median and 90th
-        # percentile, which a capped climb cannot lift (their 99th percentile, it would).
+        # A few hundred differences (twice what a horizon needs to judge, at least): the tail
+        # goes through their median and 90th percentile.
         # They join max(horizons) blocks late: a climb is judged against the differences
         # from before it, not against its own.
         self._tails = [
-            TailThreshold(history, min(rate * block, 0.05), low=0.5, high=0.9, lag=max(horizons))
-            for _ in horizons
+            TailThreshold(
+                max(history, 2 * (min_blocks + h)),
+                min(rate * block, 0.05),
+                low=0.5,
+                high=0.9,
+                lag=max(horizons),
+            )
+            for h in horizons
         ]
         self._excused = False  # an LR rise explained a point of the current block
         # Blocks completed since the last one with an explained point: a horizon that
@@ -172,7 +176,7 @@ class RiseTest:
         given = None if min_rise is None else min_rise()
         floor = self.min_rise if given is None else given
         for h, tail in zip(self.horizons, self._tails):
-            if len(self._medians) < h or len(tail) < self.min_blocks:
+            if len(self._medians) < h or not self._judges(h, tail):
                 continue
             rise = median - self._medians[-h]
             bar = max(tail.threshold(), floor)
@@ -183,8 +187,15 @@ class RiseTest:
                 rising = True
         return BlockJudged(best_score, best_rise, rising, median)
 
+    def _judges(self, h: int, tail: TailThreshold) -> bool:
+        """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise:
+        ``min_blocks`` differences, and ``h`` more (differences ``h`` blocks apart overlap: the
+        first ``h`` of them hold about one span of the run)."""
+        return len(tail) >= self.min_blocks + h
+
     def advance(self, y: float, judged: BlockJudged | None, explained: bool) -> None:
-        """Take an accepted point in; at a block's end, its rises join their tails."""
+        """Take an accepted point in; at a block's end, its rises that are not over their bar
+        join their tails."""
         if judged is None:
             self._current.append(y)
             self._excused = self._excused or explained
@@ -192,7 +203,10 @@ class RiseTest:
         median = judged.median
         for h, tail in zip(self.horizons, self._tails):
             if len(self._medians) >= h:
-                tail.update(median - self._medians[-h])
+                rise = median - self._medians[-h]
+                # A rise over its bar is not the run's wander: it never widens the bar.
+                if not (self._judges(h, tail) and rise > tail.threshold()):
+                    tail.update(rise)
         self._medians.append(median)
         del self._medians[: -max(self.horizons)]
         self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
@@ -216,106 +230,78 @@ class RiseTest:
         self._since_excused = int(state["since_excused"])
 
 
-def climb_chance(n: int, m: int, high: float) -> float:
-    """P(at least ``m`` of ``n`` independent points over the ``1 - high`` quantile, none
-    at or below the median): each is high with probability ``high``, in the middle with
-    ``0.5 - high``."""
-    middle = 0.5 - high
-    return sum(math.comb(n, j) * high**j * middle ** (n - j) for j in range(m, n + 1))
-
-
-class Place(IntEnum):
-    """Where a residual lies in the run's own distribution of residuals (the climb test)."""
-
-    LOW = 0  #: at or below its median (counted from the level when the median is below it)
-    MIDDLE = 1
-    HIGH = 2  #: over the climb test's quantile
-
-
 class ClimbTest:
-    """A climb: most of the last ``window`` points high, and none of them low.
+    """A climb: the median of the last ``window`` residuals is over its own empirical null.
 
-    A sign test on ranks, against the run's own residuals: a healthy point is
-    ``HIGH`` with probability at most ``1 - quantile`` and ``LOW`` with
-    probability about 1/2, whatever the noise's distribution. A climb lifts the
-    whole distribution, so none of the window may be ``LOW``: noise that grows,
-    or a run of hard batches, widens the distribution both ways and leaves low
-    points among the high ones. ``points`` is the fewest ``HIGH`` of ``window``
-    points, none ``LOW``, that independent healthy points reach with probability
-    at most ``rate``. A climb too slow to lift the window clear of the median is
-    the rise test's.
-
-    The bars come from the outlier model's tail (learnt late, so a climb is judged
-    against the noise from before it) and from the spread of the ``reference``
-    residuals just before the window, whichever is wider: the tail lags noise that
-    grows, and a steady climb shifts the recent residuals but does not widen them.
+    The statistic is the run's own: the median of ``window`` residuals in a row,
+    and its bar is a :class:`~spikeguard.processors.outlier_model.TailThreshold`
+    of that same statistic's past values (through their median and 90th
+    percentile, at the false-alarm ``rate`` per step). Loss whose data
+    difficulty wanders slowly gives runs of high residuals that no test
+    assuming independent points can tell from a climb ("8 of 10 over the 90th
+    percentile" fires hundreds of times per 20k healthy steps then); their
+    medians are in the null the bar is fitted on, so only a climb beyond what
+    the run's own wander has done at that time scale counts. Values join
+    ``history // 2`` steps late (a climb is judged against the run from before it),
+    never while over the bar (a climb does not raise its own bar), and nothing
+    is judged until ``history`` // 2 of them are in: the null must have seen the
+    run's wander. A median ignores the one spike in a window (the outlier model's).
     """
 
-    __slots__ = ("window", "quantile", "points", "_places", "_pending", "_reference")
+    __slots__ = ("window", "rate", "history", "_recent", "_tail")
 
-    def __init__(self, *, window: int, quantile: float, rate: float, reference: int) -> None:
+    def __init__(self, *, window: int, rate: float, history: int) -> None:
         self.window = window
-        self.quantile = quantile
-        high = 1.0 - quantile
-        if climb_chance(window, window, high) > rate:
-            raise ValueError(
-                f"climb_window {window} is too short for climb_rate {rate} at "
-                f"climb_quantile {quantile}: even {window} of {window} is likelier"
-            )
-        self.points = next(m for m in range(1, window + 1) if climb_chance(window, m, high) <= rate)
-        self._places: list[int] = []  # the last judged points' places, oldest first
-        self._pending: list[float] = []  # the window's residuals, before they join the reference
-        self._reference = RollingMedian(reference)
+        self.rate = rate
+        self.history = history
+        self._recent: list[float] = []  # the last judged points' residuals, oldest first
+        # Values join half a history late: a slow climb's statistic rises under its bar at
+        # every step, and would otherwise teach the null its own rise (the bar, fitted through
+        # the median and 90th percentile, rises ~9x as fast as they do).
+        self._tail = TailThreshold(history, rate, low=0.5, high=0.9, lag=history // 2)
 
-    def place(self, residual: float, tail: TailThreshold) -> Place:
-        """Where ``residual`` lies among the run's residuals (``tail``: the outlier model's)."""
-        median = tail.quantile(0.5)
-        spread = tail.quantile(self.quantile) - median
-        reference = self._reference
-        if len(reference) == reference.window:
-            recent = reference.quantile(self.quantile) - reference.quantile(0.5)
-            spread = recent if recent > spread else spread
-        # While the loss was falling the residuals sat below the level, and the tail learnt
-        # that shift as if it were noise: its median is below zero then. The bars are
-        # counted from the level in that case, not from the tail's median.
-        low = median if median > 0.0 else 0.0
-        if residual <= low:
-            return Place.LOW
-        return Place.HIGH if residual > low + spread else Place.MIDDLE
+    def statistic(self, residual: float) -> float | None:
+        """The median of the last ``window`` residuals, ``residual`` the newest (None: fewer)."""
+        recent = self._recent[1 - self.window :] + [residual]
+        if len(recent) < self.window:
+            return None
+        recent.sort()
+        n = len(recent)
+        return recent[n // 2] if n % 2 else 0.5 * (recent[n // 2 - 1] + recent[n // 2])
 
-    def judge(self, place: Place) -> int:
-        """High points among the last ``window`` (this one included); 0 if any is low
-        or fewer than ``window`` have been judged since the count started."""
-        recent = self._places[1 - self.window :] + [place]
-        if len(recent) < self.window or Place.LOW in recent:
-            return 0
-        return recent.count(Place.HIGH)
+    def bar(self) -> float:
+        """The statistic's bar (inf until the null holds ``history // 2`` values)."""
+        tail = self._tail
+        return tail.threshold() if 2 * len(tail) >= self.history else math.inf
 
-    def advance(self, residual: float, place: Place | None) -> None:
-        """Take a point in (``place`` None: a point not judged, which starts the count over)."""
-        if place is None:
-            self._places.clear()
-            self._pending.clear()
+    def judge(self, residual: float | None) -> float:
+        """The statistic over its bar (>= 1: a climb; 0.0 while it cannot be judged)."""
+        if residual is None:
+            return 0.0
+        stat = self.statistic(residual)
+        bar = self.bar()
+        if stat is None or bar == math.inf or stat <= 0.0:
+            return 0.0
+        return stat / bar if bar > 0.0 else math.inf
+
+    def advance(self, residual: float | None) -> None:
+        """Take a point in (None: a point not judged, which starts the window over)."""
+        if residual is None:  # (no lagged level yet, or a point not judged)
+            self._recent.clear()
             return
-        self._places.append(int(place))
-        del self._places[: -self.window]
-        self._pending.append(residual)
-        if len(self._pending) > self.window:
-            self._reference.update(self._pending.pop(0))
+        stat = self.statistic(residual)
+        self._recent.append(residual)
+        del self._recent[: -self.window]
+        if stat is not None and not stat > self.bar():
+            self._tail.update(stat)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "places": list(self._places),
-            "pending": list(self._pending),
-            "reference": self._reference.values(),
-        }
+        return {"recent": list(self._recent), "tail": self._tail.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._places = [int(v) for v in state.get("places", ())]
-        self._pending = [float(v) for v in state.get("pending", ())]
-        self._reference.clear()
-        for value in state.get("reference", ()):
-            self._reference.update(float(value))
+        self._recent = [float(v) for v in state.get("recent", ())]
+        if "tail" in state:
+            self._tail.load_state_dict(state["tail"])
 
 
 class LevelMonitor:
@@ -334,6 +320,7 @@ class LevelMonitor:
         "_elevated",
         "_recent",
         "_spread",
+        "_levels",
     )
 
     def __init__(
@@ -352,9 +339,9 @@ class LevelMonitor:
         rise_rate: float,
         rise_history: int,
         climb_window: int,
-        climb_quantile: float,
         climb_rate: float,
-        climb_reference: int,
+        climb_history: int,
+        climb_lag: int,
         recent_alpha: float,
         raise_z: float,
     ) -> None:
@@ -367,9 +354,7 @@ class LevelMonitor:
             rate=rise_rate,
             history=rise_history,
         )
-        self.climb = ClimbTest(
-            window=climb_window, quantile=climb_quantile, rate=climb_rate, reference=climb_reference
-        )
+        self.climb = ClimbTest(window=climb_window, rate=climb_rate, history=climb_history)
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
@@ -379,6 +364,9 @@ class LevelMonitor:
         self._recent = math.nan  # EW mean of the residuals: where the loss is now, over its level
         self._spread = math.nan  # EW mean of their absolute deviations from it
         self._elevated = 0  # elevated points in a row
+        # The level at each of the last climb_lag judged points: a climb is measured from
+        # the level before it, which by now has followed it part of the way.
+        self._levels: deque[float] = deque(maxlen=climb_lag)
 
     def judge(self, y: float, lr: float | None = None, skipped: bool = False) -> LevelJudged:
         """Judge ``y``; ``skipped``: the trainer skipped this step's update itself."""
@@ -427,16 +415,18 @@ class LevelMonitor:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
         block = self.rises.judge(y, False, self._rise_floor)
-        place = self._place(point)
-        if place is not None:
-            count = self.climb.judge(place)
-            if count >= self.climb.points:
-                return LevelJudged(
-                    LevelCode.CLIMB, count / self.climb.points, point.residual, point, block
-                )
+        if self.model.settled:
+            climb = self.climb.judge(self._climbed(y))
+            if climb >= 1.0:
+                return LevelJudged(LevelCode.CLIMB, climb, point.residual, point, block)
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
+
+    def _climbed(self, y: float) -> float | None:
+        """``y`` over the level ``climb_lag`` judged points ago (None: not that many yet)."""
+        levels = self._levels
+        return y - levels[0] if len(levels) == levels.maxlen else None
 
     def _rise_floor(self) -> float | None:
         """A signed loss's smallest rise: the spread of its points' own noise (the tail's median
@@ -451,15 +441,16 @@ class LevelMonitor:
         spread = model.tail.quantile(0.9) - model.tail.quantile(0.5)
         return spread if spread > 0.0 else math.inf
 
-    def _place(self, point: Point) -> Place | None:
-        """Where the point's residual lies for the climb test (None: not judged for it)."""
-        if not point.judged or not self.model.settled:
-            return None
-        return Place.HIGH if point.elevated else self.climb.place(point.residual, self.model.tail)
-
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
-        self.climb.advance(point.residual, self._place(point))
+        # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
+        if point.judged and not point.elevated and self.model.settled:
+            self.climb.advance(self._climbed(y))
+        elif not point.elevated:
+            self.climb.advance(None)
+            self._levels.clear()
+        if point.judged and not point.elevated:
+            self._levels.append(point.level)
         self.model.advance(y, point, lr)
         if judged.recent == judged.recent:
             self._recent, self._spread = judged.recent, judged.spread
@@ -473,6 +464,7 @@ class LevelMonitor:
             "model": self.model.state_dict(),
             "rises": self.rises.state_dict(),
             "climb": self.climb.state_dict(),
+            "levels": list(self._levels),
             "elevated": self._elevated,
             "recent": self._recent,
             "spread": self._spread,
@@ -482,6 +474,8 @@ class LevelMonitor:
         self.model.load_state_dict(state["model"])
         self.rises.load_state_dict(state["rises"])
         self.climb.load_state_dict(state.get("climb", {}))
+        self._levels.clear()
+        self._levels.extend(float(v) for v in state.get("levels", ()))
         self._elevated = int(state["elevated"])
         self._recent = float(state.get("recent", math.nan))
         self._spread = float(state.get("spread", math.nan))

@@ -213,7 +213,10 @@ class LevelConfig(BaseModel):
     )
     rise_min: float = Field(1.1, gt=1.0, description="a rise is at least this ratio (x1.1: +10 %)")
     rise_min_blocks: int = Field(
-        10, ge=5, description="differences a horizon's tail holds before it judges a rise"
+        10,
+        ge=2,
+        description="a horizon of h blocks judges a rise once its tail holds this many "
+        "differences and h more",
     )
     rise_rate: float = Field(
         1e-7,
@@ -223,28 +226,29 @@ class LevelConfig(BaseModel):
         "as rare as a climb)",
     )
     rise_history: int = Field(200, ge=50, le=65536, description="differences each tail keeps")
-    climb_window: int = Field(10, ge=2, le=256, description="points the climb test looks back over")
-    climb_quantile: float = Field(
-        0.9,
-        gt=0.5,
-        lt=1.0,
-        description="a point counts towards a climb when its residual is over this quantile of "
-        "the run's own residuals",
+    climb_window: int = Field(
+        10, ge=2, le=256, description="residuals whose median is the climb test's statistic"
     )
     climb_rate: float = Field(
         1e-7,
         gt=0.0,
-        lt=0.01,
-        description="chance per step that independent healthy points make a climb (it sets how "
-        "many of climb_window points must be over climb_quantile, none under the median: 8 of "
-        "10 at the defaults); a climb cuts the LR, so it is rarer than an outlier step's 1e-5",
+        lt=0.1,
+        description="false-alarm rate per step of the climb test, against the run's own past "
+        "values of its statistic (a climb cuts the LR, so it is rarer than an outlier step's 1e-5)",
     )
-    climb_reference: int = Field(
+    climb_lag: int = Field(
         50,
-        ge=10,
+        ge=1,
         le=4096,
-        description="residuals just before the climb window whose spread (median to "
-        "climb_quantile) the climb's bar is at least: the tail lags noise that grows",
+        description="the climb statistic's residuals are taken from the level this many judged "
+        "points earlier (the level follows a slow climb, half its window behind)",
+    )
+    climb_history: int = Field(
+        1000,
+        ge=20,
+        le=65536,
+        description="past values of the climb statistic its bar is fitted on; nothing is judged "
+        "before half of them are in (the null must have seen the run's wander)",
     )
     recent_alpha: float = Field(
         1 / 16,

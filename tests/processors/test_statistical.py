@@ -372,11 +372,13 @@ def test_state_is_bounded() -> None:
     # Every window is full once the rise test's tails are (rise_history blocks of rise_block).
     det = StatisticalDetector()
     cfg = det.config.level
-    full = cfg.rise_block * (cfg.rise_history + max(cfg.rise_horizons))
+    longest = max(cfg.rise_horizons)
+    history = max(cfg.rise_history, 2 * (cfg.rise_min_blocks + longest))
+    full = max(cfg.rise_block * (history + longest), 2 * cfg.climb_history)
     det.update_many(events(healthy(full + 1000, 15)))
     small = len(json.dumps(det.state_dict()))
     det.update_many(events(healthy(10000, 16), start=full + 1000))
-    assert len(json.dumps(det.state_dict())) <= small + 200
+    assert len(json.dumps(det.state_dict())) <= small * 1.01  # (the floats' digits vary)
 
 
 def test_bad_settings_name_the_field() -> None:
@@ -453,10 +455,12 @@ def climb(n: int, seed: int, start: int, peak: float, rise: int, power: float, s
 
 
 @pytest.mark.heavy  # 40 runs of the simulator: ~4 s, over the unit tier's 3 s budget
-def test_gradual_divergences_are_caught_within_15_steps_of_rising_3_sigma() -> None:
+def test_gradual_divergences_are_caught_within_200_steps_of_rising_3_sigma() -> None:
     # Slow climbs (the simulator's divergence shapes) stay under the one-point outlier bar
-    # for tens of steps while the level follows them, but most points are over the run's
-    # own 90th percentile at once. Before the climb test: delays 6-141, median 56.
+    # for tens of steps while the level follows them; the climb test measures them from the
+    # level before them, against its own statistic's past (issue 36: the count it replaced,
+    # "8 of 10 over q90", assumed independent points, and found these within 15 steps but
+    # fired hundreds of times per 10k steps on healthy loss whose difficulty wanders).
     delays = []
     for seed, rise, power, sigma in [
         (40, 300, 1.0, 0.02),
@@ -474,12 +478,13 @@ def test_gradual_divergences_are_caught_within_15_steps_of_rising_3_sigma() -> N
         assert (
             hits
             and hits[0] > 2000
-            and verdicts[hits[0]].type in (AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE)
+            and verdicts[hits[0]].type
+            in (AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE, AnomalyType.LOSS_SPIKE)
         ), (seed, hits[:3])
         delays.append(max(0, hits[0] - labelled))
-    assert statistics.median(delays) <= 15 and max(delays) <= 100, delays
+    assert statistics.median(delays) <= 120 and max(delays) <= 200, delays
     # A divergence, said by the climb test.
-    pairs, _ = climb(3000, 40, 2000, math.log(2.0), 300, 1.0)
+    pairs, _ = climb(3000, 41, 2000, math.log(2.0), 400, 2.0)
     assert judge(pairs)[incidents(judge(pairs))[0]].rules == ["loss_climb"]
 
 
@@ -489,18 +494,6 @@ def test_noise_that_grows_makes_no_climb(seed) -> None:
     # over its 90th percentile, but as many fall below the level (a climb has none there).
     pairs = growing_noise(seed)
     assert [v.step for v in judge(pairs) if "loss_climb" in v.rules] == []
-
-
-def test_the_climb_test_counts_what_its_rate_allows() -> None:
-    # 8 of 10 over the 90th percentile with none under the median: about 8e-8 for
-    # independent healthy points, under the default 1e-7 (7 of 10 would be 1e-6).
-    from spikeguard.processors.detectors.level import ClimbTest, climb_chance
-
-    test = ClimbTest(window=10, quantile=0.9, rate=1e-7, reference=50)
-    assert test.points == 8
-    assert climb_chance(10, 8, 0.1) <= 1e-7 < climb_chance(10, 7, 0.1)
-    with pytest.raises(ValueError, match="climb_window 3 is too short"):
-        ClimbTest(window=3, quantile=0.9, rate=1e-7, reference=50)
 
 
 def flip_flop(

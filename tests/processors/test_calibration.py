@@ -1,0 +1,131 @@
+"""Issue 36's two failure classes, as seeded property tests.
+
+1. A healed spike never blinds the outlier model (and so the Guard's skip rule)
+   to the next one: whatever spikes came before, a single point far above the
+   run's healthy noise is elevated and its update skipped.
+2. No test assumes independent residuals: healthy loss whose data difficulty
+   wanders slowly (multiplicative AR(1) in log space) makes no climb and no rise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from spikeguard.processors.detectors.statistical import StatisticalDetector
+from spikeguard.processors.outlier_model import OutlierModel
+from spikeguard.producers.skip_rule import SkipRule
+from spikeguard.schemas import AnomalyType, StepEvent
+
+#: what the climb and rise tests say (a climb is said as a divergence): an LR cut each
+_SLOW = {AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE}
+
+
+def _history_with_healed_spikes(rng: random.Random, n: int, noise: float) -> list[float]:
+    """A healthy loss with 1 % step noise and healed spikes of any size (x1.5-x20, 1-8 points
+    each) every few hundred steps."""
+    out: list[float] = []
+    next_spike = rng.randint(350, 500)
+    while len(out) < n:
+        if len(out) >= next_spike:
+            size = math.exp(rng.uniform(math.log(1.5), math.log(20.0)))
+            out += [2.0 * size * math.exp(rng.gauss(0, noise)) for _ in range(rng.randint(1, 8))]
+            next_spike = len(out) + rng.randint(150, 400)
+        else:
+            out.append(2.0 * math.exp(rng.gauss(0, noise)))
+    return out[:n]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_point_far_above_the_healthy_noise_is_flagged_and_skipped_after_healed_spikes(
+    seed,
+) -> None:
+    """Issue 36, class 1: the MoE runs' missed spikes were +38-44 % on ~1 % noise (40 sigma),
+    each after a larger spike that had healed. Before, every point joined the tail capped at
+    the bar: a spike of several points lifted the 99th percentile to the bar, and the bar
+    ratcheted up (this test failed: such a point was not elevated)."""
+    rng = random.Random(seed)
+    noise = 0.01
+    history = _history_with_healed_spikes(rng, 3000, noise)
+    model, rule = OutlierModel(), SkipRule()
+    for x in history:
+        y = math.log(x)
+        model.advance(y, model.judge(y))
+        rule.decide(x)
+    for _ in range(60):  # healthy steps after the last spike: the level is back
+        x = 2.0 * math.exp(rng.gauss(0, noise))
+        model.advance(math.log(x), model.judge(math.log(x)))
+        rule.decide(x)
+    k = 20.0  # robust sigmas of the healthy noise above the level
+    spike = 2.0 * math.exp(k * noise)  # +22 %
+    judged = model.judge(math.log(spike))
+    assert judged.elevated, (judged.residual, judged.threshold)
+    assert rule.decide(spike).skip
+
+
+@pytest.mark.parametrize(
+    ("phi", "spread", "noise", "student"),
+    [
+        (0.9, 0.01, 0.002, False),
+        pytest.param(
+            0.99,
+            0.04,
+            0.002,
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="wander 2.8x the step noise per step: the outlier model's runs of "
+                "elevated points say divergence (20 in a row); not solved yet (issue 36)",
+            ),
+        ),
+        (0.999, 0.06, 0.002, True),
+        (0.99, 0.02, 0.01, False),
+        (0.995, 0.03, 0.005, True),
+    ],
+)
+def test_slow_wander_of_the_data_difficulty_makes_no_climb_and_no_rise(
+    phi, spread, noise, student
+) -> None:
+    """Issue 36, class 2: multiplicative AR(1) wander, stationary spread 1-6 %, on 0.2-1 % step
+    noise. Before, the climb test ("8 of 10 over q90: 1e-7 for independent points") said
+    divergence hundreds of times per 10k steps on these (this test failed)."""
+    events = _wander(phi, spread, noise, student, 8000)
+    slow = [(v.step, v.rules) for v in StatisticalDetector().update_many(events) if v.type in _SLOW]
+    assert slow == []
+
+
+def _wander(phi: float, spread: float, noise: float, student: bool, n: int) -> list[StepEvent]:
+    """A healthy loss (a slow power-law fall) whose data difficulty wanders: multiplicative
+    AR(1) of stationary spread ``spread`` and coefficient ``phi``, on step noise ``noise``."""
+    rng = random.Random(int(phi * 1000) + int(spread * 100))
+    innovation = spread * math.sqrt(1.0 - phi * phi)
+    wander, events = 0.0, []
+    for t in range(n):
+        wander = phi * wander + rng.gauss(0, innovation)
+        z = rng.gauss(0, 1)
+        if student:  # Student-t, 3 degrees of freedom, scaled to unit variance
+            z /= math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(3)) / 3) * math.sqrt(3)
+        loss = 3.0 * (1 + t / 2000) ** -0.3 * math.exp(wander + noise * z)
+        events.append(StepEvent(run_id="r", step=t, loss=loss, time=0.0))
+    return events
+
+
+@pytest.mark.heavy  # ~30 s: three 6,000-step runs through the whole offline pipeline
+def test_slow_wander_gets_no_false_action_through_the_pipeline_policy_and_guard() -> None:
+    """The whole offline pipeline, the recovery policy and the Guard's skip rule: no stop,
+    rollback, LR cut or skipped batch (before: 41-48 LR cuts per 10k steps on such runs)."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    runs = [
+        _wander(0.999, 0.06, 0.002, True, 6000),
+        _wander(0.995, 0.03, 0.005, True, 6000),
+        _wander(0.9, 0.01, 0.002, True, 6000),
+    ]
+    for i, run in enumerate(runs):
+        runs[i] = [e.model_copy(update={"run_id": f"wander-{i}"}) for e in run]
+    found = pipeline_false_actions(runs)
+    assert (found.stops, found.rollbacks, found.lr_cuts, found.skipped_batches) == (0, 0, 0, 0), (
+        found
+    )
