@@ -54,6 +54,7 @@ takes the judged point in. State round-trips through JSON types.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from enum import IntEnum
 from typing import Any, Callable, NamedTuple
@@ -265,9 +266,7 @@ class ClimbTest:
         recent = self._recent[1 - self.window :] + [residual]
         if len(recent) < self.window:
             return None
-        recent.sort()
-        n = len(recent)
-        return recent[n // 2] if n % 2 else 0.5 * (recent[n // 2 - 1] + recent[n // 2])
+        return statistics.median(recent)
 
     def bar(self) -> float:
         """The statistic's bar (inf until the null holds ``history // 2`` values)."""
