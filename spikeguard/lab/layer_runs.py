@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -120,6 +121,7 @@ def _train(
         f"-blowup{inject_at}" if inject_at is not None else ""
     )
     events, labels = [], []
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     for step in range(steps):
         lr = _lr(step, steps, base, warmup=steps // 20)
         for group in opt.param_groups:
