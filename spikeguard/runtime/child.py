@@ -509,7 +509,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
         urgent=(topics.actions,),
     )
     start_workers(runtime)
-    from spikeguard.alerting.service import (
+    from spikeguard.runtime.monitoring import (
         start_monitoring,
     )  # alerts live here; /metrics in the trainer
     from spikeguard.metrics import default_metrics
