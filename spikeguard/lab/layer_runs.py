@@ -47,7 +47,7 @@ class _Blocks(torch.nn.Module):
         sizes = [inputs] + [width] * depth
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.GELU())
-            for a, b in zip(sizes, sizes[1:])
+            for a, b in zip(sizes, sizes[1:], strict=False)
         )
         self.head = torch.nn.Linear(width, outputs)
 

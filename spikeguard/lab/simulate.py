@@ -294,7 +294,7 @@ def _render(c: sc.Canvas, rng: np.random.Generator, run_id: str, params: dict) -
 
 
 def _labels(c: sc.Canvas) -> list[StepLabel]:
-    return [StepLabel(bool(b), str(k)) for b, k in zip(c.label, c.kind)]
+    return [StepLabel(bool(b), str(k)) for b, k in zip(c.label, c.kind, strict=True)]
 
 
 _INJECT: dict[str, Callable[[sc.Canvas], None]] = {

@@ -415,7 +415,7 @@ class MLDetector(Detector[MLState]):
         state.layers.load_state_dict(layers)
         if pending is not None:  # its own: the restored run appends to it
             state.pending = pending.prefix(count)
-        for name, value in zip(self._SHARED, shared):
+        for name, value in zip(self._SHARED, shared, strict=True):
             setattr(state, name, value)
         live = self.state
         if state.fits and live.fits == state.fits and live.fitted is state.fitted:  # no refit since
