@@ -66,6 +66,8 @@ def decode(
         )
     if size == 0:
         raise MalformedMessage(f"{model.__name__}: empty record")
+    if isinstance(data, memoryview):  # pydantic reads str, bytes and bytearray only
+        data = data.tobytes()
     try:
         return model.model_validate_json(data)
     except ValidationError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from enum import Enum
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Final, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -24,7 +24,7 @@ from pydantic import (
 
 from spikeguard.schemas.actions import ActionKind, AnyParams, document_params, tag_params
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 # A run id becomes a Kafka key and a metric label value: keep it short and printable.
 RunId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s\x00-\x1f]+$")]

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spikeguard.alerting.service import build_monitor
+    from spikeguard.runtime.monitoring import build_monitor
     from spikeguard.metrics import default_metrics
     from spikeguard.runtime import make_bus
     from spikeguard.schemas import Topics

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from typing import cast
 
 from spikeguard.bus import EmbeddedBus
 from spikeguard.cli._common import add_settings_flags, settings_from
@@ -119,20 +120,21 @@ def run(args: argparse.Namespace) -> int:
     source = Topics(settings.topic_prefix)
     bus = EmbeddedBus(data_dir=args.data_dir) if args.data_dir else make_bus(settings)
     runs = set(args.run_id) if args.run_id else None
-    key, flagged = settings.keys(), Counter()
-    steps, bad = read_topic(bus, source.steps, StepEvent, runs, key, flagged)
-    checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs, key, flagged)
-    recorded, _ = read_topic(bus, source.decisions, Decision, runs, key, flagged)
-    recorded_actions, _ = read_topic(bus, source.actions, Action, runs, key, flagged)
+    key = settings.keys()
+    refused: Counter[str] = Counter()
+    steps, bad = read_topic(bus, source.steps, StepEvent, runs, key, refused)
+    checkpoints, _ = read_topic(bus, source.checkpoints, CheckpointEvent, runs, key, refused)
+    recorded, _ = read_topic(bus, source.decisions, Decision, runs, key, refused)
+    recorded_actions, _ = read_topic(bus, source.actions, Action, runs, key, refused)
     acks, _ = read_topic(
-        bus, source.acks, Ack, runs, key, flagged
+        bus, source.acks, Ack, runs, key, refused
     )  # the actuator hears what the trainer did
-    print(signatures_line(flagged, key is not None, source))
+    print(signatures_line(refused, key is not None, source))
     if not steps:
         raise SpikeguardError(f"no step events on {source.steps} to replay")
     found = replay_events(steps, checkpoints, settings, acks)
-    decisions = found[source.decisions]
-    actions = found[source.actions]
+    decisions = cast(list[Decision], found[source.decisions])
+    actions = cast(list[Action], found[source.actions])
 
     def anomalous(items):
         return {(d.run_id, d.epoch, d.step): d.type.value for d in items if d.is_anomaly}
@@ -179,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
         producer = publish_bus.producer()
         for event in decisions:
             producer.publish(target.decisions, encode(event), key=event.run_id)
-        for event in actions:
-            producer.publish(target.actions, encode(event), key=event.run_id)
+        for action in actions:
+            producer.publish(target.actions, encode(action), key=action.run_id)
         producer.flush()
         print(f"published to {target.decisions} and {target.actions}", file=sys.stderr)
     bus.close()

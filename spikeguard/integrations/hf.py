@@ -44,40 +44,23 @@ sees is the clipped one; ``max_grad_norm=0`` leaves clipping to the Guard
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from spikeguard.errors import SpikeguardError
-from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
-from spikeguard.producers.external_loop import FrameworkGuard, mean_loss
+from spikeguard.integrations.callback import GuardedCallback
+from spikeguard.producers.external_loop import mean_loss
 
 log = logging.getLogger(__name__)
 
 
-class SpikeguardCallback(TrainerCallback):
+class SpikeguardCallback(GuardedCallback, TrainerCallback):
     """Guards a ``transformers.Trainer`` run; ``guard_kwargs`` go to the Guard (runtime, preset, policy, ...)."""
 
-    def __init__(
-        self,
-        run_id: str | None = None,
-        config: GuardConfig | None = None,
-        *,
-        mode: GuardMode | str | None = None,
-        resume: ResumeMode | str | None = None,
-        **guard_kwargs: Any,
-    ) -> None:
-        self.run_id = run_id
-        self.config = config
-        # As for the plain Guard (None: the config's, "protect" and "auto" by default).
-        self.mode, self.resume = mode, resume
-        self.guard_kwargs = guard_kwargs
-        self.guard: FrameworkGuard | None = None
-        self._losses: list[torch.Tensor] = []
-        self._summed = False  # the model normalised its loss by the whole step's item count
-        self._hook: Any = None
+    _summed = False  # the model normalised its loss by the whole step's item count
+    _hook: Any = None  # the forward hook on the model that reads its loss
 
     # -- what the user may call ------------------------------------------------
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -98,31 +81,17 @@ class SpikeguardCallback(TrainerCallback):
         if self.guard is not None:
             self.guard.close(finished=False)  # a second train() call: a new guarded stretch
         # The Trainer resumes the model itself (resume_from_checkpoint); the Guard's own facts
-        # follow it as ``resume`` says (FrameworkGuard.resume).
-        config = self.config or GuardConfig(
-            checkpoint_dir=str(Path(args.output_dir) / "spikeguard")
-        )
-        kwargs = {
-            "scaler": getattr(optimizer, "scaler", None),
-            **self.guard_kwargs,
-        }  # accelerate's fp16
-        self.guard = FrameworkGuard(
+        # follow it as ``resume`` says (FrameworkGuard.resume). A Trainer resumed at step n
+        # skips n x accumulation batches of its data (its sampler state, skip_first_batches).
+        self._start_guard(
             model,
             optimizer,
             lr_scheduler,
-            run_id=self.run_id,
-            config=config,
-            mode=self.mode,
-            resume=self.resume,
-            framework_step=state.global_step,
-            **kwargs,
-        )
-        self.guard.max_steps = state.max_steps
-        self.guard.step_count = state.global_step
-        # A Trainer resumed at step n skips n x accumulation batches of its data (its own sampler
-        # state, skip_first_batches): the batch count starts there too.
-        self.guard.stream.position = max(
-            self.guard.stream.position, state.global_step * args.gradient_accumulation_steps
+            root_dir=args.output_dir,
+            scaler=getattr(optimizer, "scaler", None),  # accelerate's fp16
+            step=state.global_step,
+            max_steps=state.max_steps,
+            batches_per_step=args.gradient_accumulation_steps,
         )
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         if args.max_grad_norm and args.max_grad_norm > 0:
@@ -136,7 +105,7 @@ class SpikeguardCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.guard is None:
             return
-        losses, self._losses = self._losses, []
+        losses = self._step_losses()
         if not losses:
             raise SpikeguardError(
                 "spikeguard: no training loss seen this step: the model's output has "
@@ -162,9 +131,7 @@ class SpikeguardCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.guard is not None:
-            done = state.max_steps > 0 and state.global_step >= state.max_steps
-            self.guard.close(finished=done and not self.guard.should_stop)
+        self._close_guard(state.global_step, state.max_steps)
 
     # -- internals -------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:

@@ -36,15 +36,14 @@ again. Automatic optimization with one optimizer only.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from spikeguard.errors import ConfigError
-from spikeguard.producers.config import GuardConfig, GuardMode, ResumeMode
-from spikeguard.producers.external_loop import FrameworkGuard, mean_loss
+from spikeguard.integrations.callback import GuardedCallback
+from spikeguard.producers.external_loop import mean_loss
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +51,11 @@ log = logging.getLogger(__name__)
 OWN_PARTS = ("lr", "clip", "health", "ledger", "skip_rule", "data")
 
 
-class SpikeguardCallback(Callback):
+class SpikeguardCallback(GuardedCallback, Callback):
     """Guards a Lightning fit; ``guard_kwargs`` go to the Guard (runtime, preset, policy, ...)."""
 
-    def __init__(
-        self,
-        run_id: str | None = None,
-        config: GuardConfig | None = None,
-        *,
-        mode: GuardMode | str | None = None,
-        resume: ResumeMode | str | None = None,
-        **guard_kwargs: Any,
-    ) -> None:
-        self.run_id = run_id
-        self.config = config
-        # As for the plain Guard (None: the config's, "protect" and "auto" by default).
-        self.mode, self.resume = mode, resume
-        self.guard_kwargs = guard_kwargs
-        self.guard: FrameworkGuard | None = None
-        self._losses: list[torch.Tensor] = []
-        self._restored: dict[str, Any] | None = None
+    #: A Lightning checkpoint's state for the Guard, loaded before training starts.
+    _restored: dict[str, Any] | None = None
 
     # -- Lightning hooks -------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -81,32 +65,21 @@ class SpikeguardCallback(Callback):
             )
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
-        config = self.config or GuardConfig(
-            checkpoint_dir=str(Path(trainer.default_root_dir) / "spikeguard")
-        )
-        # The precision plugin's GradScaler (16-mixed): its gradients are unscaled before this
-        # callback's first half, and its overflows are its own skips, as under Guard.step.
-        kwargs = {"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs}
-        self.guard = FrameworkGuard(
+        guard = self._start_guard(
             pl_module,
             trainer.optimizers[0],
             scheduler,
-            run_id=self.run_id,
-            config=config,
-            mode=self.mode,
-            resume=self.resume,
-            framework_step=trainer.global_step,
-            **kwargs,
-        )
-        self.guard.max_steps = trainer.max_steps if trainer.max_steps > 0 else None
-        self.guard.step_count = trainer.global_step
-        # Resumed mid-run: the batches before the resumed step were read by the first run.
-        self.guard.stream.position = max(
-            self.guard.stream.position, trainer.global_step * trainer.accumulate_grad_batches
+            root_dir=trainer.default_root_dir,
+            # The precision plugin's GradScaler (16-mixed): its gradients are unscaled before
+            # this callback's first half, and its overflows are its own skips, as under Guard.step.
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            step=trainer.global_step,
+            max_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+            batches_per_step=trainer.accumulate_grad_batches,
         )
         if self._restored is not None:  # resumed from a Lightning checkpoint
-            self.guard.generation = max(self.guard.generation, _generation(self._restored))
-            self.guard.parts.load_state_dict(self._restored.get("parts", {}))
+            guard.generation = max(guard.generation, _generation(self._restored))
+            guard.parts.load_state_dict(self._restored.get("parts", {}))
             self._restored = None
 
     def on_train_batch_start(
@@ -121,7 +94,7 @@ class SpikeguardCallback(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.guard is None:
             return
-        losses, self._losses = self._losses, []
+        losses = self._step_losses()
         self.guard.before_update(mean_loss(losses, summed=True), step=trainer.global_step)
 
     def on_train_batch_end(
@@ -139,9 +112,7 @@ class SpikeguardCallback(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.guard is not None:
-            done = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-            self.guard.close(finished=done and not self.guard.should_stop)
+        self._close_guard(trainer.global_step, trainer.max_steps)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.guard is not None:

@@ -25,10 +25,10 @@ the same as running the pipeline five times.
 from __future__ import annotations
 
 import argparse
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from spikeguard.lab.evaluation import Mark, marks_from_decisions, score_run, summarize
-from spikeguard.processors.detectors import CONFIGS, DETECTORS
+from spikeguard.processors.detectors import CONFIGS, DETECTORS, Detector
 from spikeguard.processors.fusion import Fusion
 from spikeguard.processors.fusion_config import FusionConfig
 from spikeguard.schemas import StepEvent, Verdict
@@ -39,7 +39,12 @@ OUTLIER = "outlier_step"
 
 def verdicts_of(events: list[StepEvent], names: Iterable[str]) -> dict[str, list[Verdict]]:
     """Each named detector's verdicts on one run (default settings)."""
-    return {n: DETECTORS[n](CONFIGS[n]()).update_many(events) for n in names}
+    return {n: _detector(n).update_many(events) for n in names}
+
+
+def _detector(name: str) -> Detector:
+    build: Callable[..., Detector] = DETECTORS[name]  # each detector class takes its config
+    return build(CONFIGS[name]())
 
 
 def fuse(run_id: str, verdicts: dict[str, list[Verdict]], names: Sequence[str]) -> list[Mark]:

@@ -29,7 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from spikeguard.lab.evaluation import Mark
-from spikeguard.lab.trainer_rules import TRAINER_RULES
+from spikeguard.lab.trainer_rules import TRAINER_RULES, PerSignalRule
 from spikeguard.schemas import StepEvent
 
 
@@ -85,32 +85,21 @@ class NaiveBaseline:
         return self.last_score > self.threshold
 
 
-class SixSigmaBaseline:
+class SixSigmaBaseline(PerSignalRule):
     name = "six_sigma"
 
     def __init__(self, window: int = 128, min_values: int = 64, sigmas: float = 6.0) -> None:
-        self.window = window
+        super().__init__(window)
         self.min_values = min_values
         self.sigmas = sigmas
-        self.loss_history: deque[float] = deque(maxlen=window)
-        self.grad_history: deque[float] = deque(maxlen=window)
 
-    def _check(self, value: float | None, history: deque[float]) -> bool:
-        if value is None:
-            return False
-        if not math.isfinite(value):
-            return True
+    def judge(self, value: float, history: deque[float]) -> bool:
         flagged = False
         if len(history) >= self.min_values:
             values = np.array(history)
             flagged = bool(value > values.mean() + self.sigmas * values.std())
-        history.append(value)
+        history.append(value)  # flagged values too
         return flagged
-
-    def update(self, event: StepEvent) -> bool:
-        loss = self._check(event.loss, self.loss_history)
-        grad = self._check(event.grad_norm, self.grad_history)
-        return loss or grad
 
 
 BASELINES: dict[str, type] = {

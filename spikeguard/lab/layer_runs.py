@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,7 +47,7 @@ class _Blocks(torch.nn.Module):
         sizes = [inputs] + [width] * depth
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.LayerNorm(b), torch.nn.GELU())
-            for a, b in zip(sizes, sizes[1:])
+            for a, b in zip(sizes, sizes[1:], strict=False)
         )
         self.head = torch.nn.Linear(width, outputs)
 
@@ -120,6 +121,7 @@ def _train(
         f"-blowup{inject_at}" if inject_at is not None else ""
     )
     events, labels = [], []
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     for step in range(steps):
         lr = _lr(step, steps, base, warmup=steps // 20)
         for group in opt.param_groups:

@@ -212,7 +212,7 @@ def _blips(c: sc.Canvas, rate: float, grad_rate: float) -> None:
     """Benign: isolated one-step jumps that heal at once, sized like the real ones."""
     free = ~c.busy
     free[:20] = False
-    for i in np.flatnonzero(free & (c.rng.random(c.n) < rate)):
+    for i in np.flatnonzero(free & (c.rng.random(c.n) < rate)).tolist():
         z = min(sc.BLIP_Z_MAX, 8 * math.exp(abs(c.rng.normal(0, 0.33))))
         size = min(z * c.sigma[i], sc.LOG_BLIP_MAX)
         c.noise[i] = size  # replaces that step's noise, so no blip exceeds the caps
@@ -221,11 +221,11 @@ def _blips(c: sc.Canvas, rate: float, grad_rate: float) -> None:
         if i + 1 < c.n and c.rng.random() < 0.1:
             c.noise[i + 1] += size * c.rng.uniform(0.2, 0.6)
             c.mark(i + 1, i + 2, "benign_blip", label=False)
-    for i in np.flatnonzero(free & (c.rng.random(c.n) < rate / 4) & (c.kind == "")):
+    for i in np.flatnonzero(free & (c.rng.random(c.n) < rate / 4) & (c.kind == "")).tolist():
         z = 6 * math.exp(abs(c.rng.normal(0, 0.4)))  # an easy batch: the loss dips for a step
         c.noise[i] = -min(z * c.sigma[i], sc.LOG_DIP_MAX)
         c.mark(i, i + 1, "benign_dip", label=False)
-    for i in np.flatnonzero(free & (c.rng.random(c.n) < grad_rate)):
+    for i in np.flatnonzero(free & (c.rng.random(c.n) < grad_rate)).tolist():
         c.log_grad[i] += c.rng.uniform(math.log(2.0), sc.GRAD_BLIP_MAX)
         if c.kind[i] == "":
             c.mark(i, i + 1, "benign_grad_blip", label=False)
@@ -294,7 +294,7 @@ def _render(c: sc.Canvas, rng: np.random.Generator, run_id: str, params: dict) -
 
 
 def _labels(c: sc.Canvas) -> list[StepLabel]:
-    return [StepLabel(bool(b), str(k)) for b, k in zip(c.label, c.kind)]
+    return [StepLabel(bool(b), str(k)) for b, k in zip(c.label, c.kind, strict=True)]
 
 
 _INJECT: dict[str, Callable[[sc.Canvas], None]] = {

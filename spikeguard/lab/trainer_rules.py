@@ -135,30 +135,48 @@ class MetaseqEwm:
         return False
 
 
-class AxolotlRobustZ:
-    name = "axolotl"
+class PerSignalRule:
+    """A rule applied to the loss and to the gradient norm, each against its own last values.
 
-    def __init__(self, window: int = 100, min_values: int = 100, z: float = 6.0) -> None:
+    A missing value (no gradient norm) is never flagged; a non-finite one always is and stays
+    out of the window, as trainers check ``isfinite`` before anything else. :meth:`judge` says
+    whether a finite value is flagged, and keeps it in the window or not.
+    """
+
+    def __init__(self, window: int) -> None:
         self.window = window
-        self.min_values = min_values
-        self.z = z
         self.loss_history: deque[float] = deque(maxlen=window)
         self.grad_history: deque[float] = deque(maxlen=window)
+
+    def judge(self, value: float, history: deque[float]) -> bool:
+        raise NotImplementedError
+
+    def update(self, event: StepEvent) -> bool:
+        loss = self._check(event.loss, self.loss_history)
+        grad = self._check(event.grad_norm, self.grad_history)
+        return loss or grad
 
     def _check(self, value: float | None, history: deque[float]) -> bool:
         if value is None:
             return False
         if not math.isfinite(value):
             return True
+        return self.judge(value, history)
+
+
+class AxolotlRobustZ(PerSignalRule):
+    name = "axolotl"
+
+    def __init__(self, window: int = 100, min_values: int = 100, z: float = 6.0) -> None:
+        super().__init__(window)
+        self.min_values = min_values
+        self.z = z
+
+    def judge(self, value: float, history: deque[float]) -> bool:
         if len(history) >= self.min_values and robust_z(value, history) > self.z:
             return True  # an outlier never enters the history
         history.append(value)
         return False
-
-    def update(self, event: StepEvent) -> bool:
-        loss = self._check(event.loss, self.loss_history)
-        grad = self._check(event.grad_norm, self.grad_history)
-        return loss or grad
 
 
 def robust_z(value: float, history) -> float:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from spikeguard.schemas import Action, ActionKind, Decision
+from spikeguard.schemas.actions import ActionParams
 
 NOTABLE = ("rollback", "restore_lr")
 
@@ -74,7 +75,7 @@ def _decision(d: Decision) -> str:
     return f"run {d.run_id} step {d.step} (epoch {d.epoch}): {kind}, {d.urgency.value}"
 
 
-def _params(params: dict) -> str:
+def _params(params: ActionParams) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(params.items())) or "no parameters"
 
 

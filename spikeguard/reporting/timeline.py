@@ -17,8 +17,7 @@ from spikeguard.forensics import attribute
 from spikeguard.forensics.record import skipped_samples, summary
 from spikeguard.reporting.goodput import Goodput, goodput
 from spikeguard.reporting.load import RunRecord
-from spikeguard.schemas import StepEvent
-from spikeguard.schemas import Urgency
+from spikeguard.schemas import Ack, StepEvent, Urgency
 
 _RANK = {u.value: i for i, u in enumerate(Urgency)}
 BASELINE_STEPS = 20
@@ -185,9 +184,9 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
         for rule in d.rules:
             if rule not in found.rules:
                 found.rules.append(rule)
-    acks = {}
-    for ack in run.acks:
-        acks.setdefault(ack.action_id, ack)  # the first answer (later ones are duplicates)
+    acks: dict[str, Ack] = {}
+    for answer in run.acks:
+        acks.setdefault(answer.action_id, answer)  # the first answer (later ones are duplicates)
     epoch_at = sorted((p.time, p.epoch) for p in points)
     rows: list[ActionRow] = []
     rollbacks: list[tuple[int, int, int]] = []
@@ -226,10 +225,17 @@ def build_timeline(run: RunRecord, incidents_dir: str | None = None) -> Timeline
     rolled_back_at = {
         r.decision_id: r.ack_step
         for r in rows
-        if r.kind == "rollback" and r.ack_status == "applied" and r.decision_id
+        if r.kind == "rollback"
+        and r.ack_status == "applied"
+        and r.decision_id
+        and r.ack_step is not None
     }
     data_skips = [
-        (rolled_back_at.get(r.decision_id, r.ack_step), r.ack_epoch or 0, _skipped_steps(r.params))
+        (
+            rolled_back_at.get(r.decision_id or "", r.ack_step),
+            r.ack_epoch or 0,
+            _skipped_steps(r.params),
+        )
         for r in rows
         if r.kind == "skip_batches" and r.ack_status == "applied" and r.ack_step is not None
     ]

@@ -47,7 +47,7 @@ def open_runtime(settings: Settings | None = None, metrics: Metrics | None = Non
         if runtime is None:
             runtime = embedded_runtime(settings, settings)
             start_workers(runtime, metrics=metrics)
-            from spikeguard.alerting.service import start_monitoring  # /metrics, monitor, alerts
+            from spikeguard.runtime.monitoring import start_monitoring  # /metrics, monitor, alerts
 
             start_monitoring(runtime, metrics)
         if settings.data_dir is not None:  # what `spikeguard replay` re-judges with by default

@@ -37,6 +37,7 @@ serves them with its own on one port (:mod:`spikeguard.bus.embedded_metrics`).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -454,10 +455,8 @@ class ChildPipeline:
         """Hand the child what the trainer published, let its workers save and stop, then wait."""
         self.forwarder.stop()
         self._closing = True
-        try:
+        with contextlib.suppress(OSError):
             self._down.send(None)
-        except OSError:
-            pass
         self.receiver.join(timeout=timeout_s)  # the child closes its end once its workers stopped
         try:
             self.process.wait(timeout=timeout_s)
@@ -509,7 +508,7 @@ def child_main(down_fd: int, up_fd: int) -> int:
         urgent=(topics.actions,),
     )
     start_workers(runtime)
-    from spikeguard.alerting.service import (
+    from spikeguard.runtime.monitoring import (
         start_monitoring,
     )  # alerts live here; /metrics in the trainer
     from spikeguard.metrics import default_metrics
@@ -533,10 +532,8 @@ def child_main(down_fd: int, up_fd: int) -> int:
     receive(bus, down, settings.keys(), topics.dlq, on_metrics=answer)  # until the trainer closes
     runtime.close()  # the workers stop (and save) as the threads of an embedded runtime do
     forwarder.stop()
-    try:
+    with contextlib.suppress(OSError):  # the trainer may be gone
         answer(None)  # the final counts, for a trainer that reads them after closing
-    except OSError:  # the trainer is gone
-        pass
     up.conn.close()
     return 0
 

@@ -18,7 +18,7 @@ from spikeguard.components import COMPONENTS, build_stage
 from spikeguard.lab.backtest import backtest_events
 from spikeguard.schemas import StepEvent
 from spikeguard.settings import load_settings
-import spikeguard.alerting.service, spikeguard.metrics_http, spikeguard.cli.worker
+import spikeguard.runtime.monitoring, spikeguard.metrics_http, spikeguard.cli.worker
 build_parser().parse_args(["worker", "all"])
 settings = load_settings(env={})
 for name in COMPONENTS:

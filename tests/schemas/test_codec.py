@@ -75,6 +75,13 @@ def test_every_event_round_trips_and_is_recognised_without_a_type(event):
     assert json.loads(data)["schema_version"] == 1
 
 
+def test_decode_reads_every_buffer_type_it_declares():
+    event = StepEvent(run_id="r1", step=3, loss=1.5, grad_norm=2.0)
+    data = encode(event)
+    for buffer in (data, bytearray(data), memoryview(data), data.decode()):
+        assert decode(buffer, StepEvent) == event
+
+
 @pytest.mark.parametrize(
     "data, error, words",
     [

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence, cast
 
 import numpy as np
 from spikeguard.processors.detectors.base import Detector, validate_verdict
@@ -201,7 +201,7 @@ class MLDetector(Detector[MLState]):
         if isinstance(row, str) and row == "non_finite":
             return self._plain(event, row)
         shares = _shares(event)
-        if shares is not None:
+        if shares is not None and event.grad_norm is not None:  # shares need a gradient norm
             found = state.layers.judge(event.grad_norm, shares)
             if found is not None and found.blowup:
                 return self._blowup(event, state, found, row)
@@ -216,7 +216,8 @@ class MLDetector(Detector[MLState]):
         if batch is None:
             path_sum = float(forest.path_sums(row[None, :])[0])
         else:
-            path_sum = batch.path_sum(batch.items[batch.cursor], forest)
+            # An int: the step's row was found above, so its item is a row index, not a reason.
+            path_sum = batch.path_sum(cast(int, batch.items[batch.cursor]), forest)
         return self._judged(event, state, forest.score(path_sum), float(row[0]))
 
     def track(self, event: StepEvent, state: MLState, verdict: Verdict) -> None:
@@ -231,11 +232,11 @@ class MLDetector(Detector[MLState]):
         # normal. Judged without the forest, so that the buffer keeps following a drifting run.
         state.healthy = (
             state.row is not None
-            and bool(row[_RESIDUALS].max() <= self.config.healthy_gate_z)
+            and bool(state.row[_RESIDUALS].max() <= self.config.healthy_gate_z)
             and verdict.type is not AnomalyType.LAYER_BLOWUP
         )
         shares = _shares(event)
-        if shares is not None:  # winsorized: a blow-up cannot drag its own baseline
+        if shares is not None and event.grad_norm is not None:  # winsorized: see layers.py
             state.layers.learn(event.grad_norm, shares)
 
     def protects(self, verdict: Verdict) -> bool:
@@ -263,7 +264,7 @@ class MLDetector(Detector[MLState]):
 
     def learn(self, event: StepEvent, state: MLState) -> None:
         row, state.row = state.row, None
-        if not state.healthy or not self.config.forest:
+        if row is None or not state.healthy or not self.config.forest:  # healthy rows only
             return
         state.since += 1
         due = self._due(state)
@@ -414,7 +415,7 @@ class MLDetector(Detector[MLState]):
         state.layers.load_state_dict(layers)
         if pending is not None:  # its own: the restored run appends to it
             state.pending = pending.prefix(count)
-        for name, value in zip(self._SHARED, shared):
+        for name, value in zip(self._SHARED, shared, strict=True):
             setattr(state, name, value)
         live = self.state
         if state.fits and live.fits == state.fits and live.fitted is state.fitted:  # no refit since

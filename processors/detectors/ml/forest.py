@@ -53,7 +53,9 @@ def fit_forest(rows: np.ndarray, n_estimators: int, max_samples: int, seed: int)
         rows, dtype=np.float32
     )  # what IsolationForest's validation makes of them
     n, width = x.shape
-    y = np.random.RandomState(seed).uniform(size=n)  # iforest's dummy target, drawn the same way
+    y = np.asarray(
+        np.random.RandomState(seed).uniform(size=n)
+    )  # iforest's dummy target, drawn the same way
     draws = min(max_samples, n)
     depth = int(np.ceil(np.log2(max(draws, 2))))
     trees = []

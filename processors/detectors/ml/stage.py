@@ -50,7 +50,7 @@ class MLStage(DetectorStage):
         for run_id, seen in self.last_seen.items():
             if seen < quiet:
                 detector = self.runs.get(run_id)
-                if detector is not None and detector.release():
+                if isinstance(detector, MLDetector) and detector.release():
                     count += 1
         self.released += count
         return count
