@@ -184,6 +184,51 @@ def overhead(steps: int = 100, repeats: int = 2) -> dict:
     return {"off_s_per_step": min(off), "on_s_per_step": min(on), "ratio": min(on) / min(off)}
 
 
+def guard_overhead(steps: int = 100, repeats: int = 3) -> dict:
+    """Seconds per step of a Guard (no pipeline: its steps go to a bare bus) training the recovery
+    benchmark's model, with and without the mechanism signals (producers/signals/prevention.py),
+    interleaved, best of ``repeats``."""
+    import tempfile
+
+    from recovery_guarded import _opt_in
+    from recovery_setup import QUICK, build, lm_loss
+
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.producers import Guard, GuardConfig
+
+    torch.set_num_threads(1)
+    best: dict[bool, float] = {}
+    for _ in range(repeats):
+        for signals in (False, True):
+            p, bus = build(0, QUICK, "clean"), EmbeddedBus()
+            with tempfile.TemporaryDirectory() as workdir:
+                config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=1000, resume=False)
+                guard = Guard(
+                    p.model, p.optimizer, p.scheduler, run_id="cost", bus=bus, config=config
+                )
+                prevention = _opt_in(guard, p.model, QUICK) if signals else None
+                batches = iter(guard.data(p.loader, max_steps=steps + 10))
+                for _ in range(10):  # warm-up: first-step allocations
+                    x, y = next(batches)
+                    p.optimizer.zero_grad(set_to_none=True)
+                    guard.step(lm_loss(p.model, x, y))
+                started = time.perf_counter()
+                for x, y in batches:
+                    p.optimizer.zero_grad(set_to_none=True)
+                    guard.step(lm_loss(p.model, x, y))
+                seconds = (time.perf_counter() - started) / steps
+                guard.close()
+                if prevention is not None:
+                    prevention.signals.close()
+            bus.close()
+            best[signals] = min(best.get(signals, math.inf), seconds)
+    return {
+        "off_s_per_step": best[False],
+        "on_s_per_step": best[True],
+        "ratio": best[True] / best[False],
+    }
+
+
 def mean_ci(values: list[float]) -> tuple[float, float]:
     n = len(values)
     if n == 0:
@@ -203,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the lab runs as run files here")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-recovery", action="store_true", help="skip the recovery fault")
+    parser.add_argument(
+        "--guard-overhead",
+        action="store_true",
+        help="only the signals' cost per step of a Guard on the recovery benchmark's model",
+    )
     parser.add_argument(
         "--detector-only",
         action="store_true",
@@ -230,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
             tasks += [(m.name, v, s) for v in ("unstable", "twin", *PREVENTIONS[m.name])]
         if not args.no_recovery:
             tasks += [("recovery", v, s) for v in RECOVERY_VARIANTS]
+    if args.guard_overhead:
+        cost = guard_overhead()
+        print(
+            f"Guard step {cost['off_s_per_step']:.4f} s without the signals, "
+            f"{cost['on_s_per_step']:.4f} s with them: x{cost['ratio']:.3f}"
+        )
+        return 0
     done = _read_cache(args.cache)
     out = str(args.out) if args.out else None
     started = time.time()
