@@ -84,6 +84,8 @@ class MechanismConfig(BaseModel):
 class RelativeBar:
     """``value > growth x max(median of the last window healthy values, floor)`` is anomalous."""
 
+    __slots__ = ("growth", "floor", "window")
+
     def __init__(self, growth: float, floor: float, window: int) -> None:
         self.growth, self.floor, self.window = growth, floor, window
 
@@ -108,25 +110,32 @@ class RelativeBar:
         return value, bar
 
     def learn(self, value: float | None, level: RollingMedian) -> None:
-        """Learn a value ``judge`` let pass."""
-        if value is not None and math.isfinite(value):
+        """Learn a value ``judge`` let pass (a rule that is off keeps no level)."""
+        if value is not None and math.isfinite(value) and self.on:
             level.update(value)
 
 
 class MechanismRules:
     """The attention-logit and update-ratio bars of one run: pure, its state a pair of windows."""
 
+    __slots__ = ("attention", "update")
+
     def __init__(self, config: MechanismConfig) -> None:
-        c = self.config = config
+        c = config
         self.attention = RelativeBar(c.attention_growth, c.attention_floor, c.window)
         self.update = RelativeBar(c.update_ratio_growth, c.update_ratio_floor, c.window)
 
     def fresh(self) -> MechanismLevels:
         return MechanismLevels(self.attention.fresh(), self.update.fresh())
 
+    @staticmethod
+    def carries(event: StepEvent) -> bool:
+        """Whether the step carries any mechanism signal (a trainer that opted in)."""
+        return event.attention_logit_max is not None or event.update_ratio is not None
+
     def judge(self, event: StepEvent, levels: MechanismLevels) -> dict[str, tuple[float, float]]:
         """The rules a step passed: name -> (value, bar)."""
-        fired = {}
+        fired: dict[str, tuple[float, float]] = {}
         found = self.attention.judge(event.attention_logit_max, levels.attention)
         if found is not None:
             fired["attention_logit_growth"] = found

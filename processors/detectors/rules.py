@@ -234,7 +234,7 @@ class RulesState:
         "mechanism",
     )
 
-    def __init__(self, config: RulesConfig, mechanism: MechanismLevels) -> None:
+    def __init__(self, config: RulesConfig) -> None:
         self.loss = RollingMedian(config.reference_window)
         self.grad = RollingMedian(config.reference_window)
         self.loss_jumps = JumpMemory()
@@ -246,7 +246,8 @@ class RulesState:
         # The loss has gone below zero: it has no natural zero, so no ratio of it means anything
         # (the statistical detector judges it against its own noise).
         self.signed = False
-        self.mechanism = mechanism  # the mechanism signals' healthy levels
+        # The mechanism signals' healthy levels: made at a run's first step that carries them.
+        self.mechanism: MechanismLevels | None = None
 
 
 class RulesDetector(Detector[RulesState]):
@@ -259,7 +260,7 @@ class RulesDetector(Detector[RulesState]):
         super().__init__()
 
     def fresh(self) -> RulesState:
-        return RulesState(self.config, self.mechanism.fresh())
+        return RulesState(self.config)
 
     def protects(self, verdict: Verdict) -> bool:
         # A mechanism signal over its bar says nothing about the loss or the gradient norm:
@@ -309,10 +310,12 @@ class RulesDetector(Detector[RulesState]):
             self._check_loss_scale(event.loss_scale, state, fired)
         if event.batch is not None:
             self._check_batch(event, fired)
-        for name, (value, bar) in self.mechanism.judge(event, state.mechanism).items():
-            fired.append(name)
-            signals[name] = value
-            signals[f"{name}_bar"] = round(bar, 6)
+        if MechanismRules.carries(event):
+            levels = state.mechanism or self.mechanism.fresh()
+            for name, (value, bar) in self.mechanism.judge(event, levels).items():
+                fired.append(name)
+                signals[name] = value
+                signals[f"{name}_bar"] = round(bar, 6)
         if fired and event.update_skipped:
             # the trainer skipped this update itself: its gradient never reached the weights
             signals["update_skipped"] = 1
@@ -356,7 +359,10 @@ class RulesDetector(Detector[RulesState]):
         loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
         state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
         state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)
-        self.mechanism.learn(event, state.mechanism, verdict.rules)
+        if MechanismRules.carries(event):
+            if state.mechanism is None:
+                state.mechanism = self.mechanism.fresh()
+            self.mechanism.learn(event, state.mechanism, verdict.rules)
         if lr is not None and math.isfinite(lr):
             state.lr = lr
         if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
@@ -429,7 +435,7 @@ class RulesDetector(Detector[RulesState]):
         twin.loss_jumps, twin.grad_jumps = state.loss_jumps.copy(), state.grad_jumps.copy()
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         twin.signed = state.signed
-        twin.mechanism = state.mechanism.copy()
+        twin.mechanism = None if state.mechanism is None else state.mechanism.copy()
         return twin
 
     def dump(self, state: RulesState) -> dict[str, Any]:
@@ -443,11 +449,12 @@ class RulesDetector(Detector[RulesState]):
             "signed": state.signed,
             "loss_jumps": state.loss_jumps.state_dict(),
             "grad_jumps": state.grad_jumps.state_dict(),
-            "mechanism": state.mechanism.state_dict(),
+            # (only for a run that sends the mechanism signals: the others' snapshots stay small)
+            **({"mechanism": state.mechanism.state_dict()} if state.mechanism is not None else {}),
         }
 
     def load(self, data: dict[str, Any]) -> RulesState:
-        state = RulesState(self.config, self.mechanism.fresh())
+        state = RulesState(self.config)
         state.loss.load_state_dict(data["loss"])
         state.grad.load_state_dict(data["grad_norm"])
         state.scales.load_state_dict(data["scales"])
@@ -458,6 +465,7 @@ class RulesDetector(Detector[RulesState]):
         if "loss_jumps" in data:  # absent from a state saved before the memory: none remembered
             state.loss_jumps.load_state_dict(data["loss_jumps"])
             state.grad_jumps.load_state_dict(data["grad_jumps"])
-        if "mechanism" in data:  # absent from a state saved before the mechanism signals
+        if "mechanism" in data:  # absent: the run sent no mechanism signal (or predates them)
+            state.mechanism = self.mechanism.fresh()
             state.mechanism.load_state_dict(data["mechanism"])
         return state
