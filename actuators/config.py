@@ -167,11 +167,12 @@ class PolicyConfig(BaseModel):
     )
     # --- mechanism signals (actuators/mechanisms.py) --------------------------------
     qk_clip_bar_fraction: float = Field(
-        2 / 3,
+        1 / 3,
         gt=0.0,
         le=1.0,
         description="attention-logit growth: QK-clip the heads at this share of the detector's "
-        "bar (3 x the run's level: 2 x it), so the clipped logits sit under the bar",
+        "bar (3 x the run's level: the level itself, 30 for a run whose level is under the "
+        "detector's floor), so the clipped logits sit well under the bar",
     )
     mechanism_lr_cut: float = Field(
         0.5,
