@@ -165,6 +165,22 @@ class PolicyConfig(BaseModel):
     lr_restore_healthy_steps: int = Field(
         200, ge=1, le=1_000_000, description="healthy steps in a row before one restore step"
     )
+    # --- mechanism signals (actuators/mechanisms.py) --------------------------------
+    qk_clip_bar_fraction: float = Field(
+        1 / 3,
+        gt=0.0,
+        le=1.0,
+        description="attention-logit growth: QK-clip the heads at this share of the detector's "
+        "bar (3 x the run's level: the level itself, 30 for a run whose level is under the "
+        "detector's floor), so the clipped logits sit well under the bar",
+    )
+    mechanism_lr_cut: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="attention-logit growth cuts the LR by bar/value, at most this (the LR "
+        "floor still holds)",
+    )
     rollback_restores_lr: bool = Field(
         True,
         description="a rollback resets the guard's LR multiplier to the checkpoint's (the guard "

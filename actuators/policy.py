@@ -83,6 +83,7 @@ from spikeguard.actuators.escalation import add_escalation
 from spikeguard.actuators.incidents import Incident, IncidentBook
 from spikeguard.actuators.seen import SeenDecisions
 from spikeguard.actuators.action_plan import ActionPlan
+from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
@@ -238,7 +239,10 @@ class RecoveryPolicy:
             p["harmless"] = _harmless_so_far(p) and self._harmless(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
-        if decision.preventive or decision.type in self.config.preventive_types:
+        if decision.type in MECHANISM_TYPES and decision.is_anomaly:
+            self.healthy_streak = 0  # the LR cut is restored once the signals have calmed
+            answer_mechanism(plan, decision, self.recovery, self.config)
+        elif decision.preventive or decision.type in self.config.preventive_types:
             self._preventive(plan, decision)
         elif decision.is_anomaly:
             self._anomaly(plan, decision)

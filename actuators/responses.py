@@ -46,6 +46,9 @@ class Response(str, Enum):
     DATA_LEVEL = "data_level"
     # One isolated outlier step: the Guard's local rule answers it.
     OUTLIER_STEP = "outlier_step"
+    # A mechanism signal over the run's own bar (attention-logit growth): QK-clip the
+    # offending heads and cut the LR by the evidence, before the loss moves.
+    MECHANISM = "mechanism"
     # Early warnings: checkpoint, gentle clipping, never more.
     PREVENTIVE = "preventive"
     # Any other anomaly type: one alert per incident.

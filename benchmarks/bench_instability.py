@@ -91,6 +91,7 @@ def summary(run: LabRun) -> dict:
         "seconds": run.seconds,
         "responses": run.responses,
         "warnings": {s.name: warning.first_warning(run, s) for s in warning.SIGNALS},
+        "detector_flags": warning.detector_flags(run) if not run.responses else [],
     }
 
 
@@ -183,6 +184,51 @@ def overhead(steps: int = 100, repeats: int = 2) -> dict:
     return {"off_s_per_step": min(off), "on_s_per_step": min(on), "ratio": min(on) / min(off)}
 
 
+def guard_overhead(steps: int = 100, repeats: int = 3) -> dict:
+    """Seconds per step of a Guard (no pipeline: its steps go to a bare bus) training the recovery
+    benchmark's model, with and without the mechanism signals (producers/signals/prevention.py),
+    interleaved, best of ``repeats``."""
+    import tempfile
+
+    from recovery_guarded import _opt_in
+    from recovery_setup import QUICK, build, lm_loss
+
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.producers import Guard, GuardConfig
+
+    torch.set_num_threads(1)
+    best: dict[bool, float] = {}
+    for _ in range(repeats):
+        for signals in (False, True):
+            p, bus = build(0, QUICK, "clean"), EmbeddedBus()
+            with tempfile.TemporaryDirectory() as workdir:
+                config = GuardConfig(checkpoint_dir=workdir, checkpoint_every=1000, resume=False)
+                guard = Guard(
+                    p.model, p.optimizer, p.scheduler, run_id="cost", bus=bus, config=config
+                )
+                prevention = _opt_in(guard, p.model, QUICK) if signals else None
+                batches = iter(guard.data(p.loader, max_steps=steps + 10))
+                for _ in range(10):  # warm-up: first-step allocations
+                    x, y = next(batches)
+                    p.optimizer.zero_grad(set_to_none=True)
+                    guard.step(lm_loss(p.model, x, y))
+                started = time.perf_counter()
+                for x, y in batches:
+                    p.optimizer.zero_grad(set_to_none=True)
+                    guard.step(lm_loss(p.model, x, y))
+                seconds = (time.perf_counter() - started) / steps
+                guard.close()
+                if prevention is not None:
+                    prevention.signals.close()
+            bus.close()
+            best[signals] = min(best.get(signals, math.inf), seconds)
+    return {
+        "off_s_per_step": best[False],
+        "on_s_per_step": best[True],
+        "ratio": best[True] / best[False],
+    }
+
+
 def mean_ci(values: list[float]) -> tuple[float, float]:
     n = len(values)
     if n == 0:
@@ -203,6 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-recovery", action="store_true", help="skip the recovery fault")
     parser.add_argument(
+        "--guard-overhead",
+        action="store_true",
+        help="only the signals' cost per step of a Guard on the recovery benchmark's model",
+    )
+    parser.add_argument(
+        "--detector-only",
+        action="store_true",
+        help="only the runs the pipeline's mechanism rules are scored on: the healthy recipe and "
+        "each mechanism's unstable run and twin (no responses, no recovery fault)",
+    )
+    parser.add_argument(
         "--cache",
         type=Path,
         help="JSONL of finished runs: appended as runs finish, runs found there are not run again",
@@ -214,14 +271,38 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.seed, args.seed + args.seeds))
     tasks: list[tuple[str, str, int]] = []
     for s in seeds:  # seed by seed, so an interrupted run leaves whole seeds behind
+        if args.detector_only:
+            tasks += [("healthy", "healthy", s)]
+            tasks += [(m.name, v, s) for m in MECHANISMS for v in ("unstable", "twin")]
+            continue
         tasks += [("healthy", v, s) for v in ("healthy", HEALTHY_RESPONSES)]
         for m in MECHANISMS:
             tasks += [(m.name, v, s) for v in ("unstable", "twin", *PREVENTIONS[m.name])]
         if not args.no_recovery:
             tasks += [("recovery", v, s) for v in RECOVERY_VARIANTS]
+    if args.guard_overhead:
+        cost = guard_overhead()
+        print(
+            f"Guard step {cost['off_s_per_step']:.4f} s without the signals, "
+            f"{cost['on_s_per_step']:.4f} s with them: x{cost['ratio']:.3f}"
+        )
+        return 0
     done = _read_cache(args.cache)
     out = str(args.out) if args.out else None
     started = time.time()
+    if args.detector_only:
+        todo = [t for t in tasks if t not in done]
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for result in pool.map(lab_task, todo, [out] * len(todo)):
+                done[(result["name"], result["variant"], result["seed"])] = result
+                if args.cache is not None:
+                    with args.cache.open("a", encoding="utf-8") as cache:
+                        cache.write(json.dumps(result) + "\n")
+        flags = detector_report([done[t] for t in tasks], seeds)
+        print(render_detector(flags))
+        if args.json:
+            print(json.dumps(flags, default=_json_default))
+        return 0
     if not args.report_only:
         todo = [t for t in tasks if t not in done]
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -332,6 +413,7 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
             for p in PREVENTIONS[m.name]
         }
         report["mechanisms"].append(row)
+    report["detector"] = detector_report(lab, seeds)
     report["healthy_final"] = mean_ci([r["final"] for r in healthy_runs])
     guarded = [by[("healthy", HEALTHY_RESPONSES, s)] for s in seeds]
     report["healthy_responses"] = {
@@ -349,6 +431,56 @@ def analyse(lab: list[dict], recovery: list[dict], seeds: list[int], cost: dict,
                 / len(losses),
             }
     return report
+
+
+def detector_report(lab: list[dict], seeds: list[int]) -> dict:
+    """Per recipe, the first step the pipeline's mechanism rules flag on each seed (None: never),
+    and on the unstable runs, its lead over the loss alarm."""
+    by = {(r["name"], r["variant"], r["seed"]): r for r in lab}
+
+    def first(name: str, variant: str, s: int) -> int | None:
+        flagged = by[(name, variant, s)].get("detector_flags", [])
+        return flagged[0] if flagged else None
+
+    report: dict = {"healthy": [first("healthy", "healthy", s) for s in seeds]}
+    for m in MECHANISMS:
+        alarms = [
+            labels.loss_alarm(
+                labels.unstable_steps(
+                    by[(m.name, "unstable", s)]["loss"], by[(m.name, "twin", s)]["loss"]
+                )
+            )
+            for s in seeds
+        ]
+        unstable = [first(m.name, "unstable", s) for s in seeds]
+        report[m.name] = {
+            "unstable": unstable,
+            "twin": [first(m.name, "twin", s) for s in seeds],
+            "flagged_steps_twin": [
+                len(by[(m.name, "twin", s)].get("detector_flags", [])) for s in seeds
+            ],
+            "alarms": alarms,
+            "leads": [warning.lead(a, w) for a, w in zip(alarms, unstable)],
+        }
+    return report
+
+
+def render_detector(report: dict) -> str:
+    def runs(firsts: list) -> str:
+        hit = [f for f in firsts if f is not None]
+        return f"{len(hit)}/{len(firsts)}" + (f" (steps {min(hit)}-{max(hit)})" if hit else "")
+
+    lines = ["the pipeline's mechanism rules (attention-logit growth, defaults): runs flagged"]
+    lines.append(f"  healthy recipe: {runs(report['healthy'])}")
+    for name, row in report.items():
+        if name == "healthy":
+            continue
+        lines.append(
+            f"  {name}: unstable {runs(row['unstable'])}, lead over the loss alarm "
+            f"{_fmt_lead(row['leads'])}; twin {runs(row['twin'])} "
+            f"(flagged steps per twin {row['flagged_steps_twin']})"
+        )
+    return "\n".join(lines)
 
 
 def _peak(path: Path, signal: str) -> float:
@@ -400,6 +532,8 @@ def render(report: dict) -> str:
             acts = row["actions"].get(k)
             extra = f"  ({acts:.1f} actions/run)" if acts is not None else ""
             lines.append(f"  final eval {k:10s} {m:.3f} +- {c:.3f}{extra}")
+    if "detector" in report:
+        lines.append("\n" + render_detector(report["detector"]))
     if report["recovery"]:
         lines.append("\nrecovery benchmark `instability` fault (QUICK, LR x25):")
         for k, v in report["recovery"].items():

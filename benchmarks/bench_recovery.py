@@ -98,7 +98,8 @@ def run_one(fault: str, strategy: str, cfg: BenchConfig, seed: int) -> dict:
     if strategy == "spikeguard":
         if _runtime is None:
             _runtime = open_bench_runtime()
-        result = run_spikeguard(problem, f, cfg, seed, _runtime)
+        # (the trainer opts in to the mechanism signals: docs/instability.md)
+        result = run_spikeguard(problem, f, cfg, seed, _runtime, signals=True)
     else:
         result = run_baseline(problem, f, strategy, cfg, seed)
     result["seed"] = seed

@@ -43,8 +43,14 @@ def _keep_checkpoints(every: int, runtime: Any) -> int:
 
 
 def run_spikeguard(
-    problem: Problem, fault: Fault, cfg: BenchConfig, seed: int, runtime: Any
+    problem: Problem,
+    fault: Fault,
+    cfg: BenchConfig,
+    seed: int,
+    runtime: Any,
+    signals: bool = False,
 ) -> dict:
+    """``signals``: the trainer opts in to the mechanism signals (producers/signals/prevention.py)."""
     started = time.monotonic()
     p, ledger = problem, Ledger(cfg.steps)
     ledger.watch(p.optimizer)
@@ -76,6 +82,7 @@ def run_spikeguard(
         # cadence against that one, not the defaults
         policy=policy,
     )
+    prevention = _opt_in(guard, p.model, cfg) if signals else None
     try:
         data = guard.data(p.loader, max_steps=cfg.steps)
         while guard.step_count < cfg.steps and not guard.should_stop:
@@ -112,6 +119,8 @@ def run_spikeguard(
                     ledger.done(step)
     finally:
         guard.close()
+        if prevention is not None:
+            prevention.signals.close()
         decisions = [
             decode(r.value, Decision) for r in runtime.bus.read_all(runtime.topics.decisions)
         ]
@@ -135,6 +144,20 @@ def run_spikeguard(
     return ledger.summary(
         fault.name, "spikeguard", evaluate(p), ranges, data.position, time.monotonic() - started
     )
+
+
+def _opt_in(guard: Guard, model: Any, cfg: BenchConfig) -> Any:
+    from spikeguard.producers.signals import MechanismSignals, layer_groups
+    from spikeguard.producers.signals.prevention import Prevention
+    from spikeguard.producers.signals.qk_clip import fused_qk_heads
+
+    blocks = list(model.blocks)
+    probe = MechanismSignals(
+        {str(i): b.qkv for i, b in enumerate(blocks)},
+        layers=layer_groups(model, [f"blocks.{i}" for i in range(len(blocks))]),
+        qkv_heads=cfg.heads,
+    )
+    return Prevention(guard, probe, fused_qk_heads(blocks))
 
 
 def _unscaled(scaler: Any) -> bool:

@@ -20,7 +20,7 @@ WARNING_TYPES = frozenset(
 # Types that count at full weight in fusion whatever the weight of the detector that
 # reports them: a detector's weight reflects its generic outliers (the ml forest's 0.5);
 # these are specific findings no other detector can confirm, so they must decide alone.
-FULL_WEIGHT_TYPES = frozenset({AnomalyType.LAYER_BLOWUP})
+FULL_WEIGHT_TYPES = frozenset({AnomalyType.LAYER_BLOWUP, AnomalyType.ATTENTION_LOGIT_GROWTH})
 
 # Types that are critical whatever detector reports them.
 CRITICAL_TYPES = frozenset({AnomalyType.NON_FINITE, AnomalyType.EXTREME_LOSS})
@@ -45,6 +45,7 @@ BASE_URGENCY: dict[AnomalyType, Urgency] = {
     AnomalyType.BAD_BATCH: Urgency.MEDIUM,
     AnomalyType.ML_OUTLIER: Urgency.LOW,
     AnomalyType.LAYER_BLOWUP: Urgency.MEDIUM,  # a precursor: the loss has not moved yet
+    AnomalyType.ATTENTION_LOGIT_GROWTH: Urgency.MEDIUM,  # a precursor too: QK-clip, LR cut
     AnomalyType.OUTLIER_STEP: Urgency.LOW,  # skip that one update and record the batch
     AnomalyType.INSTABILITY_WARNING: Urgency.LOW,
     AnomalyType.STALLED: Urgency.LOW,

@@ -66,7 +66,9 @@ ANOMALY_KINDS = frozenset(
 NEEDS_AGREEMENT = ANOMALY_KINDS
 MAX_BROKEN_PLANS = 1024  # decisions remembered whose rollback failed (oldest forgotten first)
 MAX_AGREED_INCIDENTS = 1024  # incidents the trainer agreed were real (oldest forgotten first)
-HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS})
+# (QK_CLIP: the trainer's mechanism signals apply it, producers/signals/prevention.py, rescaling
+# only heads they measured over its threshold themselves.)
+HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS, ActionKind.QK_CLIP})
 # The one kind that changes nothing in the run (it is logged): it needs no evidence
 # unless it answers a decision (then it was derived from steps, and says which).
 EVIDENCE_EXEMPT = frozenset({ActionKind.ALERT})

@@ -16,7 +16,9 @@ judged locally (:class:`StepView`), and checks every action against it:
   gradient seen here (a GradScaler's overflow is normal); a loss-scale
   collapse needs an overflow or a non-finite value; an LR-induced rise or an LR out of
   bounds needs the trainer's own LR to have jumped beyond any rate it had trained at (within the
-  outlier model's ``lr_grace``), or what the other types need; any other anomaly
+  outlier model's ``lr_grace``), or what the other types need; an attention-logit growth needs
+  the trainer's own mechanism signals over their agreement bar (producers/signals/prevention.py),
+  or what the other types need; any other anomaly
   type needs a non-finite value, or the local outlier model (skip_rule.py) scoring the
   loss or gradient norm at least :data:`AGREE_Z` of the way to its skip
   threshold above its level (a lower bar than skipping: agreeing that a step was unusual is
@@ -51,6 +53,8 @@ _NON_FINITE_TYPES = frozenset({AnomalyType.NON_FINITE})
 _OVERFLOW_TYPES = frozenset({AnomalyType.LOSS_SCALE_COLLAPSE})
 # Claims the trainer's own LR jumping beyond any rate it had trained at backs.
 _LR_TYPES = frozenset({AnomalyType.LR_INDUCED_RISE, AnomalyType.LR_OUT_OF_BOUNDS})
+# Claims the trainer's own mechanism signals back (producers/signals/prevention.py).
+_SIGNAL_TYPES = frozenset({AnomalyType.ATTENTION_LOGIT_GROWTH})
 
 
 class StepView(NamedTuple):
@@ -68,6 +72,8 @@ class StepView(NamedTuple):
     #: the local outlier model saw this step's LR (or a recent one) jump beyond any the run had
     #: trained at
     lr_beyond_peak: bool = False
+    #: the trainer's own mechanism signals were over their agreement bar at this step
+    signal_over: bool = False
 
     def describe(self) -> str:
         def z(value: float | None) -> str:
@@ -78,18 +84,22 @@ class StepView(NamedTuple):
             f"({z(self.grad_z)}), {'non-finite' if self.non_finite else 'finite'}"
             f"{', scaler overflow' if self.scaler_overflow else ''}"
             f"{', after an LR jump beyond its peak' if self.lr_beyond_peak else ''}"
+            f"{', its mechanism signals over their bar' if self.signal_over else ''}"
         )
 
 
 def own_view(
-    non_finite: bool, scaler_overflow: bool, scored: SkipDecision | None = None
+    non_finite: bool,
+    scaler_overflow: bool,
+    scored: SkipDecision | None = None,
+    signal_over: bool = False,
 ) -> StepView:
     """A step's local judgement; ``scored``: the outlier model's SkipDecision (None: not scored).
 
     The published values are filled in by :meth:`PublishedSteps.remember`.
     """
     if scored is None:
-        return StepView(math.nan, None, non_finite, scaler_overflow)
+        return StepView(math.nan, None, non_finite, scaler_overflow, signal_over=signal_over)
     return StepView(
         math.nan,
         None,
@@ -98,6 +108,7 @@ def own_view(
         scored.loss_z,
         scored.grad_z,
         scored.lr_beyond_peak,
+        signal_over,
     )
 
 
@@ -112,6 +123,7 @@ def disagreement(claim: Claim, view: StepView) -> str | None:
             view.non_finite
             or max(view.loss_z or 0.0, view.grad_z or 0.0) >= AGREE_Z
             or (claim.type in _LR_TYPES and view.lr_beyond_peak)
+            or (claim.type in _SIGNAL_TYPES and view.signal_over)
         )
     if agrees:
         return None

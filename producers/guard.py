@@ -229,6 +229,7 @@ class Guard:
             )
         self.actions = ActionQueue(self.ledger, self.signer)
         self.handlers: dict[ActionKind, Handler] = {}
+        self.signals: Any = None  # opt-in mechanism signals (producers/signals/prevention.py)
         self.stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
         self.updates = UpdateNorm(
             list(model.parameters()), cfg.update_norm
@@ -600,6 +601,8 @@ class Guard:
                 self.counters["updates"] += 1
             if stats.grad_norm is not None:
                 self.clipper.observe(stats.grad_norm)
+        if self.signals is not None:
+            self.signals.before_update()
         self._half = FirstHalf(
             step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale, self.lr.effective()
         )
@@ -621,6 +624,7 @@ class Guard:
         if half is None:
             return StepResult(False, False)
         self.updates.after_update()  # the update the optimizer just made, if the first half allowed it
+        measured = self.signals.after_update() if self.signals is not None else {}
         step, stats, reason = half.step, half.stats, half.reason
         if reason == INTERRUPTED:
             self._interrupted_step_done(step)
@@ -642,13 +646,16 @@ class Guard:
                 batch_index=self.loader.last_index if self.loader is not None else None,
                 rerun=half.rerun,
                 outlier=half.scored is not None and half.scored.skip,
+                signals=measured,
             )
             self.actions.published.remember(
                 self.generation,
                 step,
                 stats.loss,  # checked against action evidence
                 None if reason == "scaler_overflow" else stats.grad_norm,
-                own_view(half.nonfinite, half.overflow, half.scored),
+                own_view(
+                    half.nonfinite, half.overflow, half.scored, bool(measured) and self.signals.over
+                ),
             )
             self.health.observe(
                 step, not (half.nonfinite or reason in ("outlier_step", "transient"))

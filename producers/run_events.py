@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from spikeguard.schemas import Ack, CheckpointEvent, RunEvent, StepEvent, Topics, new_session
 
@@ -49,8 +49,10 @@ class RunEvents:
         batch_index: int | None,
         rerun: str | None = None,
         outlier: bool = False,
+        signals: Mapping[str, float] | None = None,
     ) -> None:
-        """``outlier``: the Guard's own rule found the step an outlier (skipped or not)."""
+        """``outlier``: the Guard's own rule found the step an outlier (skipped or not);
+        ``signals``: the opt-in mechanism signals' fields (producers/signals/prevention.py)."""
         if not self.steps_on:
             return
         # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
@@ -88,6 +90,7 @@ class RunEvents:
                 batch_index=batch_index,
                 batch=stats.batch,
                 rerun=rerun,
+                **(signals or {}),
             ),
             urgent=urgent,
         )

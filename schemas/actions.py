@@ -45,6 +45,9 @@ class ActionKind(str, Enum):
     REDUCE_BATCH_SIZE = "reduce_batch_size"  # a user handler applies it
     SET_EPS = "set_eps"  # a user handler applies it
     ALERT = "alert"  # informational
+    # Rescale the attention heads whose max logit passes a threshold (a trainer that measures
+    # the logits applies it: producers/signals/prevention.py).
+    QK_CLIP = "qk_clip"
     # The pipeline judged the run up to a step: the trainer's inbox notes it, the training
     # thread never sees it (producers/protection.py).
     PULSE = "pulse"
@@ -175,6 +178,14 @@ class AlertParams(ActionParams):
     message: str = ""
 
 
+class QkClipParams(ActionParams):
+    kind: Literal[K.QK_CLIP] = Field(K.QK_CLIP, exclude=True, repr=False)
+    threshold: float = _positive(
+        "from now on, after every update, a head whose max attention logit (as the trainer "
+        "measures it) passed this has its query and key rows rescaled so that it returns to it"
+    )
+
+
 class PulseParams(ActionParams):
     kind: Literal[K.PULSE] = Field(K.PULSE, exclude=True, repr=False)
     judged_step: int = _index("the newest step of the run the pipeline has decided")
@@ -195,6 +206,7 @@ PARAMS: dict[ActionKind, type[ActionParams]] = {
         ReduceBatchSizeParams,
         SetEpsParams,
         AlertParams,
+        QkClipParams,
         PulseParams,
     )
 }
@@ -213,6 +225,7 @@ AnyParams = Annotated[
         ReduceBatchSizeParams,
         SetEpsParams,
         AlertParams,
+        QkClipParams,
         PulseParams,
     ],
     Field(discriminator="kind"),

@@ -101,6 +101,9 @@ class AnomalyType(str, Enum):
     INSTABILITY_WARNING = "instability_warning"
     STALLED = "stalled"
     LR_TOO_HIGH = "lr_too_high"
+    # A mechanism signal, not the loss: the attention logits grew far beyond the run's own
+    # level (the softmax collapses onto one key before the loss spikes).
+    ATTENTION_LOGIT_GROWTH = "attention_logit_growth"
 
 
 class HealthLevel(str, Enum):
@@ -151,7 +154,9 @@ class StepEvent(_Event):
 
     #: Fields added since steps were first signed: in the signed payload only when set
     #: (schemas.signing), so a one-rank run's signed steps verify with readers that predate them.
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"loss_mean", "loss_ranks", "session"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset(
+        {"loss_mean", "loss_ranks", "session", "attention_logit_max", "update_ratio"}
+    )
 
     run_id: RunId
     session: Session = None
@@ -181,6 +186,17 @@ class StepEvent(_Event):
         "update was skipped; none at a run's first step or after a rollback",
     )
     param_norm: float | None = Field(None, description="L2 norm of the parameters at this step")
+    # Mechanism signals (producers/signals), sent only by a trainer that opted in.
+    attention_logit_max: float | None = Field(
+        None,
+        description="the largest attention logit q·kᵀ/√head_dim over every layer, head and "
+        "visible pair of this step's forward (Wortsman et al. 2023's attention-logit growth)",
+    )
+    update_ratio: float | None = Field(
+        None,
+        description="the largest per-layer ‖θ_after − θ_before‖ / ‖θ_before‖ of this step's "
+        "update (0 when it was skipped)",
+    )
     top_grad_norms: dict[str, float] = Field(
         default_factory=dict, description="largest per-layer gradient norms"
     )

@@ -36,6 +36,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.detectors.base import Detector, validate_verdict
+from spikeguard.processors.detectors.mechanism import (
+    MECHANISM_RULES,
+    MechanismConfig,
+    MechanismLevels,
+    MechanismRules,
+)
 from spikeguard.processors.outlier_model import turns_signed
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
@@ -126,6 +132,11 @@ class RulesConfig(BaseModel):
     min_batch_size: int = Field(
         8, ge=1, description="smaller batches are not judged on outliers or labels"
     )
+    mechanism: MechanismConfig = Field(
+        default_factory=MechanismConfig,
+        description="the mechanism signals' bars (steps that carry them: processors/detectors/"
+        "mechanism.py)",
+    )
 
 
 # rule name -> (type, confidence, critical); the order is the precedence of the type.
@@ -144,6 +155,9 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
     "batch_non_finite_inputs": (AnomalyType.BAD_BATCH, 0.9, False),
     "batch_outliers": (AnomalyType.BAD_BATCH, 0.7, False),
     "batch_label_imbalance": (AnomalyType.BAD_BATCH, 0.65, False),
+    # The mechanism signals: the loss has not moved yet (producers/signals).
+    "attention_logit_growth": (AnomalyType.ATTENTION_LOGIT_GROWTH, 0.9, False),
+    "update_ratio_high": (AnomalyType.LR_TOO_HIGH, 0.7, False),
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
 
@@ -217,6 +231,7 @@ class RulesState:
         "lr",
         "grad_up",
         "signed",
+        "mechanism",
     )
 
     def __init__(self, config: RulesConfig) -> None:
@@ -231,6 +246,8 @@ class RulesState:
         # The loss has gone below zero: it has no natural zero, so no ratio of it means anything
         # (the statistical detector judges it against its own noise).
         self.signed = False
+        # The mechanism signals' healthy levels: made at a run's first step that carries them.
+        self.mechanism: MechanismLevels | None = None
 
 
 class RulesDetector(Detector[RulesState]):
@@ -239,10 +256,16 @@ class RulesDetector(Detector[RulesState]):
 
     def __init__(self, config: RulesConfig | None = None) -> None:
         self.config = config or RulesConfig()
+        self.mechanism = MechanismRules(self.config.mechanism)
         super().__init__()
 
     def fresh(self) -> RulesState:
         return RulesState(self.config)
+
+    def protects(self, verdict: Verdict) -> bool:
+        # A mechanism signal over its bar says nothing about the loss or the gradient norm:
+        # their references learn the step (the signal's own level does not, see track).
+        return verdict.is_anomaly and not MECHANISM_RULES.issuperset(verdict.rules)
 
     def score(self, event: StepEvent, state: RulesState) -> Verdict:
         cfg = self.config
@@ -287,6 +310,12 @@ class RulesDetector(Detector[RulesState]):
             self._check_loss_scale(event.loss_scale, state, fired)
         if event.batch is not None:
             self._check_batch(event, fired)
+        if MechanismRules.carries(event):
+            levels = state.mechanism or self.mechanism.fresh()
+            for name, (value, bar) in self.mechanism.judge(event, levels).items():
+                fired.append(name)
+                signals[name] = value
+                signals[f"{name}_bar"] = round(bar, 6)
         if fired and event.update_skipped:
             # the trainer skipped this update itself: its gradient never reached the weights
             signals["update_skipped"] = 1
@@ -330,6 +359,10 @@ class RulesDetector(Detector[RulesState]):
         loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
         state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
         state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)
+        if MechanismRules.carries(event):
+            if state.mechanism is None:
+                state.mechanism = self.mechanism.fresh()
+            self.mechanism.learn(event, state.mechanism, verdict.rules)
         if lr is not None and math.isfinite(lr):
             state.lr = lr
         if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
@@ -402,6 +435,7 @@ class RulesDetector(Detector[RulesState]):
         twin.loss_jumps, twin.grad_jumps = state.loss_jumps.copy(), state.grad_jumps.copy()
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         twin.signed = state.signed
+        twin.mechanism = None if state.mechanism is None else state.mechanism.copy()
         return twin
 
     def dump(self, state: RulesState) -> dict[str, Any]:
@@ -415,6 +449,8 @@ class RulesDetector(Detector[RulesState]):
             "signed": state.signed,
             "loss_jumps": state.loss_jumps.state_dict(),
             "grad_jumps": state.grad_jumps.state_dict(),
+            # (only for a run that sends the mechanism signals: the others' snapshots stay small)
+            **({"mechanism": state.mechanism.state_dict()} if state.mechanism is not None else {}),
         }
 
     def load(self, data: dict[str, Any]) -> RulesState:
@@ -429,4 +465,7 @@ class RulesDetector(Detector[RulesState]):
         if "loss_jumps" in data:  # absent from a state saved before the memory: none remembered
             state.loss_jumps.load_state_dict(data["loss_jumps"])
             state.grad_jumps.load_state_dict(data["grad_jumps"])
+        if "mechanism" in data:  # absent: the run sent no mechanism signal (or predates them)
+            state.mechanism = self.mechanism.fresh()
+            state.mechanism.load_state_dict(data["mechanism"])
         return state

@@ -780,6 +780,7 @@ def test_default_strategy_of_every_type() -> None:
         T.OUTLIER_STEP: "notice",  # the policy answers it before any strategy: one info ALERT
         T.LAYER_BLOWUP: "notice",  # the ml detector's layer view: one ALERT per incident
         T.LR_INDUCED_RISE: "notice",  # the policy answers it before any strategy: the LR scaled back
+        T.ATTENTION_LOGIT_GROWTH: "notice",  # answered before any strategy: QK-clip and an LR cut
     }
 
 

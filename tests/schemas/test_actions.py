@@ -48,6 +48,7 @@ EXAMPLES: dict[ActionKind, dict] = {
     K.REDUCE_BATCH_SIZE: {"factor": 0.5},
     K.SET_EPS: {"eps": 1e-7},
     K.ALERT: {"severity": "warning", "message": "watching"},
+    K.QK_CLIP: {"threshold": 30.0},
     K.PULSE: {"judged_step": 120, "epoch": 1},
 }
 
@@ -65,6 +66,7 @@ WRONG: dict[ActionKind, dict] = {
     K.REDUCE_BATCH_SIZE: EXAMPLES[K.SET_LR],
     K.SET_EPS: EXAMPLES[K.SCALE_LR],
     K.ALERT: {"severity": 1},
+    K.QK_CLIP: EXAMPLES[K.SET_LR],
     K.PULSE: {"judged_step": "late"},
 }
 

@@ -20,36 +20,13 @@ returns a line saying what it did, or None.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
-
-import torch
-from torch import nn
+from typing import Mapping
 
 from spikeguard.lab.instability.model import LabGPT
 from spikeguard.producers.signals import StepSignals
+from spikeguard.producers.signals.qk_clip import QKHeads, clip_heads_, fused_qk_heads
 
-
-_AT_THRESHOLD = 1.001  # a head just clipped reads back at the threshold, give or take rounding
-
-
-class QKHeads(NamedTuple):
-    """Where one layer's query and key rows live: ``head_dim`` rows per head from each start."""
-
-    q: nn.Linear
-    q_start: int
-    k: nn.Linear
-    k_start: int
-    head_dim: int
-
-
-@torch.no_grad()
-def rescale_head_(layer: QKHeads, head: int, factor: float) -> None:
-    """Multiply head ``head``'s query rows and key rows (weight and bias) by ``factor`` each."""
-    for linear, start in ((layer.q, layer.q_start), (layer.k, layer.k_start)):
-        rows = slice(start + head * layer.head_dim, start + (head + 1) * layer.head_dim)
-        linear.weight[rows] *= factor
-        if linear.bias is not None:
-            linear.bias[rows] *= factor
+__all__ = ["LRCut", "QKClip", "QKHeads", "ZLossOn", "fused_qk_heads", "lab_qk_heads"]
 
 
 class QKClip:
@@ -60,15 +37,7 @@ class QKClip:
         self.clipped = 0  # heads rescaled so far
 
     def after_step(self, step: int, signals: StepSignals, trainer) -> str | None:
-        done = []
-        for name, heads in signals.attention_max.items():
-            layer = self.layers.get(name)
-            if layer is None:
-                continue
-            for h, peak in enumerate(heads):
-                if math.isfinite(peak) and peak > self.threshold * _AT_THRESHOLD:
-                    rescale_head_(layer, h, math.sqrt(self.threshold / peak))
-                    done.append(f"{name}.{h}:{peak:.0f}")
+        done = clip_heads_(self.layers, signals.attention_max, self.threshold)
         self.clipped += len(done)
         return f"qk_clip {' '.join(done)} to {self.threshold:g}" if done else None
 
@@ -138,13 +107,3 @@ def lab_qk_heads(model: LabGPT) -> dict[str, QKHeads]:
         str(i): QKHeads(attn.q, 0, attn.k, 0, attn.q.out_features // attn.heads)
         for i, attn in enumerate(model.attentions())
     }
-
-
-def fused_qk_heads(blocks: Sequence[nn.Module], qkv: str = "qkv") -> dict[str, QKHeads]:
-    """Layers with one fused ``qkv`` projection (q rows first, then k, then v)."""
-    out = {}
-    for i, block in enumerate(blocks):
-        linear = getattr(block, qkv)
-        d = linear.out_features // 3
-        out[str(i)] = QKHeads(linear, 0, linear, d, d // int(getattr(block, "heads")))
-    return out

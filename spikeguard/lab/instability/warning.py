@@ -22,6 +22,9 @@ import math
 from typing import Callable, NamedTuple, Sequence
 
 from spikeguard.lab.instability.train import LabRun, StepRecord
+from spikeguard.processors.detectors.mechanism import MECHANISM_RULES
+from spikeguard.processors.detectors.rules import RulesDetector
+from spikeguard.schemas import StepEvent
 
 
 class Signal(NamedTuple):
@@ -62,3 +65,24 @@ def median(values: Sequence[float]) -> float:
         return math.nan
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def detector_flags(run: LabRun) -> list[int]:
+    """The steps the pipeline's own mechanism rules (processors/detectors/mechanism.py, in the
+    rules detector, defaults) flag: each would be a ``qk_clip`` and an LR cut through the policy."""
+    rules, flagged = RulesDetector(), []
+    for r in run.steps:
+        signals = r.signals
+        event = StepEvent(
+            run_id="lab",
+            step=r.step,
+            loss=r.loss,
+            grad_norm=r.grad_norm,
+            lr=r.lr,
+            time=float(r.step),
+            attention_logit_max=signals.max_attention_logit if signals.attention_max else None,
+            update_ratio=signals.max_update_ratio if signals.update_ratio else None,
+        )
+        if MECHANISM_RULES.intersection(rules.update(event).rules):
+            flagged.append(r.step)
+    return flagged
