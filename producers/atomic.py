@@ -35,7 +35,10 @@ def flush_to_disk(handle: BinaryIO) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    atomic_write(path, lambda handle: handle.write(data))
+    def write(handle: BinaryIO) -> None:
+        handle.write(data)
+
+    atomic_write(path, write)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -19,12 +19,33 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Protocol
 
-from spikeguard.integrations.loggers import ActionLogger, send
 from spikeguard.schemas import Action, ActionKind
 
 log = logging.getLogger("spikeguard.producers.guard")
+
+
+class ActionLogger(Protocol):
+    """Where else actions are told (TensorBoard, W&B: spikeguard/integrations/loggers.py)."""
+
+    def action(self, step: int, action: Action, applied: bool, text: str) -> None: ...
+
+
+def send(loggers: list[ActionLogger], step: int, action: Action, applied: bool, text: str) -> None:
+    """To every logger; one that fails is dropped with a WARNING (training goes on)."""
+    for logger in list(loggers):
+        try:
+            logger.action(step, action, applied, text)
+        except Exception as exc:  # noqa: BLE001 - a logger's failure never reaches the training loop
+            loggers.remove(logger)
+            log.warning(
+                "spikeguard: %s failed (%s: %s); actions are no longer sent there",
+                type(logger).__name__,
+                type(exc).__name__,
+                exc,
+            )
+
 
 #: Kinds that change the run; ALERT only informs, CHECKPOINT only saves.
 STEERING = frozenset(ActionKind) - {ActionKind.ALERT, ActionKind.CHECKPOINT}
