@@ -274,7 +274,8 @@ def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
         done = _builtin(guard, action, step)
         if handler is not None:
             extra = handler(action, guard)
-            done = f"{done}; handler: {extra}" if extra else done
+            if done is not None and extra:  # (None: acked later, once; the handler ran here)
+                done = f"{done}; handler: {extra}"
     except (ActionFailed, ValueError, KeyError, TypeError) as exc:
         return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a user handler must not kill training
