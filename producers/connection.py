@@ -33,6 +33,14 @@ class Connection:
     watch: ProtectionWatch | None = None  # how far the pipeline has judged (rank 0)
     waiter: DecisionWaiter | None = None  # lockstep (rank 0)
 
+    def close(self, flush_timeout: float) -> None:
+        """Stop listening, then send what is queued (for at most ``flush_timeout`` seconds)."""
+        for part in (self.waiter, self.inbox):
+            if part is not None:
+                part.close()
+        if self.publisher is not None:
+            self.publisher.close(flush_timeout)
+
 
 def open_links(
     bus: Any,

@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Protocol
 
 from spikeguard.schemas import Action, ActionKind
+
+if TYPE_CHECKING:
+    from spikeguard.producers.run_state import RunState
 
 log = logging.getLogger("spikeguard.producers.guard")
 
@@ -191,6 +194,28 @@ class Narrator:
             log.warning("%s", text)
         if self.loggers:
             send(self.loggers, step, action, False, text)
+
+    def summary(
+        self, run: RunState, mode: str, lr_scale: float, notices: dict[str, int], clip: str
+    ) -> RunSummary:
+        """The run so far (``clip``: the clipping a recovery set that is still in force)."""
+        c = run.counters
+        return RunSummary(
+            run.run_id,
+            mode,
+            run.step_count,
+            c.steps,
+            self.rerun_steps,
+            c.skipped_batches,
+            c.skipped_steps,
+            c.skipped_updates,
+            len(self.incidents),
+            dict(self.applied),
+            dict(self.withheld),
+            lr_scale,
+            notices,
+            clip,
+        )
 
     def would_skip_update(self, step: int, reason: str, kind: str = "") -> None:
         """``kind``: the skip's reason code; a streak of one kind is said once, then counted."""

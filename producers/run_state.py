@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spikeguard.producers.checkpoints import CheckpointInfo
@@ -87,3 +87,12 @@ class RunState:
         return self.should_stop or (
             self.max_steps is not None and self.step_count >= self.max_steps
         )
+
+
+def run_field(name: str, doc: str) -> Any:
+    """A field of ``holder.state`` (a RunState) as a property of the holder (the Guard)."""
+    return property(
+        lambda holder: getattr(holder.state, name),
+        lambda holder, value: setattr(holder.state, name, value),
+        doc=doc,
+    )

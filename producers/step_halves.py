@@ -196,6 +196,26 @@ class StepHalves:
         if self.sync.share(store.newest() is None and self.checkpoints.saver.in_flight is None):
             self.checkpoints.save("periodic")
 
+    def end(self, finished: bool | None, ran_out: bool) -> None:
+        """The run is closed: whether it finished (None: the planned steps ran, or the data ran
+        out), the ledger on disk, and the run's end announced if its start was."""
+        run = self.run
+        if finished is None:
+            planned = run.max_steps is not None and run.step_count >= run.max_steps
+            finished = not run.should_stop and (planned or ran_out)
+        run.finished = run.finished or finished
+        self.checkpoints.persist_ledger()
+        if self.started:
+            self.events.run(
+                "end",
+                self.plan,
+                run.max_steps,
+                run.step_count,
+                run.generation,
+                run.finished,
+                run.stop_reason or ("finished" if run.finished else "closed"),
+            )
+
     def batch_read(self, batch: Any, used: bool) -> None:
         self.incidents.batch(batch, used)
         if used and not self.batch_seen:  # reading a batch may draw from the global RNG: after it

@@ -97,3 +97,11 @@ def test_a_checkpoint_action_goes_through_the_keeper_and_is_acked_once_on_disk(b
     assert guard.checkpoints.requests == []
     guard.close()
 
+
+def test_the_guard_declares_every_part_assembly_builds():
+    """The Guard's typed declarations and assembly.GuardParts name the same parts."""
+    from dataclasses import fields
+
+    from spikeguard.producers.assembly import GuardParts
+
+    assert set(Guard.__annotations__) == {f.name for f in fields(GuardParts)}
