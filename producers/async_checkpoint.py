@@ -53,12 +53,12 @@ def stage(state: Any, reuse: Any = None) -> Any:
             return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        out: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
+        out: Any = OrderedDict() if isinstance(state, OrderedDict) else {}
         old = reuse if isinstance(reuse, dict) else {}
         for k, v in state.items():
             out[k] = stage(v, old.get(k))
         if hasattr(state, "_metadata"):  # a module's state_dict: load_state_dict reads its versions
-            setattr(out, "_metadata", copy.deepcopy(getattr(state, "_metadata")))
+            out._metadata = copy.deepcopy(state._metadata)
         return out
     if isinstance(state, (list, tuple)):
         reused: Sequence[Any] = (
