@@ -66,7 +66,7 @@ def stage(state: Any, reuse: Any = None) -> Any:
             if isinstance(reuse, (list, tuple)) and len(reuse) == len(state)
             else [None] * len(state)
         )
-        items = [stage(v, o) for v, o in zip(state, reused)]
+        items = [stage(v, o) for v, o in zip(state, reused, strict=True)]
         return items if isinstance(state, list) else tuple(items)
     return copy.copy(state)  # numbers and strings are shared; anything mutable (numpy state) copied
 
