@@ -177,7 +177,7 @@ def record(task_name: str, kind: str, steps: int, onset: int, workdir: str) -> l
             unprotected_after_s=3600,
         ),
     )
-    guard._started = True  # no checkpoint: nothing will be rolled back in observe mode
+    guard.halves.started = True  # no checkpoint: nothing will be rolled back in observe mode
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(kind, step, task.lr, steps, onset)

@@ -273,18 +273,19 @@ def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
             action.params.check()  # a user handler gets values the schema allows
             result = handler(action, guard) or "handled"
             return Outcome(action, AckStatus.APPLIED, step, late + str(result))
-        result = _builtin(guard, action, step)
+        done = _builtin(guard, action, step)
         if handler is not None:
             extra = handler(action, guard)
-            result = f"{result}; handler: {extra}" if extra else result
+            if done is not None and extra:  # (None: acked later, once; the handler ran here)
+                done = f"{done}; handler: {extra}"
     except (ActionFailed, ValueError, KeyError, TypeError) as exc:
         return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a user handler must not kill training
         log.exception("spikeguard: applying %s failed", action.kind.value)
         return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
-    if result is None:
+    if done is None:
         return None
-    return Outcome(action, AckStatus.APPLIED, step, late + result)
+    return Outcome(action, AckStatus.APPLIED, step, late + done)
 
 
 def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
@@ -314,9 +315,10 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
     if isinstance(p, RestoreLrParams):
         return f"lr restored towards base -> {guard.lr.restore(p.factor):.3g}"
     if isinstance(p, ClipParams):
-        if p.mode == "adaptive":
+        if p.mode == "adaptive" and p.z is not None:  # (check() above: the mode's value is there)
             return f"adaptive clipping at z={guard.clipper.set_adaptive(p.z):g}"
-        return f"clipping at max_norm={guard.clipper.set_fixed(p.max_norm):g}"
+        if p.max_norm is not None:
+            return f"clipping at max_norm={guard.clipper.set_fixed(p.max_norm):g}"
     if isinstance(p, CheckpointParams):
         guard.request_checkpoint(action, p.reason)
         return None

@@ -1,16 +1,17 @@
 """How the Guard takes in actions: received and checked, applied at their step, acknowledged.
 
 :class:`ActionApplier` is owned by the Guard (``guard.applier``) and handed what
-it works with when it is built: the inbox, the action queue and ledger, the
-checkpoint keeper (an incident's checkpoints and forensics), the rank sync, and
-the Guard's own judgement of a steering action (:class:`Gate`: its mode and
-recovery budget, guard.py). Every ack goes through :class:`Acknowledgements`.
+it works with when it is built: the run's state, the inbox, the action queue and
+ledger, the checkpoint keeper (an incident's checkpoints and forensics), the
+rank sync, and the run's :class:`~spikeguard.producers.steering.Steering` (what
+moves the run, within its mode and recovery budget), which it owns. Every ack
+goes through :class:`Acknowledgements`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Outcome
 from spikeguard.producers.checkpointing import CheckpointKeeper
@@ -20,15 +21,16 @@ from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.ledger import ActionLedger
 from spikeguard.producers.lockstep import DecisionWaiter
 from spikeguard.producers.narration import STEERING
-from spikeguard.producers.run_cursor import RunCursor
 from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.run_state import RunState
+from spikeguard.producers.steering import Steering
 from spikeguard.schemas import AckStatus, Action, ActionKind
 
 
 class Acknowledgements:
     """Every action's one ack: kept in ``applied`` (newest last), counted, and published."""
 
-    def __init__(self, run: RunCursor, events: RunEvents, keep: int = 1000) -> None:
+    def __init__(self, run: RunState, events: RunEvents, keep: int = 1000) -> None:
         self.run = run
         self.events = events
         self.applied: deque[dict[str, Any]] = deque(maxlen=keep)
@@ -56,23 +58,12 @@ class Acknowledgements:
         self.events.ack(outcome)
 
 
-class Gate(NamedTuple):
-    """The Guard's say over a due action: its mode and recovery budget (guard.py)."""
-
-    #: Weigh each decision's plan whole against the budget before any of it is applied.
-    weigh_plans: Callable[[list[Action]], None]
-    #: Why a steering action is withheld (None: it may apply).
-    withhold_reason: Callable[[Action], "str | None"]
-    #: Apply one due action, or withhold it, saying which out loud.
-    apply_one: Callable[[Action], "Outcome | None"]
-
-
 class ActionApplier:
     """Takes actions in from the inbox, applies the due ones at their step, acks each once."""
 
     def __init__(
         self,
-        run: RunCursor,
+        run: RunState,
         *,
         actions: ActionQueue,
         ledger: ActionLedger,
@@ -82,7 +73,7 @@ class ActionApplier:
         health: HealthTracker,
         checkpoints: CheckpointKeeper,
         acks: Acknowledgements,
-        gate: Gate,
+        steering: Steering,
     ) -> None:
         self.run = run
         self.actions = actions
@@ -94,7 +85,7 @@ class ActionApplier:
         self.health = health
         self.checkpoints = checkpoints
         self.acks = acks
-        self.gate = gate
+        self.steering = steering
         self.resolved = 0  # actions answered since the ledger was last written
 
     def collect(self, step: int) -> None:
@@ -112,13 +103,13 @@ class ActionApplier:
     def apply(self, due: list[Action], step: int) -> bool:
         """Apply the actions due at ``step``; True when a rollback or stop ended the step."""
         interrupted = False
-        self.gate.weigh_plans(due)  # (the Guard's recovery budget: each decision's plan, whole)
+        self.steering.weigh_plans(due)  # (the recovery budget: each decision's plan, whole)
         for action in due:
             broken = self.actions.broken_plan(action)
             if (
                 broken is not None
                 and action.kind in STEERING
-                and self.gate.withhold_reason(action) is not None
+                and self.steering.withhold_reason(action) is not None
             ):
                 broken = None  # withheld anyway (mode, budget): said and acked as withheld, as the rest was
             duplicate = self.rank == 0 and action.action_id in self.ledger
@@ -138,7 +129,7 @@ class ActionApplier:
                     self.checkpoints.keep_incident(
                         action
                     )  # before a rollback moves the data and the store
-                outcome = self.gate.apply_one(action)  # (the Guard's: mode, budget, said out loud)
+                outcome = self.steering.apply_one(action)  # (mode, budget, said out loud)
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
                     outcome = self._same_on_every_rank(action, outcome)

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ def stage(state: Any, reuse: Any = None) -> Any:
             return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        out = OrderedDict() if isinstance(state, OrderedDict) else {}
+        out: Any = OrderedDict() if isinstance(state, OrderedDict) else {}
         old = reuse if isinstance(reuse, dict) else {}
         for k, v in state.items():
             out[k] = stage(v, old.get(k))
@@ -61,12 +61,12 @@ def stage(state: Any, reuse: Any = None) -> Any:
             out._metadata = copy.deepcopy(state._metadata)
         return out
     if isinstance(state, (list, tuple)):
-        old = (
+        reused: Sequence[Any] = (
             reuse
             if isinstance(reuse, (list, tuple)) and len(reuse) == len(state)
             else [None] * len(state)
         )
-        items = [stage(v, o) for v, o in zip(state, old)]
+        items = [stage(v, o) for v, o in zip(state, reused, strict=True)]
         return items if isinstance(state, list) else tuple(items)
     return copy.copy(state)  # numbers and strings are shared; anything mutable (numpy state) copied
 
@@ -123,6 +123,7 @@ class AsyncSaver:
             return
         # The previous copy has been written (waited for above): its buffers take this one.
         payload = self._buffers = stage(state(), self._buffers)
+        assert self._pool is not None  # (enabled: made with its pool)
         self._inflight = (job, self._pool.submit(self._write, payload, job))
 
     def _write(self, payload: dict[str, Any], job: SaveJob) -> SaveResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -20,10 +21,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             flush_to_disk(handle)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(path.parent)
 
@@ -35,7 +34,10 @@ def flush_to_disk(handle: BinaryIO) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    atomic_write(path, lambda handle: handle.write(data))
+    def write(handle: BinaryIO) -> None:
+        handle.write(data)
+
+    atomic_write(path, write)
 
 
 def _fsync_dir(directory: Path) -> None:

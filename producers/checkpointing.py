@@ -2,8 +2,8 @@
 
 :class:`CheckpointKeeper` is owned by the Guard (``guard.checkpoints``) and is
 handed what it works with when it is built: the store and its background
-saver, the state parts, the ledger, the run's events, and the run itself as a
-:class:`~spikeguard.producers.run_cursor.RunCursor`. Periodic and requested
+saver, the state parts, the ledger, the run's events, and the run's state
+(:class:`~spikeguard.producers.run_state.RunState`). Periodic and requested
 saves copy the state in the step and are written in the background
 (async_checkpoint.py); they are published and their requests acked once on
 disk, from the training thread (``CheckpointKeeper.drain``, every step).
@@ -47,8 +47,8 @@ from spikeguard.producers.io_faults import IOFaults, IOKind
 from spikeguard.producers.ledger import ActionLedger, apply_restart_facts, restart_facts
 from spikeguard.producers.lr import LRControl
 from spikeguard.producers.parts import DataPosition, StateParts
-from spikeguard.producers.run_cursor import RunCursor
 from spikeguard.producers.run_events import RunEvents
+from spikeguard.producers.run_state import RunState
 from spikeguard.schemas import AckStatus, Action, CheckpointEvent
 
 log = logging.getLogger("spikeguard.producers.guard")
@@ -85,7 +85,7 @@ class CheckpointKeeper:
 
     def __init__(
         self,
-        run: RunCursor,
+        run: RunState,
         *,
         saver: AsyncSaver,
         parts: StateParts,

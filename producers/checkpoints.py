@@ -44,7 +44,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import IO, Any, List, NamedTuple, Sequence, cast
 
 import torch
 
@@ -201,7 +201,7 @@ class CheckpointStore:
 
         def write(handle: Any) -> None:
             hashing.append(_Hashing(handle))
-            torch.save(body, hashing[0])
+            torch.save(body, cast(IO[bytes], hashing[0]))  # (it writes through ``write``)
 
         atomic_write(path, write)
         atomic_write_bytes(checksum, hashing[0].sha256.hexdigest().encode())
@@ -213,7 +213,7 @@ class CheckpointStore:
         self.removed = self.rotate()
         return info
 
-    def demote(self, after_step: int, epoch: int) -> list[CheckpointInfo]:
+    def demote(self, after_step: int, epoch: int) -> List[CheckpointInfo]:
         """Mark this epoch's healthy checkpoints after ``after_step`` unhealthy (renamed, atomically);
         returns them as they are now. An incident found late began before they were taken."""
         demoted = []
@@ -228,7 +228,7 @@ class CheckpointStore:
                 )
         return demoted
 
-    def rotate(self) -> list[CheckpointInfo]:
+    def rotate(self) -> List[CheckpointInfo]:
         """Delete all but the newest ``keep``, the newest healthy and the one a decision still to
         come may need (:meth:`awaited`); returns what went."""
         found = self.list()

@@ -32,6 +32,15 @@ class GradClipper:
         self.count = 0
         self.clipped = 0
 
+    def recovery_bounds(self, own: float | None) -> str:
+        """The clipping CLIP actions set beyond the user's own max_grad_norm ("": none)."""
+        bounds = []
+        if self.max_norm is not None and self.max_norm != own:
+            bounds.append(f"max_norm {self.max_norm:g}")
+        if self.z is not None:
+            bounds.append(f"{self.z:g} deviations above the mean norm (adaptive)")
+        return " and ".join(bounds)
+
     def set_fixed(self, max_norm: float) -> float:
         """Enable, or tighten (never loosen), fixed-norm clipping."""
         self.max_norm = max_norm if self.max_norm is None else min(self.max_norm, max_norm)

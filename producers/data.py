@@ -262,6 +262,8 @@ class GuardedLoader:
     def _advance(self) -> tuple[int, Any]:
         """The next batch at or after ``position`` outside the skip ranges; the ones before it are
         read and dropped with every random stream saved and put back."""
+        batches = self._iter
+        assert batches is not None  # (opened by the caller)
         saved = None
         try:
             while True:
@@ -273,14 +275,14 @@ class GuardedLoader:
                     if saved is not None:
                         rng.restore(saved)
                         saved = None
-                    batch = next(self._iter)
+                    batch = next(batches)
                     self._next_index += 1
                     if self.on_batch is not None:
                         self.on_batch(batch, True)
                     return index, batch
                 if saved is None:
                     saved = rng.capture()
-                dropped = next(self._iter)
+                dropped = next(batches)
                 self._next_index += 1
                 if self.on_batch is not None:
                     self.on_batch(dropped, False)

@@ -39,7 +39,7 @@ the mesh once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from spikeguard.errors import SpikeguardError
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - a torch built without distributed
-    DTensor = None
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 class RanksFailed(SpikeguardError):
@@ -213,7 +213,7 @@ def sharded_norms(
     tensors = [None if t is None else _no_partial(t) for t in tensors]
     present = [t for t in tensors if t is not None]
     group, coordinate = _mesh_group(list(like) if like is not None else present)
-    squares_of = iter(
+    squares_of: Iterator[torch.Tensor] = iter(
         torch.stack([n.float() for n in torch._foreach_norm(local_tensors(present))]) ** 2
         if present
         else []
@@ -271,7 +271,7 @@ def _weight(t: torch.Tensor, rank_in_group: int) -> float:
     """1.0 where this rank's slice is counted; a replicated copy counts at coordinate 0 only."""
     if not isinstance(t, DTensor):
         return 1.0 if rank_in_group == 0 else 0.0
-    coordinate = t.device_mesh.get_coordinate() or []
+    coordinate: Sequence[int] = t.device_mesh.get_coordinate() or []
     for dim, placement in enumerate(t.placements):
         if placement.is_replicate() and coordinate[dim] != 0:
             return 0.0

@@ -99,7 +99,7 @@ class EpochDraws:
             base = self.loader.generator.get_state()
         drawn = [
             _draw_seed() if own else s.generator.get_state()
-            for s, own in zip(self._samplers, self._own_sampler)
+            for s, own in zip(self._samplers, self._own_sampler, strict=True)
         ]
         return {"base": base, "samplers": drawn}
 
@@ -112,7 +112,8 @@ class EpochDraws:
             self.loader.generator = self._base
         if base is not None:
             self.loader.generator.set_state(base)
-        for s, drawn in zip(self._samplers, record.get("samplers", ())):
+        # (a record without the samplers' draws installs none of them)
+        for s, drawn in zip(self._samplers, record.get("samplers", ()), strict=False):
             if isinstance(drawn, int):
                 if s.generator is None:  # made once, seeded in place: accelerate holds a reference
                     s.generator = torch.Generator()

@@ -43,10 +43,13 @@ import torch
 from spikeguard.errors import ConfigError
 from spikeguard.producers.config import ResumeMode
 from spikeguard.producers.data import merge_ranges
-from spikeguard.producers.guard import Guard, StepResult
+from spikeguard.producers.amp import ScalerControl
+from spikeguard.producers.guard import Guard
 from spikeguard.producers.ledger import apply_restart_facts
 from spikeguard.producers.lr import LRControl
 from spikeguard.producers.narration import RunSummary
+from spikeguard.producers.run_state import RunState
+from spikeguard.producers.step_halves import StepResult
 from spikeguard.producers.update import torch_optimizer, void_update
 
 log = logging.getLogger("spikeguard.producers.guard")
@@ -140,6 +143,42 @@ class Untouched(NamedTuple):
     lrs: list[Any] | None  # (the scheduler's step writes the param groups' LR)
 
 
+class FrameworkLoop:
+    """The framework's loop as the step's halves see it (step_halves.LoopOwner): it reads its
+    own data (a :class:`BatchStream`) and makes every step, voided ones included."""
+
+    def __init__(
+        self, run: RunState, stream: BatchStream, optimizer: Any, scheduler: Any, amp: ScalerControl
+    ) -> None:
+        self.run, self.stream = run, stream
+        self.optimizer, self.scheduler, self.amp = optimizer, scheduler, amp
+        self.untouched: Untouched | None = None  # put back after the framework's step
+        self.rolled_back = False  # the last second half ended a rolled-back step
+
+    def void_update(self, interrupted: bool) -> None:
+        """Every gradient None; the framework's scaler still steps (it must: its unscale was
+        recorded) and, after a rollback or stop, its scheduler: both are put back after it."""
+        void_update(self.optimizer)
+        stepped = interrupted and self.scheduler is not None
+        self.untouched = Untouched(
+            self.amp.keep(),
+            self.scheduler.state_dict() if stepped else None,
+            [g["lr"] for g in self.optimizer.param_groups] if stepped else None,
+        )
+
+    def data_skipped(self) -> bool:
+        return self.stream.span_skipped()  # (a skip window applied in this first half counts too)
+
+    def interrupted_step_done(self, step: int) -> None:
+        """The framework made the step a rollback or stop ended: it counts (a stop ends the run
+        after it), and its batches are spent."""
+        self.stream.take_span()
+        self.run.counters.steps += 1
+        self.rolled_back = not self.run.should_stop
+        if self.run.should_stop:
+            self.run.step_count = step + 1
+
+
 class FrameworkGuard(Guard):
     """A :class:`Guard` driven by a framework's callback through the two halves of its step.
 
@@ -162,10 +201,14 @@ class FrameworkGuard(Guard):
         self.stream = BatchStream()
         self.position.attach(self.stream)  # (a resumed data state is handed over here)
         self.hooks = LRScaleHooks(self.lr, torch_optimizer(optimizer))
-        self._untouched: Untouched | None = None  # put back after the framework's step
-        self.rolled_back = (
-            False  # the last second half ended a rolled-back step (the caller moves its step)
+        self.loop = self.halves.loop = FrameworkLoop(
+            self.state, self.stream, optimizer, scheduler, self.amp
         )
+
+    @property
+    def rolled_back(self) -> bool:
+        """The last second half ended a rolled-back step (the caller moves its step)."""
+        return self.loop.rolled_back
 
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> Any:
         """The framework resumes the model; the Guard never loads weights over it.
@@ -211,7 +254,7 @@ class FrameworkGuard(Guard):
         *,
         step: int | None = None,
     ) -> bool:
-        self.rolled_back = False
+        self.loop.rolled_back = False
         allowed = super().before_update(loss, batch, closure, step=step)
         if allowed:
             self.hooks.apply()
@@ -219,7 +262,7 @@ class FrameworkGuard(Guard):
 
     def after_update(self) -> StepResult:
         self.hooks.restore()  # (already done unless the framework skipped optimizer.step, e.g. fp16 overflow)
-        kept, self._untouched = self._untouched, None
+        kept, self.loop.untouched = self.loop.untouched, None
         if kept is not None:
             self.amp.put_back(kept.scaler)
             if kept.scheduler is not None:
@@ -230,30 +273,6 @@ class FrameworkGuard(Guard):
     def close(self, finished: bool | None = None) -> RunSummary:
         self.hooks.remove()
         return super().close(finished)
-
-    # -- what the framework owns -------------------------------------------------
-    def _void_update(self, interrupted: bool) -> None:
-        """Every gradient None; the framework's scaler still steps (it must: its unscale was
-        recorded) and, after a rollback or stop, its scheduler: both are put back after it."""
-        void_update(self.optimizer)
-        stepped = interrupted and self.scheduler is not None
-        self._untouched = Untouched(
-            self.amp.keep(),
-            self.scheduler.state_dict() if stepped else None,
-            [g["lr"] for g in self.optimizer.param_groups] if stepped else None,
-        )
-
-    def _data_skipped(self) -> bool:
-        return self.stream.span_skipped()  # (a skip window applied in this first half counts too)
-
-    def _interrupted_step_done(self, step: int) -> None:
-        """The framework made the step a rollback or stop ended: it counts (a stop ends the run
-        after it), and its batches are spent."""
-        self.stream.take_span()
-        self.counters["steps"] += 1
-        self.rolled_back = not self.should_stop
-        if self.should_stop:
-            self.step_count = step + 1
 
 
 def mean_loss(losses: list[torch.Tensor], summed: bool) -> torch.Tensor | float:

@@ -8,6 +8,7 @@ shows, an error that says what is wrong and what to write instead.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import weakref
 from typing import Any
@@ -69,7 +70,9 @@ class StepWatch:
     but one integer); a loop's batches from the Guard's loader.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, run_id: str = "") -> None:
+        self.run_id = run_id
+        self.said_no_data = False
         self.optimizer_steps = 0
         self._expected = 0
         self._last_loss: weakref.ref | None = None
@@ -105,6 +108,15 @@ class StepWatch:
             )
         if isinstance(loss, torch.Tensor):
             self._last_loss = weakref.ref(loss)
+        if loader is None and not self.said_no_data:
+            self.said_no_data = True
+            logging.getLogger("spikeguard.producers.guard").warning(
+                "spikeguard: run %s: guard.data(loader) was not called, so the Guard does not "
+                "know which batches each step reads and cannot skip bad data; a rollback "
+                "restores the weights and the loop reads on. Iterate `for batch in "
+                "guard.data(loader)` to let it skip",
+                self.run_id,
+            )
 
     def after_step(self) -> None:
         self._expected = self.optimizer_steps

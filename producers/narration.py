@@ -19,12 +19,36 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Protocol
 
-from spikeguard.integrations.loggers import ActionLogger, send
 from spikeguard.schemas import Action, ActionKind
 
+if TYPE_CHECKING:
+    from spikeguard.producers.run_state import RunState
+
 log = logging.getLogger("spikeguard.producers.guard")
+
+
+class ActionLogger(Protocol):
+    """Where else actions are told (TensorBoard, W&B: spikeguard/integrations/loggers.py)."""
+
+    def action(self, step: int, action: Action, applied: bool, text: str) -> None: ...
+
+
+def send(loggers: list[ActionLogger], step: int, action: Action, applied: bool, text: str) -> None:
+    """To every logger; one that fails is dropped with a WARNING (training goes on)."""
+    for logger in list(loggers):
+        try:
+            logger.action(step, action, applied, text)
+        except Exception as exc:  # noqa: BLE001 - a logger's failure never reaches the training loop
+            loggers.remove(logger)
+            log.warning(
+                "spikeguard: %s failed (%s: %s); actions are no longer sent there",
+                type(logger).__name__,
+                type(exc).__name__,
+                exc,
+            )
+
 
 #: Kinds that change the run; ALERT only informs, CHECKPOINT only saves.
 STEERING = frozenset(ActionKind) - {ActionKind.ALERT, ActionKind.CHECKPOINT}
@@ -170,6 +194,28 @@ class Narrator:
             log.warning("%s", text)
         if self.loggers:
             send(self.loggers, step, action, False, text)
+
+    def summary(
+        self, run: RunState, mode: str, lr_scale: float, notices: dict[str, int], clip: str
+    ) -> RunSummary:
+        """The run so far (``clip``: the clipping a recovery set that is still in force)."""
+        c = run.counters
+        return RunSummary(
+            run.run_id,
+            mode,
+            run.step_count,
+            c.steps,
+            self.rerun_steps,
+            c.skipped_batches,
+            c.skipped_steps,
+            c.skipped_updates,
+            len(self.incidents),
+            dict(self.applied),
+            dict(self.withheld),
+            lr_scale,
+            notices,
+            clip,
+        )
 
     def would_skip_update(self, step: int, reason: str, kind: str = "") -> None:
         """``kind``: the skip's reason code; a streak of one kind is said once, then counted."""

@@ -20,11 +20,32 @@ import torch
 
 from spikeguard.producers import rng
 from spikeguard.producers.actions import ActionFailed
-from spikeguard.producers.data import GuardedLoader, merge_ranges
+from spikeguard.producers.data import merge_ranges
 
 
 @runtime_checkable
 class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class BatchSource(Protocol):
+    """The batches a run reads, as :class:`DataPosition` follows them: the Guard's own
+    :class:`~spikeguard.producers.data.GuardedLoader`, or a framework's stream
+    (external_loop.BatchStream)."""
+
+    #: The global index of the last batch handed out (None: none yet).
+    last_index: int | None
+    #: The last pass ended at the end of the data (not by a stop).
+    ran_out: bool
+    #: The global batch indices never to be read, as merged ``[first, last]`` ranges.
+    skip_ranges: list[list[int]]
+
+    def take_span(self) -> tuple[int, int, int]: ...
+
+    def skip(self, start: int, end: int) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -68,12 +89,12 @@ class DataPosition:
 
     def __init__(self, keep: int = 4096) -> None:
         self.keep = keep
-        self.loader: GuardedLoader | None = None
+        self.loader: BatchSource | None = None
         self.pending: dict[str, Any] | None = None
         self.spans: OrderedDict[int, tuple[int, int]] = OrderedDict()  # step -> (first, last) batch
         self.old_spans: dict[int, tuple[int, int]] = {}  # the same, as before the last rollback
 
-    def attach(self, loader: GuardedLoader) -> None:
+    def attach(self, loader: BatchSource) -> None:
         self.loader = loader
         if self.pending is not None:
             loader.load_state_dict(self.pending)
@@ -112,8 +133,8 @@ class DataPosition:
         first, second = (
             (self.old_spans, self.spans) if after_rollback else (self.spans, self.old_spans)
         )
-        known = [first.get(s, second.get(s)) for s in range(from_step, to_step + 1)]
-        known = [k for k in known if k is not None]
+        found = [first.get(s, second.get(s)) for s in range(from_step, to_step + 1)]
+        known = [k for k in found if k is not None]
         if not known:
             raise ActionFailed(f"no batch index known for steps {from_step}..{to_step}")
         # With accumulation a step reads several batches: "extra" is in steps, like the window.

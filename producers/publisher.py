@@ -24,16 +24,25 @@ import inspect
 import logging
 import threading
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel
 
 from spikeguard.bus import Producer
 from spikeguard.metrics import Metrics, default_metrics
 from spikeguard.schemas import StepEvent, encode
-from spikeguard.schemas.signing import SIGNED_TYPES, sign
+from spikeguard.schemas.signing import SIGNED_TYPES, SigningKey, sign
 
 log = logging.getLogger(__name__)
+
+
+class _TakesEvents(Protocol):
+    """A producer whose ``publish`` also takes the event its bytes encode (the embedded bus's:
+    in-process readers then need not decode it)."""
+
+    def publish(
+        self, topic: str, value: bytes, key: str | bytes | None = None, *, event: BaseModel
+    ) -> None: ...
 
 
 class Item(NamedTuple):
@@ -56,7 +65,7 @@ class BackgroundPublisher:
         interval: float = 0.02,
         threaded: bool = True,
         metrics: Metrics | None = None,
-        signing_key: SecretStr | None = None,
+        signing_key: SigningKey | None = None,
     ) -> None:
         self.producer = producer
         self.signing_key = signing_key
@@ -221,7 +230,9 @@ class BackgroundPublisher:
             if self.signing_key is not None and type(event) in SIGNED_TYPES:
                 event = sign(event, self.signing_key)  # steps, run events, checkpoints, acks
             if self._pass_event:
-                self.producer.publish(topic, encode(event), key=self.key, event=event)
+                cast(_TakesEvents, self.producer).publish(
+                    topic, encode(event), key=self.key, event=event
+                )
             else:
                 self.producer.publish(topic, encode(event), key=self.key)
             self.sent += 1

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
+
+from spikeguard.producers import wiring as _wiring
 
 try:
     __version__ = version("spikeguard")
@@ -38,6 +40,24 @@ if TYPE_CHECKING:
     from spikeguard.integrations.lightning import SpikeguardCallback as LightningCallback
     from spikeguard.producers.config import GuardConfig
     from spikeguard.producers.guard import Guard
+
+
+def _open_runtime() -> Any:
+    from spikeguard.runtime import open_runtime  # the embedded pipeline, or Kafka
+
+    return open_runtime()
+
+
+def _action_loggers(names: Sequence[str]) -> list[Any]:
+    from spikeguard.integrations.loggers import loggers_from  # TensorBoard, W&B when installed
+
+    return loggers_from(names)
+
+
+# What a Guard handed no runtime opens, and its loggers: producers/ sits below the runtime and
+# the integrations and never imports them (producers/wiring.py). Filled here, the package's
+# first import, so before any Guard is built; importing the seam costs nothing.
+_wiring.WIRING.open_runtime, _wiring.WIRING.loggers = _open_runtime, _action_loggers
 
 
 def __getattr__(name: str) -> Any:

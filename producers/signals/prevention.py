@@ -18,7 +18,7 @@ the trainer applies only when its own logits were over its agreement bar at the
 decided step: half the detector's growth over their own level (evidence.py).
 
 The Guard calls :meth:`before_update` and :meth:`after_update` around the
-optimizer's step (its ``signals`` attribute, set here).
+optimizer's step (its step halves' ``signals`` attribute, set here).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Prevention:
         self.over = False  # this step's logits passed the agreement bar
         if self.qk_heads:
             guard.on(ActionKind.QK_CLIP, self.apply_qk_clip)
-        guard.signals = self
+        guard.halves.signals = self
 
     # -- the Guard's hooks ----------------------------------------------------------------
     def before_update(self) -> None:

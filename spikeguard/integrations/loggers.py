@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
+from spikeguard.producers.narration import ActionLogger, send
 from spikeguard.schemas import Action
 
+__all__ = ["ActionLogger", "TensorBoardLogger", "WandbLogger", "loggers_from", "send"]
+
 log = logging.getLogger(__name__)
-
-
-class ActionLogger(Protocol):
-    def action(self, step: int, action: Action, applied: bool, text: str) -> None: ...
 
 
 class TensorBoardLogger:
@@ -95,18 +94,3 @@ def loggers_from(names: Iterable[str]) -> list[ActionLogger]:
                 continue
             found.append(WandbLogger(wandb))
     return found
-
-
-def send(loggers: list[ActionLogger], step: int, action: Action, applied: bool, text: str) -> None:
-    """To every logger; one that fails is dropped with a WARNING (training goes on)."""
-    for logger in list(loggers):
-        try:
-            logger.action(step, action, applied, text)
-        except Exception as exc:  # noqa: BLE001 - a logger's failure never reaches the training loop
-            loggers.remove(logger)
-            log.warning(
-                "spikeguard: %s failed (%s: %s); actions are no longer sent there",
-                type(logger).__name__,
-                type(exc).__name__,
-                exc,
-            )

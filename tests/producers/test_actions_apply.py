@@ -192,3 +192,22 @@ def test_signatures_duplicates_lateness_and_other_runs(bus, tmp_path):
     )
     assert late_ack.step >= 6
     assert math.isclose(guard.lr.scale, 0.25)
+
+
+def test_a_handler_beside_a_checkpoint_action_leaves_it_its_one_ack(bus, tmp_path):
+    """A CHECKPOINT is acked once its file is on disk; a handler registered for the kind runs
+    when the action is applied and must not ack it early ("None; handler: ..."), a second time."""
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path, checkpoint_every=0)
+    seen = []
+    guard.on(K.CHECKPOINT, lambda a, g: seen.append(a.action_id) or "noted")
+    wanted = action(K.CHECKPOINT, 2, reason="on_demand")
+    send(bus, wanted, guard=guard)
+    train(guard, tiny, 4)
+    guard.saver.wait()
+    guard.checkpoints.drain()
+    mine = [a for a in guard.applied if a["action_id"] == wanted.action_id]
+    guard.close()
+    assert seen == [wanted.action_id]
+    assert [a["status"] for a in mine] == [AckStatus.APPLIED.value], mine
+    assert not mine[0]["result"].startswith("None"), mine

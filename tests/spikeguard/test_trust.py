@@ -75,7 +75,7 @@ def test_embedded_guard_refuses_an_unsigned_stop_and_obeys_its_own_pipeline(
     )
     try:
         assert guard.signer.key is not None and guard.actions.signer is guard.signer
-        assert guard.signer.key == guard._own_runtime.settings.signing_key
+        assert guard.signer.key == guard.own_runtime.settings.signing_key
         forged = Action(
             action_id="forged-stop",
             run_id="trust-embedded",
