@@ -195,7 +195,8 @@ class OfflinePipeline:
                 busy = any(w.drain() for w in workers)
         found: dict[str, list[BaseModel]] = {}
         for topic, model in self.outputs.items():
-            found[topic] = events = []
+            events: list[BaseModel] = []
+            found[topic] = events
             while batch := readers[topic].poll(10_000, timeout=0):
                 events.extend(record.decoded(model) for record in batch)
         # Leave no reference cycle behind (worker <-> consumer, bus <-> group
@@ -291,7 +292,7 @@ def interleave(
     checkpoints: Iterable[CheckpointEvent],
     topics: Topics,
     acks: Iterable[Ack] = (),
-) -> Iterator[tuple[str, list[BaseModel]]]:
+) -> Iterator[tuple[str, Sequence[BaseModel]]]:
     """Steps and checkpoints in the order the live run made them, as (topic, events) segments.
 
     The guard saves a checkpoint of step ``s`` (the state before step ``s``)
@@ -316,7 +317,7 @@ def interleave(
             runs.append(((c.epoch, c.step), [c]))
     run: list[BaseModel] = []
     for step in steps:
-        queue = groups.get(step.run_id)
+        queue = groups.get(step.run_id) or []
         due = 0
         while queue and due < len(queue) and queue[due][0] <= (step.epoch, step.step):
             due += 1
@@ -324,9 +325,9 @@ def interleave(
             if run:
                 yield topics.steps, run
                 run = []
-            yield topics.checkpoints, [c for _, group in queue[:due] for c in group]  # type: ignore[index]
-            del queue[:due]  # type: ignore[index]
-        pending = answers.get(step.run_id)
+            yield topics.checkpoints, [c for _, group in queue[:due] for c in group]
+            del queue[:due]
+        pending = answers.get(step.run_id) or []
         sent = 0
         while pending and sent < len(pending) and pending[sent].time <= step.time:
             sent += 1
@@ -334,8 +335,8 @@ def interleave(
             if run:
                 yield topics.steps, run
                 run = []
-            yield topics.acks, pending[:sent]  # type: ignore[index]
-            del pending[:sent]  # type: ignore[index]
+            yield topics.acks, pending[:sent]
+            del pending[:sent]
         run.append(step)
         if len(run) == SEGMENT_STEPS:
             yield topics.steps, run
