@@ -34,6 +34,7 @@ import time
 
 from spikeguard.errors import RecordRejected
 from spikeguard.metrics import Metrics
+from spikeguard.processors.detector_stage import one_run
 from spikeguard.schemas import Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings
 from spikeguard.streaming.batch_transaction import handle_batch
@@ -65,6 +66,30 @@ def _in_order(stage: Stage, items: list[tuple[str, Any]]) -> bool:
     return steps[-1] - steps[0] <= getattr(stage, "max_step_gap", -1)
 
 
+def _by_place(staged: list[Verdict], order: dict[tuple[str, int, int], int]) -> list[Verdict]:
+    """``staged`` sorted (stably) by each verdict's step's place in the input."""
+    places = list(map(order.get, map(_STEP_KEY, staged), repeat(len(order))))
+    return [staged[i] for i in sorted(range(len(staged)), key=places.__getitem__)]
+
+
+def _step_by_step(
+    judged: list[list[Verdict]], steps: Sequence[StepEvent], order: dict[tuple[str, int, int], int]
+) -> list[Verdict]:
+    """Every detector's verdicts on ``steps`` (``judged``: one list per detector, in detector
+    order) in the order fusion reads them: by each step's place in the input, a step's verdicts
+    in detector order (:func:`_by_place` over them all, one after the other).
+
+    The usual batch, where every detector judged every step once, in order, and the steps'
+    places rise, is that order already taken a step at a time: no sort, no look-up per verdict.
+    """
+    n = len(steps)
+    if all(len(verdicts) == n for verdicts in judged) and one_run(steps):
+        places = list(map(order.__getitem__, map(_STEP_KEY, steps)))
+        if all(map(int.__lt__, places, places[1:])):
+            return [v for step_verdicts in zip(*judged) for v in step_verdicts]
+    return _by_place([v for verdicts in judged for v in verdicts], order)
+
+
 class DirectPipeline:
     """All detectors + fusion over steps, fed segment by segment; decisions out."""
 
@@ -93,11 +118,13 @@ class DirectPipeline:
         topic = self.topics.steps
         decisions: list[Decision] = []
         for start in range(0, len(steps), BATCH):
-            items = list(zip(repeat(topic), steps[start : start + BATCH]))
-            staged: list[Verdict] = []
-            for stage in self._detectors:
-                staged += map(_EVENT, self._run(stage, self._admitted(stage, items)))
-            decisions += self._fuse(staged, order)
+            batch = steps[start : start + BATCH]
+            items = list(zip(repeat(topic), batch))
+            judged = [
+                list(map(_EVENT, self._run(stage, self._admitted(stage, items))))
+                for stage in self._detectors
+            ]
+            decisions += self._fuse(_step_by_step(judged, batch, order), {})
         return decisions
 
     def finish(self) -> list[Decision]:
@@ -120,9 +147,10 @@ class DirectPipeline:
     def _fuse(
         self, staged: list[Verdict], order: dict[tuple[str, int, int], int]
     ) -> list[Decision]:
-        # Sorted (stably) by input position, the look-ups at C speed.
-        places = list(map(order.get, map(_STEP_KEY, staged), repeat(len(order))))
-        staged = [staged[i] for i in sorted(range(len(staged)), key=places.__getitem__)]
+        """Fusion's batches of ``staged``, sorted (stably) by input position when ``order``
+        gives one (the pump's stager), the look-ups at C speed."""
+        if order:
+            staged = _by_place(staged, order)
         topic = self.topics.verdicts
         fusion = self._fusion
         decisions: list[Any] = []
