@@ -48,22 +48,30 @@ _EVENT = itemgetter(1)
 _STEP_KEY = attrgetter("run_id", "epoch", "step")
 _STEP = attrgetter("step")
 _SAME = attrgetter("run_id", "rank", "epoch")
+_RUN_ID = attrgetter("run_id")
 
 
-def _in_order(stage: Stage, items: list[tuple[str, Any]]) -> bool:
-    """True when the items are steps of one run, rank and epoch, each after the one before,
-    and the first to the last within the stage's ``max_step_gap`` (unsigned: offline)."""
-    events = list(map(_EVENT, items))
-    if not events or stage.signing_key is not None:
-        return False
+def _span(events: Sequence[Any]) -> int | None:
+    """How many steps the events span (the last's step minus the first's) when they are
+    steps of one run, rank and epoch, each after the one before; None otherwise."""
+    if not events:
+        return None
     try:
         same = list(map(_SAME, events))
         steps = list(map(_STEP, events))
     except AttributeError:  # not all steps (a run's start or end among them)
-        return False
+        return None
     if same.count(same[0]) != len(same) or not all(map(int.__lt__, steps, steps[1:])):
+        return None
+    return steps[-1] - steps[0]
+
+
+def _in_order(stage: Stage, span: int | None) -> bool:
+    """True when steps spanning ``span`` (see :func:`_span`) are in order for the stage:
+    within its ``max_step_gap``, and unsigned (offline)."""
+    if span is None or stage.signing_key is not None:
         return False
-    return steps[-1] - steps[0] <= getattr(stage, "max_step_gap", -1)
+    return span <= getattr(stage, "max_step_gap", -1)
 
 
 def _by_place(staged: list[Verdict], order: dict[tuple[str, int, int], int]) -> list[Verdict]:
@@ -120,10 +128,13 @@ class DirectPipeline:
         for start in range(0, len(steps), BATCH):
             batch = steps[start : start + BATCH]
             items = list(zip(repeat(topic), batch))
-            judged = [
-                list(map(_EVENT, self._run(stage, self._admitted(stage, items))))
-                for stage in self._detectors
-            ]
+            # What every detector's admission and transaction would work out alike, once.
+            span, run_ids = _span(batch), set(map(_RUN_ID, batch))
+            judged = []
+            for stage in self._detectors:
+                admitted = self._admitted(stage, items, span)
+                whole = run_ids if admitted is items else None
+                judged.append(list(map(_EVENT, self._run(stage, admitted, whole))))
             decisions += self._fuse(_step_by_step(judged, batch, order), {})
         return decisions
 
@@ -160,12 +171,15 @@ class DirectPipeline:
         decisions += map(_EVENT, fusion.tick(time.time()))  # the Worker ticks after each poll
         return decisions
 
-    def _admitted(self, stage: Stage, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """The items the stage admits (out-of-order steps are refused, as the Worker refuses them)."""
+    def _admitted(
+        self, stage: Stage, items: list[tuple[str, Any]], span: int | None
+    ) -> list[tuple[str, Any]]:
+        """The items the stage admits (out-of-order steps are refused, as the Worker refuses
+        them); ``span``: :func:`_span` of their events."""
         admit = getattr(stage, "admit", None)
         if admit is None:
             return items
-        if _in_order(stage, items):
+        if _in_order(stage, span):
             # Each step is after the one before it, within the stage's gap: admitting the
             # first and the last is admitting them all, with the same state after.
             try:
@@ -188,8 +202,11 @@ class DirectPipeline:
             kept.append(item)
         return kept
 
-    def _run(self, stage: Stage, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """``stage.handle_batch(items)`` as the Worker's transaction (streaming/batch_transaction.py)."""
+    def _run(
+        self, stage: Stage, items: list[tuple[str, Any]], run_ids: set[str] | None = None
+    ) -> list[tuple[str, Any]]:
+        """``stage.handle_batch(items)`` as the Worker's transaction (streaming/batch_transaction.py);
+        ``run_ids``: the items' runs, when the caller has them."""
         if not items:
             return []
         self._count(stage, "records_in", items[0][0], len(items))
@@ -204,7 +221,7 @@ class DirectPipeline:
             )
             self._count(stage, "dead_letters", "StageError")
 
-        return handle_batch(stage, items, failed)
+        return handle_batch(stage, items, failed, run_ids=run_ids)
 
     def _count(self, stage: Stage, metric: str, label: str, n: int = 1) -> None:
         if self.metrics is not None:
