@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 import time
 
 from spikeguard.errors import RecordRejected
@@ -47,13 +47,13 @@ BATCH = 2000
 _EVENT = itemgetter(1)
 _STEP_KEY = attrgetter("run_id", "epoch", "step")
 _STEP = attrgetter("step")
-_SAME = attrgetter("run_id", "rank", "epoch")
+_SAME = attrgetter("run_id", "rank", "epoch", "session")
 _RUN_ID = attrgetter("run_id")
 
 
 def _span(events: Sequence[Any]) -> int | None:
     """How many steps the events span (the last's step minus the first's) when they are
-    steps of one run, rank and epoch, each after the one before; None otherwise."""
+    steps of one run, rank, epoch and session, each after the one before; None otherwise."""
     if not events:
         return None
     try:
@@ -67,11 +67,13 @@ def _span(events: Sequence[Any]) -> int | None:
 
 
 def _in_order(stage: Stage, span: int | None) -> bool:
-    """True when steps spanning ``span`` (see :func:`_span`) are in order for the stage:
-    within its ``max_step_gap``, and unsigned (offline)."""
+    """True when the stage admits steps spanning ``span`` (see :func:`_span`) whatever their
+    times, once it admits the first: unsigned (offline), and no further than a trainer may
+    jump between two steps at the same time (``max_step_jump``, within ``max_step_gap``), so
+    neither the last against the first nor any step against the one before is too far."""
     if span is None or stage.signing_key is not None:
         return False
-    return span <= getattr(stage, "max_step_gap", -1)
+    return span <= min(getattr(stage, "max_step_gap", -1), getattr(stage, "max_step_jump", -1))
 
 
 def _by_place(staged: list[Verdict], order: dict[tuple[str, int, int], int]) -> list[Verdict]:
@@ -180,15 +182,25 @@ class DirectPipeline:
         if admit is None:
             return items
         if _in_order(stage, span):
-            # Each step is after the one before it, within the stage's gap: admitting the
-            # first and the last is admitting them all, with the same state after.
+            # Each step is after the one before it, none too far: admitting the first and
+            # the last is admitting them all, with the same state after.
             try:
                 admit(*items[0])
-                if len(items) > 1:
-                    admit(*items[-1])
-                return items
             except RecordRejected:
                 pass  # the first is refused: record by record, which refuses it again
+            else:
+                try:
+                    if len(items) > 1:
+                        admit(*items[-1])
+                    return items
+                except RecordRejected:  # not expected (see _in_order): the rest one by one
+                    return [items[0], *self._one_by_one(stage, admit, items[1:])]
+        return self._one_by_one(stage, admit, items)
+
+    def _one_by_one(
+        self, stage: Stage, admit: Callable[[str, Any], None], items: list[tuple[str, Any]]
+    ) -> list[tuple[str, Any]]:
+        """The items ``admit`` takes, each admitted in turn (the Worker's way)."""
         kept = []
         for item in items:
             try:

@@ -132,6 +132,23 @@ def test_a_far_future_step_is_refused_by_both() -> None:
     assert direct(events) == expected
 
 
+@pytest.mark.parametrize(
+    "placed",
+    [
+        # The batch's last step far ahead at the same time: refused, the first still judged.
+        [(n, 0.0) for n in range(12)] + [(40_000, 0.0)],
+        # A jump too far for its time in the middle, then a step whose time allows it.
+        [(n, 0.0) for n in range(12)] + [(25_000, 0.0), (25_001, 100.0)],
+    ],
+)
+def test_a_batch_is_admitted_step_by_step_as_the_worker_admits_it(placed) -> None:
+    base = generate("stable", 200, seed=12, run_id="k").events
+    events = [e.model_copy(update={"step": n, "time": t}) for e, (n, t) in zip(base, placed)]
+    expected = on_the_bus(events)
+    assert len(expected) == len(events) - 1  # exactly one step refused
+    assert direct(events) == expected
+
+
 def test_verdicts_reach_fusion_step_by_step_and_by_first_place() -> None:
     from types import SimpleNamespace
 
