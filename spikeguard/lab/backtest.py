@@ -21,18 +21,18 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
-from spikeguard.bus import EmbeddedBus
-from spikeguard.metrics import Metrics
-from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Ack, CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
 from spikeguard.lab.backtest_pump import BATCH, DirectPipeline
+
+if TYPE_CHECKING:  # a backtest (the direct pump) needs no bus, worker or metrics: not imported
+    from spikeguard.metrics import Metrics
+    from spikeguard.streaming.worker import Worker
 
 JUDGES = ("statistical", "rules", "ml", "predictor", "fusion")
 _NEVER = 10**12
@@ -122,7 +122,10 @@ class OfflinePipeline:
         outputs: dict[str, type[BaseModel]],
         metrics: Metrics | None = None,
     ) -> None:
+        from prometheus_client import CollectorRegistry
+
         from spikeguard.components import DETECTOR_NAMES, build_stage
+        from spikeguard.metrics import Metrics
 
         settings = offline(settings)
         self.topics = Topics(settings.topic_prefix)
@@ -155,6 +158,9 @@ class OfflinePipeline:
     def _segment(
         self, inputs: Sequence[tuple[str, BaseModel]], drain: bool
     ) -> dict[str, list[BaseModel]]:
+        from spikeguard.bus import EmbeddedBus
+        from spikeguard.streaming.worker import Worker
+
         topics, staged = self.topics, self._staged
         bus = EmbeddedBus(partitions=1)  # one partition: a single, total order
         producer = bus.producer()

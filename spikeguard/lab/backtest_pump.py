@@ -29,16 +29,18 @@ from __future__ import annotations
 import logging
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 import time
 
 from spikeguard.errors import RecordRejected
-from spikeguard.metrics import Metrics
 from spikeguard.processors.detector_stage import one_run
 from spikeguard.schemas import Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings
 from spikeguard.streaming.batch_transaction import handle_batch
 from spikeguard.streaming.stage import Stage
+
+if TYPE_CHECKING:
+    from spikeguard.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
