@@ -132,7 +132,7 @@ BENCHMARKS: list[tuple[str, str, list[str], bool]] = [
 QUICK: dict[str, list[str]] = {
     # The smallest piece, the one a test runs: the 0.5 ms MLP, three short rounds.
     "embedded_models": ["--models", "mlp", "--rounds", "3", "--seconds", "0.3", "--json"],
-    "backtest": ["--steps", "20000", "--pairs", "1", "--split", "--json", "{out}/backtest.json"],
+    "backtest": ["--steps", "20000", "--pairs", "1", "--json", "{out}/backtest.json"],
     "embedded_cost": ["--steps", "1000", "--rounds", "1", "--json"],
     "kafka_throughput": [
         "--bootstrap",
