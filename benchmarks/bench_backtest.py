@@ -13,6 +13,12 @@ Whole process (the default), on CSVs made by ``spikeguard simulate stable``
   the ratio is taken pair by pair within one run. Aims: >= 20k steps/s and
   >= 4x the baseline (the baseline's time includes start-up and reading, as
   the backtest's does).
+- **the limit**: beside each pair, a third process that starts as the backtest
+  does, reads the file, replays the skip rule and runs the judging alone (each
+  detector's and fusion's own objects, no stage, pump or output): what the
+  backtest cannot go below with today's detectors. Reported: the backtest's
+  CPU over it, and the best ratio to the baseline it leaves. The children run
+  with cached bytecode (``child_env``).
 - **memory** (``--memory``): the backtest's peak RSS (the child's own, from
   ``wait4``) on a 1M-step CSV, next to its peak on the --steps file, to show
   it is flat in the file's size. Aim: <= 400 MiB. Without ``--memory`` only
@@ -202,14 +208,27 @@ def ensure_file(workdir: str, scenario: str, steps: int, seed: int) -> str:
     return path
 
 
-def run_child(command: list[str]) -> tuple[float, int, float]:
+def child_env(workdir: str) -> dict[str, str]:
+    """The children's environment: bytecode cached under ``workdir`` as an installed package's is.
+
+    Without it, an environment that sets ``PYTHONDONTWRITEBYTECODE`` (this machine's does)
+    makes every start compile the project from source: ~0.3 s of CPU more for the backtest,
+    ~0.1 s for the baseline, which no user with an installed package pays.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(workdir, "pycache"))
+    return env
+
+
+def run_child(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int, float]:
     """Wall seconds, peak RSS (bytes) and CPU seconds of one child process, start-up included.
 
     CPU time (user + system, the child's own) is the steadier figure on a shared machine.
     """
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: a chatty child cannot block
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env)
         _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage
         seconds = time.perf_counter() - started
         process.returncode = os.waitstatus_to_exitcode(status)
@@ -220,12 +239,54 @@ def run_child(command: list[str]) -> tuple[float, int, float]:
     return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime  # maxrss: KiB
 
 
+def start_up_cpu(workdir: str, env: dict[str, str]) -> dict[str, float]:
+    """CPU seconds of each command on a file of no steps (its header alone): start-up and
+    set-up, the part of a run that does not grow with the file (median of 3, after a warm-up)."""
+    empty = os.path.join(workdir, "header-only.csv")
+    with open(empty, "w", encoding="utf-8") as handle:
+        handle.write("step,loss,grad_norm,lr,run_id\n")
+    out = os.path.join(workdir, "empty-out.jsonl")
+    found = {}
+    for name, command in (
+        ("backtest", backtest_command(empty, out)),
+        ("naive", naive_command(empty, out)),
+    ):
+        run_child(command, env)
+        found[name] = statistics.median(run_child(command, env)[2] for _ in range(3))
+    return found
+
+
 def backtest_command(path: str, out: str) -> list[str]:
     return [sys.executable, "-m", "spikeguard", "backtest", path, "--out", out]
 
 
 def naive_command(path: str, out: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--naive-child", path, out]
+
+
+def limit_command(path: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--limit-child", path]
+
+
+def limit_child(path: str) -> int:
+    """The backtest's limit as a whole process: its start-up (the CLI's parser, the pipeline's
+    modules and stages), reading FILE, the skip rule's replay and the judging alone (each
+    detector's and fusion's own objects, no stage or pump), the collector off as the
+    backtest keeps it off. What a backtest of FILE cannot go below with today's detectors."""
+    import gc
+
+    from spikeguard.cli import build_parser
+    from spikeguard.lab.backtest import offline
+    from spikeguard.lab.backtest_input import iter_steps
+    from spikeguard.settings import load_settings
+
+    build_parser()
+    gc.disable()
+    settings = offline(load_settings(env={}))
+    events = list(iter_steps(path))
+    skip_rule_cpu(events)
+    judging_cpu(settings, events)
+    return 0
 
 
 def naive_child(path: str, out: str) -> int:
@@ -247,10 +308,15 @@ def naive_child(path: str, out: str) -> int:
 def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, seed: int) -> dict:
     path = ensure_file(workdir, "stable", steps, seed)
     out = os.path.join(workdir, "out.jsonl")
+    env = child_env(workdir)
+    start_up = start_up_cpu(workdir, env)  # also the warm-up: it writes the bytecode cache
     rows = []
-    for _ in range(pairs):  # A B A B: each ratio from two runs side by side
-        a, peak, a_cpu = run_child(backtest_command(path, out))
-        b, _, b_cpu = run_child(naive_command(path, out))
+    run_child(limit_command(path), env)  # its own bytecode cached too
+    # A B C A B C: each ratio from runs side by side (C: the backtest's limit, limit_child).
+    for _ in range(pairs):
+        a, peak, a_cpu = run_child(backtest_command(path, out), env)
+        b, _, b_cpu = run_child(naive_command(path, out), env)
+        c_cpu = run_child(limit_command(path), env)[2]
         rows.append(
             {
                 "backtest_s": a,
@@ -260,6 +326,9 @@ def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, see
                 "backtest_cpu_s": a_cpu,
                 "naive_cpu_s": b_cpu,
                 "cpu_ratio": b_cpu / a_cpu,
+                "limit_cpu_s": c_cpu,
+                "over_limit": a_cpu / c_cpu,
+                "limit_over_naive": b_cpu / c_cpu,
             }
         )
     backtest_s = statistics.median(r["backtest_s"] for r in rows)
@@ -267,7 +336,7 @@ def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, see
     memory = {steps: statistics.median(r["backtest_peak"] for r in rows)}
     if memory_steps and memory_steps != steps:
         big = ensure_file(workdir, "stable", memory_steps, seed)
-        big_s, memory[memory_steps], _ = run_child(backtest_command(big, out))
+        big_s, memory[memory_steps], _ = run_child(backtest_command(big, out), env)
     else:
         big_s = None
     return {
@@ -279,6 +348,13 @@ def measure_process(steps: int, memory_steps: int, pairs: int, workdir: str, see
         "backtest_steps_per_cpu_s": steps / statistics.median(r["backtest_cpu_s"] for r in rows),
         "naive_steps_per_cpu_s": steps / statistics.median(r["naive_cpu_s"] for r in rows),
         "backtest_over_naive_cpu": statistics.median(r["cpu_ratio"] for r in rows),
+        "backtest_cpu_s": statistics.median(r["backtest_cpu_s"] for r in rows),
+        "start_up_cpu_s": start_up,
+        # The limit run beside each pair: the backtest's CPU over it, and the best ratio to the
+        # baseline it leaves (the baseline's CPU over it).
+        "limit_cpu_s": statistics.median(r["limit_cpu_s"] for r in rows),
+        "backtest_over_limit": statistics.median(r["over_limit"] for r in rows),
+        "best_ratio_to_naive": statistics.median(r["limit_over_naive"] for r in rows),
         "peak_rss_bytes": {str(k): v for k, v in memory.items()},
         "memory_steps": memory_steps,
         "memory_run_steps_per_s": memory_steps / big_s if big_s else None,
@@ -309,6 +385,8 @@ def measure_split(path: str, steps: int) -> dict:
         }
     )
     out: dict = {"steps": len(events), "read_cpu_s": reading}
+    out["skip_rule_cpu_s"] = skip_rule_cpu(events)
+    out["judging_cpu_s"] = judging_cpu(settings, events)
     for name, config, detectors in (
         ("all", settings, None),
         ("without_ml", without_ml, ("statistical", "rules", "predictor")),
@@ -331,6 +409,65 @@ def measure_split(path: str, steps: int) -> dict:
             "pump_cpu_s": total - sum(spent.values()),
         }
     return out
+
+
+def skip_rule_cpu(events: list) -> float:
+    """CPU seconds of the Guard's skip rule replayed over ``events`` (the backtest's summary)."""
+    import gc
+
+    from spikeguard.lab.local_skips import LocalSkips
+
+    skips = LocalSkips()
+    gc.disable()
+    started = time.process_time()
+    for event in events:
+        skips.live(event)
+    spent = time.process_time() - started
+    gc.enable()
+    return spent
+
+
+def judging_cpu(settings, events: list) -> dict[str, float]:
+    """CPU seconds of the judging alone: each detector's and fusion's own objects, built as the
+    pipeline builds them, fed the same steps (each run's in batches of the pump's size) with no
+    stage, pump, transaction or ordering around them. What the backtest cannot go below
+    without faster detectors or fusion."""
+    import gc
+
+    from spikeguard.lab.backtest_pump import BATCH, DirectPipeline
+    from spikeguard.processors.detector_stage import with_values
+    from spikeguard.streaming.stage import group_by_run
+
+    pipeline = DirectPipeline(settings)
+    runs = group_by_run(events)
+    spent: dict[str, float] = {}
+    verdicts: dict[str, list[list[list]]] = {run_id: [] for run_id in runs}  # run, detector, batch
+    gc.disable()
+    for stage in pipeline._detectors:
+        started = time.process_time()
+        for run_id, steps in runs.items():
+            detector = stage.factory(run_id)
+            verdicts[run_id].append(
+                [detector.update_many(steps[i : i + BATCH]) for i in range(0, len(steps), BATCH)]
+            )
+        spent[stage.name] = time.process_time() - started
+    # Fusion gets each step's verdicts together, with the step's values (as the pump hands them).
+    fused: dict[str, list[list]] = {}
+    for run_id, steps in runs.items():
+        fused[run_id] = []
+        for j, i in enumerate(range(0, len(steps), BATCH)):
+            chunk = steps[i : i + BATCH]
+            lists = [with_values(batches[j], chunk) for batches in verdicts[run_id]]
+            fused[run_id].append([v for group in zip(*lists) for v in group])
+    started = time.process_time()
+    for run_id, batches in fused.items():
+        fusion = pipeline._fusion.factory(run_id)
+        for batch in batches:
+            fusion.add_many(batch, 0.0)
+        fusion.flush()
+    spent["fusion"] = time.process_time() - started
+    gc.enable()
+    return spent
 
 
 def timed_batch(stage, spent: dict[str, float]):
@@ -359,7 +496,45 @@ def render_split(split: dict) -> str:
             f"  pipeline {name}: {row['steps_per_cpu_s']:,.0f} steps/CPU-s = {parts}, "
             f"pump {1e6 * row['pump_cpu_s'] / n:.1f}"
         )
+    lines.append(f"  the Guard's skip rule (the summary's local skips): {skip_rule_us(split):.1f}")
+    judging = split["judging_cpu_s"]
+    parts = ", ".join(f"{k} {1e6 * v / n:.1f}" for k, v in judging.items())
+    lines.append(
+        f"  judging alone (the detectors' and fusion's own objects, no stage or pump): "
+        f"{1e6 * sum(judging.values()) / n:.1f} = {parts}"
+    )
     return "\n".join(lines)
+
+
+def skip_rule_us(split: dict) -> float:
+    return 1e6 * split["skip_rule_cpu_s"] / split["steps"]
+
+
+def limit(process: dict) -> dict:
+    """The backtest against its limit (``limit_child``), each run beside a pair: medians."""
+    return {
+        "floor_cpu_s": process["limit_cpu_s"],
+        "backtest_cpu_s": process["backtest_cpu_s"],
+        "backtest_over_floor": process["backtest_over_limit"],
+        "best_ratio_to_naive": process["best_ratio_to_naive"],
+    }
+
+
+def render_limit(found: dict, process: dict) -> str:
+    start = process["start_up_cpu_s"]
+    return "\n".join(
+        [
+            f"the limit with today's detectors and fusion: {found['floor_cpu_s']:.2f} CPU-s, a "
+            "process that starts as the backtest does, reads the file, replays the skip rule "
+            "and judges alone (no stage or pump), run beside each pair "
+            f"(start-ups on an empty file: the backtest {start['backtest']:.2f} s, the baseline "
+            f"{start['naive']:.2f})",
+            f"  the backtest took {found['backtest_cpu_s']:.2f} CPU-s: "
+            f"{found['backtest_over_floor']:.2f}x the limit; the best ratio to the baseline the "
+            f"limit allows: {found['best_ratio_to_naive']:.2f}x (aim >= "
+            f"{PIPELINE_OVER_BASELINE:.0f}x)",
+        ]
+    )
 
 
 def render_process(report: dict) -> str:
@@ -426,14 +601,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also the in-process split: reading, each stage, the pump; with and without ml",
     )
     parser.add_argument("--naive-child", nargs=2, metavar=("FILE", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--limit-child", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.naive_child:
         return naive_child(*args.naive_child)
+    if args.limit_child:
+        return limit_child(args.limit_child)
     report: dict = {"python": platform.python_version(), "machine": platform.machine()}
     report["process"] = measure_process(
         args.steps, args.memory_steps if args.memory else 0, args.pairs, args.workdir, args.seed
     )
     print(render_process(report["process"]))
+    report["limit"] = limit(report["process"])
+    print(render_limit(report["limit"], report["process"]))
     if args.split:
         report["split"] = measure_split(
             ensure_file(args.workdir, "stable", args.steps, args.seed), args.steps

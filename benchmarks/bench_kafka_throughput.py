@@ -277,6 +277,94 @@ def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: f
     }
 
 
+def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -> dict:
+    """CPU µs per step of the work the co-hosted workers cannot skip, in one process, no broker.
+
+    On the same signed records: decode each step and check its signature; judge it (the
+    co-hosted detectors' stage, then fusion's, batch by batch, as the workers call them);
+    sign, encode, decode and check each step's StepVerdicts record and each decision (what
+    crosses the two hops after the first). Add the bare client's CPU per record at each of the
+    three hops and this is the least CPU per step a signed pipeline of these stages spends:
+    ``limit`` turns it into the most steps/s this machine's cores allow.
+    """
+    import gc
+
+    from spikeguard.components import DETECTOR_NAMES, build_stage, detector_stage
+    from spikeguard.lab.backtest import offline
+    from spikeguard.processors.cohosted_stage import CoHostedDetectors
+    from spikeguard.schemas import Decision, StepEvent, StepVerdicts, decode
+    from spikeguard.schemas.signing import sign, signature_problem
+    from spikeguard.settings import load_settings
+
+    settings = offline(load_settings(env={}))  # no keys on the stages: signing is timed apart
+    topics = Topics(settings.topic_prefix)
+    detectors = CoHostedDetectors([detector_stage(n, settings, topics) for n in DETECTOR_NAMES])
+    fusion = build_stage("fusion", settings, topics)
+    spent: dict[str, float] = {}
+
+    def timed(name: str, work):
+        started = time.process_time()
+        out = work()
+        spent[name] = spent.get(name, 0.0) + time.process_time() - started
+        return out
+
+    def hop(name: str, model: type, events: list) -> list:
+        """Sign, encode, decode and check ``events``: one hop of the pipeline's records."""
+        signed = timed(f"sign {name}", lambda: [sign(e, key) for e in events])
+        data = timed(f"codec {name}", lambda: [encode(e) for e in signed])
+        back = timed(f"codec {name}", lambda: [decode(d, model) for d in data])
+        problems = timed(f"check {name}", lambda: [signature_problem(e, key) for e in back])
+        assert not any(problems), problems[:1]
+        return back
+
+    gc.disable()
+    steps = timed("codec steps", lambda: [decode(value, StepEvent) for _, value in records])
+    problems = timed("check steps", lambda: [signature_problem(e, key) for e in steps])
+    assert not any(problems), problems[:1]
+    verdicts: list = []
+    for i in range(0, len(steps), batch):
+        items = [(topics.steps, e) for e in steps[i : i + batch]]
+        verdicts += timed("judge detectors", lambda: detectors.handle_batch(items))
+    step_verdicts = hop("step-verdicts", StepVerdicts, [e for _, e in verdicts])
+    decisions: list = []
+    for i in range(0, len(step_verdicts), batch):
+        items = [(topics.step_verdicts, e) for e in step_verdicts[i : i + batch]]
+        decisions += timed("judge fusion", lambda: fusion.handle_batch(items))
+    decisions += timed("judge fusion", fusion.flush)
+    hop("decisions", Decision, [e for _, e in decisions])
+    gc.enable()
+    n = len(records)
+    return {
+        "steps": n,
+        "decisions": len(decisions),
+        "cpu_us_per_step": {name: round(1e6 * s / n, 1) for name, s in spent.items()},
+        "cpu_us_per_step_total": round(1e6 * sum(spent.values()) / n, 1),
+        # The detectors' process: its input's decoding and check, its judging, its output.
+        "detectors_process_us": round(
+            1e6
+            * sum(
+                s
+                for name, s in spent.items()
+                if name in ("codec steps", "check steps", "judge detectors", "sign step-verdicts")
+            )
+            / n,
+            1,
+        ),
+    }
+
+
+def limit(floor: dict, client_us: float, cores: int) -> dict:
+    """The most steps/s the work floor allows: all cores busy with nothing else, and no faster
+    than the co-hosted detectors' process alone (one process, one core at most)."""
+    total = floor["cpu_us_per_step_total"] + 3 * client_us  # three hops read and write
+    busiest = floor["detectors_process_us"] + client_us
+    return {
+        "floor_us_per_step": round(total, 1),
+        "cores": cores,
+        "steps_per_s": round(min(cores * 1e6 / total, 1e6 / busiest)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", default=os.environ.get("SPIKEGUARD_TEST_BOOTSTRAP"))
@@ -323,6 +411,11 @@ def main() -> None:
         help="a setting for the workers, e.g. SPIKEGUARD_WORKER__MAX_UNACKED_RECORDS=0 "
         "(wait for acknowledgements after every batch) for an A/B; repeatable",
     )
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the in-process work floor (the limit the pipeline is read against)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     worker_env = dict(item.split("=", 1) for item in args.worker_env)
@@ -353,6 +446,11 @@ def main() -> None:
             for client in clients
             for layout in layouts
         }
+    if not args.no_floor:
+        floor = work_floor(records, key)
+        client = extra.get("raw_confluent", raw_result)["cpu_us_per_step"]
+        extra["work_floor"] = floor
+        extra["limit"] = limit(floor, client, len(os.sched_getaffinity(0)))
     report = {
         "steps": len(records),
         "runs": args.runs,
@@ -366,6 +464,11 @@ def main() -> None:
             for name, result in pipes.items()
         },
     }
+    if "limit" in extra:
+        for result in report["pipelines"].values():
+            result["of_limit"] = round(
+                result["steps_per_s"] / max(1, extra["limit"]["steps_per_s"]), 3
+            )
     if args.json:
         print(json.dumps(report))
         return
@@ -386,6 +489,16 @@ def main() -> None:
             f"last after {result['end_to_end_s']} s; {result['cpu_us_per_step_total']} us CPU per step "
             f"({result['cpu_us_per_step']})"
         )
+    if "limit" in extra:
+        floor, cap = extra["work_floor"], extra["limit"]
+        print(
+            f"work floor, in one process without a broker: {floor['cpu_us_per_step_total']} us CPU "
+            f"per step ({floor['cpu_us_per_step']}); with the bare client at 3 hops "
+            f"{cap['floor_us_per_step']} us: at most {cap['steps_per_s']:,} steps/s on "
+            f"{cap['cores']} cores"
+        )
+        for name, result in report["pipelines"].items():
+            print(f"  pipeline {name}: {result['of_limit']:.2f} of that limit")
     print("aim: >= 10,000 steps/s and >= 0.5x raw")
 
 

@@ -71,7 +71,7 @@ _EVENT = itemgetter(1)
 _RUN_ID = attrgetter("run_id")
 
 
-def one_run(events: list) -> bool:
+def one_run(events: Sequence[BaseModel]) -> bool:
     """True when every event (at least one) is of the same run (checked at C speed)."""
     if not events:
         return False

@@ -115,7 +115,8 @@ class FusionStage(RunSettingsStage):
         return over(self.defaults, given.get("fusion", {}), "fusion overrides", run_id)
 
     def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
-        return handled_through(*self.runs[run_id].progress, end_epoch, end_step)
+        epoch, step = self.runs[run_id].progress
+        return handled_through(epoch, step, end_epoch, end_step)
 
     # -- the flow clock ----------------------------------------------------------
     def flow_time(self, now: float, arrived: bool = False) -> float:

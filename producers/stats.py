@@ -67,9 +67,9 @@ class GradStats:
     def grads(self) -> tuple[list[str], list[torch.Tensor]]:
         names, grads = [], []
         for name, p in zip(self.names, self.params):
-            if p.grad is not None:
+            if (grad := p.grad) is not None:
                 names.append(name)
-                grads.append(p.grad)
+                grads.append(grad)
         return names, grads
 
     def clip_targets(self) -> list[torch.Tensor]:
@@ -118,14 +118,17 @@ class GradStats:
             other_norms = [all_norms[n : n + m], all_norms[n + m :]]
             device = all_norms.device
         else:
+            # One fused kernel for every norm, one stack: per-parameter work stays on the device.
             flat = (
-                torch._foreach_norm(grads + weights + update) if grads or weights or update else []
+                list(torch._foreach_norm(grads + weights + update))
+                if grads or weights or update
+                else []
             )
             g, m = len(grads), len(weights)
-            stacked = [
-                torch.stack([t.float() for t in part]) if part else torch.zeros(0, device=device)
-                for part in (flat[:g], flat[g : g + m], flat[g + m :])
-            ]
+            # Stacked, then made float: the same values as making each norm float first
+            # (widening is exact; a double norm is rounded once either way).
+            every = torch.stack(flat).float() if flat else torch.zeros(0, device=device)
+            stacked = [every[:g], every[g : g + m], every[g + m :]]
             other_norms = stacked[1:]
         loss_t = (
             loss.detach().reshape(()).float()

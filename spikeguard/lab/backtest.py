@@ -21,18 +21,18 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
-from spikeguard.bus import EmbeddedBus
-from spikeguard.metrics import Metrics
-from spikeguard.streaming.worker import Worker
 from spikeguard.schemas import Ack, CheckpointEvent, Decision, StepEvent, Topics, Verdict
 from spikeguard.settings import Settings, load_settings
 
 from spikeguard.lab.backtest_pump import BATCH, DirectPipeline
+
+if TYPE_CHECKING:  # a backtest (the direct pump) needs no bus, worker or metrics: not imported
+    from spikeguard.metrics import Metrics
+    from spikeguard.streaming.worker import Worker
 
 JUDGES = ("statistical", "rules", "ml", "predictor", "fusion")
 _NEVER = 10**12
@@ -122,7 +122,10 @@ class OfflinePipeline:
         outputs: dict[str, type[BaseModel]],
         metrics: Metrics | None = None,
     ) -> None:
+        from prometheus_client import CollectorRegistry
+
         from spikeguard.components import DETECTOR_NAMES, build_stage
+        from spikeguard.metrics import Metrics
 
         settings = offline(settings)
         self.topics = Topics(settings.topic_prefix)
@@ -155,6 +158,9 @@ class OfflinePipeline:
     def _segment(
         self, inputs: Sequence[tuple[str, BaseModel]], drain: bool
     ) -> dict[str, list[BaseModel]]:
+        from spikeguard.bus import EmbeddedBus
+        from spikeguard.streaming.worker import Worker
+
         topics, staged = self.topics, self._staged
         bus = EmbeddedBus(partitions=1)  # one partition: a single, total order
         producer = bus.producer()
@@ -195,7 +201,8 @@ class OfflinePipeline:
                 busy = any(w.drain() for w in workers)
         found: dict[str, list[BaseModel]] = {}
         for topic, model in self.outputs.items():
-            found[topic] = events = []
+            events: list[BaseModel] = []
+            found[topic] = events
             while batch := readers[topic].poll(10_000, timeout=0):
                 events.extend(record.decoded(model) for record in batch)
         # Leave no reference cycle behind (worker <-> consumer, bus <-> group
@@ -291,7 +298,7 @@ def interleave(
     checkpoints: Iterable[CheckpointEvent],
     topics: Topics,
     acks: Iterable[Ack] = (),
-) -> Iterator[tuple[str, list[BaseModel]]]:
+) -> Iterator[tuple[str, Sequence[BaseModel]]]:
     """Steps and checkpoints in the order the live run made them, as (topic, events) segments.
 
     The guard saves a checkpoint of step ``s`` (the state before step ``s``)
@@ -316,7 +323,7 @@ def interleave(
             runs.append(((c.epoch, c.step), [c]))
     run: list[BaseModel] = []
     for step in steps:
-        queue = groups.get(step.run_id)
+        queue = groups.get(step.run_id) or []
         due = 0
         while queue and due < len(queue) and queue[due][0] <= (step.epoch, step.step):
             due += 1
@@ -324,9 +331,9 @@ def interleave(
             if run:
                 yield topics.steps, run
                 run = []
-            yield topics.checkpoints, [c for _, group in queue[:due] for c in group]  # type: ignore[index]
-            del queue[:due]  # type: ignore[index]
-        pending = answers.get(step.run_id)
+            yield topics.checkpoints, [c for _, group in queue[:due] for c in group]
+            del queue[:due]
+        pending = answers.get(step.run_id) or []
         sent = 0
         while pending and sent < len(pending) and pending[sent].time <= step.time:
             sent += 1
@@ -334,8 +341,8 @@ def interleave(
             if run:
                 yield topics.steps, run
                 run = []
-            yield topics.acks, pending[:sent]  # type: ignore[index]
-            del pending[:sent]  # type: ignore[index]
+            yield topics.acks, pending[:sent]
+            del pending[:sent]
         run.append(step)
         if len(run) == SEGMENT_STEPS:
             yield topics.steps, run

@@ -8,6 +8,7 @@ value, so only each run's last one is set.
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from spikeguard.metrics.judging import HEALTH_LEVELS, skipped_batches
 from spikeguard.metrics.registry import Metrics
@@ -15,7 +16,7 @@ from spikeguard.metrics.steps import GoodputTally
 from spikeguard.schemas import Ack, Action, Decision, StepEvent, StepVerdicts, Verdict
 
 
-def observe_outputs(metrics: Metrics, outputs: list[tuple[str, object]]) -> None:
+def observe_outputs(metrics: Metrics, outputs: Sequence[tuple[str, object]]) -> None:
     """Count what a stage produced, by what it is (verdicts, decisions, actions).
 
     Tallied per batch, then one label look-up per series (a look-up costs about
@@ -100,7 +101,7 @@ def _tally(metrics: Metrics, run_id: str) -> GoodputTally:
         return tally
 
 
-def observe_inputs(metrics: Metrics, items: list[tuple[str, object]]) -> None:
+def observe_inputs(metrics: Metrics, items: Sequence[tuple[str, object]]) -> None:
     """Per-run gauges from the newest step of each run, and acks by status."""
     newest: dict[str, StepEvent] = {}
     acks: dict[tuple[str, str], int] = {}

@@ -181,7 +181,7 @@ class RunSettingsStage(PerRunStage):
         # An ack has no epoch: its step alone is checked against the run's furthest.
         epoch = getattr(event, "epoch", None)
         self.clock.check(run_id, epoch, step, describe(event))
-        if (
+        if epoch is not None and (  # (every record that moves the clock has an epoch)
             isinstance(event, self.sets_clock)
             or isinstance(event, RunEvent)
             and event.kind == "start"
@@ -218,9 +218,8 @@ class RunSettingsStage(PerRunStage):
         old = self.runs.get(run_id)
         if old is not None and (config is None or old.config == config):
             return old
-        new = self.runs[run_id] = (
-            self.factory(run_id) if config is None else self.factory(run_id, config)
-        )
+        make: Callable[..., Any] = self.factory  # (run_id) or (run_id, config)
+        new = self.runs[run_id] = make(run_id) if config is None else make(run_id, config)
         if old is not None:
             new.load_state_dict(old.state_dict())
         return new

@@ -11,14 +11,25 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from itertools import repeat
-from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 from pydantic import BaseModel
 
 from spikeguard.schemas import Topics
 
 Output = tuple[str, BaseModel]  # (topic, event); the key is the event's run_id
-T = TypeVar("T")
+
+
+class RunState(Protocol):
+    """What a stage holds per run: its state goes out and comes back as a dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+T = TypeVar("T", bound=RunState)
+E = TypeVar("E", bound=BaseModel)
 
 
 class Stage(ABC):
@@ -118,11 +129,7 @@ class PerRunStage(Stage, Generic[T]):
         return found
 
     def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
-        return {
-            run_id: self.runs[run_id].state_dict()  # type: ignore[attr-defined]
-            for run_id in run_ids
-            if run_id in self.runs
-        }
+        return {run_id: self.runs[run_id].state_dict() for run_id in run_ids if run_id in self.runs}
 
     def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
         # A run's object may keep its undo state cheaper than its state_dict (``undo_state``,
@@ -131,13 +138,14 @@ class PerRunStage(Stage, Generic[T]):
         for run_id in run_ids:
             found = runs.get(run_id)
             if found is not None:
-                out[run_id] = getattr(found, "undo_state", found.state_dict)()  # type: ignore[attr-defined]
+                undo: Callable[[], dict[str, Any]] = getattr(found, "undo_state", found.state_dict)
+                out[run_id] = undo()
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
         now = time.time()
         for run_id, run_state in state.items():
-            self.run(run_id).load_state_dict(run_state)  # type: ignore[attr-defined]
+            self.run(run_id).load_state_dict(run_state)
             # Restored, so alive (a batch rewound after end_runs must not tombstone it),
             # and its idle time counts from now, not from before a restart.
             self._ended.pop(run_id, None)
@@ -176,9 +184,9 @@ class PerRunStage(Stage, Generic[T]):
         return [run_id for run_id, seen in self.last_seen.items() if seen < oldest]
 
 
-def group_by_run(events: Sequence[BaseModel]) -> dict[str, list[BaseModel]]:
+def group_by_run(events: Sequence[E]) -> dict[str, list[E]]:
     """Events per run, each run's list in arrival order (dicts keep insertion order)."""
-    grouped: dict[str, list[BaseModel]] = {}
+    grouped: dict[str, list[E]] = {}
     for event in events:
         grouped.setdefault(event.run_id, []).append(event)  # type: ignore[attr-defined]
     return grouped

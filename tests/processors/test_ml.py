@@ -57,6 +57,17 @@ def test_warmup_verdicts_say_so_and_never_alarm() -> None:
     assert all(v.detector == "ml" and v.run_id == "r" for v in verdicts)
 
 
+def test_every_verdict_carries_its_step_s_values() -> None:
+    # Warm-up, forest off, non-finite: fusion's evidence reads them, with no copy made downstream.
+    events = stream(70)
+    events[65] = events[65].model_copy(update={"loss": math.nan})
+    for config in (SMALL, MLConfig()):
+        verdicts = MLDetector(config).update_many(events)
+        assert [v.grad_norm for v in verdicts] == [e.grad_norm for e in events]
+        assert [v.loss for v in verdicts][:65] == [e.loss for e in events][:65]
+        assert math.isnan(verdicts[65].loss)  # type: ignore[arg-type]
+
+
 def test_flags_a_spike_and_stays_mostly_quiet_otherwise() -> None:
     events = stream(1500, seed=1, spikes=(700, 1200))
     verdicts = MLDetector(SMALL).update_many(events)

@@ -332,6 +332,8 @@ class MLDetector(Detector[MLState]):
                 "confidence": self.config.nonfinite_confidence if bad else 0.0,
                 "rules": ["non_finite"] if bad else [],
                 "signals": {why: 1},
+                "loss": event.loss,  # the step's values, as every verdict carries them
+                "grad_norm": event.grad_norm,
             }
         )
 

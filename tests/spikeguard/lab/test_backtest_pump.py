@@ -130,3 +130,61 @@ def test_a_far_future_step_is_refused_by_both() -> None:
         len(expected) == 2300
     )  # the jumped steps are all refused (each is far past the last admitted)
     assert direct(events) == expected
+
+
+@pytest.mark.parametrize(
+    "placed",
+    [
+        # The batch's last step far ahead at the same time: refused, the first still judged.
+        [(n, 0.0) for n in range(12)] + [(40_000, 0.0)],
+        # A jump too far for its time in the middle, then a step whose time allows it.
+        [(n, 0.0) for n in range(12)] + [(25_000, 0.0), (25_001, 100.0)],
+    ],
+)
+def test_a_batch_is_admitted_step_by_step_as_the_worker_admits_it(placed) -> None:
+    base = generate("stable", 200, seed=12, run_id="k").events
+    events = [e.model_copy(update={"step": n, "time": t}) for e, (n, t) in zip(base, placed)]
+    expected = on_the_bus(events)
+    assert len(expected) == len(events) - 1  # exactly one step refused
+    assert direct(events) == expected
+
+
+def test_verdicts_reach_fusion_step_by_step_and_by_first_place() -> None:
+    from types import SimpleNamespace
+
+    from spikeguard.lab.backtest_pump import _step_by_step
+
+    def step(n: int) -> SimpleNamespace:
+        return SimpleNamespace(run_id="a", epoch=0, step=n)
+
+    def verdict(n: int, detector: str) -> SimpleNamespace:
+        return SimpleNamespace(run_id="a", epoch=0, step=n, detector=detector)
+
+    def judged(steps: list[int]) -> list[list[SimpleNamespace]]:
+        return [[verdict(n, d) for n in steps] for d in ("x", "y")]
+
+    def seen(verdicts) -> list[tuple[int, str]]:
+        return [(v.step, v.detector) for v in verdicts]
+
+    # Every step judged by both, places rising: a step's verdicts together, detector order.
+    order = {("a", 0, n): n for n in range(4)}
+    batch = [step(n) for n in range(2, 4)]
+    assert seen(_step_by_step(judged([2, 3]), batch, order)) == [
+        (2, "x"),
+        (2, "y"),
+        (3, "x"),
+        (3, "y"),
+    ]
+    # Step 1 given again after step 3 keeps its first place (before 3), as the stager sorts it.
+    order = {("a", 0, 1): 0, ("a", 0, 3): 1}
+    batch = [step(3), step(1)]
+    assert seen(_step_by_step(judged([3, 1]), batch, order)) == [
+        (1, "x"),
+        (1, "y"),
+        (3, "x"),
+        (3, "y"),
+    ]
+    # A detector that refused a step: the others' verdicts still go by place.
+    lists = [[verdict(2, "x"), verdict(3, "x")], [verdict(3, "y")]]
+    order = {("a", 0, 2): 0, ("a", 0, 3): 1}
+    assert seen(_step_by_step(lists, [step(2), step(3)], order)) == [(2, "x"), (3, "x"), (3, "y")]
