@@ -49,6 +49,8 @@ at that step (:func:`turns_signed`).
   points give a poor tail estimate).
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
+  Sooner when the pipeline's level test judges the elevation a move of the data's
+  level in proportion to the run's own (:meth:`OutlierModel.move_level`).
 * **learning rate** — for ``lr_grace`` steps after the learning rate jumped
   (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps, which were
   not rising: a warm
@@ -489,6 +491,17 @@ class OutlierModel:
         self.elevated_run = 0
         self.level.update(y)
         self.newest_quarter.update(y)
+
+    def move_level(self, by: float) -> None:
+        """Move the level by ``by`` (``y`` units): a sustained elevation judged a move of the
+        data's level is the new normal at once, not after ``relearn_after`` elevated points.
+        The window keeps its points, moved, so the level stays judged through the move."""
+        for window in (self.level, self.newest_quarter):
+            moved = [v + by for v in window.values()]
+            window.clear()
+            for v in moved:
+                window.update(v)
+        self.elevated_run = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
