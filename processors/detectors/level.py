@@ -317,11 +317,11 @@ class LevelMoves:
     widens it. Kept as maxima of blocks of ``span`` points (``memory // span`` of them).
 
     >>> moves = LevelMoves(span=2, memory=4)
-    >>> for level in (0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1):
+    >>> for level in (0.0, 0.0, 0.1, 0.1):  # the level moved by 0.1 within 2 points
     ...     moves.update(level)
     >>> moves.largest()
     0.1
-    >>> for level in (0.1, 0.1, 0.1):
+    >>> for level in (0.1, 0.1, 0.1, 0.1):  # 4 points later it is forgotten
     ...     moves.update(level)
     >>> moves.largest()
     0.0

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from spikeguard.processors import robust_stats
 from spikeguard.processors import outlier_model
-from spikeguard.processors.detectors import statistical
+from spikeguard.processors.detectors import level, statistical
 from spikeguard.processors.detectors.statistical import (
     SeriesConfig,
     StatisticalConfig,
@@ -70,6 +70,7 @@ def test_doctests() -> None:
     assert doctest.testmod(robust_stats).failed == 0
     assert doctest.testmod(statistical).failed == 0
     assert doctest.testmod(outlier_model).failed == 0
+    assert doctest.testmod(level).failed == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
