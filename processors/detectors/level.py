@@ -309,12 +309,15 @@ class ClimbTest:
 
 
 class LevelMoves:
-    """The largest move of the level over ``span`` judged points, within the last ``memory``.
+    """The largest move of the level over ``span`` judged points, within the last ``memory``,
+    joining ``lag`` points late.
 
     The run's own level moves at the climb test's time scale: its wander, its falls, a
     shift of the data's level it took in. Only levels move it, and a level takes in only
     accepted points (or a move judged in proportion), so a spike or a divergence never
-    widens it. Kept as maxima of blocks of ``span`` points (``memory // span`` of them).
+    widens it. A move joins ``lag`` points late, so that a staircase of moves (a climb the
+    level followed) never excuses its own next step. Kept as maxima of blocks of ``span``
+    points (``memory // span`` of them, and ``lag // span`` waiting).
 
     >>> moves = LevelMoves(span=2, memory=4)
     >>> for level in (0.0, 0.0, 0.1, 0.1):  # the level moved by 0.1 within 2 points
@@ -327,19 +330,25 @@ class LevelMoves:
     0.0
     """
 
-    __slots__ = ("span", "memory", "_levels", "_blocks", "_current", "_count")
+    __slots__ = ("span", "memory", "lag", "_levels", "_blocks", "_current", "_count")
 
-    def __init__(self, *, span: int, memory: int) -> None:
+    def __init__(self, *, span: int, memory: int, lag: int = 0) -> None:
         self.span = span
         self.memory = memory
+        self.lag = lag
         self._levels: deque[float] = deque(maxlen=span + 1)  # the levels of the last span points
-        self._blocks: deque[float] = deque(maxlen=max(1, memory // span))  # closed blocks' maxima
+        # closed blocks' maxima, oldest first: the newest lag // span are still waiting
+        self._blocks: deque[float] = deque(maxlen=max(1, memory // span) + lag // span)
         self._current = 0.0  # the largest move in the block being filled
         self._count = 0  # points in it
 
     def largest(self) -> float:
         """The largest ``|level - level span points before|`` remembered (0.0: none yet)."""
-        return max(self._current, max(self._blocks, default=0.0))
+        waiting = self.lag // self.span
+        if not waiting:
+            return max(self._current, max(self._blocks, default=0.0))
+        joined = len(self._blocks) - waiting
+        return max((self._blocks[i] for i in range(joined)), default=0.0)
 
     def update(self, level: float) -> None:
         levels = self._levels
@@ -390,6 +399,7 @@ class LevelMonitor:
         "raise_z",
         "_elevated",
         "_run",
+        "_run_climbed",
         "_climbing",
         "_recent",
         "_spread",
@@ -429,7 +439,7 @@ class LevelMonitor:
             history=rise_history,
         )
         self.climb = ClimbTest(window=climb_window, rate=climb_rate, history=climb_history)
-        self.moves = LevelMoves(span=climb_lag, memory=moves_memory)
+        self.moves = LevelMoves(span=climb_lag, memory=moves_memory, lag=climb_history // 2)
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
@@ -442,6 +452,7 @@ class LevelMonitor:
         self._run: list[
             float
         ] = []  # their residuals (a sustained elevation's size is their median)
+        self._run_climbed: list[float] = []  # ... and their rises over the lagged level
         self._climbing = 0  # points in a row whose climb statistic was over its bar
         # The level at each of the last climb_lag judged points: a climb is measured from
         # the level before it, which by now has followed it part of the way.
@@ -494,7 +505,7 @@ class LevelMonitor:
                     if signed or point.residual < self.spike_rise
                     else LevelCode.SPIKE
                 )
-            elif not self.beyond_moves(statistics.median(self._run + [point.residual])):
+            elif not self.beyond_moves(self._elevation(y, point.residual)):
                 code = LevelCode.SHIFT
             elif run >= self.divergence_points:
                 code = LevelCode.DIVERGENCE
@@ -516,6 +527,16 @@ class LevelMonitor:
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
+
+    def _elevation(self, y: float, residual: float) -> float:
+        """A run of elevated points' size, ``y`` the newest: the median of their residuals, or of
+        their rises over the level ``climb_lag`` points before it if larger (a staircase of
+        moves, each small against the level it moved, is not small against where it began)."""
+        elevation = statistics.median(self._run + [residual])
+        climbed = self._climbed(y)
+        if climbed is not None:
+            elevation = max(elevation, statistics.median(self._run_climbed + [climbed]))
+        return elevation
 
     def _climbed(self, y: float) -> float | None:
         """``y`` over the level ``climb_lag`` judged points ago (None: not that many yet)."""
@@ -555,14 +576,17 @@ class LevelMonitor:
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
+        climbed = self._climbed(y)  # (before this point's level joins the lagged ones)
         if point.judged and not point.elevated and self.model.settled:
-            self.climb.advance(self._climbed(y))
+            self.climb.advance(climbed)
         elif not point.elevated:
             self.climb.advance(None)
             self._levels.clear()
         if point.judged and not point.elevated:
             self._levels.append(point.level)
-        self._climbing = self._climbing + 1 if judged.climbing else 0
+        # (an elevated point inside a climb is the climb going on, not its end)
+        climbing = judged.climbing or (point.elevated and self._climbing > 0)
+        self._climbing = self._climbing + 1 if climbing else 0
         self.model.advance(y, point, lr)
         # (from the settled tail on: a run's first hundreds of points fall far faster than any
         # move of its data's level, and would excuse any elevation after them)
@@ -574,12 +598,14 @@ class LevelMonitor:
             # The data's level moved, in proportion: the level follows now (the climb test's
             # lagged levels do not: a staircase of such moves is still a climb).
             self.model.move_level(statistics.median(self._run + [point.residual]))
-            self._elevated, self._run = 0, []
+            self._elevated, self._run, self._run_climbed = 0, [], []
         elif point.elevated:
             self._elevated += 1
             self._run.append(point.residual)
+            if climbed is not None:
+                self._run_climbed.append(climbed)
         else:
-            self._elevated, self._run = 0, []
+            self._elevated, self._run, self._run_climbed = 0, [], []
         if point.elevated or judged.code == LevelCode.WARMUP:
             return
         self.rises.advance(y, judged.block, not point.judged)
@@ -593,6 +619,7 @@ class LevelMonitor:
             "levels": list(self._levels),
             "elevated": self._elevated,
             "run": list(self._run),
+            "run_climbed": list(self._run_climbed),
             "climbing": self._climbing,
             "recent": self._recent,
             "spread": self._spread,
@@ -607,6 +634,7 @@ class LevelMonitor:
         self._levels.extend(float(v) for v in state.get("levels", ()))
         self._elevated = int(state["elevated"])
         self._run = [float(v) for v in state.get("run", ())]
+        self._run_climbed = [float(v) for v in state.get("run_climbed", ())]
         self._climbing = int(state.get("climbing", 0))
         self._recent = float(state.get("recent", math.nan))
         self._spread = float(state.get("spread", math.nan))
