@@ -557,8 +557,10 @@ class LevelMonitor:
         bar = self.climb.bar()
         if bar == math.inf and self.model.signed:  # no ratio, and no history yet: no proportion
             return False
-        moves = max(bar if bar < math.inf else 0.0, self.moves.largest())
-        return elevation > self.divergence_score * moves
+        # Over the climb's own bar (its null is already the run's wander at that scale), and
+        # over twice the largest level move the run took in.
+        known = bar if bar < math.inf else 0.0
+        return elevation > max(known, self.divergence_score * self.moves.largest())
 
     def _rise_floor(self) -> float | None:
         """A signed loss's smallest rise: the spread of its points' own noise (the tail's median
