@@ -34,7 +34,7 @@ PINNED = {
     "grad_explosion-0": (3000, "40491cae4fd3d43f7e7ce280b48564ba46ae2ba68c95b050fdf34a351a806ca7"),
     "grad_explosion-1": (3000, "4e2d0a0fd9394ff3ed2554e8418e5811ff20fdf08dc30ae17a7a364522c8ebae"),
     "gradual_spike-0": (3000, "fe43e489a0b8088e1dd25d3c4d33d0767d29bb84def478cb9c653609a2596216"),
-    "gradual_spike-1": (3000, "d498873a6c6102fc7b5b4a5f3b95906feb7e23f360d7f6cecf7b70034dfdeceb"),
+    "gradual_spike-1": (3000, "0be958562776c7bb582c2adc2c64ea2e3a2d1c69d9808841ac78e8ec7c94f6cf"),
     "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
     "heavy_tailed-1": (3000, "bae9958d1b30fcdc0c1f224f533a7cf02f840e6e2ed73fd50c2b4f3f6718ff2b"),
     "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
@@ -44,7 +44,7 @@ PINNED = {
     "stable-0": (3000, "42382001c346c3d5f44b3401a949856cfe3d47f6790dd8f7fcf1e1839ad78809"),
     "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
     "sudden_spike-0": (3000, "87d0ee4ad42493ec23f7089770e650deca10c766bc91ce2fe02ed2dc3c867a27"),
-    "sudden_spike-1": (3000, "1e18ea2140aa4fc499e02b6a64e4d22ca8986fd24939795ac98201c87d5e23f1"),
+    "sudden_spike-1": (3000, "caba946f185d79eb4a6d1bbce569012ad30d9c850868812451ffe46cdf0eb3d9"),
 }
 
 
