@@ -545,12 +545,14 @@ class LevelMonitor:
 
     def beyond_moves(self, elevation: float) -> bool:
         """Whether a sustained elevation of ``elevation`` (``y`` units over the level) is well
-        beyond the run's own level moves at that time scale: over ``divergence_score`` times the
-        bar of the climb statistic (a median of ``climb_window`` points over the level, against
-        its own past values: the run's level moves, wander included), and at least the rise
-        test's smallest rise. One inside them is the data's level moving: an alert at most; a
-        spike or a divergence needs more. While the climb's null has not seen the run's wander
-        yet, the smallest rise alone decides."""
+        beyond the run's own level moves at that time scale: over the bar of the climb statistic
+        (a median of ``climb_window`` points over the level, against its own past values: the
+        run's wander at that scale), over ``divergence_score`` times the largest move of the
+        level the run took in (:class:`LevelMoves`: the rare large moves, earlier shifts, that
+        a tail through its median and 90th percentile never sees), and at least the rise test's
+        smallest rise. One inside them is the data's level moving: an alert at most; a spike or
+        a divergence needs more. A signed loss, which has no ratio, has no proportion before its
+        climb null has seen the run."""
         floor = self._rise_floor()
         if elevation < (self.rises.min_rise if floor is None else floor):
             return False
