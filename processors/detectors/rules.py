@@ -14,14 +14,14 @@ A ratio alone has no false-alarm rate: on a heavy-tailed run (a loss near
 zero with a hard batch now and then, the squared errors of heavy-tailed
 targets) ordinary hard batches reach x100 and more over the reference. So a
 ratio rule also needs the value beyond the run's own **healthy tail** of that
-ratio: the log of each healthy value over the median of the recent ones joins a
-:class:`~spikeguard.processors.outlier_model.TailThreshold` (``tail_window``
-values), extrapolated as a power law (as a signed loss's residuals are) to
-``tail_rate`` per healthy step. Only values the rules judged healthy join, so
-a spike the run healed from never raises the bar for the next one; hard
-batches the run has shown as ordinary, judged against a reference that held
-one, do. Until the tail holds ``reference_window`` values the ratio alone
-decides.
+ratio: the recent healthy values themselves (the reference window), over their
+median, extrapolated as a power law through their 90th and 99th percentiles
+(:func:`~spikeguard.processors.outlier_model.power_law_bar`, as a signed loss's
+residuals are) to ``tail_rate`` per healthy step. Only values the rules judged
+healthy join, so a spike the run healed from never raises the bar for the next
+one; hard batches the run has shown as ordinary, judged against a reference
+that held one, do. Until the window holds ``reference_window`` values the ratio
+alone decides.
 
 >>> from spikeguard.schemas import StepEvent
 >>> rules = RulesDetector()
@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from spikeguard.processors.detectors.base import Detector, validate_verdict
-from spikeguard.processors.outlier_model import TailThreshold, turns_signed
+from spikeguard.processors.outlier_model import power_law_bar, turns_signed
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -53,14 +53,6 @@ class RulesConfig(BaseModel):
         10.0,
         gt=1.0,
         description="a loss this many times its recent reference (reference_quantile) is extreme",
-    )
-    tail_window: int = Field(
-        500,
-        ge=100,
-        le=65536,
-        description="healthy values whose log ratio to the median of the recent ones each ratio rule's tail "
-        "holds: a ratio is extreme only beyond that tail too (a heavy-tailed run's hard batches "
-        "reach x100 and more over the reference and are ordinary)",
     )
     tail_rate: float = Field(
         1e-6,
@@ -164,8 +156,6 @@ class RulesState:
     __slots__ = (
         "loss",
         "grad",
-        "loss_tail",
-        "grad_tail",
         "scales",
         "scale_seen",
         "lr",
@@ -176,9 +166,6 @@ class RulesState:
     def __init__(self, config: RulesConfig) -> None:
         self.loss = RollingMedian(config.reference_window)
         self.grad = RollingMedian(config.reference_window)
-        # log(value / median of the recent healthy values): how far the run's own hard batches reach
-        self.loss_tail = _ratio_tail(config)
-        self.grad_tail = _ratio_tail(config)
         self.scales = RollingMedian(config.loss_scale_window)  # recent log2 scales (for the peak)
         self.scale_seen = 0
         self.lr = math.nan
@@ -186,10 +173,6 @@ class RulesState:
         # The loss has gone below zero: it has no natural zero, so no ratio of it means anything
         # (the statistical detector judges it against its own noise).
         self.signed = False
-
-
-def _ratio_tail(config: RulesConfig) -> TailThreshold:
-    return TailThreshold(config.tail_window, config.tail_rate, power=True)
 
 
 def _log_ratio(value: float | None, reference: float) -> float | None:
@@ -201,7 +184,7 @@ def _log_ratio(value: float | None, reference: float) -> float | None:
 
 class RulesDetector(Detector[RulesState]):
     name: ClassVar[str] = "rules"
-    state_version: ClassVar[int] = 2  # 2: grad_up (a state without the ratio tails: new ones)
+    state_version: ClassVar[int] = 2  # 2: grad_up
 
     def __init__(self, config: RulesConfig | None = None) -> None:
         self.config = config or RulesConfig()
@@ -226,7 +209,7 @@ class RulesDetector(Detector[RulesState]):
             signals["nonfinite_grads"] = event.nonfinite_grads
         if loss_ok:
             ref = self.scored(event, state, self._references)[0]
-            beyond = self._beyond_tail(loss, state.loss, state.loss_tail)
+            beyond = self._beyond_tail(loss, state.loss)
             # (the absolute limit too yields to the run's own healthy tail: squared errors of
             # heavy-tailed targets reach it in a healthy run)
             if loss > cfg.max_loss and beyond:
@@ -241,7 +224,7 @@ class RulesDetector(Detector[RulesState]):
             if (
                 ref > 0.0
                 and grad >= cfg.grad_norm_ratio * ref
-                and self._beyond_tail(grad, state.grad, state.grad_tail)
+                and self._beyond_tail(grad, state.grad)
             ):
                 # One step up with no loss rule firing is said, not flagged (real runs
                 # have such one-step jumps that leave the loss alone); it is an
@@ -303,13 +286,6 @@ class RulesDetector(Detector[RulesState]):
     def learn(self, event: StepEvent, state: RulesState) -> None:
         # Only healthy steps move the references and their tails, so a bad step never raises
         # the bar.
-        ratio = _log_ratio(event.loss, state.loss.get())
-        if ratio is not None:
-            state.loss_tail.update(ratio)
-        if not state.grad_up:
-            ratio = _log_ratio(event.grad_norm, state.grad.get())
-            if ratio is not None:
-                state.grad_tail.update(ratio)
         # An exact zero (a hinge loss once learnt, and its gradient) says only that the batch
         # taught nothing: in a window of zeros the 99th percentile would be a sliver of the one
         # nonzero value, and every nonzero batch x100 over it.
@@ -325,14 +301,21 @@ class RulesDetector(Detector[RulesState]):
         step for score and track)."""
         return self._reference(state.loss), self._reference(state.grad)
 
-    def _beyond_tail(self, value: float, window: RollingMedian, tail: TailThreshold) -> bool:
-        """``value`` over the median of the recent healthy values is beyond the run's healthy
-        tail of that ratio (at ``tail_rate``); True while the tail is too short to say (the
-        ratio alone decides)."""
-        if len(tail) < self.config.reference_window:
+    def _beyond_tail(self, value: float, window: RollingMedian) -> bool:
+        """``value`` over the median of the recent healthy values is beyond their tail of that
+        ratio (a power law through their 90th and 99th percentiles, at ``tail_rate``; log is
+        monotone, so the ratios' quantiles are those of the values); True while the window is
+        too short to say (the ratio alone decides)."""
+        if len(window) < self.config.reference_window:
             return True
-        ratio = _log_ratio(value, window.get())
-        return ratio is None or ratio > tail.threshold()
+        median = window.get()
+        ratio = _log_ratio(value, median)
+        lo = _log_ratio(window.quantile(0.9), median)
+        hi = _log_ratio(window.quantile(0.99), median)
+        if ratio is None or lo is None or hi is None:
+            return True
+        bar = power_law_bar(0.0, lo, hi, 0.9, 0.99, self.config.tail_rate)
+        return not ratio <= bar  # (NaN, no spread to extrapolate: beyond)
 
     def _reference(self, window: RollingMedian) -> float:
         """A ratio rule's reference: the recent healthy values' high quantile (NaN: too few)."""
@@ -383,9 +366,6 @@ class RulesDetector(Detector[RulesState]):
             state.grad.copy(),
             state.scales.copy(),
         )
-        twin.loss_tail, twin.grad_tail = _ratio_tail(self.config), _ratio_tail(self.config)
-        twin.loss_tail.load_state_dict(state.loss_tail.state_dict())
-        twin.grad_tail.load_state_dict(state.grad_tail.state_dict())
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         twin.signed = state.signed
         return twin
@@ -399,8 +379,6 @@ class RulesDetector(Detector[RulesState]):
             "lr": state.lr,
             "grad_up": state.grad_up,
             "signed": state.signed,
-            "loss_tail": state.loss_tail.state_dict(),
-            "grad_tail": state.grad_tail.state_dict(),
         }
 
     def load(self, data: dict[str, Any]) -> RulesState:
@@ -412,7 +390,4 @@ class RulesDetector(Detector[RulesState]):
         state.lr = float(data["lr"])
         state.grad_up = int(data["grad_up"])
         state.signed = bool(data.get("signed", False))
-        if "loss_tail" in data:  # absent from a state saved before the tails: they start over
-            state.loss_tail.load_state_dict(data["loss_tail"])
-            state.grad_tail.load_state_dict(data["grad_tail"])
         return state
