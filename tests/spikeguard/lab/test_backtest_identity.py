@@ -32,7 +32,7 @@ PINNED = {
     "eval_bumps-0": (3000, "73d5b21dec064071bc7c344294ef136971c9d2bd0ad7d93a7c9d5367647b5917"),
     "eval_bumps-1": (3000, "16a80167c7554255e02c5c1d6c42844ea85f915a7b0e307e9aa3a7bf79a9eab4"),
     "grad_explosion-0": (3000, "40491cae4fd3d43f7e7ce280b48564ba46ae2ba68c95b050fdf34a351a806ca7"),
-    "grad_explosion-1": (3000, "4e2d0a0fd9394ff3ed2554e8418e5811ff20fdf08dc30ae17a7a364522c8ebae"),
+    "grad_explosion-1": (3000, "5782e29e615e941e0b74cff037a81984e64301a418fc750872e4521dc90d869d"),
     "gradual_spike-0": (3000, "fe43e489a0b8088e1dd25d3c4d33d0767d29bb84def478cb9c653609a2596216"),
     "gradual_spike-1": (3000, "0be958562776c7bb582c2adc2c64ea2e3a2d1c69d9808841ac78e8ec7c94f6cf"),
     "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
