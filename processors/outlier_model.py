@@ -49,6 +49,8 @@ at that step (:func:`turns_signed`).
   points give a poor tail estimate).
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
+  Sooner when the pipeline's level test judges the elevation a move of the data's
+  level in proportion to the run's own (:meth:`OutlierModel.move_level`).
 * **learning rate** — for ``lr_grace`` steps after the learning rate jumped
   (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps, which were
   not rising: a warm
@@ -144,18 +146,9 @@ class TailThreshold:
         tail_hi = 1.0 - self.high
         decades = math.log((1.0 - self.low) / tail_hi)
         if self.power:
-            # Values that are not logs (a signed loss's residuals) can have a power-law tail,
-            # which an exponential through two quantiles underestimates by orders of magnitude
-            # (Student-t, 3 dof: x180 the rate). The excess over the median, in units of the
-            # low quantile's, has an exponential tail in log space; quantiles commute with that
-            # map, so the values stay as they are and only the extrapolation goes through it.
-            # Gaussian noise gets ~9 sigma instead of ~5.5: a safe side for a guard.
-            mid = self._values.quantile(0.5)
-            unit = lo - mid
-            if unit > 0.0:
-                low_log, high_log = math.log(2.0), math.log1p((hi - mid) / unit)
-                scale = (high_log - low_log) / decades
-                return mid + unit * math.expm1(high_log + scale * math.log(tail_hi / rate))
+            bar = power_law_bar(self._values.quantile(0.5), lo, hi, self.low, self.high, rate)
+            if bar == bar:
+                return bar
         scale = (hi - lo) / decades
         return hi + scale * math.log(tail_hi / rate)
 
@@ -176,6 +169,27 @@ class TailThreshold:
         self._values.load_state_dict(state)
         self._threshold = None
         self._waiting = deque(float(v) for v in state["waiting"])
+
+
+def power_law_bar(mid: float, lo: float, hi: float, low: float, high: float, rate: float) -> float:
+    """The value exceeded with probability ``rate``, for a tail that may be a power law, given
+    its median ``mid`` and its ``low`` and ``high`` quantiles ``lo`` and ``hi``; NaN when
+    ``lo`` is not above the median (no scale to extrapolate in).
+
+    Values that are not logs (a signed loss's residuals) can have a power-law tail, which an
+    exponential through two quantiles underestimates by orders of magnitude (Student-t, 3 dof:
+    x180 the rate). The excess over the median, in units of the low quantile's, has an
+    exponential tail in log space; quantiles commute with that map, so the values stay as they
+    are and only the extrapolation goes through it. Gaussian noise gets ~9 sigma instead of
+    ~5.5: a safe side for a guard.
+    """
+    unit = lo - mid
+    if not unit > 0.0:
+        return math.nan
+    decades = math.log((1.0 - low) / (1.0 - high))
+    low_log, high_log = math.log(2.0), math.log1p((hi - mid) / unit)
+    scale = (high_log - low_log) / decades
+    return mid + unit * math.expm1(high_log + scale * math.log((1.0 - high) / rate))
 
 
 class RecentValues:
@@ -489,6 +503,17 @@ class OutlierModel:
         self.elevated_run = 0
         self.level.update(y)
         self.newest_quarter.update(y)
+
+    def move_level(self, by: float) -> None:
+        """Move the level by ``by`` (``y`` units): a sustained elevation judged a move of the
+        data's level is the new normal at once, not after ``relearn_after`` elevated points.
+        The window keeps its points, moved, so the level stays judged through the move."""
+        for window in (self.level, self.newest_quarter):
+            moved = [v + by for v in window.values()]
+            window.clear()
+            for v in moved:
+                window.update(v)
+        self.elevated_run = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -76,6 +76,9 @@ class LevelCode(IntEnum):
     DIVERGENCE = 4
     SLOW_RISE = 5
     CLIMB = 6
+    #: a sustained elevation (a run of elevated points, or a climb) in proportion to the run's
+    #: own level moves: the data's level moved, an alert at most
+    SHIFT = 7
 
 
 class BlockJudged(NamedTuple):
@@ -109,6 +112,8 @@ class LevelJudged(NamedTuple):
     spread: float = math.nan
     #: that mean is ``raise_z`` of its own standard errors above the level: the loss is up
     raised: bool = False
+    #: the climb statistic is over its bar at this point
+    climbing: bool = False
 
 
 class RiseTest:
@@ -303,6 +308,81 @@ class ClimbTest:
             self._tail.load_state_dict(state["tail"])
 
 
+class LevelMoves:
+    """The largest move of the level over ``span`` judged points, within the last ``memory``,
+    joining ``lag`` points late.
+
+    The run's own level moves at the climb test's time scale: its wander, its falls, a
+    shift of the data's level it took in. Only levels move it, and a level takes in only
+    accepted points (or a move judged in proportion), so a spike or a divergence never
+    widens it. A move joins ``lag`` points late, so that a staircase of moves (a climb the
+    level followed) never excuses its own next step. Kept as maxima of blocks of ``span``
+    points (``memory // span`` of them, and ``lag // span`` waiting).
+
+    >>> moves = LevelMoves(span=2, memory=4)
+    >>> for level in (0.0, 0.0, 0.1, 0.1):  # the level moved by 0.1 within 2 points
+    ...     moves.update(level)
+    >>> moves.largest()
+    0.1
+    >>> for level in (0.1, 0.1, 0.1, 0.1):  # 4 points later it is forgotten
+    ...     moves.update(level)
+    >>> moves.largest()
+    0.0
+    """
+
+    __slots__ = ("span", "memory", "lag", "_levels", "_blocks", "_current", "_count")
+
+    def __init__(self, *, span: int, memory: int, lag: int = 0) -> None:
+        self.span = span
+        self.memory = memory
+        self.lag = lag
+        self._levels: deque[float] = deque(maxlen=span + 1)  # the levels of the last span points
+        # closed blocks' maxima, oldest first: the newest lag // span are still waiting
+        self._blocks: deque[float] = deque(maxlen=max(1, memory // span) + lag // span)
+        self._current = 0.0  # the largest move in the block being filled
+        self._count = 0  # points in it
+
+    def largest(self) -> float:
+        """The largest ``|level - level span points before|`` remembered (0.0: none yet)."""
+        waiting = self.lag // self.span
+        if not waiting:
+            return max(self._current, max(self._blocks, default=0.0))
+        joined = len(self._blocks) - waiting
+        return max((self._blocks[i] for i in range(joined)), default=0.0)
+
+    def update(self, level: float) -> None:
+        levels = self._levels
+        levels.append(level)
+        if len(levels) == levels.maxlen:
+            move = abs(level - levels[0])
+            if move > self._current:
+                self._current = move
+        self._count += 1
+        if self._count >= self.span:
+            self._blocks.append(self._current)
+            self._current, self._count = 0.0, 0
+
+    def clear(self) -> None:
+        """Start the span over (the points are not consecutive any more); the maxima stay."""
+        self._levels.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "levels": list(self._levels),
+            "blocks": list(self._blocks),
+            "current": self._current,
+            "count": self._count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._levels.clear()
+        self._levels.extend(float(v) for v in state.get("levels", ()))
+        self._blocks.clear()
+        self._blocks.extend(float(v) for v in state.get("blocks", ()))
+        self._current = float(state.get("current", 0.0))
+        self._count = int(state.get("count", 0))
+
+
 class LevelMonitor:
     """The loss's outlier model, its episodes of elevated points, and the rise test."""
 
@@ -310,6 +390,7 @@ class LevelMonitor:
         "model",
         "rises",
         "climb",
+        "moves",
         "spike_rise",
         "divergence_points",
         "divergence_rise",
@@ -317,6 +398,9 @@ class LevelMonitor:
         "recent_alpha",
         "raise_z",
         "_elevated",
+        "_run",
+        "_run_climbed",
+        "_climbing",
         "_recent",
         "_spread",
         "_levels",
@@ -341,6 +425,7 @@ class LevelMonitor:
         climb_rate: float,
         climb_history: int,
         climb_lag: int,
+        moves_memory: int,
         recent_alpha: float,
         raise_z: float,
     ) -> None:
@@ -354,6 +439,7 @@ class LevelMonitor:
             history=rise_history,
         )
         self.climb = ClimbTest(window=climb_window, rate=climb_rate, history=climb_history)
+        self.moves = LevelMoves(span=climb_lag, memory=moves_memory, lag=climb_history // 2)
         self.spike_rise = math.log(spike_ratio)
         self.divergence_points = divergence_points
         self.divergence_rise = math.log(divergence_ratio)
@@ -363,6 +449,11 @@ class LevelMonitor:
         self._recent = math.nan  # EW mean of the residuals: where the loss is now, over its level
         self._spread = math.nan  # EW mean of their absolute deviations from it
         self._elevated = 0  # elevated points in a row
+        self._run: list[
+            float
+        ] = []  # their residuals (a sustained elevation's size is their median)
+        self._run_climbed: list[float] = []  # ... and their rises over the lagged level
+        self._climbing = 0  # points in a row whose climb statistic was over its bar
         # The level at each of the last climb_lag judged points: a climb is measured from
         # the level before it, which by now has followed it part of the way.
         self._levels: deque[float] = deque(maxlen=climb_lag)
@@ -406,26 +497,72 @@ class LevelMonitor:
                 and point.score >= self.divergence_score
                 and self.model.settled
             )
-            if run >= self.divergence_points or far:
+            if far:
                 code = LevelCode.DIVERGENCE
-            elif run == 1 and (signed or point.residual < self.spike_rise):
-                code = LevelCode.OUTLIER
+            elif run == 1:
+                code = (
+                    LevelCode.OUTLIER
+                    if signed or point.residual < self.spike_rise
+                    else LevelCode.SPIKE
+                )
+            elif not self.beyond_moves(self._elevation(y, point.residual)):
+                code = LevelCode.SHIFT
+            elif run >= self.divergence_points:
+                code = LevelCode.DIVERGENCE
             else:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
         block = self.rises.judge(y, False, self._rise_floor)
         if self.model.settled:
-            climb = self.climb.judge(self._climbed(y))
+            climbed = self._climbed(y)
+            climb = self.climb.judge(climbed)
             if climb >= 1.0:
-                return LevelJudged(LevelCode.CLIMB, climb, point.residual, point, block)
+                # A climb is sustained: over its bar for a window's worth of points in a row (a
+                # mixture's run of hard batches lifts one window's median, for a step or three).
+                stat = self.climb.statistic(climbed)  # type: ignore[arg-type]  # judged: a value
+                sustained = self._climbing + 1 >= self.climb.window
+                beyond = sustained and self.beyond_moves(stat)  # type: ignore[arg-type]
+                code = LevelCode.CLIMB if beyond else LevelCode.SHIFT
+                return LevelJudged(code, climb, stat, point, block, climbing=True)  # type: ignore[arg-type]
         if block is not None and block.rising:
             return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
         return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
+
+    def _elevation(self, y: float, residual: float) -> float:
+        """A run of elevated points' size, ``y`` the newest: the median of their residuals, or of
+        their rises over the level ``climb_lag`` points before it if larger (a staircase of
+        moves, each small against the level it moved, is not small against where it began)."""
+        elevation = statistics.median(self._run + [residual])
+        climbed = self._climbed(y)
+        if climbed is not None:
+            elevation = max(elevation, statistics.median(self._run_climbed + [climbed]))
+        return elevation
 
     def _climbed(self, y: float) -> float | None:
         """``y`` over the level ``climb_lag`` judged points ago (None: not that many yet)."""
         levels = self._levels
         return y - levels[0] if len(levels) == levels.maxlen else None
+
+    def beyond_moves(self, elevation: float) -> bool:
+        """Whether a sustained elevation of ``elevation`` (``y`` units over the level) is well
+        beyond the run's own level moves at that time scale: over the bar of the climb statistic
+        (a median of ``climb_window`` points over the level, against its own past values: the
+        run's wander at that scale), over ``divergence_score`` times the largest move of the
+        level the run took in (:class:`LevelMoves`: the rare large moves, earlier shifts, that
+        a tail through its median and 90th percentile never sees), and at least the rise test's
+        smallest rise. One inside them is the data's level moving: an alert at most; a spike or
+        a divergence needs more. A signed loss, which has no ratio, has no proportion before its
+        climb null has seen the run."""
+        floor = self._rise_floor()
+        if elevation < (self.rises.min_rise if floor is None else floor):
+            return False
+        bar = self.climb.bar()
+        if bar == math.inf and self.model.signed:  # no ratio, and no history yet: no proportion
+            return False
+        # Over the climb's own bar (its null is already the run's wander at that scale), and
+        # over twice the largest level move the run took in.
+        known = bar if bar < math.inf else 0.0
+        return elevation > max(known, self.divergence_score * self.moves.largest())
 
     def _rise_floor(self) -> float | None:
         """A signed loss's smallest rise: the spread of its points' own noise (the tail's median
@@ -443,17 +580,36 @@ class LevelMonitor:
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
+        climbed = self._climbed(y)  # (before this point's level joins the lagged ones)
         if point.judged and not point.elevated and self.model.settled:
-            self.climb.advance(self._climbed(y))
+            self.climb.advance(climbed)
         elif not point.elevated:
             self.climb.advance(None)
             self._levels.clear()
         if point.judged and not point.elevated:
             self._levels.append(point.level)
+        # (an elevated point inside a climb is the climb going on, not its end)
+        climbing = judged.climbing or (point.elevated and self._climbing > 0)
+        self._climbing = self._climbing + 1 if climbing else 0
         self.model.advance(y, point, lr)
+        # (from the settled tail on: a run's first hundreds of points fall far faster than any
+        # move of its data's level, and would excuse any elevation after them)
+        if point.level == point.level and self.model.settled:
+            self.moves.update(self.model.current_level())
         if judged.recent == judged.recent:
             self._recent, self._spread = judged.recent, judged.spread
-        self._elevated = self._elevated + 1 if point.elevated else 0
+        if point.elevated and judged.code == LevelCode.SHIFT:
+            # The data's level moved, in proportion: the level follows now (the climb test's
+            # lagged levels do not: a staircase of such moves is still a climb).
+            self.model.move_level(statistics.median(self._run + [point.residual]))
+            self._elevated, self._run, self._run_climbed = 0, [], []
+        elif point.elevated:
+            self._elevated += 1
+            self._run.append(point.residual)
+            if climbed is not None:
+                self._run_climbed.append(climbed)
+        else:
+            self._elevated, self._run, self._run_climbed = 0, [], []
         if point.elevated or judged.code == LevelCode.WARMUP:
             return
         self.rises.advance(y, judged.block, not point.judged)
@@ -463,8 +619,12 @@ class LevelMonitor:
             "model": self.model.state_dict(),
             "rises": self.rises.state_dict(),
             "climb": self.climb.state_dict(),
+            "moves": self.moves.state_dict(),
             "levels": list(self._levels),
             "elevated": self._elevated,
+            "run": list(self._run),
+            "run_climbed": list(self._run_climbed),
+            "climbing": self._climbing,
             "recent": self._recent,
             "spread": self._spread,
         }
@@ -473,8 +633,12 @@ class LevelMonitor:
         self.model.load_state_dict(state["model"])
         self.rises.load_state_dict(state["rises"])
         self.climb.load_state_dict(state.get("climb", {}))
+        self.moves.load_state_dict(state.get("moves", {}))
         self._levels.clear()
         self._levels.extend(float(v) for v in state.get("levels", ()))
         self._elevated = int(state["elevated"])
+        self._run = [float(v) for v in state.get("run", ())]
+        self._run_climbed = [float(v) for v in state.get("run_climbed", ())]
+        self._climbing = int(state.get("climbing", 0))
         self._recent = float(state.get("recent", math.nan))
         self._spread = float(state.get("spread", math.nan))

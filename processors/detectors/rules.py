@@ -10,16 +10,18 @@ batch's loss is not extreme) are learnt only from steps on which no rule fired
 the bar for the next one; the last learning rate and the loss-scale peak
 follow every step.
 
-Leaving bad steps out truncates the references' tails, and on a heavy-tailed
-run (a loss near zero with a hard batch now and then, the squared errors of
-heavy-tailed targets) every ordinary hard batch would be "extreme": the bar
-never learns them. So the run's own recoveries count as evidence
-(:class:`JumpMemory`): a single value over the reference whose next value is
-back under it is a jump the run came straight back from, and for
-``healed_memory`` steps (up to twice that) a ratio rule's bar is the ratio
-times the larger of the reference and the largest such jump. A stretch of
-values over the reference is never remembered, so a held spike or a lasting
-explosion keeps the bar where it was.
+A ratio alone has no false-alarm rate: on a heavy-tailed run (a loss near
+zero with a hard batch now and then, the squared errors of heavy-tailed
+targets) ordinary hard batches reach x100 and more over the reference. So a
+ratio rule also needs the value beyond the run's own **healthy tail** of that
+ratio: the recent healthy values themselves (the reference window), over their
+median, extrapolated as a power law through their 90th and 99th percentiles
+(:func:`~spikeguard.processors.outlier_model.power_law_bar`, as a signed loss's
+residuals are) to ``tail_rate`` per healthy step. Only values the rules judged
+healthy join, so a spike the run healed from never raises the bar for the next
+one; hard batches the run has shown as ordinary, judged against a reference
+that held one, do. Until the window holds ``reference_window`` values the ratio
+alone decides.
 
 >>> from spikeguard.schemas import StepEvent
 >>> rules = RulesDetector()
@@ -42,7 +44,7 @@ from spikeguard.processors.detectors.mechanism import (
     MechanismLevels,
     MechanismRules,
 )
-from spikeguard.processors.outlier_model import turns_signed
+from spikeguard.processors.outlier_model import power_law_bar, turns_signed
 from spikeguard.processors.robust_stats import RollingMedian
 from spikeguard.schemas import AnomalyType, StepEvent, Verdict
 
@@ -58,12 +60,12 @@ class RulesConfig(BaseModel):
         gt=1.0,
         description="a loss this many times its recent reference (reference_quantile) is extreme",
     )
-    healed_memory: int = Field(
-        1000,
-        ge=0,
-        description="steps (up to twice this) a single jump over a ratio rule's reference that "
-        "the run came straight back from raises that rule's bar (a heavy-tailed run's hard "
-        "batches are not extreme); 0: never",
+    tail_rate: float = Field(
+        1e-6,
+        gt=0.0,
+        lt=0.01,
+        description="false-alarm rate per healthy step of a ratio rule's tail (the rules are "
+        "critical: ten times rarer than an outlier step's 1e-5); extrapolated as a power law",
     )
     max_grad_norm: float = Field(
         1e4, gt=0.0, description="a gradient norm above this is an explosion"
@@ -162,70 +164,12 @@ RULES: dict[str, tuple[AnomalyType, float, bool]] = {
 _ORDER = {name: i for i, name in enumerate(RULES)}
 
 
-class JumpMemory:
-    """The largest recent jump over one reference that the run came straight back from.
-
-    A jump is a single value over the reference (the one before it was not); it
-    healed when the next value is back under it. The largest healed jump is kept
-    as a sliding maximum in two blocks of ``memory`` values, so it is forgotten
-    ``memory`` to ``2 * memory`` values later.
-
-    >>> m = JumpMemory()
-    >>> for value in (1.0, 30.0, 1.0):  # one value x30 over a reference of 1, then back
-    ...     m.track(value, reference=1.0, memory=1000)
-    >>> m.bar(reference=1.0, memory=1000)
-    30.0
-    """
-
-    __slots__ = ("jumped", "jump", "now", "before", "age")
-
-    def __init__(self) -> None:
-        self.jumped = False  # the last value was over its reference
-        self.jump = math.nan  # that value, if the one before it was not (an isolated jump)
-        self.now = 0.0  # the largest healed jump in the current block (0: none)
-        self.before = 0.0  # ... and in the block before it
-        self.age = 0  # values in the current block
-
-    def bar(self, reference: float, memory: int) -> float:
-        """What a ratio is taken of: the reference, or the largest remembered healed jump."""
-        return reference if memory <= 0 else max(reference, self.now, self.before)
-
-    def track(self, value: float | None, reference: float, memory: int) -> None:
-        """Take in one value (``reference`` is the one it was judged with)."""
-        jumped = (
-            value is not None and math.isfinite(value) and reference > 0.0 and value > reference
-        )
-        if self.jump == self.jump and not jumped:  # the isolated jump healed at once
-            self.now = max(self.now, self.jump)
-        self.jump = value if value is not None and jumped and not self.jumped else math.nan
-        self.jumped = jumped
-        self.age += 1
-        if self.age >= memory:
-            self.before, self.now, self.age = self.now, 0.0, 0
-
-    def copy(self) -> JumpMemory:
-        twin = JumpMemory()
-        twin.load_state_dict(self.state_dict())
-        return twin
-
-    def state_dict(self) -> list[Any]:
-        """``[jumped, jump, now, before, age]``: a list, as it is in every history snapshot."""
-        return [self.jumped, self.jump, self.now, self.before, self.age]
-
-    def load_state_dict(self, data: list[Any]) -> None:
-        jumped, jump, now, before, age = data
-        self.jumped, self.jump, self.age = bool(jumped), float(jump), int(age)
-        self.now, self.before = float(now), float(before)
-
-
 class RulesState:
     """One run's references: recent quantiles of healthy steps, the loss-scale peak, the last LR."""
 
     __slots__ = (
         "loss",
         "grad",
-        "loss_jumps",
-        "grad_jumps",
         "scales",
         "scale_seen",
         "lr",
@@ -237,8 +181,6 @@ class RulesState:
     def __init__(self, config: RulesConfig) -> None:
         self.loss = RollingMedian(config.reference_window)
         self.grad = RollingMedian(config.reference_window)
-        self.loss_jumps = JumpMemory()
-        self.grad_jumps = JumpMemory()
         self.scales = RollingMedian(config.loss_scale_window)  # recent log2 scales (for the peak)
         self.scale_seen = 0
         self.lr = math.nan
@@ -248,6 +190,13 @@ class RulesState:
         self.signed = False
         # The mechanism signals' healthy levels: made at a run's first step that carries them.
         self.mechanism: MechanismLevels | None = None
+
+
+def _log_ratio(value: float | None, reference: float) -> float | None:
+    """log(value / reference); None when either is not a positive finite number."""
+    if value is None or not (0.0 < value < math.inf) or not (0.0 < reference < math.inf):
+        return None
+    return math.log(value / reference)
 
 
 class RulesDetector(Detector[RulesState]):
@@ -282,22 +231,24 @@ class RulesDetector(Detector[RulesState]):
             fired.append("non_finite_gradients")
             signals["nonfinite_grads"] = event.nonfinite_grads
         if loss_ok:
-            # (the absolute limit too yields to jumps the run came straight back from: squared
-            # errors of heavy-tailed targets reach it in a healthy run)
-            healed = state.loss_jumps.bar(0.0, cfg.healed_memory)
-            if loss > cfg.max_loss and loss >= cfg.extreme_loss_ratio * healed:
-                fired.append("loss_above_max")
             ref = self.scored(event, state, self._references)[0]
-            bar = state.loss_jumps.bar(ref, cfg.healed_memory)
-            if ref > 0.0 and not state.signed and loss >= cfg.extreme_loss_ratio * bar:
+            beyond = self._beyond_tail(loss, state.loss)
+            # (the absolute limit too yields to the run's own healthy tail: squared errors of
+            # heavy-tailed targets reach it in a healthy run)
+            if loss > cfg.max_loss and beyond:
+                fired.append("loss_above_max")
+            if ref > 0.0 and not state.signed and loss >= cfg.extreme_loss_ratio * ref and beyond:
                 fired.append("loss_ratio")
                 signals["loss_ratio"] = round(loss / ref, 3)
         if grad is not None and grad_ok:
             if grad > cfg.max_grad_norm:
                 fired.append("grad_norm_above_max")
             ref = self.scored(event, state, self._references)[1]
-            bar = state.grad_jumps.bar(ref, cfg.healed_memory)
-            if ref > 0.0 and grad >= cfg.grad_norm_ratio * bar:
+            if (
+                ref > 0.0
+                and grad >= cfg.grad_norm_ratio * ref
+                and self._beyond_tail(grad, state.grad)
+            ):
                 # One step up with no loss rule firing is said, not flagged (real runs
                 # have such one-step jumps that leave the loss alone); it is an
                 # explosion once it lasts, or with a loss rule.
@@ -353,12 +304,8 @@ class RulesDetector(Detector[RulesState]):
     def track(self, event: StepEvent, state: RulesState, verdict: Verdict) -> None:
         # The schedule and the scaler move on either way: a jump is reported once.
         lr, scale = event.lr, event.loss_scale
-        cfg = self.config
         state.grad_up = state.grad_up + 1 if "grad_norm_ratio" in verdict.signals else 0
         state.signed = state.signed or turns_signed(event.loss, state.signed)
-        loss_ref, grad_ref = self.scored(event, state, self._references)  # as score saw them
-        state.loss_jumps.track(event.loss, loss_ref, cfg.healed_memory)
-        state.grad_jumps.track(event.grad_norm, grad_ref, cfg.healed_memory)
         if MechanismRules.carries(event):
             if state.mechanism is None:
                 state.mechanism = self.mechanism.fresh()
@@ -370,18 +317,38 @@ class RulesDetector(Detector[RulesState]):
             state.scales.update(math.log2(scale))
 
     def learn(self, event: StepEvent, state: RulesState) -> None:
-        # Only healthy steps move the references, so a bad step never raises the bar.
-        if math.isfinite(event.loss):
+        # Only healthy steps move the references and their tails, so a bad step never raises
+        # the bar.
+        # An exact zero (a hinge loss once learnt, and its gradient) says only that the batch
+        # taught nothing: in a window of zeros the 99th percentile would be a sliver of the one
+        # nonzero value, and every nonzero batch x100 over it.
+        if math.isfinite(event.loss) and event.loss != 0.0:
             state.loss.update(event.loss)
         # A one-step grad-norm jump is said, not flagged; still not a healthy value to learn
         # (with a short history, the reference's high quantile would be that jump).
-        if event.grad_norm is not None and not state.grad_up:
+        if event.grad_norm and not state.grad_up:  # (None, or an exact zero: not learnt)
             state.grad.update(event.grad_norm)
 
     def _references(self, event: StepEvent, state: RulesState) -> tuple[float, float]:
         """The ratio rules' references, loss and gradient norm (through ``scored``: once per
         step for score and track)."""
         return self._reference(state.loss), self._reference(state.grad)
+
+    def _beyond_tail(self, value: float, window: RollingMedian) -> bool:
+        """``value`` over the median of the recent healthy values is beyond their tail of that
+        ratio (a power law through their 90th and 99th percentiles, at ``tail_rate``; log is
+        monotone, so the ratios' quantiles are those of the values); True while the window is
+        too short to say (the ratio alone decides)."""
+        if len(window) < self.config.reference_window:
+            return True
+        median = window.get()
+        ratio = _log_ratio(value, median)
+        lo = _log_ratio(window.quantile(0.9), median)
+        hi = _log_ratio(window.quantile(0.99), median)
+        if ratio is None or lo is None or hi is None:
+            return True
+        bar = power_law_bar(0.0, lo, hi, 0.9, 0.99, self.config.tail_rate)
+        return not ratio <= bar  # (NaN, no spread to extrapolate: beyond)
 
     def _reference(self, window: RollingMedian) -> float:
         """A ratio rule's reference: the recent healthy values' high quantile (NaN: too few)."""
@@ -432,7 +399,6 @@ class RulesDetector(Detector[RulesState]):
             state.grad.copy(),
             state.scales.copy(),
         )
-        twin.loss_jumps, twin.grad_jumps = state.loss_jumps.copy(), state.grad_jumps.copy()
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
         twin.signed = state.signed
         twin.mechanism = None if state.mechanism is None else state.mechanism.copy()
@@ -447,8 +413,6 @@ class RulesDetector(Detector[RulesState]):
             "lr": state.lr,
             "grad_up": state.grad_up,
             "signed": state.signed,
-            "loss_jumps": state.loss_jumps.state_dict(),
-            "grad_jumps": state.grad_jumps.state_dict(),
             # (only for a run that sends the mechanism signals: the others' snapshots stay small)
             **({"mechanism": state.mechanism.state_dict()} if state.mechanism is not None else {}),
         }
@@ -462,9 +426,6 @@ class RulesDetector(Detector[RulesState]):
         state.lr = float(data["lr"])
         state.grad_up = int(data["grad_up"])
         state.signed = bool(data.get("signed", False))
-        if "loss_jumps" in data:  # absent from a state saved before the memory: none remembered
-            state.loss_jumps.load_state_dict(data["loss_jumps"])
-            state.grad_jumps.load_state_dict(data["grad_jumps"])
         if "mechanism" in data:  # absent: the run sent no mechanism signal (or predates them)
             state.mechanism = self.mechanism.fresh()
             state.mechanism.load_state_dict(data["mechanism"])

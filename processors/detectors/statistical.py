@@ -250,6 +250,14 @@ class LevelConfig(BaseModel):
         description="past values of the climb statistic its bar is fitted on; nothing is judged "
         "before half of them are in (the null must have seen the run's wander)",
     )
+    moves_memory: int = Field(
+        4000,
+        ge=50,
+        le=1_000_000,
+        description="judged points over which the run's own level moves (the largest move of the "
+        "level over climb_lag points) are remembered: a sustained elevation within "
+        "divergence_score times them is the data's level moving, an alert at most",
+    )
     recent_alpha: float = Field(
         1 / 16,
         gt=0.0,
@@ -330,6 +338,7 @@ _LEVEL_TYPES = {
     lv.LevelCode.DIVERGENCE: (AnomalyType.DIVERGENCE, "loss_divergence"),
     lv.LevelCode.SLOW_RISE: (AnomalyType.SLOW_RISE, "loss_slow_rise"),
     lv.LevelCode.CLIMB: (AnomalyType.DIVERGENCE, "loss_climb"),
+    lv.LevelCode.SHIFT: (AnomalyType.SLOW_RISE, "loss_level_shift"),
 }
 
 
@@ -500,10 +509,13 @@ class StatisticalDetector(Detector[StatisticalState]):
             )
         if level is not None and level.code in _LEVEL_TYPES:
             kind, rule = _LEVEL_TYPES[level.code]
+            # The data's level moving in proportion is said at a bar's confidence (0.6), under
+            # fusion's low_confidence: a slow rise of LOW urgency, which the policy only reports.
+            shift = level.code == lv.LevelCode.SHIFT
             return self._verdict(
                 event,
                 kind,
-                _confidence(level.score),
+                _confidence(1.0 if shift else level.score),
                 rule,
                 level.score,
                 level.rise,

@@ -163,52 +163,55 @@ def _hard_batches(n: int, seed: int) -> list[float]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_heavy_tailed_runs_hard_batches_are_not_extreme_once_it_came_straight_back_from_one(
+def test_a_heavy_tailed_runs_hard_batches_are_mostly_not_extreme_against_its_healthy_tail(
     seed,
 ) -> None:
+    """A hard batch x100-x4000 the usual loss (2 % of batches) is ordinary for this run: the
+    ratio rule's bar is also the recent healthy values' own tail of that ratio (a power law
+    through their 90th and 99th percentiles, 1e-6). A hundred values hold one or two hard
+    batches, not always: 3-8 of the 50-61 hard batches are still extreme (without the tail, all
+    of them; the jump memory it replaces had 1-3, by taking healed jumps as healthy)."""
     events = [step(i, loss=x, grad_norm=None) for i, x in enumerate(_hard_batches(3000, seed))]
     hard = sum(e.loss > 0.04 for e in events)
-    remembering = sum(v.is_anomaly for v in RulesDetector().update_many(events))
-    forgetful = sum(
-        v.is_anomaly for v in RulesDetector(RulesConfig(healed_memory=0)).update_many(events)
-    )
-    # Without the memory every hard batch is "extreme" (the bar never learns them); with it,
-    # only a hard batch that comes before the run has shown it comes straight back from one.
-    assert hard >= 50 and forgetful >= 0.9 * hard
-    assert remembering <= 3, remembering
+    extreme = [v.step for v in RulesDetector().update_many(events) if v.is_anomaly]
+    assert hard >= 50 and len(extreme) <= 0.2 * hard, extreme
 
 
-def test_a_held_stretch_teaches_nothing_and_a_jump_far_beyond_the_healed_one_is_extreme() -> None:
-    det = warmed()  # loss 3.0
-    assert det.update(step(50, loss=60.0)).rules == ["loss_ratio"]  # x20, first seen: extreme
-    assert not det.update(step(51)).is_anomaly  # straight back
-    assert not det.update(step(52, loss=90.0)).is_anomaly  # x30, within x10 of the jump it healed
-    assert not det.update(step(53)).is_anomaly
-    assert det.update(step(54, loss=5000.0)).rules == ["loss_ratio"]  # far beyond anything healed
-    held = warmed()
-    for i in range(50, 54):  # a stretch of x20 steps: extreme, and not a jump the run healed from
-        assert held.update(step(i, loss=60.0)).rules == ["loss_ratio"]
-    assert not held.update(step(54)).is_anomaly
-    assert held.update(step(55, loss=60.0)).rules == ["loss_ratio"]
-    brief = warmed(config=RulesConfig(healed_memory=100))
-    brief.update(step(50, loss=60.0))
-    for i in range(51, 250):
-        assert not brief.update(step(i)).is_anomaly
-    assert brief.update(step(250, loss=60.0)).rules == ["loss_ratio"]  # forgotten within 200
-    again = RulesDetector()
-    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
-    assert not again.update(step(55, loss=90.0)).is_anomaly  # the memory survives a restore
+def _light(n: int, rng: random.Random) -> list[float]:
+    return [3.0 * math.exp(rng.gauss(0, 0.01)) for _ in range(n)]
 
 
-def test_the_absolute_loss_limit_yields_only_to_jumps_the_run_came_straight_back_from() -> None:
-    """Squared errors of heavy-tailed targets reach 1e4 in a healthy run: a run that came
-    straight back from a 3,000 is not in trouble at 12,000; one that never left 3.0 is."""
+@pytest.mark.parametrize("seed", range(6))
+def test_a_point_x10_over_a_light_tailed_run_is_extreme_whatever_spike_it_healed_from(
+    seed,
+) -> None:
+    """Issue 36: a healed spike is not healthy noise. Spikes of x10-x1000 (1-3 points) that the
+    run came straight back from, every few hundred steps, never raise the bar: the next x12 is
+    still extreme. Before, a jump memory raised the bar to x10 the largest healed jump for
+    1,000-2,000 steps (x12 after a healed x1000 was not extreme)."""
+    rng = random.Random(seed)
+    det = RulesDetector()
+    losses = _light(300, rng)
+    for _ in range(4):
+        size = math.exp(rng.uniform(math.log(10.0), math.log(1000.0)))
+        losses += [3.0 * size] * rng.randint(1, 3) + _light(rng.randint(150, 400), rng)
+    for i, x in enumerate(losses):
+        det.update(step(i, loss=x))
+    assert det.update(step(len(losses), loss=36.0)).rules == ["loss_ratio"]
+
+
+def test_the_absolute_loss_limit_yields_only_to_the_runs_own_healthy_tail() -> None:
+    """Squared errors of heavy-tailed targets reach 1e4 in a healthy run: a run whose healthy
+    losses are squared Student-t errors (2 dof: x1,000 its median now and then) is not in
+    trouble at 12,000; a run that never left 3.0 is."""
     assert warmed().update(step(50, loss=1.2e4)).rules == ["loss_above_max", "loss_ratio"]
-    det = warmed()
-    det.update(step(50, loss=3000.0))
-    det.update(step(51))
-    assert not det.update(step(52, loss=1.2e4)).is_anomaly
-    assert det.update(step(53, loss=1e6)).rules == ["loss_above_max", "loss_ratio"]
+    for seed in range(3):
+        rng = random.Random(seed)
+        det = RulesDetector()
+        for i in range(1000):
+            t = rng.gauss(0, 1) / math.sqrt(rng.gammavariate(1.0, 1.0))
+            det.update(step(i, loss=3.0 * t * t))
+        assert not det.update(step(1000, loss=1.2e4)).is_anomaly
 
 
 def test_an_extreme_step_the_trainer_skipped_says_so() -> None:
