@@ -35,9 +35,11 @@ spike               judged ``spike_patience_steps`` later: still anomalous ->
                     ROLLBACK, SKIP_BATCHES (the data caused it; the LR stays
                     unless ``lr_decrease_factor_spike`` < 1); back to normal ->
                     CHECKPOINT (on_demand) + ALERT (info)
-slow                CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
-                    ``divergence_step_interval_steps`` while it goes on; after
-                    ``divergence_max_lr_steps`` steps -> rollback
+slow                low urgency (inside the run's own wander: the detectors' call)
+                    -> one ALERT. Otherwise CHECKPOINT (emergency) + SCALE_LR
+                    (x0.8), another x0.8 every ``divergence_step_interval_steps``
+                    while it goes on; after ``divergence_max_lr_steps`` steps ->
+                    rollback if damaged (below), else one ALERT
 preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
@@ -97,6 +99,7 @@ from spikeguard.schemas import (
     Claim,
     Decision,
     Evidence,
+    Urgency,
     WITHHELD,
     action_id,
 )
@@ -368,6 +371,8 @@ class RecoveryPolicy:
         self.healthy_streak = 0
         inc = self.incidents.get(d, self.observed_steps)
         strategy = cfg.strategy_of(d.type, d.critical)
+        if strategy == "slow" and d.urgency is Urgency.LOW:
+            strategy = "wander"  # a rise the run's own wander explains: said, never answered
         is_loss = d.type in cfg.loss_types
         what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
         grace = inc.in_grace(self.observed_steps, cfg.recovery_grace_steps)
@@ -423,6 +428,14 @@ class RecoveryPolicy:
                 self._explosion(plan, d, inc, what)
         elif strategy == "spike" and not grace and self.pending_spike is None:
             self._pend(d, inc, critical=False)
+        elif strategy == "wander" and not inc.noticed:
+            inc.noticed = True
+            plan.response = Response.SLOW_WATCHED
+            plan.alert(
+                "info",
+                f"{what}: low urgency (within the run's own wander at that time scale); "
+                "watching, nothing changed",
+            )
         elif strategy == "slow" and not grace:
             plan.response = Response.SLOW_RISE
             self._slow(plan, d, inc, what)
@@ -646,6 +659,16 @@ class RecoveryPolicy:
         elif inc.divergence_lr_steps >= cfg.divergence_max_lr_steps or not rec.lower_lr(
             plan, cfg.lr_step_factor_divergence, f"{what}: LR step {inc.divergence_lr_steps + 1}"
         ):
+            if not self._damaged():
+                # A rollback needs evidence that the weights are damaged; a rise still said
+                # with the loss near its level is said once and left to the lowered LR.
+                self._watch(
+                    plan,
+                    inc,
+                    f"{what} continues after {inc.divergence_lr_steps} LR steps, but the loss is "
+                    f"not damaged ({self._damage_said()}): no rollback",
+                )
+                return
             self._recover(
                 plan,
                 d,
@@ -672,6 +695,17 @@ class RecoveryPolicy:
         e = d.evidence
         if self.level_before is None and e is not None and e.loss_baseline is not None:
             self.level_before = e.loss_baseline
+
+    def _damage_said(self) -> str:
+        """The damage test's numbers, for an alert."""
+        level, recent = self.level_before, self.recent_losses
+        if level is None or len(recent) < self.config.damage_window_steps:
+            return f"fewer than {self.config.damage_window_steps} losses to judge it on"
+        median = sorted(recent)[len(recent) // 2]
+        return (
+            f"median {median:.4g} over the last {len(recent)} steps, level {level:.4g} before "
+            f"the rise, damaged above x{self.config.damage_loss_ratio:g}"
+        )
 
     def _damaged(self) -> bool:
         """The recent losses' median far above the level before the LR was lowered (a full window

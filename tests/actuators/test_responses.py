@@ -18,6 +18,7 @@ from spikeguard.schemas import (
     CheckpointEvent,
     Decision,
     Evidence,
+    Urgency,
     decision_id,
     incident_id,
 )
@@ -37,6 +38,7 @@ def dec(
     loss: float = 2.0,
     grad: float = 1.0,
     baseline: float = 2.0,
+    urgency: Urgency = Urgency.NONE,
 ) -> Decision:
     """A decision whose evidence has loss and gradient baselines ``baseline`` and 1.0."""
     evidence = Evidence(
@@ -58,6 +60,7 @@ def dec(
         is_anomaly=True,
         type=kind,
         confidence=confidence,
+        urgency=urgency,
         rules=list(rules),
         evidence=evidence,
         critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
@@ -559,3 +562,44 @@ def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -
         + [dec(s, T.LOSS_SPIKE, onset=750) for s in range(752, 756)],
     )
     assert K.ROLLBACK in kinds(again) and K.SKIP_BATCHES not in kinds(again), kinds(again)
+
+
+@pytest.mark.parametrize("kind", [T.SLOW_RISE, T.DIVERGENCE, T.OSCILLATION])
+def test_a_low_urgency_slow_rise_is_said_once_and_nothing_is_changed(kind: T) -> None:
+    """Proportion (issue 36): the detectors give a rise inside the run's own wander at that time
+    scale low urgency. One alert per incident at most: no LR cut, no checkpoint, no rollback,
+    however long it is said."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    out = feed(
+        policy,
+        [dec(s, kind, onset=800, loss=2.1, urgency=Urgency.LOW) for s in range(800, 1000)],
+    )
+    assert kinds(out) == [K.ALERT], [a.reason for a in out]
+    assert out[0].reason.startswith("[slow_watched]")
+    assert "low urgency" in out[0].params.message
+    assert policy.recovery.lr.current == 1.0
+
+
+def test_a_rise_outside_the_wander_lowers_the_lr_and_is_rolled_back_only_if_damaged() -> None:
+    """Medium urgency (a rise well outside the run's wander): LR steps. After the last one a rise
+    still said with the loss near its level is watched, not rolled back: a rollback needs evidence
+    that the weights are damaged (the loss far above its level before the rise)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    mild = feed(
+        policy,
+        [dec(s, T.SLOW_RISE, onset=800, loss=2.2, urgency=Urgency.MEDIUM) for s in range(800, 900)],
+    )
+    assert [a.params.factor for a in mild if a.kind is K.SCALE_LR] == pytest.approx([0.8] * 3)
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(mild)), [a.reason for a in mild]
+    watched = [a for a in mild if a.kind is K.ALERT]
+    assert len(watched) == 1 and "not damaged" in watched[0].params.message
+
+    policy = make()
+    feed(policy, healthy(401, 800))
+    damaged = feed(
+        policy,
+        [dec(s, T.SLOW_RISE, onset=800, loss=4.0, urgency=Urgency.MEDIUM) for s in range(800, 900)],
+    )
+    assert K.ROLLBACK in kinds(damaged), [a.reason for a in damaged]
