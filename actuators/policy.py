@@ -14,13 +14,15 @@ non-finite          the Guard skipped that update itself: one ALERT. Another
 LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
                     within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
                     (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
-                    still anomalous after the patience -> ROLLBACK, no skip
+                    still anomalous after the patience -> ROLLBACK, no skip,
+                    HOLD_LR (the re-run holds the jump at the rate it trained
+                    at; the schedule comes back exactly when it falls again)
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
                     any rate the run had trained at, then the loss rise) SCALE_LR
                     (x``lr_jump_factor``) once; no restore while the rise is
                     said and ``lr_jump_hold_steps`` after; damaged (below) a
                     ``damage_window_steps`` window later -> ROLLBACK to before
-                    the jump, no skip, the checkpoint's LR
+                    the jump, no skip, the checkpoint's LR, HOLD_LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
@@ -760,6 +762,7 @@ class RecoveryPolicy:
             f"{self.level_before:.4g} before the learning rate jumped: the model was damaged",
             confirmed=False,
             skip_data=False,
+            hold_lr=True,
         )
         return True
 
@@ -815,6 +818,7 @@ class RecoveryPolicy:
                     f"{still}, after an LR jump",
                     confirmed=critical,
                     skip_data=False,
+                    hold_lr=True,
                 )
             else:
                 plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
@@ -884,6 +888,7 @@ class RecoveryPolicy:
         *,
         confirmed: bool | None = None,
         skip_data: bool = True,
+        hold_lr: bool = False,
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many.
 
@@ -922,6 +927,7 @@ class RecoveryPolicy:
             why,
             fall_back=confirmed,
             skip_data=skip_data,
+            hold_lr=hold_lr,
         ):
             self._watch(
                 plan,

@@ -381,8 +381,8 @@ def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scal
     jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
     out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
     assert [a.params.factor for a in out if a.kind is K.SCALE_LR] == [pytest.approx(0.1)]
-    assert kinds(out)[-1] is K.ROLLBACK and K.SKIP_BATCHES not in kinds(out)
-    rollback = out[-1]
+    assert kinds(out)[-2:] == [K.ROLLBACK, K.HOLD_LR] and K.SKIP_BATCHES not in kinds(out)
+    rollback = out[-2]  # ... and the re-run holds the jump at the rate it trained at
     assert rollback.params.target_step == 600 and rollback.reason.startswith("[lr_induced]")
     policy.on_ack(
         Ack(
@@ -536,7 +536,7 @@ def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -
     feed(policy, healthy(401, 750))
     jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
     out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
-    rollback = out[-1]
+    rollback = next(a for a in out if a.kind is K.ROLLBACK)
     policy.on_ack(
         Ack(
             run_id=R,
