@@ -25,8 +25,10 @@ LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
                     the jump, no skip, the checkpoint's LR, HOLD_LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
-                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
-                    at once
+                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP; but if every update of
+                    it was bounded (skipped, or its gradient within
+                    ``absorbed_grad_ratio`` of the baseline) the data caused it:
+                    ROLLBACK, SKIP_BATCHES only. Other critical types: at once
 explosion           at once: SCALE_LR (x0.4), CLIP; a recurring one (a later
                     incident) also lowers the restore ceiling
                     (x``lr_ceiling_decrease_factor``); a loss anomaly in the
@@ -821,11 +823,20 @@ class RecoveryPolicy:
                     hold_lr=True,
                 )
             else:
-                plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
+                # Every update of the incident left the weights bounded (the Guard skipped it, or
+                # its gradient stayed within absorbed_grad_ratio of the baseline): the loss is the
+                # data's, not the optimizer's. Rolling back and skipping its batches removes the
+                # cause; an LR cut and clipping would only slow the rest of the run (a CNN's five
+                # shuffled-label batches left it at half its LR for 700 steps, clipped to the end).
+                bounded = _harmless_so_far(p) and (not d.is_anomaly or self._harmless(d))
+                if critical and bounded:
+                    still = f"{still}; every update of it bounded: the data's, LR and clipping kept"
+                unstable = critical and not bounded
+                plan.response = Response.CRITICAL if unstable else Response.DATA_SPIKE
                 factor = (
-                    cfg.lr_decrease_factor_critical if critical else cfg.lr_decrease_factor_spike
+                    cfg.lr_decrease_factor_critical if unstable else cfg.lr_decrease_factor_spike
                 )
-                self._recover(plan, d, inc, factor, critical, still, confirmed=critical)
+                self._recover(plan, d, inc, factor, unstable, still, confirmed=critical)
             return True
         why = (
             f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "

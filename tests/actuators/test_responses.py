@@ -200,6 +200,29 @@ def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouche
     assert all(a.reason.startswith("[data_spike]") for a in out)
 
 
+def test_an_extreme_loss_whose_updates_all_stayed_bounded_is_the_datas() -> None:
+    """Five shuffled-label batches in a CNN (issue 38): the loss x3, the Guard skipped the first
+    two updates and the gradients of the rest stayed near their baseline. Still up a patience
+    later: rolled back and its window skipped, but the optimizer was never unstable, so the LR
+    and the clipping are kept (they cost the CNN half its LR for 700 steps, clipped to the end)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    skipped = {"signals": {"loss_ratio": 3.0, "update_skipped": 1}}
+    bad = [
+        dec(800, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5).model_copy(update=skipped),
+        dec(801, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5).model_copy(update=skipped),
+    ] + [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5) for s in range(802, 804)]
+    out = feed(policy, bad)
+    assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in out]
+    assert all(a.reason.startswith("[data_spike]") for a in out)
+    assert "bounded" in out[0].reason and policy.recovery.clip.norm is None
+    # One unbounded update in it: the optimizer's too (LR cut, clipping), as before.
+    policy = make()
+    feed(policy, healthy(401, 800))
+    bad[2] = dec(802, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0)
+    assert kinds(feed(policy, bad))[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+
+
 def applied(policy: RecoveryPolicy, rollback) -> None:
     policy.on_ack(
         Ack(
