@@ -86,7 +86,7 @@ from typing import Any, NamedTuple
 
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
-from spikeguard.actuators.incidents import Incident, IncidentBook
+from spikeguard.actuators.incidents import Incident, IncidentBook, PendingSpike
 from spikeguard.actuators.seen import SeenDecisions
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.responses import Response
@@ -127,12 +127,6 @@ class RerunWindow(NamedTuple):
     checkpoint_step: int
 
 
-def _harmless_so_far(p: dict[str, Any]) -> bool:
-    """A pending spike's steps so far all left the weights as they were (a pending spike kept
-    from before this field says grad_bounded)."""
-    return bool(p.get("harmless", p.get("grad_bounded")))
-
-
 def _grad_ratio(d: Decision) -> float | None:
     """The decided step's gradient norm over its baseline (None: not in the evidence)."""
     e = d.evidence
@@ -161,9 +155,7 @@ class RecoveryPolicy:
         self.observed_steps = 0
         self.seen = SeenDecisions()  # decision ids admitted this epoch, within the window
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
-        self.pending_spike: dict[str, Any] | None = (
-            None  # incident, onset, start, judge_at, critical
-        )
+        self.pending_spike: PendingSpike | None = None
         self.last_non_finite_tick: int | None = (
             None  # observed step of the latest non-finite decision
         )
@@ -212,14 +204,14 @@ class RecoveryPolicy:
             return []
         plan = ActionPlan(
             self.run_id,
-            decision.decision_id,
+            decision.decision_id,  # the cause: the actions' ids derive from it
             self.epoch,
             decision.step + self.config.apply_lag_steps,
-            decision.decision_id,
-            decision.incident_id,
-            decision.evidence,
-            Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
-            decision.incident_onset_step if decision.incident_id else None,
+            decision_id=decision.decision_id,
+            incident_id=decision.incident_id,
+            evidence=decision.evidence,
+            claim=Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
+            incident_onset_step=decision.incident_onset_step if decision.incident_id else None,
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
@@ -241,8 +233,8 @@ class RecoveryPolicy:
         if self._judge_lr_damage(plan, decision):
             return plan.actions()
         p = self.pending_spike
-        if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
-            p["harmless"] = _harmless_so_far(p) and self._harmless(decision)
+        if p is not None and decision.is_anomaly and decision.step < p.judge_at:
+            p.harmless = p.harmless and self._harmless(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.preventive or decision.type in self.config.preventive_types:
@@ -488,17 +480,16 @@ class RecoveryPolicy:
         return True
 
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
-        self.pending_spike = {
-            "incident": inc.key,
-            "onset": inc.onset_step,
-            "start": d.step,
-            "judge_at": d.step + self.config.spike_patience_steps,
-            "critical": critical,
-            "harmless": self._harmless(d),
-            # what a later rollback claims: the spike's own step, not the judging one
-            "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
-            "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
-        }
+        self.pending_spike = PendingSpike(
+            incident=inc.key,
+            onset=inc.onset_step,
+            start=d.step,
+            judge_at=d.step + self.config.spike_patience_steps,
+            critical=critical,
+            harmless=self._harmless(d),
+            claim={"step": d.step, "epoch": d.epoch, "type": d.type.value},
+            evidence=json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+        )
 
     def _harmless(self, d: Decision) -> bool:
         """The decided step's update left the weights about as they were: the trainer skipped it
@@ -509,12 +500,12 @@ class RecoveryPolicy:
         ratio = _grad_ratio(d)
         return ratio is not None and ratio <= self.config.absorbed_grad_ratio
 
-    def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
+    def _absorbed(self, p: PendingSpike, d: Decision) -> bool:
         """Whether a pending extreme loss left the run as it was: its update was skipped or its
         gradient stayed bounded, and the loss is back at the baseline. Without the evidence to
         tell, it was not."""
         cfg, e = self.config, d.evidence
-        if not _harmless_so_far(p) or e is None:
+        if not p.harmless or e is None:
             return False
         if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
             return False
@@ -771,36 +762,34 @@ class RecoveryPolicy:
     def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
         """Judge a pending spike once its patience ran out; True if nothing more is to be done."""
         p = self.pending_spike
-        if p is None or d.step < p["judge_at"]:
+        if p is None or d.step < p.judge_at:
             return False
         self.pending_spike = None
         cfg = self.config
-        steps = d.step - p["start"]
+        steps = d.step - p.start
         if d.is_anomaly and d.type is AnomalyType.NON_FINITE:
             return False  # the non-finite rule answers it
-        unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
+        unabsorbed = p.critical and not d.is_anomaly and not self._absorbed(p, d)
         if unabsorbed or (
             d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP
         ):
-            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(
+            inc = self.incidents.incidents.get(p.incident) or self.incidents.get(
                 d, self.observed_steps
             )
             plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
             plan.incident_onset_step = inc.onset_step
-            if p.get("claim") is not None:  # ... and claim the spike's step, as the trainer saw it
-                plan.claim = Claim.model_validate(p["claim"])
-                plan.evidence = (
-                    Evidence.model_validate(p["evidence"]) if p.get("evidence") else None
-                )
+            if p.claim is not None:  # ... and claim the spike's step, as the trainer saw it
+                plan.claim = Claim.model_validate(p.claim)
+                plan.evidence = Evidence.model_validate(p.evidence) if p.evidence else None
             self.healthy_streak = 0
-            critical = bool(p.get("critical")) or d.critical
+            critical = p.critical or d.critical
             still = (
-                f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+                f"{'extreme loss' if p.critical else 'loss spike'} at step {p.start} "
                 f"still anomalous {steps} steps later ({d.type.value} at step {d.step})"
             )
             if unabsorbed:
                 still = (
-                    f"extreme loss at step {p['start']} not absorbed: its update was applied "
+                    f"extreme loss at step {p.start} not absorbed: its update was applied "
                     f"with a gradient norm not within x{self.config.absorbed_grad_ratio:g} of "
                     f"the baseline, or the loss is not back at the baseline {steps} steps later"
                 )
@@ -828,7 +817,7 @@ class RecoveryPolicy:
                 # data's, not the optimizer's. Rolling back and skipping its batches removes the
                 # cause; an LR cut and clipping would only slow the rest of the run (a CNN's five
                 # shuffled-label batches left it at half its LR for 700 steps, clipped to the end).
-                bounded = _harmless_so_far(p) and (not d.is_anomaly or self._harmless(d))
+                bounded = p.harmless and (not d.is_anomaly or self._harmless(d))
                 if critical and bounded:
                     still = f"{still}; every update of it bounded: the data's, LR and clipping kept"
                 unstable = critical and not bounded
@@ -839,10 +828,10 @@ class RecoveryPolicy:
                 self._recover(plan, d, inc, factor, unstable, still, confirmed=critical)
             return True
         why = (
-            f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+            f"{'extreme loss' if p.critical else 'loss spike'} at step {p.start} "
             f"absorbed within {steps} steps (back to normal: no rollback)"
         )
-        absorbed = self.incidents.incidents.get(p["incident"])
+        absorbed = self.incidents.incidents.get(p.incident)
         if absorbed is not None:
             # The alert names the incident it closes: the Guard keeps its record (the batches'
             # sample ids) for `spikeguard inspect`, though nothing was rolled back.
@@ -975,7 +964,9 @@ class RecoveryPolicy:
             "observed_steps": self.observed_steps,
             "seen": self.seen.copy() if keep_seen else self.seen.state_dict(),
             "tail": self.tail,
-            "pending_spike": self.pending_spike,
+            "pending_spike": None
+            if self.pending_spike is None
+            else self.pending_spike.state_dict(),
             "healthy_streak": self.healthy_streak,
             "last_preventive_tick": self.last_preventive_tick,
             "last_non_finite_tick": self.last_non_finite_tick,
@@ -1012,7 +1003,9 @@ class RecoveryPolicy:
             state["observed_steps"] if "observed_steps" in state else state["tick"]
         )
         self.seen.load_state_dict(state["seen"])
-        self.tail, self.pending_spike = state["tail"], state["pending_spike"]
+        self.tail = state["tail"]
+        pending = state["pending_spike"]
+        self.pending_spike = None if pending is None else PendingSpike.from_state(pending)
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]
         self.last_preventive_tick = state["last_preventive_tick"]
         # Snapshots written before cause-aware responses lack these: nothing seen yet.
