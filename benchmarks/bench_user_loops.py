@@ -265,8 +265,9 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
         "skipped_batches": int(counters["skipped_batches"]),
         "rerun_steps": int(counters["steps"]) - cfg.steps,
         "actions": sorted(a["kind"] for a in guard.applied if a["status"] == "applied"),
-        "lr_factor_at_end": loop.optimizer.param_groups[0]["lr"]
-        / (loop.scheduler.base_lrs[0] * loop.scheduler.lr_lambdas[0](cfg.steps - 1)),  # type: ignore[attr-defined]
+        # the LR the next update would use over the schedule's (the optimizer's param_groups
+        # hold the schedule's own value: the Guard's factor is applied around each update only)
+        "lr_factor_at_end": guard.lr.effective() / loop.optimizer.param_groups[0]["lr"],
         "summary": str(summary),
         # steps between when each state-changing action was due and when it was applied
         "late_steps": [
