@@ -805,7 +805,7 @@ class RecoveryPolicy:
                     d,
                     inc,
                     None,
-                    critical,
+                    False,  # no clipping: the re-run holds the jump itself (HOLD_LR)
                     f"{still}, after an LR jump",
                     confirmed=critical,
                     skip_data=False,

@@ -626,3 +626,19 @@ def test_a_rise_outside_the_wander_lowers_the_lr_and_is_rolled_back_only_if_dama
         [dec(s, T.SLOW_RISE, onset=800, loss=4.0, urgency=Urgency.MEDIUM) for s in range(800, 900)],
     )
     assert K.ROLLBACK in kinds(damaged), [a.reason for a in damaged]
+
+
+def test_an_extreme_loss_after_an_lr_jump_is_rolled_back_with_the_jump_held_and_no_clipping() -> (
+    None
+):
+    """The GRU seq2seq's LR x50 (issue 38): the loss went extreme after the jump. Back to before
+    it, the re-run's jump held by the trainer (HOLD_LR); clipping would only stay to the end of
+    the run (it did: "Gradients stay clipped at max_norm 1"), the cause being the LR."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    extreme = [dec(s, T.EXTREME_LOSS, onset=752, loss=40.0, grad=50.0) for s in range(752, 756)]
+    out = feed(policy, [jump] + extreme)
+    rolled = [a for a in out if a.kind is not K.ALERT and a.kind is not K.SCALE_LR]
+    assert kinds(rolled) == [K.ROLLBACK, K.HOLD_LR], [a.reason for a in out]
+    assert policy.recovery.clip.norm is None
