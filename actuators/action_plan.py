@@ -20,6 +20,7 @@ class ActionPlan:
         cause: str,
         epoch: int,
         apply_at_step: int,
+        *,
         decision_id: str | None = None,
         incident_id: str | None = None,
         evidence: Evidence | None = None,

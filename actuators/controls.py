@@ -20,6 +20,7 @@ from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.schemas import Decision
 from spikeguard.schemas.actions import (
     ClipParams,
+    HoldLrParams,
     ReduceBatchSizeParams,
     RestoreLrParams,
     RollbackParams,
@@ -131,10 +132,12 @@ class Controls:
         *,
         fall_back: bool = True,
         skip_data: bool = True,
+        hold_lr: bool = False,
     ) -> bool:
         """Roll back (or, with ``fall_back``, lower the LR and skip ahead); False if it did nothing.
 
         ``skip_data``: skip the batches that led into it (False when the cause was not the data).
+        ``hold_lr``: the cause was a jump of the schedule: the re-run holds it (HOLD_LR).
         ``lr_factor`` None: the rollback keeps the checkpoint's LR (what was lowered since is undone).
         """
         cfg = self.config
@@ -148,7 +151,7 @@ class Controls:
             self._fall_back(plan, decision, onset, lr_factor, tighten, why)
         else:
             self._roll_back(
-                plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data
+                plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data, hold_lr
             )
         return True
 
@@ -174,6 +177,7 @@ class Controls:
         tighten: bool,
         why: str,
         skip_data: bool = True,
+        hold_lr: bool = False,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
         rollback_id = plan.add(
@@ -209,6 +213,14 @@ class Controls:
             )
         else:
             scale = 1.0
+        if hold_lr:
+            # The schedule jumps again on the re-run: held at the rate the run trained at until
+            # it comes back down, then the schedule exactly (the policy's factor is untouched).
+            plan.add(
+                HoldLrParams(),
+                f"{why}: the re-run holds jumps of the schedule at the highest LR it trained at "
+                "before the checkpoint, and gives the schedule back when it falls to it",
+            )
         # The rollback may also revert the clipping the guard had: send it again, tighter if asked.
         self.tighten_clip(plan, why, resend=True, tighten=tighten)
         self.reduce_batch(plan, why)

@@ -34,6 +34,39 @@ class Incident:
         return self.last_recovery_tick is not None and tick - self.last_recovery_tick < grace
 
 
+@dataclass
+class PendingSpike:
+    """A spike (or a finite extreme loss) waiting out its patience before it is judged."""
+
+    incident: str
+    onset: int
+    start: int  # the spike's own step
+    judge_at: int  # the step whose decision judges it
+    critical: bool
+    harmless: bool  # every update of it so far left the weights about as they were
+    # What a later rollback claims (the spike's own step, not the judging one) and the evidence
+    # for it, as JSON: the trainer checks them against what it saw at that step.
+    claim: dict[str, Any] | None = None
+    evidence: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PendingSpike":
+        # (kept from before "harmless": it was "grad_bounded"; from before claims: none)
+        return cls(
+            incident=state["incident"],
+            onset=state["onset"],
+            start=state["start"],
+            judge_at=state["judge_at"],
+            critical=bool(state.get("critical")),
+            harmless=bool(state.get("harmless", state.get("grad_bounded"))),
+            claim=state.get("claim"),
+            evidence=state.get("evidence"),
+        )
+
+
 class IncidentBook:
     def __init__(self, run_id: str, capacity: int) -> None:
         self.run_id, self.capacity = run_id, capacity

@@ -14,17 +14,21 @@ non-finite          the Guard skipped that update itself: one ALERT. Another
 LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
                     within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
                     (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
-                    still anomalous after the patience -> ROLLBACK, no skip
+                    still anomalous after the patience -> ROLLBACK, no skip,
+                    HOLD_LR (the re-run holds the jump at the rate it trained
+                    at; the schedule comes back exactly when it falls again)
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
                     any rate the run had trained at, then the loss rise) SCALE_LR
                     (x``lr_jump_factor``) once; no restore while the rise is
                     said and ``lr_jump_hold_steps`` after; damaged (below) a
                     ``damage_window_steps`` window later -> ROLLBACK to before
-                    the jump, no skip, the checkpoint's LR
+                    the jump, no skip, the checkpoint's LR, HOLD_LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
                     spike: absorbed -> watch; still anomalous -> ROLLBACK,
-                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP. Other critical types:
-                    at once
+                    SKIP_BATCHES, SCALE_LR (x0.5), CLIP; but if every update of
+                    it was bounded (skipped, or its gradient within
+                    ``absorbed_grad_ratio`` of the baseline) the data caused it:
+                    ROLLBACK, SKIP_BATCHES only. Other critical types: at once
 explosion           at once: SCALE_LR (x0.4), CLIP; a recurring one (a later
                     incident) also lowers the restore ceiling
                     (x``lr_ceiling_decrease_factor``); a loss anomaly in the
@@ -35,9 +39,11 @@ spike               judged ``spike_patience_steps`` later: still anomalous ->
                     ROLLBACK, SKIP_BATCHES (the data caused it; the LR stays
                     unless ``lr_decrease_factor_spike`` < 1); back to normal ->
                     CHECKPOINT (on_demand) + ALERT (info)
-slow                CHECKPOINT (emergency) + SCALE_LR (x0.8), another x0.8 every
-                    ``divergence_step_interval_steps`` while it goes on; after
-                    ``divergence_max_lr_steps`` steps -> rollback
+slow                low urgency (inside the run's own wander: the detectors' call)
+                    -> one ALERT. Otherwise CHECKPOINT (emergency) + SCALE_LR
+                    (x0.8), another x0.8 every ``divergence_step_interval_steps``
+                    while it goes on; after ``divergence_max_lr_steps`` steps ->
+                    rollback if damaged (below), else one ALERT
 preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
@@ -80,7 +86,7 @@ from typing import Any, NamedTuple
 
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
-from spikeguard.actuators.incidents import Incident, IncidentBook
+from spikeguard.actuators.incidents import Incident, IncidentBook, PendingSpike
 from spikeguard.actuators.seen import SeenDecisions
 from spikeguard.actuators.action_plan import ActionPlan
 from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
@@ -98,6 +104,7 @@ from spikeguard.schemas import (
     Claim,
     Decision,
     Evidence,
+    Urgency,
     WITHHELD,
     action_id,
 )
@@ -119,12 +126,6 @@ class RerunWindow(NamedTuple):
     start: int
     end: int
     checkpoint_step: int
-
-
-def _harmless_so_far(p: dict[str, Any]) -> bool:
-    """A pending spike's steps so far all left the weights as they were (a pending spike kept
-    from before this field says grad_bounded)."""
-    return bool(p.get("harmless", p.get("grad_bounded")))
 
 
 def _grad_ratio(d: Decision) -> float | None:
@@ -155,9 +156,7 @@ class RecoveryPolicy:
         self.observed_steps = 0
         self.seen = SeenDecisions()  # decision ids admitted this epoch, within the window
         self.tail: list[int] | None = None  # (lo, hi]: abandoned-timeline steps still to ignore
-        self.pending_spike: dict[str, Any] | None = (
-            None  # incident, onset, start, judge_at, critical
-        )
+        self.pending_spike: PendingSpike | None = None
         self.last_non_finite_tick: int | None = (
             None  # observed step of the latest non-finite decision
         )
@@ -206,14 +205,14 @@ class RecoveryPolicy:
             return []
         plan = ActionPlan(
             self.run_id,
-            decision.decision_id,
+            decision.decision_id,  # the cause: the actions' ids derive from it
             self.epoch,
             decision.step + self.config.apply_lag_steps,
-            decision.decision_id,
-            decision.incident_id,
-            decision.evidence,
-            Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
-            decision.incident_onset_step if decision.incident_id else None,
+            decision_id=decision.decision_id,
+            incident_id=decision.incident_id,
+            evidence=decision.evidence,
+            claim=Claim(step=decision.step, epoch=decision.epoch, type=decision.type),
+            incident_onset_step=decision.incident_onset_step if decision.incident_id else None,
         )
         if not self._admit(decision, plan):
             return plan.actions()  # empty, or the alert of an unacknowledged rollback
@@ -235,8 +234,8 @@ class RecoveryPolicy:
         if self._judge_lr_damage(plan, decision):
             return plan.actions()
         p = self.pending_spike
-        if p is not None and decision.is_anomaly and decision.step < p["judge_at"]:
-            p["harmless"] = _harmless_so_far(p) and self._harmless(decision)
+        if p is not None and decision.is_anomaly and decision.step < p.judge_at:
+            p.harmless = p.harmless and self._harmless(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.type in MECHANISM_TYPES and decision.is_anomaly:
@@ -372,6 +371,8 @@ class RecoveryPolicy:
         self.healthy_streak = 0
         inc = self.incidents.get(d, self.observed_steps)
         strategy = cfg.strategy_of(d.type, d.critical)
+        if strategy == "slow" and d.urgency is Urgency.LOW:
+            strategy = "wander"  # a rise the run's own wander explains: said, never answered
         is_loss = d.type in cfg.loss_types
         what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
         grace = inc.in_grace(self.observed_steps, cfg.recovery_grace_steps)
@@ -427,6 +428,14 @@ class RecoveryPolicy:
                 self._explosion(plan, d, inc, what)
         elif strategy == "spike" and not grace and self.pending_spike is None:
             self._pend(d, inc, critical=False)
+        elif strategy == "wander" and not inc.noticed:
+            inc.noticed = True
+            plan.response = Response.SLOW_WATCHED
+            plan.alert(
+                "info",
+                f"{what}: low urgency (within the run's own wander at that time scale); "
+                "watching, nothing changed",
+            )
         elif strategy == "slow" and not grace:
             plan.response = Response.SLOW_RISE
             self._slow(plan, d, inc, what)
@@ -475,17 +484,16 @@ class RecoveryPolicy:
         return True
 
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
-        self.pending_spike = {
-            "incident": inc.key,
-            "onset": inc.onset_step,
-            "start": d.step,
-            "judge_at": d.step + self.config.spike_patience_steps,
-            "critical": critical,
-            "harmless": self._harmless(d),
-            # what a later rollback claims: the spike's own step, not the judging one
-            "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
-            "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
-        }
+        self.pending_spike = PendingSpike(
+            incident=inc.key,
+            onset=inc.onset_step,
+            start=d.step,
+            judge_at=d.step + self.config.spike_patience_steps,
+            critical=critical,
+            harmless=self._harmless(d),
+            claim={"step": d.step, "epoch": d.epoch, "type": d.type.value},
+            evidence=json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+        )
 
     def _harmless(self, d: Decision) -> bool:
         """The decided step's update left the weights about as they were: the trainer skipped it
@@ -496,12 +504,12 @@ class RecoveryPolicy:
         ratio = _grad_ratio(d)
         return ratio is not None and ratio <= self.config.absorbed_grad_ratio
 
-    def _absorbed(self, p: dict[str, Any], d: Decision) -> bool:
+    def _absorbed(self, p: PendingSpike, d: Decision) -> bool:
         """Whether a pending extreme loss left the run as it was: its update was skipped or its
         gradient stayed bounded, and the loss is back at the baseline. Without the evidence to
         tell, it was not."""
         cfg, e = self.config, d.evidence
-        if not _harmless_so_far(p) or e is None:
+        if not p.harmless or e is None:
             return False
         if e.loss is None or e.loss_baseline is None or not math.isfinite(e.loss):
             return False
@@ -650,6 +658,16 @@ class RecoveryPolicy:
         elif inc.divergence_lr_steps >= cfg.divergence_max_lr_steps or not rec.lower_lr(
             plan, cfg.lr_step_factor_divergence, f"{what}: LR step {inc.divergence_lr_steps + 1}"
         ):
+            if not self._damaged():
+                # A rollback needs evidence that the weights are damaged; a rise still said
+                # with the loss near its level is said once and left to the lowered LR.
+                self._watch(
+                    plan,
+                    inc,
+                    f"{what} continues after {inc.divergence_lr_steps} LR steps, but the loss is "
+                    f"not damaged ({self._damage_said()}): no rollback",
+                )
+                return
             self._recover(
                 plan,
                 d,
@@ -676,6 +694,17 @@ class RecoveryPolicy:
         e = d.evidence
         if self.level_before is None and e is not None and e.loss_baseline is not None:
             self.level_before = e.loss_baseline
+
+    def _damage_said(self) -> str:
+        """The damage test's numbers, for an alert."""
+        level, recent = self.level_before, self.recent_losses
+        if level is None or len(recent) < self.config.damage_window_steps:
+            return f"fewer than {self.config.damage_window_steps} losses to judge it on"
+        median = sorted(recent)[len(recent) // 2]
+        return (
+            f"median {median:.4g} over the last {len(recent)} steps, level {level:.4g} before "
+            f"the rise, damaged above x{self.config.damage_loss_ratio:g}"
+        )
 
     def _damaged(self) -> bool:
         """The recent losses' median far above the level before the LR was lowered (a full window
@@ -730,42 +759,41 @@ class RecoveryPolicy:
             f"{self.level_before:.4g} before the learning rate jumped: the model was damaged",
             confirmed=False,
             skip_data=False,
+            hold_lr=True,
         )
         return True
 
     def _judge_spike(self, plan: ActionPlan, d: Decision) -> bool:
         """Judge a pending spike once its patience ran out; True if nothing more is to be done."""
         p = self.pending_spike
-        if p is None or d.step < p["judge_at"]:
+        if p is None or d.step < p.judge_at:
             return False
         self.pending_spike = None
         cfg = self.config
-        steps = d.step - p["start"]
+        steps = d.step - p.start
         if d.is_anomaly and d.type is AnomalyType.NON_FINITE:
             return False  # the non-finite rule answers it
-        unabsorbed = bool(p.get("critical")) and not d.is_anomaly and not self._absorbed(p, d)
+        unabsorbed = p.critical and not d.is_anomaly and not self._absorbed(p, d)
         if unabsorbed or (
             d.is_anomaly and not d.preventive and d.type is not AnomalyType.OUTLIER_STEP
         ):
-            inc = self.incidents.incidents.get(p["incident"]) or self.incidents.get(
+            inc = self.incidents.incidents.get(p.incident) or self.incidents.get(
                 d, self.observed_steps
             )
             plan.incident_id = inc.key  # the judging step may be a healthy one: name the spike's
             plan.incident_onset_step = inc.onset_step
-            if p.get("claim") is not None:  # ... and claim the spike's step, as the trainer saw it
-                plan.claim = Claim.model_validate(p["claim"])
-                plan.evidence = (
-                    Evidence.model_validate(p["evidence"]) if p.get("evidence") else None
-                )
+            if p.claim is not None:  # ... and claim the spike's step, as the trainer saw it
+                plan.claim = Claim.model_validate(p.claim)
+                plan.evidence = Evidence.model_validate(p.evidence) if p.evidence else None
             self.healthy_streak = 0
-            critical = bool(p.get("critical")) or d.critical
+            critical = p.critical or d.critical
             still = (
-                f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+                f"{'extreme loss' if p.critical else 'loss spike'} at step {p.start} "
                 f"still anomalous {steps} steps later ({d.type.value} at step {d.step})"
             )
             if unabsorbed:
                 still = (
-                    f"extreme loss at step {p['start']} not absorbed: its update was applied "
+                    f"extreme loss at step {p.start} not absorbed: its update was applied "
                     f"with a gradient norm not within x{self.config.absorbed_grad_ratio:g} of "
                     f"the baseline, or the loss is not back at the baseline {steps} steps later"
                 )
@@ -781,23 +809,33 @@ class RecoveryPolicy:
                     d,
                     inc,
                     None,
-                    critical,
+                    False,  # no clipping: the re-run holds the jump itself (HOLD_LR)
                     f"{still}, after an LR jump",
                     confirmed=critical,
                     skip_data=False,
+                    hold_lr=True,
                 )
             else:
-                plan.response = Response.CRITICAL if critical else Response.DATA_SPIKE
+                # Every update of the incident left the weights bounded (the Guard skipped it, or
+                # its gradient stayed within absorbed_grad_ratio of the baseline): the loss is the
+                # data's, not the optimizer's. Rolling back and skipping its batches removes the
+                # cause; an LR cut and clipping would only slow the rest of the run (a CNN's five
+                # shuffled-label batches left it at half its LR for 700 steps, clipped to the end).
+                bounded = p.harmless and (not d.is_anomaly or self._harmless(d))
+                if critical and bounded:
+                    still = f"{still}; every update of it bounded: the data's, LR and clipping kept"
+                unstable = critical and not bounded
+                plan.response = Response.CRITICAL if unstable else Response.DATA_SPIKE
                 factor = (
-                    cfg.lr_decrease_factor_critical if critical else cfg.lr_decrease_factor_spike
+                    cfg.lr_decrease_factor_critical if unstable else cfg.lr_decrease_factor_spike
                 )
-                self._recover(plan, d, inc, factor, critical, still, confirmed=critical)
+                self._recover(plan, d, inc, factor, unstable, still, confirmed=critical)
             return True
         why = (
-            f"{'extreme loss' if p.get('critical') else 'loss spike'} at step {p['start']} "
+            f"{'extreme loss' if p.critical else 'loss spike'} at step {p.start} "
             f"absorbed within {steps} steps (back to normal: no rollback)"
         )
-        absorbed = self.incidents.incidents.get(p["incident"])
+        absorbed = self.incidents.incidents.get(p.incident)
         if absorbed is not None:
             # The alert names the incident it closes: the Guard keeps its record (the batches'
             # sample ids) for `spikeguard inspect`, though nothing was rolled back.
@@ -854,6 +892,7 @@ class RecoveryPolicy:
         *,
         confirmed: bool | None = None,
         skip_data: bool = True,
+        hold_lr: bool = False,
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many.
 
@@ -892,6 +931,7 @@ class RecoveryPolicy:
             why,
             fall_back=confirmed,
             skip_data=skip_data,
+            hold_lr=hold_lr,
         ):
             self._watch(
                 plan,
@@ -928,7 +968,9 @@ class RecoveryPolicy:
             "observed_steps": self.observed_steps,
             "seen": self.seen.copy() if keep_seen else self.seen.state_dict(),
             "tail": self.tail,
-            "pending_spike": self.pending_spike,
+            "pending_spike": None
+            if self.pending_spike is None
+            else self.pending_spike.state_dict(),
             "healthy_streak": self.healthy_streak,
             "last_preventive_tick": self.last_preventive_tick,
             "last_non_finite_tick": self.last_non_finite_tick,
@@ -965,7 +1007,9 @@ class RecoveryPolicy:
             state["observed_steps"] if "observed_steps" in state else state["tick"]
         )
         self.seen.load_state_dict(state["seen"])
-        self.tail, self.pending_spike = state["tail"], state["pending_spike"]
+        self.tail = state["tail"]
+        pending = state["pending_spike"]
+        self.pending_spike = None if pending is None else PendingSpike.from_state(pending)
         self.healthy_streak, self.stopped = state["healthy_streak"], state["stopped"]
         self.last_preventive_tick = state["last_preventive_tick"]
         # Snapshots written before cause-aware responses lack these: nothing seen yet.

@@ -38,8 +38,11 @@ class Response(str, Enum):
     UNSTABLE = "unstable"
     # A critical decision (fusion's call) that is not one of the above: roll back at once.
     CRITICAL = "critical"
-    # A slow rise or divergence: LR steps, then a rollback if it goes on.
+    # A slow rise or divergence well outside the run's own wander (the detectors' urgency is
+    # above low): LR steps; a rollback only if it goes on and the loss is damaged.
     SLOW_RISE = "slow_rise"
+    # A slow rise of low urgency: inside the run's own wander at that time scale. One alert.
+    SLOW_WATCHED = "slow_watched"
     # A rise that came back on other data right after a rollback skipped the batches that
     # led into it (PaLM's test): the data's level changed (harder data, not a bad batch).
     # Undo the LR the rise lowered and watch non-critical rises while the detectors relearn.

@@ -1,13 +1,15 @@
 """Three small loops a new user might guard, each clean, faulty unguarded and faulty guarded.
 
     python benchmarks/bench_user_loops.py [--loops char_lm,seq2seq,cnn] [--faults data,lr_blowup]
-                                          [--steps 2000] [--seeds 3] [--json]
+                                          [--steps 2000] [--seeds 3] [--json] [--no-lockstep]
 
 The loops are kinds the recovery benchmark (a small transformer) does not
 have: a character-level GRU language model, a GRU encoder-decoder that
 reverses digit strings, and a small CNN on 8x8 digit images (scikit-learn's
 digits, bundled with it). Each is guarded with the README's five lines and
-the defaults (lockstep, so one seed gives one result). The faults, keyed by
+the defaults (lockstep, so one seed gives one result), reading the loader in
+the order the unguarded loop reads it: a guarded run that takes no action ends
+with the unguarded run's weights to the bit, and any gap is what it did. The faults, keyed by
 global batch index or step so every mode meets the same ones:
 
 =============  =================================================================
@@ -37,6 +39,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -62,6 +65,9 @@ class LoopConfig:
     bad_batches: int = 5
     lr_factor: float = 50.0
     lr_steps: int = 100
+    # False: the pipeline decides beside training, as in a real run (the default Guard), and
+    # actions come when it has decided; the run then reports how late each one was applied.
+    lockstep: bool = True
 
 
 @dataclass
@@ -236,7 +242,11 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
         loop.optimizer,
         loop.scheduler,
         run_id=f"user-loop-{fault}-{seed}-{time.monotonic_ns() % 10**9}",
-        config=GuardConfig(checkpoint_dir=workdir, lockstep=True, data_seed=seed, resume=False),
+        # No data_seed: the Guard then draws the loader's order exactly as the unguarded loop
+        # does (its generator), so a guarded run differs from the unguarded one only by what the
+        # Guard did. (With data_seed the order was the Guard's own from step 0: the two runs were
+        # different trajectories, and their gap was noise as large as the fault's effect.)
+        config=GuardConfig(checkpoint_dir=workdir, lockstep=cfg.lockstep, resume=False),
     )
     try:
         data = guard.data(loop.loader, max_steps=cfg.steps)
@@ -255,9 +265,17 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
         "skipped_batches": int(counters["skipped_batches"]),
         "rerun_steps": int(counters["steps"]) - cfg.steps,
         "actions": sorted(a["kind"] for a in guard.applied if a["status"] == "applied"),
-        "lr_factor_at_end": loop.optimizer.param_groups[0]["lr"]
-        / (loop.scheduler.base_lrs[0] * loop.scheduler.lr_lambdas[0](cfg.steps - 1)),  # type: ignore[attr-defined]
+        # the LR the next update would use over the schedule's (the optimizer's param_groups
+        # hold the schedule's own value: the Guard's factor is applied around each update only)
+        "lr_factor_at_end": guard.lr.effective() / loop.optimizer.param_groups[0]["lr"],
         "summary": str(summary),
+        # steps between when each state-changing action was due and when it was applied
+        "late_steps": [
+            a["step"] - int(m.group(1))
+            for a in guard.applied
+            if a["kind"] not in ("alert", "checkpoint", "pulse")
+            and (m := re.match(r"late \(due at step (\d+)\)", a["result"]))
+        ],
     }
 
 
@@ -272,10 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="print every run as one JSON line, last"
     )
     parser.add_argument("--verbose", action="store_true", help="show the Guard's WARNING lines")
+    parser.add_argument(
+        "--no-lockstep",
+        action="store_true",
+        help="let the pipeline decide beside training (as a real run): results vary with the "
+        "machine's load, and each row says how late its actions were applied",
+    )
     args = parser.parse_args(argv)
     if not args.verbose:
         logging.getLogger("spikeguard").setLevel(logging.ERROR)
-    cfg = LoopConfig(steps=args.steps, fault_step=args.steps // 2)
+    cfg = LoopConfig(steps=args.steps, fault_step=args.steps // 2, lockstep=not args.no_lockstep)
     runs = []
     for name in args.loops.split(","):
         for fault in args.faults.split(","):
@@ -286,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{name:8s} {fault:10s} seed {seed} {mode:10s} eval {r['eval']:.4f} "
                         f"skipped {r['skipped_batches']:4d} re-run {r['rerun_steps']:4d} "
-                        f"({r['seconds']} s)",
+                        f"late {r.get('late_steps', [])} ({r['seconds']} s)",
                         file=sys.stderr,
                         flush=True,
                     )

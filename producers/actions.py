@@ -33,6 +33,7 @@ from spikeguard.schemas.actions import (
     AlertParams,
     CheckpointParams,
     ClipParams,
+    HoldLrParams,
     RestoreLrParams,
     RollbackParams,
     ScaleLrParams,
@@ -55,6 +56,7 @@ ANOMALY_KINDS = frozenset(
         ActionKind.SKIP_BATCHES,
         ActionKind.SCALE_LR,
         ActionKind.SET_LR,
+        ActionKind.HOLD_LR,
         ActionKind.CLIP,
         ActionKind.STOP,
         ActionKind.REDUCE_BATCH_SIZE,
@@ -314,6 +316,8 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
         return f"lr set to {guard.lr.set(p.lr):.3g}"
     if isinstance(p, RestoreLrParams):
         return f"lr restored towards base -> {guard.lr.restore(p.factor):.3g}"
+    if isinstance(p, HoldLrParams):
+        return guard.lr.hold()
     if isinstance(p, ClipParams):
         if p.mode == "adaptive" and p.z is not None:  # (check() above: the mode's value is there)
             return f"adaptive clipping at z={guard.clipper.set_adaptive(p.z):g}"

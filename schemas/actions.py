@@ -39,6 +39,7 @@ class ActionKind(str, Enum):
     SET_LR = "set_lr"
     SCALE_LR = "scale_lr"
     RESTORE_LR = "restore_lr"
+    HOLD_LR = "hold_lr"  # hold jumps of the schedule at the highest LR trained at
     CLIP = "clip"
     CHECKPOINT = "checkpoint"
     STOP = "stop"
@@ -135,6 +136,13 @@ class RestoreLrParams(ActionParams):
     factor: float = _positive("raise the learning rate by this, never above its base")
 
 
+class HoldLrParams(ActionParams):
+    """From now on a jump of the schedule above the highest LR an update was applied at is held
+    there until the schedule falls back to it (sent with a rollback past an LR blow-up)."""
+
+    kind: Literal[K.HOLD_LR] = Field(K.HOLD_LR, exclude=True, repr=False)
+
+
 class ClipParams(ActionParams):
     kind: Literal[K.CLIP] = Field(K.CLIP, exclude=True, repr=False)
     mode: Literal["adaptive"] | None = Field(
@@ -200,6 +208,7 @@ PARAMS: dict[ActionKind, type[ActionParams]] = {
         SetLrParams,
         ScaleLrParams,
         RestoreLrParams,
+        HoldLrParams,
         ClipParams,
         CheckpointParams,
         StopParams,
@@ -219,6 +228,7 @@ AnyParams = Annotated[
         SetLrParams,
         ScaleLrParams,
         RestoreLrParams,
+        HoldLrParams,
         ClipParams,
         CheckpointParams,
         StopParams,

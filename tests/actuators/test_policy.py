@@ -20,6 +20,7 @@ from spikeguard.schemas import (
     AnomalyType as T,
     CheckpointEvent,
     Decision,
+    Evidence,
     action_id,
     decision_id,
     incident_id,
@@ -39,7 +40,10 @@ def dec(
     onset: int | None = None,
     preventive: bool = False,
     with_incident: bool = True,
+    loss: float | None = None,
 ) -> Decision:
+    # a loss, when given, next to a baseline of 1.0 (the damage test reads them)
+    evidence = None if loss is None else Evidence(step=step, loss=loss, loss_baseline=1.0)
     if kind is None:
         return Decision(decision_id=decision_id(R, step), run_id=R, step=step, is_anomaly=False)
     if preventive:
@@ -63,6 +67,7 @@ def dec(
         critical=kind in CRITICAL_TYPES,  # as fusion marks them
         incident_id=incident_id(R, onset) if with_incident else None,
         incident_onset_step=onset if with_incident else None,
+        evidence=evidence,
     )
 
 
@@ -141,7 +146,8 @@ def _rows() -> list:
 
     scale = lambda f: (K.SCALE_LR, {"factor": f})  # noqa: E731
     clip = lambda n: (K.CLIP, {"max_norm": n})  # noqa: E731
-    div = [(s, T.DIVERGENCE, 500) for s in range(500, 576)]
+    # a divergence whose loss is three times its level: damaged (a rollback needs that)
+    div = [(s, T.DIVERGENCE, 500, 3.0) for s in range(500, 576)]
     return [
         pytest.param(
             {},
@@ -257,6 +263,17 @@ def _rows() -> list:
         ),
         pytest.param(
             {},
+            [(s, T.DIVERGENCE, 500, 1.2) for s in range(500, 600)],
+            {
+                500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)],
+                525: [scale(0.8)],
+                550: [scale(0.8)],
+                575: [(K.ALERT, {"severity": "warning"})],
+            },
+            id="divergence-not-damaged-is-watched-after-its-lr-steps",
+        ),
+        pytest.param(
+            {},
             [(500, T.OSCILLATION, 500), (510, T.OSCILLATION, 500)],
             {500: [(K.CHECKPOINT, {"reason": "emergency"}), scale(0.8)]},
             id="oscillation",
@@ -308,8 +325,8 @@ def test_strategy_table(config: dict, script: list, expected: dict) -> None:
     policy = make(**config)
     assert healthy(policy, 401, script[0][0]) == []
     lag = policy.config.apply_lag_steps
-    for step, kind, onset in script:
-        actions = policy.on_decision(dec(step, kind, onset=onset))
+    for step, kind, onset, *loss in script:
+        actions = policy.on_decision(dec(step, kind, onset=onset, loss=loss[0] if loss else None))
         want = expected.get(step, [])
         assert same(summary(actions), want), (step, summary(actions), want)
         assert all(a.apply_at_step == step + lag for a in actions)

@@ -18,6 +18,7 @@ from spikeguard.schemas import (
     CheckpointEvent,
     Decision,
     Evidence,
+    Urgency,
     decision_id,
     incident_id,
 )
@@ -37,6 +38,7 @@ def dec(
     loss: float = 2.0,
     grad: float = 1.0,
     baseline: float = 2.0,
+    urgency: Urgency = Urgency.NONE,
 ) -> Decision:
     """A decision whose evidence has loss and gradient baselines ``baseline`` and 1.0."""
     evidence = Evidence(
@@ -58,6 +60,7 @@ def dec(
         is_anomaly=True,
         type=kind,
         confidence=confidence,
+        urgency=urgency,
         rules=list(rules),
         evidence=evidence,
         critical=kind in (T.NON_FINITE, T.EXTREME_LOSS) if critical is None else critical,
@@ -195,6 +198,29 @@ def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouche
         out[0].params.target_step == 700 and out[1].params.from_step == 800
     )  # from the onset: 701..799 were fine
     assert all(a.reason.startswith("[data_spike]") for a in out)
+
+
+def test_an_extreme_loss_whose_updates_all_stayed_bounded_is_the_datas() -> None:
+    """Five shuffled-label batches in a CNN (issue 38): the loss x3, the Guard skipped the first
+    two updates and the gradients of the rest stayed near their baseline. Still up a patience
+    later: rolled back and its window skipped, but the optimizer was never unstable, so the LR
+    and the clipping are kept (they cost the CNN half its LR for 700 steps, clipped to the end)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    skipped = {"signals": {"loss_ratio": 3.0, "update_skipped": 1}}
+    bad = [
+        dec(800, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5).model_copy(update=skipped),
+        dec(801, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5).model_copy(update=skipped),
+    ] + [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=1.5) for s in range(802, 804)]
+    out = feed(policy, bad)
+    assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in out]
+    assert all(a.reason.startswith("[data_spike]") for a in out)
+    assert "bounded" in out[0].reason and policy.recovery.clip.norm is None
+    # One unbounded update in it: the optimizer's too (LR cut, clipping), as before.
+    policy = make()
+    feed(policy, healthy(401, 800))
+    bad[2] = dec(802, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0)
+    assert kinds(feed(policy, bad))[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
 
 
 def applied(policy: RecoveryPolicy, rollback) -> None:
@@ -378,8 +404,8 @@ def test_an_lr_jump_that_needed_a_rollback_is_rolled_back_at_the_old_lr_and_scal
     jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
     out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
     assert [a.params.factor for a in out if a.kind is K.SCALE_LR] == [pytest.approx(0.1)]
-    assert kinds(out)[-1] is K.ROLLBACK and K.SKIP_BATCHES not in kinds(out)
-    rollback = out[-1]
+    assert kinds(out)[-2:] == [K.ROLLBACK, K.HOLD_LR] and K.SKIP_BATCHES not in kinds(out)
+    rollback = out[-2]  # ... and the re-run holds the jump at the rate it trained at
     assert rollback.params.target_step == 600 and rollback.reason.startswith("[lr_induced]")
     policy.on_ack(
         Ack(
@@ -533,7 +559,7 @@ def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -
     feed(policy, healthy(401, 750))
     jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
     out = feed(policy, [jump] + [dec(s, T.LOSS_SPIKE, onset=752) for s in range(752, 756)])
-    rollback = out[-1]
+    rollback = next(a for a in out if a.kind is K.ROLLBACK)
     policy.on_ack(
         Ack(
             run_id=R,
@@ -559,3 +585,60 @@ def test_a_rise_after_a_recurring_harmful_lr_jump_is_the_lr_s_not_the_data_s() -
         + [dec(s, T.LOSS_SPIKE, onset=750) for s in range(752, 756)],
     )
     assert K.ROLLBACK in kinds(again) and K.SKIP_BATCHES not in kinds(again), kinds(again)
+
+
+@pytest.mark.parametrize("kind", [T.SLOW_RISE, T.DIVERGENCE, T.OSCILLATION])
+def test_a_low_urgency_slow_rise_is_said_once_and_nothing_is_changed(kind: T) -> None:
+    """Proportion (issue 36): the detectors give a rise inside the run's own wander at that time
+    scale low urgency. One alert per incident at most: no LR cut, no checkpoint, no rollback,
+    however long it is said."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    out = feed(
+        policy,
+        [dec(s, kind, onset=800, loss=2.1, urgency=Urgency.LOW) for s in range(800, 1000)],
+    )
+    assert kinds(out) == [K.ALERT], [a.reason for a in out]
+    assert out[0].reason.startswith("[slow_watched]")
+    assert "low urgency" in out[0].params.message
+    assert policy.recovery.lr.current == 1.0
+
+
+def test_a_rise_outside_the_wander_lowers_the_lr_and_is_rolled_back_only_if_damaged() -> None:
+    """Medium urgency (a rise well outside the run's wander): LR steps. After the last one a rise
+    still said with the loss near its level is watched, not rolled back: a rollback needs evidence
+    that the weights are damaged (the loss far above its level before the rise)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    mild = feed(
+        policy,
+        [dec(s, T.SLOW_RISE, onset=800, loss=2.2, urgency=Urgency.MEDIUM) for s in range(800, 900)],
+    )
+    assert [a.params.factor for a in mild if a.kind is K.SCALE_LR] == pytest.approx([0.8] * 3)
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(mild)), [a.reason for a in mild]
+    watched = [a for a in mild if a.kind is K.ALERT]
+    assert len(watched) == 1 and "not damaged" in watched[0].params.message
+
+    policy = make()
+    feed(policy, healthy(401, 800))
+    damaged = feed(
+        policy,
+        [dec(s, T.SLOW_RISE, onset=800, loss=4.0, urgency=Urgency.MEDIUM) for s in range(800, 900)],
+    )
+    assert K.ROLLBACK in kinds(damaged), [a.reason for a in damaged]
+
+
+def test_an_extreme_loss_after_an_lr_jump_is_rolled_back_with_the_jump_held_and_no_clipping() -> (
+    None
+):
+    """The GRU seq2seq's LR x50 (issue 38): the loss went extreme after the jump. Back to before
+    it, the re-run's jump held by the trainer (HOLD_LR); clipping would only stay to the end of
+    the run (it did: "Gradients stay clipped at max_norm 1"), the cause being the LR."""
+    policy = make()
+    feed(policy, healthy(401, 750))
+    jump = dec(750, T.LR_OUT_OF_BOUNDS, critical=False, confidence=0.7, rules=("lr_jump",))
+    extreme = [dec(s, T.EXTREME_LOSS, onset=752, loss=40.0, grad=50.0) for s in range(752, 756)]
+    out = feed(policy, [jump] + extreme)
+    rolled = [a for a in out if a.kind is not K.ALERT and a.kind is not K.SCALE_LR]
+    assert kinds(rolled) == [K.ROLLBACK, K.HOLD_LR], [a.reason for a in out]
+    assert policy.recovery.clip.norm is None

@@ -42,6 +42,7 @@ EXAMPLES: dict[ActionKind, dict] = {
     K.SET_LR: {"lr": 1e-3},
     K.SCALE_LR: {"factor": 0.5},
     K.RESTORE_LR: {"factor": 1.25},
+    K.HOLD_LR: {},
     K.CLIP: {"mode": "adaptive", "z": 4.0},
     K.CHECKPOINT: {"reason": "emergency"},
     K.STOP: {"reason": "too many rollbacks"},
@@ -60,6 +61,7 @@ WRONG: dict[ActionKind, dict] = {
     K.SET_LR: EXAMPLES[K.SCALE_LR],
     K.SCALE_LR: EXAMPLES[K.SET_LR],
     K.RESTORE_LR: EXAMPLES[K.SET_EPS],
+    K.HOLD_LR: [],  # (it has no parameters: an object of any others is read as none)
     K.CLIP: {"z": "high"},
     K.CHECKPOINT: {"reason": "whenever"},
     K.STOP: {"reason": 7},
