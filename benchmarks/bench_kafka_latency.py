@@ -39,7 +39,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from spikeguard.schemas import Action, Decision, StepVerdicts, Topics, Verdict, decode, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import LAYOUTS, broker, new_key, new_prefix, signed_steps, workers  # noqa: E402
+from kafka_pipeline import LAYOUTS, broker, new_key, new_prefix, signed_steps, workers
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -34,7 +34,7 @@ from spikeguard.settings import load_settings
 from spikeguard.streaming.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import broker, new_key, new_prefix, signed_steps  # noqa: E402
+from kafka_pipeline import broker, new_key, new_prefix, signed_steps
 
 
 def _pct(values: list[float], q: float) -> float:

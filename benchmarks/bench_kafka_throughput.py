@@ -50,7 +50,7 @@ from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, workers  # noqa: E402
+from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, workers
 
 
 def _values(runs: int, steps: int, key: str) -> list[tuple[bytes, bytes]]:
@@ -324,12 +324,12 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
     verdicts: list = []
     for i in range(0, len(steps), batch):
         items = [(topics.steps, e) for e in steps[i : i + batch]]
-        verdicts += timed("judge detectors", lambda: detectors.handle_batch(items))
+        verdicts += timed("judge detectors", lambda items=items: detectors.handle_batch(items))
     step_verdicts = hop("step-verdicts", StepVerdicts, [e for _, e in verdicts])
     decisions: list = []
     for i in range(0, len(step_verdicts), batch):
         items = [(topics.step_verdicts, e) for e in step_verdicts[i : i + batch]]
-        decisions += timed("judge fusion", lambda: fusion.handle_batch(items))
+        decisions += timed("judge fusion", lambda items=items: fusion.handle_batch(items))
     decisions += timed("judge fusion", fusion.flush)
     hop("decisions", Decision, [e for _, e in decisions])
     gc.enable()

@@ -44,6 +44,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -105,7 +106,7 @@ def _text_ids() -> torch.Tensor:
     import collections as c
     import dataclasses as d
 
-    text = "\n".join(open(m.__file__, encoding="utf-8").read() for m in (a, c, d))  # type: ignore[arg-type]
+    text = "\n".join(Path(str(m.__file__)).read_text(encoding="utf-8") for m in (a, c, d))
     return torch.tensor([min(ord(ch), 127) for ch in text], dtype=torch.long)
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # stage_clock.py next to this file
-from stage_clock import StageClock, instrument_worker, threads_cpu  # noqa: E402
+from stage_clock import StageClock, instrument_worker, threads_cpu
 
-from spikeguard.cli import main  # noqa: E402
-from spikeguard.streaming import worker as worker_loop  # noqa: E402
+from spikeguard.cli import main
+from spikeguard.streaming import worker as worker_loop
 
 
 def _process_cpu() -> float:

@@ -112,7 +112,7 @@ def workers(
             [*(a.format(name=name) for a in launch), "worker", name],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(logs / f"{name}.log", "w"),
+            stderr=open(logs / f"{name}.log", "w"),  # noqa: SIM115 - the worker process holds it
         )
         for name in names
     ]

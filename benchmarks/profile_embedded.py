@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_embedded_cost import _cpu_s  # noqa: E402
-from bench_embedded_models import MODELS  # noqa: E402
+from bench_embedded_cost import _cpu_s
+from bench_embedded_models import MODELS
 
-from spikeguard.producers import Guard, GuardConfig  # noqa: E402
-from spikeguard.runtime import open_runtime  # noqa: E402
-from spikeguard.settings import load_settings  # noqa: E402
+from spikeguard.producers import Guard, GuardConfig
+from spikeguard.runtime import open_runtime
+from spikeguard.settings import load_settings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-from _shared import SHORT_RUN, finish  # noqa: E402  (this directory)
+from _shared import SHORT_RUN, finish
 
 
 class Chars(Dataset):

@@ -32,7 +32,7 @@ from spikeguard.producers.config import GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows  # noqa: E402  (this directory)
+from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows
 
 
 class CharMLP(L.LightningModule):

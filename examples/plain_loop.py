@@ -31,7 +31,7 @@ from spikeguard.producers import Guard, GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
-from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows  # noqa: E402  (this directory)
+from _shared import CONTEXT, SHORT_RUN, VOCAB, finish, windows
 
 FAULT_BATCHES = range(100, 103)
 

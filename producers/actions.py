@@ -282,7 +282,7 @@ def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
                 done = f"{done}; handler: {extra}"
     except (ActionFailed, ValueError, KeyError, TypeError) as exc:
         return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
-    except Exception as exc:  # noqa: BLE001 - a user handler must not kill training
+    except Exception as exc:
         log.exception("spikeguard: applying %s failed", action.kind.value)
         return Outcome(action, AckStatus.FAILED, step, late + f"{type(exc).__name__}: {exc}")
     if done is None:

@@ -281,7 +281,7 @@ class CheckpointKeeper:
                 continue
             try:
                 self.parts.load_state_dict(body, self.rank)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            except Exception as exc:
                 log.exception("spikeguard: loading checkpoint %s failed", cand.checkpoint_id)
                 error = f"{type(exc).__name__}: {exc}"[:1000]
             error = self.sync.agree(error)
@@ -336,7 +336,7 @@ class CheckpointKeeper:
         reason = "emergency" if "emergency" in reasons else "on_demand" if reasons else "periodic"
         try:
             self.save(reason, [a for a, _ in requests])  # acked once on disk (drain)
-        except Exception as exc:  # noqa: BLE001 - running out of memory for the copy must not kill training
+        except Exception as exc:
             log.exception("spikeguard: checkpoint failed")
             for action, _ in requests:
                 self.ack(
@@ -431,7 +431,7 @@ class CheckpointKeeper:
                     self.run.step_count,
                     self.store.newest_healthy,
                 )
-            except Exception:  # noqa: BLE001 - forensics, on rank 0 alone: never the action's outcome
+            except Exception:
                 log.exception("spikeguard: keeping incident %s failed", action.incident_id)
 
     def incident_found(self, action: Action) -> None:

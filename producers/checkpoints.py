@@ -352,7 +352,7 @@ class CheckpointStore:
             return torch.load(path, map_location="cpu", weights_only=True)
         except CheckpointUnreadable:
             raise
-        except Exception as exc:  # noqa: BLE001 - any read error: this checkpoint is unusable here
+        except Exception as exc:
             raise CheckpointUnreadable(
                 f"{path.name}: cannot be read: {type(exc).__name__}: {exc}"
             ) from exc

@@ -223,7 +223,7 @@ class Steering:
         for listener in self.rollback_listeners:
             try:
                 listener(from_step, info.step)
-            except Exception:  # noqa: BLE001 - the user's listener must not kill training
+            except Exception:
                 log.exception("spikeguard: on_rollback listener %r raised", listener)
         return f"rolled back to step {info.step} ({info.checkpoint_id}), now epoch {run.generation}{note}"
 

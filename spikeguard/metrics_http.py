@@ -8,6 +8,7 @@ because a worker that is down or stuck is exactly the one that cannot say.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING, Callable
@@ -78,10 +79,8 @@ class KafkaLag:
     def close(self) -> None:
         for client in (self._reader, self._admin):
             if client is not None:
-                try:
+                with contextlib.suppress(Exception):  # closing a broken client
                     client.close()
-                except Exception:  # noqa: BLE001 - closing a broken client
-                    pass
         self._admin = self._reader = None
 
 

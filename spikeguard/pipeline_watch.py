@@ -107,7 +107,7 @@ class PipelineWatch:
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - a watch must never take the trainer down
+            except Exception:
                 log.exception("spikeguard: pipeline check failed")
 
     def stop(self) -> None:

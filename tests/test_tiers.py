@@ -89,7 +89,7 @@ def test_no_test_sleeps_a_fixed_time_to_wait_for_something():
     for path in sorted(CONFTEST.parent.rglob("*.py")):
         lines = path.read_text().splitlines()
 
-        def visit(node: ast.AST, in_loop: bool) -> None:
+        def visit(node: ast.AST, in_loop: bool, lines=lines, path=path) -> None:
             for child in ast.iter_child_nodes(node):
                 if (
                     isinstance(child, ast.Call)

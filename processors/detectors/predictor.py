@@ -101,7 +101,7 @@ class PredictorConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> PredictorConfig:
         bounds = self.health_bounds
-        if list(bounds) != sorted(bounds) or not (0.0 < bounds[0] and bounds[-1] < 1.0):
+        if list(bounds) != sorted(bounds) or not (bounds[0] > 0.0 and bounds[-1] < 1.0):
             raise ValueError("health_bounds must be increasing, inside (0, 1)")
         if self.hysteresis >= self.warn_probability:
             raise ValueError("hysteresis must be below warn_probability (or a warning never ends)")

@@ -373,9 +373,12 @@ class RulesDetector(Detector[RulesState]):
             fired.append("loss_scale_collapse")
             return
         # This step counts towards the warm-up (``track`` counts it for good).
-        if state.scale_seen + 1 > cfg.loss_scale_warmup and len(state.scales):
-            if state.scales.max() - math.log2(scale) >= cfg.loss_scale_halvings:
-                fired.append("loss_scale_collapse")
+        if (
+            state.scale_seen + 1 > cfg.loss_scale_warmup
+            and len(state.scales)
+            and state.scales.max() - math.log2(scale) >= cfg.loss_scale_halvings
+        ):
+            fired.append("loss_scale_collapse")
 
     def _check_batch(self, event: StepEvent, fired: list[str]) -> None:
         cfg = self.config

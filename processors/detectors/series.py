@@ -298,20 +298,20 @@ class SeriesMonitor:
                 return SPIKE, z, r, (0.0, age, False, level)
             spike_over = True
             level, ln = math.nan, 0
-        elif pending > 0.0:
-            # A candidate is confirmed when it has not healed: still up by
-            # ``retain`` of its jump for ``confirm_steps`` steps, or at once
-            # when the follow-up is itself far out.
-            if z >= self.z_exit and r >= self.retain * pending and r >= self.min_jump:
-                age += 1
-                if (
-                    age >= self.confirm_steps
-                    or z >= self.z_confirm
-                    or z >= self.z_instant
-                    or r >= self.instant_jump
-                ):
-                    return SPIKE, z, r, (0.0, age, spike_over, level)
-                return CANDIDATE, z, r, (pending, age, spike_over, level)
+        # A candidate is confirmed when it has not healed: still up by ``retain`` of its jump for
+        # ``confirm_steps`` steps, or at once when the follow-up is itself far out.
+        elif (
+            pending > 0.0 and z >= self.z_exit and r >= self.retain * pending and r >= self.min_jump
+        ):
+            age += 1
+            if (
+                age >= self.confirm_steps
+                or z >= self.z_confirm
+                or z >= self.z_instant
+                or r >= self.instant_jump
+            ):
+                return SPIKE, z, r, (0.0, age, spike_over, level)
+            return CANDIDATE, z, r, (pending, age, spike_over, level)
         age = 0
         if z >= self.z_spike and r >= self.min_jump:
             if z >= self.z_instant or r >= self.instant_jump:

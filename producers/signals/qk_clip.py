@@ -64,11 +64,14 @@ def clip_heads_(
     return done
 
 
-def fused_qk_heads(blocks: Sequence[nn.Module], qkv: str = "qkv") -> dict[str, QKHeads]:
-    """Layers with one fused ``qkv`` projection (q rows first, then k, then v) and ``heads``."""
+def fused_qk_heads(
+    blocks: Sequence[nn.Module], qkv: str = "qkv", heads: str = "heads"
+) -> dict[str, QKHeads]:
+    """Layers with one fused ``qkv`` projection (q rows first, then k, then v) and a number of
+    attention heads (the attributes named by ``qkv`` and ``heads``)."""
     out = {}
     for i, block in enumerate(blocks):
         linear = getattr(block, qkv)
         d = linear.out_features // 3
-        out[str(i)] = QKHeads(linear, 0, linear, d, d // int(getattr(block, "heads")))
+        out[str(i)] = QKHeads(linear, 0, linear, d, d // int(getattr(block, heads)))
     return out

@@ -96,7 +96,7 @@ class _Sender:
                     # Closing cuts the wait short; the remaining attempts then run at once.
                     n._closing.wait(min(n.backoff_max_s, n.backoff_s * 2**attempt))
                 continue
-            except Exception:  # noqa: BLE001 - a broken channel must not kill its thread
+            except Exception:
                 log.exception("alert channel %s raised", self.channel.name)
                 break
             if n.metrics is not None:

@@ -203,7 +203,7 @@ class Producer(ABC):
         """
         return 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing to do by default
         """Flush and release resources."""
 
 
@@ -229,7 +229,7 @@ class Consumer(ABC):
     def seek(self, topic: str, partition: int, offset: int) -> None:
         """Read ``partition`` from ``offset`` on (used to resume from a state snapshot)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing to do by default
         """Leave the group; uncommitted records go to the next owner."""
 
 
@@ -273,7 +273,7 @@ class Bus(ABC):
         resumes at the earliest record (or the end, for a group that starts there).
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing to do by default
         pass
 
     def __enter__(self) -> "Bus":

@@ -6,6 +6,7 @@ calls) so that each stays one idea; :meth:`KafkaBus.producer` builds it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -178,10 +179,8 @@ class KafkaBusProducer(Producer):
             pending = self._lost + list(self._pending)
             self._pending, self._lost = deque(), []
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
+        with contextlib.suppress(KafkaError):  # the futures below say which records are missing
             self._producer.flush(timeout=timeout)
-        except KafkaError:
-            pass  # the futures below say which records are missing
         self._partitions.clear()
         if self._sending and not self._send_now_unavailable:  # all drained: send_now's flag can go
             self._lower()

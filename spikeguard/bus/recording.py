@@ -33,7 +33,7 @@ class Recording:
         if handle is None:
             path = self.directory / record.topic / f"{record.partition}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
-            handle = self._files[tp] = open(path, "a", encoding="utf-8")
+            handle = self._files[tp] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open, closed by close()
         line: dict[str, object] = {"o": record.offset, "t": record.timestamp_ms}
         if record.key is not None:
             line["k"] = base64.b64encode(record.key).decode()

@@ -108,7 +108,7 @@ def episodes_from_labels(steps: Sequence[int], labels: Sequence[StepLabel]) -> l
     """Maximal runs of consecutive labelled steps of one kind."""
     episodes: list[Episode] = []
     start = None
-    for i, (step, lab) in enumerate(zip(steps, labels)):
+    for i, lab in enumerate(labels):
         if lab.label and (start is None or lab.kind != labels[i - 1].kind):
             if start is not None:
                 episodes.append(Episode(steps[start], steps[i - 1], labels[start].kind))

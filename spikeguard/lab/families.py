@@ -329,10 +329,8 @@ def _multi_step(rng, n, floor, sigma, earliest, excess, label, log_grad) -> None
     length = int(rng.integers(3, 31))
     at = int(rng.integers(earliest, n - length - 100))
     size = _log_size(rng, floor, top=10.0)
-    if rng.random() < 0.5:
-        profile = np.full(length, size)
-    else:
-        profile = size * np.exp(-np.arange(length) / (length / 3))
+    flat = rng.random() < 0.5
+    profile = np.full(length, size) if flat else size * np.exp(-np.arange(length) / (length / 3))
     excess[at : at + length] += profile
     label[at : at + length] = profile > LABEL_SIGMAS * sigma
     log_grad[at : at + length] += profile * rng.uniform(0.3, 1.5)

@@ -178,7 +178,7 @@ def _read_csv(handle: IO[str], name: str, run_id: str):
         if len(row) < width:
             raise RunFileError(f"{where}: {len(row)} cells, the header has {width}")
 
-        def cell(column: str) -> str:
+        def cell(column: str, row: list[str] = row) -> str:
             return row[index[column]].strip() if column in index else ""
 
         step = _parse_int(cell("step"), where, "step")

@@ -9,6 +9,7 @@ checkpoint, see :meth:`RunSeries.forget_run`) or when it has been silent for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -81,8 +82,6 @@ class RunSeries:
         for gauge in self._per_run:
             series.add((gauge, ()))
         for metric, labels in series:
-            try:
+            with contextlib.suppress(KeyError):  # never set in this process
                 metric.remove(run_id, *labels)
-            except KeyError:
-                pass  # never set in this process
         self.runs_tracked.set(len(self._run_seen))

@@ -61,7 +61,7 @@ def handle_batch(
         before = stage.undo_point(run_ids)
         try:
             outputs += stage.handle_batch([item])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever one record raises, it alone is refused
             rewind(stage, run_ids, before)
             on_failure(index, exc)
     return outputs

@@ -81,17 +81,17 @@ class Stage(ABC):
         """
         return self.snapshot(run_ids)
 
-    def forget(self, run_ids: Iterable[str]) -> None:
+    def forget(self, run_ids: Iterable[str]) -> None:  # noqa: B027 - optional: nothing to do by default
         """Drop these runs' state (their partition moved to another worker): no tombstone."""
 
-    def end_runs(self, run_ids: Iterable[str]) -> None:
+    def end_runs(self, run_ids: Iterable[str]) -> None:  # noqa: B027 - optional: nothing to do by default
         """These runs ended (or idled out): drop their state and queue their tombstones."""
 
     def drain_ended(self) -> list[str]:
         """Runs ended since the last call; the worker tombstones their saved state."""
         return []
 
-    def touch(self, run_ids: Iterable[str], now: float) -> None:
+    def touch(self, run_ids: Iterable[str], now: float) -> None:  # noqa: B027 - optional: nothing to do by default
         """These runs had records at wall time ``now`` (idle eviction counts from there)."""
 
     def idle_runs(self, now: float, ttl_s: float) -> list[str]:

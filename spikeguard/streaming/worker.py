@@ -219,7 +219,7 @@ class Worker:
         try:
             while not self._stop.is_set():
                 self.run_once()
-        except Exception as exc:  # noqa: BLE001 - whatever it is, this worker cannot go on
+        except Exception as exc:
             self.failure = exc
             log.error(
                 "%s: cannot go on: %s: %s", self.group, type(exc).__name__, exc, exc_info=True

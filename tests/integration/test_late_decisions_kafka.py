@@ -20,7 +20,7 @@ from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "producers"))
-from test_late_decisions import late_decision  # noqa: E402
+from test_late_decisions import late_decision
 
 pytestmark = pytest.mark.kafka
 

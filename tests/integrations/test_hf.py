@@ -6,20 +6,20 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import torch
+from torch.utils.data import Dataset
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     Trainer,
-    TrainerCallback,  # noqa: E402
+    TrainerCallback,
     TrainingArguments,
 )
 
-from integrations_helpers import action, acks, send, steps  # noqa: E402
-from spikeguard.integrations.hf import SpikeguardCallback  # noqa: E402
-from spikeguard.producers.config import GuardConfig  # noqa: E402
-from spikeguard.schemas import AckStatus, ActionKind  # noqa: E402
+from integrations_helpers import action, acks, send, steps
+from spikeguard.integrations.hf import SpikeguardCallback
+from spikeguard.producers.config import GuardConfig
+from spikeguard.schemas import AckStatus, ActionKind
 
 
 class Tokens(Dataset):

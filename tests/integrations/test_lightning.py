@@ -8,15 +8,15 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from integrations_helpers import action, acks, send, steps  # noqa: E402
-from spikeguard.integrations.lightning import SpikeguardCallback  # noqa: E402
-from spikeguard.producers.config import GuardConfig  # noqa: E402
-from spikeguard.schemas import AckStatus, ActionKind  # noqa: E402
+from integrations_helpers import action, acks, send, steps
+from spikeguard.integrations.lightning import SpikeguardCallback
+from spikeguard.producers.config import GuardConfig
+from spikeguard.schemas import AckStatus, ActionKind
 
 
 class Regression(L.LightningModule):

@@ -90,7 +90,7 @@ def test_healthy_run_is_quiet(seed: int) -> None:
 def test_heavy_tailed_noise_is_quiet() -> None:
     rng = random.Random(3)
     pairs = []
-    for t in range(5000):
+    for _ in range(5000):
         # Student-t with 3 degrees of freedom, clipped like real logs (no 50-sigma noise).
         tdraw = rng.gauss(0, 1) / math.sqrt(rng.gammavariate(1.5, 1 / 1.5))
         pairs.append((math.exp(1.0 + 0.03 * max(-6.0, min(8.0, tdraw))), 0.5))

@@ -13,7 +13,7 @@ from spikeguard.producers import Guard, GuardConfig
 from spikeguard.schemas import Action, ActionKind, Topics, encode
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from producers_helpers import Tiny  # noqa: E402
+from producers_helpers import Tiny
 
 
 def main(ckpt_dir: str, bus_dir: str, steps: int) -> None:

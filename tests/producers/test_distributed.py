@@ -11,8 +11,8 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import disagreement_worker  # noqa: E402
-import distributed_worker  # noqa: E402
+import disagreement_worker
+import distributed_worker
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fsdp_worker  # noqa: E402
+import fsdp_worker
 
 pytestmark = pytest.mark.slow  # two processes importing torch.distributed: ~40 s on 2 busy cores
 

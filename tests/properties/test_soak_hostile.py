@@ -30,6 +30,7 @@ worker holds, and its RSS is read from /proc.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -426,10 +427,8 @@ def read(runtime) -> dict:
     def events(topic, model):
         out = []
         for record in bus.read_all(topic):
-            try:
+            with contextlib.suppress(SchemaError):
                 out.append(decode(record.value, model))
-            except SchemaError:
-                pass
         return out
 
     # Fusion's own decisions (the attacker writes the topic too) and the trainer's own acks.

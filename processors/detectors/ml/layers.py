@@ -181,7 +181,7 @@ class LayerShares:
             self.floor, self.total = [low, 0.0], [lg, 0.0]
         # Before the warm-up ends the clip is wide open: the first values set the level.
         clip = c.clip_z if self.n >= c.warmup_steps else math.inf
-        for name, x in logs.items():
+        for name in logs:
             if name not in self.layers:
                 self.layers[name] = list(self.floor)  # it was below the reported ones until now
         for name, track in self.layers.items():

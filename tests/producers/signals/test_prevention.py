@@ -16,7 +16,7 @@ from spikeguard.producers.signals.qk_clip import fused_qk_heads
 from spikeguard.schemas import AckStatus, ActionKind, AnomalyType, Claim, StepEvent, Topics, decode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from producers_helpers import acks, action, make_guard, send  # noqa: E402
+from producers_helpers import acks, action, make_guard, send
 
 
 class Block(nn.Module):

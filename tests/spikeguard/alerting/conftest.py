@@ -30,7 +30,7 @@ class Webhook:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 owner.attempts += 1
                 time.sleep(owner.delay)  # a slow receiver, not a wait on a condition
@@ -64,7 +64,7 @@ class Mailbox:
         self.delay = delay
         self.messages: list = []
 
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's name
+    async def handle_DATA(self, server, session, envelope):
         if self.delay:
             await asyncio.sleep(self.delay)  # a slow mail server, not a wait on a condition
         self.messages.append(envelope)

@@ -51,4 +51,4 @@ def test_the_cli_constants_match_the_demo_model():
     from spikeguard.demo import model as demo_model
 
     assert tuple(demo_cli.FAULTS) == tuple(demo_model.FAULTS)
-    assert demo_cli.DEFAULT_STEPS == demo_model.DemoSetup.steps
+    assert demo_model.DemoSetup.steps == demo_cli.DEFAULT_STEPS

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spikeguard.cli import main  # noqa: E402
+from spikeguard.cli import main
 
 
 def _demo(fault, tmp_path):

@@ -35,7 +35,7 @@ def test_the_tap_gives_each_batch_its_dataset_indices_without_rebuilding_the_loa
     assert tap.source == "sampler"
     for _ in range(2):  # two passes: the second reshuffles, the tap follows
         tap.restart()
-        for x, y, idx in loader:
+        for x, _y, idx in loader:
             assert tap.ids(x) == idx.tolist()
     assert len(loader) == 13  # the loader is the user's own, its length unchanged
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from spikeguard.lab.backtest_input import CHUNK_ROWS, iter_steps
 from spikeguard.lab.runfile import RunFileError, read_steps
@@ -106,7 +107,7 @@ def test_events_built_in_bulk_are_the_validated_events(tmp_path):
         assert list(event.__dict__) == list(validated.__dict__)
         assert event.model_dump_json() == validated.model_dump_json()
     assert built[0].top_grad_norms == {} and built[0].top_grad_norms is not built[1].top_grad_norms
-    with pytest.raises(Exception):  # still frozen
+    with pytest.raises(ValidationError):  # still frozen
         built[0].loss = 1.0  # type: ignore[misc]
 
 
