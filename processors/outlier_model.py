@@ -389,8 +389,10 @@ class OutlierModel:
         self.jump_level: float | None = None  # the level when it did (None: no such jump)
         self.since_jump = RollingMedian(self.config.lr_jump_steps)  # the newest points since
         self.elevated_run = 0  # elevated points in a row so far
-        # The last follow_window judged points: (position, elevated), oldest first.
-        self.recent: deque[tuple[float, bool]] = deque(maxlen=self.config.follow_window)
+        # The last follow_window judged points: (position, elevated), oldest first (none kept
+        # while follow_elevated is off: the pipeline holds many models per run).
+        kept = self.config.follow_window if self.config.follow_elevated else 0
+        self.recent: deque[tuple[float, bool]] = deque(maxlen=kept)
 
     @property
     def settled(self) -> bool:
@@ -508,10 +510,11 @@ class OutlierModel:
                 self.lr_peak = lr
         if y is None:
             return
-        if judged.judged:
-            self.recent.append((y, judged.elevated))
-        elif judged.level == judged.level:  # an LR rise explains it: no move of the level
-            self.recent.clear()
+        if self.config.follow_elevated:
+            if judged.judged:
+                self.recent.append((y, judged.elevated))
+            elif judged.level == judged.level:  # an LR rise explains it: no move of the level
+                self.recent.clear()
         # Only a healthy point's residual teaches a settled tail: not an elevated one, nor one
         # an LR jump excused that would have been. A young tail, which does not know the run's
         # noise yet, takes every point, capped at the bar (module docstring).
