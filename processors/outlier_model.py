@@ -49,8 +49,17 @@ at that step (:func:`turns_signed`).
   points give a poor tail estimate).
 * **level shift** — after ``relearn_after`` elevated points in a row the level
   starts over from the points that come next: a lasting change is the new normal.
-  Sooner when the pipeline's level test judges the elevation a move of the data's
-  level in proportion to the run's own (:meth:`OutlierModel.move_level`).
+  A move up small against the noise makes no such run: it lifts only the noise's
+  upper part over the bar, so elevated and healthy points interleave, and the level
+  (which takes the healthy ones alone, censored at the bar) lags for hundreds of
+  steps. With ``follow_elevated`` set (the Guard's skip rule sets it), that many
+  elevated points among the last ``follow_window``, not all in one run, are no
+  isolated outlier (a healthy point is elevated with probability ``rate``: three
+  of them in twenty, at 1e-5, about 1e-12): the level moves up to the median of
+  those last points, all of them (a median: a minority of spikes among them
+  barely moves it). Off for the pipeline's level test, whose own proportion test
+  moves the level (:meth:`OutlierModel.move_level`) and tells a shift from a
+  climb, which interleaves in the same way and must stay elevated.
 * **learning rate** — for ``lr_grace`` steps after the learning rate jumped
   (``lr_rise`` times the lowest of the last ``lr_jump_steps`` steps, which were
   not rising: a warm
@@ -275,6 +284,19 @@ class OutlierConfig(BaseModel):
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
     )
+    follow_window: int = Field(
+        20,
+        ge=3,
+        le=4096,
+        description="points over which elevated points interleaved with healthy ones are seen",
+    )
+    follow_elevated: int = Field(
+        0,
+        ge=0,
+        description="elevated points among the last follow_window, not one run, that move the "
+        "level up to those points' median: a move too small for a run of elevated points "
+        "(0: off; the pipeline's level test moves the level by its own proportion test)",
+    )
     lr_rise: float = Field(
         1.5,
         gt=1.0,
@@ -341,6 +363,7 @@ class OutlierModel:
         "jump_level",
         "since_jump",
         "elevated_run",
+        "recent",
     )
 
     def __init__(self, config: OutlierConfig | None = None, signed: bool = False) -> None:
@@ -366,6 +389,10 @@ class OutlierModel:
         self.jump_level: float | None = None  # the level when it did (None: no such jump)
         self.since_jump = RollingMedian(self.config.lr_jump_steps)  # the newest points since
         self.elevated_run = 0  # elevated points in a row so far
+        # The last follow_window judged points: (position, elevated), oldest first (none kept
+        # while follow_elevated is off: the pipeline holds many models per run).
+        kept = self.config.follow_window if self.config.follow_elevated else 0
+        self.recent: deque[tuple[float, bool]] = deque(maxlen=kept)
 
     @property
     def settled(self) -> bool:
@@ -483,6 +510,11 @@ class OutlierModel:
                 self.lr_peak = lr
         if y is None:
             return
+        if self.config.follow_elevated:
+            if judged.judged:
+                self.recent.append((y, judged.elevated))
+            elif judged.level == judged.level:  # an LR rise explains it: no move of the level
+                self.recent.clear()
         # Only a healthy point's residual teaches a settled tail: not an elevated one, nor one
         # an LR jump excused that would have been. A young tail, which does not know the run's
         # noise yet, takes every point, capped at the bar (module docstring).
@@ -499,10 +531,25 @@ class OutlierModel:
                 self.level.clear()
                 self.newest_quarter.clear()
                 self.elevated_run = 0
+            else:
+                self._follow_interleaved(judged.level)
             return
         self.elevated_run = 0
         self.level.update(y)
         self.newest_quarter.update(y)
+
+    def _follow_interleaved(self, level: float) -> None:
+        """Move the level up to the median of the last points when ``follow_elevated`` of them
+        were elevated, interleaved with healthy ones (module docstring: level shift)."""
+        recent = self.recent
+        marks = [i for i, (_, elevated) in enumerate(recent) if elevated]
+        needed = self.config.follow_elevated
+        if not needed or len(marks) < needed or marks[-1] - marks[0] + 1 == len(marks):
+            return  # too few, or one run of elevated points (a multi-step spike's)
+        by = statistics.median(y for y, _ in recent) - level
+        recent.clear()
+        if by > 0.0:
+            self.move_level(by)
 
     def move_level(self, by: float) -> None:
         """Move the level by ``by`` (``y`` units): a sustained elevation judged a move of the
@@ -527,6 +574,7 @@ class OutlierModel:
             "jump_level": self.jump_level,
             "since_jump": self.since_jump.values(),
             "elevated_run": self.elevated_run,
+            "recent": [[y, elevated] for y, elevated in self.recent],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -547,6 +595,9 @@ class OutlierModel:
         for value in state.get("since_jump", ()):
             self.since_jump.update(float(value))
         self.elevated_run = int(state["elevated_run"])
+        self.recent.clear()
+        for y, elevated in state.get("recent", ()):
+            self.recent.append((float(y), bool(elevated)))
 
 
 def log_of(x: float, floor: float = 1e-12) -> float:

@@ -13,7 +13,12 @@ and the same defaults as the pipeline's level test, calibrated on the run's
 own noise to at most one false outlier per 10,000 healthy steps per signal.
 A step is skipped when its loss or its gradient norm is elevated, unless more
 than ``max_run`` steps in a row have been: that is not an isolated outlier but
-an incident (or a new level) for the pipeline to judge.
+an incident (or a new level) for the pipeline to judge. Nor are elevated steps
+interleaved with healthy ones (``FOLLOW_ELEVATED`` of the last twenty): the
+signal's level moved up by less than a run of elevated points would show, and
+the rule's level follows it at once (``OutlierConfig.follow_elevated``) rather
+than skip the upper half of the noise for hundreds of steps. The pipeline's
+level test keeps that off: it tells such a move from a climb by its own tests.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ from spikeguard.processors.outlier_model import (
     position,
     turns_signed,
 )
+
+
+#: elevated steps among the last ``follow_window`` (not one run) after which the level follows
+FOLLOW_ELEVATED = 3
+
+
+def following(config: OutlierConfig) -> OutlierConfig:
+    """``config`` with the skip rule's level following an interleaved elevation."""
+    return config.model_copy(update={"follow_elevated": FOLLOW_ELEVATED})
 
 
 class SkipDecision(NamedTuple):
@@ -79,8 +93,8 @@ class SkipRule:
     ) -> None:
         if max_run < 1:
             raise ValueError(f"max_run must be >= 1, got {max_run}")
-        self.loss = loss or loss_config()
-        self.grad_norm = grad_norm or grad_norm_config()
+        self.loss = loss or following(loss_config())
+        self.grad_norm = grad_norm or following(grad_norm_config())
         self.max_run = max_run
         self._loss = self.loss.model()
         self._grad = self.grad_norm.model()

@@ -59,3 +59,37 @@ def test_an_lr_jump_beyond_the_peak_is_said_while_the_lr_stays_up_and_a_warm_res
     restart = [1e-3 if 200 <= i < 230 else lr for i, lr in enumerate(decay)]  # back to the peak
     beyond, held = run(restart, 201, 230)
     assert not any(beyond) and not any(held)
+
+
+def _interleaved_shift(follow_elevated: int) -> tuple[list[bool], object]:
+    """A model over 600 steps of 2 % noise, then 600 at +10 % (5 sigma: only part of the noise
+    clears the bar, so elevated points interleave with healthy ones); what it flagged after."""
+    from spikeguard.processors.outlier_model import OutlierConfig, log_of
+
+    model = OutlierConfig(follow_elevated=follow_elevated).model()
+    rng = np.random.default_rng(1)
+    flagged = []
+    for step in range(1200):
+        y = log_of(3.0 * (1.1 if step >= 600 else 1.0) * (1 + rng.normal(0, 0.02)))
+        judged = model.judge(y)
+        model.advance(y, judged)
+        if step >= 600:
+            flagged.append(judged.elevated)
+    return flagged, model
+
+
+def test_an_interleaved_elevation_moves_the_level_only_where_the_config_asks() -> None:
+    """The skip rule's model follows a move up too small for a run of elevated points; the
+    pipeline's (follow_elevated 0) leaves it to its level test's proportion, which tells it from
+    a climb. The window of recent points round-trips through the state."""
+    import json
+    import math
+
+    following, model = _interleaved_shift(3)
+    waiting, _ = _interleaved_shift(0)
+    assert sum(following) <= 10, sum(following)  # (the first run of them, then a few)
+    assert sum(waiting) >= 20, sum(waiting)  # (the default: the censored level lags)
+    assert abs(model.current_level() - math.log(3.3)) < 0.02
+    twin = type(model)(model.config)
+    twin.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert list(twin.recent) == list(model.recent) and twin.state_dict() == model.state_dict()

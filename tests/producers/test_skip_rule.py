@@ -71,6 +71,17 @@ def test_a_level_shift_is_skipped_at_most_max_run_times():
     assert skipped == [400, 401]  # max_run=2: a lasting change is the pipeline's to judge
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_level_shift_small_against_the_noise_is_followed_not_skipped(seed):
+    # +10 % on 2 % noise (5 sigma): only part of the noise clears the bar, so elevated and
+    # healthy steps interleave and never make a run. The level must follow the move, not skip
+    # every point that clears it until relearn_after (the old rule: 2, 44 and 1 skips).
+    losses = _noisy(600, seed=seed) + [x * 1.1 for x in _noisy(1000, seed=seed + 10)]
+    skipped = [i for i, d in enumerate(scan((x, None) for x in losses)) if d.skip]
+    assert all(i >= 600 for i in skipped), skipped
+    assert len(skipped) <= 6, skipped
+
+
 def _heavy_tailed_healthy_losses(seed: int, n: int = 6000) -> dict[str, np.ndarray]:
     """Healthy per-batch losses of small batches: heavy-tailed, as users' runs are."""
     rng = np.random.default_rng(seed)
