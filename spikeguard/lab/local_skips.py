@@ -48,7 +48,7 @@ class LocalSkips:
         if rule is None:
             return False
         grad = event.grad_norm if event.grad_norm is not None and event.grad_norm >= 0 else None
-        skip = rule.decide(event.loss, grad).skip
+        skip = rule.decide(event.loss, grad, event.lr).skip  # the LR, as the live Guard hands it
         if skip:
             self.skipped.append((event.run_id, event.step))
         return skip

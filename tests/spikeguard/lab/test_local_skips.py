@@ -55,3 +55,19 @@ def test_offline_the_policy_hears_of_the_guards_skip_as_the_live_pipeline_does()
     live = [skips.live(e) for e in events]
     assert live[1000].update_skipped and live[1000].skip_reason == "outlier_step"
     assert sum(e.update_skipped for e in live) == 1
+
+
+def test_offline_a_warm_restart_explains_the_loss_rise_as_it_does_live():
+    """The live Guard hands its rule each step's LR (a recent rise of it explains a rise of the
+    loss); offline the same steps must be judged with the LR the file records."""
+    lr = [1e-4 if s < 400 else 1e-2 for s in range(600)]  # a warm restart at step 400
+    loss = [
+        (0.5 + 0.01 * math.sin(s)) * (1.0 if s < 400 else 1.0 + 0.5 * math.exp(-(s - 400) / 30))
+        for s in range(600)
+    ]
+    events = [StepEvent(run_id="r", step=s, loss=loss[s], lr=lr[s]) for s in range(600)]
+    live = skip_rule_of(GuardConfig())
+    assert live is not None
+    expected = [e.step for e in events if live.decide(e.loss, None, e.lr).skip]
+    offline = LocalSkips()
+    assert [e.step for e in events if offline.observe(e)] == expected
