@@ -513,20 +513,27 @@ class LevelMonitor:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
         block = self.rises.judge(y, False, self._rise_floor)
+        climbing = False
         if self.model.settled:
             climbed = self._climbed(y)
             climb = self.climb.judge(climbed)
             if climb >= 1.0:
-                # A climb is sustained: over its bar for a window's worth of points in a row (a
-                # mixture's run of hard batches lifts one window's median, for a step or three).
-                stat = self.climb.statistic(climbed)  # type: ignore[arg-type]  # judged: a value
-                sustained = self._climbing + 1 >= self.climb.window
-                beyond = sustained and self.beyond_moves(stat)  # type: ignore[arg-type]
-                code = LevelCode.CLIMB if beyond else LevelCode.SHIFT
-                return LevelJudged(code, climb, stat, point, block, climbing=True)  # type: ignore[arg-type]
+                # A climb is sustained: over its bar for a window's worth of points in a row.
+                # Until then the test has said nothing (a mixture's run of hard batches lifts
+                # one window's median for a step or three: no alarm, not even an alert).
+                climbing = True
+                if self._climbing + 1 >= self.climb.window:
+                    stat = self.climb.statistic(climbed)  # type: ignore[arg-type]  # a value
+                    beyond = self.beyond_moves(stat)  # type: ignore[arg-type]
+                    code = LevelCode.CLIMB if beyond else LevelCode.SHIFT
+                    return LevelJudged(code, climb, stat, point, block, climbing=True)  # type: ignore[arg-type]
         if block is not None and block.rising:
-            return LevelJudged(LevelCode.SLOW_RISE, block.score, block.rise, point, block)
-        return LevelJudged(LevelCode.OK, point.score, point.residual, point, block)
+            return LevelJudged(
+                LevelCode.SLOW_RISE, block.score, block.rise, point, block, climbing=climbing
+            )
+        return LevelJudged(
+            LevelCode.OK, point.score, point.residual, point, block, climbing=climbing
+        )
 
     def _elevation(self, y: float, residual: float) -> float:
         """A run of elevated points' size, ``y`` the newest: the median of their residuals, or of

@@ -103,7 +103,15 @@ class RulesConfig(BaseModel):
     lr_jump_ratio: float = Field(
         10.0,
         gt=1.0,
-        description="a learning rate this many times the previous one is out of bounds",
+        description="a learning rate this many times the previous one is out of bounds, if it "
+        "is also over lr_peak_ratio times the highest rate the run has trained at",
+    )
+    lr_peak_ratio: float = Field(
+        1.5,
+        gt=1.0,
+        description="an LR jump counts only above this many times the highest LR the run has "
+        "trained at: a warm restart returns to a rate the run knows (the outlier model's "
+        "lr_rise, which says the same of an LR-induced rise)",
     )
     min_loss_scale: float = Field(
         1.0, gt=0.0, description="an fp16 loss scale below this has collapsed"
@@ -173,6 +181,7 @@ class RulesState:
         "scales",
         "scale_seen",
         "lr",
+        "lr_peak",
         "grad_up",
         "signed",
         "mechanism",
@@ -184,6 +193,7 @@ class RulesState:
         self.scales = RollingMedian(config.loss_scale_window)  # recent log2 scales (for the peak)
         self.scale_seen = 0
         self.lr = math.nan
+        self.lr_peak = 0.0  # the highest LR the run has trained at
         self.grad_up = 0  # steps in a row the gradient norm has been over grad_norm_ratio
         # The loss has gone below zero: it has no natural zero, so no ratio of it means anything
         # (the statistical detector judges it against its own noise).
@@ -312,6 +322,7 @@ class RulesDetector(Detector[RulesState]):
             self.mechanism.learn(event, state.mechanism, verdict.rules)
         if lr is not None and math.isfinite(lr):
             state.lr = lr
+            state.lr_peak = max(state.lr_peak, lr)
         if scale is not None and scale >= self.config.min_loss_scale and math.isfinite(scale):
             state.scale_seen += 1
             state.scales.update(math.log2(scale))
@@ -364,7 +375,10 @@ class RulesDetector(Detector[RulesState]):
         if lr < cfg.lr_min or lr > cfg.lr_max:
             fired.append("lr_out_of_bounds")
         prev = state.lr
-        if prev > 0.0 and lr >= cfg.lr_jump_ratio * prev:
+        # A jump back to a rate the run trained at (a warm restart, an LR restored after a cut)
+        # is the schedule, not a fault.
+        beyond_peak = lr > cfg.lr_peak_ratio * state.lr_peak
+        if prev > 0.0 and lr >= cfg.lr_jump_ratio * prev and beyond_peak:
             fired.append("lr_jump")
 
     def _check_loss_scale(self, scale: float, state: RulesState, fired: list[str]) -> None:
@@ -403,6 +417,7 @@ class RulesDetector(Detector[RulesState]):
             state.scales.copy(),
         )
         twin.scale_seen, twin.lr, twin.grad_up = state.scale_seen, state.lr, state.grad_up
+        twin.lr_peak = state.lr_peak
         twin.signed = state.signed
         twin.mechanism = None if state.mechanism is None else state.mechanism.copy()
         return twin
@@ -414,6 +429,7 @@ class RulesDetector(Detector[RulesState]):
             "scales": state.scales.state_dict(),
             "scale_seen": state.scale_seen,
             "lr": state.lr,
+            "lr_peak": state.lr_peak,
             "grad_up": state.grad_up,
             "signed": state.signed,
             # (only for a run that sends the mechanism signals: the others' snapshots stay small)
@@ -427,6 +443,8 @@ class RulesDetector(Detector[RulesState]):
         state.scales.load_state_dict(data["scales"])
         state.scale_seen = int(data["scale_seen"])
         state.lr = float(data["lr"])
+        # (absent: a snapshot from before the peak was kept; its last LR is the best guess)
+        state.lr_peak = float(data.get("lr_peak", state.lr if state.lr == state.lr else 0.0))
         state.grad_up = int(data["grad_up"])
         state.signed = bool(data.get("signed", False))
         if "mechanism" in data:  # absent: the run sent no mechanism signal (or predates them)

@@ -51,7 +51,8 @@ apart from healthy noise by any rule, and a label nobody can earn measures
 nothing. A run whose noise allows no spike within 50x (``chi_square`` with a
 batch of 1 or 4) gets the ``nan`` fault instead. Steps are labelled where the injected
 excess exceeds ``LABEL_SIGMAS`` robust sigmas of the step noise (the wander
-included, for a slow divergence, which only the wander can hide).
+included, for a slow divergence, which only the wander can hide); an LR blow-up from
+the step its LR is multiplied, where the fault is already in the run.
 """
 
 from __future__ import annotations
@@ -354,7 +355,9 @@ def _lr_blowup(rng, n, sigma, lr, excess, label, log_grad) -> None:
     t = np.arange(n - at)
     profile = peak * np.clip(t / climb, 0, 1) ** 2
     excess[at:] += profile
-    label[at:] = profile > LABEL_SIGMAS * sigma
+    # Labelled from the step the LR is multiplied: the fault is in the run there (its LR, its
+    # gradient norm) before the loss shows it, so an alarm on the jump is a true one.
+    label[at:] = True
     log_grad[at:] += math.log(rng.uniform(10, 1000)) * np.clip((t + 1) / climb, 0, 1)
 
 

@@ -93,3 +93,22 @@ def test_an_interleaved_elevation_moves_the_level_only_where_the_config_asks() -
     twin = type(model)(model.config)
     twin.load_state_dict(json.loads(json.dumps(model.state_dict())))
     assert list(twin.recent) == list(model.recent) and twin.state_dict() == model.state_dict()
+
+
+def test_a_tail_extrapolates_as_a_power_law_once_it_holds_power_from_values() -> None:
+    """Before ``power_from`` values the exponential through q90 and q99; from then on the
+    power law in the excess over the median (a higher bar on a heavy tail)."""
+    from spikeguard.processors.outlier_model import TailThreshold
+
+    rng = np.random.default_rng(0)
+    exponential = TailThreshold(500, 1e-5)
+    switching = TailThreshold(500, 1e-5, power_from=400)
+    bars = []
+    for i, value in enumerate(rng.standard_t(3, 500) * 0.01):
+        exponential.update(float(value))
+        switching.update(float(value))
+        if i in (398, 499):
+            bars.append((exponential.threshold(), switching.threshold()))
+    (exp_young, young), (exp_full, full) = bars
+    assert young == exp_young
+    assert full > 1.5 * exp_full

@@ -295,3 +295,19 @@ def test_a_half_written_detector_module_fails_the_import() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode != 0 and "ImportError" in done.stderr and "MLConfig" in done.stderr
+
+
+def test_a_warm_restart_back_to_the_runs_peak_lr_is_no_lr_jump_and_a_jump_beyond_it_is():
+    """A warm restart takes the LR from the end of a cosine cycle (x100 below) back to the
+    rate the run already trained at: no LR out of bounds. Ten times that rate is."""
+    peak = 1e-3
+    det = RulesDetector()
+    fired = []
+    for i in range(600):
+        cycle = (i % 200) / 200
+        lr = 1e-5 + (peak - 1e-5) * 0.5 * (1 + math.cos(math.pi * cycle))
+        v = det.update(step(i, lr=lr))
+        fired += [(i, r) for r in v.rules]
+    assert fired == []
+    assert "lr_jump" not in det.update(step(600, lr=1e-5)).rules
+    assert det.update(step(601, lr=10 * peak)).rules == ["lr_jump"]

@@ -113,6 +113,8 @@ def test_nan_and_lr_blowup_faults_are_labelled_where_they_are():
     assert all(lab.label for lab in run.labels[first:])  # it never comes back
     assert run.events[-1].loss > 4 * run.events[first - 1].loss
     assert run.events[-1].lr > 9 * run.events[first - 60].lr
+    # labelled from the step the LR is multiplied: the fault is there before the loss shows it
+    assert run.events[first].lr > 9 * run.events[first - 1].lr
 
 
 def test_a_signed_loss_crosses_zero_and_a_noise_hiding_any_spike_gets_a_nan_instead():
