@@ -18,6 +18,7 @@ import gc
 import json
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +41,11 @@ def held(bus) -> int:
         return sum(len(log) for topic in bus._topics.values() for log in topic.logs)
 
 
+def held_by_topic(bus) -> dict[str, int]:
+    """Records each topic holds: which one retention does not trim, when the total grows."""
+    return {name: bus.retained(name) for name in list(bus._topics)}
+
+
 def published(bus, topic: str) -> int:
     """Step events the guard has put on the bus so far (offsets are absolute: end offsets add up)."""
     return sum(bus.end_offset(topic, p) for p in range(bus.partitions))
@@ -59,7 +65,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
-    samples = []
+    samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runtime = open_runtime(load_settings())
         if args.unbounded:
@@ -83,6 +89,7 @@ def main() -> None:
                         "step": step,
                         "rss_mib": round(rss_mib(), 1),
                         "records_held": held(runtime.bus),
+                        "held_by_topic": held_by_topic(runtime.bus),
                         "steps_published": published(runtime.bus, runtime.topics.steps),
                         "elapsed_s": round(time.perf_counter() - start, 1),
                     }

@@ -6,7 +6,7 @@ Three models, as a new user would try them (torch's default thread count, CPU):
 - ``adamw``: a wider batch-32 MLP with AdamW, about 1.7 ms per step;
 - ``chargpt``: a two-layer character transformer with AdamW, about 10 ms per step.
 
-For each model three loops, each with its own copy of the model, step in
+For each model four loops, each with its own copy of the model, step in
 alternating blocks of one process (the order turns every round), so that a
 loaded machine's noise falls on all alike:
 
@@ -16,15 +16,28 @@ loaded machine's noise falls on all alike:
   and kept, every 32 steps the batch put on a ``multiprocessing`` queue (its
   feeder thread pickles and writes it) read and dropped by a child process.
   Its ratio is the best the embedded pipeline can reach on this machine;
+- ``limit``: the hand-off plus what the Guard cannot avoid on the training
+  thread: the gradient norm read with the loss (one fused norm kernel, one
+  stack, the loss and the norm brought to the host together: the one
+  transfer) and kept beside the loss. Its ratio is the limit of the trainer's
+  side: a guarded row cannot beat it, whatever the Guard's own Python costs;
 - ``guarded``: ``Guard(model, opt)`` on the default runtime (the pipeline in
   a child process).
 
 Reported per model: the median over rounds of each round's ratio to
 ``unguarded`` (a round is one block of each loop), their range, the step
-rates, and the guarded run's steps never decided once the pipeline had a
-bounded while to catch up.
+rates, guarded against ``limit`` (the median of each round's guarded rate over
+its limit rate), and the guarded run's steps never decided once the pipeline
+had a bounded while to catch up.
 
-    python benchmarks/bench_embedded_models.py [--models mlp adamw chargpt] [--rounds 7] [--seconds 1.0] [--json]
+``--clock thread`` times each block by the training thread's CPU clock
+instead of the wall, with torch on that one thread: the training thread's
+own cost, which a loaded machine's queue for the CPU does not blur (the
+publisher's and the child's CPU are then not counted: they are the
+pipeline's, not the trainer's).
+
+    python benchmarks/bench_embedded_models.py [--models mlp adamw chargpt] [--rounds 7]
+        [--seconds 1.0] [--clock wall|thread] [--json]
 """
 
 from __future__ import annotations
@@ -107,6 +120,9 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Any, Step]]] = {
 }
 
 
+#: The clock blocks are timed by: the wall, or the training thread's CPU (``--clock thread``).
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
+
 #: Steps the bare hand-off sends at once: one wake-up of the feeder thread and the child per batch.
 HANDOFF_BATCH = 32
 
@@ -117,15 +133,24 @@ def _drain(queue: Any) -> None:
         pass
 
 
+def read_loss_and_norm(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> list[float]:
+    """The least the Guard reads per step: the loss and the gradients' total norm, one transfer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = torch.stack(list(torch._foreach_norm(grads))).float()
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    return torch.cat([loss.detach().float().reshape(1), total]).tolist()
+
+
 class Loop:
-    """One of the three loops of a model: its own copy, its step, and what runs after it."""
+    """One of the four loops of a model: its own copy, its step, and what runs after it."""
 
     def __init__(self, kind: str, model_name: str, runtime: Any, queue: Any, tmp: str) -> None:
         torch.manual_seed(0)
         self.kind = kind
         self.model, self.opt, self.step = MODELS[model_name]()
         self.queue = queue
-        self.pending: list[tuple[int, float]] = []
+        self.params = list(self.model.parameters())
+        self.pending: list[tuple[int, Any]] = []
         self.n = 0
         self.guard = None
         if kind == "guarded":
@@ -137,21 +162,26 @@ class Loop:
             )
 
     def block(self, steps: int) -> float:
-        """Run ``steps`` steps; the wall seconds they took."""
-        start = time.perf_counter()
+        """Run ``steps`` steps; the seconds they took on the chosen clock."""
+        start = CLOCK[0]()
         for _ in range(steps):
             loss = self.step()
             if self.guard is not None:
                 self.guard.step(loss)
             else:
+                read: Any = None
+                if self.kind == "limit":
+                    read = read_loss_and_norm(loss, self.params)
+                elif self.queue is not None:
+                    read = loss.item()
                 self.opt.step()
                 if self.queue is not None:
-                    self.pending.append((self.n, loss.item()))
+                    self.pending.append((self.n, read))
                     if len(self.pending) >= HANDOFF_BATCH:
                         self.queue.put(self.pending)
                         self.pending = []
             self.n += 1
-        return time.perf_counter() - start
+        return CLOCK[0]() - start
 
 
 def _never_decided(guard: Guard, steps: int, wait_s: float) -> int:
@@ -169,7 +199,7 @@ def _never_decided(guard: Guard, steps: int, wait_s: float) -> int:
 def measure(
     model_name: str, rounds: int, seconds: float, runtime: Any, min_steps: int = 50
 ) -> dict[str, Any]:
-    """One model's three loops in alternating blocks of about ``seconds`` (at least ``min_steps``)."""
+    """One model's four loops in alternating blocks of about ``seconds`` (at least ``min_steps``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     drain = ctx.Process(target=_drain, args=(queue,), daemon=True)
@@ -178,6 +208,7 @@ def measure(
         loops = {
             "unguarded": Loop("unguarded", model_name, runtime, None, tmp),
             "handoff": Loop("handoff", model_name, runtime, queue, tmp),
+            "limit": Loop("limit", model_name, runtime, queue, tmp),
             "guarded": Loop("guarded", model_name, runtime, None, tmp),
         }
         # Warm-up, and the block size: about ``seconds`` of the unguarded loop.
@@ -188,7 +219,7 @@ def measure(
         walls: dict[str, list[float]] = {k: [] for k in loops}
         for r in range(rounds):
             order = list(loops) if r % 2 == 0 else list(reversed(loops))
-            order = order[r % 3 :] + order[: r % 3]
+            order = order[r % len(order) :] + order[: r % len(order)]
             for kind in order:
                 walls[kind].append(loops[kind].block(steps))
         guard = loops["guarded"].guard
@@ -206,10 +237,14 @@ def measure(
         "guarded_steps": loops["guarded"].n,
         "never_decided": never,
     }
-    for kind in ("handoff", "guarded"):
+    for kind in ("handoff", "limit", "guarded"):
         ratios = [b / w for w, b in zip(walls[kind], walls["unguarded"])]
         result[f"ratio_{kind}"] = statistics.median(ratios)
         result[f"ratio_{kind}_range"] = [min(ratios), max(ratios)]
+    # The guarded loop against the trainer's limit, round by round (rate over rate).
+    to_limit = [limit / g for g, limit in zip(walls["guarded"], walls["limit"])]
+    result["guarded_to_limit"] = statistics.median(to_limit)
+    result["guarded_to_limit_range"] = [min(to_limit), max(to_limit)]
     return result
 
 
@@ -221,8 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--min-steps", type=int, default=50, help="steps per block at least (a loaded machine)"
     )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="time blocks by the wall, or by the training thread's CPU (torch on one thread)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.clock == "thread":
+        CLOCK[0] = time.thread_time
+        torch.set_num_threads(1)
     from spikeguard.runtime import open_runtime
     from spikeguard.settings import load_settings
 
@@ -236,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runtime.close()
     report["layout"], report["torch_threads"] = layout, torch.get_num_threads()
+    report["clock"] = args.clock
     if args.json:
         print(json.dumps(report))
         return 0
@@ -245,11 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:8s} {row['ms_per_step_unguarded']:6.2f} ms/step unguarded; guarded "
             f"{row['ratio_guarded']:.2f}x (rounds {row['ratio_guarded_range'][0]:.2f}-"
-            f"{row['ratio_guarded_range'][1]:.2f}), bare hand-off {row['ratio_handoff']:.2f}x; "
-            f"{rates['unguarded']:.0f} / {rates['handoff']:.0f} / {rates['guarded']:.0f} steps/s; "
+            f"{row['ratio_guarded_range'][1]:.2f}), bare hand-off {row['ratio_handoff']:.2f}x, "
+            f"trainer's limit {row['ratio_limit']:.2f}x; guarded {row['guarded_to_limit']:.2f}x "
+            f"its limit (rounds {row['guarded_to_limit_range'][0]:.2f}-"
+            f"{row['guarded_to_limit_range'][1]:.2f}); {rates['unguarded']:.0f} / "
+            f"{rates['handoff']:.0f} / {rates['limit']:.0f} / {rates['guarded']:.0f} steps/s; "
             f"{row['never_decided']} of {row['guarded_steps']} never decided"
         )
-    print(f"layout {layout}, torch threads {torch.get_num_threads()}")
+    print(f"layout {layout}, torch threads {torch.get_num_threads()}, clock {args.clock}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The Guard's gradient statistics against ``clip_grad_norm_`` alone, on the same models.
 
     python benchmarks/bench_grad_stats.py [--rounds 9] [--calls 300] [--threads 1] [--json PATH]
+        [--against GIT_REF]
 
 Per model (small CPU models: the guard-overhead MLP, a deeper one with many
 small tensors, a transformer encoder), on the same gradients:
@@ -17,6 +18,9 @@ The three run in turn within each round (order alternating), ``--calls``
 calls each, and the figure is the median over rounds of each call's median
 time, so machine noise hits them alike. Host reads of tensor values
 (``item``/``tolist``/``cpu``/``numpy``/``float``...) are counted per call.
+``--against REF`` adds ``stats@REF``: ``producers/stats.py`` as it was at the
+git ref REF, run in turn with the others, to read a change to the statistics
+as before and after in one process.
 Aim: stats <= 1.5x clip, and exactly one transfer per step.
 A benchmark: it reports, it does not fail.
 """
@@ -26,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections import Counter
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -92,7 +99,24 @@ class Reads:
             setattr(torch.Tensor, name, original)
 
 
-def measure(name: str, rounds: int, calls: int) -> dict:
+def stats_at(ref: str) -> Any:
+    """``producers/stats.py`` as it was at the git ref ``ref``, as a module of its own."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(
+        ["git", "show", f"{ref}:producers/stats.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"stats_at_{ref}")
+    module.__dict__["__name__"] = module.__name__
+    sys.modules[module.__name__] = module  # dataclasses look their module up by name
+    exec(compile(source, f"{ref}:producers/stats.py", "exec"), module.__dict__)
+    return module
+
+
+def measure(name: str, rounds: int, calls: int, against: tuple[str, Any] | None = None) -> dict:
     torch.manual_seed(0)
     model, loss_fn = MODELS[name]()
     loss = loss_fn()
@@ -113,6 +137,10 @@ def measure(name: str, rounds: int, calls: int) -> dict:
         "clip": lambda: nn.utils.clip_grad_norm_(params, 1.0),
         "clip+item": clip_item,
     }
+    if against is not None:
+        ref, module = against
+        old = module.GradStats(list(model.named_parameters()), top_k=5)
+        kinds[f"stats@{ref}"] = lambda: old.compute(loss)
     if hasattr(nn.utils, "get_total_norm"):  # torch >= 2.6
         grads = [p.grad for p in params]
         kinds["norm"] = lambda: nn.utils.get_total_norm(grads).item()
@@ -175,16 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--against", metavar="GIT_REF", help="also time stats.py as at this ref")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    against = (args.against, stats_at(args.against)) if args.against else None
     report = {
         "threads": args.threads,
         "rounds": args.rounds,
         "calls": args.calls,
         "torch": torch.__version__,
-        "models": {name: measure(name, args.rounds, args.calls) for name in args.models},
+        "models": {name: measure(name, args.rounds, args.calls, against) for name in args.models},
     }
     print(render(report))
+    if against is not None:
+        ref = against[0]
+        for name, r in report["models"].items():
+            print(
+                f"{name:<8} stats {r['us']['stats']:.1f} µs against {r['us'][f'stats@{ref}']:.1f} "
+                f"at {ref} ({r['us']['stats'] / r['us'][f'stats@{ref}']:.2f}x)"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)

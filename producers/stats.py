@@ -127,15 +127,26 @@ class GradStats:
             g, m = len(grads), len(weights)
             # Stacked, then made float: the same values as making each norm float first
             # (widening is exact; a double norm is rounded once either way).
-            every = torch.stack(flat).float() if flat else torch.zeros(0, device=device)
-            stacked = [every[:g], every[g : g + m], every[g + m :]]
-            other_norms = stacked[1:]
+            every = torch.stack(flat) if flat else torch.zeros(0, device=device)
+            if every.dtype != torch.float32:
+                every = every.float()
+            # Sliced only where there is more than one kind of norm (each slice is a call).
+            grad_norms = every if not (weights or update) else every[:g]
+            other_norms = [
+                every[g : g + m] if weights else every,
+                (every[g + m :] if g + m else every) if update else every,
+            ]
+        # The loss as a 1-element float vector on the norms' device: no call that changes nothing.
         loss_t = (
-            loss.detach().reshape(()).float()
+            loss.detach().reshape(1)
             if isinstance(loss, torch.Tensor)
-            else torch.tensor(float(loss))
+            else torch.tensor([float(loss)])
         )
-        parts.append(loss_t.to(device).reshape(1))
+        if loss_t.dtype != torch.float32:
+            loss_t = loss_t.float()
+        if loss_t.device != device:
+            loss_t = loss_t.to(device)
+        parts.append(loss_t)
         k = min(self.top_k, len(grads))
         total = None
         if grads:
@@ -144,15 +155,16 @@ class GradStats:
             ):  # the global norm, not this rank's slice; clipping scales the slices
                 norms, grads = sharded_norm_list, local_tensors(grads)
             else:
-                norms = stacked[0]
-            total = torch.linalg.vector_norm(norms)
-            parts.append(total.reshape(1))
+                norms = grad_norms
+            total = torch.linalg.vector_norm(norms, keepdim=True)  # shape (1,): no reshape
+            parts.append(total)
             if k:
                 values, index = torch.topk(norms, k)
                 parts += [values, index.float()]
         for wanted, norms in zip((weights, update), other_norms):
             if wanted:
-                parts.append(torch.linalg.vector_norm(norms).reshape(1).to(device))
+                norm = torch.linalg.vector_norm(norms, keepdim=True)
+                parts.append(norm if norm.device == device else norm.to(device))
         n_batch = 0
         if batch is not None:
             batch_parts = batch_statistics(batch)
@@ -162,8 +174,10 @@ class GradStats:
         if riders is not None:
             bad = ~torch.isfinite(parts[0][0])
             if total is not None:
-                bad = bad | ~torch.isfinite(total)
-            for name, value in riders(bad.float(), parts[0][0], total).items():
+                bad = bad | ~torch.isfinite(total[0])
+            for name, value in riders(
+                bad.float(), parts[0][0], None if total is None else total[0]
+            ).items():
                 rider_names.append(name)
                 parts.append(value.to(device).float().reshape(1))
         values_list = torch.cat(parts).tolist()  # the one device-to-host transfer

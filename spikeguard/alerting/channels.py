@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
-import smtplib
 import socket
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from email.message import EmailMessage
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import SecretStr
 
 from spikeguard.errors import SpikeguardError
 from spikeguard.schemas import Decision
+
+if TYPE_CHECKING:
+    from email.message import EmailMessage
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +120,9 @@ class WebhookChannel:
         }
 
     def send(self, alert: Alert) -> None:
+        import urllib.error  # (here: ~10 ms of http and ssl a run that never alerts does not pay)
+        import urllib.request
+
         body = json.dumps(self.payload(alert)).encode()
         request = urllib.request.Request(
             self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
@@ -159,6 +161,8 @@ class EmailChannel:
         self.username, self.password = username, password
 
     def message(self, alert: Alert) -> EmailMessage:
+        from email.message import EmailMessage
+
         message = EmailMessage()
         message["Subject"] = alert.title
         message["From"] = self.sender
@@ -167,6 +171,8 @@ class EmailChannel:
         return message
 
     def send(self, alert: Alert) -> None:
+        import smtplib  # (here: smtplib and ssl, ~10 ms, only for a run that sends email)
+
         try:
             with smtplib.SMTP(self.host, self.port, timeout=self.timeout_s) as smtp:
                 if self.starttls:

@@ -234,5 +234,6 @@ def test_quick_smallest_piece_measures_the_mlp_row_against_its_own_baseline(tmp_
     row = report["reports"]["embedded_models"]["mlp"]
     assert row["rounds"] == 3 and row["guarded_steps"] > 0
     assert 0 < row["ratio_guarded"] < 5 and 0 < row["ratio_handoff"] < 5
+    assert 0 < row["ratio_limit"] < 5 and row["guarded_to_limit"] > 0
     (figure,) = report["figures"]["embedded_models"]
     assert figure["aim"].startswith(">= 0.90x")
