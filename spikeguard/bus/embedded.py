@@ -186,6 +186,11 @@ class EmbeddedBus(Bus):
                     log.trim(log.end - cap)
                 if recording is not None:
                     recording.append(record)
+            if self.keep_consumed is not None:
+                for name in touched:
+                    if not self._read_by_any_group(name):
+                        for partition in range(partitions):
+                            self._retain(name, partition)
             readers = self._readers if wake else {}
             for name in touched:
                 for consumer in readers.get(name, ()):
@@ -226,10 +231,13 @@ class EmbeddedBus(Bus):
     def _retain(self, topic_name: str, partition: int) -> None:
         """Drop what every group interested in the partition has committed, but ``keep_consumed``.
 
-        Called under the lock after a commit. A group with a member reading the
-        topic but no commit yet holds everything; a group without members keeps
-        holding what it has not committed (a worker restarting resumes there),
-        up to the cap.
+        Called under the lock after a commit, and after an append to a topic no
+        group reads. A group with a member reading the topic but no commit yet
+        holds everything; a group without members keeps holding what it has not
+        committed (a worker restarting resumes there), up to the cap. A topic
+        no group reads or has read (the decisions a trainer's bus receives when
+        nothing in the trainer consumes them) keeps its last ``keep_consumed``
+        records, what ``read_all`` and a reader who comes late still see.
         """
         keep = self.keep_consumed
         topic = self._topics.get(topic_name)
@@ -245,8 +253,19 @@ class EmbeddedBus(Bus):
                     continue
                 committed = log.beginning
             floor = committed if floor is None else min(floor, committed)
-        if floor is not None and floor - keep - log.beginning >= max(_MIN_TRIM, keep // 4):
+        if floor is None:
+            floor = log.end
+        if floor - keep - log.beginning >= max(_MIN_TRIM, keep // 4):
             log.trim(floor - keep)
+
+    def _read_by_any_group(self, topic_name: str) -> bool:
+        """Whether some group reads ``topic_name`` now or has committed an offset in it."""
+        for group in self._groups.values():
+            if any(topic_name in member.topics for member in group.members.values()):
+                return True
+            if any(tp[0] == topic_name for tp in group.committed):
+                return True
+        return False
 
     # -- clients --------------------------------------------------------------
     def producer(self) -> EmbeddedProducer:

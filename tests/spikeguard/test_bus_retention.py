@@ -89,11 +89,11 @@ def test_the_cap_bounds_a_log_nobody_reads_and_a_lagging_group_restarts_at_the_e
 def test_a_seek_to_a_trimmed_offset_resumes_at_the_earliest_or_latest() -> None:
     bus = EmbeddedBus(partitions=1, keep_consumed=0, max_records=100)
     bus.create_topics(["t"])
+    reader = bus.consumer("reader", ["t"])  # a reader that has not committed: the cap alone trims
+    reader.assignment()
     publish(bus, "t", 1000)
     earliest = bus.beginning_offset("t", 0)
     assert 0 < earliest <= 900
-    reader = bus.consumer("reader", ["t"])
-    reader.assignment()
     reader.seek("t", 0, 5)
     first = reader.poll(max_records=1, timeout=0.01)
     assert [r.offset for r in first] == [earliest]
@@ -173,3 +173,29 @@ def test_a_published_event_reaches_consumers_without_a_decode() -> None:
     [record] = consumer.poll(timeout=0.1)
     assert record.cached(StepEvent) is event
     assert record.value == encode(event)
+
+
+def test_a_topic_no_group_reads_keeps_keep_consumed_records() -> None:
+    """The decisions the child layout forwards to the trainer's bus are read by nobody in most runs:
+    without a group to commit, they were held up to the cap (~1 KiB per step of trainer memory)."""
+    bus = EmbeddedBus(partitions=1, keep_consumed=100, max_records=100_000)
+    bus.create_topics(["decisions"])
+    publish(bus, "decisions", 20_000)
+    assert held(bus, "decisions") <= 2 * 100
+    # What is held is the newest, offsets absolute, and a reader who comes late still gets it.
+    late = bus.consumer("late", ["decisions"])
+    got = consume_all(late, 200)
+    assert got and got[-1].offset == 19_999
+    assert [r.offset for r in got] == list(range(got[0].offset, 20_000))
+
+
+def test_a_group_that_has_committed_but_has_no_member_still_holds_its_records() -> None:
+    bus = EmbeddedBus(partitions=1, keep_consumed=0, max_records=None)
+    bus.create_topics(["steps"])
+    worker = bus.consumer("worker", ["steps"])
+    publish(bus, "steps", 100)
+    consume_all(worker, 100)
+    worker.commit()
+    worker.close()
+    publish(bus, "steps", 1000, start=100)
+    assert held(bus, "steps") >= 1000  # a restarting worker resumes at its commit
