@@ -1,0 +1,211 @@
+"""The embedded pipeline alone: its CPU per step, by stage, on a recorded step stream.
+
+A Guard trains the 0.5 ms MLP of ``bench_embedded_models.py`` on the default
+runtime for ``--steps`` steps while every message its process sends down to
+the pipeline's child (the run's events, the step fields 32 at a time) is
+recorded. The recording is then replayed, paced as a trainer at ``--rate``
+steps per second would send it, into the pipeline's workers run as threads of
+this process (the code the child runs, on its bus, with its key), and the CPU
+of each of those threads is read: CPU microseconds per step by worker, and
+the bridge's own share (building and signing the steps). With ``--profile
+OUT`` each worker loop is also under cProfile on its CPU clock
+(``OUT.NAME.prof``; read shares within a worker from it, sizes from the
+threads' CPU). ``--child`` replays into a real child process instead and
+reads its CPU from ``/proc`` (the figure a user's machine pays).
+
+    python benchmarks/profile_embedded_child.py [--steps 2000] [--rate 2000] [--child]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pickle
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_embedded_cost import _cpu_s
+from bench_embedded_models import MODELS
+from stage_clock import threads_cpu
+
+from spikeguard.bus.embedded import EmbeddedBus
+from spikeguard.producers import Guard, GuardConfig
+from spikeguard.runtime import child as child_module
+from spikeguard.runtime import open_runtime
+from spikeguard.runtime.base import Runtime, embedded_bus
+from spikeguard.runtime.threads import start_workers
+from spikeguard.schemas import Decision, Topics
+from spikeguard.settings import Settings, load_settings
+from spikeguard.streaming import worker as worker_loop
+
+
+def record(steps: int) -> tuple[Settings, list[Any]]:
+    """The settings of a guarded run and every message its process sent down to the child."""
+    model, _opt, step = MODELS["mlp"]()
+    runtime = open_runtime(load_settings({}))
+    pipeline = runtime.child
+    if pipeline is None:
+        raise SystemExit("no child process here: nothing to record")
+    sent: list[Any] = []
+    original = pipeline._down.send
+
+    def send(message: Any) -> None:
+        if isinstance(message, tuple) and message[0] == child_module.RECORDS:
+            sent.append(message)
+        original(message)
+
+    pipeline._down.send = send  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        config = GuardConfig(checkpoint_dir=tmp, checkpoint_every=0, resume=False)
+        guard = Guard(model, _opt, run_id="profile-child", config=config, runtime=runtime)
+        for _ in range(steps):
+            guard.step(step())
+        guard.publisher.flush(30.0)
+        guard.close()
+    runtime.close()
+    return runtime.settings, sent
+
+
+def _step_count(message: Any) -> int:
+    return sum(1 for item in message[1] if item[4] is not None)
+
+
+class _Replay:
+    """A pipe end that hands out the recorded messages, paced at ``rate`` steps per second."""
+
+    def __init__(self, messages: list[Any], rate: float) -> None:
+        self.messages = list(messages)
+        self.rate = rate
+        self.started = 0.0
+        self.steps = 0
+
+    def recv(self) -> Any:
+        if not self.messages:
+            return None
+        if not self.started:
+            self.started = time.perf_counter()
+        due = self.started + self.steps / self.rate
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        message = self.messages.pop(0)
+        self.steps += _step_count(message)
+        return message
+
+
+class _Decided:
+    """The steps decided so far, read by a consumer group of its own (subscribed before any step)."""
+
+    def __init__(self, bus: EmbeddedBus, topics: Topics) -> None:
+        self._consumer = bus.consumer("profile-decided", [topics.decisions])
+        self.steps: set[int] = set()
+
+    def wait(self, steps: int, timeout_s: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while len(self.steps) < steps and time.monotonic() < deadline:
+            for record in self._consumer.poll(10_000, 0.05):
+                self.steps.add(record.decoded(Decision).step)
+        self._consumer.close()
+        return len(self.steps)
+
+
+def replay_threads(
+    settings: Settings, messages: list[Any], rate: float, profile: str | None
+) -> dict[str, float]:
+    """CPU seconds per thread while the recording is replayed into the workers as threads."""
+    if profile:
+        run = worker_loop.Worker.run
+
+        def profiled(self: Any) -> None:
+            profiler = cProfile.Profile(time.thread_time)
+            profiler.enable()
+            try:
+                run(self)
+            finally:
+                profiler.disable()
+                profiler.dump_stats(f"{profile}.{self.stage.name}.prof")
+
+        worker_loop.Worker.run = profiled  # type: ignore[method-assign]
+    bus = embedded_bus(settings)
+    topics = Topics(settings.topic_prefix)
+    bus.create_topics(topics.compacted(), compacted=True)
+    bus.create_topics(topics.all())
+    runtime = Runtime(bus, topics, settings)
+    start_workers(runtime)
+    decided = _Decided(bus, topics)
+    steps = sum(map(_step_count, messages))
+    before = threads_cpu()
+    bridge0 = time.thread_time()
+    child_module.receive(bus, _Replay(messages, rate), settings.keys(), topics.dlq)  # type: ignore[arg-type]
+    bridge = time.thread_time() - bridge0
+    count = decided.wait(steps)
+    after = threads_cpu()
+    cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+    cpu = {name.split("#")[0]: s for name, s in cpu.items() if name.startswith("spikeguard-")}
+    cpu["bridge (build and sign the steps)"] = bridge
+    cpu["decided"] = count
+    runtime.close()
+    return cpu
+
+
+def replay_child(settings: Settings, messages: list[Any], rate: float) -> dict[str, float]:
+    """CPU seconds of a real child process while the recording is replayed into it."""
+    bus = embedded_bus(settings)
+    topics = Topics(settings.topic_prefix)
+    bus.create_topics(topics.compacted(), compacted=True)
+    bus.create_topics(topics.all())
+    pipeline = child_module.ChildPipeline(Runtime(bus, topics, settings))
+    counter = _Decided(bus, topics)
+    steps = sum(map(_step_count, messages))
+    start = _cpu_s(pipeline.process.pid)
+    replay = _Replay(messages, rate)
+    while (message := replay.recv()) is not None:
+        pipeline._down.send(message)
+    decided = counter.wait(steps)
+    cpu = _cpu_s(pipeline.process.pid) - start
+    pipeline.close()
+    bus.close()
+    return {"child": cpu, "decided": decided}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--rate", type=float, default=2000.0, help="steps per second replayed")
+    parser.add_argument("--child", action="store_true", help="replay into a real child process")
+    parser.add_argument("--profile", metavar="OUT", help="cProfile each worker into OUT.NAME.prof")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--recording", metavar="FILE", help="replay FILE (made on first use)")
+    args = parser.parse_args(argv)
+    if args.recording and Path(args.recording).exists():
+        settings, messages = pickle.loads(Path(args.recording).read_bytes())
+    else:
+        settings, messages = record(args.steps)
+        if args.recording:
+            Path(args.recording).write_bytes(pickle.dumps((settings, messages)))
+    steps = sum(map(_step_count, messages))
+    if args.child:
+        cpu = replay_child(settings, messages, args.rate)
+    else:
+        cpu = replay_threads(settings, messages, args.rate, args.profile)
+    decided = int(cpu.pop("decided"))
+    per_step = {name: round(1e6 * s / steps, 1) for name, s in sorted(cpu.items())}
+    total = round(sum(per_step.values()), 1)
+    if args.json:
+        print(json.dumps({"steps": steps, "decided": decided, "cpu_us_per_step": per_step}))
+        return 0
+    print(f"{steps} steps replayed at {args.rate:.0f}/s, {decided} decided; CPU us per step:")
+    for name, us in per_step.items():
+        print(f"  {name:40s} {us:8.1f}")
+    print(f"  {'total':40s} {total:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
