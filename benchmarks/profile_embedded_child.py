@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_embedded_cost import _cpu_s
 from bench_embedded_models import MODELS
-from stage_clock import threads_cpu
+from stage_clock import StageClock, instrument_worker, threads_cpu
 
 from spikeguard.bus.embedded import EmbeddedBus
 from spikeguard.producers import Guard, GuardConfig
@@ -115,8 +115,26 @@ class _Decided:
         return len(self.steps)
 
 
+def _clock_seams(clock: StageClock, workers: list[Any]) -> None:
+    """Timers on the workers' seams, on signing and on the per-verdict copies."""
+    from spikeguard.processors import detector_stage
+    from spikeguard.schemas import signing
+
+    for worker in workers:
+        instrument_worker(clock, worker)
+    clock.wrap(signing, "sign", "sign (canonical JSON + HMAC)")
+    clock.wrap(detector_stage, "with_values", "verdicts copied with the step's values")
+    clock.wrap(worker_loop, "observe_outputs", "output metrics")
+    clock.wrap(worker_loop, "handle_batch", "batch transaction")
+
+
 def replay_threads(
-    settings: Settings, messages: list[Any], rate: float, profile: str | None
+    settings: Settings,
+    messages: list[Any],
+    rate: float,
+    profile: str | None,
+    names: tuple[str, ...],
+    clock: StageClock | None = None,
 ) -> dict[str, float]:
     """CPU seconds per thread while the recording is replayed into the workers as threads."""
     if profile:
@@ -137,7 +155,9 @@ def replay_threads(
     bus.create_topics(topics.compacted(), compacted=True)
     bus.create_topics(topics.all())
     runtime = Runtime(bus, topics, settings)
-    start_workers(runtime)
+    start_workers(runtime, names)
+    if clock is not None:
+        _clock_seams(clock, runtime.workers)
     decided = _Decided(bus, topics)
     steps = sum(map(_step_count, messages))
     before = threads_cpu()
@@ -174,12 +194,34 @@ def replay_child(settings: Settings, messages: list[Any], rate: float) -> dict[s
     return {"child": cpu, "decided": decided}
 
 
+def batched_limit(settings: Settings, messages: list[Any]) -> float:
+    """CPU seconds the backtest's batched path (:class:`DirectPipeline`: detectors and fusion,
+    no bus, no signing) takes to judge the same steps in this process: the figure to aim at."""
+    from spikeguard.lab.backtest_pump import DirectPipeline
+    from spikeguard.schemas import StepEvent
+
+    events = [StepEvent(**item[4]) for message in messages for item in message[1] if item[4]]
+    offline = load_settings({"topic_prefix": settings.topic_prefix}, env={})
+    pipeline = DirectPipeline(offline)
+    started = time.thread_time()
+    pipeline.feed(events)
+    pipeline.finish()
+    return time.thread_time() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rate", type=float, default=2000.0, help="steps per second replayed")
     parser.add_argument("--child", action="store_true", help="replay into a real child process")
     parser.add_argument("--profile", metavar="OUT", help="cProfile each worker into OUT.NAME.prof")
+    parser.add_argument(
+        "--layout",
+        choices=["embedded", "separate"],
+        default="embedded",
+        help="the workers: the embedded runtime's (detectors co-hosted), or one per detector",
+    )
+    parser.add_argument("--stages", action="store_true", help="CPU per step on the workers' seams")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--recording", metavar="FILE", help="replay FILE (made on first use)")
     args = parser.parse_args(argv)
@@ -193,17 +235,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         cpu = replay_child(settings, messages, args.rate)
     else:
-        cpu = replay_threads(settings, messages, args.rate, args.profile)
+        from spikeguard.components import COMPONENTS, EMBEDDED_COMPONENTS
+
+        names = EMBEDDED_COMPONENTS if args.layout == "embedded" else COMPONENTS
+        clock = StageClock() if args.stages else None
+        cpu = replay_threads(settings, messages, args.rate, args.profile, names, clock)
+        if clock is not None:
+            print("CPU us per step on the seams (exclusive):")
+            for label, s in sorted(clock.seconds.items(), key=lambda kv: -kv[1]):
+                print(f"  {label:50s} {1e6 * s / steps:8.1f}")
     decided = int(cpu.pop("decided"))
+    limit = batched_limit(settings, messages)
     per_step = {name: round(1e6 * s / steps, 1) for name, s in sorted(cpu.items())}
     total = round(sum(per_step.values()), 1)
     if args.json:
-        print(json.dumps({"steps": steps, "decided": decided, "cpu_us_per_step": per_step}))
+        print(
+            json.dumps(
+                {
+                    "steps": steps,
+                    "decided": decided,
+                    "cpu_us_per_step": per_step,
+                    "batched_limit_us_per_step": round(1e6 * limit / steps, 1),
+                }
+            )
+        )
         return 0
     print(f"{steps} steps replayed at {args.rate:.0f}/s, {decided} decided; CPU us per step:")
     for name, us in per_step.items():
         print(f"  {name:40s} {us:8.1f}")
     print(f"  {'total':40s} {total:8.1f}")
+    print(f"the backtest's batched path on the same steps, same process: {1e6 * limit / steps:.1f}")
     return 0
 
 
