@@ -34,6 +34,7 @@ def _unsigned(decisions) -> dict[tuple[str, int], str]:
     }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scenario, seed", [("sudden_spike", 1), ("non_finite", 2)])
 def test_the_embedded_workers_decide_a_recorded_stream_as_the_backtest(scenario, seed):
     events = generate(scenario, 400, seed, run_id=f"rec-{scenario}").events
