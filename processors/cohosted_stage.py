@@ -14,8 +14,10 @@ order), the batch's verdicts go out one per record on ``verdicts`` instead,
 so no detector's verdicts ever reach fusion out of order. The batch commits
 after all of them are acknowledged.
 
-The independent workers stay the default (docs/design.md): they scale and fail
-one detector at a time. The two layouts do not share consumer groups or
+On Kafka the independent workers stay the default (docs/design.md): they
+scale and fail one detector at a time. The embedded runtime runs this stage
+(``components.EMBEDDED_COMPONENTS``): a step's verdicts reach fusion together
+and in detector order, as the backtest hands them over. The two layouts do not share consumer groups or
 saved state (``{prefix}detectors`` and ``state.detectors`` here), so a switch
 from one to the other judges the retained steps again under the new group;
 fusion drops the verdicts it already has (duplicates) and decides nothing twice.

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
 
 DETECTOR_NAMES = ("statistical", "rules", "ml", "predictor")
 COMPONENTS = (*DETECTOR_NAMES, "fusion", "actuator")
+#: The four detectors in one worker (``spikeguard worker detectors``): a step consumed once,
+#: its verdicts sent as one signed record, read by fusion together and in detector order.
+COHOSTED = "detectors"
+#: What the embedded runtime runs: the detectors co-hosted (a step's verdicts reach fusion as
+#: the backtest hands them over, so a critical verdict decides with the same verdicts), then
+#: fusion and the actuator.
+EMBEDDED_COMPONENTS = (COHOSTED, "fusion", "actuator")
 
 
 def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -> "Stage":
@@ -37,6 +44,10 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
     }
     if name in DETECTOR_NAMES:
         return detector_stage(name, settings, topics)
+    if name == COHOSTED:
+        from spikeguard.processors.cohosted_stage import CoHostedDetectors
+
+        return CoHostedDetectors([detector_stage(n, settings, topics) for n in DETECTOR_NAMES])
     if name == "fusion":
         # A run's own settings (its RunEvent) come as ``config``; the stage's are the default.
         # The key authenticates the verdicts it decides on and the run events whose settings it
@@ -61,7 +72,7 @@ def build_stage(name: str, settings: "Settings", topics: Topics | None = None) -
             if settings.keys() is not None or settings.insecure
             else None,
         )
-    raise ValueError(f"unknown component {name!r}; known: {', '.join(COMPONENTS)}")
+    raise ValueError(f"unknown component {name!r}; known: {', '.join((*COMPONENTS, COHOSTED))}")
 
 
 def detector_stage(name: str, settings: "Settings", topics: Topics) -> "DetectorStage":

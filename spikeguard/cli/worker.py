@@ -24,12 +24,10 @@ import threading
 from typing import TYPE_CHECKING
 
 from spikeguard.cli._common import add_settings_flags, settings_from
-from spikeguard.components import COMPONENTS, DETECTOR_NAMES
+from spikeguard.components import COHOSTED, COMPONENTS
 
 if TYPE_CHECKING:
     from spikeguard.streaming.stage import Stage
-
-COHOSTED = "detectors"  # the name of the four detectors co-hosted in one worker
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spikeguard.components import build_stage, detector_stage
+    from spikeguard.components import build_stage
     from spikeguard.metrics import default_metrics
     from spikeguard.streaming.worker import Worker
     from spikeguard.runtime import make_bus
@@ -98,10 +96,6 @@ def run(args: argparse.Namespace) -> int:
     bus.create_topics(topics.all())
 
     def stage(name: str) -> "Stage":
-        if name == COHOSTED:
-            from spikeguard.processors.cohosted_stage import CoHostedDetectors
-
-            return CoHostedDetectors([detector_stage(n, settings, topics) for n in DETECTOR_NAMES])
         return build_stage(name, settings, topics)
 
     workers = [

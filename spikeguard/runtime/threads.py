@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from spikeguard.components import COMPONENTS, build_stage
+from spikeguard.components import EMBEDDED_COMPONENTS, build_stage
 from spikeguard.metrics import Metrics
 from spikeguard.runtime.base import Runtime, make_bus
 from spikeguard.schemas import Topics
@@ -18,9 +18,10 @@ from spikeguard.streaming.worker import Worker
 
 
 def start_workers(
-    runtime: Runtime, names: tuple[str, ...] = COMPONENTS, metrics: Metrics | None = None
+    runtime: Runtime, names: tuple[str, ...] = EMBEDDED_COMPONENTS, metrics: Metrics | None = None
 ) -> None:
-    """Run these components as daemon threads on the runtime's bus."""
+    """Run these components as daemon threads on the runtime's bus (by default the detectors
+    co-hosted in one worker, fusion and the actuator: :data:`~spikeguard.components.EMBEDDED_COMPONENTS`)."""
     bus = runtime.connected_bus()
     for name in names:
         worker = Worker(

@@ -73,7 +73,8 @@ KEY = "soak-run-key-5f1e0c"
 # The session of an earlier run of the same run id: its genuine steps, replayed, must move nothing.
 EARLIER_SESSION = new_session(now=1_000_000.0)
 HOSTILE = int(os.environ.get("SPIKEGUARD_SOAK_RECORDS", "10000"))
-DETECTORS = ("statistical", "rules", "ml", "predictor")
+#: The embedded runtime's detectors: the four co-hosted behind one consumer (EMBEDDED_COMPONENTS).
+DETECTORS = ("detectors",)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

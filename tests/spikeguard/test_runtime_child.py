@@ -112,15 +112,14 @@ def test_forged_steps_still_land_in_the_dlq_across_the_bridge():
         dead: list[DeadLetter] = []
         for _ in range(600):  # a bound on polling, not a timing assertion
             dead = [decode(r.value, DeadLetter) for r in bus.read_all(topics.dlq)]
-            if len(dead) >= 3 * 4:
+            if len(dead) >= 3:
                 break
             threading.Event().wait(0.1)
         refused = sorted(
             (d.consumer.rsplit(".", 1)[1], decode(d.value, StepEvent).step) for d in dead
         )
-        assert refused == sorted(
-            (name, s) for name in ("statistical", "rules", "ml", "predictor") for s in range(3)
-        )
+        # The four detectors share one consumer (components.EMBEDDED_COMPONENTS): refused once.
+        assert refused == [("detectors", s) for s in range(3)]
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert bus.read_all(topics.actions) == []
     finally:
@@ -188,7 +187,7 @@ def test_data_dir_state_survives_a_restart_with_the_pipeline_in_a_child_process(
     assert sorted(decode(r.value, StepEvent).step for r in saved.read_all(topics.steps)) == list(
         range(40)
     )
-    assert saved.read_all(topics.state("statistical"))
+    assert saved.read_all(topics.state("detectors"))
     saved.close()
     assert _session(data_dir, prefix, tmp_path, 20) == 40  # the Guard resumed from its checkpoint
     reopened = EmbeddedBus(data_dir=data_dir)
@@ -306,15 +305,14 @@ def test_a_guard_with_another_key_is_not_vouched_for_by_the_child(tmp_path):
                 if d.source_topic == topic
             ]
 
-        dead = _wait_for(
-            lambda: letters(topics.steps) if len(letters(topics.steps)) >= 3 * 4 else None
-        )
+        dead = _wait_for(lambda: letters(topics.steps) if len(letters(topics.steps)) >= 3 else None)
         assert len(bus.read_all(topics.steps)) == 3
         assert {d.error for d in dead} == {"StepNotAuthenticated"}
         assert sorted({decode(d.value, StepEvent).step for d in dead}) == [0, 1, 2]
-        # So is its run start (signed with its key too), by all six stages: its settings apply to nothing.
-        runs = _wait_for(lambda: letters(topics.runs) if len(letters(topics.runs)) >= 6 else None)
-        assert {d.error for d in runs} == {"RunEventNotAuthenticated"} and len(runs) == 6
+        # So is its run start (signed with its key too), by all three workers (the detectors
+        # co-hosted, fusion, the actuator): its settings apply to nothing.
+        runs = _wait_for(lambda: letters(topics.runs) if len(letters(topics.runs)) >= 3 else None)
+        assert {d.error for d in runs} == {"RunEventNotAuthenticated"} and len(runs) == 3
         guard.close()
     finally:
         runtime.close()
@@ -455,12 +453,12 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
 
         def served(
             text: str,
-        ) -> bool:  # every step seen, and consumed by the ml worker (its own pace)
+        ) -> bool:  # every step seen, and consumed by the detectors' worker (its own pace)
             consumed = [
                 line
                 for line in text.splitlines()
                 if line.startswith("spikeguard_records_consumed_total{")
-                and f'component="ml",topic="{prefix}steps"' in line
+                and f'component="detectors",topic="{prefix}steps"' in line
             ]
             return (
                 'spikeguard_run_last_step{run_id="served"} 29.0' in text
@@ -477,7 +475,7 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
     assert 'spikeguard_trainer_unprotected{run_id="served"} 1.0' in lines  # the trainer's own
     # Consumer lag of both buses: the workers' groups (child) and the bridge's (trainer).
     assert any(
-        f'group="{prefix}ml"' in line
+        f'group="{prefix}detectors"' in line
         for line in lines
         if line.startswith("spikeguard_consumer_lag")
     )
@@ -490,7 +488,7 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
         line
         for line in lines
         if line.startswith("spikeguard_records_consumed_total{")
-        and f'component="ml",topic="{prefix}steps"' in line
+        and f'component="detectors",topic="{prefix}steps"' in line
     ]
     assert consumed and float(consumed[0].rsplit(" ", 1)[1]) >= 30
     # One family per name, though both processes declare every family.
@@ -504,7 +502,7 @@ def test_the_childs_metrics_are_served_with_the_trainers_on_one_port(tmp_path):
     assert any(
         s.value >= 30
         for s in final["spikeguard_records_consumed"].samples
-        if s.labels.get("component") == "ml"
+        if s.labels.get("component") == "detectors"
     )
 
 
@@ -520,12 +518,7 @@ def test_where_no_child_can_start_the_pipeline_runs_as_threads_and_says_so(
         runtime = open_runtime(settings(data_dir=str(data_dir)))
     try:
         assert runtime.child is None
-        assert {w.stage.name for w in runtime.workers} >= {
-            "statistical",
-            "ml",
-            "fusion",
-            "actuator",
-        }
+        assert {w.stage.name for w in runtime.workers} == {"detectors", "fusion", "actuator"}
         said = [r for r in caplog.records if r.name == "spikeguard.runtime"]
         assert [r.levelname for r in said] == ["INFO"] and "threads" in said[0].getMessage()
         assert "no-such-python" in said[0].getMessage()
