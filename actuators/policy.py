@@ -12,15 +12,16 @@ non-finite          the Guard skipped that update itself: one ALERT. Another
                     within ``non_finite_recur_steps`` -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP
 LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
-                    within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
-                    (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
+                    within ``lr_jump_window_steps`` is LR-induced: HOLD_LR (the
+                    trainer holds the jump now on at the rate it trained at
+                    before it, and gives the schedule back the step it ends);
                     still anomalous after the patience -> ROLLBACK, no skip,
                     HOLD_LR (the re-run holds the jump at the rate it trained
                     at; the schedule comes back exactly when it falls again)
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
-                    any rate the run had trained at, then the loss rise) SCALE_LR
-                    (x``lr_jump_factor``) once; no restore while the rise is
-                    said and ``lr_jump_hold_steps`` after; damaged (below) a
+                    any rate the run had trained at, then the loss rise) HOLD_LR
+                    once (as above: nothing lowered, so nothing to restore after
+                    the jump); damaged (below) a
                     ``damage_window_steps`` window later -> ROLLBACK to before
                     the jump, no skip, the checkpoint's LR, HOLD_LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
@@ -93,7 +94,7 @@ from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
-from spikeguard.schemas.actions import CheckpointParams
+from spikeguard.schemas.actions import CheckpointParams, HoldLrParams
 from spikeguard.schemas import (
     Ack,
     AckStatus,
@@ -587,12 +588,22 @@ class RecoveryPolicy:
         self._watch_lr_damage(d, inc)
         plan.response = Response.LR_INDUCED
         self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
-        why = (
-            f"{what}, {self.observed_steps - jump} steps after the learning rate jumped: "
-            f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps"
+        self._hold_jump(
+            plan, f"{what}, {self.observed_steps - jump} steps after the learning rate jumped"
         )
-        self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
+
+    def _hold_jump(self, plan: ActionPlan, why: str) -> None:
+        """The cause is the schedule's jump, and the model not (yet) damaged: the trainer holds the
+        jump now on at the rate it trained at before it and gives the schedule back the step the
+        jump ends. A factor would outlast the jump (x0.1 restored x1.25 per 200 healthy steps
+        left a character GRU at 0.24x its schedule, +7 % final loss); the policy's LR factor is
+        untouched, so there is nothing to restore."""
+        plan.add(
+            HoldLrParams(),
+            f"{why}: the jump held at the highest LR the run trained at before it, the "
+            "schedule given back when it falls to that rate",
+        )
 
     def _lr_induced_rise(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """The detector saw the LR jump beyond any rate the run had trained at (no warm restart)
@@ -609,12 +620,10 @@ class RecoveryPolicy:
         inc.lr_induced = True
         plan.response = Response.LR_INDUCED
         self._watch_lr_damage(d, inc)
-        self.recovery.lower_lr(
+        self._hold_jump(
             plan,
-            cfg.lr_jump_factor,
             f"{what}: the loss rose after the learning rate jumped beyond any rate "
-            "the run had trained at: back towards the schedule's trend, no restore "
-            f"while the rise lasts and {cfg.lr_jump_hold_steps} steps after",
+            "the run had trained at",
         )
 
     def _after_lr_jump(
@@ -867,8 +876,9 @@ class RecoveryPolicy:
 
     def _healthy(self, plan: ActionPlan, d: Decision) -> None:
         lr = self.recovery.lr
-        if lr.current >= lr.ceiling * (1 - 1e-9):
-            self.level_before = None  # nothing lowered (or all restored): nothing to protect
+        if lr.current >= lr.ceiling * (1 - 1e-9) and self.lr_damage is None:
+            # nothing lowered (or all restored), no held jump being judged: nothing to protect
+            self.level_before = None
         if self._damaged():
             self.healthy_streak = 0  # a plateau far above the level before is damage, not health
             return
