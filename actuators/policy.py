@@ -49,7 +49,10 @@ preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
 healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
-                    (x1.25), up to the ceiling; not while damaged
+                    (x1.25), up to the ceiling; not while damaged. After a
+                    rollback that skipped the data, once the re-run trained on
+                    the batches after the skipped ones with no anomaly: the
+                    cause is gone, RESTORE_LR to the checkpoint's LR at once
 ==================  ==========================================================
 
 Damaged: after the LR was lowered outside a rollback, the median loss of the
@@ -174,6 +177,7 @@ class RecoveryPolicy:
         self.recent_losses: list[float] = []
         self.lr_damage: dict[str, Any] | None = None  # incident, since, claim, evidence
         self.rerun_window: RerunWindow | None = None
+        self.rerun_troubled = False  # an anomaly on the re-run before it passed its window
         self.data_level_until: int | None = None  # non-critical rises watched until this tick
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
@@ -232,6 +236,8 @@ class RecoveryPolicy:
             )
             return plan.actions()
         self._remember_loss(decision)
+        if decision.is_anomaly and self.rerun_window is not None:
+            self.rerun_troubled = True
         if self._judge_lr_damage(plan, decision):
             return plan.actions()
         p = self.pending_spike
@@ -336,6 +342,7 @@ class RecoveryPolicy:
             self.pending_spike = None
             self.healthy_streak = 0
             self.recent_losses = []  # the abandoned timeline's
+            self.rerun_troubled = False
             self.rerun_window = (
                 None
                 if record.skipped_from is None
@@ -883,6 +890,8 @@ class RecoveryPolicy:
             self.healthy_streak = 0  # a plateau far above the level before is damage, not health
             return
         self.healthy_streak += 1
+        if self._cause_removed(plan, d):
+            return
         if self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until:
             return  # an LR jump was scaled back: it may still be in the schedule
         if self.healthy_streak >= self.config.lr_restore_healthy_steps:
@@ -890,6 +899,33 @@ class RecoveryPolicy:
             plan.response = Response.RESTORE
             if self.recovery.restore_lr(plan, why):
                 self.healthy_streak = 0
+
+    def _cause_removed(self, plan: ActionPlan, d: Decision) -> bool:
+        """The re-run after a rollback that skipped an incident's data has trained on the batches
+        after the skipped ones, every step of them healthy: the cause is gone. The LR the recovery
+        cut comes back at once, to the checkpoint's (one restore step per 200 healthy steps left
+        a CNN at half its LR for 800 steps after five bad batches). Its clipping stays (nothing
+        lifts it), and the run's summary says so. True if it restored."""
+        window = self.rerun_window
+        if window is None or d.step < window.end - 1:
+            return False
+        self.rerun_window = None  # a later rise is not on the batches after the skipped ones
+        if self.rerun_troubled:
+            return False  # trouble on the re-run: the cut was not only the data's
+        lr = self.recovery.lr
+        before = lr.at(window.checkpoint_step)
+        if before <= lr.current * (1 + 1e-9):
+            return False
+        plan.response = Response.CAUSE_REMOVED
+        why = (
+            f"steps {window.start}..{window.end - 1} of the re-run trained on the batches after "
+            "the skipped ones, every one healthy: the data that caused the incident is gone, "
+            "the LR its recovery cut given back"
+        )
+        if not self.recovery.restore_lr(plan, why, before / lr.current):
+            return False
+        self.healthy_streak = 0
+        return True
 
     def _recover(
         self,
@@ -992,6 +1028,7 @@ class RecoveryPolicy:
             "recent_losses": list(self.recent_losses),
             "lr_damage": self.lr_damage,
             "rerun_window": None if self.rerun_window is None else list(self.rerun_window),
+            "rerun_troubled": self.rerun_troubled,
             "data_level_until": self.data_level_until,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
@@ -1034,6 +1071,7 @@ class RecoveryPolicy:
         self.lr_damage = state.get("lr_damage")
         window = state.get("rerun_window")
         self.rerun_window = None if window is None else RerunWindow(*window)
+        self.rerun_troubled = bool(state.get("rerun_troubled", False))
         self.data_level_until = state.get("data_level_until")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.recovery_actions = OrderedDict((k, v) for k, v in state.get("recovery_actions", []))

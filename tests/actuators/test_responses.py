@@ -647,3 +647,37 @@ def test_an_extreme_loss_after_an_lr_jump_is_rolled_back_with_the_jump_held_and_
     rolled = [a for a in out if a.kind is not K.ALERT]
     assert kinds(rolled) == [K.HOLD_LR, K.ROLLBACK, K.HOLD_LR], [a.reason for a in out]
     assert policy.recovery.clip.norm is None
+
+
+def test_the_lr_a_recovery_cut_is_given_back_once_the_re_run_passed_the_skipped_data() -> None:
+    """Issue 38 (digits CNN, seed 2): five shuffled-label batches, one update's gradient past x10:
+    rolled back, the window skipped, LR x0.5 and clipping. The re-run trained on the batches
+    after the skipped ones without an anomaly: the cause is gone, so the LR comes back at once
+    to the checkpoint's (was: x1.25 per 200 healthy steps, 800 steps at a lower LR)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    bad = [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    first = feed(policy, bad)
+    assert kinds(first)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
+    applied(policy, first[0])
+    assert policy.recovery.lr.current == pytest.approx(0.5)
+    skip = first[1].params
+    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra  # re-run's window end
+    before = feed(policy, healthy(701, end - 1))
+    assert K.RESTORE_LR not in kinds(before)  # not yet past the batches after the skipped ones
+    back = feed(policy, healthy(end - 1, end + 1))
+    assert kinds(back) == [K.RESTORE_LR], [a.reason for a in back]
+    assert back[0].reason.startswith("[cause_removed]")
+    assert back[0].params.factor == pytest.approx(2.0) and policy.recovery.lr.current == 1.0
+
+
+def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    applied(policy, first[0])
+    feed(policy, healthy(701, 780) + [dec(780, T.GRADIENT_EXPLOSION, onset=780)])
+    later = feed(policy, healthy(781, 830))
+    assert K.RESTORE_LR not in kinds(later) and policy.recovery.lr.current < 0.5
