@@ -12,15 +12,16 @@ non-finite          the Guard skipped that update itself: one ALERT. Another
                     within ``non_finite_recur_steps`` -> ROLLBACK,
                     SKIP_BATCHES, SCALE_LR (x0.5), CLIP
 LR jump             (rules ``lr_jump``) one ALERT; a loss or gradient anomaly
-                    within ``lr_jump_window_steps`` is LR-induced: SCALE_LR
-                    (x``lr_jump_factor``), no restore for ``lr_jump_hold_steps``;
+                    within ``lr_jump_window_steps`` is LR-induced: HOLD_LR (the
+                    trainer holds the jump now on at the rate it trained at
+                    before it, and gives the schedule back the step it ends);
                     still anomalous after the patience -> ROLLBACK, no skip,
                     HOLD_LR (the re-run holds the jump at the rate it trained
                     at; the schedule comes back exactly when it falls again)
 LR-induced rise     (``lr_induced_rise``: the detector saw the LR jump beyond
-                    any rate the run had trained at, then the loss rise) SCALE_LR
-                    (x``lr_jump_factor``) once; no restore while the rise is
-                    said and ``lr_jump_hold_steps`` after; damaged (below) a
+                    any rate the run had trained at, then the loss rise) HOLD_LR
+                    once (as above: nothing lowered, so nothing to restore after
+                    the jump); damaged (below) a
                     ``damage_window_steps`` window later -> ROLLBACK to before
                     the jump, no skip, the checkpoint's LR, HOLD_LR
 critical            (finite loss) judged after ``spike_patience_steps`` like a
@@ -48,7 +49,10 @@ preventive          rate-limited CHECKPOINT (on_demand), gentle CLIP; never more
 notice              (other types) one ALERT (warning) per incident
 outlier step        one ALERT (info): never a recovery
 healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
-                    (x1.25), up to the ceiling; not while damaged
+                    (x1.25), up to the ceiling; not while damaged. After a
+                    rollback that skipped the data, once the re-run trained on
+                    the batches after the skipped ones with no anomaly: the
+                    cause is gone, RESTORE_LR to the checkpoint's LR at once
 ==================  ==========================================================
 
 Damaged: after the LR was lowered outside a rollback, the median loss of the
@@ -93,7 +97,7 @@ from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
-from spikeguard.schemas.actions import CheckpointParams
+from spikeguard.schemas.actions import CheckpointParams, HoldLrParams
 from spikeguard.schemas import (
     Ack,
     AckStatus,
@@ -173,6 +177,7 @@ class RecoveryPolicy:
         self.recent_losses: list[float] = []
         self.lr_damage: dict[str, Any] | None = None  # incident, since, claim, evidence
         self.rerun_window: RerunWindow | None = None
+        self.rerun_troubled = False  # an anomaly on the re-run before it passed its window
         self.data_level_until: int | None = None  # non-critical rises watched until this tick
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
@@ -231,6 +236,8 @@ class RecoveryPolicy:
             )
             return plan.actions()
         self._remember_loss(decision)
+        if decision.is_anomaly and self.rerun_window is not None:
+            self.rerun_troubled = True
         if self._judge_lr_damage(plan, decision):
             return plan.actions()
         p = self.pending_spike
@@ -335,6 +342,7 @@ class RecoveryPolicy:
             self.pending_spike = None
             self.healthy_streak = 0
             self.recent_losses = []  # the abandoned timeline's
+            self.rerun_troubled = False
             self.rerun_window = (
                 None
                 if record.skipped_from is None
@@ -587,12 +595,22 @@ class RecoveryPolicy:
         self._watch_lr_damage(d, inc)
         plan.response = Response.LR_INDUCED
         self.lr_hold_until = self.observed_steps + cfg.lr_jump_hold_steps
-        why = (
-            f"{what}, {self.observed_steps - jump} steps after the learning rate jumped: "
-            f"back towards the schedule's trend, no restore for {cfg.lr_jump_hold_steps} steps"
+        self._hold_jump(
+            plan, f"{what}, {self.observed_steps - jump} steps after the learning rate jumped"
         )
-        self.recovery.lower_lr(plan, cfg.lr_jump_factor, why)
         return True
+
+    def _hold_jump(self, plan: ActionPlan, why: str) -> None:
+        """The cause is the schedule's jump, and the model not (yet) damaged: the trainer holds the
+        jump now on at the rate it trained at before it and gives the schedule back the step the
+        jump ends. A factor would outlast the jump (x0.1 restored x1.25 per 200 healthy steps
+        left a character GRU at 0.24x its schedule, +7 % final loss); the policy's LR factor is
+        untouched, so there is nothing to restore."""
+        plan.add(
+            HoldLrParams(),
+            f"{why}: the jump held at the highest LR the run trained at before it, the "
+            "schedule given back when it falls to that rate",
+        )
 
     def _lr_induced_rise(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """The detector saw the LR jump beyond any rate the run had trained at (no warm restart)
@@ -609,12 +627,10 @@ class RecoveryPolicy:
         inc.lr_induced = True
         plan.response = Response.LR_INDUCED
         self._watch_lr_damage(d, inc)
-        self.recovery.lower_lr(
+        self._hold_jump(
             plan,
-            cfg.lr_jump_factor,
             f"{what}: the loss rose after the learning rate jumped beyond any rate "
-            "the run had trained at: back towards the schedule's trend, no restore "
-            f"while the rise lasts and {cfg.lr_jump_hold_steps} steps after",
+            "the run had trained at",
         )
 
     def _after_lr_jump(
@@ -867,12 +883,15 @@ class RecoveryPolicy:
 
     def _healthy(self, plan: ActionPlan, d: Decision) -> None:
         lr = self.recovery.lr
-        if lr.current >= lr.ceiling * (1 - 1e-9):
-            self.level_before = None  # nothing lowered (or all restored): nothing to protect
+        if lr.current >= lr.ceiling * (1 - 1e-9) and self.lr_damage is None:
+            # nothing lowered (or all restored), no held jump being judged: nothing to protect
+            self.level_before = None
         if self._damaged():
             self.healthy_streak = 0  # a plateau far above the level before is damage, not health
             return
         self.healthy_streak += 1
+        if self._cause_removed(plan, d):
+            return
         if self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until:
             return  # an LR jump was scaled back: it may still be in the schedule
         if self.healthy_streak >= self.config.lr_restore_healthy_steps:
@@ -880,6 +899,33 @@ class RecoveryPolicy:
             plan.response = Response.RESTORE
             if self.recovery.restore_lr(plan, why):
                 self.healthy_streak = 0
+
+    def _cause_removed(self, plan: ActionPlan, d: Decision) -> bool:
+        """The re-run after a rollback that skipped an incident's data has trained on the batches
+        after the skipped ones, every step of them healthy: the cause is gone. The LR the recovery
+        cut comes back at once, to the checkpoint's (one restore step per 200 healthy steps left
+        a CNN at half its LR for 800 steps after five bad batches). Its clipping stays (nothing
+        lifts it), and the run's summary says so. True if it restored."""
+        window = self.rerun_window
+        if window is None or d.step < window.end - 1:
+            return False
+        self.rerun_window = None  # a later rise is not on the batches after the skipped ones
+        if self.rerun_troubled:
+            return False  # trouble on the re-run: the cut was not only the data's
+        lr = self.recovery.lr
+        before = lr.at(window.checkpoint_step)
+        if before <= lr.current * (1 + 1e-9):
+            return False
+        plan.response = Response.CAUSE_REMOVED
+        why = (
+            f"steps {window.start}..{window.end - 1} of the re-run trained on the batches after "
+            "the skipped ones, every one healthy: the data that caused the incident is gone, "
+            "the LR its recovery cut given back"
+        )
+        if not self.recovery.restore_lr(plan, why, before / lr.current):
+            return False
+        self.healthy_streak = 0
+        return True
 
     def _recover(
         self,
@@ -982,6 +1028,7 @@ class RecoveryPolicy:
             "recent_losses": list(self.recent_losses),
             "lr_damage": self.lr_damage,
             "rerun_window": None if self.rerun_window is None else list(self.rerun_window),
+            "rerun_troubled": self.rerun_troubled,
             "data_level_until": self.data_level_until,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
@@ -1024,6 +1071,7 @@ class RecoveryPolicy:
         self.lr_damage = state.get("lr_damage")
         window = state.get("rerun_window")
         self.rerun_window = None if window is None else RerunWindow(*window)
+        self.rerun_troubled = bool(state.get("rerun_troubled", False))
         self.data_level_until = state.get("data_level_until")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.recovery_actions = OrderedDict((k, v) for k, v in state.get("recovery_actions", []))

@@ -58,6 +58,10 @@ class Response(str, Enum):
     NOTICE = "notice"
     # Healthy steps: restore what the policy lowered, up to the ceiling.
     RESTORE = "restore"
+    # A rollback skipped the data that led into an incident, and the re-run trained on the
+    # batches after it without an anomaly: the cause is gone, the LR its recovery cut comes
+    # back at once (to the checkpoint's).
+    CAUSE_REMOVED = "cause_removed"
     # A recovery the evidence does not warrant (not critical past the budget, or no
     # checkpoint for an unconfirmed incident): alert and watch instead of acting.
     WATCH = "watch"

@@ -18,7 +18,11 @@ that damaged the model), a schedule that jumps (x``JUMP_RATIO`` or more in one
 step) above the highest LR an update was applied at is held at that peak, and
 the schedule is given back exactly at the step it falls to the peak again. The
 peak is part of the state, so a rollback restores the checkpoint's: the rate
-the run trained at before the jump.
+the run trained at before the jump. A HOLD_LR that arrives while a jump is on
+(an LR-induced rise, answered without a rollback) holds that jump at once, at
+the peak from before it: the model is not damaged, the cause is the schedule,
+and the schedule comes back the step the jump ends (a factor would stay after
+it).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class LRControl:
         self.hold_jumps = False  # armed: a jump of the schedule above the peak is held there
         self.holding = False  # a jump is held now (until the schedule falls to the peak)
         self._last_scheduled: float | None = None  # group 0's scheduled LR last looked at
+        # The peak before the jump of the schedule now on (None: no jump on): what a HOLD_LR
+        # that arrives during the jump holds it to.
+        self.jump_base: float | None = None
 
     def scheduled(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -55,16 +62,30 @@ class LRControl:
         scheduled = float(self.optimizer.param_groups[0]["lr"])
         last, self._last_scheduled = self._last_scheduled, scheduled
         wanted = scheduled * self.scale
+        jumped = last is not None and scheduled >= JUMP_RATIO * last
+        if jumped:
+            if self.jump_base is None and self.peak is not None and wanted > self.peak:
+                self.jump_base = self.peak
+        elif self.jump_base is not None and (
+            wanted <= self.jump_base or (last is not None and scheduled > last)
+        ):
+            self.jump_base = None  # over, or still rising: a warm-up's first doubling, not a jump
         if not self.hold_jumps or self.peak is None or wanted <= self.peak or scheduled <= 0:
             self.holding = False  # (the schedule is back at or below the peak: given back)
             return self.scale
-        if not self.holding and last is not None and scheduled >= JUMP_RATIO * last:
+        if not self.holding and jumped:
             self.holding = True
         return self.peak / scheduled if self.holding else self.scale
 
     def hold(self) -> str:
-        """Arm the hold (HOLD_LR); says what it holds to."""
+        """Arm the hold (HOLD_LR), and hold a jump that is on now; says what it holds to."""
         self.hold_jumps = True
+        if self.jump_base is not None:
+            self.peak, self.holding = self.jump_base, True
+            return (
+                f"the schedule's jump held at {self.peak:.3g}, the highest LR trained at before "
+                "it, until the schedule falls back to it"
+            )
         if self.peak is None:
             return "jumps of the schedule held (no update applied yet: nothing to hold them to)"
         return f"jumps of the schedule held at {self.peak:.3g}, the highest LR trained at"
@@ -122,6 +143,7 @@ class LRControl:
             "hold_jumps": self.hold_jumps,
             "holding": self.holding,
             "last_scheduled": self._last_scheduled,
+            "jump_base": self.jump_base,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -132,6 +154,8 @@ class LRControl:
         self.hold_jumps = bool(state.get("hold_jumps", False))
         self.holding = bool(state.get("holding", False))
         self._last_scheduled = None if last is None else float(last)
+        base = state.get("jump_base")
+        self.jump_base = None if base is None else float(base)
 
 
 def _assign(group: dict, lr: float) -> None:

@@ -53,3 +53,15 @@ def test_an_lr_blowup_that_damaged_the_model_is_rolled_back_to_before_it() -> No
     assert "hold_lr" in guarded["actions"], guarded["summary"]
     assert guarded["lr_factor_at_end"] == pytest.approx(1.0), guarded["summary"]  # the schedule's
     assert guarded["eval"] <= unguarded["eval"], (unguarded, guarded)
+
+
+def test_an_lr_blowup_answered_without_a_rollback_gives_the_schedule_back_when_it_ends() -> None:
+    """The character GRU under LR x50 for 100 steps (issue 38): x0.1 then x1.25 per 200 healthy
+    steps left it at 0.244x its schedule at the end of 2,000 steps, +7.3 % final loss. The jump
+    now on is held by the trainer (HOLD_LR) and the schedule is given back the step it ends."""
+    clean = run("char_lm", "lr_blowup", "clean", 0, CFG)
+    guarded = run("char_lm", "lr_blowup", "guarded", 0, CFG)
+    assert "hold_lr" in guarded["actions"], guarded["summary"]
+    assert "scale_lr" not in guarded["actions"], guarded["summary"]
+    assert guarded["lr_factor_at_end"] == pytest.approx(1.0), guarded["summary"]
+    assert guarded["eval"] <= clean["eval"] * 1.03, (clean, guarded)

@@ -76,3 +76,27 @@ def test_the_hold_and_the_peak_round_trip_through_the_state() -> None:
     old = LRControl(optimizer)
     old.load_state_dict({"scale": 0.5})  # a checkpoint written before the hold
     assert (old.scale, old.peak, old.hold_jumps) == (0.5, None, False)
+
+
+def test_a_hold_that_arrives_during_a_jump_holds_it_at_once_and_gives_the_schedule_back() -> None:
+    """An LR-induced rise answered without a rollback (issue 38: char_lm ended at 0.244x its
+    schedule with a x0.1 factor): the jump now on is held at the peak from before it, and the
+    step the schedule falls back the LR is the schedule's."""
+    optimizer, scheduler = _loop(_blowup)
+    lr = LRControl(optimizer)
+    applied = _train(lr, optimizer, scheduler, 23)  # three updates at x50 (steps 20-22)
+    assert applied[20:] == pytest.approx([5.0] * 3)
+    assert "held at 0.1" in lr.hold()
+    applied = _train(lr, optimizer, scheduler, 17)  # steps 23-39
+    assert applied == pytest.approx([0.1] * 17)
+    assert lr.scale == 1.0 and not lr.holding and lr.jump_base is None
+    assert lr.peak == pytest.approx(0.1)
+
+
+def test_no_jump_on_when_the_schedule_is_back() -> None:
+    optimizer, scheduler = _loop(_blowup)
+    lr = LRControl(optimizer)
+    _train(lr, optimizer, scheduler, 32)  # the jump came and went
+    assert lr.jump_base is None
+    assert "held at 5" in lr.hold()  # armed for the next one, nothing held now
+    assert _train(lr, optimizer, scheduler, 3) == pytest.approx([0.1] * 3)
