@@ -48,6 +48,8 @@ import time
 import torch
 from torch import nn
 
+from decision_tally import DecisionTally
+
 from spikeguard.producers import Guard, GuardConfig
 
 KINDS = ("unpublished", "threads", "process")
@@ -68,21 +70,14 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _undecided(guard: Guard, last_step: int) -> int:
+def _undecided(tally: DecisionTally, last_step: int) -> int:
     """Steps of this run after the newest one the pipeline had decided (read on the trainer's bus)."""
-    from spikeguard.schemas import Decision
-
-    decided = [r.decoded(Decision).step for r in guard.bus.read_all(guard.topics.decisions)]
-    return last_step - max(decided, default=-1)
+    return last_step - max(tally.update(), default=-1)
 
 
-def _never_decided(guard: Guard, steps: int) -> set[int]:
+def _never_decided(tally: DecisionTally, steps: int) -> set[int]:
     """The steps of this run (0..steps-1) with no decision on the trainer's bus."""
-    from spikeguard.schemas import Decision
-
-    return set(range(steps)) - {
-        r.decoded(Decision).step for r in guard.bus.read_all(guard.topics.decisions)
-    }
+    return set(range(steps)) - tally.update()
 
 
 def run(kind: str, steps: int, directory: str) -> dict:
@@ -101,6 +96,7 @@ def run(kind: str, steps: int, directory: str) -> dict:
         )
         child = runtime.child
         guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, runtime=runtime)
+        tally = DecisionTally(guard)
     warm = max(1, steps // 10)
     for i in range(steps):
         if i == warm:
@@ -118,7 +114,7 @@ def run(kind: str, steps: int, directory: str) -> dict:
     cpu = time.process_time() - cpu_start
     thread = time.thread_time() - thread_start
     child_cpu = _cpu_s(child.process.pid) - child_start if child is not None else 0.0
-    undecided = 0 if runtime is None else _undecided(guard, steps - 1)
+    undecided = 0 if runtime is None else _undecided(tally, steps - 1)
     guard.close()
     if runtime is not None:
         runtime.close()
@@ -159,6 +155,7 @@ def paired(steps: int, block: int, directory: str) -> dict:
             )
         )
         loops[kind] = (guard, model, opt, x, y)
+    tally = DecisionTally(loops["process"][0])
     wall = dict.fromkeys(loops, 0.0)
     thread = dict.fromkeys(loops, 0.0)
     blocks = max(2, steps // block)
@@ -179,10 +176,10 @@ def paired(steps: int, block: int, directory: str) -> dict:
     guard.publisher.flush(30.0)
     dropped = guard.publisher.dropped
     total = blocks * block
-    behind = _undecided(guard, total - 1)  # the pipeline's lag when the loop ended
+    behind = _undecided(tally, total - 1)  # the pipeline's lag when the loop ended
     # Missed: steps never decided, once the pipeline had a bounded while to catch up.
     deadline = time.monotonic() + 120.0
-    while len(never := _never_decided(guard, total)) > 0 and time.monotonic() < deadline:
+    while len(never := _never_decided(tally, total)) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     # The default layout or not: where no child could start, this measured threads.
     layout = (

@@ -53,6 +53,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from decision_tally import DecisionTally
+
 from spikeguard.producers import Guard, GuardConfig
 
 #: A step of a loop: runs one optimizer step and returns its loss.
@@ -153,6 +155,7 @@ class Loop:
         self.pending: list[tuple[int, Any]] = []
         self.n = 0
         self.guard = None
+        self.decided: DecisionTally | None = None
         if kind == "guarded":
             config = GuardConfig(
                 checkpoint_dir=f"{tmp}/{model_name}", checkpoint_every=0, resume=False
@@ -160,6 +163,7 @@ class Loop:
             self.guard = Guard(
                 self.model, self.opt, run_id=f"bench-{model_name}", config=config, runtime=runtime
             )
+            self.decided = DecisionTally(self.guard)
 
     def block(self, steps: int) -> float:
         """Run ``steps`` steps; the seconds they took on the chosen clock."""
@@ -184,13 +188,10 @@ class Loop:
         return CLOCK[0]() - start
 
 
-def _never_decided(guard: Guard, steps: int, wait_s: float) -> int:
-    from spikeguard.schemas import Decision
-
+def _never_decided(tally: DecisionTally, steps: int, wait_s: float) -> int:
     deadline = time.monotonic() + wait_s
     while True:
-        decided = {r.decoded(Decision).step for r in guard.bus.read_all(guard.topics.decisions)}
-        missing = steps - len(decided & set(range(steps)))
+        missing = steps - len(tally.update() & set(range(steps)))
         if missing == 0 or time.monotonic() > deadline:
             return missing
         time.sleep(0.2)
@@ -225,7 +226,9 @@ def measure(
         guard = loops["guarded"].guard
         assert guard is not None
         guard.publisher.flush(30.0)
-        never = _never_decided(guard, loops["guarded"].n, 60.0)
+        tally = loops["guarded"].decided
+        assert tally is not None
+        never = _never_decided(tally, loops["guarded"].n, 60.0)
         guard.close()
     queue.put(None)
     drain.join(10)
