@@ -35,7 +35,7 @@ STEPS = 3000
 #: gradual_spike-1's 14 -> 10 (loss_spike 20 -> 22, divergence 105 -> 106, one slow_rise),
 #: oscillation-0's 10 -> 6 (its loss_spike 46 -> 54; slow_rise 8 and divergence 3 -> none),
 #: oscillation-1's 12 -> 9 (slow_rise 24 -> 42); stable-0, gradual_spike-0, non_finite-1 and
-#: sudden_spike-0 keep the count of each decision type, their scores changing with the bar
+#: sudden_spike-0 keep the count of each decision type, their scores changing with the bar;
 #: the other 11 scenarios are the same to the bit.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
