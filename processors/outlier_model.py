@@ -85,6 +85,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -180,7 +181,7 @@ class TailThreshold:
         shape_from = self.shape_from
         if 0 < shape_from <= len(self._values):
             k = int(len(self._values) * (1.0 - self.low))
-            shape = tail_shape([v - lo for v in self._values.largest(k)])
+            shape = tail_shape(self._values.largest(k), lo)
             if shape > 0.0:  # the generalised Pareto through lo and hi, extrapolated to rate
                 far = math.expm1(shape * math.log((1.0 - self.low) / rate))
                 return lo + (hi - lo) * far / math.expm1(shape * decades)
@@ -211,8 +212,9 @@ class TailThreshold:
 _SHAPE_MAX = 0.4
 
 
-def tail_shape(excess: list[float]) -> float:
-    """The generalised Pareto shape the excesses over a high quantile (ascending) show beyond
+def tail_shape(top: list[float], over: float) -> float:
+    """The generalised Pareto shape the ``top`` values' (ascending) excesses over ``over`` (a
+    high quantile) show beyond
     doubt: the probability-weighted-moment estimate (Hosking and Wallis, Technometrics 1987),
     at most ``_SHAPE_MAX``, less one standard error, and at least 0 (exponential).
 
@@ -223,14 +225,16 @@ def tail_shape(excess: list[float]) -> float:
     the exponential's (missing a spike costs more than skipping a healthy batch). Light
     tails (Gaussian noise, chi-square MSE) estimate below 0 and keep the exponential.
 
-    >>> round(tail_shape([float(i) for i in range(50)]), 3)  # uniform: lighter than exponential
+    >>> round(tail_shape([float(i) for i in range(50)], 0.0), 3)  # uniform: lighter than exponential
     0.0
     """
-    k = len(excess)
+    k = len(top)
     if k < 10:
         return 0.0
-    a0 = sum(excess) / k
-    a1 = sum((k - 1 - j) * x for j, x in enumerate(excess)) / (k * (k - 1))
+    a0 = sum(top) / k - over
+    # sum over j of (k - 1 - j) * excess_j: the j-th value is in k - 1 - j of the first k - 1
+    # running sums (summed in C: this runs on the trainer's thread every step)
+    a1 = (sum(accumulate(top[: k - 1])) / (k - 1) - over * k / 2) / k
     d = a0 - 2.0 * a1
     if not d > 0.0:
         return 0.0
