@@ -41,7 +41,11 @@ at that step (:func:`turns_signed`).
   it with probability at most about ``rate``; Gaussian noise, chi-square
   batch-1 MSE and cross-entropy with label noise have lighter tails in log
   space and stay far below. The default ``rate`` of 1e-5 is **one elevated
-  point per 100,000 healthy steps at most**, per signal.
+  point per 100,000 healthy steps at most**, per signal. A power-law tail
+  (Student-t step noise) is passed far more often; once the tail is full
+  (``tail_shape_from``) the exponential takes the generalised Pareto shape the
+  tail's top tenth shows beyond one standard error (:func:`tail_shape`, 0 for a
+  light tail, whose bar stays to the bit), which takes part of that back.
 * **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
   must not call a wobble of a few percent an outlier.
 * **warm-up** — nothing is judged until the tail holds ``min_history``
