@@ -41,7 +41,11 @@ at that step (:func:`turns_signed`).
   it with probability at most about ``rate``; Gaussian noise, chi-square
   batch-1 MSE and cross-entropy with label noise have lighter tails in log
   space and stay far below. The default ``rate`` of 1e-5 is **one elevated
-  point per 100,000 healthy steps at most**, per signal.
+  point per 100,000 healthy steps at most**, per signal. A power-law tail
+  (Student-t step noise) is passed far more often; once the tail is full
+  (``tail_shape_from``) the exponential takes the generalised Pareto shape the
+  tail's top tenth shows beyond one standard error (:func:`tail_shape`, 0 for a
+  light tail, whose bar stays to the bit), which takes part of that back.
 * **floor** — never below ``min_rise`` (log units): a run whose noise is tiny
   must not call a wobble of a few percent an outlier.
 * **warm-up** — nothing is judged until the tail holds ``min_history``
@@ -85,6 +89,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -115,6 +120,7 @@ class TailThreshold:
         "lag",
         "power",
         "power_from",
+        "shape_from",
         "_values",
         "_waiting",
         "_threshold",
@@ -129,6 +135,7 @@ class TailThreshold:
         lag: int = 0,
         power: bool = False,
         power_from: int = 0,
+        shape_from: int = 0,
     ) -> None:
         if not 0.0 < rate < 1.0 - high:
             raise ValueError(f"rate must be in (0, {1.0 - high:g}), got {rate}")
@@ -145,6 +152,9 @@ class TailThreshold:
         self.power = power
         #: once this many values are in (0: never), the tail may be a power law too
         self.power_from = power_from
+        #: once this many values are in (0: never), the exponential gets the tail's own shape
+        #: (tail_shape): a heavier tail than exponential, shown by its values, raises the bar
+        self.shape_from = shape_from
         self._values = RollingMedian(window)
         self._waiting: deque[float] = deque()
         # threshold() at ``rate`` for the values as they are (None: not computed since they
@@ -172,6 +182,13 @@ class TailThreshold:
             bar = power_law_bar(self._values.quantile(0.5), lo, hi, self.low, self.high, rate)
             if bar == bar:
                 return bar
+        shape_from = self.shape_from
+        if 0 < shape_from <= len(self._values):
+            k = int(len(self._values) * (1.0 - self.low))
+            shape = tail_shape(self._values.largest(k), lo)
+            if shape > 0.0:  # the generalised Pareto through lo and hi, extrapolated to rate
+                far = math.expm1(shape * math.log((1.0 - self.low) / rate))
+                return lo + (hi - lo) * far / math.expm1(shape * decades)
         scale = (hi - lo) / decades
         return hi + scale * math.log(tail_hi / rate)
 
@@ -192,6 +209,44 @@ class TailThreshold:
         self._values.load_state_dict(state)
         self._threshold = None
         self._waiting = deque(float(v) for v in state["waiting"])
+
+
+#: the shape up to which the probability-weighted-moment estimate is used (its variance grows
+#: without bound as the shape nears 0.5; beyond 0.4 its lower end falls again)
+_SHAPE_MAX = 0.4
+
+
+def tail_shape(top: list[float], over: float) -> float:
+    """The generalised Pareto shape the ``top`` values' (ascending) excesses over ``over`` (a
+    high quantile) show beyond
+    doubt: the probability-weighted-moment estimate (Hosking and Wallis, Technometrics 1987),
+    at most ``_SHAPE_MAX``, less one standard error, and at least 0 (exponential).
+
+    Shape 0 is the exponential tail the threshold assumes. A heavier tail (Student-t step
+    noise in log space: 1/3 for 3 dof) makes the exponential's bar too low, but fifty
+    excesses give the shape to about +-0.16 (one standard error): only what is left beyond
+    that raises the bar, so a run whose healthy tail merely looks heavy keeps its bar near
+    the exponential's (missing a spike costs more than skipping a healthy batch). Light
+    tails (Gaussian noise, chi-square MSE) estimate below 0 and keep the exponential.
+
+    >>> round(tail_shape([float(i) for i in range(50)], 0.0), 3)  # uniform: lighter than exponential
+    0.0
+    """
+    k = len(top)
+    if k < 10:
+        return 0.0
+    a0 = sum(top) / k - over
+    # sum over j of (k - 1 - j) * excess_j: the j-th value is in k - 1 - j of the first k - 1
+    # running sums (summed in C: this runs on the trainer's thread every step)
+    a1 = (sum(accumulate(top[: k - 1])) / (k - 1) - over * k / 2) / k
+    d = a0 - 2.0 * a1
+    if not d > 0.0:
+        return 0.0
+    xi = min(2.0 - a0 / d, _SHAPE_MAX)
+    if not xi > 0.0:
+        return 0.0
+    variance = (1 - xi) * (2 - xi) ** 2 * (1 - xi + 2 * xi * xi) / ((1 - 2 * xi) * (3 - 2 * xi) * k)
+    return max(0.0, xi - math.sqrt(variance))
 
 
 def power_law_bar(mid: float, lo: float, hi: float, low: float, high: float, rate: float) -> float:
@@ -303,6 +358,14 @@ class OutlierConfig(BaseModel):
         "0.005 % of steps flagged, but loses a real x1.52 spike (real spikes 18 -> 17 of 19): "
         "off by default (docs/detection.md, Known gaps)",
     )
+    tail_shape_from: int = Field(
+        500,
+        ge=0,
+        description="once the tail holds this many healthy residuals (500: full), the exponential "
+        "takes the generalised Pareto shape its top tenth shows beyond one standard error "
+        "(tail_shape; 0: never): a heavy-tailed run's bar rises by what its own healthy noise "
+        "proves, a light-tailed run's stays (docs/detection.md)",
+    )
     relearn_after: int = Field(
         200, ge=2, description="after this many elevated points in a row the level starts over"
     )
@@ -401,6 +464,7 @@ class OutlierModel:
             lag=self.config.tail_lag,
             power=signed or self.config.power_tail,
             power_from=self.config.power_tail_from,
+            shape_from=self.config.tail_shape_from,
         )
         self.lr_recent = RecentValues(self.config.lr_jump_steps)
         # The highest learning rate the run has trained at (0.0: none seen yet; None: unknown,

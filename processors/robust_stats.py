@@ -109,6 +109,10 @@ class RollingMedian:
             return s[-1]
         return s[i] + (pos - i) * (s[i + 1] - s[i])
 
+    def largest(self, k: int) -> list[float]:
+        """The ``k`` largest values, ascending."""
+        return self._sorted[len(self._sorted) - k :] if k > 0 else []
+
     def last(self) -> float:
         """The value added most recently; NaN while empty."""
         return self._ring[-1] if self._ring else math.nan

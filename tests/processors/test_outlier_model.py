@@ -112,3 +112,50 @@ def test_a_tail_extrapolates_as_a_power_law_once_it_holds_power_from_values() ->
     (exp_young, young), (exp_full, full) = bars
     assert young == exp_young
     assert full > 1.5 * exp_full
+
+
+def _t3_tail_rate(x: float, scale: float) -> float:
+    """P(T > x) for scale times a Student-t with 3 degrees of freedom (closed form)."""
+    import math
+
+    u = x / scale / math.sqrt(3.0)
+    return 0.5 - (u / (1.0 + u * u) + math.atan(u)) / math.pi
+
+
+def test_a_heavy_tailed_healthy_tail_raises_its_own_bar_and_a_light_one_keeps_the_exponential() -> (
+    None
+):
+    """Student-t (3 dof) residuals, a power-law tail: the exponential's bar is passed ~50x more
+    often than the 1e-5 it states; the tail's own generalised Pareto shape takes part of that
+    back (never more often than the exponential's, less on average). Gaussian residuals
+    (lighter than exponential) keep the exponential's bar exactly: no light-tailed run moves."""
+    import math
+
+    from spikeguard.processors.outlier_model import OutlierConfig, TailThreshold
+
+    shape_from = OutlierConfig().tail_shape_from
+    assert 0 < shape_from <= OutlierConfig().tail_window
+    scale = 0.02
+    heavy = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        for kind, draws in (("t3", rng.standard_t(3, 500)), ("gauss", rng.standard_normal(500))):
+            exponential = TailThreshold(500, 1e-5)
+            shaped = TailThreshold(500, 1e-5, shape_from=shape_from)
+            for value in draws * scale:
+                exponential.update(float(value))
+                shaped.update(float(value))
+            if kind == "gauss":
+                assert shaped.threshold() == exponential.threshold(), seed
+                continue
+            rates = (
+                _t3_tail_rate(exponential.threshold(), scale),
+                _t3_tail_rate(shaped.threshold(), scale),
+            )
+            assert rates[1] <= rates[0], (seed, rates)
+            heavy.append(rates)
+    exp_rate = sum(r for r, _ in heavy) / len(heavy)
+    shaped_rate = sum(r for _, r in heavy) / len(heavy)
+    assert exp_rate > 20 * 1e-5  # the defect: far above the stated rate
+    assert shaped_rate < 0.8 * exp_rate, (shaped_rate, exp_rate)
+    assert not math.isnan(shaped_rate)

@@ -29,26 +29,34 @@ STEPS = 3000
 #: only those alerts go (divergence-1 10 -> 3, gradual_spike-0 12 -> 5, gradual_spike-1 4 -> 0,
 #: oscillation-0 39 -> 8, oscillation-1 42 -> 24, sudden_spike-1 25 -> 7); every other decision
 #: of these six, and all of the other 14 scenarios, are the same to the bit.
+#: Re-pinned (2026-12-07, issue 36) because a full healthy tail (500 residuals) takes the
+#: generalised Pareto shape its top tenth shows beyond one standard error (tail_shape): a
+#: heavier-tailed run's bar rises. heavy_tailed-1's outlier steps 8 -> 2, divergence-0's 2 -> 1,
+#: gradual_spike-1's 14 -> 10 (loss_spike 20 -> 22, divergence 105 -> 106, one slow_rise),
+#: oscillation-0's 10 -> 6 (its loss_spike 46 -> 54; slow_rise 8 and divergence 3 -> none),
+#: oscillation-1's 12 -> 9 (slow_rise 24 -> 42); stable-0, gradual_spike-0, non_finite-1 and
+#: sudden_spike-0 keep the count of each decision type, their scores changing with the bar;
+#: the other 11 scenarios are the same to the bit.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
     "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
-    "divergence-0": (3000, "f03ebbc722fcda1fec44248cccf044f1af6d473d4364459c3b3ef5abddc4a836"),
+    "divergence-0": (3000, "1a36b940eae7afb8207fba3648991da8bea74c0f1300e69b43dc2328fcb5aba2"),
     "divergence-1": (3000, "084d1c15922a2944bb64eb5b5bcdd830c935b10a437205d1e6d27af9f9f32b05"),
     "eval_bumps-0": (3000, "73d5b21dec064071bc7c344294ef136971c9d2bd0ad7d93a7c9d5367647b5917"),
     "eval_bumps-1": (3000, "16a80167c7554255e02c5c1d6c42844ea85f915a7b0e307e9aa3a7bf79a9eab4"),
     "grad_explosion-0": (3000, "40491cae4fd3d43f7e7ce280b48564ba46ae2ba68c95b050fdf34a351a806ca7"),
     "grad_explosion-1": (3000, "5782e29e615e941e0b74cff037a81984e64301a418fc750872e4521dc90d869d"),
-    "gradual_spike-0": (3000, "85f6b79e06a0b0dcc131c7692b22c6c6df25e4857b70614b303de280a649352e"),
-    "gradual_spike-1": (3000, "73ca62d50ee970d20bc60a4f26192631d92d95f075c8d4687d43cc5fcb419ca2"),
+    "gradual_spike-0": (3000, "c2f3e0371017353650505003e78193bc0c19950f6fab8000cdafd7b0840cebc5"),
+    "gradual_spike-1": (3000, "ba31893ae49dbb5af069a72445b15de4c0bd6990cbe2882e3051d8b9ca48d4c3"),
     "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
-    "heavy_tailed-1": (3000, "bae9958d1b30fcdc0c1f224f533a7cf02f840e6e2ed73fd50c2b4f3f6718ff2b"),
+    "heavy_tailed-1": (3000, "8326559c09408f3c3279d4c2c2541d3d08066fe243cc539fd6d9d8be3b700191"),
     "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
-    "non_finite-1": (3000, "a130a5824dee5e97ed3bb507bcc11d8d319844bd697b57788b402ce3f0e0c6f4"),
-    "oscillation-0": (3000, "d5562e9366fa42f960c0bfaf68530258f45cd3a8fb1cd57054d96f70b9324ee8"),
-    "oscillation-1": (3000, "42ce50a1835ae33d9302152ff86a3c6b2a088cb4872dda26ad2d6785c05dbaf7"),
-    "stable-0": (3000, "42382001c346c3d5f44b3401a949856cfe3d47f6790dd8f7fcf1e1839ad78809"),
+    "non_finite-1": (3000, "b59646acdf404918c72bfc272d72f4ff8ae3304df67b74a8176fec07d0beedff"),
+    "oscillation-0": (3000, "600a58ab5c5f4478378f9d4d4f2643eac619d90a9bc211b92cfba7e4f9955783"),
+    "oscillation-1": (3000, "ea2c55ff58aa4a9667146cfe96e5f6302bda950575efd61245f414b407dba9c9"),
+    "stable-0": (3000, "47cb326fce63efb5a3b14b091978657167f885b387e7a4fdf93cabc12e7b871e"),
     "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
-    "sudden_spike-0": (3000, "87d0ee4ad42493ec23f7089770e650deca10c766bc91ce2fe02ed2dc3c867a27"),
+    "sudden_spike-0": (3000, "b459c3bb536bc7ab456654a8ba7e3fdbef731926b60688bb2b787f3c0c4bfd8a"),
     "sudden_spike-1": (3000, "3754990ef1e960f475bfa035674686fbac194ca2cbca9c961440169c22ae582e"),
 }
 
