@@ -29,6 +29,10 @@ STEPS = 3000
 #: only those alerts go (divergence-1 10 -> 3, gradual_spike-0 12 -> 5, gradual_spike-1 4 -> 0,
 #: oscillation-0 39 -> 8, oscillation-1 42 -> 24, sudden_spike-1 25 -> 7); every other decision
 #: of these six, and all of the other 14 scenarios, are the same to the bit.
+#: Re-pinned (2026-12-07, issue 38) because the climb and rise bars are never under the smallest
+#: rise (x1.1), and a statistic under it always joins the null: only LOW `loss_level_shift`
+#: alerts go (oscillation-0 1 fewer, step 2353; oscillation-1 21 fewer, steps 1635-1671); every
+#: other anomalous decision of the two, and all of the other 18 scenarios, are the same.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
     "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
@@ -44,8 +48,8 @@ PINNED = {
     "heavy_tailed-1": (3000, "bae9958d1b30fcdc0c1f224f533a7cf02f840e6e2ed73fd50c2b4f3f6718ff2b"),
     "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
     "non_finite-1": (3000, "a130a5824dee5e97ed3bb507bcc11d8d319844bd697b57788b402ce3f0e0c6f4"),
-    "oscillation-0": (3000, "d5562e9366fa42f960c0bfaf68530258f45cd3a8fb1cd57054d96f70b9324ee8"),
-    "oscillation-1": (3000, "42ce50a1835ae33d9302152ff86a3c6b2a088cb4872dda26ad2d6785c05dbaf7"),
+    "oscillation-0": (3000, "49cbce3f2ce2638bfdb848fe81ad5974202f1858794526ecbb05f1d84529231f"),
+    "oscillation-1": (3000, "163749c3dfc5665c04334c37f929adedaf8067e24eb593823dd38ff9ab88f300"),
     "stable-0": (3000, "42382001c346c3d5f44b3401a949856cfe3d47f6790dd8f7fcf1e1839ad78809"),
     "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
     "sudden_spike-0": (3000, "87d0ee4ad42493ec23f7089770e650deca10c766bc91ce2fe02ed2dc3c867a27"),
