@@ -79,3 +79,47 @@ def test_a_climb_after_a_fast_fall_and_a_floor_is_still_found() -> None:
         for s in codes.get(c, [])
     ]
     assert found and 6000 <= min(found) <= 6400
+
+
+def one_batch_mlp_losses(steps: int) -> list[float]:
+    """benchmarks/bench_embedded_memory.py's loop, unguarded: a small MLP overfits one batch."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (a tiny model: threads only contend on a shared box)
+    try:
+        return _train(torch, nn, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(torch, nn, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x + 0.01 * torch.randn_like(x)), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.heavy  # (2,000 steps of a real torch loop and the whole pipeline: ~2-4 s)
+def test_a_real_model_overfitting_one_batch_is_healthy_to_the_whole_pipeline() -> None:
+    # Before: 62 anomalous decisions in these 2,000 steps (LOW level shifts from step 1,626 on;
+    # in 40k steps 10,849, and a `loss_climb` divergence at step 36,571 that cut the LR).
+    from spikeguard.lab.backtest import backtest_events
+    from spikeguard.schemas import StepEvent
+
+    losses = one_batch_mlp_losses(2000)
+    events = [
+        StepEvent(run_id="one-batch", step=i + 1, loss=v, lr=0.01, time=float(i))
+        for i, v in enumerate(losses)
+    ]
+    flagged = [(d.step, d.type.value) for d in backtest_events(events) if d.is_anomaly]
+    assert [kind for _, kind in flagged if kind != "outlier_step"] == [], flagged[:5]
