@@ -254,6 +254,8 @@ class Steerable(Protocol):
 
     def request_stop(self, reason: str) -> None: ...
 
+    def say_alert(self, step: int, severity: str, message: str) -> None: ...
+
 
 def apply_action(guard: Steerable, action: Action, step: int) -> Outcome | None:
     """Apply one due action; None when the ack comes later (a checkpoint taken at step end)."""
@@ -330,7 +332,7 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
         guard.request_stop(p.reason or action.reason or "stop action")
         return "stopping"
     if isinstance(p, AlertParams):
-        log.warning("spikeguard alert (%s): %s", p.severity, p.message or action.reason)
+        guard.say_alert(step, p.severity, p.message or action.reason or "")
         return "alert logged"
     raise ActionFailed(f"no built-in handling for {kind.value}")  # pragma: no cover
 

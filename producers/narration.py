@@ -17,6 +17,7 @@ the updates skipped.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Protocol
@@ -122,10 +123,11 @@ class Repeats:
         self.gap = gap
         self.streaks: dict[Hashable, Streak] = {}
 
-    def first(self, key: Hashable, step: int, what: str) -> bool:
-        """Whether to say this line now (else it was counted)."""
+    def first(self, key: Hashable, step: int, what: str, gap: int | None = None) -> bool:
+        """Whether to say this line now (else it was counted); ``gap``: this line's own."""
         streak = self.streaks.get(key)
-        if streak is not None and 0 <= step - streak.last <= self.gap:
+        gap = self.gap if gap is None else gap
+        if streak is not None and 0 <= step - streak.last <= gap:
             streak.last, streak.again = step, streak.again + 1
             return False
         self.end(key)
@@ -144,6 +146,15 @@ class Repeats:
                     streak.again,
                     streak.last,
                 )
+
+
+#: Steps without an alert after which the same alert is a new episode, said again. A LOW alert of
+#: a run's own wander can come back every ~100 steps for the whole run (one line each, 503 lines
+#: in 40k steps of a converged run): its episode is the stretch it keeps coming back in.
+ALERT_EPISODE_GAP = 1000
+
+#: An alert's numbers (step, confidence, sizes): the same alert but for them is the same line.
+_NUMBERS = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 class Narrator:
@@ -216,6 +227,14 @@ class Narrator:
             notices,
             clip,
         )
+
+    def alert(self, step: int, severity: str, message: str) -> None:
+        """An alert's line, once per episode: the same alert but for its numbers, coming again
+        within ``ALERT_EPISODE_GAP`` steps of its last, is counted, and the count said when the
+        episode ends (every alert is still applied, handed to handlers and counted)."""
+        key = ("alert", severity, _NUMBERS.sub("#", message))
+        if self.repeats.first(key, step, f"alert ({severity}) {message!r}", ALERT_EPISODE_GAP):
+            log.warning("spikeguard alert (%s): %s", severity, message)
 
     def would_skip_update(self, step: int, reason: str, kind: str = "") -> None:
         """``kind``: the skip's reason code; a streak of one kind is said once, then counted."""

@@ -256,6 +256,9 @@ class Steering:
     def request_stop(self, reason: str) -> None:
         self.run.request_stop(reason)
 
+    def say_alert(self, step: int, severity: str, message: str) -> None:
+        self.narrator.alert(step, severity, message)
+
     # -- the Guard's own update skips -------------------------------------------------
     def local_skip(self, step: int, reason: str | None, why: str) -> str | None:
         """Say the Guard's own update skip out loud; in observe mode say it would, and do not."""

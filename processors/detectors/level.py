@@ -199,19 +199,29 @@ class RiseTest:
         first ``h`` of them hold about one span of the run)."""
         return len(tail) >= self.min_blocks + h
 
-    def advance(self, y: float, judged: BlockJudged | None, explained: bool) -> None:
+    def advance(
+        self,
+        y: float,
+        judged: BlockJudged | None,
+        explained: bool,
+        min_rise: Callable[[], float | None] | None = None,
+    ) -> None:
         """Take an accepted point in; at a block's end, its rises that are not over their bar
-        join their tails."""
+        join their tails (``min_rise`` as for :meth:`judge`)."""
         if judged is None:
             self._current.append(y)
             self._excused = self._excused or explained
             return
         median = judged.median
+        given = None if min_rise is None else min_rise()
+        floor = self.min_rise if given is None else given
         for h, tail in zip(self.horizons, self._tails):
             if len(self._medians) >= h:
                 rise = median - self._medians[-h]
-                # A rise over its bar is not the run's wander: it never widens the bar.
-                if not (self._judges(h, tail) and rise > tail.threshold()):
+                # A rise over its bar is not the run's wander: it never widens the bar. The bar
+                # is never under the smallest rise: tails fitted while the loss fell fast sit
+                # below zero, and a loss that stopped falling (no rise) must still teach them.
+                if not (self._judges(h, tail) and rise > max(tail.threshold(), floor)):
                     tail.update(rise)
         self._medians.append(median)
         del self._medians[: -max(self.horizons)]
@@ -273,30 +283,34 @@ class ClimbTest:
             return None
         return statistics.median(recent)
 
-    def bar(self) -> float:
-        """The statistic's bar (inf until the null holds ``history // 2`` values)."""
+    def bar(self, floor: float = 0.0) -> float:
+        """The statistic's bar, at least ``floor`` (inf until the null holds ``history // 2``
+        values). A null fitted while the loss fell fast has its bar below zero, where a loss
+        that merely stopped falling would be a climb: a climb is a rise, at least ``floor``."""
         tail = self._tail
-        return tail.threshold() if 2 * len(tail) >= self.history else math.inf
+        return max(tail.threshold(), floor) if 2 * len(tail) >= self.history else math.inf
 
-    def judge(self, residual: float | None) -> float:
+    def judge(self, residual: float | None, floor: float = 0.0) -> float:
         """The statistic over its bar (>= 1: a climb; 0.0 while it cannot be judged)."""
         if residual is None:
             return 0.0
         stat = self.statistic(residual)
-        bar = self.bar()
+        bar = self.bar(floor)
         if stat is None or bar == math.inf or stat <= 0.0:
             return 0.0
         return stat / bar if bar > 0.0 else math.inf
 
-    def advance(self, residual: float | None) -> None:
-        """Take a point in (None: a point not judged, which starts the window over)."""
+    def advance(self, residual: float | None, floor: float = 0.0) -> None:
+        """Take a point in (None: a point not judged, which starts the window over); its
+        statistic joins the null unless it is over the bar (at least ``floor``): a value that is
+        no climb always joins, so a null fitted on a fall learns the loss's floor."""
         if residual is None:  # (no lagged level yet, or a point not judged)
             self._recent.clear()
             return
         stat = self.statistic(residual)
         self._recent.append(residual)
         del self._recent[: -self.window]
-        if stat is not None and not stat > self.bar():
+        if stat is not None and not stat > self.bar(floor):
             self._tail.update(stat)
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,7 +530,7 @@ class LevelMonitor:
         climbing = False
         if self.model.settled:
             climbed = self._climbed(y)
-            climb = self.climb.judge(climbed)
+            climb = self.climb.judge(climbed, self._smallest_rise())
             if climb >= 1.0:
                 # A climb is sustained: over its bar for a window's worth of points in a row.
                 # Until then the test has said nothing (a mixture's run of hard batches lifts
@@ -560,16 +574,21 @@ class LevelMonitor:
         smallest rise. One inside them is the data's level moving: an alert at most; a spike or
         a divergence needs more. A signed loss, which has no ratio, has no proportion before its
         climb null has seen the run."""
-        floor = self._rise_floor()
-        if elevation < (self.rises.min_rise if floor is None else floor):
+        floor = self._smallest_rise()
+        if elevation < floor:
             return False
-        bar = self.climb.bar()
+        bar = self.climb.bar(floor)
         if bar == math.inf and self.model.signed:  # no ratio, and no history yet: no proportion
             return False
         # Over the climb's own bar (its null is already the run's wander at that scale), and
         # over twice the largest level move the run took in.
         known = bar if bar < math.inf else 0.0
         return elevation > max(known, self.divergence_score * self.moves.largest())
+
+    def _smallest_rise(self) -> float:
+        """The smallest rise any test counts: the rise test's ratio, or a signed loss's floor."""
+        floor = self._rise_floor()
+        return self.rises.min_rise if floor is None else floor
 
     def _rise_floor(self) -> float | None:
         """A signed loss's smallest rise: the spread of its points' own noise (the tail's median
@@ -589,7 +608,7 @@ class LevelMonitor:
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
         climbed = self._climbed(y)  # (before this point's level joins the lagged ones)
         if point.judged and not point.elevated and self.model.settled:
-            self.climb.advance(climbed)
+            self.climb.advance(climbed, self._smallest_rise())
         elif not point.elevated:
             self.climb.advance(None)
             self._levels.clear()
@@ -619,7 +638,7 @@ class LevelMonitor:
             self._elevated, self._run, self._run_climbed = 0, [], []
         if point.elevated or judged.code == LevelCode.WARMUP:
             return
-        self.rises.advance(y, judged.block, not point.judged)
+        self.rises.advance(y, judged.block, not point.judged, self._rise_floor)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -37,6 +37,13 @@ STEPS = 3000
 #: oscillation-1's 12 -> 9 (slow_rise 24 -> 42); stable-0, gradual_spike-0, non_finite-1 and
 #: sudden_spike-0 keep the count of each decision type, their scores changing with the bar;
 #: the other 11 scenarios are the same to the bit.
+#: Re-pinned (2026-12-07, issue 38) because the climb and rise bars are never under the smallest
+#: rise (x1.1), and a statistic under it always joins the null: only LOW `loss_level_shift`
+#: alerts go (oscillation-0 1 fewer, step 2353; oscillation-1 21 fewer, steps 1635-1671); every
+#: other anomalous decision of the two, and all of the other 18 scenarios, are the same.
+#: With both of the last two together (the merge): oscillation-1 alone differs from the tail
+#: shape's pins, 41 LOW `slow_rise` alerts fewer (steps 1633-1678 and on; 42 -> 1), nothing new;
+#: oscillation-0's one alert is already gone with the tail shape.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
     "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
@@ -53,7 +60,7 @@ PINNED = {
     "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
     "non_finite-1": (3000, "b59646acdf404918c72bfc272d72f4ff8ae3304df67b74a8176fec07d0beedff"),
     "oscillation-0": (3000, "600a58ab5c5f4478378f9d4d4f2643eac619d90a9bc211b92cfba7e4f9955783"),
-    "oscillation-1": (3000, "ea2c55ff58aa4a9667146cfe96e5f6302bda950575efd61245f414b407dba9c9"),
+    "oscillation-1": (3000, "476feeb515242d6a68d12b6df9c6b082e14fdcbc61cc79cabd33efb65c121adf"),
     "stable-0": (3000, "47cb326fce63efb5a3b14b091978657167f885b387e7a4fdf93cabc12e7b871e"),
     "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
     "sudden_spike-0": (3000, "b459c3bb536bc7ab456654a8ba7e3fdbef731926b60688bb2b787f3c0c4bfd8a"),
