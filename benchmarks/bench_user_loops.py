@@ -25,7 +25,8 @@ Reported per loop and fault: the final eval loss of the clean run, the
 unguarded and the guarded one (mean over seeds), the guarded run's gap to
 clean, and the batches it skipped and steps it re-ran. Two columns say how
 much of a gap is the Guard's: ``same data`` is the unguarded loop reading
-exactly the batches the guarded run kept (those it skipped left out): a
+exactly the batches the guarded run kept (those it skipped left out, and no
+update made where it skipped one): a
 rollback that restores everything ends there to the bit, so guarded minus same
 data is what the Guard did beyond removing data. ``tail`` columns are the eval
 loss averaged over the last ``tail_share`` of the run (every ``tail_every``
@@ -245,11 +246,14 @@ def run(
     seed: int,
     cfg: LoopConfig,
     leave_out: list[list[int]] | None = None,
+    drop_updates: list[int] | None = None,
 ) -> dict[str, Any]:
     """One run; ``mode`` clean (no fault, no guard), unguarded or guarded (the fault either way).
 
     ``leave_out`` (unguarded): inclusive ranges of global batch indices not trained on, as a
     guarded run's skip windows: the unguarded loop then reads the batches that run kept.
+    ``drop_updates``: global batch indices whose update is not made (the step and the schedule
+    still advance), as the updates a guarded run skipped.
     """
     started = time.monotonic()
     struck = "clean" if mode == "clean" else fault
@@ -267,7 +271,8 @@ def run(
                 y = corrupt(cfg, struck, index - 1, seed, y)
                 loop.optimizer.zero_grad(set_to_none=True)
                 loop.loss(loop.model, x, y).backward()
-                loop.optimizer.step()
+                if index - 1 not in (drop_updates or ()):
+                    loop.optimizer.step()
                 loop.scheduler.step()
                 step += 1
                 if step in tail:
@@ -303,6 +308,7 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
     )
     tail = tail_steps(cfg)
     evals: dict[int, float] = {}  # by step: a re-run after a rollback replaces what it re-ran
+    updates: dict[int, tuple[int | None, bool]] = {}  # by step: its batch, and was it applied
     try:
         data = guard.data(loop.loader, max_steps=cfg.steps)
         for x, y in data:
@@ -310,7 +316,8 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
             loop.optimizer.zero_grad(set_to_none=True)
             loss = loop.loss(loop.model, x, y)
             loss.backward()
-            guard.step(loss)
+            step = guard.step_count
+            updates[step] = (data.last_index, guard.step(loss))
             if guard.step_count in tail:
                 evals[guard.step_count] = loop.evaluate_copy()
         summary = guard.close()
@@ -322,6 +329,10 @@ def _guarded(loop: Loop, fault: str, seed: int, cfg: LoopConfig) -> dict[str, An
         "tail_eval": sum(evals.values()) / max(1, len(evals)),
         "skipped_batches": int(counters["skipped_batches"]),
         "skip_ranges": [list(r) for r in getattr(guard.loader, "skip_ranges", [])],
+        # the batches of kept steps whose update the Guard skipped (a re-run's replace the first)
+        "skipped_updates": sorted(
+            index for index, applied in updates.values() if not applied and index is not None
+        ),
         "rerun_steps": int(counters["steps"]) - cfg.steps,
         "actions": sorted(a["kind"] for a in guard.applied if a["status"] == "applied"),
         # the LR the next update would use over the schedule's (the optimizer's param_groups
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("spikeguard").setLevel(logging.ERROR)
     cfg = LoopConfig(steps=args.steps, fault_step=args.steps // 2, lockstep=not args.no_lockstep)
-    runs = []
+    runs: list[dict[str, Any]] = []
     for name in args.loops.split(","):
         for fault in args.faults.split(","):
             for seed in range(args.seed, args.seed + args.seeds):
@@ -368,8 +379,16 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "guarded":
                         # nothing left out: the unguarded run read the same batches
                         same = runs[-1]
-                        if r["skip_ranges"]:
-                            same = run(name, fault, "unguarded", seed, cfg, r["skip_ranges"])
+                        if r["skip_ranges"] or r["skipped_updates"]:
+                            same = run(
+                                name,
+                                fault,
+                                "unguarded",
+                                seed,
+                                cfg,
+                                r["skip_ranges"],
+                                r["skipped_updates"],
+                            )
                         r["same_data_eval"] = same["eval"]
                         r["same_data_tail_eval"] = same["tail_eval"]
                     runs.append(r)
