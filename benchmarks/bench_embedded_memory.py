@@ -111,7 +111,7 @@ def main() -> None:
         "growth_kib_per_step": round(per_step_kib, 3),
         "flat_within_20_mib": abs(growth) <= 20,
         # The run overfits one batch: a healthy run, which should cost nothing but the
-        # Guard's own rare outlier skips (issue 38: it once had an LR cut and 503 alert lines).
+        # Guard's own rare outlier skips; anything else here is a false action on it.
         "guard": {
             "incidents": summary.incidents,
             "actions": summary.actions,
