@@ -117,9 +117,9 @@ class PolicyConfig(BaseModel):
         0.1,
         gt=0.0,
         lt=1.0,
-        description="an LR-induced rise (the LR in the steps jumped, then the loss or gradient "
-        "rose): LR x this, back towards the schedule's trend (the rules detector's lr_jump_ratio "
-        "is 10 by default: the smallest jump it reports)",
+        description="an LR jump that comes again after one that needed a rollback: LR x this, "
+        "back towards the schedule's trend (a first LR-induced rise gets HOLD_LR instead; the "
+        "rules detector's lr_jump_ratio is 10 by default: the smallest jump it reports)",
     )
     lr_jump_window_steps: int = Field(
         100,
@@ -131,8 +131,8 @@ class PolicyConfig(BaseModel):
         20,
         ge=0,
         le=1_000_000,
-        description="after scaling back an LR jump, no LR restore for this many steps (the "
-        "decisions do not say when a jump in the schedule ends)",
+        description="after holding or scaling back an LR jump, no LR restore for this many "
+        "steps (the decisions do not say when a jump in the schedule ends)",
     )
     damage_loss_ratio: float = Field(
         1.5,

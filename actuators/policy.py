@@ -584,7 +584,8 @@ class RecoveryPolicy:
     def _lr_induced(
         self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str
     ) -> bool:
-        """A loss or gradient rise shortly after an LR jump: scale the LR back. True if it did."""
+        """A loss or gradient rise shortly after an LR jump: hold the jump (HOLD_LR). True if it
+        answered it."""
         cfg, jump = self.config, self.lr_jump_tick
         if jump is None or self.observed_steps - jump > cfg.lr_jump_window_steps:
             return False
@@ -614,8 +615,8 @@ class RecoveryPolicy:
 
     def _lr_induced_rise(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> None:
         """The detector saw the LR jump beyond any rate the run had trained at (no warm restart)
-        and the loss rise after it: scale the LR back once. The data is fine, so nothing is
-        rolled back; no restore while the rise is said, nor ``lr_jump_hold_steps`` after."""
+        and the loss rise after it: hold the jump once (HOLD_LR). The data is fine, so nothing
+        is rolled back; no restore while the rise is said, nor ``lr_jump_hold_steps`` after."""
         cfg = self.config
         answered = inc.lr_induced or (
             self.lr_hold_until is not None and self.observed_steps < self.lr_hold_until
@@ -636,9 +637,9 @@ class RecoveryPolicy:
     def _after_lr_jump(
         self, plan: ActionPlan, d: Decision, inc: Incident, what: str, strategy: str, grace: bool
     ) -> None:
-        """An LR-induced incident: the LR is already scaled back. An explosion gets clipping; a
-        loss still anomalous after the patience is rolled back to before the jump (no data skip:
-        the data is fine; the scaled-back LR holds on the re-run)."""
+        """An LR-induced incident: the jump is already held. An explosion gets clipping; a loss
+        still anomalous after the patience is rolled back to before the jump (no data skip: the
+        data is fine; the re-run holds the jump)."""
         plan.response = Response.LR_INDUCED
         if strategy == "explosion" and not inc.explosion_handled:
             inc.explosion_handled = True
@@ -741,10 +742,10 @@ class RecoveryPolicy:
         }
 
     def _judge_lr_damage(self, plan: ActionPlan, d: Decision) -> bool:
-        """An LR-induced incident's scale-back a window old: a loss still far above its level
-        before the jump is damage the lower LR cannot undo (a model collapsed to chance learns
-        nothing back at x0.1): roll back to before the jump, at the checkpoint's LR, without
-        skipping the (good) data; the re-run's jump is scaled back at once. True if it did."""
+        """An LR-induced incident's answer a window old: a loss still far above its level
+        before the jump is damage a held or lower LR cannot undo (a model collapsed to chance
+        learns nothing back): roll back to before the jump, at the checkpoint's LR, without
+        skipping the (good) data; the re-run holds the jump (HOLD_LR). True if it did."""
         w, cfg = self.lr_damage, self.config
         if w is None or self.observed_steps - w["since"] < cfg.damage_window_steps:
             return False
