@@ -21,13 +21,9 @@ import logging
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 from spikeguard.cli._common import add_settings_flags, settings_from
 from spikeguard.components import COHOSTED, COMPONENTS
-
-if TYPE_CHECKING:
-    from spikeguard.streaming.stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +91,10 @@ def run(args: argparse.Namespace) -> int:
     bus.create_topics(topics.compacted(), compacted=True)  # before the workers create their inputs
     bus.create_topics(topics.all())
 
-    def stage(name: str) -> "Stage":
-        return build_stage(name, settings, topics)
-
     workers = [
         Worker(
             bus,
-            stage(name),
+            build_stage(name, settings, topics),
             metrics=default_metrics(),
             snapshot_interval_s=settings.snapshot_interval_s,
             run_idle_ttl_s=settings.worker.run_idle_ttl_s,
