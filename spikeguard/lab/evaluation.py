@@ -104,6 +104,21 @@ def is_warning(mark: Mark) -> bool:
     return mark.preventive or (mark.is_anomaly and mark.type in WARNING_TYPES)
 
 
+def is_alarm(mark: Mark) -> bool:
+    """An anomalous mark that is not an early warning: what precision and false alarms count."""
+    return mark.is_anomaly and not is_warning(mark)
+
+
+def label_windows(episodes: Iterable[Episode], config: EvaluationConfig) -> list[tuple[int, int]]:
+    """Each labelled episode's window: an alarm in it is a detection, not a false alarm."""
+    return [(e.start - config.pre_tolerance, e.end + config.post_tolerance) for e in episodes]
+
+
+def in_a_window(first: int, last: int, windows: Iterable[tuple[int, int]]) -> bool:
+    """Whether the alarm episode ``first..last`` overlaps any labelled window."""
+    return any(first <= hi and last >= lo for lo, hi in windows)
+
+
 def episodes_from_labels(steps: Sequence[int], labels: Sequence[StepLabel]) -> list[Episode]:
     """Maximal runs of consecutive labelled steps of one kind."""
     episodes: list[Episode] = []
@@ -144,10 +159,10 @@ def score_run(
     labels = labels or [StepLabel(False, "")] * len(steps)
     episodes = episodes_from_labels(steps, labels)
     marks = list(marks)
-    alarm_steps = sorted(m.step for m in marks if m.is_anomaly and not is_warning(m))
+    alarm_steps = sorted(m.step for m in marks if is_alarm(m))
     warn_steps = sorted(m.step for m in marks if is_warning(m))
     alarm_set = set(alarm_steps)
-    windows = [(e.start - cfg.pre_tolerance, e.end + cfg.post_tolerance) for e in episodes]
+    windows = label_windows(episodes, cfg)
 
     results = []
     for e, (lo, hi) in zip(episodes, windows):
@@ -160,12 +175,11 @@ def score_run(
         results.append(EpisodeResult(e, first is not None, delay, lead))
 
     alarms = merge(alarm_steps, cfg.merge_gap)
-    false_alarms = sum(not any(a <= hi and b >= lo for lo, hi in windows) for a, b in alarms)
+    false_alarms = sum(not in_a_window(a, b, windows) for a, b in alarms)
     warnings = merge(warn_steps, cfg.merge_gap)
     starts = [e.start for e in episodes]
     false_warnings = sum(
-        not any(a <= hi and b >= lo for lo, hi in windows)
-        and not any(a <= s <= b + cfg.lookback for s in starts)
+        not in_a_window(a, b, windows) and not any(a <= s <= b + cfg.lookback for s in starts)
         for a, b in warnings
     )
     clean = sum(not lab.label for lab in labels)

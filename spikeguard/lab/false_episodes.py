@@ -22,9 +22,12 @@ import sys
 from typing import Iterable, NamedTuple, Sequence
 
 from spikeguard.lab.evaluation import (
-    WARNING_TYPES,
     EvaluationConfig,
     episodes_from_labels,
+    in_a_window,
+    is_alarm,
+    label_windows,
+    marks_from_decisions,
     merge,
 )
 from spikeguard.lab.runfile import StepLabel
@@ -60,20 +63,17 @@ def false_episodes(
     scores them (warnings are not alarms), each with its sources."""
     cfg = config or EvaluationConfig()
     labels = labels or [StepLabel(False, "")] * len(steps)
-    windows = [
-        (e.start - cfg.pre_tolerance, e.end + cfg.post_tolerance)
-        for e in episodes_from_labels(steps, labels)
-    ]
+    windows = label_windows(episodes_from_labels(steps, labels), cfg)
     sources: dict[int, set[str]] = collections.defaultdict(set)
-    for d in decisions:
-        kind = getattr(d.type, "value", d.type)
-        if d.is_anomaly and not d.preventive and kind not in WARNING_TYPES:
+    decisions = list(decisions)
+    for d, mark in zip(decisions, marks_from_decisions(decisions)):
+        if is_alarm(mark):
             sources[d.step].add(source_of(d))
     for step in local_skips:
         sources[step].add(GUARD_SKIP)
     out = []
     for a, b in merge(sorted(sources), cfg.merge_gap):
-        if any(a <= hi and b >= lo for lo, hi in windows):
+        if in_a_window(a, b, windows):
             continue
         seen = set().union(*(sources[s] for s in range(a, b + 1) if s in sources))
         out.append(FalseEpisode(a, b, " + ".join(sorted(seen))))
