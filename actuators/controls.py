@@ -52,6 +52,10 @@ class RollbackRecord:
     # The data it skipped: from this step on, this many batches (None: it skipped none).
     skipped_from: int | None = None
     skipped: int = 0
+    # The clipping its plan switched on or tightened: given back with the LR once the cause is
+    # gone (clip_before: the policy's norm before it; None: no clipping).
+    clip_given: bool = False
+    clip_before: float | None = None
 
 
 class Controls:
@@ -88,6 +92,17 @@ class Controls:
             RestoreLrParams(factor=applied),
             f"{why}: LR x{applied:.4g} (now {self.lr.current:.4g} of base)",
         )
+        return True
+
+    def lift_clip(self, plan: ActionPlan, why: str, before: float | None) -> bool:
+        """Give back the clipping a recovery set: to ``before`` (None: none but the trainer's
+        own). False if there is nothing to give back."""
+        now = self.clip.norm
+        if now is None or (before is not None and before <= now):
+            return False
+        self.clip.norm = before
+        back = "no clipping but the trainer's own" if before is None else f"max_norm {before:g}"
+        plan.add(ClipParams(mode="lift", max_norm=before), f"{why}: clipping back to {back}")
         return True
 
     def clip_params(self) -> ClipParams:
@@ -222,7 +237,11 @@ class Controls:
                 "before the checkpoint, and gives the schedule back when it falls to it",
             )
         # The rollback may also revert the clipping the guard had: send it again, tighter if asked.
-        self.tighten_clip(plan, why, resend=True, tighten=tighten)
+        clip_before = self.clip.norm
+        tightened = self.tighten_clip(plan, why, resend=True, tighten=tighten)
+        # (adaptive clipping sends the same z however tight the policy's notch: only switching
+        # it on changed the trainer's)
+        clip_given = tightened and (cfg.clip_mode != "adaptive" or clip_before is None)
         self.reduce_batch(plan, why)
         dropped = self.book.drop_after(t)
         self.ledger.record(tick)
@@ -239,6 +258,8 @@ class Controls:
             tick=tick,
             skipped_from=first,
             skipped=0 if first is None else s - first + 1 + cfg.skip_extra_batches,
+            clip_given=clip_given,
+            clip_before=clip_before,
         )
         self.rollbacks.append(record)
         del self.rollbacks[: max(0, len(self.rollbacks) - MAX_ROLLBACK_RECORDS)]
@@ -288,6 +309,8 @@ class Controls:
         """
         record.status = "failed"
         self.lr.load_state_dict(record.lr_before)
+        if record.clip_given:  # (its plan's clipping was not applied either)
+            self.clip.norm = record.clip_before
         if record.lr_scale < 1.0:
             self.lr.set(record.apply_at_step, self.lr.current * record.lr_scale)
         dropped = [Checkpoint(**c) for c in record.dropped]

@@ -52,7 +52,8 @@ healthy             after ``lr_restore_healthy_steps`` in a row: RESTORE_LR
                     (x1.25), up to the ceiling; not while damaged. After a
                     rollback that skipped the data, once the re-run trained on
                     the batches after the skipped ones with no anomaly: the
-                    cause is gone, RESTORE_LR to the checkpoint's LR at once
+                    cause is gone, RESTORE_LR to the checkpoint's LR at once,
+                    and the clipping the recovery set lifted (CLIP, mode lift)
 ==================  ==========================================================
 
 Damaged: after the LR was lowered outside a rollback, the median loss of the
@@ -130,6 +131,8 @@ class RerunWindow(NamedTuple):
     start: int
     end: int
     checkpoint_step: int
+    clip_given: bool = False  # the recovery switched clipping on or tightened it ...
+    clip_before: float | None = None  # ... from this (None: none)
 
 
 def _grad_ratio(d: Decision) -> float | None:
@@ -347,7 +350,11 @@ class RecoveryPolicy:
                 None
                 if record.skipped_from is None
                 else RerunWindow(
-                    record.skipped_from, record.skipped_from + record.skipped, record.target_step
+                    record.skipped_from,
+                    record.skipped_from + record.skipped,
+                    record.target_step,
+                    record.clip_given,
+                    record.clip_before,
                 )
             )
         elif ack.status in _FAILED and record.status in _UNSETTLED:
@@ -903,27 +910,32 @@ class RecoveryPolicy:
 
     def _cause_removed(self, plan: ActionPlan, d: Decision) -> bool:
         """The re-run after a rollback that skipped an incident's data has trained on the batches
-        after the skipped ones, every step of them healthy: the cause is gone. The LR the recovery
-        cut comes back at once, to the checkpoint's (one restore step per 200 healthy steps left
-        a CNN at half its LR for 800 steps after five bad batches). Its clipping stays (nothing
-        lifts it), and the run's summary says so. True if it restored."""
+        after the skipped ones, every step of them healthy: the cause is gone. What the recovery
+        changed comes back at once: the LR it cut, to the checkpoint's (one restore step per 200
+        healthy steps left a CNN at half its LR for 800 steps after five bad batches), and the
+        clipping it set, to what was in force before it (a clip kept to the run's end slowed
+        every later step). True if it gave anything back."""
         window = self.rerun_window
         if window is None or d.step < window.end - 1:
             return False
         self.rerun_window = None  # a later rise is not on the batches after the skipped ones
         if self.rerun_troubled:
-            return False  # trouble on the re-run: the cut was not only the data's
-        lr = self.recovery.lr
-        before = lr.at(window.checkpoint_step)
-        if before <= lr.current * (1 + 1e-9):
-            return False
+            return False  # trouble on the re-run: the cut and the clip were not only the data's
         plan.response = Response.CAUSE_REMOVED
         why = (
             f"steps {window.start}..{window.end - 1} of the re-run trained on the batches after "
-            "the skipped ones, every one healthy: the data that caused the incident is gone, "
-            "the LR its recovery cut given back"
+            "the skipped ones, every one healthy: the data that caused the incident is gone"
         )
-        if not self.recovery.restore_lr(plan, why, before / lr.current):
+        lr = self.recovery.lr
+        before = lr.at(window.checkpoint_step)
+        restored = before > lr.current * (1 + 1e-9) and self.recovery.restore_lr(
+            plan, f"{why}, the LR its recovery cut given back", before / lr.current
+        )
+        lifted = window.clip_given and self.recovery.lift_clip(
+            plan, f"{why}, the clipping its recovery set lifted", window.clip_before
+        )
+        plan.response = None
+        if not (restored or lifted):
             return False
         self.healthy_streak = 0
         return True

@@ -64,7 +64,8 @@ ANOMALY_KINDS = frozenset(
     }
 )
 # The kinds a decision's claim must be backed for (evidence.py): all that change the run,
-# except RESTORE_LR (it moves the LR back towards the user's own setting, after healthy steps).
+# except RESTORE_LR (it moves the LR back towards the user's own setting, after healthy steps)
+# and a CLIP that lifts (it gives clipping back the same way): see gives_back.
 NEEDS_AGREEMENT = ANOMALY_KINDS
 MAX_BROKEN_PLANS = 1024  # decisions remembered whose rollback failed (oldest forgotten first)
 MAX_AGREED_INCIDENTS = 1024  # incidents the trainer agreed were real (oldest forgotten first)
@@ -74,6 +75,18 @@ HANDLER_ONLY = frozenset({ActionKind.REDUCE_BATCH_SIZE, ActionKind.SET_EPS, Acti
 # The one kind that changes nothing in the run (it is logged): it needs no evidence
 # unless it answers a decision (then it was derived from steps, and says which).
 EVIDENCE_EXEMPT = frozenset({ActionKind.ALERT})
+
+
+def gives_back(action: Action) -> bool:
+    """Whether ``action`` gives back a setting a recovery changed (a CLIP that lifts): decided on
+    healthy steps, it neither marks the run in trouble nor needs the trainer's agreement that the
+    decided step was anomalous, as RESTORE_LR needs none."""
+    return isinstance(action.params, ClipParams) and action.params.lifts
+
+
+def marks_trouble(action: Action) -> bool:
+    """One of ANOMALY_KINDS, and not one that gives a setting back."""
+    return action.kind in ANOMALY_KINDS and not gives_back(action)
 
 
 class ActionFailed(SpikeguardError):
@@ -196,7 +209,7 @@ class ActionQueue:
                 return Outcome(action, AckStatus.REJECTED, step, f"{problem}; action refused")
         # Published is not the same as anomalous: a decision's claim must be of the evidence's own
         # step, and this trainer's own statistics must agree the step was what the decision says.
-        if action.claim is not None and action.kind in NEEDS_AGREEMENT:
+        if action.claim is not None and action.kind in NEEDS_AGREEMENT and not gives_back(action):
             agreed = action.incident_id is not None and action.incident_id in self.agreed_incidents
             problem = self.published.claim_problem(action.claim, action.evidence, agreed=agreed)
             if problem is None and action.incident_id is not None:
@@ -321,6 +334,8 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
     if isinstance(p, HoldLrParams):
         return guard.lr.hold()
     if isinstance(p, ClipParams):
+        if p.lifts:
+            return f"the clipping recoveries set lifted: {guard.clipper.lift(p.max_norm)}"
         if p.mode == "adaptive" and p.z is not None:  # (check() above: the mode's value is there)
             return f"adaptive clipping at z={guard.clipper.set_adaptive(p.z):g}"
         if p.max_norm is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Any
 
-from spikeguard.producers.actions import ANOMALY_KINDS, ActionQueue, Outcome
+from spikeguard.producers.actions import ActionQueue, Outcome, marks_trouble
 from spikeguard.producers.checkpointing import CheckpointKeeper
 from spikeguard.producers.distributed import RankSync, failures
 from spikeguard.producers.health import HealthTracker
@@ -123,12 +123,9 @@ class ActionApplier:
                 outcome = Outcome(action, AckStatus.FAILED, self.run.step_count, broken)
                 self.ledger.record(action.action_id)
             else:
-                if (
-                    action.kind in ANOMALY_KINDS or action.kind is ActionKind.ALERT
-                ):  # (an outlier's)
-                    self.checkpoints.keep_incident(
-                        action
-                    )  # before a rollback moves the data and the store
+                if marks_trouble(action) or action.kind is ActionKind.ALERT:  # (an outlier's)
+                    # before a rollback moves the data and the store
+                    self.checkpoints.keep_incident(action)
                 outcome = self.steering.apply_one(action)  # (mode, budget, said out loud)
                 self.ledger.record(action.action_id)
                 if self.sync.enabled:
@@ -136,7 +133,7 @@ class ActionApplier:
                 if outcome is not None and outcome.status is not AckStatus.APPLIED:
                     self.actions.plan_failed(action, outcome)
             applied = outcome is None or outcome.status is AckStatus.APPLIED
-            if applied and action.kind in ANOMALY_KINDS:
+            if applied and marks_trouble(action):
                 self.health.on_anomaly()
                 self.checkpoints.incident_found(action)
             if applied and action.kind in (ActionKind.ROLLBACK, ActionKind.STOP):

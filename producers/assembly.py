@@ -183,9 +183,8 @@ def assemble(
     actions = ActionQueue(ledger, signer)
     stats = GradStats(list(model.named_parameters()), cfg.top_k_layers, cfg.param_norm)
     updates = UpdateNorm(list(model.parameters()), cfg.update_norm)  # normed at the next step
-    clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z)
-    if cfg.max_grad_norm is not None:  # clipped after measuring: the true norm is published
-        clipper.set_fixed(cfg.max_grad_norm)
+    # (the user's own max_grad_norm: clipped after measuring, so the true norm is published)
+    clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z, cfg.max_grad_norm)
     lr = LRControl(optimizer)
     stepped = torch_optimizer(optimizer, required=False)
     usage = StepWatch(stepped, run_id)  # two updates for one batch (misuse.py)

@@ -19,12 +19,20 @@ import torch
 
 
 class GradClipper:
-    def __init__(self, beta: float = 0.98, warmup: int = 25, track_z: float = 6.0) -> None:
+    def __init__(
+        self,
+        beta: float = 0.98,
+        warmup: int = 25,
+        track_z: float = 6.0,
+        own_max_norm: float | None = None,
+    ) -> None:
         self.beta = beta
         self.warmup = warmup
         self.track_z = track_z
+        # The user's own limit (GuardConfig.max_grad_norm): what a lift gives back, never loosened.
+        self.own_max_norm = own_max_norm
         # Settings (changed by CLIP actions).
-        self.max_norm: float | None = None
+        self.max_norm: float | None = own_max_norm
         self.z: float | None = None
         # Learned baseline.
         self.mean = 0.0
@@ -32,8 +40,9 @@ class GradClipper:
         self.count = 0
         self.clipped = 0
 
-    def recovery_bounds(self, own: float | None) -> str:
+    def recovery_bounds(self, own: float | None = None) -> str:
         """The clipping CLIP actions set beyond the user's own max_grad_norm ("": none)."""
+        own = self.own_max_norm if own is None else own
         bounds = []
         if self.max_norm is not None and self.max_norm != own:
             bounds.append(f"max_norm {self.max_norm:g}")
@@ -49,6 +58,19 @@ class GradClipper:
     def set_adaptive(self, z: float) -> float:
         self.z = z if self.z is None else min(self.z, z)
         return self.z
+
+    def lift(self, max_norm: float | None = None) -> str:
+        """Give back the clipping actions set: to ``max_norm`` (None: to none but the user's own
+        limit, which is never loosened); what is in force afterwards, in words."""
+        own = self.own_max_norm
+        if max_norm is None:
+            self.max_norm, self.z = own, None
+        else:
+            self.max_norm = max_norm if own is None else min(max_norm, own)
+        left = self.recovery_bounds()
+        if left:
+            return f"clipped at {left} now"
+        return "no clipping now" if own is None else f"clipped at your own max_norm {own:g} now"
 
     def threshold(self) -> float | None:
         """The norm above which gradients are scaled down right now (None: no clipping)."""

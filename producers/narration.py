@@ -17,12 +17,14 @@ the updates skipped.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Protocol
 
 from spikeguard.schemas import Action, ActionKind
+from spikeguard.schemas.actions import ClipParams
 
 if TYPE_CHECKING:
     from spikeguard.producers.run_state import RunState
@@ -53,6 +55,18 @@ def send(loggers: list[ActionLogger], step: int, action: Action, applied: bool, 
 
 #: Kinds that change the run; ALERT only informs, CHECKPOINT only saves.
 STEERING = frozenset(ActionKind) - {ActionKind.ALERT, ActionKind.CHECKPOINT}
+#: Kinds whose line always says the LR they leave (the others say it only if they moved it).
+LR_KINDS = frozenset(
+    {ActionKind.SET_LR, ActionKind.SCALE_LR, ActionKind.RESTORE_LR, ActionKind.HOLD_LR}
+)
+
+
+def label(action: Action) -> str:
+    """An action's name in the lines and the summary: its kind; a CLIP that lifts, ``lift_clip``
+    (on the wire both are ``clip``, but one sets clipping and the other gives it back)."""
+    if isinstance(action.params, ClipParams) and action.params.lifts:
+        return "lift_clip"
+    return action.kind.value
 
 
 class Cost(NamedTuple):
@@ -84,6 +98,7 @@ class RunSummary(NamedTuple):
     lr_scale: float  # the Guard's factor on the schedule now
     notices: dict[str, int] = {}  # alerts and requested checkpoints applied: they steer nothing
     recovery_clip: str = ""  # clipping a recovery set that is still in force ("": none)
+    clip_lifted: str = ""  # when and to what the clipping recoveries set was given back ("": never)
 
     def __str__(self) -> str:
         def kinds(counts: dict[str, int]) -> str:
@@ -101,6 +116,8 @@ class RunSummary(NamedTuple):
             text += f" The LR ends at {self.lr_scale:.3g}x its schedule."
         if self.recovery_clip:
             text += f" Gradients stay clipped at {self.recovery_clip} (set by a recovery)."
+        elif self.clip_lifted:
+            text += f" The clipping a recovery set was lifted {self.clip_lifted}."
         return text
 
 
@@ -168,10 +185,18 @@ class Narrator:
         self.withheld: Counter[str] = Counter()
         self.incidents: set[str] = set()
         self.rerun_steps = 0
+        self.clip_lifted = ""
 
     def took(self, action: Action, result: str, before: Cost, after: Cost) -> None:
-        """An action that changed the run: one WARNING line with its cost."""
-        self.applied[action.kind.value] += 1
+        """An action that changed the run: one WARNING line with its cost.
+
+        Each line's cost is true when it is said: the LR is named by the actions that set it, and
+        by any other only if it moved the LR (a rollback's checkpoint had another); so the LR a
+        recovery leaves is on the line of its LR action, after its rollback's."""
+        name = label(action)
+        self.applied[name] += 1
+        if name == "lift_clip":
+            self.clip_lifted = f"at step {before.step} ({result.rpartition(': ')[2]})"
         self._incident(action)
         rerun = before.step - after.step if action.kind is ActionKind.ROLLBACK else 0
         self.rerun_steps += max(rerun, 0)
@@ -183,10 +208,14 @@ class Narrator:
                 f"{after.skipped_batches - before.skipped_batches} batches skipped "
                 f"({after.skipped_steps - before.skipped_steps} steps' data)"
             )
-        costs.append(f"LR now {after.lr:.3g}")
+        moved = not math.isclose(after.lr, before.lr, rel_tol=1e-9)
+        if action.kind is ActionKind.ROLLBACK and moved:
+            costs.append(f"LR back to the checkpoint's {after.lr:.3g}")
+        elif action.kind in LR_KINDS or moved:
+            costs.append(f"LR now {after.lr:.3g}")
         text = (
-            f"spikeguard: {action.kind.value} at step {before.step}: {result}; why: "
-            f"{_why(action)}; cost: {', '.join(costs)}{_of(action)}"
+            f"spikeguard: {name} at step {before.step}: {result}; why: "
+            f"{_why(action)}; cost: {', '.join(costs) or 'no steps, data or LR'}{_of(action)}"
         )
         log.warning("%s", text)
         if self.loggers:
@@ -194,14 +223,15 @@ class Narrator:
 
     def withhold(self, action: Action, would: str, because: str, step: int) -> None:
         """An action not taken: what it would have done, and why it was not."""
-        self.withheld[action.kind.value] += 1
+        name = label(action)
+        self.withheld[name] += 1
         self._incident(action)
-        what = f"would {action.kind.value.replace('_', ' ')}, not done: {because}"
+        what = f"would {name.replace('_', ' ')}, not done: {because}"
         text = (
-            f"spikeguard: would {action.kind.value.replace('_', ' ')} at step {step} ({would}), "
+            f"spikeguard: would {name.replace('_', ' ')} at step {step} ({would}), "
             f"not done: {because}; why it was asked: {_why(action)}{_of(action)}"
         )
-        if self.repeats.first((action.kind, because), step, what):
+        if self.repeats.first((name, because), step, what):
             log.warning("%s", text)
         if self.loggers:
             send(self.loggers, step, action, False, text)
@@ -226,6 +256,7 @@ class Narrator:
             lr_scale,
             notices,
             clip,
+            self.clip_lifted,
         )
 
     def alert(self, step: int, severity: str, message: str) -> None:

@@ -144,18 +144,35 @@ class HoldLrParams(ActionParams):
 
 
 class ClipParams(ActionParams):
+    """Clipping switched on or tightened (never loosened), or, with ``mode="lift"``, the clipping
+    a recovery set given back once its cause is gone. A trainer that predates ``lift`` refuses
+    such a record as malformed (an unknown mode), to the DLQ with the reason: it never reads it
+    as a clip to tighten."""
+
     kind: Literal[K.CLIP] = Field(K.CLIP, exclude=True, repr=False)
-    mode: Literal["adaptive"] | None = Field(
-        None, description="adaptive: clip at z robust deviations; absent: at a fixed max_norm"
+    mode: Literal["adaptive", "lift"] | None = Field(
+        None,
+        description="adaptive: clip at z robust deviations; lift: give back the clipping actions "
+        "set, to max_norm if given, else to none but the trainer's own max_grad_norm; absent: "
+        "clip at a fixed max_norm",
     )
-    max_norm: float | None = _positive("global gradient-norm limit (mode max_norm)", None)
+    max_norm: float | None = _positive(
+        "global gradient-norm limit (mode max_norm); mode lift: the limit to go back to", None
+    )
     z: float | None = _positive("deviations above the running median (mode adaptive)", None)
 
     def check(self) -> None:
         super().check()
+        if self.mode == "lift":
+            return  # (max_norm optional: absent, no clipping but the trainer's own)
         needed = "z" if self.mode == "adaptive" else "max_norm"
         if getattr(self, needed) is None:
             raise ValueError(f"missing parameter {needed!r} (mode {self.mode or 'max_norm'})")
+
+    @property
+    def lifts(self) -> bool:
+        """Whether this gives clipping back rather than setting it."""
+        return self.mode == "lift"
 
 
 class CheckpointParams(ActionParams):

@@ -666,9 +666,47 @@ def test_the_lr_a_recovery_cut_is_given_back_once_the_re_run_passed_the_skipped_
     before = feed(policy, healthy(701, end - 1))
     assert K.RESTORE_LR not in kinds(before)  # not yet past the batches after the skipped ones
     back = feed(policy, healthy(end - 1, end + 1))
-    assert kinds(back) == [K.RESTORE_LR], [a.reason for a in back]
-    assert back[0].reason.startswith("[cause_removed]")
+    assert kinds(back) == [K.RESTORE_LR, K.CLIP], [a.reason for a in back]
+    assert all(a.reason.startswith("[cause_removed]") for a in back)
     assert back[0].params.factor == pytest.approx(2.0) and policy.recovery.lr.current == 1.0
+
+
+def test_the_clipping_a_recovery_set_is_lifted_with_the_lr_once_the_re_run_passed_the_data() -> (
+    None
+):
+    """Issue 38: "Gradients stay clipped at max_norm 1 (set by a recovery)" to the run's end. The
+    clip comes back as the LR does, at the same decision: lifted to what was in force before."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
+    applied(policy, first[0])
+    skip = first[1].params
+    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra
+    assert K.CLIP not in kinds(feed(policy, healthy(701, end - 1)))
+    back = [a for a in feed(policy, healthy(end - 1, end + 1)) if a.kind is K.CLIP]
+    assert len(back) == 1 and back[0].params.lifts and back[0].params.max_norm is None
+    assert "clipping back to no clipping but the trainer's own" in back[0].reason
+    assert policy.recovery.clip.norm is None
+    assert K.CLIP not in kinds(feed(policy, healthy(end + 1, end + 300)))  # given back once
+
+
+def test_a_lift_gives_back_the_clipping_that_was_in_force_before_the_recovery() -> None:
+    """An explosion had clipped at 1; the recovery tightened to 0.5: lifted back to 1, not off."""
+    policy = make()
+    feed(policy, healthy(401, 700))
+    feed(policy, [dec(700, T.GRADIENT_EXPLOSION, onset=700)] + healthy(701, 800))
+    assert policy.recovery.clip.norm == 1.0
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    applied(policy, next(a for a in first if a.kind is K.ROLLBACK))
+    assert policy.recovery.clip.norm == 0.5
+    back = [a for a in feed(policy, healthy(701, 830)) if a.kind is K.CLIP]
+    assert [(a.params.mode, a.params.max_norm) for a in back] == [("lift", 1.0)]
+    assert policy.recovery.clip.norm == 1.0
 
 
 def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
@@ -681,3 +719,5 @@ def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
     feed(policy, healthy(701, 780) + [dec(780, T.GRADIENT_EXPLOSION, onset=780)])
     later = feed(policy, healthy(781, 830))
     assert K.RESTORE_LR not in kinds(later) and policy.recovery.lr.current < 0.5
+    assert not any(a.kind is K.CLIP and a.params.lifts for a in later)  # the clip is kept too
+    assert policy.recovery.clip.norm is not None

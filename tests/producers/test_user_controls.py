@@ -61,8 +61,11 @@ def test_each_action_is_one_warning_line_with_what_why_cost_and_incident(bus, tm
     rollback, skip, lr = lines
     assert "at step 30" in rollback and "rolled back to step 20" in rollback
     assert "why: loss spike at step 28" in rollback and "10 steps to re-run" in rollback
-    assert "(incident inc-7)" in rollback and "LR now 0.01" in rollback
+    assert "(incident inc-7)" in rollback
     assert "12 batches skipped (12 steps' data)" in skip
+    # Issue 38: the rollback said "LR now 0.01" before the cut that follows it in the same
+    # recovery. The LR is said by the action that sets it; the others did not move it.
+    assert "LR" not in rollback.split("; cost: ")[1] and "LR" not in skip.split("; cost: ")[1]
     assert "LR now 0.005" in lr
     # close() logs the one-paragraph summary and returns it; summary() gives the same any time
     assert str(summary) in _warnings(caplog)
@@ -71,6 +74,29 @@ def test_each_action_is_one_warning_line_with_what_why_cost_and_incident(bus, tm
     assert summary.batches_skipped == 12 and summary.incidents == 1
     assert summary.actions == {"rollback": 1, "skip_batches": 1, "scale_lr": 1}
     assert "50 steps kept of 60 run; 10 re-run after rollbacks, 12 batches" in str(summary)
+
+
+def test_a_rollback_that_moves_the_lr_says_the_checkpoint_s_and_the_cut_after_it_the_new(
+    bus, tmp_path, caplog
+):
+    """Each line's cost is true when it is said: an LR cut after the checkpoint is undone by the
+    rollback (its line says so), and the plan's own cut, applied next, says the LR it leaves."""
+    caplog.set_level(logging.WARNING)
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path)
+    send(
+        bus, action_with(K.SCALE_LR, 25, factor=0.1, reason="an earlier cut"), *_plan(), guard=guard
+    )
+    train(guard, tiny, 50)
+    guard.close()
+    lines = [m for m in _warnings(caplog) if "; why: " in m]  # the actions' lines
+    costs = [m.split(" at step ")[0] + ": " + m.split("; cost: ")[1] for m in lines]
+    assert costs == [
+        "spikeguard: scale_lr: LR now 0.001",  # the earlier cut, at step 25
+        "spikeguard: rollback: 10 steps to re-run, LR back to the checkpoint's 0.01 (incident inc-7)",
+        "spikeguard: skip_batches: 12 batches skipped (12 steps' data) (incident inc-7)",
+        "spikeguard: scale_lr: LR now 0.005 (incident inc-7)",
+    ], lines
 
 
 def test_a_local_skip_is_said_at_warning(bus, tmp_path, caplog):
@@ -322,6 +348,30 @@ def test_the_summary_says_a_recovery_s_clipping_is_still_in_force(bus, tmp_path)
     train(guard, tiny, 12)
     summary = str(guard.close())
     assert "Gradients stay clipped at max_norm 1 (set by a recovery)" in summary, summary
+
+
+def test_a_lift_gives_back_the_user_s_own_clipping_and_the_summary_says_so(bus, tmp_path):
+    # Issue 38: a recovery's clip is given back once its cause is gone (CLIP, mode lift); the
+    # user's own max_grad_norm is never loosened.
+    tiny = Tiny()
+    guard = make_guard(tiny, bus, tmp_path, max_grad_norm=2.0)
+    set_, lift = (
+        action_with(K.CLIP, 5, max_norm=1.0, reason="loss spike at step 3"),
+        action_with(K.CLIP, 9, mode="lift", reason="[cause_removed] the data is gone"),
+    )
+    send(bus, set_, lift, guard=guard)
+    train(guard, tiny, 12)
+    summary = guard.close()
+    assert (guard.clipper.max_norm, guard.clipper.z) == (2.0, None)
+    assert summary.actions == {"clip": 1, "lift_clip": 1}
+    assert "stay clipped" not in str(summary), summary
+    assert (
+        "The clipping a recovery set was lifted at step 9 (clipped at your own max_norm 2 now)"
+        in str(summary)
+    )
+    assert {a["kind"]: a["status"] for a in guard.acks.applied if a["step"] == 9} == {
+        "clip": "applied"
+    }
 
 
 def test_the_summary_does_not_call_the_user_s_own_clipping_a_recovery_s(bus, tmp_path):
