@@ -117,11 +117,45 @@ class LrFactor:
 
 
 class ClipNorm:
-    """The clipping the policy asked for: None until it first enables clipping."""
+    """The clipping the policy asked for: None until it first enables clipping.
+
+    Like the LR, the clipping in the trainer goes back to the checkpoint's on a rollback (the
+    policy sends its own again right after): ``log`` keeps what the trainer had from which step
+    on, so that what a recovery set can be given back to the checkpoint's (:meth:`at`)."""
 
     def __init__(self, initial: float, tighten: float, low: float, high: float) -> None:
         self.initial, self.tighten_factor, self.low, self.high = initial, tighten, low, high
         self.norm: float | None = None
+        self.baseline: float | None = None  # in force before the first logged entry
+        self.log: list[tuple[int, float | None]] = []  # (step from which it holds, norm)
+
+    def at(self, step: int) -> float | None:
+        """The clipping the trainer had at ``step`` (None: none of the policy's)."""
+        norm = self.baseline
+        for when, value in self.log:
+            if when > step:
+                break
+            norm = value
+        return norm
+
+    def mark(self, step: int) -> None:
+        """The trainer has ``norm`` from ``step`` on (later entries: an abandoned timeline)."""
+        self.log = [(s, n) for s, n in self.log if s < step]
+        self.log.append((step, self.norm))
+        while len(self.log) > MAX_LR_LOG:
+            self.baseline = self.log.pop(0)[1]
+
+    def rewind(self, target_step: int) -> float | None:
+        """The timeline goes back to ``target_step``: the clipping the trainer has then."""
+        self.log = [(s, n) for s, n in self.log if s <= target_step]
+        return self.at(target_step)
+
+    def forget_before(self, step: int) -> None:
+        """Fold entries before ``step`` (no checkpoint there any more) into the baseline."""
+        while len(self.log) > 1 and self.log[1][0] <= step:
+            self.log.pop(0)
+        if self.log and self.log[0][0] <= step:
+            self.baseline = self.log.pop(0)[1]
 
     def enable_or_tighten(self, floor: float | None = None) -> float | None:
         """Enable at ``initial`` or tighten a notch (not below floor/low); None if unchanged."""
@@ -136,10 +170,12 @@ class ClipNorm:
         return new
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norm": self.norm}
+        return {"norm": self.norm, "baseline": self.baseline, "log": [list(e) for e in self.log]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norm = None if state["norm"] is None else float(state["norm"])
+        self.baseline = state.get("baseline")  # (snapshots older than the log: none)
+        self.log = [(int(s), None if n is None else float(n)) for s, n in state.get("log", [])]
 
 
 class BatchSizeFactor:

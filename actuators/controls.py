@@ -52,10 +52,11 @@ class RollbackRecord:
     # The data it skipped: from this step on, this many batches (None: it skipped none).
     skipped_from: int | None = None
     skipped: int = 0
-    # The clipping its plan switched on or tightened: given back with the LR once the cause is
-    # gone (clip_before: the policy's norm before it; None: no clipping).
+    # The clipping its plan left tighter than the checkpoint's: given back with the LR once the
+    # cause is gone (clip_before: the checkpoint's; None: no clipping).
     clip_given: bool = False
     clip_before: float | None = None
+    clip_state: dict[str, Any] = field(default_factory=dict)  # ClipNorm state before it
 
 
 class Controls:
@@ -101,6 +102,7 @@ class Controls:
         if now is None or (before is not None and before <= now):
             return False
         self.clip.norm = before
+        self.clip.mark(plan.apply_at_step)
         back = "no clipping but the trainer's own" if before is None else f"max_norm {before:g}"
         plan.add(ClipParams(mode="lift", max_norm=before), f"{why}: clipping back to {back}")
         return True
@@ -117,12 +119,15 @@ class Controls:
         floor: float | None = None,
         resend: bool = False,
         tighten: bool = True,
+        from_step: int | None = None,
     ) -> bool:
-        """Enable clipping or tighten it one notch; ``resend`` re-sends an unchanged setting."""
+        """Enable clipping or tighten it one notch; ``resend`` re-sends an unchanged setting.
+        ``from_step``: where the trainer has it from (default: the plan's step)."""
         changed = tighten and self.clip.enable_or_tighten(floor) is not None
         if changed or (resend and self.clip.norm is not None):
             params = self.clip_params()
             plan.add(params, f"{why}: clip {dict(params)}")
+            self.clip.mark(plan.apply_at_step if from_step is None else from_step)
         return changed
 
     def raise_eps(self, plan: ActionPlan, why: str) -> None:
@@ -236,12 +241,20 @@ class Controls:
                 f"{why}: the re-run holds jumps of the schedule at the highest LR it trained at "
                 "before the checkpoint, and gives the schedule back when it falls to it",
             )
-        # The rollback may also revert the clipping the guard had: send it again, tighter if asked.
-        clip_before = self.clip.norm
-        tightened = self.tighten_clip(plan, why, resend=True, tighten=tighten)
-        # (adaptive clipping sends the same z however tight the policy's notch: only switching
-        # it on changed the trainer's)
-        clip_given = tightened and (cfg.clip_mode != "adaptive" or clip_before is None)
+        # The rollback reverts the clipping the guard had to the checkpoint's: send the policy's
+        # again, tighter if asked (or lift the checkpoint's, when the policy lifted it since).
+        clip_state = self.clip.state_dict()
+        clip_before = self.clip.rewind(t)
+        self.tighten_clip(plan, why, resend=True, tighten=tighten, from_step=t + 1)
+        now = self.clip.norm
+        if now is None and clip_before is not None:
+            plan.add(ClipParams(mode="lift"), f"{why}: the checkpoint's clipping, lifted since")
+            self.clip.mark(t + 1)
+        # (adaptive clipping sends the same z however tight the policy's notch: only switching it
+        # on changes the trainer's)
+        clip_given = now is not None and (
+            clip_before is None or (cfg.clip_mode != "adaptive" and now < clip_before)
+        )
         self.reduce_batch(plan, why)
         dropped = self.book.drop_after(t)
         self.ledger.record(tick)
@@ -260,6 +273,7 @@ class Controls:
             skipped=0 if first is None else s - first + 1 + cfg.skip_extra_batches,
             clip_given=clip_given,
             clip_before=clip_before,
+            clip_state=clip_state,
         )
         self.rollbacks.append(record)
         del self.rollbacks[: max(0, len(self.rollbacks) - MAX_ROLLBACK_RECORDS)]
@@ -300,6 +314,7 @@ class Controls:
         self.book.drop_after(record.target_step)  # old-timeline checkpoints that came in since
         if (oldest := self.book.oldest_step) is not None:
             self.lr.forget_before(oldest)
+            self.clip.forget_before(oldest)
 
     def failed(self, record: RollbackRecord, refused: bool = False) -> None:
         """Undo the bookkeeping of a rollback that did not happen (its SCALE_LR did).
@@ -309,8 +324,8 @@ class Controls:
         """
         record.status = "failed"
         self.lr.load_state_dict(record.lr_before)
-        if record.clip_given:  # (its plan's clipping was not applied either)
-            self.clip.norm = record.clip_before
+        if record.clip_state:  # (its plan's clipping was not applied either)
+            self.clip.load_state_dict(record.clip_state)
         if record.lr_scale < 1.0:
             self.lr.set(record.apply_at_step, self.lr.current * record.lr_scale)
         dropped = [Checkpoint(**c) for c in record.dropped]
@@ -326,6 +341,7 @@ class Controls:
         return {
             "lr": self.lr.state_dict(),
             "clip_norm": self.clip.norm,
+            "clip": self.clip.state_dict(),
             "batch_factor": self.batch.current,
             "eps": self.eps.value,
             "book": self.book.state_dict(),
@@ -335,7 +351,7 @@ class Controls:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr.load_state_dict(state["lr"])
-        self.clip.norm = state["clip_norm"]
+        self.clip.load_state_dict(state.get("clip", {"norm": state["clip_norm"]}))
         self.batch.current = float(state["batch_factor"])
         self.eps.value = float(state["eps"])
         self.book.load_state_dict(state["book"])

@@ -131,8 +131,8 @@ class RerunWindow(NamedTuple):
     start: int
     end: int
     checkpoint_step: int
-    clip_given: bool = False  # the recovery switched clipping on or tightened it ...
-    clip_before: float | None = None  # ... from this (None: none)
+    clip_given: bool = False  # the recovery left clipping tighter than the checkpoint's ...
+    clip_before: float | None = None  # ... which was this (None: none)
 
 
 def _grad_ratio(d: Decision) -> float | None:
@@ -264,6 +264,7 @@ class RecoveryPolicy:
         self.recovery.book.add(event)
         if (oldest := self.recovery.book.oldest_step) is not None:
             self.recovery.lr.forget_before(oldest)
+            self.recovery.clip.forget_before(oldest)
         return []
 
     def on_ack(self, ack: Ack) -> list[Action]:
@@ -911,10 +912,10 @@ class RecoveryPolicy:
     def _cause_removed(self, plan: ActionPlan, d: Decision) -> bool:
         """The re-run after a rollback that skipped an incident's data has trained on the batches
         after the skipped ones, every step of them healthy: the cause is gone. What the recovery
-        changed comes back at once: the LR it cut, to the checkpoint's (one restore step per 200
-        healthy steps left a CNN at half its LR for 800 steps after five bad batches), and the
-        clipping it set, to what was in force before it (a clip kept to the run's end slowed
-        every later step). True if it gave anything back."""
+        changed comes back at once, to the checkpoint's: the LR it cut (one restore step per 200
+        healthy steps left a CNN at half its LR for 800 steps after five bad batches) and the
+        clipping it set (kept to the run's end, it bounded every later update). True if it gave
+        anything back."""
         window = self.rerun_window
         if window is None or d.step < window.end - 1:
             return False

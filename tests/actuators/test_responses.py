@@ -694,10 +694,12 @@ def test_the_clipping_a_recovery_set_is_lifted_with_the_lr_once_the_re_run_passe
 
 
 def test_a_lift_gives_back_the_clipping_that_was_in_force_before_the_recovery() -> None:
-    """An explosion had clipped at 1; the recovery tightened to 0.5: lifted back to 1, not off."""
+    """An explosion had clipped at 1 before the checkpoint the recovery rolled back to, and the
+    recovery tightened to 0.5: lifted back to the checkpoint's 1, not off. (Set after that
+    checkpoint, the rollback undid it: then lifted to none, as the LR goes to the checkpoint's.)"""
     policy = make()
-    feed(policy, healthy(401, 700))
-    feed(policy, [dec(700, T.GRADIENT_EXPLOSION, onset=700)] + healthy(701, 800))
+    feed(policy, healthy(401, 550))
+    feed(policy, [dec(550, T.GRADIENT_EXPLOSION, onset=550)] + healthy(551, 800))
     assert policy.recovery.clip.norm == 1.0
     first = feed(
         policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
