@@ -104,7 +104,7 @@ class Controls:
         self.clip.norm = before
         self.clip.mark(plan.apply_at_step)
         back = "no clipping but the trainer's own" if before is None else f"max_norm {before:g}"
-        plan.add(ClipParams(mode="lift", max_norm=before), f"{why}: clipping back to {back}")
+        plan.add(ClipParams(mode="lift", max_norm=before), f"{why}: back to {back}")
         return True
 
     def clip_params(self) -> ClipParams:

@@ -335,7 +335,7 @@ def _builtin(guard: Steerable, action: Action, step: int) -> str | None:
         return guard.lr.hold()
     if isinstance(p, ClipParams):
         if p.lifts:
-            return f"the clipping recoveries set lifted: {guard.clipper.lift(p.max_norm)}"
+            return f"recovery clipping lifted: {guard.clipper.lift(p.max_norm)}"
         if p.mode == "adaptive" and p.z is not None:  # (check() above: the mode's value is there)
             return f"adaptive clipping at z={guard.clipper.set_adaptive(p.z):g}"
         if p.max_norm is not None:

@@ -39,7 +39,6 @@ Progress = Callable[[int, int, float], None]
 # The policy's defaults are sized for runs of many thousand steps; the demo has 300.
 DEMO_SETTINGS = {
     "policy.rollback_min_steps_before_onset": 20,
-    "policy.skip_extra_batches": 40,
     "policy.lr_restore_healthy_steps": 10,
     "policy.lr_restore_factor": 1.5,
     "policy.clip_mode": "adaptive",

@@ -688,7 +688,7 @@ def test_the_clipping_a_recovery_set_is_lifted_with_the_lr_once_the_re_run_passe
     assert K.CLIP not in kinds(feed(policy, healthy(701, end - 1)))
     back = [a for a in feed(policy, healthy(end - 1, end + 1)) if a.kind is K.CLIP]
     assert len(back) == 1 and back[0].params.lifts and back[0].params.max_norm is None
-    assert "clipping back to no clipping but the trainer's own" in back[0].reason
+    assert "lifted: back to no clipping but the trainer's own" in back[0].reason
     assert policy.recovery.clip.norm is None
     assert K.CLIP not in kinds(feed(policy, healthy(end + 1, end + 300)))  # given back once
 
