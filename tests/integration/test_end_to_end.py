@@ -119,6 +119,9 @@ def check_the_loop_closed(bus, topics, guard, corrupted, run_id):
         restores = [a for a in actions if a.kind is ActionKind.RESTORE_LR]
         assert any("cause_removed" in a.reason for a in restores), [a.reason for a in restores]
         assert guard.lr.effective() == pytest.approx(0.05)
+        # ... and the clipping the recovery set is lifted in the same plan
+        lifts = [a for a in actions if a.kind is ActionKind.CLIP and a.params.lifts]
+        assert lifts and guard.clipper.threshold() is None, guard.clipper.settings()
     else:
         assert guard.lr.effective() < 0.05  # the guard scales the LR around optimizer.step()
 
