@@ -723,3 +723,44 @@ def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
     assert K.RESTORE_LR not in kinds(later) and policy.recovery.lr.current < 0.5
     assert not any(a.kind is K.CLIP and a.params.lifts for a in later)  # the clip is kept too
     assert policy.recovery.clip.norm is not None
+
+
+def test_a_rollback_that_failed_takes_its_clipping_back_out() -> None:
+    """The trainer applies none of a plan whose rollback failed: the policy's clip is not its."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    assert policy.recovery.clip.norm == 1.0
+    policy.on_ack(
+        Ack(
+            run_id=R,
+            action_id=first[0].action_id,
+            kind=K.ROLLBACK,
+            status=AckStatus.FAILED,
+            step=first[0].apply_at_step,
+            result="no checkpoint",
+        )
+    )
+    assert policy.recovery.clip.norm is None
+
+
+def test_a_rollback_to_a_checkpoint_clipped_before_a_lift_lifts_it_again() -> None:
+    """The trainer loads the checkpoint's clipping with its weights; the policy had lifted it
+    since, so the plan lifts it again rather than leave a clip nobody set."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    applied(policy, first[0])
+    assert any(a.kind is K.CLIP and a.params.lifts for a in feed(policy, healthy(701, 820)))
+    # a checkpoint of the re-run, taken while the recovery's clip was in force
+    policy.on_checkpoint(CheckpointEvent(run_id=R, step=750, checkpoint_id="ck-750", healthy=True))
+    feed(policy, healthy(820, 900))
+    bounded = [dec(s, T.EXTREME_LOSS, onset=900, loss=6.0, grad=1.0) for s in range(900, 904)]
+    second = [a for a in feed(policy, bounded) if a.kind is not K.ALERT]
+    assert kinds(second) == [K.ROLLBACK, K.SKIP_BATCHES, K.CLIP], [a.reason for a in second]
+    assert second[0].params.target_step == 750 and second[2].params.lifts
+    assert policy.recovery.clip.norm is None
