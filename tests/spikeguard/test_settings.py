@@ -379,13 +379,14 @@ def test_the_demo_tunes_its_policy_unless_the_file_or_environment_says_otherwise
         if not is_other_variable(name):
             monkeypatch.delenv(name)
     monkeypatch.delenv("SPIKEGUARD_CONFIG", raising=False)
-    assert demo_settings().policy.skip_extra_batches == DEMO_SETTINGS["policy.skip_extra_batches"]
-    path = _write(tmp_path / "demo.toml", "[policy]\nskip_extra_batches = 7\n")
+    tuned = DEMO_SETTINGS["policy.lr_restore_healthy_steps"]
+    assert demo_settings().policy.lr_restore_healthy_steps == tuned
+    path = _write(tmp_path / "demo.toml", "[policy]\nlr_restore_healthy_steps = 7\n")
     settings = demo_settings(str(path))
-    assert settings.policy.skip_extra_batches == 7
+    assert settings.policy.lr_restore_healthy_steps == 7
     assert settings.policy.clip_mode == DEMO_SETTINGS["policy.clip_mode"]  # the rest stays tuned
-    monkeypatch.setenv("SPIKEGUARD_POLICY__SKIP_EXTRA_BATCHES", "5")
-    assert demo_settings(str(path)).policy.skip_extra_batches == 5
+    monkeypatch.setenv("SPIKEGUARD_POLICY__LR_RESTORE_HEALTHY_STEPS", "5")
+    assert demo_settings(str(path)).policy.lr_restore_healthy_steps == 5
 
 
 def test_the_demo_command_takes_config(tmp_path, capsys):
