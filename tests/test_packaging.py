@@ -27,3 +27,34 @@ def test_every_package_directory_is_listed_for_the_wheel():
     assert found - listed == set(), (
         f"packages missing from pyproject.toml: {sorted(found - listed)}"
     )
+
+
+def test_every_data_file_inside_a_package_is_listed_for_the_wheel():
+    """A file the code reads from its own package (labels, the demo's text) ships only if
+    ``[tool.setuptools.package-data]`` names it; the editable install finds it either way."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {name: ROOT / path for name, path in config["package-dir"].items()}
+    patterns = config.get("package-data", {})
+    unlisted = []
+    for name, directory in roots.items():
+        for path in directory.rglob("*"):
+            relative = path.relative_to(directory)
+            if (
+                not path.is_file()
+                or path.suffix in (".py", ".pyc")
+                or any(part.startswith((".", "__")) for part in relative.parts)
+                or (
+                    name == "spikeguard"
+                    and relative.parts[0] in set(config["package-dir"]) - {"spikeguard"}
+                )
+            ):
+                continue
+            # the package a file belongs to is its nearest directory holding an __init__.py
+            package_dir = path.parent
+            while not (package_dir / "__init__.py").exists():
+                package_dir = package_dir.parent
+            package = ".".join([name, *package_dir.relative_to(directory).parts])
+            inside = path.relative_to(package_dir)
+            if not any(inside.match(glob) for glob in patterns.get(package, [])):
+                unlisted.append(f"{package}: {inside}")
+    assert unlisted == [], f"data files missing from package-data: {unlisted}"

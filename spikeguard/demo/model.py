@@ -1,7 +1,8 @@
 """The demo's training run: a small character-level MLP language model.
 
-The text is the source of a standard-library module (it ships with Python:
-nothing to download). The model sees a one-hot window of ``context``
+The text is the source of CPython 3.11.7's ``argparse`` module, shipped in
+``corpus/`` with its licence (the same characters whichever Python runs the
+demo, so the same losses as the README). The model sees a one-hot window of ``context``
 characters and predicts the next one. Faults are injected by the training
 loop, by *global batch index* (so a guard that skips those batches is rid
 of them) or, for the LR blow-up, once (so a rollback undoes it):
@@ -19,7 +20,6 @@ of them) or, for the LR blow-up, once (so a rollback undoes it):
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from dataclasses import dataclass
@@ -33,9 +33,12 @@ FAULTS = ("none", "spike", "nan", "divergence", "poison", "flaky")
 POISON_SLOTS = (5, 17, 29)  # positions in the poisoned batch of the three planted samples
 
 
+CORPUS = Path(__file__).with_name("corpus") / "argparse_py311.txt"
+
+
 def corpus() -> str:
-    """A few hundred kB of Python source from the standard library."""
-    text = Path(argparse.__file__).read_text(encoding="utf-8")
+    """About 100 kB of Python source (:data:`CORPUS`), printable ASCII and newlines."""
+    text = CORPUS.read_text(encoding="utf-8")
     return "".join(c if 32 <= ord(c) < 127 or c == "\n" else " " for c in text)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -52,3 +53,18 @@ def test_the_cli_constants_match_the_demo_model():
 
     assert tuple(demo_cli.FAULTS) == tuple(demo_model.FAULTS)
     assert demo_model.DemoSetup.steps == demo_cli.DEFAULT_STEPS
+
+
+def test_the_demo_trains_on_its_shipped_text_whichever_python_runs_it(monkeypatch, tmp_path):
+    """The README's losses are the demo's on every Python: its text ships with it, rather than
+    being read from the interpreter's own ``argparse.py`` (3.11.2 and 3.11.7 differ)."""
+    import argparse
+
+    from spikeguard.demo import model
+
+    other_python = tmp_path / "argparse.py"
+    other_python.write_text("# another Python's argparse\n" * 100, encoding="utf-8")
+    monkeypatch.setattr(argparse, "__file__", str(other_python))
+    text = model.corpus()
+    assert len(text) == 99_661  # CPython 3.11.7's argparse.py
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == "dc1eba8adfdf6159"
