@@ -293,6 +293,11 @@ def _kafka_throughput(report: dict[str, Any]) -> list[Figure]:
             f"; {rate / max(1, limit['steps_per_s']):.2f}x the limit the work floor allows "
             f"({limit['steps_per_s']:,} steps/s on {limit['cores']} cores, "
             f"{limit['floor_us_per_step']} CPU us per step)"
+            + (
+                f"; its CPU {result['cpu_over_floor']:.2f}x the floor's"
+                if "cpu_over_floor" in result
+                else ""
+            )
             if limit
             else ""
         )

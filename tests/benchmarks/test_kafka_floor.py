@@ -1,0 +1,32 @@
+"""benchmarks/bench_kafka_throughput.py's work floor: the Kafka row's limit counts every hop's own work."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+try:
+    from bench_kafka_throughput import _values, limit, work_floor
+    from kafka_pipeline import new_key
+finally:
+    sys.path.remove(str(BENCH))
+
+
+def test_the_floor_admits_and_judges_every_step_at_every_hop_and_names_what_earlier_floors_left_out():
+    key = new_key()
+    floor = work_floor(_values(runs=4, steps=160, key=key), key)
+    assert floor["decisions"] == floor["steps"] == 160
+    rows = floor["cpu_us_per_step"]
+    for hop in ("detectors", "fusion", "actuator"):  # the actuator's policy was left out before
+        assert f"admit {hop}" in rows and f"judge {hop}" in rows
+    for record in ("steps", "step-verdicts", "decisions"):
+        assert f"check {record}" in rows and f"codec {record}" in rows
+    assert set(floor["without"]) <= set(rows)
+
+    cap = limit(floor, client_us=4.0, cores=2)
+    assert cap["floor_us_per_step"] == round(floor["cpu_us_per_step_total"] + 3 * 4.0, 1)
+    left_out = sum(rows[name] for name in floor["without"])
+    assert abs(cap["floor_us_per_step_as_before"] - (cap["floor_us_per_step"] - left_out)) < 0.2
+    assert cap["steps_per_s"] <= 2e6 / cap["floor_us_per_step"] + 1
