@@ -16,7 +16,9 @@
   loop (poll, send each to another topic, flush, commit), the ceiling a
   Python worker on this client and machine can reach; the reference of every
   ratio, whatever the client. ``raw_confluent`` (when confluent runs): the
-  same loop on confluent-kafka, that client's ceiling.
+  same loop on confluent-kafka, that client's ceiling; ``raw_confluent_step-verdicts``
+  and ``raw_confluent_decisions``: the same loop on the records of the later two hops
+  (as the work floor makes them), the client's CPU per record of each hop in the limit.
 
 Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
@@ -274,10 +276,16 @@ def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: f
         "steps": done,
         "steps_per_s": round(done / elapsed) if elapsed else 0,
         "cpu_us_per_step": round(1e6 * cpu / done) if done else None,
+        "cpu_us_per_record": round(1e6 * cpu / done, 2) if done else None,
     }
 
 
-def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -> dict:
+def work_floor(
+    records: list[tuple[bytes, bytes]],
+    key: str,
+    batch: int = 500,
+    wire: dict[str, list[tuple[bytes, bytes]]] | None = None,
+) -> dict:
     """CPU µs per step of the work the co-hosted workers cannot skip, in one process, no broker.
 
     On the same signed records: decode each step and check its signature; admit it (the
@@ -288,7 +296,8 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
     three hops and this is the least CPU per step a signed pipeline of these stages spends:
     ``limit`` turns it into the most steps/s this machine's cores allow. ``without`` names the
     rows an older floor left out (the actuator's judging and every hop's admission), so that
-    the floor as first measured can be read beside it.
+    the floor as first measured can be read beside it. ``wire``, when given, receives each
+    later hop's records as they travel (key, value): what the client is timed on per hop.
     """
     import gc
 
@@ -316,6 +325,8 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
         """Sign, encode, decode and check ``events``: one hop of the pipeline's records."""
         signed = timed(f"sign {name}", lambda: [sign(e, key) for e in events])
         data = timed(f"codec {name}", lambda: [encode(e) for e in signed])
+        if wire is not None:
+            wire[name] = [(e.run_id.encode(), value) for e, value in zip(signed, data)]
         back = timed(f"codec {name}", lambda: [decode(d, model) for d in data])
         problems = timed(f"check {name}", lambda: [signature_problem(e, key) for e in back])
         assert not any(problems), problems[:1]
@@ -371,19 +382,37 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
     }
 
 
-def limit(floor: dict, client_us: float, cores: int) -> dict:
+def limit(
+    floor: dict, client_us: float, cores: int, client_by_hop: dict[str, float] | None = None
+) -> dict:
     """The most steps/s the work floor allows: all cores busy with nothing else, and no faster
-    than the co-hosted detectors' process alone (one process, one core at most)."""
-    total = floor["cpu_us_per_step_total"] + 3 * client_us  # three hops read and write
-    busiest = floor["detectors_process_us"] + client_us
+    than the co-hosted detectors' process alone (one process, one core at most).
+
+    The client's own CPU: a record consumed and one produced at each of the three hops, at
+    ``client_us`` each (the bare loop's on step records), or at ``client_by_hop``'s (the bare
+    loop's on each hop's own records: a step's verdicts are ~3x a step's bytes).
+    """
     rows = floor["cpu_us_per_step"]
+    as_before = (
+        floor["cpu_us_per_step_total"]
+        - sum(rows.get(name, 0.0) for name in floor.get("without", ()))
+        + 3 * client_us
+    )
+    if client_by_hop:
+        client_total = sum(client_by_hop.values())
+        busiest = (
+            floor["detectors_process_us"]
+            + (client_by_hop["steps"] + client_by_hop["step-verdicts"]) / 2
+        )  # the detectors' process reads a step and writes its verdicts
+    else:
+        client_total, busiest = 3 * client_us, floor["detectors_process_us"] + client_us
+    total = floor["cpu_us_per_step_total"] + client_total
     return {
         "floor_us_per_step": round(total, 1),
-        # The floor without the rows it gained on 2026-12-07 (comparable with earlier figures).
-        "floor_us_per_step_as_before": round(
-            total - sum(rows.get(name, 0.0) for name in floor.get("without", ())), 1
-        ),
-        "client_us_per_record": client_us,
+        # As the floor was first measured: without the rows it gained on 2026-12-07, and the
+        # client at the step records' cost at every hop (comparable with earlier figures).
+        "floor_us_per_step_as_before": round(as_before, 1),
+        "client_us_per_step": round(client_total, 2),
         "cores": cores,
         "steps_per_s": round(min(cores * 1e6 / total, 1e6 / busiest)),
     }
@@ -470,11 +499,20 @@ def main() -> None:
             for client in clients
             for layout in layouts
         }
-    if not args.no_floor:
-        floor = work_floor(records, key)
-        client = extra.get("raw_confluent", raw_result)["cpu_us_per_step"]
-        extra["work_floor"] = floor
-        extra["limit"] = limit(floor, client, len(os.sched_getaffinity(0)))
+        if not args.no_floor:
+            wire: dict[str, list[tuple[bytes, bytes]]] = {}
+            floor = work_floor(records, key, wire=wire)
+            bare = extra.get("raw_confluent", raw_result)
+            by_hop = None
+            if "raw_confluent" in extra:  # the bare client on each later hop's own records
+                by_hop = {"steps": bare["cpu_us_per_record"]}
+                for hop, values in wire.items():
+                    extra[f"raw_confluent_{hop}"] = raw_confluent(bootstrap, values, args.timeout)
+                    by_hop[hop] = extra[f"raw_confluent_{hop}"]["cpu_us_per_record"]
+            extra["work_floor"] = floor
+            extra["limit"] = limit(
+                floor, bare["cpu_us_per_step"], len(os.sched_getaffinity(0)), by_hop
+            )
     report = {
         "steps": len(records),
         "runs": args.runs,
@@ -506,10 +544,11 @@ def main() -> None:
         f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
         f"{raw_result['cpu_us_per_step']} us CPU per record"
     )
-    if extra:
+    for name in [n for n in extra if n.startswith("raw_confluent")]:
         print(
-            f"raw confluent-kafka loop: {extra['raw_confluent']['steps_per_s']:>7,} steps/s, "
-            f"{extra['raw_confluent']['cpu_us_per_step']} us CPU per record"
+            f"raw confluent-kafka loop{name[len('raw_confluent') :].replace('_', ', ')}: "
+            f"{extra[name]['steps_per_s']:>7,} records/s, "
+            f"{extra[name]['cpu_us_per_record']} us CPU per record"
         )
     for name, result in report["pipelines"].items():
         layout = name.split("/")[1]
@@ -524,8 +563,8 @@ def main() -> None:
         print(
             f"work floor, in one process without a broker: {floor['cpu_us_per_step_total']} us CPU "
             f"per step ({floor['cpu_us_per_step']}); with the bare client at 3 hops "
-            f"{cap['floor_us_per_step']} us: at most {cap['steps_per_s']:,} steps/s on "
-            f"{cap['cores']} cores"
+            f"({cap['client_us_per_step']} us) {cap['floor_us_per_step']} us: "
+            f"at most {cap['steps_per_s']:,} steps/s on {cap['cores']} cores"
         )
         for name, result in report["pipelines"].items():
             print(

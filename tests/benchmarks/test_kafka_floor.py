@@ -16,7 +16,8 @@ finally:
 
 def test_the_floor_admits_and_judges_every_step_at_every_hop_and_names_what_earlier_floors_left_out():
     key = new_key()
-    floor = work_floor(_values(runs=4, steps=160, key=key), key)
+    wire: dict = {}
+    floor = work_floor(_values(runs=4, steps=160, key=key), key, wire=wire)
     assert floor["decisions"] == floor["steps"] == 160
     rows = floor["cpu_us_per_step"]
     for hop in ("detectors", "fusion", "actuator"):  # the actuator's policy was left out before
@@ -30,3 +31,10 @@ def test_the_floor_admits_and_judges_every_step_at_every_hop_and_names_what_earl
     left_out = sum(rows[name] for name in floor["without"])
     assert abs(cap["floor_us_per_step_as_before"] - (cap["floor_us_per_step"] - left_out)) < 0.2
     assert cap["steps_per_s"] <= 2e6 / cap["floor_us_per_step"] + 1
+
+    # The client timed on each hop's own records: what travels there, one record per step.
+    assert [len(wire[hop]) for hop in ("step-verdicts", "decisions")] == [160, 160]
+    by_hop = {"steps": 4.0, "step-verdicts": 7.0, "decisions": 5.0}
+    cap = limit(floor, client_us=4.0, cores=2, client_by_hop=by_hop)
+    assert cap["floor_us_per_step"] == round(floor["cpu_us_per_step_total"] + 16.0, 1)
+    assert abs(cap["floor_us_per_step_as_before"] - (cap["floor_us_per_step"] - 4 - left_out)) < 0.2
