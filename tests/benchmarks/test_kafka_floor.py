@@ -8,7 +8,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 try:
-    from bench_kafka_throughput import _values, limit, work_floor
+    from bench_kafka_throughput import _values, limit, mean_floor, work_floor
     from kafka_pipeline import new_key
 finally:
     sys.path.remove(str(BENCH))
@@ -38,3 +38,21 @@ def test_the_floor_admits_and_judges_every_step_at_every_hop_and_names_what_earl
     cap = limit(floor, client_us=4.0, cores=2, client_by_hop=by_hop)
     assert cap["floor_us_per_step"] == round(floor["cpu_us_per_step_total"] + 16.0, 1)
     assert abs(cap["floor_us_per_step_as_before"] - (cap["floor_us_per_step"] - 4 - left_out)) < 0.2
+
+
+def test_the_floor_read_is_the_mean_of_the_floors_measured_around_the_pipeline():
+    def floor(scale: float) -> dict:
+        rows = {"judge detectors": 60.0 * scale, "check steps": 20.0 * scale}
+        return {
+            "steps": 10,
+            "decisions": 10,
+            "cpu_us_per_step": rows,
+            "cpu_us_per_step_total": 80.0 * scale,
+            "detectors_process_us": 80.0 * scale,
+            "without": [],
+        }
+
+    mean = mean_floor([floor(1.0), floor(1.5)])
+    assert mean["cpu_us_per_step"] == {"judge detectors": 75.0, "check steps": 25.0}
+    assert mean["cpu_us_per_step_total"] == mean["detectors_process_us"] == 100.0
+    assert mean["each"] == [80.0, 120.0]
