@@ -48,6 +48,8 @@ from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
 
+from spikeguard.bus import Bus, Record
+from spikeguard.bus.base import Consumer, Producer, as_key
 from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics, encode
 
@@ -382,6 +384,122 @@ def work_floor(
     }
 
 
+class _Wire(Bus):
+    """Topics as lists of records in this process, carrying the bytes Kafka would: the workers'
+    own code (poll, decode, admit, judge, sign, encode, publish, commit) with no client."""
+
+    engine = "wire"
+
+    def __init__(self) -> None:
+        self.logs: dict[str, list[Record]] = {}
+
+    def producer(self) -> _WireProducer:
+        return _WireProducer(self.logs)
+
+    def consumer(self, group, topics, *, from_beginning=True, on_assign=None, on_revoke=None):  # type: ignore[no-untyped-def]
+        return _WireConsumer(self.logs, list(topics), on_assign)
+
+    def create_topics(self, topics, *, compacted=False) -> None:  # type: ignore[no-untyped-def]
+        for topic in topics:
+            self.logs.setdefault(topic, [])
+
+    def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        return []
+
+    def delete_records(self, topic, before) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+class _WireProducer(Producer):
+    def __init__(self, logs: dict[str, list[Record]]) -> None:
+        self.logs = logs
+
+    def publish(self, topic, value, key=None, headers=None) -> None:  # type: ignore[no-untyped-def]
+        log = self.logs.setdefault(topic, [])
+        log.append(Record(topic, 0, len(log), as_key(key), value))
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def send_now(self) -> None:
+        pass
+
+
+class _WireConsumer(Consumer):
+    def __init__(self, logs: dict[str, list[Record]], topics: list[str], on_assign) -> None:  # type: ignore[no-untyped-def]
+        self.logs, self.topics, self.on_assign = logs, topics, on_assign
+        self.position = dict.fromkeys(topics, 0)
+
+    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
+        if self.on_assign is not None:  # the first poll joins the group, as Kafka's does
+            assign, self.on_assign = self.on_assign, None
+            assign(self.assignment())
+        out: list[Record] = []
+        for topic in self.topics:
+            at = self.position[topic]
+            taken = self.logs.get(topic, [])[at : at + max_records - len(out)]
+            self.position[topic] = at + len(taken)
+            out += taken
+        return out
+
+    def commit(self, offsets=None) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(topic, 0) for topic in self.topics}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        self.position[topic] = offset
+
+
+def wire_pipeline(records: list[tuple[bytes, bytes]], key: str) -> dict:
+    """CPU µs per step of the three co-hosted workers' own loops on the wire's bytes, no client.
+
+    Each worker (as ``spikeguard worker NAME`` builds it: signing key, snapshots every
+    2 s) runs until its input is drained, one after the other, in this process. Against the
+    work floor it shows what the workers' loops add; against the pipeline on the broker,
+    what the client and the machine add.
+    """
+    import gc
+
+    from prometheus_client import CollectorRegistry
+
+    from spikeguard.components import build_stage
+    from spikeguard.metrics import Metrics
+    from spikeguard.settings import load_settings
+    from spikeguard.streaming.worker import Worker
+
+    settings = load_settings(env={"SPIKEGUARD_SIGNING_KEY": key})
+    topics = Topics(settings.topic_prefix)
+    wire = _Wire()
+    log = wire.logs.setdefault(topics.steps, [])
+    for k, value in records:
+        log.append(Record(topics.steps, 0, len(log), k, value))
+    spent: dict[str, float] = {}
+    metrics = Metrics(CollectorRegistry())  # one per process, as each worker's
+    threshold = gc.get_threshold()
+    for name in ("detectors", "fusion", "actuator"):
+        worker = Worker(
+            wire, build_stage(name, settings, topics), metrics=metrics, snapshot_interval_s=2.0
+        )
+        gc.collect()
+        gc.freeze()  # as `spikeguard worker` runs its workers
+        gc.set_threshold(50_000, 20, 100)
+        started = time.process_time()
+        while worker.run_once(0.0):
+            pass
+        worker.checkpoint()
+        spent[name] = time.process_time() - started
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+    n = len(records)
+    return {
+        "decisions": len(wire.logs.get(topics.decisions, [])),
+        "cpu_us_per_step": {name: round(1e6 * s / n, 1) for name, s in spent.items()},
+        "cpu_us_per_step_total": round(1e6 * sum(spent.values()) / n, 1),
+    }
+
+
 def mean_floor(floors: list[dict]) -> dict:
     """The floors' mean, row by row; ``each``: every floor's total, to show their spread."""
     first = floors[0]
@@ -534,6 +652,10 @@ def main() -> None:
                     extra[f"raw_confluent_{hop}"] = raw_confluent(bootstrap, values, args.timeout)
                     by_hop[hop] = extra[f"raw_confluent_{hop}"]["cpu_us_per_record"]
             extra["work_floor"] = floor
+            extra["wire"] = wire_pipeline(records, key)
+            extra["wire"]["over_floor"] = round(
+                extra["wire"]["cpu_us_per_step_total"] / floor["cpu_us_per_step_total"], 3
+            )
             extra["limit"] = limit(
                 floor, bare["cpu_us_per_step"], len(os.sched_getaffinity(0)), by_hop
             )
@@ -589,6 +711,12 @@ def main() -> None:
             f"per step ({floor['cpu_us_per_step']}); with the bare client at 3 hops "
             f"({cap['client_us_per_step']} us) {cap['floor_us_per_step']} us: "
             f"at most {cap['steps_per_s']:,} steps/s on {cap['cores']} cores"
+        )
+        wire = extra["wire"]
+        print(
+            f"the three workers' own loops on the wire's bytes, no client: "
+            f"{wire['cpu_us_per_step_total']} us CPU per step ({wire['cpu_us_per_step']}), "
+            f"{wire['over_floor']:.2f}x the floor without the client"
         )
         for name, result in report["pipelines"].items():
             print(

@@ -8,7 +8,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 try:
-    from bench_kafka_throughput import _values, limit, mean_floor, work_floor
+    from bench_kafka_throughput import _values, limit, mean_floor, wire_pipeline, work_floor
     from kafka_pipeline import new_key
 finally:
     sys.path.remove(str(BENCH))
@@ -56,3 +56,11 @@ def test_the_floor_read_is_the_mean_of_the_floors_measured_around_the_pipeline()
     assert mean["cpu_us_per_step"] == {"judge detectors": 75.0, "check steps": 25.0}
     assert mean["cpu_us_per_step_total"] == mean["detectors_process_us"] == 100.0
     assert mean["each"] == [80.0, 120.0]
+
+
+def test_the_workers_on_the_wire_decide_every_step_as_the_floor_does():
+    key = new_key()
+    records = _values(runs=4, steps=160, key=key)
+    wire = wire_pipeline(records, key)
+    assert wire["decisions"] == 160  # signed, checked and decided at every hop: none refused
+    assert set(wire["cpu_us_per_step"]) == {"detectors", "fusion", "actuator"}
