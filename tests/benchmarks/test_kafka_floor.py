@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 try:
@@ -58,6 +60,7 @@ def test_the_floor_read_is_the_mean_of_the_floors_measured_around_the_pipeline()
     assert mean["each"] == [80.0, 120.0]
 
 
+@pytest.mark.heavy  # three workers built and run in this process: ~1-4 s
 def test_the_workers_on_the_wire_decide_every_step_as_the_floor_does():
     key = new_key()
     records = _values(runs=4, steps=160, key=key)
