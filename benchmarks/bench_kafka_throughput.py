@@ -16,7 +16,9 @@
   loop (poll, send each to another topic, flush, commit), the ceiling a
   Python worker on this client and machine can reach; the reference of every
   ratio, whatever the client. ``raw_confluent`` (when confluent runs): the
-  same loop on confluent-kafka, that client's ceiling.
+  same loop on confluent-kafka, that client's ceiling; ``raw_confluent_step-verdicts``
+  and ``raw_confluent_decisions``: the same loop on the records of the later two hops
+  (as the work floor makes them), the client's CPU per record of each hop in the limit.
 
 Aim: pipeline >= 10,000 steps/s and >= 0.5x raw.
 
@@ -46,6 +48,8 @@ from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
 
+from spikeguard.bus import Bus, Record
+from spikeguard.bus.base import Consumer, Producer, as_key
 from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics, encode
 
@@ -274,18 +278,28 @@ def raw_confluent(bootstrap: str, records: list[tuple[bytes, bytes]], timeout: f
         "steps": done,
         "steps_per_s": round(done / elapsed) if elapsed else 0,
         "cpu_us_per_step": round(1e6 * cpu / done) if done else None,
+        "cpu_us_per_record": round(1e6 * cpu / done, 2) if done else None,
     }
 
 
-def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -> dict:
+def work_floor(
+    records: list[tuple[bytes, bytes]],
+    key: str,
+    batch: int = 500,
+    wire: dict[str, list[tuple[bytes, bytes]]] | None = None,
+) -> dict:
     """CPU µs per step of the work the co-hosted workers cannot skip, in one process, no broker.
 
-    On the same signed records: decode each step and check its signature; judge it (the
-    co-hosted detectors' stage, then fusion's, batch by batch, as the workers call them);
+    On the same signed records: decode each step and check its signature; admit it (the
+    stage's order, session and run-clock checks) and judge it (the co-hosted detectors' stage,
+    then fusion's, then the actuator's policy, batch by batch, as the workers call them);
     sign, encode, decode and check each step's StepVerdicts record and each decision (what
     crosses the two hops after the first). Add the bare client's CPU per record at each of the
     three hops and this is the least CPU per step a signed pipeline of these stages spends:
-    ``limit`` turns it into the most steps/s this machine's cores allow.
+    ``limit`` turns it into the most steps/s this machine's cores allow. ``without`` names the
+    rows an older floor left out (the actuator's judging and every hop's admission), so that
+    the floor as first measured can be read beside it. ``wire``, when given, receives each
+    later hop's records as they travel (key, value): what the client is timed on per hop.
     """
     import gc
 
@@ -300,6 +314,7 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
     topics = Topics(settings.topic_prefix)
     detectors = CoHostedDetectors([detector_stage(n, settings, topics) for n in DETECTOR_NAMES])
     fusion = build_stage("fusion", settings, topics)
+    actuator = build_stage("actuator", settings, topics)
     spent: dict[str, float] = {}
 
     def timed(name: str, work):
@@ -312,6 +327,8 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
         """Sign, encode, decode and check ``events``: one hop of the pipeline's records."""
         signed = timed(f"sign {name}", lambda: [sign(e, key) for e in events])
         data = timed(f"codec {name}", lambda: [encode(e) for e in signed])
+        if wire is not None:
+            wire[name] = [(e.run_id.encode(), value) for e, value in zip(signed, data)]
         back = timed(f"codec {name}", lambda: [decode(d, model) for d in data])
         problems = timed(f"check {name}", lambda: [signature_problem(e, key) for e in back])
         assert not any(problems), problems[:1]
@@ -321,17 +338,22 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
     steps = timed("codec steps", lambda: [decode(value, StepEvent) for _, value in records])
     problems = timed("check steps", lambda: [signature_problem(e, key) for e in steps])
     assert not any(problems), problems[:1]
-    verdicts: list = []
-    for i in range(0, len(steps), batch):
-        items = [(topics.steps, e) for e in steps[i : i + batch]]
-        verdicts += timed("judge detectors", lambda items=items: detectors.handle_batch(items))
+
+    def judged(name: str, stage, topic: str, events: list) -> list:
+        """``events`` admitted and judged by ``stage``, batch by batch, as its worker does."""
+        out: list = []
+        for i in range(0, len(events), batch):
+            items = [(topic, e) for e in events[i : i + batch]]
+            timed(f"admit {name}", lambda items=items: [stage.admit(*item) for item in items])
+            out += timed(f"judge {name}", lambda items=items: stage.handle_batch(items))
+        return out
+
+    verdicts = judged("detectors", detectors, topics.steps, steps)
     step_verdicts = hop("step-verdicts", StepVerdicts, [e for _, e in verdicts])
-    decisions: list = []
-    for i in range(0, len(step_verdicts), batch):
-        items = [(topics.step_verdicts, e) for e in step_verdicts[i : i + batch]]
-        decisions += timed("judge fusion", lambda items=items: fusion.handle_batch(items))
+    decisions = judged("fusion", fusion, topics.step_verdicts, step_verdicts)
     decisions += timed("judge fusion", fusion.flush)
-    hop("decisions", Decision, [e for _, e in decisions])
+    back = hop("decisions", Decision, [e for _, e in decisions])
+    judged("actuator", actuator, topics.decisions, back)
     gc.enable()
     n = len(records)
     return {
@@ -345,21 +367,189 @@ def work_floor(records: list[tuple[bytes, bytes]], key: str, batch: int = 500) -
             * sum(
                 s
                 for name, s in spent.items()
-                if name in ("codec steps", "check steps", "judge detectors", "sign step-verdicts")
+                if name
+                in (
+                    "codec steps",
+                    "check steps",
+                    "admit detectors",
+                    "judge detectors",
+                    "sign step-verdicts",
+                )
             )
             / n,
             1,
         ),
+        # The rows a floor measured before 2026-12-07 did not have.
+        "without": ["admit detectors", "admit fusion", "admit actuator", "judge actuator"],
     }
 
 
-def limit(floor: dict, client_us: float, cores: int) -> dict:
+class _Wire(Bus):
+    """Topics as lists of records in this process, carrying the bytes Kafka would: the workers'
+    own code (poll, decode, admit, judge, sign, encode, publish, commit) with no client."""
+
+    engine = "wire"
+
+    def __init__(self) -> None:
+        self.logs: dict[str, list[Record]] = {}
+
+    def producer(self) -> _WireProducer:
+        return _WireProducer(self.logs)
+
+    def consumer(self, group, topics, *, from_beginning=True, on_assign=None, on_revoke=None):  # type: ignore[no-untyped-def]
+        return _WireConsumer(self.logs, list(topics), on_assign)
+
+    def create_topics(self, topics, *, compacted=False) -> None:  # type: ignore[no-untyped-def]
+        for topic in topics:
+            self.logs.setdefault(topic, [])
+
+    def read_all(self, topic: str, timeout: float = 10.0) -> list[Record]:
+        return []
+
+    def delete_records(self, topic, before) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+class _WireProducer(Producer):
+    def __init__(self, logs: dict[str, list[Record]]) -> None:
+        self.logs = logs
+
+    def publish(self, topic, value, key=None, headers=None) -> None:  # type: ignore[no-untyped-def]
+        log = self.logs.setdefault(topic, [])
+        log.append(Record(topic, 0, len(log), as_key(key), value))
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def send_now(self) -> None:
+        pass
+
+
+class _WireConsumer(Consumer):
+    def __init__(self, logs: dict[str, list[Record]], topics: list[str], on_assign) -> None:  # type: ignore[no-untyped-def]
+        self.logs, self.topics, self.on_assign = logs, topics, on_assign
+        self.position = dict.fromkeys(topics, 0)
+
+    def poll(self, max_records: int = 500, timeout: float = 1.0) -> list[Record]:
+        if self.on_assign is not None:  # the first poll joins the group, as Kafka's does
+            assign, self.on_assign = self.on_assign, None
+            assign(self.assignment())
+        out: list[Record] = []
+        for topic in self.topics:
+            at = self.position[topic]
+            taken = self.logs.get(topic, [])[at : at + max_records - len(out)]
+            self.position[topic] = at + len(taken)
+            out += taken
+        return out
+
+    def commit(self, offsets=None) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(topic, 0) for topic in self.topics}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        self.position[topic] = offset
+
+
+def wire_pipeline(records: list[tuple[bytes, bytes]], key: str) -> dict:
+    """CPU µs per step of the three co-hosted workers' own loops on the wire's bytes, no client.
+
+    Each worker (as ``spikeguard worker NAME`` builds it: signing key, snapshots every
+    2 s) runs until its input is drained, one after the other, in this process. Against the
+    work floor it shows what the workers' loops add; against the pipeline on the broker,
+    what the client and the machine add.
+    """
+    import gc
+
+    from prometheus_client import CollectorRegistry
+
+    from spikeguard.components import build_stage
+    from spikeguard.metrics import Metrics
+    from spikeguard.settings import load_settings
+    from spikeguard.streaming.worker import Worker
+
+    settings = load_settings(env={"SPIKEGUARD_SIGNING_KEY": key})
+    topics = Topics(settings.topic_prefix)
+    wire = _Wire()
+    log = wire.logs.setdefault(topics.steps, [])
+    for k, value in records:
+        log.append(Record(topics.steps, 0, len(log), k, value))
+    spent: dict[str, float] = {}
+    metrics = Metrics(CollectorRegistry())  # one per process, as each worker's
+    threshold = gc.get_threshold()
+    for name in ("detectors", "fusion", "actuator"):
+        worker = Worker(
+            wire, build_stage(name, settings, topics), metrics=metrics, snapshot_interval_s=2.0
+        )
+        gc.collect()
+        gc.freeze()  # as `spikeguard worker` runs its workers
+        gc.set_threshold(50_000, 20, 100)
+        started = time.process_time()
+        while worker.run_once(0.0):
+            pass
+        worker.checkpoint()
+        spent[name] = time.process_time() - started
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+    n = len(records)
+    return {
+        "decisions": len(wire.logs.get(topics.decisions, [])),
+        "cpu_us_per_step": {name: round(1e6 * s / n, 1) for name, s in spent.items()},
+        "cpu_us_per_step_total": round(1e6 * sum(spent.values()) / n, 1),
+    }
+
+
+def mean_floor(floors: list[dict]) -> dict:
+    """The floors' mean, row by row; ``each``: every floor's total, to show their spread."""
+    first = floors[0]
+    rows = {
+        name: round(sum(f["cpu_us_per_step"][name] for f in floors) / len(floors), 1)
+        for name in first["cpu_us_per_step"]
+    }
+    mean = {
+        name: round(sum(f[name] for f in floors) / len(floors), 1)
+        for name in ("cpu_us_per_step_total", "detectors_process_us")
+    }
+    return {
+        **first,
+        "cpu_us_per_step": rows,
+        **mean,
+        "each": [f["cpu_us_per_step_total"] for f in floors],
+    }
+
+
+def limit(
+    floor: dict, client_us: float, cores: int, client_by_hop: dict[str, float] | None = None
+) -> dict:
     """The most steps/s the work floor allows: all cores busy with nothing else, and no faster
-    than the co-hosted detectors' process alone (one process, one core at most)."""
-    total = floor["cpu_us_per_step_total"] + 3 * client_us  # three hops read and write
-    busiest = floor["detectors_process_us"] + client_us
+    than the co-hosted detectors' process alone (one process, one core at most).
+
+    The client's own CPU: a record consumed and one produced at each of the three hops, at
+    ``client_us`` each (the bare loop's on step records), or at ``client_by_hop``'s (the bare
+    loop's on each hop's own records: a step's verdicts are ~3x a step's bytes).
+    """
+    rows = floor["cpu_us_per_step"]
+    as_before = (
+        floor["cpu_us_per_step_total"]
+        - sum(rows.get(name, 0.0) for name in floor.get("without", ()))
+        + 3 * client_us
+    )
+    if client_by_hop:
+        client_total = sum(client_by_hop.values())
+        busiest = (
+            floor["detectors_process_us"]
+            + (client_by_hop["steps"] + client_by_hop["step-verdicts"]) / 2
+        )  # the detectors' process reads a step and writes its verdicts
+    else:
+        client_total, busiest = 3 * client_us, floor["detectors_process_us"] + client_us
+    total = floor["cpu_us_per_step_total"] + client_total
     return {
         "floor_us_per_step": round(total, 1),
+        # As the floor was first measured: without the rows it gained on 2026-12-07, and the
+        # client at the step records' cost at every hop (comparable with earlier figures).
+        "floor_us_per_step_as_before": round(as_before, 1),
+        "client_us_per_step": round(client_total, 2),
         "cores": cores,
         "steps_per_s": round(min(cores * 1e6 / total, 1e6 / busiest)),
     }
@@ -430,6 +620,10 @@ def main() -> None:
             if "confluent" in clients
             else {}
         )
+        # The floor just before the pipelines and just after (its mean is the one read): on a
+        # shared machine CPU per step moves by a third within minutes, so the pipeline is read
+        # against a floor measured around it, not minutes apart.
+        floors = [] if args.no_floor else [work_floor(records, key)]
         pipes = {
             f"{client}/{layout}": pipeline(
                 bootstrap,
@@ -446,11 +640,25 @@ def main() -> None:
             for client in clients
             for layout in layouts
         }
-    if not args.no_floor:
-        floor = work_floor(records, key)
-        client = extra.get("raw_confluent", raw_result)["cpu_us_per_step"]
-        extra["work_floor"] = floor
-        extra["limit"] = limit(floor, client, len(os.sched_getaffinity(0)))
+        if not args.no_floor:
+            wire: dict[str, list[tuple[bytes, bytes]]] = {}
+            floors.append(work_floor(records, key, wire=wire))
+            floor = mean_floor(floors)
+            bare = extra.get("raw_confluent", raw_result)
+            by_hop = None
+            if "raw_confluent" in extra:  # the bare client on each later hop's own records
+                by_hop = {"steps": bare["cpu_us_per_record"]}
+                for hop, values in wire.items():
+                    extra[f"raw_confluent_{hop}"] = raw_confluent(bootstrap, values, args.timeout)
+                    by_hop[hop] = extra[f"raw_confluent_{hop}"]["cpu_us_per_record"]
+            extra["work_floor"] = floor
+            extra["wire"] = wire_pipeline(records, key)
+            extra["wire"]["over_floor"] = round(
+                extra["wire"]["cpu_us_per_step_total"] / floor["cpu_us_per_step_total"], 3
+            )
+            extra["limit"] = limit(
+                floor, bare["cpu_us_per_step"], len(os.sched_getaffinity(0)), by_hop
+            )
     report = {
         "steps": len(records),
         "runs": args.runs,
@@ -465,9 +673,15 @@ def main() -> None:
         },
     }
     if "limit" in extra:
+        cap = extra["limit"]
         for result in report["pipelines"].values():
-            result["of_limit"] = round(
-                result["steps_per_s"] / max(1, extra["limit"]["steps_per_s"]), 3
+            result["of_limit"] = round(result["steps_per_s"] / max(1, cap["steps_per_s"]), 3)
+            # The steadier reading on a shared machine: the workers' CPU per step over the floor's.
+            result["cpu_over_floor"] = round(
+                result["cpu_us_per_step_total"] / cap["floor_us_per_step"], 3
+            )
+            result["cpu_over_floor_as_before"] = round(
+                result["cpu_us_per_step_total"] / cap["floor_us_per_step_as_before"], 3
             )
     if args.json:
         print(json.dumps(report))
@@ -476,10 +690,11 @@ def main() -> None:
         f"raw kafka-python loop: {raw_result['steps_per_s']:>7,} steps/s, "
         f"{raw_result['cpu_us_per_step']} us CPU per record"
     )
-    if extra:
+    for name in [n for n in extra if n.startswith("raw_confluent")]:
         print(
-            f"raw confluent-kafka loop: {extra['raw_confluent']['steps_per_s']:>7,} steps/s, "
-            f"{extra['raw_confluent']['cpu_us_per_step']} us CPU per record"
+            f"raw confluent-kafka loop{name[len('raw_confluent') :].replace('_', ', ')}: "
+            f"{extra[name]['steps_per_s']:>7,} records/s, "
+            f"{extra[name]['cpu_us_per_record']} us CPU per record"
         )
     for name, result in report["pipelines"].items():
         layout = name.split("/")[1]
@@ -494,11 +709,21 @@ def main() -> None:
         print(
             f"work floor, in one process without a broker: {floor['cpu_us_per_step_total']} us CPU "
             f"per step ({floor['cpu_us_per_step']}); with the bare client at 3 hops "
-            f"{cap['floor_us_per_step']} us: at most {cap['steps_per_s']:,} steps/s on "
-            f"{cap['cores']} cores"
+            f"({cap['client_us_per_step']} us) {cap['floor_us_per_step']} us: "
+            f"at most {cap['steps_per_s']:,} steps/s on {cap['cores']} cores"
+        )
+        wire = extra["wire"]
+        print(
+            f"the three workers' own loops on the wire's bytes, no client: "
+            f"{wire['cpu_us_per_step_total']} us CPU per step ({wire['cpu_us_per_step']}), "
+            f"{wire['over_floor']:.2f}x the floor without the client"
         )
         for name, result in report["pipelines"].items():
-            print(f"  pipeline {name}: {result['of_limit']:.2f} of that limit")
+            print(
+                f"  pipeline {name}: {result['of_limit']:.2f} of that limit; its CPU per step "
+                f"{result['cpu_over_floor']:.2f}x the floor ({result['cpu_over_floor_as_before']:.2f}x "
+                f"the floor without {', '.join(floor['without'])})"
+            )
     print("aim: >= 10,000 steps/s and >= 0.5x raw")
 
 

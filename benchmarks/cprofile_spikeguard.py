@@ -97,9 +97,10 @@ def _stage_timers(clock: StageClock) -> None:
     import spikeguard.lab.backtest_pump as pump
     import spikeguard.lab.local_skips as local_skips
     import spikeguard.processors.detector_stage as detector_stage
+    import spikeguard.schemas.signing as signing
     import spikeguard.streaming.run_settings_stage as run_settings_stage
 
-    clock.wrap(worker_loop, "sign", "sign (HMAC)")
+    clock.wrap(signing.Signer, "sign", "sign (HMAC)")  # what a worker signs its outputs with
     clock.wrap(bus_base, "encode", "encode")
     clock.wrap(detector_stage, "authenticate", "authenticate (HMAC)")
     clock.wrap(run_settings_stage, "authenticate", "authenticate (HMAC)")

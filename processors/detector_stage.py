@@ -46,6 +46,7 @@ worker's idle TTL.
 from __future__ import annotations
 
 import time
+from functools import partial
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Callable, Sequence
@@ -119,7 +120,7 @@ class DetectorStage(PerRunStage[Detector]):
         # A step steers the pipeline, an end drops the run's state: only the run's own.
         authenticate(event, self.signing_key)
         # Another session's genuine record (replayed) is refused; a newer one starts the run again.
-        if self.sessions.admit(event.run_id, event.session, describe(event)):
+        if self.sessions.admit(event.run_id, event.session, partial(describe, event)):
             self._newest.pop(event.run_id, None)
             self._newest_time.pop(event.run_id, None)
         if isinstance(event, RunEvent):

@@ -18,7 +18,7 @@ still holds without a key (``--insecure``), or against a bug upstream.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from spikeguard.errors import RecordBeyondRunClock
 
@@ -59,9 +59,9 @@ class RunClock:
         self.max_epoch_gap = max_epoch_gap
         self.times: dict[str, RunTime] = {}
 
-    def check(self, run_id: str, epoch: int | None, step: int, what: str) -> None:
-        """Raise RecordBeyondRunClock naming ``what`` (which says the step) when (epoch, step)
-        is too far past the run's clock.
+    def check(self, run_id: str, epoch: int | None, step: int, what: Callable[[], str]) -> None:
+        """Raise RecordBeyondRunClock naming ``what()`` (which says the step) when (epoch, step)
+        is too far past the run's clock (``what`` is called only then).
 
         ``epoch`` None: a record without one (an ack); its step alone is checked.
         """
@@ -70,13 +70,13 @@ class RunClock:
             return
         if epoch is not None and epoch - now.epoch > self.max_epoch_gap:
             raise RecordBeyondRunClock(
-                f"run {run_id}: {what} (epoch {epoch}) is more than {self.max_epoch_gap} epochs past "
+                f"run {run_id}: {what()} (epoch {epoch}) is more than {self.max_epoch_gap} epochs past "
                 f"epoch {now.epoch}, the run's newest (far future: forged or corrupt); refused, "
                 "the run's clock is unchanged"
             )
         if step - now.step > self.max_step_gap:
             raise RecordBeyondRunClock(
-                f"run {run_id}: {what} is more than {self.max_step_gap} steps past "
+                f"run {run_id}: {what()} is more than {self.max_step_gap} steps past "
                 f"step {now.step}, the furthest the run has published (far future: forged or corrupt); "
                 "refused, the run's clock is unchanged"
             )
@@ -89,7 +89,7 @@ class RunClock:
         elif epoch > now.epoch or step > now.step:
             self.times[run_id] = RunTime(max(epoch, now.epoch), max(step, now.step))
 
-    def admit(self, run_id: str, epoch: int, step: int, what: str) -> None:
+    def admit(self, run_id: str, epoch: int, step: int, what: Callable[[], str]) -> None:
         """:meth:`check`, then :meth:`advance`."""
         self.check(run_id, epoch, step, what)
         self.advance(run_id, epoch, step)

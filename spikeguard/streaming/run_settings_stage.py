@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from functools import partial
 from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -176,11 +177,12 @@ class RunSettingsStage(PerRunStage):
         the run's clock, and a start whose settings do not validate."""
         authenticate(event, self.signing_key)
         run_id, step = event.run_id, event.step  # type: ignore[attr-defined]
-        if self.sessions.admit(run_id, session_of(event), describe(event)):
+        what = partial(describe, event)  # the words only for a refusal
+        if self.sessions.admit(run_id, session_of(event), what):
             self.clock.forget([run_id])  # the run started again: its clock starts from here
         # An ack has no epoch: its step alone is checked against the run's furthest.
         epoch = getattr(event, "epoch", None)
-        self.clock.check(run_id, epoch, step, describe(event))
+        self.clock.check(run_id, epoch, step, what)
         if epoch is not None and (  # (every record that moves the clock has an epoch)
             isinstance(event, self.sets_clock)
             or isinstance(event, RunEvent)
