@@ -128,6 +128,7 @@ class RiseTest:
         "_current",
         "_medians",
         "_tails",
+        "_waiting",
         "_excused",
         "_since_excused",
     )
@@ -151,18 +152,17 @@ class RiseTest:
         self._medians: list[float] = []  # the last max(horizons) + 1 block medians, oldest first
         # A few hundred differences (twice what a horizon needs to judge, at least): the tail
         # goes through their median and 90th percentile.
-        # They join max(horizons) blocks late: a climb is judged against the differences
-        # from before it, not against its own.
         self._tails = [
             TailThreshold(
-                max(history, 2 * (min_blocks + h)),
-                min(rate * block, 0.05),
-                low=0.5,
-                high=0.9,
-                lag=max(horizons),
+                max(history, 2 * (min_blocks + h)), min(rate * block, 0.05), low=0.5, high=0.9
             )
             for h in horizons
         ]
+        # A difference over h blocks joins its tail h blocks late, from the run's first block on:
+        # the differences a rise is judged against all end before the span it measures begins,
+        # so a slow rise never teaches its own bar (a tail through its median and 90th
+        # percentile, extrapolated ~6x beyond them, would rise faster than the rise itself).
+        self._waiting: list[deque[float]] = [deque() for _ in horizons]
         self._excused = False  # an LR rise explained a point of the current block
         # Blocks completed since the last one with an explained point: a horizon that
         # reaches back to (or before) it compares across the LR rise, and is not judged.
@@ -215,14 +215,16 @@ class RiseTest:
         median = judged.median
         given = None if min_rise is None else min_rise()
         floor = self.min_rise if given is None else given
-        for h, tail in zip(self.horizons, self._tails):
+        for h, tail, waiting in zip(self.horizons, self._tails, self._waiting):
             if len(self._medians) >= h:
                 rise = median - self._medians[-h]
                 # A rise over its bar is not the run's wander: it never widens the bar. The bar
                 # is never under the smallest rise: tails fitted while the loss fell fast sit
                 # below zero, and a loss that stopped falling (no rise) must still teach them.
                 if not (self._judges(h, tail) and rise > max(tail.threshold(), floor)):
-                    tail.update(rise)
+                    waiting.append(rise)
+                if len(waiting) > h:
+                    tail.update(waiting.popleft())
         self._medians.append(median)
         del self._medians[: -max(self.horizons)]
         self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
@@ -233,6 +235,7 @@ class RiseTest:
             "current": list(self._current),
             "medians": list(self._medians),
             "tails": [t.state_dict() for t in self._tails],
+            "waiting": [list(w) for w in self._waiting],
             "excused": self._excused,
             "since_excused": self._since_excused,
         }
@@ -242,6 +245,9 @@ class RiseTest:
         self._medians = [float(v) for v in state["medians"]]
         for tail, data in zip(self._tails, state["tails"]):
             tail.load_state_dict(data)
+        for waiting, data in zip(self._waiting, state.get("waiting", [[] for _ in self._waiting])):
+            waiting.clear()
+            waiting.extend(float(v) for v in data)
         self._excused = bool(state["excused"])
         self._since_excused = int(state["since_excused"])
 
@@ -495,7 +501,9 @@ class LevelMonitor:
         signed = self.model.signed
         if not point.judged:
             code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
-            block = self.rises.judge(y, True, self._rise_floor) if code == LevelCode.OK else None
+            block = (
+                self.rises.judge(y, True, self._block_rise_floor) if code == LevelCode.OK else None
+            )
             return LevelJudged(code, 0.0, point.residual, point, block)
         if point.elevated:
             run = self._elevated + 1
@@ -526,7 +534,7 @@ class LevelMonitor:
             else:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
-        block = self.rises.judge(y, False, self._rise_floor)
+        block = self.rises.judge(y, False, self._block_rise_floor)
         climbing = False
         if self.model.settled:
             climbed = self._climbed(y)
@@ -603,6 +611,20 @@ class LevelMonitor:
         spread = model.tail.quantile(0.9) - model.tail.quantile(0.5)
         return spread if spread > 0.0 else math.inf
 
+    def _block_rise_floor(self) -> float | None:
+        """The rise test's smallest rise: as :meth:`_rise_floor`, and for a positive loss whose
+        tail has settled, at least the spread of one point's noise (the tail's median to its
+        90th percentile). A difference of two block medians has ~0.2 of that spread's noise, so
+        a rise of one point's spread is ~5 standard errors for any noise: a loss sitting still
+        on noise of 18 % is no rise, even while its tails still hold a fall the run has left
+        (a difference over h blocks joins them h blocks late)."""
+        floor = self._rise_floor()
+        model = self.model
+        if floor is not None or not model.settled:
+            return floor
+        spread = model.tail.quantile(0.9) - model.tail.quantile(0.5)
+        return max(self.rises.min_rise, spread)
+
     def advance(self, y: float, judged: LevelJudged, lr: float | None = None) -> None:
         point = judged.point
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
@@ -638,7 +660,7 @@ class LevelMonitor:
             self._elevated, self._run, self._run_climbed = 0, [], []
         if point.elevated or judged.code == LevelCode.WARMUP:
             return
-        self.rises.advance(y, judged.block, not point.judged, self._rise_floor)
+        self.rises.advance(y, judged.block, not point.judged, self._block_rise_floor)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -224,6 +224,23 @@ def test_slow_divergence_is_caught() -> None:
     )
 
 
+@pytest.mark.heavy  # ~1 s a seed
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_rise_in_a_short_run_is_judged_against_the_differences_from_before_it(seed) -> None:
+    # x3 over the last 1,500 of 4,000 steps of a falling curve (a run of 80 blocks): the rise
+    # test's differences used to join their tails at once while a tail held under 100 of them,
+    # so the rise taught its own bar (~6x as fast as it rose) and was never judged.
+    start, span = 2500, 1500
+    pairs = [
+        (loss * math.exp(math.log(3.0) * (max(0, t - start) / span) ** 1.5), g)
+        for t, (loss, g) in enumerate(healthy(4000, seed))
+    ]
+    verdicts = judge(pairs)
+    rises = [v.step for v in verdicts if v.type == AnomalyType.SLOW_RISE]
+    assert rises and start < rises[0] < start + 1000  # before x1.8
+    assert incidents(verdicts)[0] > start
+
+
 @pytest.mark.parametrize("period", [2, 7, 20])
 def test_growing_oscillation_is_caught(period: int) -> None:
     pairs = healthy(2600, 10)

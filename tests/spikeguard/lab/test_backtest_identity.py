@@ -44,6 +44,12 @@ STEPS = 3000
 #: With both of the last two together (the merge): oscillation-1 alone differs from the tail
 #: shape's pins, 41 LOW `slow_rise` alerts fewer (steps 1633-1678 and on; 42 -> 1), nothing new;
 #: oscillation-0's one alert is already gone with the tail shape.
+#: Re-pinned (2026-12-07, issue 36) because the rise test holds a difference over h blocks back h
+#: blocks from the run's first block (before, a tail under 100 differences took each at once):
+#: three `slow_rise` decisions score differently against tails without their newest differences
+#: (gradual_spike-1 step 2915 z 1.003 -> 1.167; sudden_spike-1 step 1915 1.695 -> 1.760, step
+#: 2480 1.936 -> 1.894), with the
+#: same type, urgency and step; every other decision of the 20 scenarios is the same to the bit.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
     "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
@@ -54,7 +60,7 @@ PINNED = {
     "grad_explosion-0": (3000, "40491cae4fd3d43f7e7ce280b48564ba46ae2ba68c95b050fdf34a351a806ca7"),
     "grad_explosion-1": (3000, "5782e29e615e941e0b74cff037a81984e64301a418fc750872e4521dc90d869d"),
     "gradual_spike-0": (3000, "c2f3e0371017353650505003e78193bc0c19950f6fab8000cdafd7b0840cebc5"),
-    "gradual_spike-1": (3000, "ba31893ae49dbb5af069a72445b15de4c0bd6990cbe2882e3051d8b9ca48d4c3"),
+    "gradual_spike-1": (3000, "90d7b908f1f42bf62d30346f69f6b0e00364887f02504a8da247a3e7ad261b87"),
     "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
     "heavy_tailed-1": (3000, "8326559c09408f3c3279d4c2c2541d3d08066fe243cc539fd6d9d8be3b700191"),
     "non_finite-0": (3000, "731df3bc84b308e3efcc1b1530c4a900e551e602a409c1f7627ef9af770a4dd4"),
@@ -64,7 +70,7 @@ PINNED = {
     "stable-0": (3000, "47cb326fce63efb5a3b14b091978657167f885b387e7a4fdf93cabc12e7b871e"),
     "stable-1": (3000, "d87cfa9a24a3f9f8b03e58f10bbafab75addee7c0710c11624f2147137baa670"),
     "sudden_spike-0": (3000, "b459c3bb536bc7ab456654a8ba7e3fdbef731926b60688bb2b787f3c0c4bfd8a"),
-    "sudden_spike-1": (3000, "3754990ef1e960f475bfa035674686fbac194ca2cbca9c961440169c22ae582e"),
+    "sudden_spike-1": (3000, "b9c4fda508e1351c8f9f3c34957a72aba1c4854048929527998a50760c4312e2"),
 }
 
 
