@@ -162,12 +162,12 @@ class PublishedSteps:
     ) -> None:
         """Keep step ``step`` of ``epoch``: its published values and (``view``) its local judgement."""
         views = self._views
-        views[(epoch, step)] = (
-            view._replace(loss=loss, grad_norm=grad_norm)
-            if view is not None
-            else StepView(loss, grad_norm)
+        key = (epoch, step)
+        # (the view's own judgement after the published values: _replace costs several times this)
+        views[key] = (
+            StepView(loss, grad_norm, *view[2:]) if view is not None else StepView(loss, grad_norm)
         )
-        views.move_to_end((epoch, step))
+        views.move_to_end(key)
         while len(views) > self.size:
             views.popitem(last=False)
 
