@@ -16,7 +16,10 @@ step; what no part covers is the halves' own Python. The timers' own cost
 (calibrated first, about a microsecond per timed call) is taken out of the
 caller's share.
 
-    python benchmarks/profile_embedded.py [--steps 2000] [--top 20] [--parts]
+``--bare`` runs no profiler at all: the step's CPU alone, for an A/B of two
+versions run in turn.
+
+    python benchmarks/profile_embedded.py [--steps 2000] [--top 20] [--parts | --bare]
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def _instrument(guard: Guard, clock: PartClock) -> None:
         "halves._judge_outlier": (halves, "_judge_outlier"),
         "StepEvent: events.step": (guard.events, "step"),
         "StepEvent: publisher.submit": (guard.publisher, "submit"),
-        "evidence: published.remember": (guard.actions.published, "remember"),
+        "evidence: published.keep": (guard.actions.published, "keep"),
         "actions: applier.collect": (guard.applier, "collect"),
         "actions: actions.due": (guard.actions, "due"),
         "actions: applier.finish": (guard.applier, "finish"),
@@ -152,7 +155,8 @@ def _instrument(guard: Guard, clock: PartClock) -> None:
         "checkpoints.drain": (guard.checkpoints, "drain"),
     }
     for name, (owner, attr) in on.items():
-        setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
+        if hasattr(owner, attr):  # (an older version may not have the part)
+            setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
     for module, attr in ((guard_module, "check_loss"), (halves_module, "own_view")):
         setattr(
             module,
@@ -168,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", action="store_true", help="timers on the step's parts instead of cProfile"
     )
+    parser.add_argument("--bare", action="store_true", help="no profiler: the step's CPU alone")
     args = parser.parse_args(argv)
-    if args.parts:
+    if args.parts or args.bare:
         torch.set_num_threads(1)  # the step's own cost, not a wait for torch's second thread
     model, opt, step = MODELS["mlp"]()
     runtime = open_runtime(load_settings({}))
@@ -190,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.steps):
             loss = step()
             t = time.thread_time()
-            if not args.parts:
+            profiled = not (args.parts or args.bare)
+            if profiled:
                 profile.enable()
             guard.step(loss)
-            if not args.parts:
+            if profiled:
                 profile.disable()
             in_step += time.thread_time() - t
         thread = time.thread_time() - thread0
@@ -205,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     n = args.steps
     print(
         f"CPU us per step: training thread {1e6 * thread / n:.0f} (of which Guard.step "
-        f"{1e6 * in_step / n:.0f}, profiled), trainer's other threads {1e6 * other / n:.0f}, "
+        f"{1e6 * in_step / n:.0f}, {'not ' if args.bare else ''}profiled), "
+        f"trainer's other threads {1e6 * other / n:.0f}, "
         f"child {1e6 * child_cpu / n:.0f} ({'child' if child is not None else 'threads'})"
     )
+    if args.bare:
+        return 0
     if args.parts:
         print(f"timer overhead per timed call {1e6 * parts.overhead:.2f} us (taken out)")
         print("| part | own CPU us per step | calls per step |")

@@ -397,13 +397,16 @@ class StepHalves:
                 outlier=half.scored is not None and half.scored.skip,
                 signals=measured,
             )
-            self.actions.published.remember(
+            self.actions.published.keep(
                 run.generation,
                 step,
-                stats.loss,  # checked against action evidence
-                None if reason == "scaler_overflow" else stats.grad_norm,
                 own_view(
-                    half.nonfinite, half.overflow, half.scored, bool(measured) and self.signals.over
+                    half.nonfinite,
+                    half.overflow,
+                    half.scored,
+                    bool(measured) and self.signals.over,
+                    stats.loss,  # checked against action evidence
+                    None if reason == "scaler_overflow" else stats.grad_norm,
                 ),
             )
             # a local onset
