@@ -336,6 +336,7 @@ class StepHalves:
     def _judge_outlier(self, stats: StepStats, lr: float) -> StepJudged:
         """The local outlier model's judgement (not yet learned) at the step's LR ``lr``, on values
         every rank shares (the largest of any rank)."""
+        grad: float | None
         if self.sync.enabled:
             r = stats.riders
             loss, grad = r["max_loss"], r["max_grad_norm"]
