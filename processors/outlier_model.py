@@ -124,6 +124,7 @@ class TailThreshold:
         "_values",
         "_waiting",
         "_threshold",
+        "_reads_from",
     )
 
     def __init__(
@@ -160,6 +161,9 @@ class TailThreshold:
         # threshold() at ``rate`` for the values as they are (None: not computed since they
         # changed): a step judges against it and then caps its residual at it, same values.
         self._threshold: float | None = None
+        # The lowest sorted position that threshold read: a full window whose value in and value
+        # out both sort below it has the same values from there up, and the same threshold.
+        self._reads_from = 0
 
     def __len__(self) -> int:
         """Values seen, the waiting ones included (at most the window plus the lag)."""
@@ -173,34 +177,47 @@ class TailThreshold:
         if not rate:
             if self._threshold is None:
                 self._threshold = self.threshold(self.rate)
+                self._reads_from = self._lowest_read()
             return self._threshold
-        lo, hi = self._values.quantile(self.low), self._values.quantile(self.high)
+        values = self._values
+        n = len(values)
+        lo, hi = values.quantile(self.low), values.quantile(self.high)
         tail_hi = 1.0 - self.high
         decades = math.log((1.0 - self.low) / tail_hi)
         power_from = self.power_from
-        if self.power or 0 < power_from <= len(self._values):
-            bar = power_law_bar(self._values.quantile(0.5), lo, hi, self.low, self.high, rate)
+        if self.power or 0 < power_from <= n:
+            bar = power_law_bar(values.quantile(0.5), lo, hi, self.low, self.high, rate)
             if bar == bar:
                 return bar
         shape_from = self.shape_from
-        if 0 < shape_from <= len(self._values):
-            k = int(len(self._values) * (1.0 - self.low))
-            shape = tail_shape(self._values.largest(k), lo)
+        if 0 < shape_from <= n:
+            k = int(n * (1.0 - self.low))
+            shape = tail_shape(values.largest(k), lo)
             if shape > 0.0:  # the generalised Pareto through lo and hi, extrapolated to rate
                 far = math.expm1(shape * math.log((1.0 - self.low) / rate))
                 return lo + (hi - lo) * far / math.expm1(shape * decades)
         scale = (hi - lo) / decades
         return hi + scale * math.log(tail_hi / rate)
 
+    def _lowest_read(self) -> int:
+        """The lowest sorted position ``threshold`` reads (the quantiles' and the top values')."""
+        n = len(self._values)
+        low = 0.5 if self.power or 0 < self.power_from <= n else self.low
+        lowest = int(low * (n - 1))  # (as RollingMedian.quantile finds its order statistic)
+        if 0 < self.shape_from <= n:
+            lowest = min(lowest, n - int(n * (1.0 - self.low)))
+        return lowest
+
     def update(self, value: float) -> None:
         """Add ``value`` (after ``lag`` more updates, once a hundred are in)."""
         waiting = self._waiting
         waiting.append(value)
         # No lag before the tail holds a hundred values: a young tail needs them now.
-        if len(waiting) <= min(self.lag, max(0, len(self._values) - 100)):
+        held = len(waiting)
+        if held <= self.lag and held <= len(self._values) - 100:
             return
-        self._values.update(waiting.popleft())
-        self._threshold = None
+        if not self._values.update_keeps(waiting.popleft(), self._reads_from):
+            self._threshold = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": self._values.values(), "waiting": list(self._waiting)}
@@ -273,17 +290,23 @@ def power_law_bar(mid: float, lo: float, hi: float, low: float, high: float, rat
 class RecentValues:
     """The last ``window`` values (a learning rate's, per step), oldest first."""
 
-    __slots__ = ("window", "_values")
+    __slots__ = ("window", "_values", "_rise", "_bar")
 
     def __init__(self, window: int) -> None:
         self.window = window
         self._values: deque[float] = deque(maxlen=window)
+        # What a value must reach to be a jump of ``_rise`` (None: no value is, the window rises
+        # or holds one value), for the values as they are: a model asks twice a step (judge,
+        # advance) and the values change once. ``_rise`` None: not worked out since they changed.
+        self._rise: float | None = None
+        self._bar: float | None = None
 
     def __len__(self) -> int:
         return len(self._values)
 
     def update(self, value: float) -> None:
         self._values.append(value)
+        self._rise = None
 
     def jumped(self, value: float, rise: float) -> bool:
         """``value`` is ``rise`` times the lowest of the window, and the window was not rising.
@@ -292,16 +315,21 @@ class RecentValues:
         lifts it a little every step, from near zero, and is never a jump (its window's
         newest value is above its oldest), so an instability during a warm-up is judged.
         """
-        values = self._values
-        if len(values) < 2 or not value > 0.0:  # one value says nothing of where the LR was going
-            return False
-        return value >= rise * min(values) and values[-1] <= values[0]
+        if self._rise != rise:
+            values = self._values
+            # one value says nothing of where the LR was going
+            falling = len(values) >= 2 and values[-1] <= values[0]
+            self._bar = rise * min(values) if falling else None
+            self._rise = rise
+        bar = self._bar
+        return bar is not None and value > 0.0 and value >= bar
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": list(self._values)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._values = deque((float(v) for v in state.get("values", ())), maxlen=self.window)
+        self._rise = None
 
 
 class OutlierConfig(BaseModel):
@@ -449,6 +477,7 @@ class OutlierModel:
         "since_jump",
         "elevated_run",
         "recent",
+        "_grown",
     )
 
     def __init__(self, config: OutlierConfig | None = None, signed: bool = False) -> None:
@@ -480,11 +509,14 @@ class OutlierModel:
         # while follow_elevated is off: the pipeline holds many models per run).
         kept = self.config.follow_window if self.config.follow_elevated else 0
         self.recent: deque[tuple[float, bool]] = deque(maxlen=kept)
+        # The tail holds ``settle`` and ``min_history`` residuals. It only grows (a window full,
+        # one joins as one leaves) until a state is loaded: once true, the counts need no asking.
+        self._grown = False
 
     @property
     def settled(self) -> bool:
         """The tail holds ``settle`` residuals: its threshold is the run's own, no longer young."""
-        return len(self.tail) >= self.config.settle
+        return self._grown or len(self.tail) >= self.config.settle
 
     @property
     def min_rise(self) -> float:
@@ -494,12 +526,17 @@ class OutlierModel:
     def threshold(self) -> float:
         """The current threshold in ``y`` units (NaN during warm-up)."""
         cfg = self.config
-        if len(self.tail) < (cfg.settle if self.signed else cfg.min_history):
-            return math.nan
+        settled = self._grown
+        if not settled:
+            held = len(self.tail)
+            if held < (cfg.settle if self.signed else cfg.min_history):
+                return math.nan
+            settled = held >= cfg.settle
+            self._grown = settled and held >= cfg.min_history
         t = self.tail.threshold()
         if self.signed:
             return t
-        floor = cfg.min_rise if self.settled else cfg.young_min_rise
+        floor = cfg.min_rise if settled else cfg.young_min_rise
         return t if t > floor else floor
 
     def current_level(self) -> float:
@@ -532,10 +569,14 @@ class OutlierModel:
         """Whether the LR jump that explains a rise (this step's, or the recent one) took the LR
         beyond ``lr_rise`` times any rate the run had trained at (no warm restart), and ``lr`` is
         still there: once the schedule's jump is over, the LR is no longer what raises the loss."""
+        return self._beyond_peak(lr, self._lr_jumped(lr))
+
+    def _beyond_peak(self, lr: float | None, jumped: bool) -> bool:
+        """lr_beyond_peak, given whether ``lr`` is a jump (``_lr_jumped``)."""
+        if jumped:
+            return self._beyond(lr, self.lr_peak)  # type: ignore[arg-type]  # a jump has an lr
         if lr is None or not math.isfinite(lr):
             return False
-        if self._lr_jumped(lr):
-            return self._beyond(lr, self.lr_peak)
         return self.excused > 0 and self._beyond(lr, self.jump_peak)
 
     def _held_rise(self, y: float) -> bool:
@@ -557,10 +598,9 @@ class OutlierModel:
         threshold = self.threshold()
         if threshold != threshold:
             return Judged(False, False, residual, math.nan, level)
-        if self.lr_explains_rise(
-            lr
-        ):  # not judged; the threshold is kept for who asks how far out it was
-            beyond = self.lr_beyond_peak(lr)
+        jumped = self._lr_jumped(lr)  # (asked once: both questions below need it)
+        if self.excused > 0 or jumped:  # lr_explains_rise: not judged; the threshold is kept
+            beyond = self._beyond_peak(lr, jumped)  # for who asks how far out it was
             return Judged(
                 False,
                 False,
@@ -670,6 +710,7 @@ class OutlierModel:
         self.level.load_state_dict(state["level"])
         self.newest_quarter.load_state_dict(state["level"])  # it keeps the newest values that fit
         self.tail.load_state_dict(state["tail"])
+        self._grown = False
         self.lr_recent.load_state_dict(state.get("lr_recent", {}))
         peak = state.get("lr_peak")
         self.lr_peak = None if peak is None else float(peak)

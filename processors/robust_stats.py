@@ -80,6 +80,17 @@ class RollingMedian:
         ring.append(x)
         insort(self._sorted, x)
 
+    def update_keeps(self, x: float, rank: int) -> bool:
+        """``update(x)``, and whether the sorted values from position ``rank`` up are the same
+        after it: a full window whose value out and value in both sort below that position.
+        (Whatever reads only those, a high quantile or the largest values, need not look again.)"""
+        ring, s = self._ring, self._sorted
+        # Out at or below s[rank - 1], in below s[rank]: the values above shift down, then back.
+        keeps = len(ring) == self.window and 0 < rank < len(s) and ring[0] <= s[rank - 1]
+        keeps = keeps and x < s[rank]
+        self.update(x)
+        return keeps
+
     def get(self) -> float:
         """The median; NaN while empty."""
         s = self._sorted

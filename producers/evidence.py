@@ -93,16 +93,19 @@ def own_view(
     scaler_overflow: bool,
     scored: SkipDecision | None = None,
     signal_over: bool = False,
+    loss: float = math.nan,
+    grad_norm: float | None = None,
 ) -> StepView:
     """A step's local judgement; ``scored``: the outlier model's SkipDecision (None: not scored).
 
-    The published values are filled in by :meth:`PublishedSteps.remember`.
+    ``loss`` and ``grad_norm``: the values published (else filled in by
+    :meth:`PublishedSteps.remember`).
     """
     if scored is None:
-        return StepView(math.nan, None, non_finite, scaler_overflow, signal_over=signal_over)
+        return StepView(loss, grad_norm, non_finite, scaler_overflow, signal_over=signal_over)
     return StepView(
-        math.nan,
-        None,
+        loss,
+        grad_norm,
         non_finite,
         scaler_overflow,
         scored.loss_z,
@@ -161,13 +164,19 @@ class PublishedSteps:
         view: StepView | None = None,
     ) -> None:
         """Keep step ``step`` of ``epoch``: its published values and (``view``) its local judgement."""
-        views = self._views
-        views[(epoch, step)] = (
-            view._replace(loss=loss, grad_norm=grad_norm)
-            if view is not None
-            else StepView(loss, grad_norm)
+        # (the view's own judgement after the published values: _replace costs several times this)
+        self.keep(
+            epoch,
+            step,
+            StepView(loss, grad_norm, *view[2:]) if view is not None else StepView(loss, grad_norm),
         )
-        views.move_to_end((epoch, step))
+
+    def keep(self, epoch: int, step: int, view: StepView) -> None:
+        """Keep step ``step`` of ``epoch`` as ``view`` says (its published values in it: own_view)."""
+        views = self._views
+        key = (epoch, step)
+        views[key] = view
+        views.move_to_end(key)
         while len(views) > self.size:
             views.popitem(last=False)
 

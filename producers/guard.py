@@ -292,12 +292,16 @@ class Guard:
         optimizer and scheduler step: ``before_update``, the update, ``after_update``.
         """
         check_loss(loss)
-        self.usage.before_step(loss, self.loader)  # (and says once if guard.data was not used)
-        if self.before_update(loss, batch, closure):
+        # (and says once if guard.data was not used)
+        self.usage.before_step(loss, self.position.loader)
+        halves = self.halves  # before_update and after_update, the loss checked once
+        if not halves.started:
+            halves.start()
+        if halves.before_update(loss, batch, closure):
             self.amp.step(self.lr.step, self.optimizer)  # the Guard's LR factor, the scaler's step
-        if self.scheduler is not None and not self.interrupted:
+        if self.scheduler is not None and not halves.interrupted:
             self.scheduler.step()
-        result = self.after_update().updated
+        result = halves.after_update().updated
         self.usage.after_step()
         return result
 

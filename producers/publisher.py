@@ -115,11 +115,14 @@ class BackgroundPublisher:
         queue is full) and soon (the sender goes at once rather than after ``interval``).
         """
         queue = self._steps if droppable else self._control
+        idle = self._idle
         with self._lock:
             if len(queue) >= self.queue_size:
                 self._drop_one(queue)
             queue.append(Item(topic, model, fields, urgent))
-            self._idle.clear()
+            # (set and cleared under this lock: clearing a clear Event would take its own lock)
+            if idle.is_set():
+                idle.clear()
             hurry = urgent or not droppable
             wake = self._parked or hurry
             self._parked = False

@@ -64,36 +64,35 @@ class RunEvents:
             or not math.isfinite(stats.loss)
             or (not overflow and not stats.finite)
         )
-        self.publisher.submit(
-            self.topics.steps,
-            StepEvent,
-            dict(
-                run_id=self.run_id,
-                session=self.session,
-                step=step,
-                epoch=epoch,
-                rank=self.rank,
-                time=time.time(),
-                loss=stats.loss,
-                loss_mean=stats.loss_mean,
-                loss_ranks=stats.ranks,
-                grad_norm=None if overflow else stats.grad_norm,
-                lr=lr,
-                loss_scale=loss_scale,
-                param_norm=stats.param_norm,
-                update_norm=stats.update_norm,  # the previous step's update (update_norm.py)
-                top_grad_norms={} if overflow else stats.top_grad_norms,
-                nonfinite_grads=0 if overflow else stats.nonfinite_grads,
-                update_skipped=reason is not None,
-                skip_reason=reason,
-                overflow_streak=overflow_streak if overflow else 0,
-                batch_index=batch_index,
-                batch=stats.batch,
-                rerun=rerun,
-                **(signals or {}),
-            ),
-            urgent=urgent,
-        )
+        # The StepEvent's fields (built into one off this thread: publisher.py), a literal: a
+        # dict() call with keywords costs the training thread twice as much, every step.
+        fields = {
+            "run_id": self.run_id,
+            "session": self.session,
+            "step": step,
+            "epoch": epoch,
+            "rank": self.rank,
+            "time": time.time(),
+            "loss": stats.loss,
+            "loss_mean": stats.loss_mean,
+            "loss_ranks": stats.ranks,
+            "grad_norm": None if overflow else stats.grad_norm,
+            "lr": lr,
+            "loss_scale": loss_scale,
+            "param_norm": stats.param_norm,
+            "update_norm": stats.update_norm,  # the previous step's update (update_norm.py)
+            "top_grad_norms": {} if overflow else stats.top_grad_norms,
+            "nonfinite_grads": 0 if overflow else stats.nonfinite_grads,
+            "update_skipped": reason is not None,
+            "skip_reason": reason,
+            "overflow_streak": overflow_streak if overflow else 0,
+            "batch_index": batch_index,
+            "batch": stats.batch,
+            "rerun": rerun,
+        }
+        if signals:
+            fields.update(signals)
+        self.publisher.submit(self.topics.steps, StepEvent, fields, urgent=urgent)
 
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:

@@ -160,7 +160,7 @@ class GradStats:
             parts.append(total)
             if k:
                 values, index = torch.topk(norms, k)
-                parts += [values, index.float()]
+                parts += [values, index]  # (cat makes the indices float32 as .float() would)
         for wanted, norms in zip((weights, update), other_norms):
             if wanted:
                 norm = torch.linalg.vector_norm(norms, keepdim=True)

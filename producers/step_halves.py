@@ -13,7 +13,8 @@ framework's (external_loop.py), whose differences are a :class:`LoopOwner`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import torch
 
@@ -231,20 +232,25 @@ class StepHalves:
         step = run.step_count
         self.applier.collect(step)
         due = self.actions.due(step) if self.rank == 0 else []
-        self.amp.begin(self.torch_optimizer)  # statistics and clipping: unscaled gradients
+        amp = self.amp.enabled  # (a scaler is on or off for the whole run)
+        if amp:
+            self.amp.begin(self.torch_optimizer)  # statistics and clipping: unscaled gradients
         stats, grads = self.stats.compute(
-            loss, batch, self._riders(bool(due)), self.updates.last_update(step, run.generation)
+            loss,
+            batch,
+            self._riders(bool(due)) if sync.enabled else None,
+            self.updates.last_update(step, run.generation),
         )
         if sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, sync.world_size)
         shared = stats.riders
-        loss_scale = self.amp.scale()
+        loss_scale = self.amp.scale() if amp else None
         # Under a GradScaler an inf/NaN gradient with a finite loss is the scaler's own business.
-        overflow = self.amp.enabled and math.isfinite(stats.loss) and not stats.finite
+        overflow = amp and math.isfinite(stats.loss) and not stats.finite
         if sync.enabled:
             nonfinite = shared["any_nonfinite"] > 0
         else:
-            nonfinite = not math.isfinite(stats.loss) if self.amp.enabled else not stats.finite
+            nonfinite = not math.isfinite(stats.loss) if amp else not stats.finite
         interrupted = False
         if shared["any_due"] > 0 if sync.enabled else bool(due):
             if sync.enabled:
@@ -255,6 +261,7 @@ class StepHalves:
             )  # rolled back or stopped: the update is void
         reason: str | None = None
         scored, rerun = None, None
+        lr: float | None = None  # the LR this update uses, once looked at (LRControl.effective)
         if interrupted:
             reason = INTERRUPTED
         elif self.loop.data_skipped():
@@ -263,13 +270,14 @@ class StepHalves:
             reason = "non_finite" if nonfinite and self.config.skip_nonfinite else None
             judged = None
             if reason is None and not overflow:
-                judged = self._judge_outlier(stats)
+                lr = self.lr.effective()
+                judged = self._judge_outlier(stats, lr)
                 reason = "outlier_step" if self._skips(judged) else None
             if (
                 reason is not None
                 and self.rerun.enabled
                 and self.steering.mode is not GuardMode.OBSERVE
-                and not (sync.enabled or self.amp.enabled)
+                and not (sync.enabled or amp)
             ):
                 # (one rank's re-run would split the ranks; a scaler's re-run gradients come scaled)
                 stats, rerun = self.rerun.judge(closure, self.params(), stats)
@@ -278,7 +286,7 @@ class StepHalves:
                     # are clean, its gradient is the step's true one and its update is applied.
                     counters.transient_steps += 1
                     nonfinite = not stats.finite
-                    judged = None if nonfinite else self._judge_outlier(stats)
+                    judged = None if nonfinite else self._judge_outlier(stats, self.lr.effective())
                     reason = "transient" if nonfinite or self._skips(judged) else None
                     grads = self.stats.clip_targets()  # the re-run's gradients, not the fault's
             if judged is not None:  # what is learned is what is published: a re-run's values
@@ -306,8 +314,11 @@ class StepHalves:
                 self.clipper.observe(stats.grad_norm)
         if self.signals is not None:
             self.signals.before_update()
+            lr = None  # (opt-in signals act on the model: the LR is looked at again after them)
+        # Looking at one scheduled LR twice gives the same answer (LRControl.multiplier).
+        lr = self.lr.effective() if lr is None else lr
         self.half = FirstHalf(
-            step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale, self.lr.effective()
+            step, stats, reason, nonfinite, overflow, scored, rerun, loss_scale, lr
         )
         return reason in (None, "scaler_overflow")
 
@@ -322,18 +333,16 @@ class StepHalves:
             )
         return lambda bad, loss, norm: sync.flags(bad, due, loss, norm)
 
-    def _judge_outlier(self, stats: StepStats) -> StepJudged:
-        """The local outlier model's judgement (not yet learned), on values every rank shares
-        (the largest of any rank)."""
-        r = stats.riders
-        loss, grad = (
-            (r["max_loss"], r["max_grad_norm"])
-            if self.sync.enabled
-            else (stats.loss, stats.grad_norm)
-        )
-        return self.skip_rule.judge(
-            loss, None if grad is None or grad < 0 else grad, self.lr.effective()
-        )
+    def _judge_outlier(self, stats: StepStats, lr: float) -> StepJudged:
+        """The local outlier model's judgement (not yet learned) at the step's LR ``lr``, on values
+        every rank shares (the largest of any rank)."""
+        grad: float | None
+        if self.sync.enabled:
+            r = stats.riders
+            loss, grad = r["max_loss"], r["max_grad_norm"]
+        else:
+            loss, grad = stats.loss, stats.grad_norm
+        return self.skip_rule.judge(loss, None if grad is None or grad < 0 else grad, lr)
 
     def _skips(self, judged: StepJudged | None) -> bool:
         """Whether the local rule skips a judged step (it always scores; it skips with skip_outliers)."""
@@ -364,7 +373,7 @@ class StepHalves:
             return StepResult(False, False)
         run, counters = self.run, self.run.counters
         self.updates.after_update()  # the update the optimizer just made, if the first half allowed it
-        measured = self.signals.after_update() if self.signals is not None else {}
+        measured = self.signals.after_update() if self.signals is not None else _NO_SIGNALS
         step, stats, reason = half.step, half.stats, half.reason
         if reason == INTERRUPTED:
             self.loop.interrupted_step_done(step)
@@ -389,13 +398,16 @@ class StepHalves:
                 outlier=half.scored is not None and half.scored.skip,
                 signals=measured,
             )
-            self.actions.published.remember(
+            self.actions.published.keep(
                 run.generation,
                 step,
-                stats.loss,  # checked against action evidence
-                None if reason == "scaler_overflow" else stats.grad_norm,
                 own_view(
-                    half.nonfinite, half.overflow, half.scored, bool(measured) and self.signals.over
+                    half.nonfinite,
+                    half.overflow,
+                    half.scored,
+                    bool(measured) and self.signals.over,
+                    stats.loss,  # checked against action evidence
+                    None if reason == "scaler_overflow" else stats.grad_norm,
                 ),
             )
             # a local onset
@@ -405,7 +417,8 @@ class StepHalves:
         batches = self.position.record(step)  # micro-batches this step read (accumulation)
         self.incidents.step(step)
         self.batch_seen = False
-        self.rerun.before_step()  # the next forward's random streams (again at its first batch)
+        if self.rerun.enabled:
+            self.rerun.before_step()  # the next forward's random streams (again at its first batch)
         if reason in LOCAL_SKIPS:
             counters.skipped_update_batches += batches
         run.step_count = step + 1
@@ -416,6 +429,10 @@ class StepHalves:
         if self.waiter is not None and reason != SKIPPED_DATA:
             self.waiter.follow(self.inbox, run.generation, step, self.config.lockstep_settle)
         return StepResult(reason is None, False)
+
+
+#: what a step without the opt-in mechanism signals measured (read only)
+_NO_SIGNALS: Mapping[str, float] = MappingProxyType({})
 
 
 def _over(value: float | None) -> str:

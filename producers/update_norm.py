@@ -53,7 +53,8 @@ class UpdateNorm:
 
     def last_update(self, step: int, epoch: int) -> list[torch.Tensor] | None:
         """The update that led to step ``step``'s parameters, if the previous step of this epoch made one."""
-        if self._made != _Made(epoch, step - 1):  # none yet, or a rollback since
+        made = self._made
+        if made is None or made.step != step - 1 or made.epoch != epoch:  # a rollback since
             return None
         return self._delta
 

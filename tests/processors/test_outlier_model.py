@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from spikeguard.processors.outlier_model import TailThreshold
@@ -159,3 +161,21 @@ def test_a_heavy_tailed_healthy_tail_raises_its_own_bar_and_a_light_one_keeps_th
     assert exp_rate > 20 * 1e-5  # the defect: far above the stated rate
     assert shaped_rate < 0.8 * exp_rate, (shaped_rate, exp_rate)
     assert not math.isnan(shaped_rate)
+
+
+def test_the_tail_threshold_kept_between_updates_is_the_one_its_values_give() -> None:
+    # The threshold is kept while the values it reads (its quantiles, its top tenth) stay the
+    # same: at every step it must equal one worked out afresh, however the values tie.
+    rng = random.Random(3)
+    for settings in (
+        {},
+        {"power": True},
+        {"shape_from": 500},
+        {"power_from": 300, "shape_from": 500},
+        {"low": 0.8, "high": 0.95, "shape_from": 200},
+    ):
+        tail = TailThreshold(500, 1e-5, lag=20, **settings)  # type: ignore[arg-type]
+        for i in range(2000):
+            tail.update(round(rng.expovariate(1.0), 2))
+            if i > 10:
+                assert tail.threshold() == tail.threshold(tail.rate), (settings, i)

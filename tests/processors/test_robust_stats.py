@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 import pytest
 
-from spikeguard.processors.robust_stats import MAD_TO_SIGMA, robust_sigma, robust_sigma_array
+from spikeguard.processors.robust_stats import (
+    MAD_TO_SIGMA,
+    RollingMedian,
+    robust_sigma,
+    robust_sigma_array,
+)
 
 
 def test_the_constant_makes_the_mad_a_gaussian_sigma() -> None:
@@ -37,3 +43,17 @@ def test_the_python_and_numpy_forms_agree_to_the_bit() -> None:
         x = rng.standard_t(3, n) * 0.1 + 4.0
         assert robust_sigma_array(x) == robust_sigma(x.tolist()), n
     assert math.isnan(robust_sigma_array(np.array([1.0, math.nan])))
+
+
+def test_update_keeps_says_true_only_when_the_values_from_its_rank_up_are_unchanged() -> None:
+    rng = random.Random(5)
+    window, rank = 50, 44
+    med = RollingMedian(window)
+    said = Counter()
+    for i in range(5000):
+        before = med.largest(window - rank)
+        keeps = med.update_keeps(float(rng.randint(0, 40)), rank)  # many ties
+        if keeps:
+            assert med.largest(window - rank) == before, i
+        said[keeps] += 1
+    assert said[True] > 1000 and said[False] > 1000  # it is asked about both ways, and is of use

@@ -73,13 +73,14 @@ def test_norms_are_the_norms_of_the_per_parameter_norms_to_the_bit():
     assert stats.loss == 2.0
 
 
-def test_a_default_step_makes_twelve_torch_calls():
+def test_a_default_step_makes_eleven_torch_calls():
     # The default step (gradient and update norms, the top 5, no batch, no ranks): every call
     # costs a few microseconds of the training thread, so none that changes nothing (a
-    # reshape, a float of a float, a move to the same device). It made 20 before.
+    # reshape, a float of a float, a move to the same device, a cast cat makes anyway).
+    # It made 20 before, then 12.
     calls = _calls(_layers(2))
     calls.pop("_VariableFunctionsClass.tensor")  # the test's own loss
-    assert sum(calls.values()) <= 12, calls
+    assert sum(calls.values()) <= 11, calls
 
 
 def test_the_loss_in_any_dtype_or_as_a_number_comes_back_as_its_float32_value():
