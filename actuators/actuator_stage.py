@@ -19,6 +19,11 @@ than the policy's settles its unsettled rollback as applied (``_applied_by_epoch
 Every ``pulse_interval_s`` at most (None: never), a run whose decisions arrive gets a signed
 ``pulse`` action naming the newest step decided: its trainer learns that its
 steps are judged, and says so when they are not (producers/protection.py).
+A decision the interval held back is pulsed by the stage's tick once the
+interval has passed, whether or not another decision comes: a trainer that
+pauses (an evaluation, a long save) after a burst of steps would otherwise
+wait for a pulse naming them until it trains again, and call itself
+unprotected meanwhile.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class ActuatorStage(RunSettingsStage):
             pulse_interval_s  # None: no pulses (backtests, replays: nobody listens)
         )
         self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
+        self._unpulsed: dict[str, Decision] = {}  # run_id -> its newest decision not pulsed yet
         self._incidents_said: dict[str, set[str]] = {}  # run_id -> incidents logged (bounded)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
@@ -181,13 +187,19 @@ class ActuatorStage(RunSettingsStage):
         )
 
     def _pulse(self, decision: Decision, now: float) -> list[Action]:
-        """A pulse for the decision's run, if its last one is ``pulse_interval_s`` old."""
+        """A pulse for the decision's run, if its last one is ``pulse_interval_s`` old (else the
+        decision waits for :meth:`tick` to pulse it)."""
         if self.pulse_interval_s is None:
             return []
-        last = self._pulsed.get(decision.run_id)
+        run_id = decision.run_id
+        last = self._pulsed.get(run_id)
         if last is not None and now - last < self.pulse_interval_s:
+            held = self._unpulsed.get(run_id)
+            if held is None or (decision.epoch, decision.step) > (held.epoch, held.step):
+                self._unpulsed[run_id] = decision
             return []
-        self._pulsed[decision.run_id] = now
+        self._pulsed[run_id] = now
+        self._unpulsed.pop(run_id, None)
         return [
             Action(
                 action_id=action_id(decision.decision_id, ActionKind.PULSE.value),
@@ -224,6 +236,7 @@ class ActuatorStage(RunSettingsStage):
         super().forget(run_ids)
         for run_id in run_ids:
             self._pulsed.pop(run_id, None)
+            self._unpulsed.pop(run_id, None)
             self._incidents_said.pop(run_id, None)
 
     def _signed(self, actions: list[Action] | None) -> list[Output]:
@@ -239,7 +252,25 @@ class ActuatorStage(RunSettingsStage):
 
     def tick(self, now: float) -> list[Output]:
         self._end_due(now)
-        return []
+        return self._signed(self._held_pulses(now))
+
+    def _held_pulses(self, now: float) -> list[Action]:
+        """Pulses for the decisions the interval held back, once it has passed."""
+        due = [
+            run_id
+            for run_id in self._unpulsed
+            if now - self._pulsed.get(run_id, now) >= (self.pulse_interval_s or 0.0)
+        ]
+        pulses = []
+        for run_id in due:
+            decision = self._unpulsed.pop(run_id)
+            current = self.sessions.state(run_id)  # type: ignore[attr-defined]
+            if decision.session and current and decision.session != current:
+                continue  # a newer trainer session took the run over: it is not this one's step
+            session = decision.session or current
+            for pulse in self._pulse(decision, now):
+                pulses.append(pulse.model_copy(update={"session": session}) if session else pulse)
+        return pulses
 
     def drain_ignored(self) -> dict[str, int]:
         out = dict(self._ignored)

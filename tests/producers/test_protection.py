@@ -33,7 +33,13 @@ def unprotected(run_id: str) -> float | None:
 
 
 def train(
-    tmp_path, key, run_id: str, until, limit_s: float = 60.0, timeout_s: float = TIMEOUT_S
+    tmp_path,
+    key,
+    run_id: str,
+    until,
+    limit_s: float = 60.0,
+    timeout_s: float = TIMEOUT_S,
+    pace_s: float = 0.005,
 ) -> Guard:
     """Train a small real model on the embedded pipeline until ``until(guard)`` (or fail after ``limit_s``)."""
     # Pulses a few times per timeout, as the defaults have them (10 s against 30 s).
@@ -65,7 +71,7 @@ def train(
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 guard.step(loss.detach())
-                time.sleep(0.005)  # a few hundred steps a second, not a busy loop
+                time.sleep(pace_s)  # a few hundred steps a second, not a busy loop
         finally:
             guard.close()
     return guard
@@ -110,6 +116,25 @@ def test_a_trainer_its_pipeline_judges_gets_signed_pulses_and_stays_quiet(tmp_pa
     assert not [r for r in caplog.records if "NOT protected" in r.getMessage()]
     assert unprotected(run_id) == 0
     assert guard.inbox.protection.judged is not None and guard.inbox.protection.bad_pulses == 0
+
+
+def test_a_trainer_that_pauses_after_a_burst_of_steps_stays_quiet(tmp_path, caplog):
+    """An evaluation or a long save after a burst: every step of the burst was judged, so the
+    trainer must not call itself unprotected while it waits (its burst's tail is pulsed from
+    the actuator's tick, not only with the next decision)."""
+    run_id = f"pausing-{uuid.uuid4().hex[:6]}"
+
+    def burst_then_pause(guard: Guard) -> bool:
+        if guard.step_count < 100:
+            return False
+        time.sleep(3 * TIMEOUT_S)  # the loop's "evaluation": no steps, the Guard open
+        return True
+
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
+        guard = train(tmp_path, None, run_id, until=burst_then_pause, pace_s=0.0)
+    assert not [r.getMessage() for r in caplog.records if "NOT protected" in r.getMessage()]
+    assert unprotected(run_id) == 0
+    assert guard.inbox.protection.judged == (0, 99)
 
 
 @pytest.mark.heavy  # ~8 s: it trains until the warning
