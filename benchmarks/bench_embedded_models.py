@@ -229,6 +229,7 @@ def measure(
         tally = loops["guarded"].decided
         assert tally is not None
         never = _never_decided(tally, loops["guarded"].n, 60.0)
+        tally.close()
         guard.close()
     queue.put(None)
     drain.join(10)
