@@ -38,6 +38,7 @@ serves them with its own on one port (:mod:`spikeguard.bus.embedded_metrics`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -507,6 +508,11 @@ def child_main(down_fd: int, up_fd: int) -> int:
         worker.embedded_bridge_max_linger_s,
         urgent=(topics.actions,),
     )
+    # The pipeline's workers allocate many short-lived objects per record, and this process
+    # holds nothing of the user's: as `spikeguard worker` does, fewer young-GC passes, with the
+    # start-up heap frozen out of them.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     start_workers(runtime)
     from spikeguard.runtime.monitoring import (
         start_monitoring,
