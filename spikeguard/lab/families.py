@@ -39,7 +39,9 @@ and at most one **fault** family (:data:`FAULTS`), labelled where it is put:
   misses;
 - ``multi_step``: a spike that lasts 3-30 steps (a plateau or a decay);
 - ``slow_divergence``: the loss leaves its curve over 200-2,000 steps and
-  never comes back (2-5x at the end);
+  never comes back (2-5x at the end); labelled only if it rises above where it
+  stood when the fault began (a loss that only falls more slowly is labelled
+  nowhere);
 - ``lr_blowup``: the LR is multiplied by 10-100; the gradient norm explodes
   and the loss climbs within 5-50 steps, to 5-50x, and stays there;
 - ``nan``: 1-3 NaN losses (one or a short burst), the run healthy around them.
@@ -183,7 +185,7 @@ def generate(case: Case) -> FamilyRun:
     elif fault == "multi_step":
         _multi_step(rng, n, floor, sigma, earliest, excess, label, log_grad)
     elif fault == "slow_divergence":
-        _slow_divergence(rng, n, sigma, _spread(wander), excess, label, log_grad)
+        _slow_divergence(rng, n, sigma, _spread(wander), log_level, excess, label, log_grad)
     elif fault == "lr_blowup":
         _lr_blowup(rng, n, sigma, lr, excess, label, log_grad)
     elif fault == "nan":
@@ -337,13 +339,19 @@ def _multi_step(rng, n, floor, sigma, earliest, excess, label, log_grad) -> None
     log_grad[at : at + length] += profile * rng.uniform(0.3, 1.5)
 
 
-def _slow_divergence(rng, n, sigma, spread, excess, label, log_grad) -> None:
+def _slow_divergence(rng, n, sigma, spread, log_level, excess, label, log_grad) -> None:
     length = min(int(rng.integers(200, 2001)), n // 2)
     at = n - length
     peak = math.log(rng.uniform(2.0, 5.0))
     profile = peak * (np.arange(1, length + 1) / length) ** rng.uniform(1.0, 2.0)
     excess[at:] += profile
-    label[at:] = profile > LABEL_SIGMAS * math.hypot(sigma, spread)
+    bar = LABEL_SIGMAS * math.hypot(sigma, spread)
+    # A divergence is a loss that goes up: labelled (where the excess passes the bar) only if
+    # the fault lifts the loss above where it stood when the fault began. Where the curve falls
+    # faster than the fault lifts it (a near-zero loss falling x100 over the same steps), the
+    # loss only falls more slowly, which no rule that does not know the curve can tell.
+    if np.any(log_level[at:] + profile > log_level[at] + bar):
+        label[at:] = profile > bar
     log_grad[at:] += profile * rng.uniform(0.5, 1.5)
 
 

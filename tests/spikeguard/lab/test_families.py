@@ -139,3 +139,20 @@ def test_evaluate_families_prints_spikeguard_beside_six_sigma_and_robust_z(capsy
     for name in ("spikeguard", "six_sigma", "robust_z"):
         assert out.count(f" {name} ") >= 2, name  # in the scores and in the false actions
     assert "false actions per 10k steps" in out
+
+
+def test_a_slow_divergence_is_labelled_only_where_the_loss_goes_up():
+    """A label nobody can earn measures nothing: on a near-zero loss that falls x100 while the
+    fault lifts it x2-5 over its curve, the loss only falls more slowly (no rule that does not
+    know the curve can see it), so the run has no label; on a flat curve it rises, and has."""
+    for seed in (42, 72):  # development seeds whose near-zero loss falls through the fault
+        case = case_of(seed, 4000, "slow_divergence")
+        run = generate(case)
+        assert case.family.kind == "near_zero" and not any(lab.label for lab in run.labels)
+        late = [e.loss for e in run.events[-2000:]]
+        assert np.median(late[-200:]) < np.median(late[:200])  # it fell through the fault
+    run = forced("slow_divergence", 6, GAUSSIAN, steps=4000)  # a constant LR: a flat curve
+    labelled = [i for i, lab in enumerate(run.labels) if lab.label]
+    assert labelled and {run.labels[i].kind for i in labelled} == {"slow_divergence"}
+    before = np.median([e.loss for e in run.events[labelled[0] - 300 : labelled[0]]])
+    assert np.median([e.loss for e in run.events[-100:]]) > 1.5 * before
