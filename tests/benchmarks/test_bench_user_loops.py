@@ -3,9 +3,12 @@ LR blow-up that damaged the model is rolled back.
 
 The loop is the user-loops benchmark's GRU encoder-decoder with the README's
 five lines and the default policy: five consecutive batches with shuffled
-labels in a 600-step run. The skip must stay within ``max_skip_share`` (5 %,
-30 batches) and the run within 3 % of the clean one and no worse than the
-unguarded one.
+labels in a 600-step run whose LR decays to 0.1x over its last tenth (at a
+constant LR this loop's last-step eval swings by tens of % with any 8 batches
+left out, so "within 3 %" could not be read from it). The skip must stay within
+``max_skip_share`` (5 %, 30 batches) and the run within 3 % of the clean one
+and no worse than the unguarded one. The benchmark holds the same over 10+
+seeds (docs/benchmarks.md); this is its cheap configuration, one seed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ sys.path.insert(0, str(BENCH))
 
 from bench_user_loops import LoopConfig, _schedule, paired, run, sign_p  # noqa: E402
 
-CFG = LoopConfig(steps=600, fault_step=300)
+CFG = LoopConfig(steps=600, fault_step=300)  # constant LR: the LR blow-up tests' schedule
+DECAYED = LoopConfig(steps=600, fault_step=300, decay_share=0.1)
 
 
 def test_the_lr_falls_to_a_tenth_over_the_last_tenth_and_is_constant_before() -> None:
@@ -57,7 +61,7 @@ def test_the_paired_table_compares_each_seed_with_its_own_clean_and_unguarded_ru
 def data_fault() -> dict[str, dict[str, Any]]:
     """The seq2seq loop under the data fault: clean, unguarded and guarded (run once, shared)."""
     return {
-        mode: run("seq2seq", "data", mode, 0, CFG) for mode in ("clean", "unguarded", "guarded")
+        mode: run("seq2seq", "data", mode, 0, DECAYED) for mode in ("clean", "unguarded", "guarded")
     }
 
 
@@ -69,7 +73,8 @@ def test_a_few_bad_batches_skip_in_proportion_and_end_near_clean(
     assert "skip_batches" in guarded["actions"], guarded["summary"]  # the fault was answered
     # ... by removing the data: the optimizer was never unstable, so LR and clipping are kept
     assert not {"scale_lr", "clip"} & set(guarded["actions"]), guarded["summary"]
-    assert guarded["skipped_batches"] <= 0.05 * CFG.steps, guarded["summary"]
+    assert guarded["skipped_batches"] <= 0.05 * DECAYED.steps, guarded["summary"]
+    # 0.1946 against clean 0.1893 (+2.8 %: leaving 8 batches out) and unguarded 0.2118
     assert guarded["eval"] <= clean["eval"] * 1.03, (clean, guarded)
     assert guarded["eval"] <= unguarded["eval"], (unguarded, guarded)
 
@@ -88,7 +93,13 @@ def test_a_rolled_back_run_ends_where_the_loop_reading_the_batches_it_kept_ends(
     assert guarded["actions"].count("rollback") == 1, guarded["summary"]
     assert guarded["skip_ranges"], guarded["summary"]
     same_data = run(
-        "seq2seq", "data", "unguarded", 0, CFG, guarded["skip_ranges"], guarded["skipped_updates"]
+        "seq2seq",
+        "data",
+        "unguarded",
+        0,
+        DECAYED,
+        guarded["skip_ranges"],
+        guarded["skipped_updates"],
     )
     assert guarded["eval"] == same_data["eval"], (guarded, same_data)
     # ... at every point of the tail too (evals taken during the re-run replace the first run's)
