@@ -445,7 +445,8 @@ def paired(runs: list[dict[str, Any]], name: str, fault: str, key: str) -> dict[
         "guarded_vs_clean": spread([g[s] / clean[s] for s in seeds]),
         "guarded_vs_unguarded": spread([g[s] / unguarded[s] for s in seeds]),
         "same_data_vs_clean": spread(
-            [guarded[s][same] / clean[s] for s in seeds if same in guarded[s]] or [math.nan]
+            [guarded[s][same] / clean[s] for s in seeds if same in guarded[s] and fault == "data"]
+            or [math.nan]
         ),
         # guarded against unguarded, seed by seed: better, equal, worse
         "signs": (
