@@ -381,8 +381,9 @@ def fault_runs(
     unguarded = run(name, fault, "unguarded", seed, cfg)
     guarded = run(name, fault, "guarded", seed, cfg)
     same = unguarded
+    left_out = guarded["skip_ranges"] or guarded["skipped_updates"]
     # (after an LR blow-up the guarded run's LR differs too: reading the same data says nothing)
-    if same_data and fault == "data" and (guarded["skip_ranges"] or guarded["skipped_updates"]):
+    if same_data and fault == "data" and left_out:
         same = run(
             name,
             fault,
@@ -392,7 +393,7 @@ def fault_runs(
             guarded["skip_ranges"],
             guarded["skipped_updates"],
         )
-    if same is not unguarded or not guarded["actions"]:
+    if same is not unguarded or not left_out:
         guarded["same_data_eval"] = same["eval"]
         guarded["same_data_tail_eval"] = same["tail_eval"]
     return [unguarded, guarded]
