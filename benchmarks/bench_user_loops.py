@@ -3,6 +3,7 @@
     python benchmarks/bench_user_loops.py [--loops char_lm,seq2seq,cnn] [--faults data,lr_blowup]
                                           [--steps 2000] [--seeds 10] [--seed FIRST] [--jobs J]
                                           [--decay-share 0.1] [--no-same-data] [--json]
+                                          [--runs runs.jsonl] [--from-runs runs.jsonl]
                                           [--no-lockstep]
 
 The loops are kinds the recovery benchmark (a small transformer) does not
