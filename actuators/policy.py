@@ -470,7 +470,8 @@ class RecoveryPolicy:
 
         PaLM's test: the rollback skipped the batches that led into the rise, and the re-run
         meets the same rise on the batches after them. Rolling back again cannot help (the
-        data itself is harder now); the LR the rise lowered is given back, and non-critical
+        data itself is harder now); the LR the rise lowered and the clipping its recovery set
+        are given back, and non-critical
         rises are watched while the detectors relearn the level. Critical ones still act.
         """
         cfg = self.config
@@ -495,6 +496,10 @@ class RecoveryPolicy:
         if before > lr.current:
             self.recovery.restore_lr(
                 plan, f"{why}; the LR the rise lowered given back", before / lr.current
+            )
+        if window.clip_given:  # set for a bad batch that was not one
+            self.recovery.lift_clip(
+                plan, f"{why}; the clipping its recovery set lifted", window.clip_before
             )
         plan.alert("warning", why)
         return True

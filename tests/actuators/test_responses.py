@@ -262,6 +262,28 @@ def test_a_rise_that_comes_back_on_other_data_after_the_skip_is_the_datas_level(
     assert K.ROLLBACK in kinds(out)
 
 
+def test_a_rise_that_is_the_datas_level_gives_back_the_clipping_its_recovery_set() -> None:
+    """The recovery of a critical spike clipped; the re-run meets the rise again on the batches
+    after the skipped ones: the data's level, not a bad batch. What the recovery set for a bad
+    batch is given back, the clipping as the LR (kept, it would bound every later update)."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
+    applied(policy, first[0])
+    skip = first[1].params
+    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra
+    feed(policy, healthy(701, end - 2))  # the re-run, up to the batches after the skipped window
+    again = feed(policy, [dec(s, T.LOSS_SPIKE, onset=end - 2) for s in range(end - 2, end + 4)])
+    said = [a for a in again if a.reason.startswith("[data_level]")]
+    assert said and "other data" in said[0].reason, [a.reason for a in again]
+    lifts = [a for a in said if a.kind is K.CLIP]
+    assert len(lifts) == 1 and lifts[0].params.lifts and lifts[0].params.max_norm is None
+    assert policy.recovery.clip.norm is None
+
+
 def test_a_rise_long_after_the_skipped_window_is_a_new_spike() -> None:
     policy = make(skip_extra_batches=40)
     feed(policy, healthy(401, 800))
