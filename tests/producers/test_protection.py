@@ -127,7 +127,7 @@ def test_a_trainer_that_pauses_after_a_burst_of_steps_stays_quiet(tmp_path, capl
     def burst_then_pause(guard: Guard) -> bool:
         if guard.step_count < 100:
             return False
-        time.sleep(3 * TIMEOUT_S)  # the loop's "evaluation": no steps, the Guard open
+        time.sleep(3 * TIMEOUT_S)  # not a wait: the loop's "evaluation", no steps, the Guard open
         return True
 
     with caplog.at_level(logging.WARNING, logger="spikeguard.producers.protection"):
