@@ -71,7 +71,7 @@ class PartClock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if stack:
                 children[stack[-1][0]] += 1
-            frame = [name, 0.0]
+            frame: list[Any] = [name, 0.0]  # [name, CPU of timed callees], as in _stack
             stack.append(frame)
             start = clock()
             try:
