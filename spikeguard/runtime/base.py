@@ -20,7 +20,6 @@ from spikeguard.streaming.worker import Worker
 
 if TYPE_CHECKING:
     from spikeguard.bus.kafka import KafkaBus
-    from spikeguard.runtime.child import ChildPipeline
 
 
 def make_bus(settings: Settings) -> Bus:
@@ -80,7 +79,7 @@ class Runtime:
     problem: str | None = None
     watch: PipelineWatch | None = None
     #: The pipeline's child process (``worker.embedded_process``): its ``problem`` says if it died.
-    child: ChildPipeline | None = None
+    child: object | None = None
 
     def connected_bus(self) -> Bus:
         """The bus; a :class:`~spikeguard.errors.BusError` saying why if there is none."""
