@@ -45,8 +45,9 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location(
         "blind", HERE.parent / "tests" / "integration" / "test_blind_time.py"
     )
+    assert spec is not None and spec.loader is not None  # a .py file that exists: a loader
     blind = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(blind)  # type: ignore[union-attr]
+    spec.loader.exec_module(blind)
     results = {}
     for name, env in CASES.items():
         with tempfile.TemporaryDirectory() as tmp:

@@ -100,7 +100,8 @@ def main() -> None:
         ]
         for arm in arms:  # warm-up, and the first checkpoint at step 0
             arm.run(args.every)
-            arm.ckpt.clear(), arm.plain.clear()
+            arm.ckpt.clear()
+            arm.plain.clear()
         for r in range(args.rounds):
             for arm in arms if r % 2 == 0 else arms[::-1]:
                 arm.run(2 * args.every)

@@ -189,7 +189,10 @@ def record(task_name: str, kind: str, steps: int, onset: int, workdir: str) -> l
         if not math.isfinite(float(loss.detach())):
             break  # the run is dead; what came before is what a warning could have used
     guard.close()
-    events = [decode(r.value, StepEvent) for r in bus.read_all(topics.steps)]
+    events = []
+    for r in bus.read_all(topics.steps):
+        assert r.value is not None  # the guard publishes every step with its bytes
+        events.append(decode(r.value, StepEvent))
     bus.close()
     return events
 

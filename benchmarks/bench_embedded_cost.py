@@ -44,6 +44,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,6 +52,10 @@ from torch import nn
 from decision_tally import DecisionTally
 
 from spikeguard.producers import Guard, GuardConfig
+
+if TYPE_CHECKING:
+    from spikeguard.runtime import Runtime
+    from spikeguard.runtime.child import ChildPipeline
 
 KINDS = ("unpublished", "threads", "process")
 
@@ -61,6 +66,17 @@ def make(seed: int = 0):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
     return model, opt, x, y
+
+
+def child_pipeline(runtime: Runtime) -> ChildPipeline | None:
+    """The runtime's pipeline process, as its type (Runtime holds it as an object: see its field)."""
+    child = runtime.child
+    if child is None:
+        return None
+    from spikeguard.runtime.child import ChildPipeline
+
+    assert isinstance(child, ChildPipeline)
+    return child
 
 
 def _cpu_s(pid: int) -> float:
@@ -94,7 +110,7 @@ def run(kind: str, steps: int, directory: str) -> dict:
         runtime = open_runtime(
             load_settings({"worker.embedded_process": False} if kind == "threads" else {})
         )
-        child = runtime.child
+        child = child_pipeline(runtime)
         guard = Guard(model, opt, run_id=f"cost-{kind}", config=config, runtime=runtime)
         tally = DecisionTally(guard)
     warm = max(1, steps // 10)
@@ -182,13 +198,8 @@ def paired(steps: int, block: int, directory: str) -> dict:
     while len(never := _never_decided(tally, total)) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     # The default layout or not: where no child could start, this measured threads.
-    layout = (
-        "threads"
-        if runtime.child is None
-        else "child"
-        if runtime.child.problem is None
-        else "child died"
-    )
+    child = child_pipeline(runtime)
+    layout = "threads" if child is None else "child" if child.problem is None else "child died"
     for guard, *_ in loops.values():
         guard.close()
     runtime.close()

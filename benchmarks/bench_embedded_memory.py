@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spikeguard.bus import EmbeddedBus
 from spikeguard.producers import Guard, GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
@@ -72,8 +73,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runtime = open_runtime(load_settings())
         if args.unbounded:
-            runtime.bus.keep_consumed = None
-            runtime.bus.max_records = None
+            bus = runtime.bus
+            assert isinstance(bus, EmbeddedBus)  # the settings' default engine: in-process
+            bus.keep_consumed = None
+            bus.max_records = None
         # Checkpoints every 500 steps, keep 3: the default cadence would not change memory
         # either, but a long run with few files keeps the disk quiet.
         config = GuardConfig(checkpoint_dir=tmp, checkpoint_every=500, resume=False)

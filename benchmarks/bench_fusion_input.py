@@ -20,7 +20,7 @@ import time
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus import EmbeddedBus
-from spikeguard.components import DETECTOR_NAMES, build_stage
+from spikeguard.components import DETECTOR_NAMES, build_stage, detector_stage
 from spikeguard.lab.simulate import generate
 from spikeguard.metrics import Metrics
 from spikeguard.processors.cohosted_stage import CoHostedDetectors
@@ -36,7 +36,7 @@ TOPICS = Topics("bench-fusion.")
 def judged(runs: int, steps: int) -> list[StepVerdicts]:
     """Every step's verdicts, as the co-hosted detectors make them (interleaved across runs)."""
     settings = load_settings({"topic_prefix": TOPICS.prefix, "signing_key": KEY}, env={})
-    stage = CoHostedDetectors([build_stage(name, settings, TOPICS) for name in DETECTOR_NAMES])
+    stage = CoHostedDetectors([detector_stage(name, settings, TOPICS) for name in DETECTOR_NAMES])
     events = [
         generate("sudden_spike", max(200, steps), r, run_id=f"bench-{r:03d}").events[:steps]
         for r in range(runs)
@@ -44,12 +44,11 @@ def judged(runs: int, steps: int) -> list[StepVerdicts]:
     interleaved = [sign_step(run[i], KEY) for i in range(steps) for run in events]
     out: list[StepVerdicts] = []
     for start in range(0, len(interleaved), 400):
-        out += [
-            e
-            for _, e in stage.handle_batch(
-                [(TOPICS.steps, s) for s in interleaved[start : start + 400]]
-            )
-        ]
+        for _, e in stage.handle_batch(
+            [(TOPICS.steps, s) for s in interleaved[start : start + 400]]
+        ):
+            assert isinstance(e, StepVerdicts)  # main() reads each as one: a step's verdicts
+            out.append(e)
     return out
 
 

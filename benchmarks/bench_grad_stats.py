@@ -122,12 +122,16 @@ def measure(name: str, rounds: int, calls: int, against: tuple[str, Any] | None 
     loss = loss_fn()
     loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad.clone() for p in params]  # clipping scales the gradients: put them back
+    grads: list[torch.Tensor] = []  # the same tensors throughout: clipping scales them in place
+    for p in params:
+        assert p.grad is not None  # loss.backward() gave every trainable parameter one
+        grads.append(p.grad)
+    saved = [g.clone() for g in grads]  # clipping scales the gradients: put them back
     stats = GradStats(list(model.named_parameters()), top_k=5)
 
     def restore() -> None:
-        for p, g in zip(params, saved):
-            p.grad.copy_(g)
+        for g, s in zip(grads, saved):
+            g.copy_(s)
 
     def clip_item() -> None:
         nn.utils.clip_grad_norm_(params, 1.0).item()
@@ -142,7 +146,6 @@ def measure(name: str, rounds: int, calls: int, against: tuple[str, Any] | None 
         old = module.GradStats(list(model.named_parameters()), top_k=5)
         kinds[f"stats@{ref}"] = lambda: old.compute(loss)
     if hasattr(nn.utils, "get_total_norm"):  # torch >= 2.6
-        grads = [p.grad for p in params]
         kinds["norm"] = lambda: nn.utils.get_total_norm(grads).item()
     reads = {}
     for kind, fn in kinds.items():

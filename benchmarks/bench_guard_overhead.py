@@ -82,7 +82,7 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
         )
         guard.halves.started = True  # no initial checkpoint inside the timed loop
     times, inner, norm_times = [], [], []
-    mark = {}
+    mark: dict[str, float] = {}
     opt.register_step_pre_hook(lambda *a: mark.__setitem__("t", time.perf_counter()))
     opt.register_step_post_hook(lambda *a: inner.append(time.perf_counter() - mark["t"]))
     warm = steps // 10
@@ -113,6 +113,7 @@ def _loop(kind: str, steps: int, guard_dir: str) -> tuple[float, float]:
     cpu = (time.process_time() - cpu_start) / (steps - warm)
     if guard is not None:
         guard.close()
+    if bus is not None:  # made with the guard
         bus.close()
     return statistics.median(times[warm:]), cpu
 

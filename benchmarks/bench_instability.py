@@ -38,6 +38,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import typing  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -116,13 +117,13 @@ def recovery_task(variant: str, seed: int) -> dict:
     """The recovery benchmark's ``instability`` fault (QUICK), with the lab's responses."""
     torch.set_num_threads(1)
     from recovery_ledger import grad_norm
-    from recovery_setup import QUICK, build, evaluate, lm_loss
+    from recovery_setup import QUICK, Block, build, evaluate, lm_loss
 
     from spikeguard.producers.data import GuardedLoader
 
     cfg = QUICK
     p = build(seed, cfg, "clean" if variant == "clean" else "instability")
-    blocks = list(p.model.blocks)
+    blocks = typing.cast("list[Block]", list(p.model.blocks))  # TinyGPT's Sequential of Blocks
     probe = MechanismSignals(
         {str(i): b.qkv for i, b in enumerate(blocks)},
         p.model.head,

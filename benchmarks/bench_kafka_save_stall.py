@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from spikeguard.bus.kafka import KafkaBus
-from spikeguard.components import DETECTOR_NAMES, build_stage
+from spikeguard.components import DETECTOR_NAMES, detector_stage
 from spikeguard.metrics import Metrics
 from spikeguard.processors.cohosted_stage import CoHostedDetectors
 from spikeguard.schemas import Topics, encode
@@ -54,7 +54,7 @@ def measure(bootstrap: str, runs: int, steps: int, batch: int, interval: float) 
         for run in per_run:
             producer.publish(topics.steps, encode(run[i]), key=run[i].run_id)
     producer.flush()
-    stage = CoHostedDetectors([build_stage(name, settings, topics) for name in DETECTOR_NAMES])
+    stage = CoHostedDetectors([detector_stage(name, settings, topics) for name in DETECTOR_NAMES])
     worker = Worker(
         bus,
         stage,

@@ -54,7 +54,7 @@ from spikeguard.bus.kafka import KafkaBus
 from spikeguard.schemas import Topics, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kafka_pipeline.py next to this file
-from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, workers
+from kafka_pipeline import LAYOUTS, broker, new_key, signed_steps, new_prefix, worker_name, workers
 
 
 def _values(runs: int, steps: int, key: str) -> list[tuple[bytes, bytes]]:
@@ -109,7 +109,7 @@ def pipeline(
         reader.poll(timeout_ms=2000)  # join before the first decision
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=256 * 1024)
         cpu_before = {
-            f"{proc.args[-1]}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)
+            f"{worker_name(proc)}#{n}": _cpu_seconds(proc.pid) for n, proc in enumerate(procs)
         }
         started = time.perf_counter()
         for k, v in records:
@@ -125,7 +125,7 @@ def pipeline(
         cpu = {
             name: _cpu_seconds(proc.pid) - cpu_before[f"{name}#{n}"]
             for n, proc in enumerate(procs)
-            for name in [proc.args[-1]]
+            for name in [worker_name(proc)]
         }
         reader.close()
         producer.close()
@@ -163,7 +163,7 @@ def profile_workers(procs: list, directory: str, seconds: float) -> list[subproc
     Path(directory).mkdir(parents=True, exist_ok=True)
     spies = []
     for proc in procs:
-        name = proc.args[-1]
+        name = worker_name(proc)
         spies.append(
             subprocess.Popen(
                 [

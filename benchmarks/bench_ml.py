@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one_trial(args.steps)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"now": None}
+        trees: dict[str, str | None] = {"now": None}
         if args.against:
             trees = {args.against: export(args.against, tmp), "now": None}
         results: dict[str, list[dict[str, float]]] = {label: [] for label in trees}

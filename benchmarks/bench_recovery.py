@@ -129,7 +129,8 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 def aggregate(runs: list[dict], seeds: list[int]) -> list[dict]:
     """One row per (fault, strategy), in the order first met."""
-    order, by = [], {}
+    order: list[tuple[str, str]] = []  # (fault, strategy)
+    by: dict[tuple[str, str], dict[int, dict]] = {}  # -> seed -> that run
     for r in runs:
         key = (r["fault"], r["strategy"])
         if key not in by:

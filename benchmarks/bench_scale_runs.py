@@ -41,6 +41,7 @@ from spikeguard.metrics import Metrics
 from spikeguard.schemas import CheckpointEvent, StepEvent, Topics
 from spikeguard.settings import load_settings
 from spikeguard.streaming.footprint import deep_size
+from spikeguard.streaming.stage import PerRunStage
 from spikeguard.streaming.worker import Worker
 
 TOPICS = Topics("bench.")
@@ -133,11 +134,13 @@ def measure(kind: str, runs: int, steps: int, seed: int) -> dict:
     seconds = time.perf_counter() - started
     gc.collect()
     total = held(worker) - empty
+    stage = worker.stage
+    assert isinstance(stage, PerRunStage)  # every component's stage holds one object per run
     return {
         "kind": kind,
         "runs": runs,
         "steps_per_run": steps,
-        "runs_in_memory": len(worker.stage.runs),
+        "runs_in_memory": len(stage.runs),
         "bytes_per_run": round(total / runs),
         "total_mib": round(total / 2**20, 1),
         "rss_growth_mib": round((rss_bytes() - rss_before) / 2**20, 1),

@@ -136,13 +136,15 @@ if __name__ == "__main__":
     if stages:
         clock = StageClock()
         _stage_timers(clock)
-        worker_loop.Worker.run = clocked(
+        # This profiler's point: every Worker's loop, wherever it is started, runs timed.
+        worker_loop.Worker.run = clocked(  # type: ignore[method-assign]
             clock,
             lambda w: f"{stem}.{w.stage.name}.json",  # type: ignore[attr-defined]
             worker_loop.Worker.run,
         )
         sys.exit(clocked(clock, lambda _: out, main, whole_command=True)(argv))
-    worker_loop.Worker.run = profiled(
+    # Or every Worker's loop under cProfile, a file per stage (the class patched, as above).
+    worker_loop.Worker.run = profiled(  # type: ignore[method-assign]
         lambda w: f"{stem}.{w.stage.name}.prof",  # type: ignore[attr-defined]
         worker_loop.Worker.run,
     )

@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, cast
 
 from spikeguard.bus.kafka import KafkaBus
 from spikeguard.components import COMPONENTS
@@ -123,7 +123,7 @@ def workers(
         while True:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                name = dead[0].args[-1]
+                name = worker_name(dead[0])
                 raise RuntimeError(
                     f"worker {name} exited at start: {(logs / f'{name}.log').read_text()[-2000:]}"
                 )
@@ -141,6 +141,11 @@ def workers(
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def worker_name(proc: subprocess.Popen) -> str:
+    """The component a process of :func:`workers` runs: the last word of its command line."""
+    return cast("list[str]", proc.args)[-1]  # workers() starts each from a list of str
 
 
 def new_prefix() -> str:

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_embedded_cost import _cpu_s
+from bench_embedded_cost import _cpu_s, child_pipeline
 from bench_embedded_models import MODELS
 
 from spikeguard.producers import Guard, GuardConfig
@@ -71,7 +71,7 @@ class PartClock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if stack:
                 children[stack[-1][0]] += 1
-            frame = [name, 0.0]
+            frame: list[Any] = [name, 0.0]  # [name, CPU of timed callees], as in _stack
             stack.append(frame)
             start = clock()
             try:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         guard = Guard(model, opt, run_id="profile-embedded", config=config, runtime=runtime)
         for _ in range(50):
             guard.step(step())
-        child = runtime.child
+        child = child_pipeline(runtime)
         child_start = _cpu_s(child.process.pid) if child is not None else 0.0
         thread0, process0 = time.thread_time(), time.process_time()
         profile = cProfile.Profile(time.thread_time)

@@ -52,6 +52,7 @@ def record(steps: int) -> tuple[Settings, list[Any]]:
     pipeline = runtime.child
     if pipeline is None:
         raise SystemExit("no child process here: nothing to record")
+    assert isinstance(pipeline, child_module.ChildPipeline)  # Runtime holds it as an object
     sent: list[Any] = []
     original = pipeline._down.send
 

@@ -128,7 +128,8 @@ class LightningSpike(NoStrategy):
 
     def restarted(self) -> None:
         self.values: deque[float] = deque(maxlen=self.window)
-        self.last, self.seen, self.previous = 0.0, 0, None
+        self.last, self.seen = 0.0, 0
+        self.previous: int | None = None  # the batch index of the step before
 
     def judge(self, step: int, index: int, loss: float, norm: float, grads: list) -> Any:
         seen, previous = self.seen, self.previous
@@ -240,6 +241,7 @@ def run_baseline(
     while step < cfg.steps:
         for x, y in loader:
             index = loader.last_index
+            assert index is not None  # set by the batch just read
             x, y = fault.batch(index, x, y)
             p.optimizer.zero_grad(set_to_none=True)
             loss = fault.loss(index, lm_loss(p.model, x, y))

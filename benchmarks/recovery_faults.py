@@ -82,6 +82,7 @@ class Fault:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch as the faulty run sees it."""
         if self.name == "bad_shard" and self._in(index, self.cfg.shard_batches):
+            assert index is not None  # _in is false without one
             gen = torch.Generator().manual_seed(self.seed * 100_003 + int(index))
             flat = y.reshape(-1)
             y = flat[torch.randperm(flat.numel(), generator=gen)].reshape(y.shape)

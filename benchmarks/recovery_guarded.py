@@ -135,10 +135,10 @@ def run_spikeguard(
     for a in actions:  # what the policy chose and why: its reason starts with the response
         if a.run_id == run_id:
             ledger.events.append(f"policy at step {a.apply_at_step}: {a.kind.value}: {a.reason}")
-    for a in guard.applied:
+    for ack in guard.applied:
         ledger.events.append(
-            f"action at step {a['step']} epoch {a['epoch']}: {a['kind']} {a['status']}: "
-            f"{a['result']}"
+            f"action at step {ack['step']} epoch {ack['epoch']}: {ack['kind']} {ack['status']}: "
+            f"{ack['result']}"
         )
     ranges = data.skip_ranges
     return ledger.summary(

@@ -78,3 +78,26 @@ def test_an_unformatted_file_fails_the_lint_and_a_formatted_one_passes(tmp_path)
     assert lint.run_ruff([str(probe)]) != 0
     probe.write_text('x = {"a": 1}\n')
     assert lint.run_ruff([str(probe)]) == 0
+
+
+def test_the_type_check_tree_holds_the_benchmarks_beside_the_package(tmp_path):
+    link = lint.benchmarks_link(tmp_path)
+    assert link.parent == lint.package_tree(tmp_path).parent
+    assert link.resolve() == (ROOT / "benchmarks").resolve()
+    # No __init__.py: its scripts import each other as top-level modules, as when they run.
+    assert not (link / "__init__.py").exists()
+    # A link to another clone's benchmarks goes on the next run.
+    link.unlink()
+    link.symlink_to(tmp_path)
+    lint.benchmarks_link(tmp_path)
+    assert link.resolve() == (ROOT / "benchmarks").resolve()
+
+
+def test_mypy_checks_the_package_and_the_benchmarks_in_one_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPIKEGUARD_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(lint.subprocess, "call", lambda command, cwd: calls.append((command, cwd)))
+    lint.run_mypy()
+    [(command, cwd)] = calls  # one run: the package is analysed once for both
+    assert command[-2:] == ["spikeguard", "benchmarks"]
+    assert (Path(cwd) / "benchmarks").resolve() == (ROOT / "benchmarks").resolve()
