@@ -733,6 +733,23 @@ def test_a_lift_gives_back_the_clipping_that_was_in_force_before_the_recovery() 
     assert policy.recovery.clip.norm == 1.0
 
 
+def test_adaptive_clipping_in_force_before_the_recovery_is_not_lifted_to_a_max_norm() -> None:
+    """With adaptive clipping the trainer clips at a z, never at the policy's notional norm: the
+    checkpoint had that z in force, and the recovery re-sent the same z, so nothing is given back
+    (a lift to the notional norm would add a max_norm the trainer never had)."""
+    policy = make(clip_mode="adaptive")
+    feed(policy, healthy(401, 550))
+    feed(policy, [dec(550, T.GRADIENT_EXPLOSION, onset=550)] + healthy(551, 800))
+    assert policy.recovery.clip.norm is not None
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+    )
+    applied(policy, next(a for a in first if a.kind is K.ROLLBACK))
+    later = feed(policy, healthy(701, 830))
+    assert [a for a in later if a.kind is K.CLIP] == [], [a.reason for a in later]
+    assert K.RESTORE_LR in kinds(later)  # the LR still comes back
+
+
 def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
     policy = make()
     feed(policy, healthy(401, 800))
