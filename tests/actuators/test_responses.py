@@ -223,6 +223,18 @@ def test_an_extreme_loss_whose_updates_all_stayed_bounded_is_the_datas() -> None
     assert kinds(feed(policy, bad))[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
 
 
+def critical_spike() -> list[Decision]:
+    """A critical spike at steps 800-803 whose update was not absorbed (loss x6, gradient x50):
+    after healthy steps, its plan rolls back, skips the window, halves the LR and clips."""
+    return [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
+
+
+def rerun_window_end(plan) -> int:
+    """The step at which the re-run has trained past the batches after the plan's skipped window."""
+    skip = next(a for a in plan if a.kind is K.SKIP_BATCHES).params
+    return skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra
+
+
 def applied(policy: RecoveryPolicy, rollback) -> None:
     policy.on_ack(
         Ack(
@@ -268,13 +280,10 @@ def test_a_rise_that_is_the_datas_level_gives_back_the_clipping_its_recovery_set
     batch is given back, the clipping as the LR (kept, it would bound every later update)."""
     policy = make()
     feed(policy, healthy(401, 800))
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
     applied(policy, first[0])
-    skip = first[1].params
-    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra
+    end = rerun_window_end(first)
     feed(policy, healthy(701, end - 2))  # the re-run, up to the batches after the skipped window
     again = feed(policy, [dec(s, T.LOSS_SPIKE, onset=end - 2) for s in range(end - 2, end + 4)])
     said = [a for a in again if a.reason.startswith("[data_level]")]
@@ -678,13 +687,11 @@ def test_the_lr_a_recovery_cut_is_given_back_once_the_re_run_passed_the_skipped_
     to the checkpoint's (was: x1.25 per 200 healthy steps, 800 steps at a lower LR)."""
     policy = make()
     feed(policy, healthy(401, 800))
-    bad = [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    first = feed(policy, bad)
+    first = feed(policy, critical_spike())
     assert kinds(first)[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
     applied(policy, first[0])
     assert policy.recovery.lr.current == pytest.approx(0.5)
-    skip = first[1].params
-    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra  # re-run's window end
+    end = rerun_window_end(first)
     before = feed(policy, healthy(701, end - 1))
     assert K.RESTORE_LR not in kinds(before)  # not yet past the batches after the skipped ones
     back = feed(policy, healthy(end - 1, end + 1))
@@ -700,13 +707,10 @@ def test_the_clipping_a_recovery_set_is_lifted_with_the_lr_once_the_re_run_passe
     clip comes back as the LR does, at the same decision: lifted to what was in force before."""
     policy = make()
     feed(policy, healthy(401, 800))
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
     applied(policy, first[0])
-    skip = first[1].params
-    end = skip.from_step + (skip.to_step - skip.from_step + 1) + skip.extra
+    end = rerun_window_end(first)
     assert K.CLIP not in kinds(feed(policy, healthy(701, end - 1)))
     back = [a for a in feed(policy, healthy(end - 1, end + 1)) if a.kind is K.CLIP]
     assert len(back) == 1 and back[0].params.lifts and back[0].params.max_norm is None
@@ -723,9 +727,7 @@ def test_a_lift_gives_back_the_clipping_that_was_in_force_before_the_recovery() 
     feed(policy, healthy(401, 550))
     feed(policy, [dec(550, T.GRADIENT_EXPLOSION, onset=550)] + healthy(551, 800))
     assert policy.recovery.clip.norm == 1.0
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     applied(policy, next(a for a in first if a.kind is K.ROLLBACK))
     assert policy.recovery.clip.norm == 0.5
     back = [a for a in feed(policy, healthy(701, 830)) if a.kind is K.CLIP]
@@ -741,9 +743,7 @@ def test_adaptive_clipping_in_force_before_the_recovery_is_not_lifted_to_a_max_n
     feed(policy, healthy(401, 550))
     feed(policy, [dec(550, T.GRADIENT_EXPLOSION, onset=550)] + healthy(551, 800))
     assert policy.recovery.clip.norm is not None
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     applied(policy, next(a for a in first if a.kind is K.ROLLBACK))
     later = feed(policy, healthy(701, 830))
     assert [a for a in later if a.kind is K.CLIP] == [], [a.reason for a in later]
@@ -753,9 +753,7 @@ def test_adaptive_clipping_in_force_before_the_recovery_is_not_lifted_to_a_max_n
 def test_a_re_run_that_meets_trouble_again_keeps_the_lr_cut() -> None:
     policy = make()
     feed(policy, healthy(401, 800))
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     applied(policy, first[0])
     feed(policy, healthy(701, 780) + [dec(780, T.GRADIENT_EXPLOSION, onset=780)])
     later = feed(policy, healthy(781, 830))
@@ -768,9 +766,7 @@ def test_a_rollback_that_failed_takes_its_clipping_back_out() -> None:
     """The trainer applies none of a plan whose rollback failed: the policy's clip is not its."""
     policy = make()
     feed(policy, healthy(401, 800))
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     assert policy.recovery.clip.norm == 1.0
     policy.on_ack(
         Ack(
@@ -790,9 +786,7 @@ def test_a_rollback_to_a_checkpoint_clipped_before_a_lift_lifts_it_again() -> No
     since, so the plan lifts it again rather than leave a clip nobody set."""
     policy = make()
     feed(policy, healthy(401, 800))
-    first = feed(
-        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=6.0, grad=50.0) for s in range(800, 804)]
-    )
+    first = feed(policy, critical_spike())
     applied(policy, first[0])
     assert any(a.kind is K.CLIP and a.params.lifts for a in feed(policy, healthy(701, 820)))
     # a checkpoint of the re-run, taken while the recovery's clip was in force

@@ -44,7 +44,7 @@ def runtime():
         yield rt
 
 
-def _train(runtime, tmp_path, run_id: str, bad: set[int]):
+def _train(runtime, tmp_path, spiked_step, run_id: str, bad: set[int]):
     """The guarded run, and per update: (step, epoch, the clip in force, the norm the optimizer saw)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -66,12 +66,7 @@ def _train(runtime, tmp_path, run_id: str, bad: set[int]):
 
     optimizer.register_step_pre_hook(measure)
     for x, y in guard.data(_problem(), epochs=10, max_steps=STEPS):
-        if guard.loader.last_index in bad:
-            y = y * 40.0 + 25.0
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        guard.step(loss)
+        spiked_step(guard, model, optimizer, x, y, bad)
     return guard, guard.close(), seen
 
 
@@ -83,8 +78,8 @@ def _lift_steps(guard) -> list[int]:
     ]
 
 
-def test_the_clip_is_lifted_once_the_re_run_passed_the_skipped_data(runtime, tmp_path):
-    guard, summary, seen = _train(runtime, tmp_path, "clip-lifted", set(FAULT))
+def test_the_clip_is_lifted_once_the_re_run_passed_the_skipped_data(runtime, tmp_path, spiked_step):
+    guard, summary, seen = _train(runtime, tmp_path, spiked_step, "clip-lifted", set(FAULT))
     assert guard.generation == 1 and summary.actions.get("clip") == 1, str(summary)
     [lifted_at] = _lift_steps(guard)
     clipped = [n for step, epoch, limit, n in seen if epoch == 1 and step < lifted_at]
@@ -99,8 +94,8 @@ def test_the_clip_is_lifted_once_the_re_run_passed_the_skipped_data(runtime, tmp
     )
 
 
-def test_a_re_run_that_meets_trouble_keeps_the_clip(runtime, tmp_path):
-    guard, summary, seen = _train(runtime, tmp_path, "clip-kept", {*FAULT, *AGAIN})
+def test_a_re_run_that_meets_trouble_keeps_the_clip(runtime, tmp_path, spiked_step):
+    guard, summary, seen = _train(runtime, tmp_path, spiked_step, "clip-kept", {*FAULT, *AGAIN})
     assert guard.generation == 1 and _lift_steps(guard) == [], str(summary)
     assert guard.clipper.threshold() == 1.0
     assert max(n for step, epoch, _, n in seen if epoch == 1) <= 1.0 + 1e-4
