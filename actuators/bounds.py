@@ -9,18 +9,21 @@ restores never above the ceiling: 1.0, until recurring explosions lower it
 A rollback restores the guard's state from the checkpoint, LR multiplier
 included, so the factor in effect after a rollback is the one at the
 checkpoint's step: :class:`LrFactor` keeps a short log of (step, factor) to
-answer :meth:`LrFactor.at` and truncates it when the timeline is rewound.
+answer :meth:`LrFactor.at` and truncates it when the timeline is rewound. The
+clipping goes back with it, so :class:`ClipNorm` keeps the same kind of log
+(:class:`StepLog`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 # The log of LR changes is short in practice (one entry per change); this cap
 # keeps it bounded on any run: the oldest entries fold into the baseline.
 MAX_LR_LOG = 256
 _EPS = 1e-12
+V = TypeVar("V")
 
 
 def effective_decrease(current: float, factor: float, floor: float) -> float:
@@ -37,37 +40,64 @@ def effective_increase(current: float, factor: float, ceiling: float = 1.0) -> f
     return min(factor, ceiling / current)
 
 
-class LrFactor:
+class StepLog(Generic[V]):
+    """A setting the trainer has from a step on, by step: what a rollback gives back.
+
+    ``log`` holds (step from which it holds, value), step-sorted, at most
+    :data:`MAX_LR_LOG` entries; older ones fold into ``baseline``, the value in
+    force before the first entry.
+    """
+
+    def __init__(self, baseline: V) -> None:
+        self.baseline = baseline
+        self.log: list[tuple[int, V]] = []
+
+    def at(self, step: int) -> V:
+        """The value in force at ``step`` (one recorded at step s holds for s and later)."""
+        found = self.baseline
+        for when, value in self.log:
+            if when > step:
+                break
+            found = value
+        return found
+
+    def record(self, step: int, value: V) -> None:
+        """``value`` holds from ``step`` on (later entries belonged to an abandoned timeline)."""
+        self.log = [(s, v) for s, v in self.log if s < step]
+        self.log.append((step, value))
+        while len(self.log) > MAX_LR_LOG:
+            self.baseline = self.log.pop(0)[1]
+
+    def truncate_after(self, target_step: int) -> None:
+        """The timeline goes back to ``target_step``: forget the entries after it."""
+        self.log = [(s, v) for s, v in self.log if s <= target_step]
+
+    def forget_before(self, step: int) -> None:
+        """Fold entries before ``step`` (no checkpoint there any more) into the baseline."""
+        while len(self.log) > 1 and self.log[1][0] <= step:
+            self.log.pop(0)
+        if self.log and self.log[0][0] <= step:
+            self.baseline = self.log.pop(0)[1]
+
+
+class LrFactor(StepLog[float]):
     """The cumulative LR factor the policy has applied, with its history by step."""
 
     def __init__(self, floor: float) -> None:
+        super().__init__(1.0)  # the factor in effect before the first logged entry
         self.floor = floor
         self.ceiling = 1.0  # restores stop here; recurring explosions lower it
-        self.baseline = 1.0  # factor in effect before the first logged entry
-        self.log: list[tuple[int, float]] = []  # (step from which it holds, factor), step-sorted
 
     @property
     def current(self) -> float:
         return self.log[-1][1] if self.log else self.baseline
-
-    def at(self, step: int) -> float:
-        """The factor in effect at ``step`` (a change applied at step s holds for s and later)."""
-        factor = self.baseline
-        for when, value in self.log:
-            if when > step:
-                break
-            factor = value
-        return factor
 
     def set(self, step: int, factor: float) -> None:
         """``factor`` holds from ``step`` on (later entries belonged to an abandoned timeline)."""
         factor = min(1.0, max(self.floor, factor))
         if abs(factor - 1.0) < 1e-9:
             factor = 1.0
-        self.log = [(s, f) for s, f in self.log if s < step]
-        self.log.append((step, factor))
-        while len(self.log) > MAX_LR_LOG:
-            self.baseline = self.log.pop(0)[1]
+        self.record(step, factor)
 
     def decrease(self, step: int, factor: float) -> float | None:
         """Lower the LR by ``factor`` (bounded); the factor to send, or None at the floor."""
@@ -93,15 +123,8 @@ class LrFactor:
 
     def rewind(self, target_step: int) -> float:
         """The timeline goes back to ``target_step``: forget later changes; the factor then."""
-        self.log = [(s, f) for s, f in self.log if s <= target_step]
+        self.truncate_after(target_step)
         return self.current
-
-    def forget_before(self, step: int) -> None:
-        """Fold entries before ``step`` (no checkpoint there any more) into the baseline."""
-        while len(self.log) > 1 and self.log[1][0] <= step:
-            self.log.pop(0)
-        if self.log and self.log[0][0] <= step:
-            self.baseline = self.log.pop(0)[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -116,46 +139,27 @@ class LrFactor:
         self.log = [(int(s), float(f)) for s, f in state["log"]]
 
 
-class ClipNorm:
+class ClipNorm(StepLog[float | None]):
     """The clipping the policy asked for: None until it first enables clipping.
 
     Like the LR, the clipping in the trainer goes back to the checkpoint's on a rollback (the
-    policy sends its own again right after): ``log`` keeps what the trainer had from which step
-    on, so that what a recovery set can be given back to the checkpoint's (:meth:`at`)."""
+    policy sends its own again right after): the log keeps what the trainer had from which step
+    on (None: none of the policy's), so that what a recovery set can be given back to the
+    checkpoint's (:meth:`at`)."""
 
     def __init__(self, initial: float, tighten: float, low: float, high: float) -> None:
+        super().__init__(None)
         self.initial, self.tighten_factor, self.low, self.high = initial, tighten, low, high
         self.norm: float | None = None
-        self.baseline: float | None = None  # in force before the first logged entry
-        self.log: list[tuple[int, float | None]] = []  # (step from which it holds, norm)
-
-    def at(self, step: int) -> float | None:
-        """The clipping the trainer had at ``step`` (None: none of the policy's)."""
-        norm = self.baseline
-        for when, value in self.log:
-            if when > step:
-                break
-            norm = value
-        return norm
 
     def mark(self, step: int) -> None:
         """The trainer has ``norm`` from ``step`` on (later entries: an abandoned timeline)."""
-        self.log = [(s, n) for s, n in self.log if s < step]
-        self.log.append((step, self.norm))
-        while len(self.log) > MAX_LR_LOG:
-            self.baseline = self.log.pop(0)[1]
+        self.record(step, self.norm)
 
     def rewind(self, target_step: int) -> float | None:
         """The timeline goes back to ``target_step``: the clipping the trainer has then."""
-        self.log = [(s, n) for s, n in self.log if s <= target_step]
+        self.truncate_after(target_step)
         return self.at(target_step)
-
-    def forget_before(self, step: int) -> None:
-        """Fold entries before ``step`` (no checkpoint there any more) into the baseline."""
-        while len(self.log) > 1 and self.log[1][0] <= step:
-            self.log.pop(0)
-        if self.log and self.log[0][0] <= step:
-            self.baseline = self.log.pop(0)[1]
 
     def enable_or_tighten(self, floor: float | None = None) -> float | None:
         """Enable at ``initial`` or tighten a notch (not below floor/low); None if unchanged."""
