@@ -274,16 +274,22 @@ def test_a_rise_that_comes_back_on_other_data_after_the_skip_is_the_datas_level(
     assert K.ROLLBACK in kinds(out)
 
 
+def clipped_recovery(policy: RecoveryPolicy) -> int:
+    """Healthy to step 800, then :func:`critical_spike`: its plan clips at 1 and its rollback is
+    applied. The step at which the re-run is past the batches after the skipped window."""
+    feed(policy, healthy(401, 800))
+    first = feed(policy, critical_spike())
+    assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
+    applied(policy, first[0])
+    return rerun_window_end(first)
+
+
 def test_a_rise_that_is_the_datas_level_gives_back_the_clipping_its_recovery_set() -> None:
     """The recovery of a critical spike clipped; the re-run meets the rise again on the batches
     after the skipped ones: the data's level, not a bad batch. What the recovery set for a bad
     batch is given back, the clipping as the LR (kept, it would bound every later update)."""
     policy = make()
-    feed(policy, healthy(401, 800))
-    first = feed(policy, critical_spike())
-    assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
-    applied(policy, first[0])
-    end = rerun_window_end(first)
+    end = clipped_recovery(policy)
     feed(policy, healthy(701, end - 2))  # the re-run, up to the batches after the skipped window
     again = feed(policy, [dec(s, T.LOSS_SPIKE, onset=end - 2) for s in range(end - 2, end + 4)])
     said = [a for a in again if a.reason.startswith("[data_level]")]
@@ -706,11 +712,7 @@ def test_the_clipping_a_recovery_set_is_lifted_with_the_lr_once_the_re_run_passe
     """Issue 38: "Gradients stay clipped at max_norm 1 (set by a recovery)" to the run's end. The
     clip comes back as the LR does, at the same decision: lifted to what was in force before."""
     policy = make()
-    feed(policy, healthy(401, 800))
-    first = feed(policy, critical_spike())
-    assert K.CLIP in kinds(first) and policy.recovery.clip.norm == 1.0
-    applied(policy, first[0])
-    end = rerun_window_end(first)
+    end = clipped_recovery(policy)
     assert K.CLIP not in kinds(feed(policy, healthy(701, end - 1)))
     back = [a for a in feed(policy, healthy(end - 1, end + 1)) if a.kind is K.CLIP]
     assert len(back) == 1 and back[0].params.lifts and back[0].params.max_norm is None
