@@ -53,7 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recovery_* helpe
 
 import torch  # noqa: E402
 
-from recovery_baselines import BASELINES, RESTART_ONLY, never_fires, run_baseline  # noqa: E402
+from recovery_baselines import (  # noqa: E402
+    BASELINES,
+    RESTART_ONLY,
+    SamePath,
+    never_fires,
+    run_baseline,
+)
 from recovery_faults import FAULTS, Fault  # noqa: E402
 from recovery_guarded import open_bench_runtime, run_spikeguard  # noqa: E402
 from recovery_setup import CUDA, FULL, QUICK, TINY, BenchConfig, build  # noqa: E402
@@ -242,6 +248,72 @@ def table(
     return "\n".join(lines)
 
 
+# Actions after which a replayed data path is not the guarded run any more (its LR, clipping
+# or optimizer differ), so the replay says what the path costs, not that the runs are one.
+NOT_DATA_PATH = tuple(k for k in CHANGING if k not in ("rollback", "skip_batches"))
+
+
+def same_path_runs(runs: list[dict], cfg: BenchConfig) -> list[dict]:
+    """Each spikeguard run that rolled back or skipped, beside the plain loop replaying its data
+    path (recovery_baselines.SamePath) and the none run of its fault and seed."""
+    none = {(r["fault"], r["seed"]): r for r in runs if r["strategy"] == "none"}
+    out = []
+    for r in runs:
+        path = r.get("path")
+        if r["strategy"] != "spikeguard" or not path:
+            continue
+        if not path["rollbacks"] and not path["skipped_updates"]:
+            continue
+        torch.set_num_threads(1)
+        fault = Fault(r["fault"], cfg, r["seed"])
+        replay = run_baseline(
+            build(r["seed"], cfg, r["fault"]), fault, "same_path", cfg, r["seed"], SamePath(path)
+        )
+        other = [
+            e.split(": ")[1].split(" ")[0]
+            for e in r["events"]
+            if e.startswith("action at") and any(f": {k} applied" in e for k in NOT_DATA_PATH)
+        ]
+        base = none.get((r["fault"], r["seed"]))
+        out.append(
+            {
+                "fault": r["fault"],
+                "seed": r["seed"],
+                "spikeguard": r["final_eval_loss"],
+                "same_path": replay["final_eval_loss"],
+                "none": base["final_eval_loss"] if base else math.nan,
+                "rollbacks": len([e for e in path["rollbacks"] if e["to"] is not None]),
+                "skipped_batches": r["skipped_batches"],
+                "skipped_updates": len(path["skipped_updates"]),
+                "also_applied": sorted(set(other)),
+            }
+        )
+    return out
+
+
+def same_path_table(rows: list[dict]) -> str:
+    lines = [
+        "Same data path, no judgement (--same-path): the plain loop replaying each guarded run's "
+        "rollbacks, skip windows and skipped updates",
+        "",
+        "| fault | seed | spikeguard | same path | none | path vs none | rollbacks "
+        "| skipped batches | skipped updates | also applied (not replayed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rel = (
+            f"{100 * (r['same_path'] / r['none'] - 1):+.2f}%"
+            if math.isfinite(r["same_path"]) and math.isfinite(r["none"])
+            else "-"
+        )
+        lines.append(
+            f"| {r['fault']} | {r['seed']} | {r['spikeguard']:.4f} | {r['same_path']:.4f} "
+            f"| {r['none']:.4f} | {rel} | {r['rollbacks']} | {r['skipped_batches']} "
+            f"| {r['skipped_updates']} | {', '.join(r['also_applied']) or 'nothing'} |"
+        )
+    return "\n".join(lines)
+
+
 def _json_float(value: float):
     return (
         value
@@ -288,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--details", type=Path, help="write every run with its events (decisions, actions)"
     )
+    parser.add_argument(
+        "--same-path",
+        action="store_true",
+        help="also replay each spikeguard run that rolled back or skipped in the plain loop, "
+        "with the same rollbacks, skip windows and skipped updates and no judgement: what "
+        "that data path costs by itself",
+    )
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     strategies = [s for s in args.strategies.split(",") if s]
@@ -320,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{len(runs)} runs in {time.monotonic() - started:.0f} s ({jobs} processes)", flush=True
     )
+    if args.same_path:
+        print("\n" + same_path_table(same_path_runs(runs, cfg)), flush=True)
     if args.details:
         args.details.write_text(
             json.dumps(

@@ -58,6 +58,14 @@ class Restart:
     before: int
     skip: tuple[int, int] | None
     why: str
+    more_skips: tuple[tuple[int, int], ...] = ()  # further windows to skip from there
+
+
+@dataclass
+class SkipAhead:
+    """Skip these windows of batches ahead, and apply this step's update."""
+
+    windows: tuple[tuple[int, int], ...]
 
 
 class NoStrategy:
@@ -66,6 +74,40 @@ class NoStrategy:
 
     def restarted(self) -> None:
         pass
+
+    def checkpoints_at(self, step: int) -> bool:
+        """Whether to checkpoint after ``step`` besides the common cadence."""
+        return False
+
+
+class SamePath(NoStrategy):
+    """Another run's data path, replayed without its judgement: its rollbacks (decided at the
+    same steps, back to the same steps), its skip windows and its skipped updates.
+
+    ``path`` is the ``path`` of a run's summary (recovery_ledger.Ledger). Replaying a guarded
+    run's path in the plain loop tells what that path costs by itself: when the guarded run
+    applied nothing else (no LR or clipping change), the two runs are the same run, so the
+    guarded run's difference to ``none`` is its decisions' and not the Guard's presence.
+    """
+
+    def __init__(self, path: dict) -> None:
+        self.pending = [dict(e) for e in path["rollbacks"]]
+        self.skipped_updates = set(path["skipped_updates"])
+        self.targets = {e["to"] for e in self.pending if e["to"] is not None}
+
+    def checkpoints_at(self, step: int) -> bool:
+        return step in self.targets
+
+    def judge(self, step: int, index: int, loss: float, norm: float, grads: list) -> Any:
+        if self.pending and self.pending[0]["at"] == step:
+            event = self.pending.pop(0)
+            windows = tuple((int(a), int(b)) for a, b in event["skip"])
+            if event["to"] is None:
+                return SkipAhead(windows)
+            return Restart(event["to"], None, "the replayed path's rollback", windows)
+        # A pass a later rollback throws away is not the final timeline's: it updates as usual.
+        final = all(e["to"] is None or e["to"] > step for e in self.pending)
+        return SKIP if final and step in self.skipped_updates else UPDATE
 
 
 class OlmoSkipStep(NoStrategy):
@@ -224,10 +266,16 @@ def _restore(p: Problem, scaler: Any, loader: GuardedLoader, body: dict) -> int:
 
 
 def run_baseline(
-    problem: Problem, fault: Fault, strategy: str, cfg: BenchConfig, seed: int
+    problem: Problem,
+    fault: Fault,
+    strategy: str,
+    cfg: BenchConfig,
+    seed: int,
+    rule: NoStrategy | None = None,
 ) -> dict:
+    """``rule``: judge with this instead of ``strategy``'s own (``strategy`` names the run)."""
     started = time.monotonic()
-    rule = make(strategy, cfg)
+    rule = make(strategy, cfg) if rule is None else rule
     p, ledger = problem, Ledger(cfg.steps)
     ledger.watch(p.optimizer)
     scaler = fault.make_scaler()
@@ -259,9 +307,12 @@ def run_baseline(
                 target = max(s for s in checkpoints if s <= max(0, verdict.before))
                 if scaler is not None:
                     scaler.update()  # close this step's unscale_ before the scaler state is replaced
+                decided, windows = step, [list(w) for w in loader.skip_ranges]
                 step = _restore(p, scaler, loader, checkpoints[target])
                 for s in [s for s in checkpoints if s > target]:
                     del checkpoints[s]  # a restart's timeline overwrites them
+                for window in verdict.more_skips:
+                    loader.skip(*window)
                 if verdict.skip is not None:
                     loader.skip(*verdict.skip)
                 elif (
@@ -270,9 +321,22 @@ def run_baseline(
                     loader.skip(loader.position, max(loader.position + cfg.palm_skip - 1, index))
                 rule.restarted()
                 ledger.rolled_back(
-                    step, f"{verdict.why}: restart at step {step}, skips {loader.skip_ranges}"
+                    step,
+                    f"{verdict.why}: restart at step {step}, skips {loader.skip_ranges}",
+                    at=decided,
                 )
+                new = [list(w) for w in loader.skip_ranges if list(w) not in windows]
+                if new:
+                    ledger.skips_set(decided, new, with_rollback=True)
                 continue
+            if isinstance(verdict, SkipAhead):
+                windows = [list(w) for w in loader.skip_ranges]
+                for window in verdict.windows:
+                    loader.skip(*window)
+                new = [list(w) for w in loader.skip_ranges if list(w) not in windows]
+                if new:
+                    ledger.skips_set(step, new, with_rollback=False)
+                verdict = UPDATE
             if verdict == SKIP:
                 if scaler is not None:
                     scaler.update()
@@ -285,7 +349,7 @@ def run_baseline(
             p.scheduler.step()
             ledger.done(step)
             step += 1
-            if step % cfg.checkpoint_every == 0:
+            if step % cfg.checkpoint_every == 0 or rule.checkpoints_at(step):
                 checkpoints[step] = _capture(p, scaler, loader, step)
             if step >= cfg.steps:
                 break

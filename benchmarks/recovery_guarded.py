@@ -85,6 +85,7 @@ def run_spikeguard(
     prevention = _opt_in(guard, p.model, cfg) if signals else None
     try:
         data = guard.data(p.loader, max_steps=cfg.steps)
+        windows: list[list[int]] = []  # the skip windows set so far (for the ledger's path)
         while guard.step_count < cfg.steps and not guard.should_stop:
             for x, y in data:
                 index, step, generation = data.last_index, guard.step_count, guard.generation
@@ -108,11 +109,18 @@ def run_spikeguard(
                     return redo
 
                 guard.step(loss, closure=again if scaler is None else None)
-                if guard.generation != generation:
+                rolled_back = guard.generation != generation
+                if rolled_back:
                     ledger.rolled_back(
                         guard.step_count,
                         f"rollback decided at step {step}: back to step {guard.step_count}",
+                        at=step,
                     )
+                new_windows = [list(w) for w in data.skip_ranges if list(w) not in windows]
+                if new_windows:
+                    ledger.skips_set(step, new_windows, with_rollback=rolled_back)
+                windows = [list(w) for w in data.skip_ranges]
+                if rolled_back:
                     if scaler is not None and _unscaled(scaler):
                         scaler.update()  # the guard voided this step without closing the scaler's step
                 else:

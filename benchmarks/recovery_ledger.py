@@ -39,6 +39,10 @@ class Ledger:
     events: list[str] = field(default_factory=list)  # what the strategy did, for the diagnosis
     seconds: dict[int, float] = field(default_factory=dict)  # step -> wall time of its kept pass
     recovery_seconds: float = 0.0  # wall time of passes a rollback threw away
+    # The data path, in order, for recovery_baselines.SamePath: rollbacks ({"at": the step whose
+    # pass decided it, "to": the step it went back to, "skip": windows set with it}) and skip
+    # windows set without one ("to": None).
+    path: list[dict] = field(default_factory=list)
     _updated: bool = False
     _began: float = 0.0
 
@@ -59,13 +63,23 @@ class Ledger:
         self.timeline[step] = self._updated
         self.seconds[step] = time.perf_counter() - self._began
 
-    def rolled_back(self, to_step: int, note: str) -> None:
+    def rolled_back(self, to_step: int, note: str, at: int | None = None) -> None:
+        """``at``: the step whose pass decided it, to keep it in ``path``."""
+        if at is not None:
+            self.path.append({"at": at, "to": to_step, "skip": []})
         self.rollbacks += 1
         self.recovery_seconds += time.perf_counter() - self._began  # the pass that decided it
         for s in [s for s in self.timeline if s >= to_step]:
             del self.timeline[s]
             self.recovery_seconds += self.seconds.pop(s, 0.0)
         self.events.append(note)
+
+    def skips_set(self, at: int, windows: list[list[int]], with_rollback: bool) -> None:
+        """Skip windows set by the pass of step ``at`` (by the rollback it decided, or ahead)."""
+        if with_rollback:
+            self.path[-1]["skip"] += windows
+        else:
+            self.path.append({"at": at, "to": None, "skip": windows})
 
     def summary(
         self,
@@ -95,6 +109,10 @@ class Ledger:
             "steps_done": done,
             "seconds": round(seconds, 1),
             "events": self.events,
+            "path": {
+                "rollbacks": self.path,
+                "skipped_updates": sorted(s for s, applied in self.timeline.items() if not applied),
+            },
         }
 
 

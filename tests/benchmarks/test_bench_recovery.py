@@ -245,3 +245,53 @@ def test_a_restart_only_rule_that_never_fires_on_the_none_run_is_that_run_exactl
     assert not any(never_fires(strategy, TINY, nan["trace"]) for strategy in RESTART_ONLY)
     with pytest.raises(ValueError, match="acts on every step"):
         never_fires("zclip", TINY, none["trace"])
+
+
+@pytest.mark.heavy
+def test_a_replayed_data_path_is_the_run_it_was_recorded_from() -> None:
+    """`--same-path` says what a guarded run's rollbacks and skips cost by themselves: the plain
+    loop replaying a recorded path (restarts at the same steps, the same skip windows and
+    skipped updates, no judgement) must be that run, or the comparison means nothing."""
+    from recovery_baselines import SamePath
+
+    def run(strategy: str, rule=None) -> dict:
+        return run_baseline(
+            build(0, TINY, "nan_batch"), Fault("nan_batch", TINY, 0), strategy, TINY, 0, rule
+        )
+
+    for strategy in RESTART_ONLY:  # each restarts at the NaN batch and skips from there
+        recorded = run(strategy)
+        assert recorded["rollbacks"] >= 1 and recorded["path"]["rollbacks"][0]["skip"]
+        replayed = run("same_path", SamePath(recorded["path"]))
+        assert replayed["final_eval_loss"] == recorded["final_eval_loss"], strategy
+        assert replayed["skipped_batches"] == recorded["skipped_batches"]
+        assert replayed["rerun_steps"] == recorded["rerun_steps"]
+    # Without the recorded restart and skips the NaN batch ruins the run: the replay did them.
+    assert math.isnan(run("none")["final_eval_loss"])
+
+
+@pytest.mark.heavy
+def test_a_guarded_run_that_only_skipped_an_update_is_the_plain_loop_with_that_skip() -> None:
+    """The Guard's presence changes nothing but what it decides: its NaN run, replayed in the
+    plain loop with the one update it skipped, ends at its eval loss to the bit."""
+    from recovery_baselines import SamePath
+    from recovery_guarded import open_bench_runtime, run_spikeguard
+
+    torch.set_num_threads(1)
+    runtime = open_bench_runtime()
+    try:
+        guarded = run_spikeguard(
+            build(0, TINY, "nan_batch"), Fault("nan_batch", TINY, 0), TINY, 0, runtime
+        )
+    finally:
+        runtime.close()
+    assert guarded["path"] == {"rollbacks": [], "skipped_updates": [TINY.fault_step]}
+    replayed = run_baseline(
+        build(0, TINY, "nan_batch"),
+        Fault("nan_batch", TINY, 0),
+        "same_path",
+        TINY,
+        0,
+        SamePath(guarded["path"]),
+    )
+    assert replayed["final_eval_loss"] == guarded["final_eval_loss"]
