@@ -239,6 +239,15 @@ class PolicyConfig(BaseModel):
         "level changed): watch non-critical rises for this many steps instead of rolling back "
         "again; the slowest detector's relearning span (statistical.relearn_after)",
     )
+    bad_stretch_steps: int = Field(
+        10,
+        ge=1,
+        le=10_000,
+        description="after a rise was called the data's level: when the first this-many healthy "
+        "steps after its last elevated one have a median back near the level from before it "
+        "(within a quarter of the rise), it ended as it began: a stretch of bad batches longer "
+        "than the skipped window, rolled back and skipped from its onset to its last elevated step",
+    )
 
     # --- escalation --------------------------------------------------------------
     max_rollbacks_per_incident: int = Field(

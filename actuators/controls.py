@@ -153,10 +153,13 @@ class Controls:
         fall_back: bool = True,
         skip_data: bool = True,
         hold_lr: bool = False,
+        skip_to: int | None = None,
     ) -> bool:
         """Roll back (or, with ``fall_back``, lower the LR and skip ahead); False if it did nothing.
 
         ``skip_data``: skip the batches that led into it (False when the cause was not the data).
+        ``skip_to``: the last step whose batch is skipped, when the evidence says where the bad
+        data ended (then no margin after it); by default the decided step plus the margin.
         ``hold_lr``: the cause was a jump of the schedule: the re-run holds it (HOLD_LR).
         ``lr_factor`` None: the rollback keeps the checkpoint's LR (what was lowered since is undone).
         """
@@ -171,7 +174,17 @@ class Controls:
             self._fall_back(plan, decision, onset, lr_factor, tighten, why)
         else:
             self._roll_back(
-                plan, decision, incident, tick, target, lr_factor, tighten, why, skip_data, hold_lr
+                plan,
+                decision,
+                incident,
+                tick,
+                target,
+                lr_factor,
+                tighten,
+                why,
+                skip_data,
+                hold_lr,
+                skip_to,
             )
         return True
 
@@ -198,8 +211,11 @@ class Controls:
         why: str,
         skip_data: bool = True,
         hold_lr: bool = False,
+        skip_to: int | None = None,
     ) -> RollbackRecord:
         cfg, t, s = self.config, target.step, decision.step
+        # (where the bad data ended is known: exactly to there; else a margin past the decision)
+        last, extra = (s, cfg.skip_extra_batches) if skip_to is None else (skip_to, 0)
         rollback_id = plan.add(
             RollbackParams(target_step=t, checkpoint_id=target.checkpoint_id),
             f"{why}: roll back to healthy checkpoint {target.checkpoint_id} at step {t} "
@@ -209,11 +225,11 @@ class Controls:
         if skip_data:
             # From the onset: the batches between the checkpoint and the onset gave normal
             # losses, so they are re-run, not skipped (fewer batches lost than PaLM's recipe).
-            first = max(t + 1, min(incident.onset_step, s))
+            first = max(t + 1, min(incident.onset_step, last))
             plan.add(
-                SkipBatchesParams(from_step=first, to_step=s, extra=cfg.skip_extra_batches),
-                f"{why}: skip the batches of steps {first}..{s} that led into it (from the onset), "
-                f"plus {cfg.skip_extra_batches} more",
+                SkipBatchesParams(from_step=first, to_step=last, extra=extra),
+                f"{why}: skip the batches of steps {first}..{last} that led into it (from the "
+                f"onset), plus {extra} more",
             )
         # After the rollback the LR is the lower of the one just before and the checkpoint's
         # times the strategy's factor: an incident's decreases do not compound across its rollback.
@@ -270,7 +286,7 @@ class Controls:
             dropped=[asdict(c) for c in dropped],
             tick=tick,
             skipped_from=first,
-            skipped=0 if first is None else s - first + 1 + cfg.skip_extra_batches,
+            skipped=0 if first is None else last - first + 1 + extra,
             clip_given=clip_given,
             clip_before=clip_before,
             clip_state=clip_state,

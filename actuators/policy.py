@@ -39,7 +39,13 @@ collapse            changed (so nothing is to be restored)
 spike               judged ``spike_patience_steps`` later: still anomalous ->
                     ROLLBACK, SKIP_BATCHES (the data caused it; the LR stays
                     unless ``lr_decrease_factor_spike`` < 1); back to normal ->
-                    CHECKPOINT (on_demand) + ALERT (info)
+                    CHECKPOINT (on_demand) + ALERT (info). The re-run meets
+                    the rise again on the batches after the skipped ones ->
+                    the data's level: the LR and clipping given back, rises
+                    watched; if it then ends at once (bad_stretch_steps
+                    healthy steps back at the level before it) it was bad
+                    data longer than the window -> ROLLBACK, SKIP_BATCHES to
+                    its last elevated step, once
 slow                low urgency (inside the run's own wander: the detectors' call)
                     -> one ALERT. Otherwise CHECKPOINT (emergency) + SCALE_LR
                     (x0.8), another x0.8 every ``divergence_step_interval_steps``
@@ -67,7 +73,9 @@ before the incident's onset; without one, a confirmed (critical) incident
 falls back to lowering the LR and skipping batches ahead, and says so (ALERT);
 an unconfirmed one is watched (one ALERT). One recovery per incident, a
 bounded number per window (:mod:`escalation`); a critical decision needing one
-more stops the run, anything less is said once and watched.
+more stops the run, anything less is said once and watched. (The bad stretch's
+rollback finishes its incident's recovery, whose window was too short; it is
+not counted as another.)
 
 Ordering. Fusion emits one decision per step, in step order; within an
 *epoch* a decision is new only if its step is past the last one handled
@@ -118,6 +126,7 @@ __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
 
 MAX_ACK_RECORDS = 256
 MAX_LR_SENT = 64  # LR changes sent whose acks may still refuse them
+MAX_STRETCH_LOSSES = 1024  # elevated losses of a rise called the data's level, kept for its median
 _LR_KINDS = (ActionKind.SCALE_LR, ActionKind.RESTORE_LR)
 LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
@@ -133,6 +142,19 @@ class RerunWindow(NamedTuple):
     checkpoint_step: int
     clip_given: bool = False  # the recovery left clipping tighter than the checkpoint's ...
     clip_before: float | None = None  # ... which was this (None: none)
+
+
+def _claim_of(d: Decision) -> dict[str, Any]:
+    """An anomalous decision's claim and evidence, kept to back a later action (JSON-able)."""
+    return {
+        "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
+        "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+    }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _grad_ratio(d: Decision) -> float | None:
@@ -182,6 +204,10 @@ class RecoveryPolicy:
         self.rerun_window: RerunWindow | None = None
         self.rerun_troubled = False  # an anomaly on the re-run before it passed its window
         self.data_level_until: int | None = None  # non-critical rises watched until this tick
+        # A rise called the data's level, watched for its end (_bad_stretch): its incident, the
+        # loss level before it, its elevated losses, its last elevated step, the healthy losses
+        # since.
+        self.stretch: dict[str, Any] | None = None
         self.healthy_streak = 0
         self.last_preventive_tick: int | None = None
         self.stopped = False
@@ -239,6 +265,8 @@ class RecoveryPolicy:
             )
             return plan.actions()
         self._remember_loss(decision)
+        if self._bad_stretch(plan, decision):
+            return plan.actions()
         if decision.is_anomaly and self.rerun_window is not None:
             self.rerun_troubled = True
         if self._judge_lr_damage(plan, decision):
@@ -409,7 +437,7 @@ class RecoveryPolicy:
                     f"{what}: the GradScaler skips overflowing updates and regrows "
                     "its scale by itself; watching, nothing changed",
                 )
-        elif strategy in ("spike", "slow") and self._data_level(plan, inc, what):
+        elif strategy in ("spike", "slow") and self._data_level(plan, d, inc, what):
             pass
         elif is_loss and inc.explosion_handled and not grace:
             plan.response = Response.UNSTABLE
@@ -465,7 +493,7 @@ class RecoveryPolicy:
             )
         inc.loss_seen = inc.loss_seen or is_loss
 
-    def _data_level(self, plan: ActionPlan, inc: Incident, what: str) -> bool:
+    def _data_level(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> bool:
         """A non-critical rise that is the data's level, not a bad batch: watched. True if so.
 
         PaLM's test: the rollback skipped the batches that led into the rise, and the re-run
@@ -483,6 +511,18 @@ class RecoveryPolicy:
             return False
         self.rerun_window = None
         self.data_level_until = self.observed_steps + cfg.data_level_hold_steps
+        loss, base = (
+            (None, None) if d.evidence is None else (d.evidence.loss, d.evidence.loss_baseline)
+        )
+        if loss is not None and base is not None and math.isfinite(loss) and math.isfinite(base):
+            self.stretch = {
+                "incident": inc.key,
+                "baseline": base,  # fusion's, from the steps before the rise
+                "elevated": [loss],
+                "last": d.step,
+                "back": [],
+                **_claim_of(d),
+            }
         inc.watched = True
         plan.response = Response.DATA_LEVEL
         why = (
@@ -504,6 +544,68 @@ class RecoveryPolicy:
         plan.alert("warning", why)
         return True
 
+    def _bad_stretch(self, plan: ActionPlan, d: Decision) -> bool:
+        """A rise called the data's level that ended as it began: a stretch of bad batches
+        longer than the window the rollback skipped. True if it rolled back.
+
+        PaLM's re-run test cannot tell a harder data level from bad data that outlasts the
+        skipped window: both come back on the batches after it. Their ends differ: a level stays,
+        or fades as the run learns it; bad data stops. So once the rise is called the data's
+        level, the first ``bad_stretch_steps`` healthy steps after its last elevated one are
+        judged once: their median back within a quarter of the rise of the level from before
+        it means the rise stopped at once, and its batches (its onset to its last elevated step)
+        are rolled back and skipped, the LR and clipping left as they are. A fading level's
+        first healthy steps are still near the rise; an interleaved one keeps the rise going.
+        """
+        w = self.stretch
+        if w is None:
+            return False
+        if self.data_level_until is None or self.observed_steps >= self.data_level_until:
+            self.stretch = None  # the watch is over: a later fall is the run's own
+            return False
+        loss = None if d.evidence is None else d.evidence.loss
+        if d.is_anomaly:
+            if loss is not None and math.isfinite(loss):
+                w["elevated"].append(loss)
+                del w["elevated"][: max(0, len(w["elevated"]) - MAX_STRETCH_LOSSES)]
+            w.update(last=d.step, back=[], **_claim_of(d))
+            return False
+        if loss is None or not math.isfinite(loss):
+            return False
+        w["back"].append(loss)
+        if len(w["back"]) < self.config.bad_stretch_steps:
+            return False
+        self.stretch = None  # judged once
+        base = w["baseline"]
+        rise = _median(w["elevated"]) - base
+        back = _median(w["back"])
+        if not rise > 0 or back > base + rise / 4:
+            return False
+        inc = self.incidents.incidents.get(w["incident"]) or self.incidents.get(
+            d, self.observed_steps
+        )
+        plan.incident_id, plan.incident_onset_step = inc.key, inc.onset_step
+        # The claim the trainer checks against its own numbers: the last elevated step it saw,
+        # not this healthy one.
+        plan.claim = Claim.model_validate(w["claim"])
+        plan.evidence = Evidence.model_validate(w["evidence"]) if w["evidence"] else None
+        plan.response = Response.BAD_STRETCH
+        self._recover(
+            plan,
+            d,
+            inc,
+            None,
+            False,
+            f"the rise from step {inc.onset_step} called the data's level ended at step "
+            f"{w['last']}: the loss back at {back:.4g} (the level before it {base:.4g}, the rise "
+            f"{base + rise:.4g}) at once, as bad data stops and a harder level does not: a stretch "
+            "of bad batches longer than the skipped window",
+            confirmed=False,
+            skip_to=w["last"],
+            widening=True,
+        )
+        return True
+
     def _pend(self, d: Decision, inc: Incident, critical: bool) -> None:
         self.pending_spike = PendingSpike(
             incident=inc.key,
@@ -512,8 +614,7 @@ class RecoveryPolicy:
             judge_at=d.step + self.config.spike_patience_steps,
             critical=critical,
             harmless=self._harmless(d),
-            claim={"step": d.step, "epoch": d.epoch, "type": d.type.value},
-            evidence=json.loads(d.evidence.model_dump_json()) if d.evidence else None,
+            **_claim_of(d),
         )
 
     def _harmless(self, d: Decision) -> bool:
@@ -958,18 +1059,25 @@ class RecoveryPolicy:
         confirmed: bool | None = None,
         skip_data: bool = True,
         hold_lr: bool = False,
+        skip_to: int | None = None,
+        widening: bool = False,
     ) -> None:
         """Roll back (or fall back) — unless that would be one recovery too many.
 
         Past the budget a critical decision stops the run; anything less is said once and
         watched: a chain of low-confidence incidents never stops a run. ``confirmed`` (default:
         the decision is critical) allows the LR-and-skip-ahead fallback when no checkpoint is
-        eligible; an unconfirmed incident without one is watched instead.
+        eligible; an unconfirmed incident without one is watched instead. ``widening``: the
+        incident's own skipped window was too short for its bad data (_bad_stretch): this
+        finishes its recovery rather than being one more, so the per-incident limit does not
+        count it (it comes at most once per rise).
         """
         self.pending_spike = None
         self.healthy_streak = 0
         confirmed = d.critical if confirmed is None else confirmed
-        too_many = self.recovery.ledger.escalation_reason(inc, self.observed_steps)
+        too_many = (
+            None if widening else self.recovery.ledger.escalation_reason(inc, self.observed_steps)
+        )
         at = self.recovered_at.get(inc.key, [])
         if too_many is not None and (at is None or (at and [self.epoch, d.step] < at)):
             return  # the trainer ran this step before the last recovery took effect: not its failure
@@ -997,6 +1105,7 @@ class RecoveryPolicy:
             fall_back=confirmed,
             skip_data=skip_data,
             hold_lr=hold_lr,
+            skip_to=skip_to,
         ):
             self._watch(
                 plan,
@@ -1049,6 +1158,7 @@ class RecoveryPolicy:
             "rerun_window": None if self.rerun_window is None else list(self.rerun_window),
             "rerun_troubled": self.rerun_troubled,
             "data_level_until": self.data_level_until,
+            "stretch": self.stretch,
             "stopped": self.stopped,
             "acks": [[k, v] for k, v in self.acks.items()],
             "recovery_actions": [[k, v] for k, v in self.recovery_actions.items()],
@@ -1092,6 +1202,7 @@ class RecoveryPolicy:
         self.rerun_window = None if window is None else RerunWindow(*window)
         self.rerun_troubled = bool(state.get("rerun_troubled", False))
         self.data_level_until = state.get("data_level_until")
+        self.stretch = state.get("stretch")
         self.acks = OrderedDict((k, v) for k, v in state["acks"])
         self.recovery_actions = OrderedDict((k, v) for k, v in state.get("recovery_actions", []))
         self.recovered_at = OrderedDict((k, v) for k, v in state.get("recovered_at", []))

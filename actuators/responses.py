@@ -47,6 +47,11 @@ class Response(str, Enum):
     # led into it (PaLM's test): the data's level changed (harder data, not a bad batch).
     # Undo the LR the rise lowered and watch non-critical rises while the detectors relearn.
     DATA_LEVEL = "data_level"
+    # A rise called the data's level that then ended at once, the loss back at the level from
+    # before it: it was a stretch of bad batches longer than the skipped window, not the data's
+    # level (a harder level does not end). Roll back and skip the stretch, onset to last
+    # elevated step; once per rise, the LR and clipping as they are.
+    BAD_STRETCH = "bad_stretch"
     # One isolated outlier step: the Guard's local rule answers it.
     OUTLIER_STEP = "outlier_step"
     # A mechanism signal over the run's own bar (attention-logit growth): QK-clip the

@@ -274,6 +274,63 @@ def test_a_rise_that_comes_back_on_other_data_after_the_skip_is_the_datas_level(
     assert K.ROLLBACK in kinds(out)
 
 
+def bad_stretch_met_again(policy: RecoveryPolicy, last_bad: int) -> list:
+    """A stretch of bad batches longer than the skipped window: a loss spike at 800-803 (x1.5)
+    is rolled back with its window skipped, and the re-run meets the rest of the stretch on the
+    batches after it, up to step ``last_bad``. The plan of the re-run's rise (said: the data's
+    level, by PaLM's test as far as it goes)."""
+    feed(policy, healthy(401, 800))
+    first = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=3.0) for s in range(800, 804)])
+    assert kinds(first)[:2] == [K.ROLLBACK, K.SKIP_BATCHES]
+    applied(policy, first[0])
+    feed(policy, healthy(701, 800))  # the re-run, up to the batches after the skipped window
+    again = feed(
+        policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=3.0) for s in range(800, last_bad + 1)]
+    )
+    assert any(a.reason.startswith("[data_level]") for a in again), [a.reason for a in again]
+    assert not {K.ROLLBACK, K.SKIP_BATCHES} & set(kinds(again))
+    return again
+
+
+def test_a_rise_that_ends_abruptly_after_it_was_called_the_datas_level_was_a_bad_stretch() -> None:
+    """The re-run's rise stops as it began: the loss falls back to the level from before it
+    within a step and stays there. A harder data level does not end; a stretch of bad batches
+    longer than the skipped window does. Its batches are rolled back and skipped, from the
+    rise's onset to its last elevated step, nothing more (no margin, no LR cut, no clipping)."""
+    policy = make()
+    bad_stretch_met_again(policy, last_bad=811)
+    after = feed(policy, healthy(812, 830))
+    assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
+    assert all(a.reason.startswith("[bad_stretch]") for a in after[:2])
+    skip = after[1].params
+    assert (skip.from_step, skip.to_step, skip.extra) == (800, 811, 0)
+    assert not {K.SCALE_LR, K.CLIP, K.STOP} & set(kinds(after))
+    assert "ended" in after[0].reason
+    # Backed by the last elevated step, which the trainer checks against its own numbers (a
+    # healthy step's claim would be refused).
+    assert {a.claim.step for a in after[:2]} == {811}
+
+
+def test_a_rise_called_the_datas_level_that_fades_slowly_is_not_rolled_back_again() -> None:
+    """A new data level the run learns to fit comes down step by step, not at once: the first
+    healthy steps after the rise are still near its level. Nothing more is done; nor when the
+    loss stays up with healthy and elevated steps interleaved."""
+    policy = make()
+    bad_stretch_met_again(policy, last_bad=811)
+    fading = [dec(s, loss=3.0 - (s - 812) * 0.01) for s in range(812, 912)]
+    out = feed(policy, fading + healthy(912, 1000))
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(out)), [a.reason for a in out]
+
+    policy = make()
+    bad_stretch_met_again(policy, last_bad=811)
+    interleaved = [
+        dec(s, T.LOSS_SPIKE, onset=800, loss=3.0) if s % 4 == 0 else dec(s, loss=2.9)
+        for s in range(812, 1000)
+    ]
+    out = feed(policy, interleaved)
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(out)), [a.reason for a in out]
+
+
 def clipped_recovery(policy: RecoveryPolicy) -> int:
     """Healthy to step 800, then :func:`critical_spike`: its plan clips at 1 and its rollback is
     applied. The step at which the re-run is past the batches after the skipped window."""
