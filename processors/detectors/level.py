@@ -582,10 +582,11 @@ class LevelMonitor:
                     beyond = self.beyond_moves(stat)  # type: ignore[arg-type]
                     code = LevelCode.CLIMB if beyond and self._still_rising(y) else LevelCode.SHIFT
                     return LevelJudged(code, climb, stat, point, block, climbing=True)  # type: ignore[arg-type]
-        if block is not None and block.rising:
-            return LevelJudged(
-                LevelCode.SLOW_RISE, block.score, block.rise, point, block, climbing=climbing
-            )
+        if block is not None and block.over:
+            # A rise over its bar that has not gone on rising since its first block is where a
+            # step of the data's level leaves the loss: an alert, until it rises further.
+            code = LevelCode.SLOW_RISE if block.rising else LevelCode.SHIFT
+            return LevelJudged(code, block.score, block.rise, point, block, climbing=climbing)
         return LevelJudged(
             LevelCode.OK, point.score, point.residual, point, block, climbing=climbing
         )
