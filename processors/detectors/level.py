@@ -88,10 +88,13 @@ class BlockJudged(NamedTuple):
     score: float
     #: that rise (log units)
     rise: float
-    #: a rise over its threshold, not explained by the learning rate
+    #: a rise over its threshold, not explained by the learning rate, that has gone on rising
+    #: since the first block of it (a step of the data's level jumps, then stays flat)
     rising: bool
     #: the block's median (log units)
     median: float
+    #: a rise over its threshold, not explained by the learning rate (continuing or not)
+    over: bool = False
 
 
 class LevelJudged(NamedTuple):
@@ -131,6 +134,7 @@ class RiseTest:
         "_waiting",
         "_excused",
         "_since_excused",
+        "_onset",
     )
 
     def __init__(
@@ -167,18 +171,27 @@ class RiseTest:
         # Blocks completed since the last one with an explained point: a horizon that
         # reaches back to (or before) it compares across the LR rise, and is not judged.
         self._since_excused = 1 << 30
+        # The median of the first block of the current rise over its bar (None: the last block
+        # was not over it): a rise is a slow rise once the loss has gone on rising since then.
+        self._onset: float | None = None
 
     def judge(
-        self, y: float, explained: bool, min_rise: Callable[[], float | None] | None = None
+        self,
+        y: float,
+        explained: bool,
+        min_rise: Callable[[], float | None] | None = None,
+        further: Callable[[], float | None] | None = None,
     ) -> BlockJudged | None:
         """The rise test, when ``y`` ends a block; else None. ``min_rise``, asked at a block's
-        end, may replace the test's own smallest rise (a signed loss's, which no ratio gives)."""
+        end, may replace the test's own smallest rise (a signed loss's, which no ratio gives).
+        ``further``, asked likewise, is how far a rise over its bar must have gone on rising
+        since its first block (None: no such condition, a rise over its bar is a slow rise)."""
         if len(self._current) + 1 < self.block:
             return None
         values = sorted(self._current + [y])
         n = len(values)
         median = values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
-        best_score, best_rise, rising = 0.0, 0.0, False
+        best_score, best_rise, over = 0.0, 0.0, False
         given = None if min_rise is None else min_rise()
         floor = self.min_rise if given is None else given
         for h, tail in zip(self.horizons, self._tails):
@@ -190,8 +203,12 @@ class RiseTest:
                 best_score, best_rise = rise / bar, rise
             across_lr_rise = explained or self._excused or self._since_excused < h
             if rise > bar and not across_lr_rise:
-                rising = True
-        return BlockJudged(best_score, best_rise, rising, median)
+                over = True
+        rising = over
+        needed = None if further is None or not over else further()
+        if needed is not None:
+            rising = self._onset is not None and median - self._onset > needed
+        return BlockJudged(best_score, best_rise, rising, median, over)
 
     def _judges(self, h: int, tail: TailThreshold) -> bool:
         """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise:
@@ -229,6 +246,10 @@ class RiseTest:
         del self._medians[: -max(self.horizons)]
         self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
         self._current, self._excused = [], False
+        if not judged.over:
+            self._onset = None
+        elif self._onset is None:
+            self._onset = median
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -238,6 +259,7 @@ class RiseTest:
             "waiting": [list(w) for w in self._waiting],
             "excused": self._excused,
             "since_excused": self._since_excused,
+            "onset": self._onset,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -250,6 +272,8 @@ class RiseTest:
             waiting.extend(float(v) for v in data)
         self._excused = bool(state["excused"])
         self._since_excused = int(state["since_excused"])
+        onset = state.get("onset")
+        self._onset = None if onset is None else float(onset)
 
 
 class ClimbTest:
@@ -421,6 +445,8 @@ class LevelMonitor:
         "_run",
         "_run_climbed",
         "_climbing",
+        "_onset",
+        "_latest",
         "_recent",
         "_spread",
         "_levels",
@@ -474,6 +500,11 @@ class LevelMonitor:
         ] = []  # their residuals (a sustained elevation's size is their median)
         self._run_climbed: list[float] = []  # ... and their rises over the lagged level
         self._climbing = 0  # points in a row whose climb statistic was over its bar
+        # The loss at the first climb_window points of the current elevation (a run of elevated
+        # points, or a climb), and at the last climb_window judged points: a divergence has gone
+        # on rising since it began; a step of the data's level jumped and stayed.
+        self._onset: list[float] = []
+        self._latest: deque[float] = deque(maxlen=climb_window)
         # The level at each of the last climb_lag judged points: a climb is measured from
         # the level before it, which by now has followed it part of the way.
         self._levels: deque[float] = deque(maxlen=climb_lag)
@@ -502,7 +533,9 @@ class LevelMonitor:
         if not point.judged:
             code = LevelCode.WARMUP if point.level != point.level else LevelCode.OK
             block = (
-                self.rises.judge(y, True, self._block_rise_floor) if code == LevelCode.OK else None
+                self.rises.judge(y, True, self._block_rise_floor, self._block_further)
+                if code == LevelCode.OK
+                else None
             )
             return LevelJudged(code, 0.0, point.residual, point, block)
         if point.elevated:
@@ -529,12 +562,12 @@ class LevelMonitor:
                 )
             elif not self.beyond_moves(self._elevation(y, point.residual)):
                 code = LevelCode.SHIFT
-            elif run >= self.divergence_points:
+            elif run >= self.divergence_points and self._still_rising(y):
                 code = LevelCode.DIVERGENCE
             else:
                 code = LevelCode.SPIKE
             return LevelJudged(code, point.score, point.residual, point, None)
-        block = self.rises.judge(y, False, self._block_rise_floor)
+        block = self.rises.judge(y, False, self._block_rise_floor, self._block_further)
         climbing = False
         if self.model.settled:
             climbed = self._climbed(y)
@@ -547,12 +580,13 @@ class LevelMonitor:
                 if self._climbing + 1 >= self.climb.window:
                     stat = self.climb.statistic(climbed)  # type: ignore[arg-type]  # a value
                     beyond = self.beyond_moves(stat)  # type: ignore[arg-type]
-                    code = LevelCode.CLIMB if beyond else LevelCode.SHIFT
+                    code = LevelCode.CLIMB if beyond and self._still_rising(y) else LevelCode.SHIFT
                     return LevelJudged(code, climb, stat, point, block, climbing=True)  # type: ignore[arg-type]
-        if block is not None and block.rising:
-            return LevelJudged(
-                LevelCode.SLOW_RISE, block.score, block.rise, point, block, climbing=climbing
-            )
+        if block is not None and block.over:
+            # A rise over its bar that has not gone on rising since its first block is where a
+            # step of the data's level leaves the loss: an alert, until it rises further.
+            code = LevelCode.SLOW_RISE if block.rising else LevelCode.SHIFT
+            return LevelJudged(code, block.score, block.rise, point, block, climbing=climbing)
         return LevelJudged(
             LevelCode.OK, point.score, point.residual, point, block, climbing=climbing
         )
@@ -571,6 +605,45 @@ class LevelMonitor:
         """``y`` over the level ``climb_lag`` judged points ago (None: not that many yet)."""
         levels = self._levels
         return y - levels[0] if len(levels) == levels.maxlen else None
+
+    def _still_rising(self, y: float) -> bool:
+        """Whether the loss, ``y`` the newest point, has gone on rising since the current
+        elevation began: the median of the last ``climb_window`` points is over the median of
+        the elevation's first ones by :meth:`_further` (five standard errors of that difference).
+
+        A divergence keeps rising; a step of the data's level jumps, then stays flat. Both lift
+        the climb statistic (measured from the level before them) and keep points elevated, so
+        neither size nor duration tells them apart, and a run's first step has no earlier move
+        to be in proportion to. What a step never does is go on rising after its jump. True
+        before the tail has settled (no spread yet: sustained elevation alone says, as it did)."""
+        further = self._further(self.climb.window)
+        if further is None:
+            return True
+        if not self._onset:
+            return False
+        latest = list(self._latest)[1 - self.climb.window :] + [y]
+        return statistics.median(latest) - statistics.median(self._onset) > further
+
+    def _further(self, points: int) -> float | None:
+        """How far a rise must have gone on rising since it began, to be a divergence rather
+        than a step: five standard errors of a difference of two medians of ``points`` points
+        (1.38 / sqrt(points) of one point's median-to-q90 spread for Gaussian noise; a median
+        is near that for any noise shape). None before the tail has settled."""
+        spread = self._point_spread()
+        return None if spread is None else 5.0 * 1.38 * spread / math.sqrt(points)
+
+    def _block_further(self) -> float | None:
+        """:meth:`_further` for the rise test's block medians."""
+        return self._further(self.rises.block)
+
+    def _point_spread(self) -> float | None:
+        """One point's noise spread: the tail's median to its 90th percentile (None: the tail
+        has not settled, or has no spread)."""
+        model = self.model
+        if not model.settled:
+            return None
+        spread = model.tail.quantile(0.9) - model.tail.quantile(0.5)
+        return spread if spread > 0.0 else None
 
     def beyond_moves(self, elevation: float) -> bool:
         """Whether a sustained elevation of ``elevation`` (``y`` units over the level) is well
@@ -629,6 +702,8 @@ class LevelMonitor:
         point = judged.point
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
         climbed = self._climbed(y)  # (before this point's level joins the lagged ones)
+        # the loss over the level before it, as the climb test measures it (None: not judged)
+        above = None if climbed is None or not point.judged else self.climb.statistic(climbed)
         if point.judged and not point.elevated and self.model.settled:
             self.climb.advance(climbed, self._smallest_rise())
         elif not point.elevated:
@@ -639,6 +714,18 @@ class LevelMonitor:
         # (an elevated point inside a climb is the climb going on, not its end)
         climbing = judged.climbing or (point.elevated and self._climbing > 0)
         self._climbing = self._climbing + 1 if climbing else 0
+        # An elevation begins with an elevated point or a climb over its bar, and goes on until
+        # the loss is back at the level before it (a climb's statistic dips under its bar
+        # without the climb being over); a run of elevated points in proportion ends it: the
+        # level moves to it.
+        back = above is None or above <= 0.0
+        if (point.elevated and judged.code == LevelCode.SHIFT) or not (
+            point.elevated or climbing or (self._onset and not back)
+        ):
+            self._onset = []
+        elif len(self._onset) < self.climb.window:
+            self._onset.append(y)
+        self._latest.append(y)
         self.model.advance(y, point, lr)
         # (from the settled tail on: a run's first hundreds of points fall far faster than any
         # move of its data's level, and would excuse any elevation after them)
@@ -673,6 +760,8 @@ class LevelMonitor:
             "run": list(self._run),
             "run_climbed": list(self._run_climbed),
             "climbing": self._climbing,
+            "onset": list(self._onset),
+            "latest": list(self._latest),
             "recent": self._recent,
             "spread": self._spread,
         }
@@ -688,5 +777,8 @@ class LevelMonitor:
         self._run = [float(v) for v in state.get("run", ())]
         self._run_climbed = [float(v) for v in state.get("run_climbed", ())]
         self._climbing = int(state.get("climbing", 0))
+        self._onset = [float(v) for v in state.get("onset", ())]
+        self._latest.clear()
+        self._latest.extend(float(v) for v in state.get("latest", ()))
         self._recent = float(state.get("recent", math.nan))
         self._spread = float(state.get("spread", math.nan))

@@ -168,3 +168,49 @@ def test_a_mixtures_hard_batches_lifting_a_window_for_a_few_steps_say_nothing(se
         if v.type is AnomalyType.SLOW_RISE:
             said.append((i, v.rules))
     assert said == []
+
+
+def _steps(kind: str, noise: float, student: bool, seed: int) -> list[StepEvent]:
+    """A healthy run whose data difficulty steps to a new level four times and stays flat after
+    each step (+3 %, +7 %, -5 %, then +15 %: the last twice any move before it, the first with no
+    move before it at all), on a slow power-law fall with step noise ``noise``. A ``signed`` loss
+    is the same curve shifted below zero (its noise additive, no ratio of it means anything)."""
+    rng = random.Random(seed)
+    shifts = ((1500, 0.03), (2700, 0.07), (3600, -0.05), (4300, 0.15))
+    events = []
+    for t in range(5200):
+        level = sum(size for at, size in shifts if t >= at)
+        z = rng.gauss(0, 1)
+        if student:  # Student-t, 3 degrees of freedom, scaled to unit variance
+            z /= math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(3)) / 3) * math.sqrt(3)
+        loss = 3.0 * (1 + t / 2000) ** -0.3 * math.exp(level + noise * z)
+        if kind == "signed":
+            loss -= 2.0
+        events.append(StepEvent(run_id=f"steps-{kind}-{seed}", step=t, loss=loss, time=float(t)))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("kind", "noise", "student", "seed"),
+    [
+        ("positive", 0.002, False, 0),
+        ("positive", 0.05, True, 1),
+        ("signed", 0.002, False, 2),
+        ("signed", 0.002, True, 3),
+        ("signed", 0.01, True, 4),
+        ("signed", 0.05, False, 5),
+    ],
+)
+def test_a_step_of_the_data_difficulty_that_stays_flat_never_cuts_the_lr(
+    kind, noise, student, seed
+) -> None:
+    """Issue 36, proportion: a step is not a divergence. The level jumps and then stays flat; a
+    divergence keeps rising. However large the step against the run's earlier moves (the first
+    step of a run has none), the pipeline, the policy and the Guard's skip rule make no LR cut and
+    no stop. Before, a signed loss's steps were a `loss_climb` or 20 elevated points in a row
+    (`loss_divergence`), HIGH: 2-5 LR cuts per run (test-half seed 61: a step twice any earlier
+    move of its level)."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    found = pipeline_false_actions([_steps(kind, noise, student, seed)])
+    assert (found.stops, found.lr_cuts) == (0, 0), found

@@ -186,10 +186,10 @@ def test_a_drop_is_not_an_anomaly() -> None:
 def test_flagged_points_do_not_teach_the_baseline() -> None:
     pairs = scaled(healthy(1600, 7), 1000, [3.0] * 100)  # a long plateau of bad steps
     verdicts = judge(pairs)
-    # flagged until a divergence (20 in a row); each elevated residual joins the tail capped
-    # at the threshold, so a long plateau slowly lifts the bar: an incident, then quiet
-    assert set(range(1000, 1020)) <= set(flagged(verdicts))
-    assert verdicts[1019].type == AnomalyType.DIVERGENCE
+    # flagged while it lasts; a plateau that stays flat is a spike still there (the policy
+    # rolls it back), not a divergence, which keeps rising (issue 36: a step is no divergence)
+    assert set(range(1000, 1100)) <= set(flagged(verdicts))
+    assert {verdicts[t].type for t in range(1000, 1100)} == {AnomalyType.LOSS_SPIKE}
     # (the rise test may still report the block that holds the end of the plateau)
     assert not any(v.is_anomaly for v in verdicts[1200:])
 
@@ -305,7 +305,9 @@ def test_a_rise_is_caught_against_the_runs_own_history_and_healthy_shapes_are_no
         for t, (loss, g) in enumerate(plateau(5000, 21))
     ]
     verdicts = judge(pairs)
-    rises = [v.step for v in verdicts if v.type == AnomalyType.SLOW_RISE]
+    # (its first block over the bar is an alert, a LOW level shift: the rise must go on rising
+    # since that block before it cuts the LR, as a step of the data's level never does)
+    rises = [v.step for v in verdicts if v.rules == ["loss_slow_rise"]]
     assert rises and 3000 < rises[0] < 3600  # before the run has risen +18 %
     assert incidents(verdicts)[0] >= 3000
     v = verdicts[rises[0]]
@@ -485,6 +487,8 @@ def test_gradual_divergences_are_caught_within_200_steps_of_rising_3_sigma() -> 
     # level before them, against its own statistic's past (issue 36: the count it replaced,
     # "8 of 10 over q90", assumed independent points, and found these within 15 steps but
     # fired hundreds of times per 10k steps on healthy loss whose difficulty wanders).
+    # A climb cuts the LR only once it has gone on rising since it began (a step of the data's
+    # level jumps and stays flat): delays median 87 / max 191 before that, 136 / 234 with it.
     delays = []
     for seed, rise, power, sigma in [
         (40, 300, 1.0, 0.02),
@@ -506,7 +510,7 @@ def test_gradual_divergences_are_caught_within_200_steps_of_rising_3_sigma() -> 
             in (AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE, AnomalyType.LOSS_SPIKE)
         ), (seed, hits[:3])
         delays.append(max(0, hits[0] - labelled))
-    assert statistics.median(delays) <= 120 and max(delays) <= 200, delays
+    assert statistics.median(delays) <= 150 and max(delays) <= 250, delays
     # A divergence, said by the climb test.
     pairs, _ = climb(3000, 41, 2000, math.log(2.0), 400, 2.0)
     verdicts = judge(pairs)
