@@ -23,7 +23,6 @@ from spikeguard.producers.applying import ActionApplier
 from spikeguard.producers.checkpointing import CheckpointKeeper
 from spikeguard.producers.config import GuardConfig, GuardMode
 from spikeguard.producers.distributed import RankSync
-from spikeguard.producers.evidence import own_view
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.lockstep import DecisionWaiter
@@ -398,10 +397,10 @@ class StepHalves:
                 outlier=half.scored is not None and half.scored.skip,
                 signals=measured,
             )
-            self.actions.published.keep(
+            self.actions.published.keep_own(  # own_view's arguments: the view made if cited
                 run.generation,
                 step,
-                own_view(
+                (
                     half.nonfinite,
                     half.overflow,
                     half.scored,
