@@ -57,13 +57,10 @@ class RunEvents:
             return
         # What the pipeline must see, and soon: kept under backlog, sent without waiting for a
         # batch. (A scaler overflow is normal: its inf gradient norm is not a non-finite value.)
-        overflow = reason == "scaler_overflow"
-        urgent = (
-            outlier
-            or (reason is not None and not overflow)
-            or not math.isfinite(stats.loss)
-            or (not overflow and not stats.finite)
-        )
+        if reason == "scaler_overflow":  # its inf gradient norm is the scaler's business
+            urgent = outlier or not math.isfinite(stats.loss)
+        else:  # (finite: the loss and the gradient norm)
+            urgent = outlier or reason is not None or not stats.finite
         values = (
             step,
             epoch,
