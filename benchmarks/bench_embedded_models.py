@@ -22,7 +22,11 @@ loaded machine's noise falls on all alike:
   transfer) and kept beside the loss. Its ratio is the limit of the trainer's
   side: a guarded row cannot beat it, whatever the Guard's own Python costs;
 - ``guarded``: ``Guard(model, opt)`` on the default runtime (the pipeline in
-  a child process).
+  a child process);
+- with ``--against REF``, ``guarded@REF``: the same, with spikeguard as it was
+  at the git ref REF (package_at.py: imported beside this one under another
+  name, on a runtime of its own), for a before/after against the same limit
+  in one run.
 
 Reported per model: the median over rounds of each round's ratio to
 ``unguarded`` (a round is one block of each loop), their range, the step
@@ -37,12 +41,13 @@ publisher's and the child's CPU are then not counted: they are the
 pipeline's, not the trainer's).
 
     python benchmarks/bench_embedded_models.py [--models mlp adamw chargpt] [--rounds 7]
-        [--seconds 1.0] [--clock wall|thread] [--json]
+        [--seconds 1.0] [--clock wall|thread] [--against GIT_REF] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import statistics
@@ -146,7 +151,9 @@ def read_loss_and_norm(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> 
 class Loop:
     """One of the four loops of a model: its own copy, its step, and what runs after it."""
 
-    def __init__(self, kind: str, model_name: str, runtime: Any, queue: Any, tmp: str) -> None:
+    def __init__(
+        self, kind: str, model_name: str, runtime: Any, queue: Any, tmp: str, package: Any = None
+    ) -> None:
         torch.manual_seed(0)
         self.kind = kind
         self.model, self.opt, self.step = MODELS[model_name]()
@@ -164,6 +171,18 @@ class Loop:
                 self.model, self.opt, run_id=f"bench-{model_name}", config=config, runtime=runtime
             )
             self.decided = DecisionTally(self.guard)
+        elif kind.startswith("guarded@"):  # the package as at a ref, on its runtime
+            producers = package.producers
+            config = producers.GuardConfig(
+                checkpoint_dir=f"{tmp}/{model_name}-at-ref", checkpoint_every=0, resume=False
+            )
+            self.guard = producers.Guard(
+                self.model,
+                self.opt,
+                run_id=f"bench-{model_name}-at-ref",
+                config=config,
+                runtime=package.runtime_at_ref,
+            )
 
     def block(self, steps: int) -> float:
         """Run ``steps`` steps; the seconds they took on the chosen clock."""
@@ -198,7 +217,12 @@ def _never_decided(tally: DecisionTally, steps: int, wait_s: float) -> int:
 
 
 def measure(
-    model_name: str, rounds: int, seconds: float, runtime: Any, min_steps: int = 50
+    model_name: str,
+    rounds: int,
+    seconds: float,
+    runtime: Any,
+    min_steps: int = 50,
+    against: tuple[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One model's four loops in alternating blocks of about ``seconds`` (at least ``min_steps``)."""
     ctx = mp.get_context("spawn")
@@ -212,6 +236,11 @@ def measure(
             "limit": Loop("limit", model_name, runtime, queue, tmp),
             "guarded": Loop("guarded", model_name, runtime, None, tmp),
         }
+        if against is not None:
+            ref, package = against
+            loops[f"guarded@{ref}"] = Loop(
+                f"guarded@{ref}", model_name, runtime, None, tmp, package
+            )
         # Warm-up, and the block size: about ``seconds`` of the unguarded loop.
         for loop in loops.values():
             loop.block(20)
@@ -230,7 +259,9 @@ def measure(
         assert tally is not None
         never = _never_decided(tally, loops["guarded"].n, 60.0)
         tally.close()
-        guard.close()
+        for loop in loops.values():
+            if loop.guard is not None:
+                loop.guard.close()
     queue.put(None)
     drain.join(10)
     result: dict[str, Any] = {
@@ -241,14 +272,20 @@ def measure(
         "guarded_steps": loops["guarded"].n,
         "never_decided": never,
     }
-    for kind in ("handoff", "limit", "guarded"):
+    guarded = ["guarded"] + ([f"guarded@{against[0]}"] if against is not None else [])
+    for kind in ("handoff", "limit", *guarded):
         ratios = [b / w for w, b in zip(walls[kind], walls["unguarded"])]
         result[f"ratio_{kind}"] = statistics.median(ratios)
         result[f"ratio_{kind}_range"] = [min(ratios), max(ratios)]
     # The guarded loop against the trainer's limit, round by round (rate over rate).
-    to_limit = [limit / g for g, limit in zip(walls["guarded"], walls["limit"])]
-    result["guarded_to_limit"] = statistics.median(to_limit)
-    result["guarded_to_limit_range"] = [min(to_limit), max(to_limit)]
+    for kind in guarded:
+        to_limit = [limit / g for g, limit in zip(walls[kind], walls["limit"])]
+        result[f"{kind}_to_limit"] = statistics.median(to_limit)
+        result[f"{kind}_to_limit_range"] = [min(to_limit), max(to_limit)]
+    if against is not None:  # this checkout's guarded rate over the ref's, round by round
+        result["guarded_over_ref"] = statistics.median(
+            [b / w for w, b in zip(walls["guarded"], walls[f"guarded@{against[0]}"])]
+        )
     return result
 
 
@@ -266,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="time blocks by the wall, or by the training thread's CPU (torch on one thread)",
     )
+    parser.add_argument(
+        "--against", metavar="GIT_REF", help="also a guarded loop of spikeguard as at this ref"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.clock == "thread":
@@ -276,13 +316,30 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime = open_runtime(load_settings({}))
     layout = "threads" if runtime.child is None else "child"
+    against = None
+    if args.against:
+        from package_at import package_at
+
+        package = package_at(args.against)
+        importlib.import_module(f"{package.__name__}.producers")
+        runtime_module = importlib.import_module(f"{package.__name__}.runtime")
+        settings_module = importlib.import_module(f"{package.__name__}.settings")
+        # (the ref's Guard goes on a runtime of its own: its pipeline is the ref's too)
+        setattr(
+            package,
+            "runtime_at_ref",
+            runtime_module.open_runtime(settings_module.load_settings({})),
+        )
+        against = (args.against, package)
     try:
         report: dict[str, Any] = {
-            name: measure(name, args.rounds, args.seconds, runtime, args.min_steps)
+            name: measure(name, args.rounds, args.seconds, runtime, args.min_steps, against)
             for name in args.models
         }
     finally:
         runtime.close()
+        if against is not None:
+            against[1].runtime_at_ref.close()
     report["layout"], report["torch_threads"] = layout, torch.get_num_threads()
     report["clock"] = args.clock
     if args.json:
@@ -301,6 +358,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{rates['handoff']:.0f} / {rates['limit']:.0f} / {rates['guarded']:.0f} steps/s; "
             f"{row['never_decided']} of {row['guarded_steps']} never decided"
         )
+        if args.against:
+            at = f"guarded@{args.against}"
+            print(
+                f"{'':8s} {at}: {row[f'ratio_{at}']:.2f}x (rounds {row[f'ratio_{at}_range'][0]:.2f}-"
+                f"{row[f'ratio_{at}_range'][1]:.2f}); {row[f'{at}_to_limit']:.2f}x its limit "
+                f"(rounds {row[f'{at}_to_limit_range'][0]:.2f}-{row[f'{at}_to_limit_range'][1]:.2f}); "
+                f"{rates[at]:.0f} steps/s; this checkout over it, round by round: "
+                f"{row['guarded_over_ref']:.2f}x"
+            )
     print(f"layout {layout}, torch threads {torch.get_num_threads()}, clock {args.clock}")
     return 0
 

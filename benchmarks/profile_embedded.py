@@ -127,14 +127,17 @@ def _instrument(guard: Guard, clock: PartClock) -> None:
         "halves.start": (halves, "start"),
         "halves.before_update (own Python)": (halves, "before_update"),
         "halves.after_update (own Python)": (halves, "after_update"),
-        "optimizer step (amp.step, LR factor)": (guard.amp, "step"),
+        "amp.step (own)": (guard.amp, "step"),
+        "optimizer step (lr.step: the LR factor, the user's optimizer)": (guard.lr, "step"),
         "statistics: stats.compute": (guard.stats, "compute"),
         "skip rule: judge": (guard.skip_rule, "judge"),
         "skip rule: learn": (guard.skip_rule, "learn"),
         "halves._judge_outlier": (halves, "_judge_outlier"),
         "StepEvent: events.step": (guard.events, "step"),
         "StepEvent: publisher.submit": (guard.publisher, "submit"),
+        "StepEvent: publisher.submit_step": (guard.publisher, "submit_step"),
         "evidence: published.keep": (guard.actions.published, "keep"),
+        "evidence: published.keep_own": (guard.actions.published, "keep_own"),
         "actions: applier.collect": (guard.applier, "collect"),
         "actions: actions.due": (guard.actions, "due"),
         "actions: applier.finish": (guard.applier, "finish"),
@@ -158,6 +161,8 @@ def _instrument(guard: Guard, clock: PartClock) -> None:
         if hasattr(owner, attr):  # (an older version may not have the part)
             setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
     for module, attr in ((guard_module, "check_loss"), (halves_module, "own_view")):
+        if not hasattr(module, attr):
+            continue
         setattr(
             module,
             attr,

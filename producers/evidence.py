@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from spikeguard.producers.skip_rule import SkipDecision
 from spikeguard.schemas import AnomalyType, Claim, Evidence
@@ -153,7 +153,8 @@ class PublishedSteps:
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self._views: OrderedDict[tuple[int, int], StepView] = OrderedDict()
+        # A view, or own_view's arguments (keep_own): made into the view only when looked at.
+        self._views: OrderedDict[tuple[int, int], StepView | tuple[Any, ...]] = OrderedDict()
 
     def remember(
         self,
@@ -180,16 +181,27 @@ class PublishedSteps:
         while len(views) > self.size:
             views.popitem(last=False)
 
+    def keep_own(self, epoch: int, step: int, judged: tuple[Any, ...]) -> None:
+        """Keep step ``step`` of ``epoch`` as ``own_view(*judged)`` says, made when looked at
+        (a step's view is looked at only when an action cites it)."""
+        views = self._views
+        key = (epoch, step)
+        views[key] = judged
+        views.move_to_end(key)
+        while len(views) > self.size:
+            views.popitem(last=False)
+
     def __len__(self) -> int:
         return len(self._views)
 
     def view(self, epoch: int, step: int) -> StepView | None:
-        return self._views.get((epoch, step))
+        found = self._views.get((epoch, step))
+        return found if found is None or type(found) is StepView else own_view(*found)
 
     def problem(self, evidence: Evidence) -> str | None:
         """Why ``evidence`` is not what this trainer published (None when it is)."""
         where = f"step {evidence.step} of epoch {evidence.epoch}"
-        found = self._views.get((evidence.epoch, evidence.step))
+        found = self.view(evidence.epoch, evidence.step)
         if found is None:
             return (
                 f"evidence names {where}, which this trainer did not publish (or not among "
@@ -217,7 +229,7 @@ class PublishedSteps:
                 f"the decision is about step {claim.step} of epoch {claim.epoch}, but its evidence "
                 f"is of step {evidence.step} of epoch {evidence.epoch}"
             )
-        view = self._views.get((claim.epoch, claim.step))
+        view = self.view(claim.epoch, claim.step)
         if view is None:
             return (
                 f"the decision names step {claim.step} of epoch {claim.epoch}, which this trainer "

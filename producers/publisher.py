@@ -12,7 +12,10 @@ queue that is sent first and dropped from only if it, too, overflows.
 
 The training thread hands over plain field dicts; building and encoding the
 pydantic model happens on the sender thread (tens of microseconds a step
-that the training loop does not pay). With a signing key, step events, the
+that the training loop does not pay). An ordinary step is handed over rawer
+still (:meth:`BackgroundPublisher.submit_step`): the values as they are and
+the function that makes its field dict, appended to a deque without the lock
+(appends and pops of a deque are atomic); the sender thread makes the dict. With a signing key, step events, the
 run's start and end, checkpoint events and acks are signed there too: the
 workers take only those signed with the run's key, so nobody else can make
 the pipeline act on this run, choose its rollback target, or disarm it.
@@ -24,7 +27,7 @@ import inspect
 import logging
 import threading
 from collections import deque
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, Callable, NamedTuple, Protocol, cast
 
 from pydantic import BaseModel
 
@@ -52,6 +55,12 @@ class Item(NamedTuple):
     model: "type[BaseModel] | None"  # the model to build from ``fields`` (None: ``fields`` is the event)
     fields: Any
     urgent: bool = False  # a step the queue keeps while it can drop an ordinary one
+    # makes the field dict from ``fields`` on the sender thread (None: ``fields`` is it)
+    build: Callable[..., Any] | None = None
+
+
+def _fields(item: Item) -> Any:
+    return item.fields if item.build is None else item.build(*item.fields)
 
 
 class BackgroundPublisher:
@@ -79,6 +88,9 @@ class BackgroundPublisher:
         self.sent = 0
         self._steps: deque[Item] = deque()
         self._control: deque[Item] = deque()
+        # Ordinary steps handed over without the lock (submit_step), older than any of _steps
+        # queued after them: a locked submit moves them into _steps first.
+        self._raw: deque[Item] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -114,16 +126,37 @@ class BackgroundPublisher:
         ``urgent``: a step that must reach the pipeline (kept over ordinary steps when the
         queue is full) and soon (the sender goes at once rather than after ``interval``).
         """
+        self._locked_submit(Item(topic, model, fields, urgent), droppable)
+
+    def submit_step(self, topic: str, build: Callable[..., Any], values: tuple[Any, ...]) -> None:
+        """Queue one ordinary step event (droppable, not urgent): ``build(*values)`` makes its
+        field dict, on the sender thread. No lock, no wake-up while the sender is awake."""
+        raw = self._raw
+        if len(raw) >= self.queue_size or self._thread is None:
+            self._locked_submit(Item(topic, StepEvent, values, False, build), True)
+            return
+        raw.append(Item(topic, StepEvent, values, False, build))
+        # The sender parks, then looks at _raw again (_run): an append it did not see finds it
+        # parked here and wakes it.
+        if self._parked or self._idle.is_set():
+            self._locked_submit(None, True)
+
+    def _locked_submit(self, item: Item | None, droppable: bool) -> None:
         queue = self._steps if droppable else self._control
         idle = self._idle
+        urgent = item is not None and item.urgent
         with self._lock:
-            if len(queue) >= self.queue_size:
+            raw = self._raw
+            while raw:  # the steps handed over before this one go before it
+                self._steps.append(raw.popleft())
+            while len(queue) >= self.queue_size + (item is None):
                 self._drop_one(queue)
-            queue.append(Item(topic, model, fields, urgent))
+            if item is not None:
+                queue.append(item)
             # (set and cleared under this lock: clearing a clear Event would take its own lock)
             if idle.is_set():
                 idle.clear()
-            hurry = urgent or not droppable
+            hurry = urgent or (item is not None and not droppable)
             wake = self._parked or hurry
             self._parked = False
             self._hurry = self._hurry or hurry
@@ -148,6 +181,8 @@ class BackgroundPublisher:
         if self._thread is None:
             self._drain()
             return True
+        if self._raw:  # steps handed over without the lock: queued under it, idle cleared
+            self._locked_submit(None, True)
         self._hurry = True
         self._wake.set()
         return self._idle.wait(timeout)
@@ -159,7 +194,7 @@ class BackgroundPublisher:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        pending = len(self._steps) + len(self._control)
+        pending = len(self._steps) + len(self._control) + len(self._raw)
         if pending:
             self.dropped += pending
             self._dropped_total.inc(pending)
@@ -181,6 +216,8 @@ class BackgroundPublisher:
             sent = self._drain()
             with self._lock:
                 parked = self._parked = not sent and not self._steps and not self._control
+            if parked and self._raw:  # handed over before the trainer could see it parked
+                self._parked = parked = False
 
     def _next(self) -> Item | None:
         with self._lock:
@@ -188,15 +225,19 @@ class BackgroundPublisher:
                 return self._control.popleft()
             if self._steps:
                 return self._steps.popleft()
+            if self._raw:
+                return self._raw.popleft()
             return None
 
     def _steps_after(self, topic: str) -> list[Any]:
         """The field dicts of the step events queued right behind the one just taken."""
         batch = []
         with self._lock:
-            steps = self._steps
-            while steps and steps[0].topic == topic and steps[0].model is StepEvent:
-                batch.append(steps.popleft().fields)
+            for steps in (self._steps, self._raw):
+                while steps and steps[0].topic == topic and steps[0].model is StepEvent:
+                    batch.append(_fields(steps.popleft()))
+                if steps:
+                    break
         return batch
 
     def _drain(self) -> int:
@@ -206,7 +247,7 @@ class BackgroundPublisher:
             item = self._next()
             if item is None:
                 break
-            topic, model, fields, _ = item
+            topic, model, fields = item.topic, item.model, _fields(item)
             taken += 1
             if model is StepEvent and self._ship is not None:
                 batch = [fields] + self._steps_after(topic)
@@ -223,7 +264,7 @@ class BackgroundPublisher:
             self.failed += 1
             log.warning("spikeguard producer flush failed: %r", exc)
         with self._lock:
-            if not self._steps and not self._control:
+            if not self._steps and not self._control and not self._raw:
                 self._idle.set()
         return taken
 

@@ -110,5 +110,5 @@ class RerunCheck:
         )
         if verdict == "transient" and self.last is not None:
             loss, norm = self.last
-            stats = replace(stats, loss=loss, grad_norm=norm, top_grad_norms={}, nonfinite_grads=0)
+            stats = replace(stats, loss=loss, grad_norm=norm, top={}, nonfinite_grads=0)
         return stats, verdict

@@ -55,24 +55,54 @@ class RunEvents:
         ``signals``: the opt-in mechanism signals' fields (producers/signals/prevention.py)."""
         if not self.steps_on:
             return
-        # A scaler overflow is normal: its inf gradient norm is not shown as a non-finite value.
-        overflow = reason == "scaler_overflow"
-        # What the pipeline must see, and soon: kept under backlog, sent without waiting for a batch.
-        urgent = (
-            outlier
-            or (reason is not None and not overflow)
-            or not math.isfinite(stats.loss)
-            or (not overflow and not stats.finite)
+        # What the pipeline must see, and soon: kept under backlog, sent without waiting for a
+        # batch. (A scaler overflow is normal: its inf gradient norm is not a non-finite value.)
+        if reason == "scaler_overflow":  # its inf gradient norm is the scaler's business
+            urgent = outlier or not math.isfinite(stats.loss)
+        else:  # (finite: the loss and the gradient norm)
+            urgent = outlier or reason is not None or not stats.finite
+        values = (
+            step,
+            epoch,
+            time.time(),
+            stats,
+            lr,
+            reason,
+            loss_scale,
+            overflow_streak,
+            batch_index,
+            rerun,
         )
-        # The StepEvent's fields (built into one off this thread: publisher.py), a literal: a
-        # dict() call with keywords costs the training thread twice as much, every step.
-        fields = {
+        if urgent or signals:
+            fields = self.step_fields(*values)
+            if signals:
+                fields.update(signals)
+            self.publisher.submit(self.topics.steps, StepEvent, fields, urgent=urgent)
+        else:  # the field dict is made on the publisher's thread
+            self.publisher.submit_step(self.topics.steps, self.step_fields, values)
+
+    def step_fields(
+        self,
+        step: int,
+        epoch: int,
+        at: float,
+        stats: Any,
+        lr: float,
+        reason: str | None,
+        loss_scale: float | None,
+        overflow_streak: int,
+        batch_index: int | None,
+        rerun: str | None,
+    ) -> dict[str, Any]:
+        """The StepEvent's fields (built into one off the training thread: publisher.py)."""
+        overflow = reason == "scaler_overflow"
+        return {
             "run_id": self.run_id,
             "session": self.session,
             "step": step,
             "epoch": epoch,
             "rank": self.rank,
-            "time": time.time(),
+            "time": at,
             "loss": stats.loss,
             "loss_mean": stats.loss_mean,
             "loss_ranks": stats.ranks,
@@ -90,9 +120,6 @@ class RunEvents:
             "batch": stats.batch,
             "rerun": rerun,
         }
-        if signals:
-            fields.update(signals)
-        self.publisher.submit(self.topics.steps, StepEvent, fields, urgent=urgent)
 
     def checkpoint(self, event: CheckpointEvent, removed: Iterable[Any]) -> None:
         if not self.rank0_on:

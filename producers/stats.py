@@ -15,18 +15,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from spikeguard.producers.distributed import is_sharded, local_tensors, sharded_norms
 
 
+class LayerNorms(NamedTuple):
+    """Per-parameter gradient norms in host memory, their top ``k`` picked when first read.
+
+    On the CPU the pick is no transfer: it is left to whoever reads the step's top norms (the
+    publisher's thread, building the StepEvent) rather than made on the training thread. The
+    same ``topk`` of the same vector: the same values and names, in the same order."""
+
+    norms: torch.Tensor
+    names: list[str]
+    k: int
+
+    def pick(self) -> dict[str, float]:
+        values, index = torch.topk(self.norms, self.k)
+        names = self.names
+        return {names[i]: v for i, v in zip(index.tolist(), values.tolist())}
+
+
 @dataclass
 class StepStats:
     loss: float
     grad_norm: float | None
-    top_grad_norms: dict[str, float] = field(default_factory=dict)
+    #: the largest per-parameter gradient norms by name (``top_grad_norms``), or their vector
+    #: still to pick them from
+    top: dict[str, float] | LayerNorms = field(default_factory=dict)
     nonfinite_grads: int = 0
     param_norm: float | None = None
     batch: dict | None = None
@@ -39,6 +58,13 @@ class StepStats:
     rank_loss: float | None = None
     #: The norm of the previous step's parameter update (update_norm.py); None: there was none.
     update_norm: float | None = None
+
+    @property
+    def top_grad_norms(self) -> dict[str, float]:
+        top = self.top
+        if type(top) is LayerNorms:
+            top = self.top = top.pick()  # (two threads picking at once pick the same)
+        return top  # type: ignore[return-value]
 
     @property
     def finite(self) -> bool:
@@ -149,6 +175,7 @@ class GradStats:
         parts.append(loss_t)
         k = min(self.top_k, len(grads))
         total = None
+        layers: LayerNorms | None = None
         if grads:
             if (
                 sharded_norm_list is not None
@@ -158,7 +185,9 @@ class GradStats:
                 norms = grad_norms
             total = torch.linalg.vector_norm(norms, keepdim=True)  # shape (1,): no reshape
             parts.append(total)
-            if k:
+            if k and sharded_norm_list is None and norms.device.type == "cpu":
+                layers = LayerNorms(norms, names, k)  # picked when read: not here
+            elif k:
                 values, index = torch.topk(norms, k)
                 parts += [values, index]  # (cat makes the indices float32 as .float() would)
         for wanted, norms in zip((weights, update), other_norms):
@@ -185,8 +214,10 @@ class GradStats:
         it = iter(values_list)
         loss_v = next(it)
         grad_norm = next(it) if grads else None
-        top: dict[str, float] = {}
-        if grads and k:
+        top: dict[str, float] | LayerNorms = {}
+        if layers is not None:
+            top = layers
+        elif grads and k:
             vals = [next(it) for _ in range(k)]
             idx = [int(next(it)) for _ in range(k)]
             top = {names[i]: v for i, v in zip(idx, vals)}

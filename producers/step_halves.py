@@ -23,7 +23,6 @@ from spikeguard.producers.applying import ActionApplier
 from spikeguard.producers.checkpointing import CheckpointKeeper
 from spikeguard.producers.config import GuardConfig, GuardMode
 from spikeguard.producers.distributed import RankSync
-from spikeguard.producers.evidence import own_view
 from spikeguard.producers.incidents import IncidentRecorder
 from spikeguard.producers.inbox import ActionInbox
 from spikeguard.producers.lockstep import DecisionWaiter
@@ -231,7 +230,10 @@ class StepHalves:
         run, sync, counters = self.run, self.sync, self.run.counters
         step = run.step_count
         self.applier.collect(step)
-        due = self.actions.due(step) if self.rank == 0 else []
+        actions = self.actions
+        due = actions.due(step) if self.rank == 0 and actions.pending else []
+        # (off, the update norm's calls change nothing: UpdateNorm only ever turns itself off)
+        updates = self.updates if self.updates.enabled else None
         amp = self.amp.enabled  # (a scaler is on or off for the whole run)
         if amp:
             self.amp.begin(self.torch_optimizer)  # statistics and clipping: unscaled gradients
@@ -239,7 +241,7 @@ class StepHalves:
             loss,
             batch,
             self._riders(bool(due)) if sync.enabled else None,
-            self.updates.last_update(step, run.generation),
+            updates.last_update(step, run.generation) if updates is not None else None,
         )
         if sync.enabled:  # the run's loss (the largest rank's) is what is judged and published
             stats = across_ranks(stats, sync.world_size)
@@ -271,8 +273,15 @@ class StepHalves:
             judged = None
             if reason is None and not overflow:
                 lr = self.lr.effective()
-                judged = self._judge_outlier(stats, lr)
-                reason = "outlier_step" if self._skips(judged) else None
+                if sync.enabled:
+                    judged = self._judge_outlier(stats, lr)
+                else:  # (_judge_outlier's values, without its call: the step's own)
+                    grad = stats.grad_norm
+                    judged = self.skip_rule.judge(
+                        stats.loss, None if grad is None or grad < 0 else grad, lr
+                    )
+                skips = judged.decision.skip and self.config.skip_outliers  # (_skips)
+                reason = "outlier_step" if skips else None
             if (
                 reason is not None
                 and self.rerun.enabled
@@ -300,11 +309,13 @@ class StepHalves:
                 counters.skipped_updates += 1
         if reason is not None:
             self.loop.void_update(interrupted)
-            self.updates.skipped(step, run.generation)
+            if updates is not None:
+                updates.skipped(step, run.generation)
         else:
             if stats.grad_norm is not None and not overflow:
                 self.clipper.clip(grads, stats.grad_norm)
-            self.updates.before_update(step, run.generation, applies=not overflow)  # overflow: 0
+            if updates is not None:  # (a scaler's overflow: an update of 0)
+                updates.before_update(step, run.generation, applies=not overflow)
             if overflow:  # the scaler skips this update itself
                 reason = "scaler_overflow"
                 counters.scaler_skips += 1
@@ -372,7 +383,8 @@ class StepHalves:
         if half is None:
             return StepResult(False, False)
         run, counters = self.run, self.run.counters
-        self.updates.after_update()  # the update the optimizer just made, if the first half allowed it
+        if self.updates.enabled:
+            self.updates.after_update()  # the update just made, if the first half allowed it
         measured = self.signals.after_update() if self.signals is not None else _NO_SIGNALS
         step, stats, reason = half.step, half.stats, half.reason
         if reason == INTERRUPTED:
@@ -381,7 +393,7 @@ class StepHalves:
             self.checkpoints.drain()
             self.applier.finish()
             return StepResult(False, True)
-        if reason in (None, "scaler_overflow"):
+        if reason in (None, "scaler_overflow") and self.amp.enabled:
             self.amp.count(half.overflow)
         if reason != SKIPPED_DATA:  # (a step whose data a skip window covers is not published)
             loader = self.position.loader
@@ -398,10 +410,10 @@ class StepHalves:
                 outlier=half.scored is not None and half.scored.skip,
                 signals=measured,
             )
-            self.actions.published.keep(
+            self.actions.published.keep_own(  # own_view's arguments: the view made if cited
                 run.generation,
                 step,
-                own_view(
+                (
                     half.nonfinite,
                     half.overflow,
                     half.scored,

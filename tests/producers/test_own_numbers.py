@@ -216,6 +216,33 @@ def test_a_claim_must_be_of_its_evidences_step_and_epoch():
     assert steps.view(1, 4).loss == 2.0 and steps.view(1, 4).loss_z == 9.0
 
 
+def test_a_step_kept_as_own_views_arguments_is_checked_as_the_view_they_make():
+    # The trainer keeps own_view's arguments per step and makes the view only when an action
+    # cites the step: every check must read the same view as one kept whole.
+    from spikeguard.producers.evidence import own_view
+    from spikeguard.producers.skip_rule import SkipDecision
+
+    scored = SkipDecision(True, "loss", 9.0, None, True)
+    for judged in ((False, False, scored, False, 2.0, 0.5), (True, False, None, True, 2.0, None)):
+        lazy, whole = PublishedSteps(size=2), PublishedSteps(size=2)
+        lazy.keep_own(1, 4, judged)
+        whole.keep(1, 4, own_view(*judged))
+        assert lazy.view(1, 4) == whole.view(1, 4) == own_view(*judged)
+        assert type(lazy.view(1, 4)) is StepView
+        for evidence in (
+            Evidence(step=4, epoch=1, loss=2.0, grad_norm=0.5),
+            Evidence(step=4, epoch=1, loss=2.5, grad_norm=None),
+            Evidence(step=4, epoch=1, loss=2.0, grad_norm=None),
+        ):
+            assert lazy.problem(evidence) == whole.problem(evidence)
+        for kind in (AnomalyType.LOSS_SPIKE, AnomalyType.NON_FINITE, AnomalyType.BAD_BATCH):
+            claim = Claim(step=4, epoch=1, type=kind)
+            assert lazy.claim_problem(claim, None) == whole.claim_problem(claim, None)
+        lazy.keep_own(1, 5, judged)
+        lazy.keep_own(1, 6, judged)
+        assert len(lazy) == 2 and lazy.view(1, 4) is None  # bounded, oldest out
+
+
 def test_a_plan_whose_rollback_fails_applies_none_of_its_skip_lr_or_clipping(bus, tmp_path):
     tiny = Tiny(seed=13, lr=LR)
     guard = make_guard(tiny, bus, tmp_path, signing_key=KEY)

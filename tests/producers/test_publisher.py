@@ -185,3 +185,68 @@ def test_a_guard_under_backlog_still_publishes_its_non_finite_step(tmp_path, gat
     steps = {s.step: s for s in (decode(r.value, StepEvent) for r in bus.read_all(Topics().steps))}
     assert 7 in steps and math.isnan(steps[7].loss) and steps[7].skip_reason == "non_finite"
     assert guard.publisher.dropped > 0  # the backlog was real
+
+
+def _raw_step(i):
+    return _step(i)  # what RunEvents.step_fields makes, from the values handed over
+
+
+def test_steps_handed_over_raw_keep_their_order_with_urgent_ones_and_flush_waits_for_them(
+    gated_producer,
+):
+    # submit_step appends without the lock; an urgent step submitted after them must still go
+    # after them, and flush must wait for them too.
+    bus, t = EmbeddedBus(), Topics()
+    producer = gated_producer(bus)
+    pub = BackgroundPublisher(producer, "p", queue_size=1000, interval=0.001)
+    pub.submit(t.steps, StepEvent, _step(0))
+    assert producer.waiting.wait(10)  # the sender hangs on step 0: the rest queue up
+    for i in range(1, 60):
+        if i in (20, 41):
+            pub.submit(t.steps, StepEvent, _step(i), urgent=True)
+        else:
+            pub.submit_step(t.steps, _raw_step, (i,))
+    producer.gate.set()
+    assert pub.flush(5.0)
+    steps = [decode(r.value, StepEvent).step for r in bus.read_all(t.steps)]
+    assert steps == list(range(60)) and pub.sent == 60
+    pub.close()
+
+
+def test_a_raw_step_handed_to_a_parked_sender_goes_out_without_another_submit():
+    # The sender sleeps until woken once a round found nothing: a trainer that stops after a
+    # burst (an evaluation) must not leave its last steps unsent until it steps again.
+    bus, t = EmbeddedBus(), Topics()
+    pub = BackgroundPublisher(bus.producer(), "p", interval=0.001)
+    try:
+        for burst in range(3):
+            for _ in range(200):  # a bound on polling, not a timing assertion
+                if pub._parked:
+                    break
+                threading.Event().wait(0.01)
+            assert pub._parked
+            pub.submit_step(t.steps, _raw_step, (burst,))
+            for _ in range(500):
+                if len(bus.read_all(t.steps)) == burst + 1:
+                    break
+                threading.Event().wait(0.01)
+            assert len(bus.read_all(t.steps)) == burst + 1, "the step waited for another submit"
+    finally:
+        pub.close()
+
+
+def test_a_flood_of_raw_steps_is_bounded_and_counted(gated_producer):
+    bus, t = EmbeddedBus(), Topics()
+    producer = gated_producer(bus)
+    pub = BackgroundPublisher(producer, "p", queue_size=10, interval=0.001)
+    pub.submit(t.steps, StepEvent, _step(0))
+    assert producer.waiting.wait(10)
+    for i in range(1, 100):
+        pub.submit_step(t.steps, _raw_step, (i,))
+        assert len(pub._raw) + len(pub._steps) <= 21
+    producer.gate.set()
+    assert pub.flush(5.0)
+    pub.close()
+    steps = [decode(r.value, StepEvent).step for r in bus.read_all(t.steps)]
+    assert steps == sorted(steps) and steps[-1] == 99
+    assert len(steps) + pub.dropped == 100

@@ -4,11 +4,14 @@ Every way Python can read a tensor's values on the host is counted
 (``item``, ``tolist``, ``cpu``, ``numpy`` and the ``float``/``int``/``bool``/
 ``index`` conversions). The optimizer is plain SGD, which reads none itself,
 so every count is the Guard's: statistics, the local skip rule, adaptive
-clipping and the publishing of the step event included.
+clipping and the publishing of the step event included. Counted on the
+training thread: on the CPU the publisher's thread picks the top per-layer
+norms from their vector in host memory (stats.LayerNorms), no transfer.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
@@ -24,11 +27,12 @@ class _Reads:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: Counter[str] = Counter()
         self.active = False
+        self.thread = threading.get_ident()  # the training thread's reads
         for name in READS:
             original = getattr(torch.Tensor, name)
 
             def counted(tensor, *args, _name=name, _original=original, **kwargs):
-                if self.active:
+                if self.active and threading.get_ident() == self.thread:
                     self.counts[_name] += 1
                 return _original(tensor, *args, **kwargs)
 
