@@ -171,8 +171,8 @@ class Loop:
                 self.model, self.opt, run_id=f"bench-{model_name}", config=config, runtime=runtime
             )
             self.decided = DecisionTally(self.guard)
-        elif kind.startswith("guarded@"):  # the package as at a ref, on its runtime
-            producers = package.producers
+        elif kind.startswith("guarded@"):  # the package as at a ref (its producers), on its runtime
+            producers = package
             config = producers.GuardConfig(
                 checkpoint_dir=f"{tmp}/{model_name}-at-ref", checkpoint_every=0, resume=False
             )
@@ -181,7 +181,7 @@ class Loop:
                 self.opt,
                 run_id=f"bench-{model_name}-at-ref",
                 config=config,
-                runtime=package.runtime_at_ref,
+                runtime=runtime,
             )
 
     def block(self, steps: int) -> float:
@@ -222,7 +222,7 @@ def measure(
     seconds: float,
     runtime: Any,
     min_steps: int = 50,
-    against: tuple[str, Any] | None = None,
+    against: tuple[str, Any, Any] | None = None,
 ) -> dict[str, Any]:
     """One model's four loops in alternating blocks of about ``seconds`` (at least ``min_steps``)."""
     ctx = mp.get_context("spawn")
@@ -237,9 +237,9 @@ def measure(
             "guarded": Loop("guarded", model_name, runtime, None, tmp),
         }
         if against is not None:
-            ref, package = against
+            ref, producers, ref_runtime = against
             loops[f"guarded@{ref}"] = Loop(
-                f"guarded@{ref}", model_name, runtime, None, tmp, package
+                f"guarded@{ref}", model_name, ref_runtime, None, tmp, producers
             )
         # Warm-up, and the block size: about ``seconds`` of the unguarded loop.
         for loop in loops.values():
@@ -321,16 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         from package_at import package_at
 
         package = package_at(args.against)
-        importlib.import_module(f"{package.__name__}.producers")
+        producers = importlib.import_module(f"{package.__name__}.producers")
         runtime_module = importlib.import_module(f"{package.__name__}.runtime")
         settings_module = importlib.import_module(f"{package.__name__}.settings")
         # (the ref's Guard goes on a runtime of its own: its pipeline is the ref's too)
-        setattr(
-            package,
-            "runtime_at_ref",
-            runtime_module.open_runtime(settings_module.load_settings({})),
-        )
-        against = (args.against, package)
+        ref_runtime = runtime_module.open_runtime(settings_module.load_settings({}))
+        against = (args.against, producers, ref_runtime)
     try:
         report: dict[str, Any] = {
             name: measure(name, args.rounds, args.seconds, runtime, args.min_steps, against)
@@ -339,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runtime.close()
         if against is not None:
-            against[1].runtime_at_ref.close()
+            against[2].close()
     report["layout"], report["torch_threads"] = layout, torch.get_num_threads()
     report["clock"] = args.clock
     if args.json:
