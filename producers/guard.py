@@ -297,11 +297,8 @@ class Guard:
         halves = self.halves  # before_update and after_update, the loss checked once
         if not halves.started:
             halves.start()
-        if halves.before_update(loss, batch, closure):  # the Guard's LR factor, the scaler's step
-            if self.amp.enabled:
-                self.amp.step(self.lr.step, self.optimizer)
-            else:  # (amp.step's own call, without a scaler)
-                self.lr.step(self.optimizer.step)
+        if halves.before_update(loss, batch, closure):
+            self.amp.step(self.lr.step, self.optimizer)  # the Guard's LR factor, the scaler's step
         if self.scheduler is not None and not halves.interrupted:
             self.scheduler.step()
         result = halves.after_update().updated

@@ -273,15 +273,8 @@ class StepHalves:
             judged = None
             if reason is None and not overflow:
                 lr = self.lr.effective()
-                if sync.enabled:
-                    judged = self._judge_outlier(stats, lr)
-                else:  # (_judge_outlier's values, without its call: the step's own)
-                    grad = stats.grad_norm
-                    judged = self.skip_rule.judge(
-                        stats.loss, None if grad is None or grad < 0 else grad, lr
-                    )
-                skips = judged.decision.skip and self.config.skip_outliers  # (_skips)
-                reason = "outlier_step" if skips else None
+                judged = self._judge_outlier(stats, lr)
+                reason = "outlier_step" if self._skips(judged) else None
             if (
                 reason is not None
                 and self.rerun.enabled
