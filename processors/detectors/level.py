@@ -89,7 +89,7 @@ class BlockJudged(NamedTuple):
     #: that rise (log units)
     rise: float
     #: a rise over its threshold, not explained by the learning rate, that has gone on rising
-    #: since the first block of it (a step of the data's level jumps, then stays flat)
+    #: past its first two blocks (a step of the data's level jumps, then stays flat)
     rising: bool
     #: the block's median (log units)
     median: float
@@ -135,6 +135,7 @@ class RiseTest:
         "_excused",
         "_since_excused",
         "_onset",
+        "_onset_blocks",
     )
 
     def __init__(
@@ -171,9 +172,13 @@ class RiseTest:
         # Blocks completed since the last one with an explained point: a horizon that
         # reaches back to (or before) it compares across the LR rise, and is not judged.
         self._since_excused = 1 << 30
-        # The median of the first block of the current rise over its bar (None: the last block
-        # was not over it): a rise is a slow rise once the loss has gone on rising since then.
+        # Where the current rise over its bar began (None: the last block was not over it): the
+        # higher median of its first two blocks. A step of the data's level crosses the bar
+        # inside a block, whose median then mixes both levels and sits below the new one; a
+        # step has at most one such block. A rise is a slow rise once the loss has gone on
+        # rising past both.
         self._onset: float | None = None
+        self._onset_blocks = 0  # blocks of the current rise over its bar so far
 
     def judge(
         self,
@@ -185,7 +190,7 @@ class RiseTest:
         """The rise test, when ``y`` ends a block; else None. ``min_rise``, asked at a block's
         end, may replace the test's own smallest rise (a signed loss's, which no ratio gives).
         ``further``, asked likewise, is how far a rise over its bar must have gone on rising
-        since its first block (None: no such condition, a rise over its bar is a slow rise)."""
+        past its first two blocks (None: no such condition, a rise over its bar is a slow rise)."""
         if len(self._current) + 1 < self.block:
             return None
         values = sorted(self._current + [y])
@@ -207,7 +212,11 @@ class RiseTest:
         rising = over
         needed = None if further is None or not over else further()
         if needed is not None:
-            rising = self._onset is not None and median - self._onset > needed
+            rising = (
+                self._onset is not None
+                and self._onset_blocks >= 2
+                and median - self._onset > needed
+            )
         return BlockJudged(best_score, best_rise, rising, median, over)
 
     def _judges(self, h: int, tail: TailThreshold) -> bool:
@@ -247,9 +256,13 @@ class RiseTest:
         self._since_excused = 0 if (self._excused or explained) else self._since_excused + 1
         self._current, self._excused = [], False
         if not judged.over:
-            self._onset = None
-        elif self._onset is None:
+            self._onset, self._onset_blocks = None, 0
+            return
+        self._onset_blocks += 1
+        if self._onset is None:
             self._onset = median
+        elif self._onset_blocks <= 2:
+            self._onset = max(self._onset, median)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -260,6 +273,7 @@ class RiseTest:
             "excused": self._excused,
             "since_excused": self._since_excused,
             "onset": self._onset,
+            "onset_blocks": self._onset_blocks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -274,6 +288,7 @@ class RiseTest:
         self._since_excused = int(state["since_excused"])
         onset = state.get("onset")
         self._onset = None if onset is None else float(onset)
+        self._onset_blocks = int(state.get("onset_blocks", 0 if onset is None else 2))
 
 
 class ClimbTest:

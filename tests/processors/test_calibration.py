@@ -214,3 +214,29 @@ def test_a_step_of_the_data_difficulty_that_stays_flat_never_cuts_the_lr(
 
     found = pipeline_false_actions([_steps(kind, noise, student, seed)])
     assert (found.stops, found.lr_cuts) == (0, 0), found
+
+
+def _curriculum(seed: int, noise: float) -> list[StepEvent]:
+    """A healthy run whose data gets harder in stages: +20 % at three steps far apart (a new data
+    mix), flat after each, on a loss that has stopped falling; step noise ``noise``."""
+    rng = random.Random(seed)
+    events = []
+    for t in range(20000):
+        stage = t // 5000
+        loss = (2.0 + 1.5 * math.exp(-t / 2000)) * 1.2**stage * math.exp(noise * rng.gauss(0, 1))
+        events.append(StepEvent(run_id=f"curriculum-{seed}", step=t, loss=loss, time=float(t)))
+    return events
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("seed", "noise"), [(0, 0.01), (1, 0.01), (2, 0.005), (3, 0.02)])
+def test_a_harder_stage_of_the_data_is_not_a_rise_that_goes_on(seed, noise) -> None:
+    """A step of the data's level crosses the rise test's bar inside a block: that first block
+    over the bar holds points of both levels, so its median is below the new level, and every
+    later block looked "risen further" than it, by up to the step's whole size. A step has at most
+    one such block; only a rise past the second block over the bar goes on. Before, a +20 % stage
+    of a flat loss on 1 % noise was a MEDIUM `loss_slow_rise`, and the policy cut the LR."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    found = pipeline_false_actions([_curriculum(seed, noise)])
+    assert (found.stops, found.lr_cuts) == (0, 0), found

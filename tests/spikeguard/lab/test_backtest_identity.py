@@ -59,6 +59,9 @@ STEPS = 3000
 #: (2813-2915); oscillation-1 181 DIVERGENCE -> LOSS_SPIKE (1051-1231, all HIGH);
 #: sudden_spike-1 30 DIVERGENCE -> LOSS_SPIKE and 28 `loss_climb` + 2 MEDIUM slow_rise -> LOW
 #: level shift (1815-2480); the other 16 scenarios are the same to the bit.
+#: Re-pinned once more on purpose for "a rise goes on past its first two blocks" (a step of the
+#: data's level mixes both levels in one block): gradual_spike-0's MEDIUM slow rise at 1534 is a
+#: LOW level shift; the other 19 the same to the bit.
 PINNED = {
     "data_shift-0": (3000, "b83a56f3f50435277a99bc1e36a60aad71b11264cb134135972be0e060727253"),
     "data_shift-1": (3000, "3694d6ead15de0ad1348cfca30729dc476e796749255c4012c9be0a55bfd43eb"),
@@ -68,7 +71,7 @@ PINNED = {
     "eval_bumps-1": (3000, "16a80167c7554255e02c5c1d6c42844ea85f915a7b0e307e9aa3a7bf79a9eab4"),
     "grad_explosion-0": (3000, "40491cae4fd3d43f7e7ce280b48564ba46ae2ba68c95b050fdf34a351a806ca7"),
     "grad_explosion-1": (3000, "5782e29e615e941e0b74cff037a81984e64301a418fc750872e4521dc90d869d"),
-    "gradual_spike-0": (3000, "f57903ad20b7ca2bb2b9b1fc97dec60c028ab8c18c93234a6753bb0c613c69a8"),
+    "gradual_spike-0": (3000, "b86c34ffe2471065e4821e78c8a7764a7a923c5dc3fe48a157f8d4eee213ae88"),
     "gradual_spike-1": (3000, "369e13422a2da3c9b3b9af522099e223bff6534abaa73626c2db14b6912786b7"),
     "heavy_tailed-0": (3000, "fd1801c5854ed388dad8486fa5dd1e5662eb63c393895e6f07645bacde6c9f80"),
     "heavy_tailed-1": (3000, "8326559c09408f3c3279d4c2c2541d3d08066fe243cc539fd6d9d8be3b700191"),
