@@ -137,7 +137,6 @@ def _instrument(guard: Guard, clock: PartClock) -> None:
         "StepEvent: publisher.submit": (guard.publisher, "submit"),
         "StepEvent: publisher.submit_step": (guard.publisher, "submit_step"),
         "evidence: published.keep": (guard.actions.published, "keep"),
-        "evidence: published.keep_own": (guard.actions.published, "keep_own"),
         "actions: applier.collect": (guard.applier, "collect"),
         "actions: actions.due": (guard.actions, "due"),
         "actions: applier.finish": (guard.applier, "finish"),

@@ -153,7 +153,7 @@ class PublishedSteps:
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        # A view, or own_view's arguments (keep_own): made into the view only when looked at.
+        # A view, or own_view's arguments (keep): made into the view only when looked at.
         self._views: OrderedDict[tuple[int, int], StepView | tuple[Any, ...]] = OrderedDict()
 
     def remember(
@@ -172,21 +172,13 @@ class PublishedSteps:
             StepView(loss, grad_norm, *view[2:]) if view is not None else StepView(loss, grad_norm),
         )
 
-    def keep(self, epoch: int, step: int, view: StepView) -> None:
-        """Keep step ``step`` of ``epoch`` as ``view`` says (its published values in it: own_view)."""
+    def keep(self, epoch: int, step: int, view: StepView | tuple[Any, ...]) -> None:
+        """Keep step ``step`` of ``epoch`` as ``view`` says (its published values in it: own_view),
+        or, ``view`` a plain tuple of own_view's arguments, as ``own_view(*view)`` says, made
+        when looked at (a step's view is looked at only when an action cites it)."""
         views = self._views
         key = (epoch, step)
         views[key] = view
-        views.move_to_end(key)
-        while len(views) > self.size:
-            views.popitem(last=False)
-
-    def keep_own(self, epoch: int, step: int, judged: tuple[Any, ...]) -> None:
-        """Keep step ``step`` of ``epoch`` as ``own_view(*judged)`` says, made when looked at
-        (a step's view is looked at only when an action cites it)."""
-        views = self._views
-        key = (epoch, step)
-        views[key] = judged
         views.move_to_end(key)
         while len(views) > self.size:
             views.popitem(last=False)

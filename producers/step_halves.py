@@ -403,7 +403,7 @@ class StepHalves:
                 outlier=half.scored is not None and half.scored.skip,
                 signals=measured,
             )
-            self.actions.published.keep_own(  # own_view's arguments: the view made if cited
+            self.actions.published.keep(  # own_view's arguments: the view made if cited
                 run.generation,
                 step,
                 (

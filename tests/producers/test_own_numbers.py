@@ -225,7 +225,7 @@ def test_a_step_kept_as_own_views_arguments_is_checked_as_the_view_they_make():
     scored = SkipDecision(True, "loss", 9.0, None, True)
     for judged in ((False, False, scored, False, 2.0, 0.5), (True, False, None, True, 2.0, None)):
         lazy, whole = PublishedSteps(size=2), PublishedSteps(size=2)
-        lazy.keep_own(1, 4, judged)
+        lazy.keep(1, 4, judged)
         whole.keep(1, 4, own_view(*judged))
         assert lazy.view(1, 4) == whole.view(1, 4) == own_view(*judged)
         assert type(lazy.view(1, 4)) is StepView
@@ -238,8 +238,8 @@ def test_a_step_kept_as_own_views_arguments_is_checked_as_the_view_they_make():
         for kind in (AnomalyType.LOSS_SPIKE, AnomalyType.NON_FINITE, AnomalyType.BAD_BATCH):
             claim = Claim(step=4, epoch=1, type=kind)
             assert lazy.claim_problem(claim, None) == whole.claim_problem(claim, None)
-        lazy.keep_own(1, 5, judged)
-        lazy.keep_own(1, 6, judged)
+        lazy.keep(1, 5, judged)
+        lazy.keep(1, 6, judged)
         assert len(lazy) == 2 and lazy.view(1, 4) is None  # bounded, oldest out
 
 
