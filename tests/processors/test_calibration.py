@@ -170,20 +170,25 @@ def test_a_mixtures_hard_batches_lifting_a_window_for_a_few_steps_say_nothing(se
     assert said == []
 
 
-def _steps(kind: str, noise: float, student: bool, seed: int) -> list[StepEvent]:
+def _steps(
+    kind: str, noise: float, student: bool, seed: int, phi: float = 0.0
+) -> list[StepEvent]:
     """A healthy run whose data difficulty steps to a new level four times and stays flat after
     each step (+3 %, +7 %, -5 %, then +15 %: the last twice any move before it, the first with no
     move before it at all), on a slow power-law fall with step noise ``noise``. A ``signed`` loss
-    is the same curve shifted below zero (its noise additive, no ratio of it means anything)."""
+    is the same curve shifted below zero (its noise additive, no ratio of it means anything).
+    ``phi``: the noise is AR(1) with that coefficient (unit variance; 0: independent steps)."""
     rng = random.Random(seed)
     shifts = ((1500, 0.03), (2700, 0.07), (3600, -0.05), (4300, 0.15))
     events = []
+    e = 0.0
     for t in range(5200):
         level = sum(size for at, size in shifts if t >= at)
         z = rng.gauss(0, 1)
         if student:  # Student-t, 3 degrees of freedom, scaled to unit variance
             z /= math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(3)) / 3) * math.sqrt(3)
-        loss = 3.0 * (1 + t / 2000) ** -0.3 * math.exp(level + noise * z)
+        e = z if phi == 0.0 else phi * e + math.sqrt(1.0 - phi * phi) * z
+        loss = 3.0 * (1 + t / 2000) ** -0.3 * math.exp(level + noise * e)
         if kind == "signed":
             loss -= 2.0
         events.append(StepEvent(run_id=f"steps-{kind}-{seed}", step=t, loss=loss, time=float(t)))
@@ -213,6 +218,24 @@ def test_a_step_of_the_data_difficulty_that_stays_flat_never_cuts_the_lr(
     from spikeguard.lab.false_actions import pipeline_false_actions
 
     found = pipeline_false_actions([_steps(kind, noise, student, seed)])
+    assert (found.stops, found.lr_cuts) == (0, 0), found
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("kind", "noise", "phi", "seed"),
+    [("signed", 0.002, 0.9, 6), ("signed", 0.01, 0.5, 7), ("positive", 0.002, 0.9, 8)],
+)
+def test_a_step_of_the_data_difficulty_on_correlated_noise_never_cuts_the_lr(
+    kind, noise, phi, seed
+) -> None:
+    """The same steps on AR(1) step noise. Whether a rise has gone on rising is asked at five
+    standard errors of a difference of two medians, worked out as if the points were independent
+    (LevelMonitor._further): correlated noise moves a median of 10 or 50 points further than
+    that, and must still not turn a flat step into a divergence."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    found = pipeline_false_actions([_steps(kind, noise, False, seed, phi)])
     assert (found.stops, found.lr_cuts) == (0, 0), found
 
 
