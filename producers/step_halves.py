@@ -386,7 +386,7 @@ class StepHalves:
             self.checkpoints.drain()
             self.applier.finish()
             return StepResult(False, True)
-        if reason in (None, "scaler_overflow") and self.amp.enabled:
+        if reason in (None, "scaler_overflow"):
             self.amp.count(half.overflow)
         if reason != SKIPPED_DATA:  # (a step whose data a skip window covers is not published)
             loader = self.position.loader
