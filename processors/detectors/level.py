@@ -639,6 +639,12 @@ class LevelMonitor:
         latest = list(self._latest)[1 - self.climb.window :] + [y]
         return statistics.median(latest) - statistics.median(self._onset) > further
 
+    def _back(self, climbed: float | None) -> bool:
+        """Whether the loss, ``climbed`` over the level before it (None: not judged), is back at
+        that level as the climb test measures it (its statistic at or under zero)."""
+        above = None if climbed is None else self.climb.statistic(climbed)
+        return above is None or above <= 0.0
+
     def _further(self, points: int) -> float | None:
         """How far a rise must have gone on rising since it began, to be a divergence rather
         than a step: five standard errors of a difference of two medians of ``points`` points
@@ -717,8 +723,21 @@ class LevelMonitor:
         point = judged.point
         # An elevated point is the outlier model's; one not judged (an LR rise) starts over.
         climbed = self._climbed(y)  # (before this point's level joins the lagged ones)
-        # the loss over the level before it, as the climb test measures it (None: not judged)
-        above = None if climbed is None or not point.judged else self.climb.statistic(climbed)
+        # (an elevated point inside a climb is the climb going on, not its end)
+        climbing = judged.climbing or (point.elevated and self._climbing > 0)
+        # An elevation begins with an elevated point or a climb over its bar, and goes on until
+        # the loss is back at the level before it (a climb's statistic dips under its bar
+        # without the climb being over); a run of elevated points in proportion ends it: the
+        # level moves to it. (The climb statistic is asked before this point joins it.)
+        if (point.elevated and judged.code == LevelCode.SHIFT) or not (
+            point.elevated
+            or climbing
+            or (self._onset and not self._back(climbed if point.judged else None))
+        ):
+            self._onset = []
+        elif len(self._onset) < self.climb.window:
+            self._onset.append(y)
+        self._latest.append(y)
         if point.judged and not point.elevated and self.model.settled:
             self.climb.advance(climbed, self._smallest_rise())
         elif not point.elevated:
@@ -726,21 +745,7 @@ class LevelMonitor:
             self._levels.clear()
         if point.judged and not point.elevated:
             self._levels.append(point.level)
-        # (an elevated point inside a climb is the climb going on, not its end)
-        climbing = judged.climbing or (point.elevated and self._climbing > 0)
         self._climbing = self._climbing + 1 if climbing else 0
-        # An elevation begins with an elevated point or a climb over its bar, and goes on until
-        # the loss is back at the level before it (a climb's statistic dips under its bar
-        # without the climb being over); a run of elevated points in proportion ends it: the
-        # level moves to it.
-        back = above is None or above <= 0.0
-        if (point.elevated and judged.code == LevelCode.SHIFT) or not (
-            point.elevated or climbing or (self._onset and not back)
-        ):
-            self._onset = []
-        elif len(self._onset) < self.climb.window:
-            self._onset.append(y)
-        self._latest.append(y)
         self.model.advance(y, point, lr)
         # (from the settled tail on: a run's first hundreds of points fall far faster than any
         # move of its data's level, and would excuse any elevation after them)
