@@ -170,9 +170,7 @@ def test_a_mixtures_hard_batches_lifting_a_window_for_a_few_steps_say_nothing(se
     assert said == []
 
 
-def _steps(
-    kind: str, noise: float, student: bool, seed: int, phi: float = 0.0
-) -> list[StepEvent]:
+def _steps(kind: str, noise: float, student: bool, seed: int, phi: float = 0.0) -> list[StepEvent]:
     """A healthy run whose data difficulty steps to a new level four times and stays flat after
     each step (+3 %, +7 %, -5 %, then +15 %: the last twice any move before it, the first with no
     move before it at all), on a slow power-law fall with step noise ``noise``. A ``signed`` loss
