@@ -1,11 +1,18 @@
 """Receives this run's actions from the bus, off the training thread.
 
-A background thread polls the actions topic (consumer group unique per run
-and rank) and hands this run's actions to the training thread through a
-deque; the training thread only ever looks at that deque. Offsets are
-committed only when every action handed over has been resolved (applied,
-refused or found a duplicate, and the ledger persisted), so a crash
-re-delivers rather than loses — and the ledger makes re-delivery harmless.
+A background thread polls the actions topic (a consumer group of this run,
+rank and trainer session alone) and hands this run's actions to the training
+thread through a deque; the training thread only ever looks at that deque.
+The group is the session's because two trainers of one run id (a clash, or a
+restart while the old process still runs) must each read the run's actions
+partition: in one group the partition would be one member's, and the other
+would never read the pulses that tell it of the clash. A new session so reads
+the partition from its start and leaves the earlier sessions' actions alone
+(counted; the first said at INFO). Offsets are committed only when every
+action handed over has been resolved (applied, refused or found a duplicate,
+and the ledger persisted), so a consumer that rejoins its group re-reads
+rather than loses, and the ledger makes re-reading harmless; the commits also
+let the embedded bus drop what the session has read.
 
 The actuator's pulses (``pulse`` actions: "the pipeline judged this run up to
 step s") go to the run's :class:`~spikeguard.producers.protection.ProtectionWatch`
@@ -15,7 +22,8 @@ An action names the trainer session whose steps it answers. One of another
 session (an earlier run of this run id, whose actions a deterministic re-run
 would find with the very same ids and signatures, replayed) is not this
 trainer's: it never reaches the training thread and gets no ack (an ack would
-speak for this session's plan); the first is logged, all are counted.
+speak for this session's plan). A later session's is another trainer with this
+run id: the first is a WARNING.
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ from spikeguard.schemas import Action, ActionKind, Topics, encode
 log = logging.getLogger(__name__)
 
 
-def group_name(run_id: str, rank: int) -> str:
-    return f"spikeguard-guard.{run_id}.r{rank}"
+def group_name(run_id: str, rank: int, session: str | None) -> str:
+    return f"spikeguard-guard.{run_id}.r{rank}" + (f".{session}" if session else "")
 
 
 class ActionInbox:
@@ -54,12 +62,14 @@ class ActionInbox:
         self.run_id = run_id
         self.session = session  # this trainer's (None: take actions of any session)
         self.other_session = 0  # actions of another session left alone
+        self._older_session = 0  # of those, of an earlier session (logged once, at INFO)
+        self._newer_session = 0  # of a later one (logged once, a WARNING)
         self.refusals = refusals  # this run's dead letters, read by their own thread
         self.protection = protection  # None: nobody asks whether the run is judged
         self.topic = topics.actions
         self.dlq_topic = topics.dlq
         bus.create_topics([self.topic, self.dlq_topic])
-        self.group = group_name(run_id, rank)
+        self.group = group_name(run_id, rank, session)
         self._consumer = bus.consumer(self.group, [self.topic], from_beginning=True)
         # An action wakes the poll as it arrives; the timeout only paces the protection check and
         # the stop. A consumer that can be woken to stop lets the thread sleep long (each wake-up
@@ -174,11 +184,26 @@ class ActionInbox:
                 self.protection.other_session(action)
             return True
         self.other_session += 1
-        if self.other_session == 1:
+        if action.session < self.session:
+            # An earlier run of this run id, read back from the partition's start (every restart
+            # of a run that acted does so), or replayed: nothing for this trainer, nothing wrong.
+            self._older_session += 1
+            if self._older_session == 1:
+                log.info(
+                    "spikeguard: run %s: leaving alone the actions of earlier sessions of this run "
+                    "id (first: %s %s of session %s); they are counted, not logged",
+                    self.run_id,
+                    action.kind.value,
+                    action.action_id,
+                    action.session,
+                )
+            return True
+        self._newer_session += 1
+        if self._newer_session == 1:
             log.warning(
                 "spikeguard: run %s: ignoring %s action %s of trainer session %s, not this one (%s): "
-                "an earlier run of this run id, replayed, or another trainer with the same run id; "
-                "further ones are counted, not logged",
+                "another trainer with the same run id, started after this one; further ones are "
+                "counted, not logged",
                 self.run_id,
                 action.kind.value,
                 action.action_id,

@@ -267,13 +267,6 @@ def test_a_trainer_with_another_key_says_so_within_seconds_naming_its_refused_st
     assert guard.step_count < 300  # the issue's 300-step run would now hear it
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect: both trainers' inboxes join one consumer group (inbox.group_name: run "
-    "id and rank, not session), so the actions partition goes to one of them; when the second "
-    "holds it and commits past its pulses, the first never reads the pulse naming the newer "
-    "session (failed 2 of 4 clean-clone runs on 2026-12-07)",
-)
 def test_two_trainers_with_one_run_id_the_first_is_told_of_the_clash(pipeline, tmp_path, caplog):
     import threading
 

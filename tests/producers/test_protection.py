@@ -162,3 +162,87 @@ def test_with_the_default_timeout_a_wrong_key_is_said_within_seconds_with_the_dl
     ]
     assert len(refused) == 1  # one WARNING for the refused steps, not one per step
     assert guard.step_count > 0
+
+
+def test_two_trainers_of_one_run_id_each_read_the_runs_actions():
+    # Two trainers started with one run id: the pipeline judges the newer session, and the
+    # older one learns of it from the newer one's pulses on the run's actions partition. Both
+    # must read that partition: were their inboxes one consumer group, it would be one's alone.
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.producers.inbox import ActionInbox
+    from spikeguard.producers.protection import ProtectionWatch
+    from spikeguard.schemas import Action, ActionKind, Topics, encode, new_session
+    from spikeguard.schemas.signing import Signer
+
+    key = "two-trainers-key-0123456789abcdef"
+    bus, topics, run_id = EmbeddedBus(partitions=1), Topics("clash."), "clash-run"
+    older, newer = new_session(1_000.0), new_session(2_000.0)
+    metrics = Metrics(CollectorRegistry())
+    inboxes = [
+        ActionInbox(
+            bus,
+            topics,
+            run_id,
+            threaded=False,
+            session=session,
+            protection=ProtectionWatch(
+                run_id, Signer(key), lambda: (0, 10), metrics=metrics, session=session
+            ),
+        )
+        for session in (older, newer)
+    ]
+    try:
+        pulse = Action(
+            action_id="pulse-1",
+            run_id=run_id,
+            session=newer,
+            kind=ActionKind.PULSE,
+            apply_at_step=10,
+            params={"judged_step": 10},
+        )
+        producer = bus.producer()
+        producer.publish(topics.actions, encode(Signer(key).sign(pulse)), key=run_id)
+        producer.flush()
+        for inbox in inboxes:
+            inbox.poll_now(0.5)
+        first, second = (inbox.protection for inbox in inboxes)
+        assert first.newer_session == newer  # told of the clash
+        assert second.judged == (0, 10) and second.newer_session is None
+    finally:
+        for inbox in inboxes:
+            inbox.close()
+        bus.close()
+
+
+def test_a_restarted_trainer_reads_its_run_ids_earlier_actions_back_without_a_warning(caplog):
+    # A new session's inbox reads the run's actions partition from its start, so every restart
+    # of a run that ever acted reads the earlier sessions' actions: left alone and counted, and
+    # not a WARNING (nothing is wrong). Another session's that is not older still is one.
+    from spikeguard.bus import EmbeddedBus
+    from spikeguard.producers.inbox import ActionInbox
+    from spikeguard.schemas import Action, ActionKind, Topics, encode, new_session
+
+    bus, topics, run_id = EmbeddedBus(partitions=1), Topics("restart."), "restarted-run"
+    earlier, mine, later = new_session(1_000.0), new_session(2_000.0), new_session(3_000.0)
+    producer = bus.producer()
+    for n, session in enumerate((earlier, earlier, later)):
+        action = Action(
+            action_id=f"cut-{n}",
+            run_id=run_id,
+            session=session,
+            kind=ActionKind.SCALE_LR,
+            apply_at_step=10,
+            params={"factor": 0.5},
+        )
+        producer.publish(topics.actions, encode(action), key=run_id)
+    producer.flush()
+    inbox = ActionInbox(bus, topics, run_id, threaded=False, session=mine)
+    try:
+        with caplog.at_level(logging.INFO, logger="spikeguard.producers.inbox"):
+            inbox.poll_now(0.5)
+        assert inbox.take() == [] and inbox.other_session == 3
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and later in warnings[0] and "cut-2" in warnings[0], warnings
+    finally:
+        inbox.close()
+        bus.close()
