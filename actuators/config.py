@@ -239,6 +239,16 @@ class PolicyConfig(BaseModel):
         "level changed): watch non-critical rises for this many steps instead of rolling back "
         "again; the slowest detector's relearning span (statistical.relearn_after)",
     )
+    flat_rise_waits: bool = Field(
+        True,
+        description="a non-critical spike still elevated after spike_patience_steps, neither "
+        "rising further nor with any update beyond absorbed_grad_ratio of its baseline gradient, "
+        "is no evidence the weights are damaged: a harder data level and a stretch of bad data "
+        "look the same then. It is watched instead of rolled back (one ALERT), for "
+        "data_level_hold_steps; if it ends at once, as bad data does (bad_stretch_steps), its "
+        "batches, onset to last elevated step, are rolled back and skipped then. False: roll back "
+        "and skip at once, and let the re-run tell (PaLM's test)",
+    )
     bad_stretch_steps: int = Field(
         10,
         ge=1,

@@ -44,6 +44,9 @@ class PendingSpike:
     judge_at: int  # the step whose decision judges it
     critical: bool
     harmless: bool  # every update of it so far left the weights about as they were
+    # an update of it went beyond absorbed_grad_ratio of its baseline gradient (evidence, known)
+    unbounded: bool = False
+    losses: list[float] = field(default_factory=list)  # its anomalous decisions' finite losses
     # What a later rollback claims (the spike's own step, not the judging one) and the evidence
     # for it, as JSON: the trainer checks them against what it saw at that step.
     claim: dict[str, Any] | None = None
@@ -62,6 +65,8 @@ class PendingSpike:
             judge_at=state["judge_at"],
             critical=bool(state.get("critical")),
             harmless=bool(state.get("harmless", state.get("grad_bounded"))),
+            unbounded=bool(state.get("unbounded", True)),  # from before: as it was, rolled back
+            losses=[float(x) for x in state.get("losses", ())],
             claim=state.get("claim"),
             evidence=state.get("evidence"),
         )

@@ -36,16 +36,21 @@ explosion           at once: SCALE_LR (x0.4), CLIP; a recurring one (a later
                     same incident -> rollback
 loss-scale          one ALERT: the GradScaler recovers by itself, nothing is
 collapse            changed (so nothing is to be restored)
-spike               judged ``spike_patience_steps`` later: still anomalous ->
-                    ROLLBACK, SKIP_BATCHES (the data caused it; the LR stays
-                    unless ``lr_decrease_factor_spike`` < 1); back to normal ->
-                    CHECKPOINT (on_demand) + ALERT (info). The re-run meets
-                    the rise again on the batches after the skipped ones ->
-                    the data's level: the LR and clipping given back, rises
-                    watched; if it then ends at once (bad_stretch_steps
-                    healthy steps back at the level before it) it was bad
-                    data longer than the window -> ROLLBACK, SKIP_BATCHES to
-                    its last elevated step, once
+spike               judged ``spike_patience_steps`` later: back to normal ->
+                    CHECKPOINT (on_demand) + ALERT (info). Still anomalous
+                    with an update of it beyond ``absorbed_grad_ratio`` of
+                    its baseline gradient -> ROLLBACK, SKIP_BATCHES (the LR
+                    stays unless ``lr_decrease_factor_spike`` < 1). Still
+                    anomalous, flat, every known update bounded -> no sign of
+                    damage (a harder data level looks the same): one ALERT,
+                    its end watched (``flat_rise_waits``; False: roll back
+                    and skip, and a re-run that meets the rise again on the
+                    batches after the skipped ones calls it the data's
+                    level, the LR and clipping given back). A watched rise
+                    that ends at once (``bad_stretch_steps``) with the loss
+                    still above its level by ``absorbed_loss_margin`` was bad
+                    data that damaged the weights -> ROLLBACK, SKIP_BATCHES
+                    from its onset to its last elevated step, once
 slow                low urgency (inside the run's own wander: the detectors' call)
                     -> one ALERT. Otherwise CHECKPOINT (emergency) + SCALE_LR
                     (x0.8), another x0.8 every ``divergence_step_interval_steps``
@@ -150,6 +155,12 @@ def _claim_of(d: Decision) -> dict[str, Any]:
         "claim": {"step": d.step, "epoch": d.epoch, "type": d.type.value},
         "evidence": json.loads(d.evidence.model_dump_json()) if d.evidence else None,
     }
+
+
+def _finite_loss(d: Decision) -> list[float]:
+    """The decided step's loss, if its evidence has a finite one: [loss], else []."""
+    loss = None if d.evidence is None else d.evidence.loss
+    return [loss] if loss is not None and math.isfinite(loss) else []
 
 
 def _median(values: list[float]) -> float:
@@ -274,6 +285,8 @@ class RecoveryPolicy:
         p = self.pending_spike
         if p is not None and decision.is_anomaly and decision.step < p.judge_at:
             p.harmless = p.harmless and self._harmless(decision)
+            p.unbounded = p.unbounded or self._unbounded(decision)
+            p.losses += _finite_loss(decision)
         if self._judge_spike(plan, decision):
             return plan.actions()
         if decision.type in MECHANISM_TYPES and decision.is_anomaly:
@@ -470,6 +483,8 @@ class RecoveryPolicy:
                 )
             elif not inc.explosion_handled:
                 self._explosion(plan, d, inc, what)
+        elif strategy == "spike" and self.stretch and self.stretch["incident"] == inc.key:
+            pass  # a flat rise being watched for its end (_watch_flat_rise)
         elif strategy == "spike" and not grace and self.pending_spike is None:
             self._pend(d, inc, critical=False)
         elif strategy == "wander" and not inc.noticed:
@@ -511,18 +526,7 @@ class RecoveryPolicy:
             return False
         self.rerun_window = None
         self.data_level_until = self.observed_steps + cfg.data_level_hold_steps
-        loss, base = (
-            (None, None) if d.evidence is None else (d.evidence.loss, d.evidence.loss_baseline)
-        )
-        if loss is not None and base is not None and math.isfinite(loss) and math.isfinite(base):
-            self.stretch = {
-                "incident": inc.key,
-                "baseline": base,  # fusion's, from the steps before the rise
-                "elevated": [loss],
-                "last": d.step,
-                "back": [],
-                **_claim_of(d),
-            }
+        self._start_stretch(d, inc)
         inc.watched = True
         plan.response = Response.DATA_LEVEL
         why = (
@@ -544,46 +548,104 @@ class RecoveryPolicy:
         plan.alert("warning", why)
         return True
 
-    def _bad_stretch(self, plan: ActionPlan, d: Decision) -> bool:
-        """A rise called the data's level that ended as it began: a stretch of bad batches
-        longer than the window the rollback skipped. True if it rolled back.
+    def _watch_flat_rise(
+        self, plan: ActionPlan, d: Decision, inc: Incident, still: str, p: PendingSpike
+    ) -> None:
+        """A spike still elevated after its patience, not rising further, no update of it known
+        to go beyond absorbed_grad_ratio: nothing says the weights are damaged. A harder data
+        level (a curriculum stage, a new mixture) and a stretch of bad batches are the same
+        observation now; they differ at their end: a level stays, bad data stops. So no
+        rollback now: its rise is watched like the data's level, and if it ends at once
+        (:meth:`_bad_stretch`), its batches are rolled back and skipped then, exactly."""
+        self._start_stretch(d, inc, earlier=p.losses)
+        inc.watched = True
+        plan.response = Response.FLAT_RISE
+        plan.alert(
+            "warning",
+            f"{still}, but flat, and no update of it beyond x{self.config.absorbed_grad_ratio:g} "
+            "its baseline gradient: no sign the weights are damaged (a harder data level looks "
+            "the same); no rollback. If it ends at once, as bad data does, its batches are rolled "
+            f"back and skipped then; watched for {self.config.data_level_hold_steps} steps",
+        )
 
-        PaLM's re-run test cannot tell a harder data level from bad data that outlasts the
-        skipped window: both come back on the batches after it. Their ends differ: a level stays,
-        or fades as the run learns it; bad data stops. So once the rise is called the data's
-        level, the first ``bad_stretch_steps`` healthy steps after its last elevated one are
-        judged once: their median back within a quarter of the rise of the level from before
-        it means the rise stopped at once, and its batches (its onset to its last elevated step)
-        are rolled back and skipped, the LR and clipping left as they are. A fading level's
-        first healthy steps are still near the rise; an interleaved one keeps the rise going.
+    def _start_stretch(
+        self, d: Decision, inc: Incident, earlier: list[float] | None = None
+    ) -> None:
+        """Watch ``inc``'s rise for its end (:meth:`_bad_stretch`) until data_level_hold_steps on;
+        ``earlier``: the rise's losses before ``d`` (its pending spike's)."""
+        loss, base = (
+            (None, None) if d.evidence is None else (d.evidence.loss, d.evidence.loss_baseline)
+        )
+        if loss is None or base is None or not (math.isfinite(loss) and math.isfinite(base)):
+            return
+        losses = [*(earlier or ()), loss]
+        self.stretch = {
+            "incident": inc.key,
+            "baseline": base,  # fusion's, from the steps before the rise
+            "elevated": list(losses),
+            "recent": losses[-2 * self.config.bad_stretch_steps :],
+            "last": d.step,
+            "until": self.observed_steps + self.config.data_level_hold_steps,
+            **_claim_of(d),
+        }
+
+    def _bad_stretch(self, plan: ActionPlan, d: Decision) -> bool:
+        """A watched rise that ended as it began, leaving the weights damaged: a stretch of bad
+        batches. True if it rolled back.
+
+        A harder data level and a stretch of bad batches look the same while they last (a flat
+        rise with bounded updates; or, after a rollback skipped its window, the rise met again
+        on the batches after it: PaLM's re-run test). Their ends differ: a level stays, or
+        fades as the run learns it; bad data stops. So a watched rise is judged once when it
+        ends *at once*: the median of the last ``bad_stretch_steps`` losses at most half the
+        rise over the level before it, the median of the as many before them at least three
+        quarters of it. Then, if the loss is still above that level by more than
+        ``absorbed_loss_margin``, the stretch damaged the weights: its batches (its onset to its
+        last step over half the rise) are rolled back and skipped, the LR and clipping left as
+        they are. Back at its level, nothing is undone (a harder stretch of data that ended, or
+        bad data the run absorbed). A fading level comes down step by step, never by a quarter
+        of its rise within twice ``bad_stretch_steps``; an interleaved one keeps its median up.
         """
         w = self.stretch
         if w is None:
             return False
-        if self.data_level_until is None or self.observed_steps >= self.data_level_until:
+        until = w.get("until", self.data_level_until)
+        if until is None or self.observed_steps >= until:
             self.stretch = None  # the watch is over: a later fall is the run's own
             return False
         loss = None if d.evidence is None else d.evidence.loss
-        if d.is_anomaly:
-            if loss is not None and math.isfinite(loss):
-                w["elevated"].append(loss)
-                del w["elevated"][: max(0, len(w["elevated"]) - MAX_STRETCH_LOSSES)]
-            w.update(last=d.step, back=[], **_claim_of(d))
-            return False
         if loss is None or not math.isfinite(loss):
             return False
-        w["back"].append(loss)
-        if len(w["back"]) < self.config.bad_stretch_steps:
-            return False
-        self.stretch = None  # judged once
+        if d.is_anomaly:
+            w["elevated"].append(loss)
+            del w["elevated"][: max(0, len(w["elevated"]) - MAX_STRETCH_LOSSES)]
         base = w["baseline"]
         rise = _median(w["elevated"]) - base
-        back = _median(w["back"])
-        if not rise > 0 or back > base + rise / 4:
+        if not rise > 0:
             return False
+        if d.is_anomaly and loss > base + rise / 2:
+            w.update(last=d.step, **_claim_of(d))
+        n = self.config.bad_stretch_steps
+        recent = w.setdefault("recent", [])
+        recent.append(loss)
+        del recent[: max(0, len(recent) - 2 * n)]
+        if len(recent) <= n:
+            return False
+        before, back = _median(recent[:-n]), _median(recent[-n:])
+        if before < base + 3 * rise / 4 or back > base + rise / 2:
+            return False  # not over, or not at once
+        self.stretch = None  # judged once
         inc = self.incidents.incidents.get(w["incident"]) or self.incidents.get(
             d, self.observed_steps
         )
+        ended = (
+            f"the rise from step {inc.onset_step} (the level before it {base:.4g}, the rise "
+            f"{base + rise:.4g}) ended at step {w['last']}, the loss at {back:.4g} at once, as bad "
+            "data stops and a harder level does not"
+        )
+        if back <= base + self.config.absorbed_loss_margin * abs(base):
+            plan.alert("info", f"{ended}; the loss is back at its level: nothing to undo")
+            return False
         plan.incident_id, plan.incident_onset_step = inc.key, inc.onset_step
         # The claim the trainer checks against its own numbers: the last elevated step it saw,
         # not this healthy one.
@@ -596,10 +658,8 @@ class RecoveryPolicy:
             inc,
             None,
             False,
-            f"the rise from step {inc.onset_step} called the data's level ended at step "
-            f"{w['last']}: the loss back at {back:.4g} (the level before it {base:.4g}, the rise "
-            f"{base + rise:.4g}) at once, as bad data stops and a harder level does not: a stretch "
-            "of bad batches longer than the skipped window",
+            f"{ended}, and still above its level by more than x{self.config.absorbed_loss_margin:g}: "
+            "a stretch of bad batches that damaged the weights",
             confirmed=False,
             skip_to=w["last"],
             widening=True,
@@ -614,6 +674,8 @@ class RecoveryPolicy:
             judge_at=d.step + self.config.spike_patience_steps,
             critical=critical,
             harmless=self._harmless(d),
+            unbounded=self._unbounded(d),
+            losses=_finite_loss(d),
             **_claim_of(d),
         )
 
@@ -625,6 +687,14 @@ class RecoveryPolicy:
             return True
         ratio = _grad_ratio(d)
         return ratio is not None and ratio <= self.config.absorbed_grad_ratio
+
+    def _unbounded(self, d: Decision) -> bool:
+        """The decided step's update went beyond absorbed_grad_ratio of its baseline gradient:
+        known evidence that it moved the weights far (a skipped update moved nothing)."""
+        if d.signals.get("update_skipped"):
+            return False
+        ratio = _grad_ratio(d)
+        return ratio is not None and ratio > self.config.absorbed_grad_ratio
 
     def _absorbed(self, p: PendingSpike, d: Decision) -> bool:
         """Whether a pending extreme loss left the run as it was: its update was skipped or its
@@ -946,6 +1016,14 @@ class RecoveryPolicy:
                     skip_data=False,
                     hold_lr=True,
                 )
+            elif (
+                cfg.flat_rise_waits
+                and not critical
+                and not p.unbounded
+                and not self._unbounded(d)
+                and d.type in cfg.spike_types
+            ):
+                self._watch_flat_rise(plan, d, inc, still, p)
             else:
                 # Every update of the incident left the weights bounded (the Guard skipped it, or
                 # its gradient stayed within absorbed_grad_ratio of the baseline): the loss is the

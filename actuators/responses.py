@@ -47,6 +47,10 @@ class Response(str, Enum):
     # led into it (PaLM's test): the data's level changed (harder data, not a bad batch).
     # Undo the LR the rise lowered and watch non-critical rises while the detectors relearn.
     DATA_LEVEL = "data_level"
+    # A spike still elevated after its patience, flat, no update of it known to be unbounded:
+    # no sign of damage, and a harder data level looks the same. Watched, no rollback; if it
+    # ends at once as bad data does, BAD_STRETCH rolls it back then.
+    FLAT_RISE = "flat_rise"
     # A rise called the data's level that then ended at once, the loss back at the level from
     # before it: it was a stretch of bad batches longer than the skipped window, not the data's
     # level (a harder level does not end). Roll back and skip the stretch, onset to last

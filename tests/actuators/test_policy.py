@@ -207,11 +207,17 @@ def _rows() -> list:
         pytest.param(
             {},
             [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
+            {503: [(K.ALERT, {"severity": "warning"})]},
+            id="spike-flat-without-sign-of-damage-is-watched",
+        ),
+        pytest.param(
+            {"flat_rise_waits": False},
+            [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
             {503: [roll(400, 503), skip(500, 503)]},
             id="spike-not-recovering-data-lr-stays",
         ),
         pytest.param(
-            {"lr_decrease_factor_spike": 0.5},
+            {"lr_decrease_factor_spike": 0.5, "flat_rise_waits": False},
             [(s, T.LOSS_SPIKE, 500) for s in range(500, 504)],
             {503: [roll(400, 503), skip(500, 503), scale(0.5)]},
             id="spike-lr-cut-is-a-setting",
@@ -223,7 +229,7 @@ def _rows() -> list:
             id="spike-recovering-watch-only",
         ),
         pytest.param(
-            {"spike_patience_steps": 5},
+            {"spike_patience_steps": 5, "flat_rise_waits": False},
             [(500, T.LOSS_SPIKE, 500)] + [(s, T.LOSS_SPIKE, 500) for s in range(501, 506)],
             {505: [roll(400, 505), skip(500, 505)]},
             id="spike-patience-is-a-setting",

@@ -190,9 +190,11 @@ def test_an_extreme_loss_with_an_unbounded_gradient_is_rolled_back_even_if_the_l
 
 
 def test_a_data_spike_is_rolled_back_and_its_window_skipped_with_the_lr_untouched() -> None:
+    """Still up a patience later, and an update of it went beyond x10 its baseline gradient:
+    the weights moved far on bad data. Rolled back at once, its window skipped."""
     policy = make()
     feed(policy, healthy(401, 800))
-    out = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
+    out = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800, grad=20.0) for s in range(800, 804)])
     assert kinds(out) == [K.ROLLBACK, K.SKIP_BATCHES]
     assert (
         out[0].params.target_step == 700 and out[1].params.from_step == 800
@@ -251,7 +253,7 @@ def test_a_rise_that_comes_back_on_other_data_after_the_skip_is_the_datas_level(
     """PaLM's test: the window that led into the spike was skipped, and the re-run meets the same
     rise on the batches after it. The data's level changed (harder data, not a bad batch): said,
     the LR the rise lowered is given back, and rolling back again could not help."""
-    policy = make(skip_extra_batches=40, lr_decrease_factor_spike=0.8)
+    policy = make(skip_extra_batches=40, lr_decrease_factor_spike=0.8, flat_rise_waits=False)
     feed(policy, healthy(401, 800))
     first = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
     assert kinds(first) == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR]
@@ -293,13 +295,14 @@ def bad_stretch_met_again(policy: RecoveryPolicy, last_bad: int) -> list:
 
 
 def test_a_rise_that_ends_abruptly_after_it_was_called_the_datas_level_was_a_bad_stretch() -> None:
-    """The re-run's rise stops as it began: the loss falls back to the level from before it
-    within a step and stays there. A harder data level does not end; a stretch of bad batches
-    longer than the skipped window does. Its batches are rolled back and skipped, from the
-    rise's onset to its last elevated step, nothing more (no margin, no LR cut, no clipping)."""
-    policy = make()
+    """The re-run's rise stops as it began: the loss falls most of the way back to the level
+    from before it within a step, and stays a little above it (the stretch's updates damaged
+    the weights). A harder data level does not end; a stretch of bad batches longer than the
+    skipped window does. Its batches are rolled back and skipped, from the rise's onset to its
+    last elevated step, nothing more (no margin, no LR cut, no clipping)."""
+    policy = make(flat_rise_waits=False)
     bad_stretch_met_again(policy, last_bad=811)
-    after = feed(policy, healthy(812, 830))
+    after = feed(policy, [dec(s, loss=2.4) for s in range(812, 830)])
     assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
     assert all(a.reason.startswith("[bad_stretch]") for a in after[:2])
     skip = after[1].params
@@ -311,17 +314,67 @@ def test_a_rise_that_ends_abruptly_after_it_was_called_the_datas_level_was_a_bad
     assert {a.claim.step for a in after[:2]} == {811}
 
 
+def test_a_bad_stretch_that_left_the_loss_at_its_level_is_not_rolled_back() -> None:
+    """The same stretch, but the loss back at the level from before it: nothing shows the
+    weights were damaged (a harder stretch of data that ended, or bad data the run absorbed),
+    so nothing is undone; said once."""
+    policy = make(flat_rise_waits=False)
+    bad_stretch_met_again(policy, last_bad=811)
+    after = feed(policy, healthy(812, 900))
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(after)), [a.reason for a in after]
+    said = [a.params.message for a in after if a.kind is K.ALERT]
+    assert any("ended" in m and "nothing to undo" in m for m in said), said
+
+
+def flat_rise(policy: RecoveryPolicy, last: int, loss: float = 3.0) -> list:
+    """Healthy to 800, then a loss spike from 800 to ``last`` at ``loss`` (x1.5 its level 2.0)
+    with every gradient at its baseline."""
+    out = feed(policy, healthy(401, 800))
+    return out + feed(
+        policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=loss) for s in range(800, last + 1)]
+    )
+
+
+def test_a_flat_rise_with_bounded_updates_is_watched_not_rolled_back() -> None:
+    """A step of the data's difficulty (a harder curriculum stage, a new mixture): the loss up
+    x1.5 and flat, every gradient at its baseline. Nothing says the weights are damaged, and a
+    stretch of bad data would look the same until it ends: one alert, no rollback, no skipped
+    batch, no LR cut, while it stays (the watch's 500 steps and after)."""
+    policy = make()
+    out = flat_rise(policy, last=1400)
+    assert not CHANGES & set(kinds(out)), [a.reason for a in out if a.kind in CHANGES]
+    said = [a for a in out if a.reason.startswith("[flat_rise]")]
+    assert len(said) == 2 and "no rollback" in said[0].params.message  # once per 500-step watch
+    assert "bad data" in said[0].params.message
+
+
+def test_a_flat_rise_that_ends_at_once_leaving_the_loss_up_is_rolled_back_and_skipped_exactly() -> (
+    None
+):
+    """A stretch of 20 bad batches whose updates stayed bounded: watched while it lasts; it ends
+    at once, the loss still 20 % above its level (the weights were damaged): rolled back to
+    before it and its 20 batches skipped, no more (the bench's bad shard)."""
+    policy = make()
+    flat_rise(policy, last=819)
+    after = feed(policy, [dec(s, loss=2.4) for s in range(820, 850)])
+    assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
+    assert after[0].params.target_step == 700 and after[0].reason.startswith("[bad_stretch]")
+    skip = after[1].params
+    assert (skip.from_step, skip.to_step, skip.extra) == (800, 819, 0)
+    assert not {K.SCALE_LR, K.CLIP, K.STOP} & set(kinds(after))
+
+
 def test_a_rise_called_the_datas_level_that_fades_slowly_is_not_rolled_back_again() -> None:
     """A new data level the run learns to fit comes down step by step, not at once: the first
     healthy steps after the rise are still near its level. Nothing more is done; nor when the
     loss stays up with healthy and elevated steps interleaved."""
-    policy = make()
+    policy = make(flat_rise_waits=False)
     bad_stretch_met_again(policy, last_bad=811)
     fading = [dec(s, loss=3.0 - (s - 812) * 0.01) for s in range(812, 912)]
     out = feed(policy, fading + healthy(912, 1000))
     assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(out)), [a.reason for a in out]
 
-    policy = make()
+    policy = make(flat_rise_waits=False)
     bad_stretch_met_again(policy, last_bad=811)
     interleaved = [
         dec(s, T.LOSS_SPIKE, onset=800, loss=3.0) if s % 4 == 0 else dec(s, loss=2.9)
@@ -357,7 +410,7 @@ def test_a_rise_that_is_the_datas_level_gives_back_the_clipping_its_recovery_set
 
 
 def test_a_rise_long_after_the_skipped_window_is_a_new_spike() -> None:
-    policy = make(skip_extra_batches=40)
+    policy = make(skip_extra_batches=40, flat_rise_waits=False)
     feed(policy, healthy(401, 800))
     first = feed(policy, [dec(s, T.LOSS_SPIKE, onset=800) for s in range(800, 804)])
     applied(policy, first[0])
@@ -380,7 +433,10 @@ def test_low_confidence_incidents_never_stop_a_run() -> None:
         out += feed(policy, healthy(onset - 40, onset))
         out += feed(
             policy,
-            [dec(s, T.LOSS_SPIKE, onset=onset, confidence=0.6) for s in range(onset, onset + 4)],
+            [
+                dec(s, T.LOSS_SPIKE, onset=onset, confidence=0.6, grad=20.0)
+                for s in range(onset, onset + 4)
+            ],
         )
     assert K.STOP not in kinds(out)
     assert not policy.stopped
@@ -401,7 +457,8 @@ def test_a_critical_decision_recurring_after_a_recovery_stops_the_run() -> None:
 def test_no_checkpoint_fallback_only_for_a_confirmed_incident() -> None:
     unconfirmed = make(ckpts=())
     out = feed(
-        unconfirmed, healthy(1, 50) + [dec(s, T.LOSS_SPIKE, onset=50) for s in range(50, 54)]
+        unconfirmed,
+        healthy(1, 50) + [dec(s, T.LOSS_SPIKE, onset=50, grad=20.0) for s in range(50, 54)],
     )
     assert kinds(out) == [K.ALERT] and "no fallback" in out[0].params.message
     assert unconfirmed.recovery.lr.current == 1.0
