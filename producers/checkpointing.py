@@ -150,7 +150,13 @@ class CheckpointKeeper:
             peek = lifecycle.read_sidecar(self.store.directory)
             finished = peek is not None and bool(peek.get("finished"))
             newest = self.store.newest()
-            if mode is ResumeMode.MUST and (finished or newest is None):
+            other = lifecycle.owner((peek or {}).get("run_id"), run.run_id, self.store.list(0))
+            if other is not None and not finished:
+                decision = (
+                    "refuse",
+                    lifecycle.not_ours_message(run.run_id, other, self.store.directory),
+                )
+            elif mode is ResumeMode.MUST and (finished or newest is None):
                 decision = (
                     "refuse",
                     f"resume='must': run {run.run_id} has "
@@ -164,7 +170,7 @@ class CheckpointKeeper:
                     self.store.directory
                 )  # the directory is shared
                 log.warning(
-                    lifecycle.finished_message(run.run_id, peek or {}, archived)
+                    lifecycle.finished_message(other or run.run_id, peek or {}, archived)
                     if finished
                     else lifecycle.fresh_message(run.run_id, archived)
                 )

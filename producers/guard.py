@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from spikeguard.errors import ConfigError
 from spikeguard.producers.actions import ActionQueue, Handler
 from spikeguard.producers.amp import ScalerControl
 from spikeguard.producers.applying import Acknowledgements, ActionApplier
@@ -190,7 +191,18 @@ class Guard:
         vars(self).update(vars(parts))  # each part under its name (the declarations above)
         self.applied = self.acks.applied  # every ack: what was done, newest last
         self._closed = False
-        self.resume(self.config.resume)
+        try:
+            self.resume(self.config.resume)
+        except ConfigError:
+            # Refused at the start (resume='must' with nothing to resume, another run's
+            # checkpoint_dir): nothing trained, nothing to write; what it opened is let go.
+            self._closed = True
+            self.usage.close()
+            self.saver.close()
+            self.links.close(0.0)
+            if self.own_runtime is not None:
+                self.own_runtime.close()
+            raise
 
     @property
     def counters(self) -> Counters:

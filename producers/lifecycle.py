@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spikeguard.producers.checkpoints import checkpoint_id
 from spikeguard.producers.ledger import SIDECAR
 
 
@@ -29,6 +30,29 @@ def read_sidecar(directory: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def owner(directory_run: Any, run_id: str, checkpoints: list[Any]) -> str | None:
+    """The run whose files these are, when not ``run_id``'s (None: this run's, or none).
+
+    ``directory_run``: the sidecar's run_id (None: no sidecar, or an older one without it). A
+    checkpoint's id is derived from its run's id, epoch and step, so a file another run wrote
+    says so without being opened."""
+    if directory_run and directory_run != run_id:
+        return str(directory_run)
+    for c in checkpoints:
+        if c.checkpoint_id != checkpoint_id(run_id, c.step, c.epoch):
+            return str(directory_run or "another run")
+    return None
+
+
+def not_ours_message(run_id: str, other: str, directory: Path) -> str:
+    return (
+        f"checkpoint_dir {directory} holds the unfinished checkpoints of run {other}, not of run "
+        f"{run_id}: in one directory, the runs would resume each other's weights and delete each "
+        f"other's checkpoints. Give each run its own checkpoint_dir (the default, None, is "
+        f"./spikeguard-checkpoints/<run_id>), or resume {other} with run_id={other!r}"
+    )
 
 
 def finished_fact(step: int, epoch: int, reason: str) -> dict[str, Any]:

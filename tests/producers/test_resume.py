@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -113,3 +114,51 @@ def test_a_loop_that_ran_out_of_data_is_finished(tmp_path):
     guard.close()
     assert guard.finished
     assert _guard(Tiny(seed=1), tmp_path).resumed_from is None
+
+
+def test_a_new_run_id_in_a_directory_holding_another_runs_checkpoints_is_refused(tmp_path):
+    """Two runs, one explicit checkpoint_dir: the second (a fresh model, another run_id) used to
+    resume the first's weights from its unfinished checkpoint, and its rotation would delete the
+    first's files. Refused at the start, naming both runs and the way out; the first's files
+    stay where they were."""
+    from spikeguard.errors import ConfigError
+
+    tiny = Tiny(seed=1)
+    first = _guard(tiny, tmp_path)
+    train(first, tiny, 25)  # not closed: an unfinished run, resumable
+    first.saver.wait()
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    other = Tiny(seed=2)
+    threads = set(threading.enumerate())
+    with pytest.raises(ConfigError) as refused:
+        Guard(
+            other.model,
+            other.optimizer,
+            run_id="another-run",
+            config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10),
+        )  # (on its own embedded pipeline: what it started is stopped again)
+    left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+    assert not left, left
+    said = str(refused.value)
+    assert "my-run" in said and "another-run" in said and "checkpoint_dir" in said, said
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files
+    # The first run itself still resumes there.
+    again = _guard(Tiny(seed=1), tmp_path)
+    assert again.resumed_from is not None and again.resumed_from.step == 20
+    again.close()
+
+
+def test_a_finished_run_moved_aside_for_another_run_id_is_named_for_what_it_is(tmp_path, caplog):
+    _readme_example(tmp_path)  # "my-run", finished
+    tiny = Tiny(seed=2)
+    with caplog.at_level(logging.WARNING, logger="spikeguard.producers.guard"):
+        guard = Guard(
+            tiny.model,
+            tiny.optimizer,
+            run_id="another-run",
+            bus=None,
+            config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt")),
+        )
+    guard.close()
+    said = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
+    assert len(said) == 1 and "run my-run already finished" in said[0], said
