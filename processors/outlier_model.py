@@ -673,7 +673,10 @@ class OutlierModel:
         needed = self.config.follow_elevated
         if not needed or len(marks) < needed or marks[-1] - marks[0] + 1 == len(marks):
             return  # too few, or one run of elevated points (a multi-step spike's)
-        by = statistics.median(y for y, _ in recent) - level
+        # The points since the first elevated one: the new level's, its low ones too (the
+        # points before it are the old level's, and would hold the median back).
+        since = list(recent)[marks[0] :]
+        by = statistics.median(y for y, _ in since) - level
         recent.clear()
         if by > 0.0:
             self.move_level(by)
