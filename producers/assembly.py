@@ -187,7 +187,7 @@ def assemble(
     clipper = GradClipper(cfg.clip_beta, cfg.clip_warmup, cfg.clip_track_z, cfg.max_grad_norm)
     lr = LRControl(optimizer)
     stepped = torch_optimizer(optimizer, required=False)
-    usage = StepWatch(stepped, run_id)  # two updates for one batch (misuse.py)
+    usage = StepWatch(stepped, run_id, scheduler)  # two updates for one batch (misuse.py)
     amp = ScalerControl(scaler)
     health = HealthTracker(cfg.incident_window, cfg.healthy_stretch)
     position = DataPosition(cfg.history_steps)

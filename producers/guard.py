@@ -381,11 +381,13 @@ class Guard:
     def load_state_dict(self, body: dict[str, Any]) -> None:
         """Load every part; applied-action ids and skip ranges are merged, never replaced."""
         self.parts.load_state_dict(body, self.rank)
+        self.usage.after_step()  # the scheduler's loaded count is where the next step starts
 
     def resume(self, mode: ResumeMode | str = ResumeMode.AUTO) -> CheckpointInfo | None:
         """Continue from the newest checkpoint of this run, as ``mode`` says (config.ResumeMode;
         CheckpointKeeper.resume). Returns the checkpoint resumed from (None: none)."""
         info = self.checkpoints.resume(mode)
+        self.usage.after_step()  # the scheduler's loaded count is where the next step starts
         if info is not None:
             self.state.resumed_from = info  # (its checkpoint is on disk: no initial one is saved)
         return info
@@ -402,7 +404,9 @@ class Guard:
         self, target_step: int, checkpoint_id: str | None = None, onset_step: int | None = None
     ) -> str:
         """Roll back now, as a ROLLBACK action does (steering.Steering.rollback)."""
-        return self.steering.rollback(target_step, checkpoint_id, onset_step)
+        result = self.steering.rollback(target_step, checkpoint_id, onset_step)
+        self.usage.after_step()  # the scheduler's loaded count is where the next step starts
+        return result
 
     def summary(self) -> RunSummary:
         """The run so far: incidents, actions taken and withheld, and the goodput."""

@@ -64,14 +64,23 @@ def guard_options_error(options: dict[str, Any], settings: set[str]) -> TypeErro
 
 
 class StepWatch:
-    """Sees two updates for one batch: ``guard.step`` twice, or ``optimizer.step()`` beside it.
+    """Sees two updates for one batch: ``guard.step`` twice, or ``optimizer.step()`` beside it;
+    and a schedule stepped twice: ``scheduler.step()`` beside it.
 
     The optimizer's step count comes from a post-step hook (no per-step cost
-    but one integer); a loop's batches from the Guard's loader.
+    but one integer); a loop's batches from the Guard's loader; the scheduler's
+    steps from its ``last_epoch``, which only ``step()`` and a loaded state move.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, run_id: str = "") -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        run_id: str = "",
+        scheduler: Any = None,
+    ) -> None:
         self.run_id = run_id
+        self.scheduler = scheduler
+        self._scheduled: Any = getattr(scheduler, "last_epoch", None)
         self.said_no_data = False
         self.optimizer_steps = 0
         self._expected = 0
@@ -90,6 +99,13 @@ class StepWatch:
                 "optimizer.step() was called besides guard.step(loss): guard.step makes the "
                 "update itself (and scheduler.step()), so every batch was being applied twice. "
                 "Remove optimizer.step() (and scheduler.step()) from the loop"
+            )
+        if self.scheduler is not None and self.scheduler.last_epoch != self._scheduled:
+            raise GuardMisuse(
+                "scheduler.step() was called besides guard.step(loss): the Guard steps the "
+                "scheduler it was given after each update, so the schedule was running twice as "
+                "fast. Remove scheduler.step() from the loop (or do not pass the scheduler to "
+                "Guard, and step it yourself)"
             )
         same_loss = self._last_loss is not None and self._last_loss() is loss
         if loader is not None and loader.batches_read() == 0:
@@ -119,7 +135,10 @@ class StepWatch:
             )
 
     def after_step(self) -> None:
+        """The counts a next ``guard.step`` starts from (after a step, and after a state load)."""
         self._expected = self.optimizer_steps
+        if self.scheduler is not None:
+            self._scheduled = self.scheduler.last_epoch
 
     def close(self) -> None:
         if self._hook is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from producers_helpers import Tiny, acks, action, make_guard, send
 
-from spikeguard.producers import Guard
+from spikeguard.producers import Guard, GuardConfig
 from spikeguard.producers.misuse import GuardMisuse
 from spikeguard.schemas import AckStatus, ActionKind
 
@@ -60,6 +60,27 @@ def test_optimizer_step_left_in_the_loop_is_an_error(bus, tmp_path):
             tiny.optimizer.step()
             guard.step(loss)
     assert guard.counters["updates"] == 0
+    guard.close()
+
+
+def test_scheduler_step_left_in_the_loop_is_an_error(bus, tmp_path):
+    """The scheduler handed to the Guard and stepped by the loop too: the schedule ran twice as
+    fast, silently (a StepLR(50, 0.5) at 0.003 after 120 steps instead of 0.0125)."""
+    tiny = Tiny()
+    scheduler = torch.optim.lr_scheduler.StepLR(tiny.optimizer, 50, 0.5)
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        scheduler,
+        run_id="r1",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+    )
+    with pytest.raises(GuardMisuse, match=r"scheduler.step\(\) was called besides guard.step"):
+        for batch in guard.data(tiny.loader):
+            guard.step(tiny.loss(batch))
+            scheduler.step()
+    assert guard.counters["updates"] == 1 and scheduler.last_epoch == 2
     guard.close()
 
 

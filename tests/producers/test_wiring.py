@@ -73,6 +73,7 @@ def test_a_guard_handed_no_runtime_opens_the_wired_one_and_closes_it(tmp_path, m
     assert len(opened) == 1 and guard.own_runtime is opened[0] and guard.bus is None
     guard.close()
     assert opened[0].closed
-    unconnected = Guard(tiny.model, tiny.optimizer, run_id="r2", config=config, connect=False)
+    own_dir = GuardConfig(checkpoint_dir=str(tmp_path / "r2"), resume=False)  # (r1's is r1's)
+    unconnected = Guard(tiny.model, tiny.optimizer, run_id="r2", config=own_dir, connect=False)
     assert len(opened) == 1 and unconnected.own_runtime is None
     unconnected.close()
