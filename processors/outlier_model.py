@@ -60,8 +60,9 @@ at that step (:func:`turns_signed`).
   elevated points among the last ``follow_window``, not all in one run, are no
   isolated outlier (a healthy point is elevated with probability ``rate``: three
   of them in twenty, at 1e-5, about 1e-12): the level moves up to the median of
-  those last points, all of them (a median: a minority of spikes among them
-  barely moves it). Off for the pipeline's level test, whose own proportion test
+  the points since the first of them, the low ones too (a median: a minority of
+  spikes among them barely moves it; the points before the first are the old
+  level's). Off for the pipeline's level test, whose own proportion test
   moves the level (:meth:`OutlierModel.move_level`) and tells a shift from a
   climb, which interleaves in the same way and must stay elevated.
 * **learning rate** — for ``lr_grace`` steps after the learning rate jumped
