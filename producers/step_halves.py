@@ -441,4 +441,8 @@ _NO_SIGNALS: Mapping[str, float] = MappingProxyType({})
 
 
 def _over(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
+    """A residual over its threshold, said as a multiple; a point below its level is said so
+    (its residual is negative: "-0.03x its threshold" reads as nothing)."""
+    if value is None:
+        return "n/a"
+    return "below its level" if value < 0.0 else f"{value:.2f}x"

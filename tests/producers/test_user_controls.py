@@ -379,3 +379,10 @@ def test_the_summary_does_not_call_the_user_s_own_clipping_a_recovery_s(bus, tmp
     guard = make_guard(tiny, bus, tmp_path, max_grad_norm=1.0)
     train(guard, tiny, 12)
     assert "clipped" not in str(guard.close())
+
+
+def test_a_signal_below_its_level_is_said_so_not_as_a_negative_multiple() -> None:
+    # Seen by a new user: "grad norm at -0.03x" beside a loss outlier whose gradient was low.
+    from spikeguard.producers.step_halves import _over
+
+    assert (_over(1.06), _over(-0.03), _over(None)) == ("1.06x", "below its level", "n/a")
