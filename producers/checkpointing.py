@@ -170,7 +170,9 @@ class CheckpointKeeper:
                     self.store.directory
                 )  # the directory is shared
                 log.warning(
-                    lifecycle.finished_message(other or run.run_id, peek or {}, archived)
+                    lifecycle.finished_message(
+                        other or run.run_id, peek or {}, archived, run.run_id
+                    )
                     if finished
                     else lifecycle.fresh_message(run.run_id, archived)
                 )

@@ -75,12 +75,19 @@ def archive_finished(directory: Path) -> Path:
     return target
 
 
-def finished_message(run_id: str, side: dict[str, Any], archived: Path) -> str:
+def finished_message(
+    run_id: str, side: dict[str, Any], archived: Path, starting: str | None = None
+) -> str:
+    """``run_id``: the finished run's; ``starting``: the run that starts instead, if another."""
     fact = side.get("finished") or {}
+    how = (
+        f"run {starting} trains from step 0; give each run its own checkpoint_dir"
+        if starting and starting != run_id
+        else "training from step 0 (give each run its own run_id to keep them apart)"
+    )
     return (
         f"spikeguard: run {run_id} already finished (step {fact.get('step')}, {fact.get('reason')}); "
-        f"not resuming it: training from step 0, the finished run's checkpoints were moved to "
-        f"{archived} (give each run its own run_id to keep them apart)"
+        f"not resuming it: its checkpoints were moved to {archived}; {how}"
     )
 
 
