@@ -658,7 +658,7 @@ class RecoveryPolicy:
             inc,
             None,
             False,
-            f"{ended}, and still above its level by more than x{self.config.absorbed_loss_margin:g}: "
+            f"{ended}, and still more than {self.config.absorbed_loss_margin:.0%} above its level: "
             "a stretch of bad batches that damaged the weights",
             confirmed=False,
             skip_to=w["last"],
