@@ -584,6 +584,7 @@ class RecoveryPolicy:
             "baseline": base,  # fusion's, from the steps before the rise
             "elevated": list(losses),
             "recent": losses[-2 * self.config.bad_stretch_steps :],
+            "marks": [{"step": d.step, "loss": loss, **_claim_of(d)}],
             "last": d.step,
             "until": self.observed_steps + self.config.data_level_hold_steps,
             **_claim_of(d),
@@ -597,14 +598,15 @@ class RecoveryPolicy:
         rise with bounded updates; or, after a rollback skipped its window, the rise met again
         on the batches after it: PaLM's re-run test). Their ends differ: a level stays, or
         fades as the run learns it; bad data stops. So a watched rise is judged once when it
-        ends *at once*: the median of the last ``bad_stretch_steps`` losses at most half the
-        rise over the level before it, the median of the as many before them at least three
-        quarters of it. Then, if the loss is still above that level by more than
+        ends *at once*: the median of the last ``bad_stretch_steps`` losses has fallen at least
+        half the way from the median of the (up to) as many before them to the level before
+        the rise, those still up by at least a quarter of the rise (a long stretch's level
+        drifts as the run fits its data; a faded level is over, not ended). Then, if the loss is still above that level by more than
         ``absorbed_loss_margin``, the stretch damaged the weights: its batches (its onset to its
-        last step over half the rise) are rolled back and skipped, the LR and clipping left as
+        last elevated step above the middle of the fall) are rolled back and skipped, the LR and clipping left as
         they are. Back at its level, nothing is undone (a harder stretch of data that ended, or
-        bad data the run absorbed). A fading level comes down step by step, never by a quarter
-        of its rise within twice ``bad_stretch_steps``; an interleaved one keeps its median up.
+        bad data the run absorbed). A fading level comes down step by step, never by half its
+        height within twice ``bad_stretch_steps``; an interleaved one keeps its median up.
         """
         w = self.stretch
         if w is None:
@@ -623,18 +625,25 @@ class RecoveryPolicy:
         rise = _median(w["elevated"]) - base
         if not rise > 0:
             return False
-        if d.is_anomaly and loss > base + rise / 2:
-            w.update(last=d.step, **_claim_of(d))
         n = self.config.bad_stretch_steps
         recent = w.setdefault("recent", [])
         recent.append(loss)
         del recent[: max(0, len(recent) - 2 * n)]
+        if d.is_anomaly:  # the stretch's elevated steps of that span, to back a rollback with
+            marks = w.setdefault("marks", [])
+            marks.append({"step": d.step, "loss": loss, **_claim_of(d)})
+            del marks[: max(0, len(marks) - 2 * n)]
         if len(recent) <= n:
             return False
         before, back = _median(recent[:-n]), _median(recent[-n:])
-        if before < base + 3 * rise / 4 or back > base + rise / 2:
+        high = before - base  # how far up it still was (a long stretch's level can drift)
+        if high < rise / 4 or back > base + high / 2:
             return False  # not over, or not at once
         self.stretch = None  # judged once
+        # Its last step: the last elevated one still above the middle of the fall.
+        up = [m for m in w.get("marks", ()) if m["loss"] > base + high / 2]
+        if up:
+            w.update(last=up[-1]["step"], claim=up[-1]["claim"], evidence=up[-1]["evidence"])
         inc = self.incidents.incidents.get(w["incident"]) or self.incidents.get(
             d, self.observed_steps
         )

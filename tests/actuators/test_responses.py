@@ -913,3 +913,22 @@ def test_a_rollback_to_a_checkpoint_clipped_before_a_lift_lifts_it_again() -> No
     assert kinds(second) == [K.ROLLBACK, K.SKIP_BATCHES, K.CLIP], [a.reason for a in second]
     assert second[0].params.target_step == 750 and second[2].params.lifts
     assert policy.recovery.clip.norm is None
+
+
+def test_a_long_stretch_whose_level_drifted_down_is_still_told_by_its_end() -> None:
+    """A long bad stretch the run partly fits: its loss drifts from x1.5 to x1.2 of the level
+    before it while it lasts (a 60-batch shard of shuffled targets did so), then falls at once
+    to x1.11 when the data is good again: half its remaining height in one step. It ended as bad
+    data does, and left the weights damaged: rolled back, its batches skipped to its last
+    elevated step above the middle of the fall."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    drifting = [
+        dec(s, T.LOSS_SPIKE, onset=800, loss=3.0 - 0.6 * (s - 800) / 59) for s in range(800, 860)
+    ]
+    out = feed(policy, drifting)
+    assert not CHANGES & set(kinds(out)), [a.reason for a in out]
+    after = feed(policy, [dec(s, loss=2.22) for s in range(860, 890)])
+    assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
+    skip = after[1].params
+    assert (skip.from_step, skip.to_step, skip.extra) == (800, 859, 0)
