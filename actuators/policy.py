@@ -601,10 +601,11 @@ class RecoveryPolicy:
         ends *at once*: the median of the last ``bad_stretch_steps`` losses has fallen at least
         half the way from the median of the (up to) as many before them to the level before
         the rise, those still up by at least a quarter of the rise (a long stretch's level
-        drifts as the run fits its data; a faded level is over, not ended). Then, if the loss is still above that level by more than
-        ``absorbed_loss_margin``, the stretch damaged the weights: its batches (its onset to its
-        last elevated step above the middle of the fall) are rolled back and skipped, the LR and clipping left as
-        they are. Back at its level, nothing is undone (a harder stretch of data that ended, or
+        drifts as the run fits its data; a faded level is over, not ended). Then, if the loss
+        is still above that level by more than ``absorbed_loss_margin``, the stretch damaged
+        the weights: its batches (its onset to its last elevated step above the middle of the
+        fall) are rolled back and skipped, the LR and clipping left as they are. Back at its
+        level, nothing is undone (a harder stretch of data that ended, or
         bad data the run absorbed). A fading level comes down step by step, never by half its
         height within twice ``bad_stretch_steps``; an interleaved one keeps its median up.
         """
