@@ -271,7 +271,8 @@ class RecoveryPolicy:
                 "info",
                 f"outlier step at {decision.step}: one step far outside the run's "
                 "noise; no recovery (the Guard's local outlier rule decides whether its "
-                "update is skipped: see the step's skip_reason)",
+                "update is skipped: if it was, the trainer's log says 'skipped the update of "
+                f"step {decision.step}', and the step event's skip_reason is outlier_step)",
                 "outlier_step: an isolated step needs no recovery",
             )
             return plan.actions()
