@@ -82,6 +82,27 @@ def test_a_level_shift_small_against_the_noise_is_followed_not_skipped(seed):
     assert len(skipped) <= 6, skipped
 
 
+def test_a_shift_the_rule_follows_is_followed_in_one_move():
+    """A +6 sigma shift of 1 % noise: most points after it clear the bar, a few do not. Once three
+    elevated points interleave with healthy ones the level moves to the median of the points
+    since the first of them (the new level's, its low ones too). It moved to the median of all
+    the last twenty, whose points before the shift held it back: the level followed in two or
+    three moves, each costing up to two more skipped updates (5, 6, 3, 6, 5, 3 skips on these
+    seeds; 3, the first run of two and one more, is what a move in one step leaves)."""
+
+    def skips(seed: int) -> int:
+        rng = random.Random(seed)
+        rule = SkipRule()
+        count = 0
+        for t in range(3000):
+            level = 0.0 if t < 2000 else 0.06
+            decision = rule.decide(2.0 * math.exp(level + rng.gauss(0, 0.01)), 1.0)
+            count += t >= 2000 and decision.skip
+        return count
+
+    assert [skips(seed) for seed in range(6)] == [3] * 6
+
+
 def _heavy_tailed_healthy_losses(seed: int, n: int = 6000) -> dict[str, np.ndarray]:
     """Healthy per-batch losses of small batches: heavy-tailed, as users' runs are."""
     rng = np.random.default_rng(seed)
