@@ -168,6 +168,14 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def _median_error(values: list[float], n: int) -> float:
+    """The standard error of a median of ``n`` points as noisy as ``values`` (their spread:
+    1.4826 median absolute deviations; a median's error is 1.25 times a mean's)."""
+    middle = _median(values)
+    spread = 1.4826 * _median([abs(v - middle) for v in values])
+    return 1.25 * spread / math.sqrt(n)
+
+
 def _grad_ratio(d: Decision) -> float | None:
     """The decided step's gradient norm over its baseline (None: not in the evidence)."""
     e = d.evidence
@@ -580,11 +588,15 @@ class RecoveryPolicy:
         if loss is None or base is None or not (math.isfinite(loss) and math.isfinite(base)):
             return
         losses = [*(earlier or ()), loss]
+        n = self.config.bad_stretch_steps
+        before = self.recent_losses[: max(0, len(self.recent_losses) - len(losses))]
         self.stretch = {
             "incident": inc.key,
             "baseline": base,  # fusion's, from the steps before the rise
             "elevated": list(losses),
-            "recent": losses[-2 * self.config.bad_stretch_steps :],
+            "recent": losses[-2 * n :],
+            # a median of n healthy losses' standard error, from the steps before the rise
+            "error": _median_error(before, n) if len(before) >= 5 else 0.0,
             "marks": [{"step": d.step, "loss": loss, **_claim_of(d)}],
             "last": d.step,
             "until": self.observed_steps + self.config.data_level_hold_steps,
@@ -654,7 +666,11 @@ class RecoveryPolicy:
             f"{base + rise:.4g}) ended at step {w['last']}, the loss at {back:.4g} at once, as bad "
             "data stops and a harder level does not"
         )
-        if back <= base + self.config.absorbed_loss_margin * abs(base):
+        # Damaged: still up by the absorbed margin of its level, and by five standard errors of
+        # a median of n of the run's healthy losses before the rise (a level near zero, a signed
+        # loss's, has no margin of its own: its noise alone would decide).
+        margin = max(self.config.absorbed_loss_margin * abs(base), 5 * w.get("error", 0.0))
+        if back <= base + margin:
             plan.alert("info", f"{ended}; the loss is back at its level: nothing to undo")
             return False
         plan.incident_id, plan.incident_onset_step = inc.key, inc.onset_step
@@ -669,7 +685,8 @@ class RecoveryPolicy:
             inc,
             None,
             False,
-            f"{ended}, and still more than {self.config.absorbed_loss_margin:.0%} above its level: "
+            f"{ended}, and still more than {margin:.4g} above its level (x"
+            f"{self.config.absorbed_loss_margin:g} of it, or five standard errors of its median): "
             "a stretch of bad batches that damaged the weights",
             confirmed=False,
             skip_to=w["last"],

@@ -6,6 +6,8 @@ non-finite updates itself). Each test names the cause and the response.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
@@ -932,3 +934,22 @@ def test_a_long_stretch_whose_level_drifted_down_is_still_told_by_its_end() -> N
     assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
     skip = after[1].params
     assert (skip.from_step, skip.to_step, skip.extra) == (800, 859, 0)
+
+
+def test_a_signed_loss_near_zero_back_at_its_level_after_a_stretch_is_not_rolled_back() -> None:
+    """A signed loss around -0.05: a harder stretch (+0.3 for 60 steps) ends, and the loss is back
+    within its noise of where it was (-0.04). Ten percent of a level near zero is no margin at
+    all (it was 0.005, so the noise rolled a healthy run back and skipped 60 good batches, on one
+    of four synthetic runs); the loss must also stay up by five standard errors of a median of
+    its healthy noise from before the rise."""
+    policy = make()
+    level = {"baseline": -0.05}
+    noise = random.Random(0)  # its step noise, 0.02: the 0.01 it is up by after is half of it
+    feed(policy, [dec(s, loss=-0.05 + 0.02 * noise.gauss(0, 1), **level) for s in range(401, 800)])
+    feed(policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=0.25, **level) for s in range(800, 860)])
+    after = feed(
+        policy, [dec(s, loss=-0.04 + 0.02 * noise.gauss(0, 1), **level) for s in range(860, 900)]
+    )
+    assert not CHANGES & set(kinds(after)), [a.reason for a in after]
+    said = [a.params.message for a in after if a.kind is K.ALERT]
+    assert any("nothing to undo" in m for m in said), said
