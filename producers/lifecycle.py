@@ -38,11 +38,11 @@ def owner(directory_run: Any, run_id: str, checkpoints: list[Any]) -> str | None
     ``directory_run``: the sidecar's run_id (None: no sidecar, or an older one without it). A
     checkpoint's id is derived from its run's id, epoch and step, so a file another run wrote
     says so without being opened."""
-    if directory_run and directory_run != run_id:
-        return str(directory_run)
+    if directory_run:
+        return None if directory_run == run_id else str(directory_run)
     for c in checkpoints:
         if c.checkpoint_id != checkpoint_id(run_id, c.step, c.epoch):
-            return str(directory_run or "another run")
+            return "another run"
     return None
 
 

@@ -79,7 +79,8 @@ class StepWatch:
         scheduler: Any = None,
     ) -> None:
         self.run_id = run_id
-        self.scheduler = scheduler
+        # (a scheduler without torch's step count, a user's own, is not watched)
+        self.scheduler = scheduler if hasattr(scheduler, "last_epoch") else None
         self._scheduled: Any = getattr(scheduler, "last_epoch", None)
         self.said_no_data = False
         self.optimizer_steps = 0

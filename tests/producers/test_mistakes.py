@@ -174,3 +174,37 @@ def test_observe_mode_on_a_nan_run_says_each_line_once_and_counts_agree(bus, tmp
     assert summary.notices["alert"] == 5
     assert "also applied: 5 alert" in str(summary)
     assert summary.withheld["skip_update"] == 50 and summary.withheld["rollback"] == 3
+
+
+def test_a_scheduler_of_the_users_own_without_a_step_count_is_stepped_and_not_watched(
+    bus, tmp_path
+):
+    class Halving:  # a scheduler of one's own: step() only, no last_epoch
+        def __init__(self, optimizer):
+            self.optimizer, self.steps = optimizer, 0
+
+        def step(self):
+            self.steps += 1
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    tiny = Tiny()
+    scheduler = Halving(tiny.optimizer)
+    guard = Guard(
+        tiny.model,
+        tiny.optimizer,
+        scheduler,
+        run_id="r1",
+        bus=bus,
+        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
+    )
+    for n, batch in enumerate(guard.data(tiny.loader)):
+        guard.step(tiny.loss(batch))
+        if n == 4:
+            break
+    assert scheduler.steps == 5
+    guard.close()
