@@ -46,11 +46,12 @@ class Tiny:
         return [p.detach().clone() for p in self.model.parameters()]
 
 
-def make_guard(tiny: Tiny, bus, tmp_path, run_id: str = "r1", **config) -> Guard:
+def make_guard(tiny: Tiny, bus, tmp_path, run_id: str = "r1", *, scheduler=None, **config) -> Guard:
     defaults = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=False)
     return Guard(
         tiny.model,
         tiny.optimizer,
+        scheduler,
         run_id=run_id,
         bus=bus,
         config=GuardConfig(**{**defaults, **config}),

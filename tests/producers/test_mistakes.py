@@ -9,7 +9,7 @@ import pytest
 import torch
 from producers_helpers import Tiny, acks, action, make_guard, send
 
-from spikeguard.producers import Guard, GuardConfig
+from spikeguard.producers import Guard
 from spikeguard.producers.misuse import GuardMisuse
 from spikeguard.schemas import AckStatus, ActionKind
 
@@ -68,14 +68,7 @@ def test_scheduler_step_left_in_the_loop_is_an_error(bus, tmp_path):
     fast, silently (a StepLR(50, 0.5) at 0.003 after 120 steps instead of 0.0125)."""
     tiny = Tiny()
     scheduler = torch.optim.lr_scheduler.StepLR(tiny.optimizer, 50, 0.5)
-    guard = Guard(
-        tiny.model,
-        tiny.optimizer,
-        scheduler,
-        run_id="r1",
-        bus=bus,
-        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
-    )
+    guard = make_guard(tiny, bus, tmp_path, scheduler=scheduler)
     with pytest.raises(GuardMisuse, match=r"scheduler.step\(\) was called besides guard.step"):
         for batch in guard.data(tiny.loader):
             guard.step(tiny.loss(batch))
@@ -179,7 +172,7 @@ def test_observe_mode_on_a_nan_run_says_each_line_once_and_counts_agree(bus, tmp
 def test_a_scheduler_of_the_users_own_without_a_step_count_is_stepped_and_not_watched(
     bus, tmp_path
 ):
-    class Halving:  # a scheduler of one's own: step() only, no last_epoch
+    class Counting:  # a scheduler of one's own: step() only, no last_epoch
         def __init__(self, optimizer):
             self.optimizer, self.steps = optimizer, 0
 
@@ -193,15 +186,8 @@ def test_a_scheduler_of_the_users_own_without_a_step_count_is_stepped_and_not_wa
             self.steps = state["steps"]
 
     tiny = Tiny()
-    scheduler = Halving(tiny.optimizer)
-    guard = Guard(
-        tiny.model,
-        tiny.optimizer,
-        scheduler,
-        run_id="r1",
-        bus=bus,
-        config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), resume=False),
-    )
+    scheduler = Counting(tiny.optimizer)
+    guard = make_guard(tiny, bus, tmp_path, scheduler=scheduler)
     for n, batch in enumerate(guard.data(tiny.loader)):
         guard.step(tiny.loss(batch))
         if n == 4:

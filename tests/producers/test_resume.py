@@ -12,14 +12,17 @@ from producers_helpers import Tiny, train
 from spikeguard.producers import Guard, GuardConfig
 
 
-def _guard(tiny: Tiny, tmp_path, **config) -> Guard:
+def _guard(
+    tiny: Tiny, tmp_path, *, run_id: str = "my-run", embedded: bool = False, **config
+) -> Guard:
+    """``embedded``: on the Guard's own embedded pipeline (else no bus at all)."""
     cfg = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10, resume=True)
     return Guard(
         tiny.model,
         tiny.optimizer,
-        run_id="my-run",
-        bus=None,
+        run_id=run_id,
         config=GuardConfig(**{**cfg, **config}),
+        **({} if embedded else {"bus": None}),
     )
 
 
@@ -131,12 +134,8 @@ def test_a_new_run_id_in_a_directory_holding_another_runs_checkpoints_is_refused
     other = Tiny(seed=2)
     threads = set(threading.enumerate())
     with pytest.raises(ConfigError) as refused:
-        Guard(
-            other.model,
-            other.optimizer,
-            run_id="another-run",
-            config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10),
-        )  # (on its own embedded pipeline: what it started is stopped again)
+        # (on its own embedded pipeline: what it started is stopped again)
+        _guard(other, tmp_path, run_id="another-run", embedded=True)
     left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
     assert not left, left
     said = str(refused.value)
@@ -152,13 +151,7 @@ def test_a_finished_run_moved_aside_for_another_run_id_is_named_for_what_it_is(t
     _readme_example(tmp_path)  # "my-run", finished
     tiny = Tiny(seed=2)
     with caplog.at_level(logging.WARNING, logger="spikeguard.producers.guard"):
-        guard = Guard(
-            tiny.model,
-            tiny.optimizer,
-            run_id="another-run",
-            bus=None,
-            config=GuardConfig(checkpoint_dir=str(tmp_path / "ckpt")),
-        )
+        guard = _guard(tiny, tmp_path, run_id="another-run")
     guard.close()
     said = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
     assert len(said) == 1 and "run my-run already finished" in said[0], said
