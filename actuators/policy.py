@@ -911,10 +911,7 @@ class RecoveryPolicy:
 
     # --- damage: a loss far above its level before the incident ------------------------------
     def _remember_loss(self, d: Decision) -> None:
-        loss = None if d.evidence is None else d.evidence.loss
-        if loss is None or not math.isfinite(loss):
-            return
-        self.recent_losses.append(loss)
+        self.recent_losses += _finite_loss(d)
         del self.recent_losses[: max(0, len(self.recent_losses) - self.config.damage_window_steps)]
 
     def _remember_level(self, d: Decision) -> None:
