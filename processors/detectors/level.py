@@ -63,6 +63,7 @@ from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, Tai
 from spikeguard.processors.outlier_model import Judged as Point
 
 
+_SQRT2 = math.sqrt(2.0)
 _MEAN_DEVIATION_TO_SIGMA = math.sqrt(
     math.pi / 2.0
 )  # sigma over mean absolute deviation, Gaussian noise
@@ -218,6 +219,19 @@ class RiseTest:
                 and median - self._onset > needed
             )
         return BlockJudged(best_score, best_rise, rising, median, over)
+
+    def difference_sigma(self) -> float | None:
+        """The run's own sigma of a difference of two block medians, from its last block
+        medians: the spread of their second differences (a local straight line, the loss's
+        trend, drops out; 1.4826 median absolute deviations over sqrt(6)) times sqrt(2). None
+        with fewer than eight medians. Blocks alike for a while (correlated batches, a slow
+        wander) move their medians further than independent points would: that is in it."""
+        m = self._medians
+        if len(m) < 8:
+            return None
+        second = sorted(abs(a - 2.0 * b + c) for a, b, c in zip(m, m[1:], m[2:]))
+        mad = second[len(second) // 2]
+        return 1.4826 * mad / math.sqrt(6.0) * _SQRT2
 
     def _judges(self, h: int, tail: TailThreshold) -> bool:
         """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise:
@@ -560,12 +574,16 @@ class LevelMonitor:
             # judges a young spike). A signed loss has no ratio: its noise alone says. Nor
             # does one point whose update the trainer skipped: the weights never took it, and
             # the next points say whether the loss stays up (a heavy-tailed run's hard batch
-            # does not; the policy's patience judges it as a spike).
+            # does not; the policy's patience judges it as a spike). A signed loss's later
+            # points say it only while the elevation goes on rising: its noise is its only
+            # scale, and a harder stretch of its data is tens of those sigmas up and flat (a
+            # positive loss's x10 is no stretch of data).
             far = (
                 not skipped
                 and (signed or point.residual >= self.divergence_rise)
                 and point.score >= self.divergence_score
                 and self.model.settled
+                and (run == 1 or not signed or self._still_rising(y))
             )
             if far:
                 code = LevelCode.DIVERGENCE
@@ -645,17 +663,23 @@ class LevelMonitor:
         above = None if climbed is None else self.climb.statistic(climbed)
         return above is None or above <= 0.0
 
-    def _further(self, points: int) -> float | None:
+    def _further(self, points: int, own_sigma: float | None = None) -> float | None:
         """How far a rise must have gone on rising since it began, to be a divergence rather
-        than a step: five standard errors of a difference of two medians of ``points`` points
-        (1.38 / sqrt(points) of one point's median-to-q90 spread for Gaussian noise; a median
-        is near that for any noise shape). None before the tail has settled."""
+        than a step: five standard errors of a difference of two medians of ``points`` points.
+        What independent points give: 1.38 / sqrt(points) of one point's median-to-q90 spread
+        (a median is near that for any noise shape); or, where the run keeps that difference's
+        own past (``own_sigma``), five of its sigmas if more: a median of correlated points (a
+        loss whose batches are alike for a while, a slow wander) moves further than independent
+        ones would, and the run's past shows how far. None before the tail has settled."""
         spread = self._point_spread()
-        return None if spread is None else 5.0 * 1.38 * spread / math.sqrt(points)
+        if spread is None:
+            return None
+        independent = 5.0 * 1.38 * spread / math.sqrt(points)
+        return independent if own_sigma is None else max(independent, 5.0 * own_sigma)
 
     def _block_further(self) -> float | None:
         """:meth:`_further` for the rise test's block medians."""
-        return self._further(self.rises.block)
+        return self._further(self.rises.block, self.rises.difference_sigma())
 
     def _point_spread(self) -> float | None:
         """One point's noise spread: the tail's median to its 90th percentile (None: the tail

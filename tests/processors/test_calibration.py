@@ -267,3 +267,41 @@ def test_a_harder_stage_of_the_data_is_not_a_rise_that_goes_on(seed, noise) -> N
     assert (found.stops, found.lr_cuts, found.rollbacks, found.skipped_batches) == (0, 0, 0, 0), (
         found
     )
+
+
+def _stretches(seed: int, phi: float, noise: float) -> list[StepEvent]:
+    """A healthy signed loss near zero (a loss with no ratio: its noise alone is its scale) on
+    AR(1) step noise of coefficient ``phi`` and spread ``noise``, whose data gets harder for a
+    stretch three times (+0.05 to +0.3 for 60-300 steps) and back: a harder shard that ends."""
+    rng = random.Random(seed)
+    stretches = [
+        (at, rng.choice((0.05, 0.1, 0.2, 0.3)), rng.randint(60, 300)) for at in (3000, 5000, 7000)
+    ]
+    events, e = [], 0.0
+    for t in range(8000):
+        e = phi * e + math.sqrt(1.0 - phi * phi) * rng.gauss(0, 1)
+        harder = sum(h for at, h, length in stretches if at <= t < at + length)
+        loss = -0.05 + 0.3 * math.exp(-t / 3000) + noise * e + harder
+        grad = math.exp(0.05 * rng.gauss(0, 1))
+        events.append(
+            StepEvent(run_id=f"stretch-{seed}", step=t, loss=loss, grad_norm=grad, time=float(t))
+        )
+    return events
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("seed", "phi", "noise"), [(0, 0.9, 0.005), (0, 0.5, 0.02), (5, 0.5, 0.02)]
+)
+def test_a_signed_losss_harder_stretch_that_ends_is_no_divergence(seed, phi, noise) -> None:
+    """Issue 36, proportion, where no ratio helps: a signed loss's harder stretch is tens of its
+    noise's sigmas up, flat, and ends. One point that far above a signed loss's noise was a
+    `loss_divergence` whatever came before it (a positive loss's needs x10 as well), so the
+    stretch's third point, the first whose update the Guard did not skip, was a HIGH
+    divergence: an LR cut, then a rollback of its onset's batches, at each stretch."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    found = pipeline_false_actions([_stretches(seed, phi, noise)])
+    assert (found.stops, found.lr_cuts, found.rollbacks, found.skipped_batches) == (0, 0, 0, 0), (
+        found
+    )
