@@ -437,7 +437,7 @@ class RecoveryPolicy:
         self.healthy_streak = 0
         inc = self.incidents.get(d, self.observed_steps)
         strategy = cfg.strategy_of(d.type, d.critical)
-        if strategy == "slow" and d.urgency is Urgency.LOW:
+        if self._within_wander(d):
             strategy = "wander"  # a rise the run's own wander explains: said, never answered
         is_loss = d.type in cfg.loss_types
         what = f"{d.type.value} at step {d.step} (confidence {d.confidence:.2f})"
@@ -556,6 +556,12 @@ class RecoveryPolicy:
             )
         plan.alert("warning", why)
         return True
+
+    def _within_wander(self, d: Decision) -> bool:
+        """A slow type the detectors call low urgency: the level moved within the run's own
+        wander at that time scale (a level shift, flat), which is no more sign of damage than a
+        spike that stays up (:meth:`_anomaly` only says it)."""
+        return self.config.strategy_of(d.type, d.critical) == "slow" and d.urgency is Urgency.LOW
 
     def _watch_flat_rise(
         self, plan: ActionPlan, d: Decision, inc: Incident, still: str, p: PendingSpike
@@ -1046,7 +1052,7 @@ class RecoveryPolicy:
                 and not critical
                 and not p.unbounded
                 and not self._unbounded(d)
-                and d.type in cfg.spike_types
+                and (d.type in cfg.spike_types or self._within_wander(d))
             ):
                 self._watch_flat_rise(plan, d, inc, still, p)
             else:

@@ -350,6 +350,22 @@ def test_a_flat_rise_with_bounded_updates_is_watched_not_rolled_back() -> None:
     assert "bad data" in said[0].params.message
 
 
+def test_a_spike_judged_by_a_level_shift_within_the_runs_wander_is_watched_not_rolled_back() -> (
+    None
+):
+    """The detector that raised a spike says, at its patience, that the loss's level moved
+    within the run's own wander (a LOW `slow_rise`, rule `loss_level_shift`): a flat rise, in
+    the detector's own words. It was "still anomalous" and not a spike type, so the spike was
+    rolled back and its batches skipped (a healthy signed loss's harder stretch, 21 batches)."""
+    policy = make()
+    out = feed(policy, healthy(401, 800))
+    out += feed(policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=3.0) for s in range(800, 803)])
+    shift = dict(onset=800, loss=3.0, urgency=Urgency.LOW, rules=("loss_level_shift",))
+    out += feed(policy, [dec(s, T.SLOW_RISE, **shift) for s in range(803, 900)])
+    assert not CHANGES & set(kinds(out)), [a.reason for a in out if a.kind in CHANGES]
+    assert any(a.reason.startswith("[flat_rise]") for a in out), [a.reason for a in out]
+
+
 def test_a_flat_rise_that_ends_at_once_leaving_the_loss_up_is_rolled_back_and_skipped_exactly() -> (
     None
 ):
