@@ -270,9 +270,11 @@ def test_a_harder_stage_of_the_data_is_not_a_rise_that_goes_on(seed, noise) -> N
 
 
 def _stretches(seed: int, phi: float, noise: float) -> list[StepEvent]:
-    """A healthy signed loss near zero (a loss with no ratio: its noise alone is its scale) on
-    AR(1) step noise of coefficient ``phi`` and spread ``noise``, whose data gets harder for a
-    stretch three times (+0.05 to +0.3 for 60-300 steps) and back: a harder shard that ends."""
+    """A healthy loss falling through zero to -0.05 (below zero from step ~5,400, or earlier on
+    its noise: then a signed loss, whose noise alone is its scale) on AR(1) step noise of
+    coefficient ``phi`` and spread ``noise``, whose data gets harder for a stretch three times
+    (+0.05 to +0.3 for 60-300 steps, from steps 3,000, 5,000 and 7,000) and back: a harder
+    shard that ends."""
     rng = random.Random(seed)
     stretches = [
         (at, rng.choice((0.05, 0.1, 0.2, 0.3)), rng.randint(60, 300)) for at in (3000, 5000, 7000)
