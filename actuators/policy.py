@@ -111,6 +111,7 @@ from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
+from spikeguard.processors.robust_stats import MAD_TO_SIGMA
 from spikeguard.schemas.actions import CheckpointParams, HoldLrParams
 from spikeguard.schemas import (
     Ack,
@@ -172,7 +173,7 @@ def _median_error(values: list[float], n: int) -> float:
     """The standard error of a median of ``n`` points as noisy as ``values`` (their spread:
     1.4826 median absolute deviations; a median's error is 1.25 times a mean's)."""
     middle = _median(values)
-    spread = 1.4826 * _median([abs(v - middle) for v in values])
+    spread = MAD_TO_SIGMA * _median([abs(v - middle) for v in values])
     return 1.25 * spread / math.sqrt(n)
 
 

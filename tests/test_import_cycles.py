@@ -174,7 +174,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: Imports between two units of one layer: only these, each for its reason.
 SIDEWAYS: dict[tuple[str, str], str] = {
     ("spikeguard.actuators", "spikeguard.processors"): "the policy knows which anomaly types "
-    "fusion always calls critical (processors.decision_table)",
+    "fusion always calls critical (processors.decision_table), and measures a spread with the "
+    "pipeline's constant (processors.robust_stats)",
     ("spikeguard.forensics", "spikeguard.processors"): "incident records measure with the "
     "pipeline's robust statistics (processors.robust_stats)",
     ("spikeguard.deadletters", "spikeguard.bus"): "a dead letter is a record of the bus",

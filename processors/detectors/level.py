@@ -61,9 +61,9 @@ from typing import Any, Callable, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
 from spikeguard.processors.outlier_model import Judged as Point
+from spikeguard.processors.robust_stats import MAD_TO_SIGMA
 
 
-_SQRT2 = math.sqrt(2.0)
 _MEAN_DEVIATION_TO_SIGMA = math.sqrt(
     math.pi / 2.0
 )  # sigma over mean absolute deviation, Gaussian noise
@@ -223,15 +223,15 @@ class RiseTest:
     def difference_sigma(self) -> float | None:
         """The run's own sigma of a difference of two block medians, from its last block
         medians: the spread of their second differences (a local straight line, the loss's
-        trend, drops out; 1.4826 median absolute deviations over sqrt(6)) times sqrt(2). None
-        with fewer than eight medians. Blocks alike for a while (correlated batches, a slow
+        trend, drops out; 1.4826 median absolute deviations over sqrt(6)) times sqrt(2), that
+        is over sqrt(3). None with fewer than eight medians. Blocks alike for a while (correlated batches, a slow
         wander) move their medians further than independent points would: that is in it."""
         m = self._medians
         if len(m) < 8:
             return None
         second = sorted(abs(a - 2.0 * b + c) for a, b, c in zip(m, m[1:], m[2:]))
         mad = second[len(second) // 2]
-        return 1.4826 * mad / math.sqrt(6.0) * _SQRT2
+        return MAD_TO_SIGMA * mad / math.sqrt(3.0)
 
     def _judges(self, h: int, tail: TailThreshold) -> bool:
         """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise:
