@@ -6,6 +6,7 @@ non-finite updates itself). Each test names the cause and the response.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -952,20 +953,127 @@ def test_a_long_stretch_whose_level_drifted_down_is_still_told_by_its_end() -> N
     assert (skip.from_step, skip.to_step, skip.extra) == (800, 859, 0)
 
 
-def test_a_signed_loss_near_zero_back_at_its_level_after_a_stretch_is_not_rolled_back() -> None:
-    """A signed loss around -0.05: a harder stretch (+0.3 for 60 steps) ends, and the loss is back
-    within its noise of where it was (-0.04). Ten percent of a level near zero is no margin at
-    all (it was 0.005, so the noise rolled a healthy run back and skipped 60 good batches, on one
-    of four synthetic runs); the loss must also stay up by five standard errors of a median of
-    its healthy noise from before the rise."""
-    policy = make()
-    level = {"baseline": -0.05}
-    noise = random.Random(0)  # its step noise, 0.02: the 0.01 it is up by after is half of it
+def _signed_stretch_ends(seed: int, offset: float) -> list:
+    """A signed loss around -0.05 with step noise 0.02: a harder stretch (+0.3) for 60 steps from
+    step 800, then the loss at -0.05 + ``offset``. The actions after the stretch."""
+    policy, level = make(), {"baseline": -0.05}
+    noise = random.Random(seed)
     feed(policy, [dec(s, loss=-0.05 + 0.02 * noise.gauss(0, 1), **level) for s in range(401, 800)])
     feed(policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=0.25, **level) for s in range(800, 860)])
-    after = feed(
-        policy, [dec(s, loss=-0.04 + 0.02 * noise.gauss(0, 1), **level) for s in range(860, 900)]
+    return feed(
+        policy,
+        [dec(s, loss=-0.05 + offset + 0.02 * noise.gauss(0, 1), **level) for s in range(860, 920)],
     )
-    assert not CHANGES & set(kinds(after)), [a.reason for a in after]
-    said = [a.params.message for a in after if a.kind is K.ALERT]
+
+
+def test_a_signed_loss_near_zero_back_at_its_level_after_a_stretch_is_rarely_rolled_back() -> None:
+    """A signed loss near zero: ten percent of its level is no margin at all (it was 0.005), so
+    its noise alone decides whether the loss stayed up; on 40 seeds, back at its level, at most
+    2 runs are rolled back (1 of 200 in a wider sweep; judged at the first sign of the fall,
+    against fusion's baseline, 12 of these 40 were). What a longer median sees is said: an offset of half its
+    step noise that stays (-0.04) is rolled back on 19 of 200 seeds, one of its noise on 99."""
+    rolled = [seed for seed in range(40) if CHANGES & set(kinds(_signed_stretch_ends(seed, 0.0)))]
+    assert len(rolled) <= 2, rolled
+    said = [a.params.message for a in _signed_stretch_ends(0, 0.0) if a.kind is K.ALERT]
     assert any("nothing to undo" in m for m in said), said
+
+
+def _stretch_ends(seed: int, noise: float, length: int, damage: float) -> list:
+    """A positive loss around 0.6 with log-normal step noise ``noise``: a harder stretch (x2) for
+    ``length`` steps from step 800, then the loss at ``1 + damage`` times its level before. The
+    actions of the whole run."""
+    draw = random.Random(10_000 + seed)
+    policy, level = make(), {"baseline": 0.6}
+
+    def loss(at: float) -> float:
+        return at * math.exp(noise * draw.gauss(0, 1))
+
+    out = feed(policy, [dec(s, loss=loss(0.6), **level) for s in range(401, 800)])
+    end = 800 + length
+    out += feed(
+        policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=loss(1.2), **level) for s in range(800, end)]
+    )
+    return out + feed(
+        policy, [dec(s, loss=loss(0.6 * (1 + damage)), **level) for s in range(end, end + 100)]
+    )
+
+
+@pytest.mark.heavy
+def test_a_noisy_losss_harder_stretch_that_ends_at_its_level_is_rarely_rolled_back() -> None:
+    """A stretch that ended with the loss back at its level is healthy, whatever its noise. The
+    damage test compares medians of the 10, 20 and 40 losses after the stretch's last elevated
+    step with medians of as many healthy losses before its onset, at four standard errors of
+    such a median (0.2 % one-sided per look for a Gaussian): at most 5 of these 240 healthy runs
+    (log noise 0.05-0.15, stretches of 5 and 60 steps, 40 seeds each) are rolled back (4, two
+    seeds at noise 0.1 and 0.15; 8 of 1,600 in a wider sweep). It
+    compared the median of the ten losses at the first sign of the fall, some of them still the
+    stretch's (the largest of the losses after it), with fusion's lagging baseline: 49 of 240
+    were rolled back and their good batches skipped."""
+    rolled = [
+        (noise, length, seed)
+        for noise in (0.05, 0.1, 0.15)
+        for length in (5, 60)
+        for seed in range(40)
+        if CHANGES & set(kinds(_stretch_ends(seed, noise, length, damage=0.0)))
+    ]
+    assert len(rolled) <= 5, rolled
+
+
+@pytest.mark.parametrize("length", [5, 60])
+def test_a_stretch_that_left_a_noisy_loss_up_by_more_than_its_noise_is_rolled_back(
+    length: int,
+) -> None:
+    """The same stretch leaving the loss up by 15 % at log noise 0.1 (1.4 of its noise; a median
+    of ten does not tell it from noise, one of forty does) damaged the weights: rolled back and
+    its batches skipped on most seeds (34 and 33 of 40; 89-94 % of 200 in a wider sweep; the
+    biased median found 72 of 80, at 49 false rollbacks of 240)."""
+    rolled = [
+        seed
+        for seed in range(40)
+        if {K.ROLLBACK, K.SKIP_BATCHES} <= set(kinds(_stretch_ends(seed, 0.1, length, 0.15)))
+    ]
+    assert len(rolled) >= 30, rolled
+
+
+def _other_stretch(seed: int) -> list:
+    """A second generator of healthy harder stretches, not the one the damage test was chosen on:
+    Student-t(3) step noise in log space on AR(phi) wander, a level of 0.3, 1 or 3 that falls or
+    stays, noise 1-10 %, a stretch x1.3-x3 for 8-200 steps from step 800, then back on its trend.
+    The actions of the whole run."""
+    draw = random.Random(77_000 + seed)
+    start = draw.choice([0.3, 1.0, 3.0])
+    spread, phi = draw.choice([0.01, 0.03, 0.06, 0.1]), draw.choice([0.0, 0.3, 0.8])
+    height, length = draw.choice([1.3, 2.0, 3.0]), draw.choice([8, 30, 200])
+    decay = draw.choice([0.0, 0.0003])
+    wander = 0.0
+
+    def trend(step: int) -> float:
+        return start * math.exp(-decay * (step - 400))
+
+    def loss(step: int, times: float = 1.0) -> float:
+        nonlocal wander
+        t3 = draw.gauss(0, 1) / math.sqrt(sum(draw.gauss(0, 1) ** 2 for _ in range(3)) / 3)
+        wander = phi * wander + math.sqrt(1 - phi * phi) * t3
+        return trend(step) * times * math.exp(spread * wander / math.sqrt(3))
+
+    policy, end = make(), 800 + length
+    out = feed(policy, [dec(s, loss=loss(s), baseline=trend(s)) for s in range(401, 800)])
+    out += feed(
+        policy,
+        [
+            dec(s, T.LOSS_SPIKE, onset=800, loss=loss(s, height), baseline=trend(799))
+            for s in range(800, end)
+        ],
+    )
+    return out + feed(
+        policy, [dec(s, loss=loss(s), baseline=trend(s)) for s in range(end, end + 100)]
+    )
+
+
+@pytest.mark.heavy
+def test_another_generators_healthy_stretches_that_end_are_rarely_rolled_back() -> None:
+    """The damage test checked on runs it was not chosen on (:func:`_other_stretch`, 200 seeds):
+    at most 4 acted on (3; 6 of 400 in a wider sweep, all at noise 6-10 %). Judged at the first
+    sign of the fall against fusion's baseline, 39 of 400 were."""
+    acted = [seed for seed in range(200) if CHANGES & set(kinds(_other_stretch(seed)))]
+    assert len(acted) <= 4, acted
