@@ -145,9 +145,12 @@ DAMAGE_LOOKS = (1, 2, 4)
 #: noise was found in 79-85 % of runs (4: 90-93 %), for no false rollback in 1,600 healthy
 #: positive runs (4: 8); checked on another generator and CNN and seq2seq seeds 30-39
 DAMAGE_ERRORS = 4.0
-#: the blocks of the longest look kept of the run's healthy losses: how far its medians move
-#: (eight blocks give the six second differences their spread is taken from)
-HEALTHY_HISTORY_BLOCKS = 10
+#: blocks of a look's size of the run's latest healthy losses whose medians show how far such a
+#: median moves: the run's recent past (a learning curve's first steep steps are not its noise
+#: now), at most the ten blocks of the longest look that are kept (eight are the least that
+#: give the six second differences their spread is taken from)
+HEALTHY_HISTORY_BLOCKS = 20
+HEALTHY_KEPT_BLOCKS = 10
 _LR_KINDS = (ActionKind.SCALE_LR, ActionKind.RESTORE_LR)
 LR_JUMP_RULE = "lr_jump"  # the rules detector's name for "the LR in the steps jumped"
 _FAILED = (AckStatus.FAILED, AckStatus.REJECTED, AckStatus.UNHANDLED)
@@ -252,7 +255,7 @@ class RecoveryPolicy:
         # judged on them once a window followed its scale-back (lr_damage: its claim).
         self.level_before: float | None = None
         self.recent_losses: list[float] = []
-        # The run's last HEALTHY_HISTORY_BLOCKS longest looks' healthy losses, in order, kept
+        # The run's last HEALTHY_KEPT_BLOCKS longest looks' healthy losses, in order, kept
         # across rollbacks (the run's noise, not its timeline): how far a median of them moves.
         self.healthy_losses: list[float] = []
         self.lr_damage: dict[str, Any] | None = None  # incident, since, claim, evidence
@@ -657,7 +660,13 @@ class RecoveryPolicy:
             return [[n, base, 0.0]]
         noise = _step_noise(healthy) if min(healthy) <= 0 else 0.0
         return [
-            [k, _median(healthy[-k:]), max(DAMAGE_ERRORS * _median_error(healthy, k), noise)]
+            [
+                k,
+                _median(healthy[-k:]),
+                max(
+                    DAMAGE_ERRORS * _median_error(healthy[-HEALTHY_HISTORY_BLOCKS * k :], k), noise
+                ),
+            ]
             for k in (n * m for m in DAMAGE_LOOKS)
         ]
 
@@ -679,9 +688,9 @@ class RecoveryPolicy:
         loss's step noise (:meth:`_damage_looks`), the stretch damaged the weights: its batches
         (its onset to its last elevated step above the middle of the fall) are rolled back and
         skipped, the LR and clipping left as they are. Back at its level at all three looks,
-        nothing is undone (a harder stretch of data that ended,
-        or bad data the run absorbed). A fading level comes down step by step, never by half its
-        height within twice ``bad_stretch_steps``; an interleaved one keeps its median up.
+        nothing is undone (a harder stretch of data that ended, or bad data the run absorbed). A
+        fading level comes down step by step, never by half its height within twice
+        ``bad_stretch_steps``; an interleaved one keeps its median up.
         """
         w = self.stretch
         if w is None:
@@ -766,8 +775,9 @@ class RecoveryPolicy:
             None,
             False,
             f"{ended}, and still more than {margin:.4g} above its level (x"
-            f"{self.config.absorbed_loss_margin:g} of it, {DAMAGE_ERRORS:g} standard errors of its "
-            "median, and its step noise): a stretch of bad batches that damaged the weights",
+            f"{self.config.absorbed_loss_margin:g} of it and {DAMAGE_ERRORS:g} standard errors of its "
+            "median; a loss below zero its step noise): a stretch of bad batches that damaged the "
+            "weights",
             confirmed=False,
             skip_to=w["last"],
             widening=True,
@@ -995,7 +1005,7 @@ class RecoveryPolicy:
         del self.recent_losses[: max(0, len(self.recent_losses) - self.config.damage_window_steps)]
         if not d.is_anomaly:
             self.healthy_losses += _finite_loss(d)
-            kept = HEALTHY_HISTORY_BLOCKS * max(DAMAGE_LOOKS) * self.config.bad_stretch_steps
+            kept = HEALTHY_KEPT_BLOCKS * max(DAMAGE_LOOKS) * self.config.bad_stretch_steps
             del self.healthy_losses[: max(0, len(self.healthy_losses) - kept)]
 
     def _remember_level(self, d: Decision) -> None:
