@@ -111,7 +111,7 @@ from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
-from spikeguard.processors.robust_stats import MAD_TO_SIGMA
+from spikeguard.processors.robust_stats import MAD_TO_SIGMA, second_difference_spread
 from spikeguard.schemas.actions import CheckpointParams, HoldLrParams
 from spikeguard.schemas import (
     Ack,
@@ -206,10 +206,8 @@ def _median_error(values: list[float], n: int) -> float:
     correlation."""
     error = 1.25 * _step_noise(values) / math.sqrt(n)
     medians = [_median(values[i : i + n]) for i in range(len(values) % n, len(values) - n + 1, n)]
-    second = [abs(a - 2.0 * b + c) for a, b, c in zip(medians, medians[1:], medians[2:])]
-    if len(second) >= 6:
-        error = max(error, MAD_TO_SIGMA * _median(second) / math.sqrt(6.0))
-    return error
+    spread = second_difference_spread(medians)
+    return error if spread is None else max(error, spread / math.sqrt(6.0))
 
 
 def _grad_ratio(d: Decision) -> float | None:
@@ -717,6 +715,7 @@ class RecoveryPolicy:
             marks = w.setdefault("marks", [])
             marks.append({"step": d.step, "loss": loss, **_claim_of(d)})
             del marks[: max(0, len(marks) - 2 * n)]
+        looks = w.get("looks") or [[n, base, 0.0]]
         if "after" not in w:
             if len(recent) <= n:
                 return False
@@ -735,11 +734,9 @@ class RecoveryPolicy:
             # largest of the losses after it, called noise damage.
             since = d.step - w["last"]
             w["after"] = list(recent[-since:]) if 0 < since <= len(recent) else []
-            looks = w.get("looks") or [[n, base, 0.0]]
             w["until"] = max(until, self.observed_steps + int(looks[-1][0]) + 1)
         elif d.step > w["last"]:
             w["after"].append(loss)
-        looks = w.get("looks") or [[n, base, 0.0]]
         if len(w["after"]) < looks[0][0]:
             return False
         k, level, bar = looks.pop(0)

@@ -25,7 +25,7 @@ import math
 import statistics
 from bisect import bisect_left, insort
 from collections import deque
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -45,6 +45,23 @@ def robust_sigma(values: Collection[float], center: float | None = None) -> floa
     if center is None:
         center = statistics.median(values)
     return MAD_TO_SIGMA * statistics.median(abs(v - center) for v in values)
+
+
+def second_difference_spread(medians: Sequence[float]) -> float | None:
+    """``MAD_TO_SIGMA`` x the (upper) median size of the second differences of ``medians``,
+    consecutive block medians oldest first: how far a block median moves about a local
+    straight line, so that a trend drops out. Over sqrt(6), one median's sigma; over sqrt(3),
+    a difference of two's. Blocks alike for a while (correlated batches, a slow wander) move it
+    further than independent points would: that is in it. None with fewer than eight medians
+    (six differences).
+
+    >>> second_difference_spread([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    0.0
+    """
+    if len(medians) < 8:
+        return None
+    second = sorted(abs(a - 2.0 * b + c) for a, b, c in zip(medians, medians[1:], medians[2:]))
+    return MAD_TO_SIGMA * second[len(second) // 2]
 
 
 def robust_sigma_array(x: np.ndarray) -> float:

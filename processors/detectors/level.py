@@ -61,7 +61,7 @@ from typing import Any, Callable, NamedTuple
 
 from spikeguard.processors.outlier_model import OutlierConfig, OutlierModel, TailThreshold
 from spikeguard.processors.outlier_model import Judged as Point
-from spikeguard.processors.robust_stats import MAD_TO_SIGMA
+from spikeguard.processors.robust_stats import second_difference_spread
 
 
 _MEAN_DEVIATION_TO_SIGMA = math.sqrt(
@@ -222,16 +222,9 @@ class RiseTest:
 
     def difference_sigma(self) -> float | None:
         """The run's own sigma of a difference of two block medians, from its last block
-        medians: the spread of their second differences (a local straight line, the loss's
-        trend, drops out; 1.4826 median absolute deviations over sqrt(6)) times sqrt(2), that
-        is over sqrt(3). None with fewer than eight medians. Blocks alike for a while (correlated batches, a slow
-        wander) move their medians further than independent points would: that is in it."""
-        m = self._medians
-        if len(m) < 8:
-            return None
-        second = sorted(abs(a - 2.0 * b + c) for a, b, c in zip(m, m[1:], m[2:]))
-        mad = second[len(second) // 2]
-        return MAD_TO_SIGMA * mad / math.sqrt(3.0)
+        medians (:func:`second_difference_spread` over sqrt(3)). None with fewer than eight."""
+        spread = second_difference_spread(self._medians)
+        return None if spread is None else spread / math.sqrt(3.0)
 
     def _judges(self, h: int, tail: TailThreshold) -> bool:
         """Whether horizon ``h``'s tail has seen enough of the run's wander to judge a rise:
