@@ -24,6 +24,11 @@ interval has passed, whether or not another decision comes: a trainer that
 pauses (an evaluation, a long save) after a burst of steps would otherwise
 wait for a pulse naming them until it trains again, and call itself
 unprotected meanwhile.
+
+A run whose start says ``lockstep`` (its trainer waits for each step's judgement, for
+reproducible demos and tests) gets a pulse for every decision, published after the actions
+that decision caused: its trainer waits for that pulse, so each action lands at the step it
+is due whatever the pipeline's speed (producers/lockstep.py).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class ActuatorStage(RunSettingsStage):
         )
         self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
         self._unpulsed: dict[str, Decision] = {}  # run_id -> its newest decision not pulsed yet
+        self._lockstep: set[str] = set()  # runs pulsed at every decision (their start says so)
         self._incidents_said: dict[str, set[str]] = {}  # run_id -> incidents logged (bounded)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
@@ -143,6 +149,10 @@ class ActuatorStage(RunSettingsStage):
         self.run_event(event, now)
         if event.kind != "start":
             return []
+        if event.lockstep:
+            self._lockstep.add(event.run_id)
+        else:
+            self._lockstep.discard(event.run_id)
         policy = self.run(event.run_id)
         problem = cadence_problem(
             event.checkpoint_every,
@@ -193,7 +203,7 @@ class ActuatorStage(RunSettingsStage):
             return []
         run_id = decision.run_id
         last = self._pulsed.get(run_id)
-        if last is not None and now - last < self.pulse_interval_s:
+        if run_id not in self._lockstep and last is not None and now - last < self.pulse_interval_s:
             held = self._unpulsed.get(run_id)
             if held is None or (decision.epoch, decision.step) > (held.epoch, held.step):
                 self._unpulsed[run_id] = decision
@@ -237,6 +247,7 @@ class ActuatorStage(RunSettingsStage):
         for run_id in run_ids:
             self._pulsed.pop(run_id, None)
             self._unpulsed.pop(run_id, None)
+            self._lockstep.discard(run_id)
             self._incidents_said.pop(run_id, None)
 
     def _signed(self, actions: list[Action] | None) -> list[Output]:

@@ -191,14 +191,21 @@ class GuardConfig(BaseModel):
     )
     lockstep: bool = Field(
         False,
-        description="wait after each step until the pipeline has decided it (reproducible "
-        "demos and tests; blocks training, never use it for real runs)",
+        description="wait after each step until the pipeline has decided it and the actuator "
+        "has published what it does about it (reproducible demos and tests: every action lands "
+        "at the step it is due; blocks training, never use it for real runs)",
     )
     lockstep_timeout: float = Field(
-        10.0, gt=0.0, description="longest wait for one step's decision in lockstep mode"
+        10.0,
+        gt=0.0,
+        description="longest wait for one step's decision, or for the actuator's pulse of it, "
+        "in lockstep mode",
     )
     lockstep_settle: float = Field(
-        0.05, ge=0.0, description="lockstep: how long an anomalous decision's actions are awaited"
+        0.05,
+        ge=0.0,
+        description="lockstep with an actuator that does not pulse each decision of a lockstep "
+        "run: how long an anomalous decision's actions are awaited",
     )
     data_seed: int | None = Field(
         None,

@@ -2,8 +2,9 @@
 
 Only for reproducible demos and tests — it blocks training, which a real run
 must never do. After publishing step s the guard waits for the Decision of
-(epoch, s); when that decision is anomalous it also waits (briefly) for the
-actions derived from it, so the action lands at the same step on every run.
+(epoch, s), then for the actuator's pulse of it (the run's start says lockstep,
+so the actuator pulses every decision after the actions it caused): every action
+lands at the step it is due, on every run, however slowly the pipeline answers.
 
 The decision awaited is fusion's own: with a key that checks decisions, an unsigned
 or wrongly signed one is passed over, so a record written by anyone else can neither
@@ -61,6 +62,7 @@ class DecisionWaiter:
         self._order: deque[tuple[int, int]] = deque()
         self.timeouts = 0
         self._silent = False  # a wait timed out and no decision came since: do not wait again
+        self.pulsed = True  # the actuator pulses each decision (until a wait for one times out)
         self._last_anomaly: tuple[int, int] = (
             -1,
             -1,
@@ -104,11 +106,42 @@ class DecisionWaiter:
             self._silent = False
 
     def follow(self, inbox, epoch: int, step: int, settle: float) -> None:
-        """Wait for (epoch, step)'s decision; if anomalous, or a few steps after one (the policy
-        may judge a spike after its patience, on a healthy step), briefly for the actions it causes."""
+        """Wait for (epoch, step)'s decision, then for the actuator's pulse of it.
+
+        The actuator pulses every decision of a lockstep run after the actions that decision
+        caused, on the same partition: when the pulse is read, those actions are in the inbox,
+        however long the pipeline took. An actuator that does not pulse each decision (one that
+        predates lockstep pulses) gets the old bounded wait instead: ``settle`` seconds for the
+        actions of an anomalous decision, and of the healthy ones a few steps after it."""
         decision = self.wait(epoch, step)
         if decision is None:
             return
+        watch = getattr(inbox, "protection", None)
+        if self.pulsed and watch is not None:
+            if self._await_pulse(inbox, watch, (epoch, step)):
+                return
+            self.pulsed = False
+            log.warning(
+                "spikeguard lockstep: no pulse for step %d within %gs: the actuator does not "
+                "pulse each decision of a lockstep run; actions are awaited %gs after an "
+                "anomaly from now on, so one that comes later lands at a later step",
+                step,
+                self.timeout,
+                settle,
+            )
+        self._settle(inbox, decision, epoch, step, settle)
+
+    def _await_pulse(self, inbox, watch, key: tuple[int, int]) -> bool:
+        """True once a pulse covers ``key`` (polling the inbox); False after ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        while watch.judged is None or watch.judged < key:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            inbox.poll_now(min(remaining, 0.5))
+        return True
+
+    def _settle(self, inbox, decision: Decision, epoch: int, step: int, settle: float) -> None:
         if decision.is_anomaly or decision.preventive:
             self._last_anomaly = (epoch, step)
         elif not (

@@ -201,6 +201,7 @@ class RunEvents:
                 epoch=epoch,
                 finished=finished,
                 reason=reason,
+                lockstep=True if cfg.lockstep else None,
             ),
             droppable=False,
         )

@@ -537,7 +537,7 @@ class RunEvent(_Event):
     """
 
     #: Added since these were first signed: in the signed payload only when set.
-    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session"})
+    signed_when_set: ClassVar[frozenset[str]] = frozenset({"session", "lockstep"})
 
     run_id: RunId
     session: Session = None
@@ -566,6 +566,11 @@ class RunEvent(_Event):
         False, description="end: the run completed its plan (it will not be resumed)"
     )
     reason: str = ""
+    lockstep: bool | None = Field(
+        None,
+        description="true: the trainer waits for each step's judgement (lockstep mode), so the "
+        "actuator pulses every decision of the run, after its actions",
+    )
     time: float = Field(default_factory=time.time)
     # Optional on the wire (a record without it still decodes); a stage with the key refuses it.
     signature: str | None = Field(
