@@ -555,13 +555,16 @@ class RecoveryPolicy:
         inc.loss_seen = inc.loss_seen or is_loss
 
     def _data_level(self, plan: ActionPlan, d: Decision, inc: Incident, what: str) -> bool:
-        """A non-critical rise that is the data's level, not a bad batch: watched. True if so.
+        """A rise that is the data's level, not a bad batch: watched. True if so.
 
         PaLM's test: the rollback skipped the batches that led into the rise, and the re-run
         meets the same rise on the batches after them. Rolling back again cannot help (the
         data itself is harder now); the LR the rise lowered and the clipping its recovery set
-        are given back, and non-critical
-        rises are watched while the detectors relearn the level. Critical ones still act.
+        are given back, and non-critical rises are watched while the detectors relearn the
+        level, as are critical ones whose every update was bounded (:meth:`_judge_spike` asks:
+        the optimizer was never unstable, so the loss is the data's, however far up). Other
+        critical ones still act. The watched rise's end is judged (:meth:`_bad_stretch`): a
+        stretch of bad data that stops and left damage is rolled back then, exactly.
         """
         cfg = self.config
         if self.data_level_until is not None and self.observed_steps < self.data_level_until:
@@ -1147,6 +1150,8 @@ class RecoveryPolicy:
                 # cause; an LR cut and clipping would only slow the rest of the run (a CNN's five
                 # shuffled-label batches left it at half its LR for 700 steps, clipped to the end).
                 bounded = p.harmless and (not d.is_anomaly or self._harmless(d))
+                if critical and bounded and self._data_level(plan, d, inc, still):
+                    return True  # met again on other data: no second rollback, no stop
                 if critical and bounded:
                     still = f"{still}; every update of it bounded: the data's, LR and clipping kept"
                 unstable = critical and not bounded

@@ -228,6 +228,69 @@ def test_an_extreme_loss_whose_updates_all_stayed_bounded_is_the_datas() -> None
     assert kinds(feed(policy, bad))[:4] == [K.ROLLBACK, K.SKIP_BATCHES, K.SCALE_LR, K.CLIP]
 
 
+def extreme_stretch_met_again(policy: RecoveryPolicy, last_bad: int, loss: float = 60.0) -> list:
+    """A stretch of extreme batches (the loss x30) longer than the skipped window, every update
+    of it bounded (gradients at their baseline): rolled back at its patience with its window
+    skipped, and the re-run meets the rest of it on the batches after, up to ``last_bad``. The
+    plan of the re-run's rise."""
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=loss, grad=1.0) for s in range(800, 804)]
+    )
+    assert kinds(first) == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in first]
+    applied(policy, first[0])
+    feed(policy, healthy(701, 800))  # the re-run, up to the batches after the skipped window
+    return feed(
+        policy,
+        [dec(s, T.EXTREME_LOSS, onset=800, loss=loss, grad=1.0) for s in range(800, last_bad + 1)],
+    )
+
+
+def test_an_extreme_stretch_with_bounded_updates_that_comes_back_on_other_data_is_watched() -> None:
+    """PaLM's test for a critical rise (issue 36, a signed loss still above zero: a harder
+    stretch x30 for 70 steps): its updates all bounded, rolled back once with its window
+    skipped, and the re-run meets it again on the batches after. Rolling back again cannot
+    help and the optimizer was never unstable: the data's level, watched. It was a second
+    recovery of a critical incident, which stopped a healthy run."""
+    policy = make()
+    again = extreme_stretch_met_again(policy, last_bad=869)
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP, K.SCALE_LR} & set(kinds(again)), [
+        a.reason for a in again
+    ]
+    assert not policy.stopped
+    assert any(a.reason.startswith("[data_level]") for a in again), [a.reason for a in again]
+    # It ends at once, the loss back at its level: nothing to undo.
+    after = feed(policy, healthy(870, 1000))
+    assert not {K.ROLLBACK, K.SKIP_BATCHES, K.STOP} & set(kinds(after)), [a.reason for a in after]
+
+
+def test_an_extreme_stretch_met_again_that_left_damage_is_rolled_back_at_its_end() -> None:
+    """The same stretch, the loss left x1.5 above its level after it: its batches are rolled
+    back and skipped at its end, exactly (the watch's end test), and the run goes on."""
+    policy = make()
+    extreme_stretch_met_again(policy, last_bad=869)
+    after = feed(policy, [dec(s, loss=3.0) for s in range(870, 1000)])
+    assert kinds(after)[:2] == [K.ROLLBACK, K.SKIP_BATCHES], [a.reason for a in after]
+    assert after[0].reason.startswith("[bad_stretch]") and not policy.stopped
+    assert after[1].params.to_step == 869
+
+
+def test_an_extreme_stretch_met_again_with_an_unbounded_update_still_stops_the_run() -> None:
+    """One update of the re-run's rise beyond x10 its baseline gradient: the optimizer's too, not
+    the data's alone; a critical incident needing a second recovery stops the run, as before."""
+    policy = make()
+    feed(policy, healthy(401, 800))
+    first = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=60.0, grad=1.0) for s in range(800, 804)]
+    )
+    applied(policy, first[0])
+    feed(policy, healthy(701, 800))
+    again = feed(
+        policy, [dec(s, T.EXTREME_LOSS, onset=800, loss=60.0, grad=50.0) for s in range(800, 812)]
+    )
+    assert K.STOP in kinds(again) and policy.stopped
+
+
 def critical_spike() -> list[Decision]:
     """A critical spike at steps 800-803 whose update was not absorbed (loss x6, gradient x50):
     after healthy steps, its plan rolls back, skips the window, halves the LR and clips."""

@@ -311,3 +311,16 @@ def test_a_signed_losss_harder_stretch_that_ends_is_no_divergence(seed, phi, noi
     assert (found.stops, found.lr_cuts, found.rollbacks, found.skipped_batches) == (0, 0, 0, 0), (
         found
     )
+
+
+@pytest.mark.heavy
+def test_a_harder_stretch_x30_of_a_loss_still_above_zero_never_stops_the_run() -> None:
+    """The same generator where the loss has not yet gone below zero when its stretch comes
+    (AR(0.98) step noise, 0.01 just above zero, +0.3 for 70 steps): to a positive loss that is
+    x30, an extreme loss, rolled back once with its window skipped. The re-run met the rest of
+    the stretch on the batches after it, every update bounded, and that second recovery of a
+    critical incident stopped the run. The data's level now (PaLM's test), watched."""
+    from spikeguard.lab.false_actions import pipeline_false_actions
+
+    found = pipeline_false_actions([_stretches(0, 0.98, 0.005)])
+    assert found.stops == 0 and found.rollbacks <= 1 and found.lr_cuts == 0, found
