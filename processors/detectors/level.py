@@ -352,6 +352,16 @@ class ClimbTest:
             return 0.0
         return stat / bar if bar > 0.0 else math.inf
 
+    def sigma(self) -> float | None:
+        """The statistic's own standard deviation on the run's past (its null's median to 90th
+        percentile, over 1.2816: a normal's), None until the null holds ``history // 2`` values:
+        how far a median of ``window`` points moves against the level ``climb_lag`` points
+        before it, the run's wander at that time scale included."""
+        tail = self._tail
+        if 2 * len(tail) < self.history:
+            return None
+        return (tail.quantile(0.9) - tail.quantile(0.5)) / 1.2816
+
     def advance(self, residual: float | None, floor: float = 0.0) -> None:
         """Take a point in (None: a point not judged, which starts the window over); its
         statistic joins the null unless it is over the bar (at least ``floor``): a value that is
@@ -641,8 +651,11 @@ class LevelMonitor:
         the climb statistic (measured from the level before them) and keep points elevated, so
         neither size nor duration tells them apart, and a run's first step has no earlier move
         to be in proportion to. What a step never does is go on rising after its jump. True
-        before the tail has settled (no spread yet: sustained elevation alone says, as it did)."""
-        further = self._further(self.climb.window)
+        before the tail has settled (no spread yet: sustained elevation alone says, as it did).
+        The bar is the run's own where its past shows more: a median of correlated points (a
+        slow wander of a flat step's level) moves further than independent ones would, as far
+        as the climb statistic's own past values moved (:meth:`ClimbTest.sigma`)."""
+        further = self._further(self.climb.window, self.climb.sigma())
         if further is None:
             return True
         if not self._onset:
