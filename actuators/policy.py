@@ -133,8 +133,8 @@ __all__ = ["PolicyConfig", "RecoveryPolicy", "ForeignRunError"]
 MAX_ACK_RECORDS = 256
 MAX_LR_SENT = 64  # LR changes sent whose acks may still refuse them
 MAX_STRETCH_LOSSES = 1024  # elevated losses of a rise called the data's level, kept for its median
-#: a watched stretch's damage is looked for in the medians of n, 2 n and 4 n losses after it
-#: (n: bad_stretch_steps): a noisy loss's damage shows only in a longer median, or only later
+#: a watched stretch's damage is looked for in n, 2 n and 4 n losses after it (n:
+#: bad_stretch_steps): a noisy loss's damage shows only in a longer look, or only later
 DAMAGE_LOOKS = (1, 2, 4)
 #: standard errors of a median of the run's own healthy losses a watched stretch must leave the
 #: loss above its level at one of those looks, to be damage that is rolled back: 2.8 standard
@@ -195,6 +195,15 @@ def _step_noise(values: list[float]) -> float:
     return MAD_TO_SIGMA * _median(steps) / math.sqrt(2.0) if steps else 0.0
 
 
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _logs(values: list[float]) -> list[float]:
+    """A positive loss's values in log space (a zero, which has none, at a tiny floor)."""
+    return [math.log(v) if v > 1e-12 else math.log(1e-12) for v in values]
+
+
 def _median_error(values: list[float], n: int) -> float:
     """The standard error of a median of ``n`` consecutive losses of a run whose healthy losses,
     in order, are ``values``: the larger of what ``n`` independent points with their step noise
@@ -204,9 +213,14 @@ def _median_error(values: list[float], n: int) -> float:
     alike for a while (batches from one part of the data, a slow wander) move a median further
     than independent points do; the run's past says how far, whatever the noise's shape or
     correlation."""
-    error = 1.25 * _step_noise(values) / math.sqrt(n)
-    medians = [_median(values[i : i + n]) for i in range(len(values) % n, len(values) - n + 1, n)]
-    spread = second_difference_spread(medians)
+    return _center_error(values, n, _median, 1.25)
+
+
+def _center_error(values: list[float], n: int, center: Any, efficiency: float) -> float:
+    """:func:`_median_error` for ``center`` (a median, or a mean: ``efficiency`` 1.0)."""
+    error = efficiency * _step_noise(values) / math.sqrt(n)
+    centers = [center(values[i : i + n]) for i in range(len(values) % n, len(values) - n + 1, n)]
+    spread = second_difference_spread(centers)
     return error if spread is None else max(error, spread / math.sqrt(6.0))
 
 
@@ -648,17 +662,40 @@ class RecoveryPolicy:
         }
 
     def _damage_looks(self, base: float) -> list[list[float]]:
-        """For each look at a stretch's damage (DAMAGE_LOOKS): the median of that many losses,
-        the loss's level just before the rise as a median of that many healthy losses (as its
-        level after the stretch is measured; fusion's baseline lags a loss that falls or
-        wanders), and the bar the median after must clear: DAMAGE_ERRORS standard errors of
-        such a median (:func:`_median_error`, the run's own). A positive loss's damage must also
-        pass absorbed_loss_margin of its level (:meth:`_bad_stretch`); a loss that goes below
-        zero has no scale but its noise, so there the bar is at least its step noise (a longer
-        median sees a smaller offset, but one within a step's noise is not worth a rollback)."""
+        """For each look at a stretch's damage (DAMAGE_LOOKS): the number of losses it takes,
+        the loss's level just before the rise measured as the losses after it will be, from
+        that many healthy losses (fusion's baseline lags a loss that falls or wanders), the bar
+        the losses after must clear, and whether the look is in log space (1) or not (0).
+
+        A positive loss is looked at in log space, on the mean of its logs: its noise is a
+        multiple of its level, so the logs' spread is the same whatever the level, and a mean
+        uses every loss where a median uses the middle one (a CNN whose batch loss is as noisy
+        as its level doubled its median after a data fault, 3 of its standard errors; the mean
+        of its logs rose 5.6). The bar is DAMAGE_ERRORS standard errors of such a mean
+        (:func:`_center_error`, the run's own) and at least ``absorbed_loss_margin`` of the
+        level. A loss that goes below zero has no logs and no scale but its noise: the median
+        of its losses, DAMAGE_ERRORS standard errors of such a median, at least its step noise
+        (a longer median sees a smaller offset, but one within a step's noise is not worth a
+        rollback), and the margin of its level (:meth:`_bad_stretch`)."""
         n, healthy = self.config.bad_stretch_steps, self.healthy_losses
         if len(healthy) < 5:
             return [[n, base, 0.0]]
+        if min(healthy) > 0:
+            logs = _logs(healthy)
+            floor = math.log1p(self.config.absorbed_loss_margin)
+            return [
+                [
+                    k,
+                    _mean(logs[-k:]),
+                    max(
+                        DAMAGE_ERRORS
+                        * _center_error(logs[-HEALTHY_HISTORY_BLOCKS * k :], k, _mean, 1.0),
+                        floor,
+                    ),
+                    1,
+                ]
+                for k in (n * m for m in DAMAGE_LOOKS)
+            ]
         noise = _step_noise(healthy) if min(healthy) <= 0 else 0.0
         return [
             [
@@ -682,11 +719,11 @@ class RecoveryPolicy:
         ends *at once*: the median of the last ``bad_stretch_steps`` losses has fallen at least
         half the way from the median of the (up to) as many before them to the level before
         the rise, those still up by at least a quarter of the rise (a long stretch's level
-        drifts as the run fits its data; a faded level is over, not ended). Then, if the median
-        of the n, 2 n or 4 n losses after its last elevated step (n: ``bad_stretch_steps``) is
-        above the median of as many healthy losses before its onset by more than
-        ``absorbed_loss_margin`` of it, DAMAGE_ERRORS standard errors of such a median and the
-        loss's step noise (:meth:`_damage_looks`), the stretch damaged the weights: its batches
+        drifts as the run fits its data; a faded level is over, not ended). Then, if the n, 2 n
+        or 4 n losses after its last elevated step (n: ``bad_stretch_steps``) are above as many
+        healthy losses before its onset (a positive loss: the mean of their logs; one below
+        zero: their median) by more than ``absorbed_loss_margin`` of the level and
+        DAMAGE_ERRORS standard errors (:meth:`_damage_looks`), the stretch damaged the weights: its batches
         (its onset to its last elevated step above the middle of the fall) are rolled back and
         skipped, the LR and clipping left as they are. Back at its level at all three looks,
         nothing is undone (a harder stretch of data that ended, or bad data the run absorbed). A
@@ -737,27 +774,51 @@ class RecoveryPolicy:
             # largest of the losses after it, called noise damage.
             since = d.step - w["last"]
             w["after"] = list(recent[-since:]) if 0 < since <= len(recent) else []
+            w["middle"] = base + high / 2
+            w["look"] = 0
             w["until"] = max(until, self.observed_steps + int(looks[-1][0]) + 1)
         elif d.step > w["last"]:
             w["after"].append(loss)
-        if len(w["after"]) < looks[0][0]:
+        look = w.get("look", 0)
+        if len(w["after"]) < looks[look][0]:
             return False
-        k, level, bar = looks.pop(0)
-        w["looks"] = looks
-        after = _median(w["after"][: int(k)])
-        # Damaged: still up by the absorbed margin of its level, and by the look's bar (a level
-        # near zero, a signed loss's, has no margin of its own: its noise alone decides).
-        margin = max(self.config.absorbed_loss_margin * abs(level), bar)
-        if after <= level + margin and looks:
-            return False  # not yet: a longer median may show what this one cannot
+        k, level, bar, *in_logs = looks[look]
+        logs = bool(in_logs and in_logs[0])  # a positive loss's look: means of its logs
+        if logs:
+            after, margin = _mean(_logs(w["after"][: int(k)])), bar
+        else:
+            after = _median(w["after"][: int(k)])
+            # Damaged: still up by the absorbed margin of its level, and by the look's bar (a
+            # level near zero, a signed loss's, has no margin of its own: its noise alone decides).
+            margin = max(self.config.absorbed_loss_margin * abs(level), bar)
+        if (math.exp(after) if logs else after) > w.get("middle", math.inf):
+            # Back above the middle of its fall: it had not ended (a noisy stretch's median of
+            # ten dips half way by chance), and the losses taken for "after" are its own.
+            # Watched on for its real end.
+            del w["after"]
+            return False
+        if after <= level + margin and look + 1 < len(looks):
+            w["look"] = look + 1
+            return False  # not yet: a longer look may show what this one cannot
         self.stretch = None  # judged
         inc = self.incidents.incidents.get(w["incident"]) or self.incidents.get(
             d, self.observed_steps
         )
+        shown, center = (math.exp(level), "geometric mean") if logs else (level, "median")
         ended = (
-            f"the rise from step {inc.onset_step} (the level before it {level:.4g}, the rise "
+            f"the rise from step {inc.onset_step} (the level before it {shown:.4g}, the rise "
             f"{base + rise:.4g}) ended at step {w['last']} at once, as bad data stops and a "
-            f"harder level does not; the median of the {k:g} losses after it {after:.4g}"
+            f"harder level does not; the {center} of the {k:g} losses after it "
+            f"{math.exp(after) if logs else after:.4g}"
+        )
+        over = (
+            f"more than x{math.exp(margin):.3g} its level (x"
+            f"{1.0 + self.config.absorbed_loss_margin:g} and {DAMAGE_ERRORS:g} standard errors "
+            "of the mean of its logs)"
+            if logs
+            else f"more than {margin:.4g} above its level (x"
+            f"{self.config.absorbed_loss_margin:g} of it and {DAMAGE_ERRORS:g} standard errors "
+            "of its median; a loss below zero its step noise)"
         )
         if after <= level + margin:
             plan.alert("info", f"{ended}: back at its level, nothing to undo")
@@ -774,10 +835,7 @@ class RecoveryPolicy:
             inc,
             None,
             False,
-            f"{ended}, and still more than {margin:.4g} above its level (x"
-            f"{self.config.absorbed_loss_margin:g} of it and {DAMAGE_ERRORS:g} standard errors of its "
-            "median; a loss below zero its step noise): a stretch of bad batches that damaged the "
-            "weights",
+            f"{ended}, and still {over}: a stretch of bad batches that damaged the weights",
             confirmed=False,
             skip_to=w["last"],
             widening=True,

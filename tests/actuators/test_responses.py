@@ -1041,10 +1041,10 @@ def test_a_signed_loss_near_zero_back_at_its_level_after_a_stretch_is_rarely_rol
     assert any("nothing to undo" in m for m in said), said
 
 
-def _stretch_ends(seed: int, noise: float, length: int, damage: float) -> list:
-    """A positive loss around 0.6 with log-normal step noise ``noise``: a harder stretch (x2) for
-    ``length`` steps from step 800, then the loss at ``1 + damage`` times its level before. The
-    actions of the whole run."""
+def _stretch_ends(seed: int, noise: float, length: int, damage: float, height: float = 2.0) -> list:
+    """A positive loss around 0.6 with log-normal step noise ``noise``: a harder stretch (x2, or
+    x ``height``) for ``length`` steps from step 800, then the loss at ``1 + damage`` times its
+    level before. The actions of the whole run."""
     draw = random.Random(10_000 + seed)
     policy, level = make(), {"baseline": 0.6}
 
@@ -1054,7 +1054,11 @@ def _stretch_ends(seed: int, noise: float, length: int, damage: float) -> list:
     out = feed(policy, [dec(s, loss=loss(0.6), **level) for s in range(401, 800)])
     end = 800 + length
     out += feed(
-        policy, [dec(s, T.LOSS_SPIKE, onset=800, loss=loss(1.2), **level) for s in range(800, end)]
+        policy,
+        [
+            dec(s, T.LOSS_SPIKE, onset=800, loss=loss(0.6 * height), **level)
+            for s in range(800, end)
+        ],
     )
     return out + feed(
         policy, [dec(s, loss=loss(0.6 * (1 + damage)), **level) for s in range(end, end + 100)]
@@ -1082,20 +1086,56 @@ def test_a_noisy_losss_harder_stretch_that_ends_at_its_level_is_rarely_rolled_ba
     assert len(rolled) <= 5, rolled
 
 
+@pytest.mark.parametrize(("noise", "least"), [(0.1, 36), (0.15, 27)])
 @pytest.mark.parametrize("length", [5, 60])
 def test_a_stretch_that_left_a_noisy_loss_up_by_more_than_its_noise_is_rolled_back(
-    length: int,
+    length: int, noise: float, least: int
 ) -> None:
-    """The same stretch leaving the loss up by 15 % at log noise 0.1 (1.4 of its noise; a median
-    of ten does not tell it from noise, one of forty does) damaged the weights: rolled back and
-    its batches skipped on most seeds (35 and 34 of 40; 90-93 % of 200 in a wider sweep; the
-    biased median found 72 of 80, at 49 false rollbacks of 240)."""
+    """The same stretch leaving the loss up by 15 % at log noise 0.1 or 0.15 (1.4 and 1 of its
+    noise; a look at ten losses does not tell it from noise, one at forty does) damaged the
+    weights: rolled back and its batches skipped on most seeds. A positive loss is looked at on
+    the mean of its logs: 40 and 39 of 40 at 0.1, 30 and 33 at 0.15; medians of its losses found
+    35 and 34, 21 and 24 (the biased median of the ten at the fall's first sign 72 of 80 at 0.1,
+    at 49 false rollbacks of 240)."""
     rolled = [
         seed
         for seed in range(40)
-        if {K.ROLLBACK, K.SKIP_BATCHES} <= set(kinds(_stretch_ends(seed, 0.1, length, 0.15)))
+        if {K.ROLLBACK, K.SKIP_BATCHES} <= set(kinds(_stretch_ends(seed, noise, length, 0.15)))
     ]
-    assert len(rolled) >= 30, rolled
+    assert len(rolled) >= least, rolled
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("noise", [0.5, 0.8])
+def test_a_very_noisy_stretch_that_seems_to_end_and_goes_on_is_not_rolled_back(noise) -> None:
+    """A healthy x2 stretch of 60 steps at log noise 0.5-0.8: the median of its last ten dips half
+    way to the level by chance, and the end was declared there; the stretch's own losses after
+    that point were then taken for the losses after it, and called damage: 12 and 14 of 40
+    healthy runs rolled back, their good batches skipped. Losses after an end back above the
+    middle of its fall mean it had not ended: watched on (1 and 0 of 40)."""
+    rolled = [
+        seed
+        for seed in range(40)
+        if {K.ROLLBACK, K.SKIP_BATCHES} <= set(kinds(_stretch_ends(seed, noise, 60, 0.0)))
+    ]
+    assert len(rolled) <= 2, rolled
+
+
+@pytest.mark.heavy
+def test_a_cnns_data_fault_that_left_its_noisy_loss_up_x1_8_is_found_in_the_mean_of_its_logs() -> (
+    None
+):
+    """A loss as noisy as the user loops' CNN's (log noise 0.5), five bad batches x50, the loss
+    left x1.8 afterwards: rolled back on most seeds (35 of 40). This guards the power, it is no
+    fix: on such log-normal noise medians found 36. On the real CNN they did not
+    (benchmarks/bench_user_loops.py seeds 30-39: 5 of 10 data faults rolled back on medians, 9
+    of 10 on the mean of its logs; `tests/benchmarks/test_bench_user_loops.py` holds one)."""
+    rolled = [
+        seed
+        for seed in range(40)
+        if {K.ROLLBACK, K.SKIP_BATCHES} <= set(kinds(_stretch_ends(seed, 0.5, 5, 0.8, height=50.0)))
+    ]
+    assert len(rolled) >= 25, rolled
 
 
 def _other_stretch(seed: int) -> list:
