@@ -812,7 +812,7 @@ class RecoveryPolicy:
             f"{math.exp(after) if logs else after:.4g}"
         )
         over = (
-            f"more than x{math.exp(margin):.3g} its level (x"
+            f"more than x{math.exp(margin):.3g} its level (the larger of x"
             f"{1.0 + self.config.absorbed_loss_margin:g} and {DAMAGE_ERRORS:g} standard errors "
             "of the mean of its logs)"
             if logs
