@@ -84,7 +84,7 @@ def test_a_slow_actuator_changes_nothing_in_a_lockstep_run(tmp_path, spiked_step
     def slow(self, items):
         out = handle(self, items)
         if any(getattr(a, "kind", None) is not ActionKind.PULSE for _, a in out):
-            time.sleep(SLOW_S)  # a loaded machine: the actions come late, whatever they are
+            time.sleep(SLOW_S)  # not a wait: a loaded machine, the actions come late
         return out
 
     monkeypatch.setattr(ActuatorStage, "handle_batch", slow)
