@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 #: Incidents per run whose first actions are logged; a run with more is in worse trouble than a
 #: log line can say (its alerts and the report say it).
 MAX_INCIDENTS_SAID = 100
+#: a run's state key: its start said lockstep (pulsed at every decision)
+LOCKSTEP_KEY = "run_lockstep"
 
 
 class ActuatorStage(RunSettingsStage):
@@ -106,6 +108,30 @@ class ActuatorStage(RunSettingsStage):
 
     def settings_of(self, run_id: str, given: dict[str, Any]) -> PolicyConfig:
         return run_policy(run_id, given, self.defaults)
+
+    # -- state: a lockstep run stays pulsed at every decision across a restart ----------
+    def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        return self._with_lockstep(super().snapshot(run_ids))
+
+    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
+        return self._with_lockstep(super().undo_point(run_ids))
+
+    def _with_lockstep(self, out: dict[str, Any]) -> dict[str, Any]:
+        for run_id, state in out.items():
+            if run_id in self._lockstep:
+                state[LOCKSTEP_KEY] = True
+        return out
+
+    def restore(self, state: dict[str, Any]) -> None:
+        own = {}
+        for run_id, run_state in state.items():
+            run_state = dict(run_state)
+            if run_state.pop(LOCKSTEP_KEY, False):
+                self._lockstep.add(run_id)
+            else:
+                self._lockstep.discard(run_id)
+            own[run_id] = run_state
+        super().restore(own)
 
     def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
         policy = self.runs[run_id]

@@ -14,7 +14,8 @@ import time
 
 from spikeguard.actuators import PolicyConfig, RecoveryPolicy
 from spikeguard.actuators.actuator_stage import ActuatorStage
-from spikeguard.schemas import ActionKind, Decision, Topics
+from spikeguard.schemas import ActionKind, Decision, RunEvent, Topics
+from spikeguard.streaming.batch_transaction import rewind
 
 R = "pulsed-run"
 TOPICS = Topics()
@@ -62,3 +63,38 @@ def test_a_held_pulse_carries_its_session_and_a_newer_session_drops_it():
     stage.handle_batch(_decisions(range(0, 1), newer))  # the run's trainer restarted
     # Step 19 of the old session is no step of the new trainer's: no pulse names it.
     assert _pulses(stage.tick(started + 3 * INTERVAL_S)) == []
+
+
+def _start(lockstep: bool | None) -> list[tuple[str, RunEvent]]:
+    return [(TOPICS.runs, RunEvent(run_id=R, kind="start", lockstep=lockstep))]
+
+
+def test_a_lockstep_run_is_pulsed_at_every_decision_after_its_actions():
+    """Its trainer waits for the pulse of each step (producers/lockstep.py): every decision is
+    pulsed, at once, and after the actions it caused."""
+    stage = _stage()
+    stage.handle_batch(_start(True))
+    assert _pulses(stage.handle_batch(_decisions(range(0, 5)))) == [(s, None) for s in range(5)]
+    plain = _stage()
+    plain.handle_batch(_start(None))
+    assert _pulses(plain.handle_batch(_decisions(range(0, 5)))) == [(0, None)]
+
+
+def test_a_restored_actuator_still_pulses_a_lockstep_run_at_every_decision():
+    """The actuator restarted from its snapshot (a worker's restart) keeps pulsing the lockstep
+    run's every decision; without it the trainer waited ``lockstep_timeout`` for a pulse and
+    fell back to a timed wait, its actions landing when they arrived."""
+    stage = _stage()
+    stage.handle_batch(_start(True))
+    stage.handle_batch(_decisions(range(0, 3)))
+    restarted = _stage()
+    restarted.restore(stage.snapshot([R]))
+    assert _pulses(restarted.handle_batch(_decisions(range(3, 6)))) == [
+        (s, None) for s in range(3, 6)
+    ]
+    # A batch undone (batch_transaction.rewind) takes the start back with it.
+    fresh = _stage()
+    before = fresh.undo_point({R})
+    fresh.handle_batch(_start(True))
+    rewind(fresh, {R}, before)
+    assert _pulses(fresh.handle_batch(_decisions(range(0, 3)))) == [(0, None)]
