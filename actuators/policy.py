@@ -821,7 +821,10 @@ class RecoveryPolicy:
             "of its median; a loss below zero its step noise)"
         )
         if after <= level + margin:
-            plan.alert("info", f"{ended}: back at its level, nothing to undo")
+            within = f"x{math.exp(margin):.3g}" if logs else f"{margin:.4g}"
+            plan.alert(
+                "info", f"{ended}: within {within} of its level (its noise), nothing to undo"
+            )
             return False
         plan.incident_id, plan.incident_onset_step = inc.key, inc.onset_step
         # The claim the trainer checks against its own numbers: the last elevated step it saw,
