@@ -765,6 +765,11 @@ class LevelMonitor:
             or (self._onset and not self._back(climbed if point.judged else None))
         ):
             self._onset = []
+        elif point.elevated and not self._elevated and not climbing:
+            # A jump starts a run of elevated points outside a climb: its elevation begins
+            # here. The points of an earlier elevation not yet back at its level would count
+            # the jump itself as "still rising" (a flat step up on a wandering loss).
+            self._onset = [y]
         elif len(self._onset) < self.climb.window:
             self._onset.append(y)
         self._latest.append(y)

@@ -302,6 +302,7 @@ def _stretches(seed: int, phi: float, noise: float) -> list[StepEvent]:
         (20, 0.95, 0.005),
         (9, 0.95, 0.01),
         (23, 0.98, 0.01),
+        (7, 0.98, 0.01),
     ],
 )
 def test_a_signed_losss_harder_stretch_that_ends_is_no_divergence(seed, phi, noise) -> None:
@@ -315,7 +316,10 @@ def test_a_signed_losss_harder_stretch_that_ends_is_no_divergence(seed, phi, noi
     worked out as if the points were independent, made a MEDIUM slow rise of a flat stretch on
     AR(0.9) noise: an LR cut (the fourth). The elevation's own "still rising" bar, worked out
     so too, made a HIGH divergence of a flat stretch whose level wandered on AR(0.95-0.98)
-    noise: an LR cut (the last three; 16 of 72 such runs cut the LR, 3 now)."""
+    noise: an LR cut (the next three; 16 of 72 such runs cut the LR, 3 then). And a jump that
+    began a run of elevated points inside an earlier elevation not yet back at its level was
+    measured from that elevation's first points: the jump itself "still rising" (the last: 2
+    of the 72 runs cut the LR now, both on a loss still above zero, where the stretch is x30)."""
     from spikeguard.lab.false_actions import pipeline_false_actions
 
     found = pipeline_false_actions([_stretches(seed, phi, noise)])
