@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import fmean
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -111,6 +112,7 @@ from spikeguard.actuators.mechanisms import MECHANISM_TYPES, answer_mechanism
 from spikeguard.actuators.responses import Response
 from spikeguard.actuators.controls import Controls, RollbackRecord
 from spikeguard.errors import ConfigError, SpikeguardError
+from spikeguard.processors.outlier_model import log_of
 from spikeguard.processors.robust_stats import MAD_TO_SIGMA, second_difference_spread
 from spikeguard.schemas.actions import CheckpointParams, HoldLrParams
 from spikeguard.schemas import (
@@ -195,29 +197,15 @@ def _step_noise(values: list[float]) -> float:
     return MAD_TO_SIGMA * _median(steps) / math.sqrt(2.0) if steps else 0.0
 
 
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values)
-
-
-def _logs(values: list[float]) -> list[float]:
-    """A positive loss's values in log space (a zero, which has none, at a tiny floor)."""
-    return [math.log(v) if v > 1e-12 else math.log(1e-12) for v in values]
-
-
-def _median_error(values: list[float], n: int) -> float:
-    """The standard error of a median of ``n`` consecutive losses of a run whose healthy losses,
-    in order, are ``values``: the larger of what ``n`` independent points with their step noise
-    give (:func:`_step_noise`; a median's error is 1.25 times a mean's, over sqrt(n)) and how
-    far the run's own medians of ``n`` consecutive losses moved (the spread of their second
-    differences over sqrt(6), so that a local straight line, the trend, drops out). Losses
-    alike for a while (batches from one part of the data, a slow wander) move a median further
-    than independent points do; the run's past says how far, whatever the noise's shape or
-    correlation."""
-    return _center_error(values, n, _median, 1.25)
-
-
 def _center_error(values: list[float], n: int, center: Any, efficiency: float) -> float:
-    """:func:`_median_error` for ``center`` (a median, or a mean: ``efficiency`` 1.0)."""
+    """The standard error of ``center`` (a median: ``efficiency`` 1.25; a mean: 1.0) of ``n``
+    consecutive losses of a run whose healthy losses, in order, are ``values``: the larger of
+    what ``n`` independent points with their step noise give (:func:`_step_noise`; a median's
+    error is 1.25 times a mean's, over sqrt(n)) and how far the run's own centers of ``n``
+    consecutive losses moved (the spread of their second differences over sqrt(6), so that a
+    local straight line, the trend, drops out). Losses alike for a while (batches from one part
+    of the data, a slow wander) move a center further than independent points do; the run's
+    past says how far, whatever the noise's shape or correlation."""
     error = efficiency * _step_noise(values) / math.sqrt(n)
     centers = [center(values[i : i + n]) for i in range(len(values) % n, len(values) - n + 1, n)]
     spread = second_difference_spread(centers)
@@ -680,30 +668,22 @@ class RecoveryPolicy:
         n, healthy = self.config.bad_stretch_steps, self.healthy_losses
         if len(healthy) < 5:
             return [[n, base, 0.0]]
-        if min(healthy) > 0:
-            logs = _logs(healthy)
+        if min(healthy) > 0:  # the mean of its logs, at least the margin of its level
+            values, center, efficiency, in_logs = [log_of(v) for v in healthy], fmean, 1.0, 1
             floor = math.log1p(self.config.absorbed_loss_margin)
-            return [
-                [
-                    k,
-                    _mean(logs[-k:]),
-                    max(
-                        DAMAGE_ERRORS
-                        * _center_error(logs[-HEALTHY_HISTORY_BLOCKS * k :], k, _mean, 1.0),
-                        floor,
-                    ),
-                    1,
-                ]
-                for k in (n * m for m in DAMAGE_LOOKS)
-            ]
-        noise = _step_noise(healthy) if min(healthy) <= 0 else 0.0
+        else:  # medians, at least its step noise
+            values, center, efficiency, in_logs = healthy, _median, 1.25, 0
+            floor = _step_noise(healthy)
         return [
             [
                 k,
-                _median(healthy[-k:]),
+                center(values[-k:]),
                 max(
-                    DAMAGE_ERRORS * _median_error(healthy[-HEALTHY_HISTORY_BLOCKS * k :], k), noise
+                    DAMAGE_ERRORS
+                    * _center_error(values[-HEALTHY_HISTORY_BLOCKS * k :], k, center, efficiency),
+                    floor,
                 ),
+                in_logs,
             ]
             for k in (n * m for m in DAMAGE_LOOKS)
         ]
@@ -785,7 +765,7 @@ class RecoveryPolicy:
         k, level, bar, *in_logs = looks[look]
         logs = bool(in_logs and in_logs[0])  # a positive loss's look: means of its logs
         if logs:
-            after, margin = _mean(_logs(w["after"][: int(k)])), bar
+            after, margin = fmean([log_of(v) for v in w["after"][: int(k)]]), bar
         else:
             after = _median(w["after"][: int(k)])
             # Damaged: still up by the absorbed margin of its level, and by the look's bar (a
