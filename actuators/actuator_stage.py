@@ -64,8 +64,6 @@ log = logging.getLogger(__name__)
 #: Incidents per run whose first actions are logged; a run with more is in worse trouble than a
 #: log line can say (its alerts and the report say it).
 MAX_INCIDENTS_SAID = 100
-#: a run's state key: its start said lockstep (pulsed at every decision)
-LOCKSTEP_KEY = "run_lockstep"
 
 
 class ActuatorStage(RunSettingsStage):
@@ -88,7 +86,6 @@ class ActuatorStage(RunSettingsStage):
         )
         self._pulsed: dict[str, float] = {}  # run_id -> wall time of its newest pulse
         self._unpulsed: dict[str, Decision] = {}  # run_id -> its newest decision not pulsed yet
-        self._lockstep: set[str] = set()  # runs pulsed at every decision (their start says so)
         self._incidents_said: dict[str, set[str]] = {}  # run_id -> incidents logged (bounded)
         self.defaults = defaults or PolicyConfig()
         # Decisions a policy ignores on purpose (policy.counts), exported as increments.
@@ -108,30 +105,6 @@ class ActuatorStage(RunSettingsStage):
 
     def settings_of(self, run_id: str, given: dict[str, Any]) -> PolicyConfig:
         return run_policy(run_id, given, self.defaults)
-
-    # -- state: a lockstep run stays pulsed at every decision across a restart ----------
-    def snapshot(self, run_ids: Iterable[str]) -> dict[str, Any]:
-        return self._with_lockstep(super().snapshot(run_ids))
-
-    def undo_point(self, run_ids: Iterable[str]) -> dict[str, Any]:
-        return self._with_lockstep(super().undo_point(run_ids))
-
-    def _with_lockstep(self, out: dict[str, Any]) -> dict[str, Any]:
-        for run_id, state in out.items():
-            if run_id in self._lockstep:
-                state[LOCKSTEP_KEY] = True
-        return out
-
-    def restore(self, state: dict[str, Any]) -> None:
-        own = {}
-        for run_id, run_state in state.items():
-            run_state = dict(run_state)
-            if run_state.pop(LOCKSTEP_KEY, False):
-                self._lockstep.add(run_id)
-            else:
-                self._lockstep.discard(run_id)
-            own[run_id] = run_state
-        super().restore(own)
 
     def handled(self, run_id: str, end_epoch: int, end_step: int) -> bool:
         policy = self.runs[run_id]
@@ -175,10 +148,6 @@ class ActuatorStage(RunSettingsStage):
         self.run_event(event, now)
         if event.kind != "start":
             return []
-        if event.lockstep:
-            self._lockstep.add(event.run_id)
-        else:
-            self._lockstep.discard(event.run_id)
         policy = self.run(event.run_id)
         problem = cadence_problem(
             event.checkpoint_every,
@@ -229,7 +198,9 @@ class ActuatorStage(RunSettingsStage):
             return []
         run_id = decision.run_id
         last = self._pulsed.get(run_id)
-        if run_id not in self._lockstep and last is not None and now - last < self.pulse_interval_s:
+        # A lockstep run's start (its given settings, kept in the run's snapshots) asks for all.
+        lockstep = self._given.get(run_id, {}).get("lockstep", False)
+        if not lockstep and last is not None and now - last < self.pulse_interval_s:
             held = self._unpulsed.get(run_id)
             if held is None or (decision.epoch, decision.step) > (held.epoch, held.step):
                 self._unpulsed[run_id] = decision
@@ -273,7 +244,6 @@ class ActuatorStage(RunSettingsStage):
         for run_id in run_ids:
             self._pulsed.pop(run_id, None)
             self._unpulsed.pop(run_id, None)
-            self._lockstep.discard(run_id)
             self._incidents_said.pop(run_id, None)
 
     def _signed(self, actions: list[Action] | None) -> list[Output]:

@@ -25,12 +25,15 @@ from spikeguard.schemas import RunEvent
 
 
 def given_policy(event: RunEvent) -> dict[str, Any]:
-    """The fields of a RunEvent the actuator applies (empty: the run names no policy)."""
+    """The fields of a RunEvent the actuator applies (empty: the run names no policy and is
+    not in lockstep; a lockstep run is pulsed at every decision)."""
     given: dict[str, Any] = {}
     if event.preset:
         given["preset"] = event.preset
     if event.policy:
         given["policy"] = dict(event.policy)
+    if event.lockstep:
+        given["lockstep"] = True
     return given
 
 
