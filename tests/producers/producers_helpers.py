@@ -104,3 +104,31 @@ def train(guard: Guard, tiny: Tiny, steps: int, on_step=None) -> None:
                 on_step(guard, data, batch)
             guard.step(tiny.loss(batch))
     guard.publisher.flush(5.0) if guard.publisher else None
+
+
+def noisy_regression() -> DataLoader:
+    """The lockstep recovery runs' data: a linear target under unit noise (gradient norms of
+    1.5-3.5), 128 shuffled batches of 32."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 8, generator=generator)
+    w = torch.randn(8, 1, generator=generator)
+    y = x @ w + torch.randn(4096, 1, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+def lockstep_regression_guard(runtime, tmp_path, run_id: str, policy: dict) -> tuple:
+    """A seeded MLP, its SGD optimizer and its lockstep Guard on ``runtime`` (checkpoints every
+    10 steps, 8 kept): ``(guard, model, optimizer)``; train it on :func:`noisy_regression`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = GuardConfig(
+        checkpoint_dir=str(tmp_path / run_id),
+        checkpoint_every=10,
+        keep_checkpoints=8,
+        lockstep=True,
+        lockstep_timeout=30.0,
+        data_seed=0,
+    )
+    guard = Guard(model, optimizer, run_id=run_id, config=config, runtime=runtime, policy=policy)
+    return guard, model, optimizer

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 import torch
+from producers_helpers import lockstep_regression_guard, noisy_regression
 
-from spikeguard.producers import Guard, GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.settings import load_settings
 
@@ -27,16 +27,6 @@ AGAIN = (70, 71)
 POLICY = {"rollback_min_steps_before_onset": 20}  # (a short run: the default is 100)
 
 
-def _problem() -> torch.utils.data.DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 8, generator=generator)
-    w = torch.randn(8, 1, generator=generator)
-    y = x @ w + torch.randn(4096, 1, generator=generator)  # noisy: gradient norms of 1.5-3.5
-    return torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True
-    )
-
-
 @pytest.fixture(scope="module")
 def runtime():
     settings = load_settings({"topic_prefix": f"clip-{uuid.uuid4().hex[:8]}."}, env={})
@@ -46,18 +36,7 @@ def runtime():
 
 def _train(runtime, tmp_path, spiked_step, run_id: str, bad: set[int]):
     """The guarded run, and per update: (step, epoch, the clip in force, the norm the optimizer saw)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = GuardConfig(
-        checkpoint_dir=str(tmp_path / run_id),
-        checkpoint_every=10,
-        keep_checkpoints=8,
-        lockstep=True,
-        lockstep_timeout=30.0,
-        data_seed=0,
-    )
-    guard = Guard(model, optimizer, run_id=run_id, config=config, runtime=runtime, policy=POLICY)
+    guard, model, optimizer = lockstep_regression_guard(runtime, tmp_path, run_id, POLICY)
     seen: list[tuple[int, int, float | None, float]] = []
 
     def measure(*_: object) -> None:
@@ -65,7 +44,7 @@ def _train(runtime, tmp_path, spiked_step, run_id: str, bad: set[int]):
         seen.append((guard.step_count, guard.generation, guard.clipper.threshold(), float(norm)))
 
     optimizer.register_step_pre_hook(measure)
-    for x, y in guard.data(_problem(), epochs=10, max_steps=STEPS):
+    for x, y in guard.data(noisy_regression(), epochs=10, max_steps=STEPS):
         spiked_step(guard, model, optimizer, x, y, bad)
     return guard, guard.close(), seen
 

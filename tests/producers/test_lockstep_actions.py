@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 import torch
+from producers_helpers import lockstep_regression_guard, noisy_regression
 
 from spikeguard.actuators.actuator_stage import ActuatorStage
-from spikeguard.producers import Guard, GuardConfig
 from spikeguard.runtime import open_runtime
 from spikeguard.schemas import ActionKind
 from spikeguard.settings import load_settings
@@ -31,36 +31,15 @@ POLICY = {"rollback_min_steps_before_onset": 20, "lr_restore_healthy_steps": 10}
 SLOW_S = 0.25  # well over the settle time lockstep gives an anomalous decision's actions
 
 
-def _problem() -> torch.utils.data.DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 8, generator=generator)
-    w = torch.randn(8, 1, generator=generator)
-    y = x @ w + torch.randn(4096, 1, generator=generator)
-    return torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True
-    )
-
-
 def _train(tmp_path, spiked_step, name: str):
     """The guarded run on a runtime of threads: its applied actions and its final weights."""
     settings = load_settings(
         {"topic_prefix": f"{name}-{uuid.uuid4().hex[:8]}.", "worker.embedded_process": False},
         env={},
     )
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = GuardConfig(
-        checkpoint_dir=str(tmp_path / name),
-        checkpoint_every=10,
-        keep_checkpoints=8,
-        lockstep=True,
-        lockstep_timeout=30.0,
-        data_seed=0,
-    )
     with open_runtime(settings) as runtime:
-        guard = Guard(model, optimizer, run_id=name, config=config, runtime=runtime, policy=POLICY)
-        for x, y in guard.data(_problem(), epochs=10, max_steps=STEPS):
+        guard, model, optimizer = lockstep_regression_guard(runtime, tmp_path, name, POLICY)
+        for x, y in guard.data(noisy_regression(), epochs=10, max_steps=STEPS):
             spiked_step(guard, model, optimizer, x, y, FAULT)
         guard.close()
     applied = [  # a checkpoint's id is the session's: the same run names it differently
