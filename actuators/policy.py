@@ -101,7 +101,7 @@ import json
 import math
 from statistics import fmean
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from spikeguard.actuators.config import PolicyConfig
 from spikeguard.actuators.escalation import add_escalation
@@ -197,7 +197,9 @@ def _step_noise(values: list[float]) -> float:
     return MAD_TO_SIGMA * _median(steps) / math.sqrt(2.0) if steps else 0.0
 
 
-def _center_error(values: list[float], n: int, center: Any, efficiency: float) -> float:
+def _center_error(
+    values: list[float], n: int, center: Callable[[list[float]], float], efficiency: float
+) -> float:
     """The standard error of ``center`` (a median: ``efficiency`` 1.25; a mean: 1.0) of ``n``
     consecutive losses of a run whose healthy losses, in order, are ``values``: the larger of
     what ``n`` independent points with their step noise give (:func:`_step_noise`; a median's
@@ -668,6 +670,7 @@ class RecoveryPolicy:
         n, healthy = self.config.bad_stretch_steps, self.healthy_losses
         if len(healthy) < 5:
             return [[n, base, 0.0]]
+        center: Callable[[list[float]], float]
         if min(healthy) > 0:  # the mean of its logs, at least the margin of its level
             values, center, efficiency, in_logs = [log_of(v) for v in healthy], fmean, 1.0, 1
             floor = math.log1p(self.config.absorbed_loss_margin)
